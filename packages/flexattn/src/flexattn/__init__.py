@@ -1,0 +1,46 @@
+"""flexattn: attention with arbitrary static interval masks through reusable MaskPlans.
+
+    import flexattn
+    mask = flexattn.masks.causal(4096, batch=2)
+    plan = flexattn.create_mask_plan(mask, q, k, v)
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+"""
+
+from maskplan_core import (
+    ConsumerNotFoundError,
+    EndpointError,
+    FlexAttnError,
+    InputTypeError,
+    InputValueError,
+    MaskPlan,
+    MissingBackwardViewError,
+    PlanBindingError,
+    PlanSignatureMismatch,
+    PlanView,
+    SeqlenError,
+    UnsupportedConfigError,
+)
+
+from . import masks
+from .attention import flex_attn_func
+from .planning import create_mask_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConsumerNotFoundError",
+    "EndpointError",
+    "FlexAttnError",
+    "InputTypeError",
+    "InputValueError",
+    "MaskPlan",
+    "MissingBackwardViewError",
+    "PlanBindingError",
+    "PlanSignatureMismatch",
+    "PlanView",
+    "SeqlenError",
+    "UnsupportedConfigError",
+    "create_mask_plan",
+    "flex_attn_func",
+    "masks",
+]

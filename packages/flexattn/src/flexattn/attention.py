@@ -1,0 +1,93 @@
+"""``flex_attn_func``: bind, check the plan signature, dispatch to the consumer through autograd."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from maskplan_core import (
+    InputTypeError,
+    InputValueError,
+    MaskPlan,
+    MissingBackwardViewError,
+    PlanSignatureMismatch,
+)
+
+from .autograd import FlexAttnFunction
+from .planning import resolve_views
+from .registry import arch_family
+
+
+def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -> None:
+    for name, value in (("deterministic", deterministic), ("return_lse", return_lse),
+                        ("return_max_logit", return_max_logit)):
+        if type(value) is not bool:
+            raise InputTypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        if return_max_logit and softmax_scale < 0:
+            raise InputValueError(f"return_max_logit needs a non-negative softmax_scale, got {softmax_scale}")
+
+
+def _check_signatures(plan: MaskPlan, q: torch.Tensor, training: bool):
+    """Resolve the consumer for q's device and compare every needed view's signature field by field."""
+    family, cc = arch_family(q.device)
+    g = plan.geometry
+    pack = plan.view("forward").signature.topology.pack_gqa
+    consumer, fwd, bwd = resolve_views(g, family, cc, pack, training)
+    for expected in (fwd, bwd):
+        if expected is None:
+            continue
+        view = plan.view(expected.signature.direction)
+        diffs = expected.signature.diff(view.signature)
+        if diffs:
+            listing = "; ".join(str(d) for d in diffs)
+            raise PlanSignatureMismatch(
+                f"the plan's {view.role} view was built for {plan.consumer} but {consumer.name} runs these tensors "
+                f"({listing}); rebuild the plan with create_mask_plan on this device",
+                diffs,
+            )
+    return consumer
+
+
+def flex_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask_plan: MaskPlan,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_max_logit: bool = False,
+):
+    """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
+
+    Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the fp32 LSE
+    (``[B, Hq, Sq]`` / ``[Hq, total_q]``) if ``return_lse``, then the fp32 ``[Hq]`` maximum
+    scaled logit if ``return_max_logit``, as a tuple when more than ``out`` is asked for.
+    Rows with no visible key give ``out = 0`` and ``lse = -inf``.
+    """
+    if not isinstance(mask_plan, MaskPlan):
+        raise InputTypeError(f"mask_plan must be a MaskPlan from create_mask_plan, got {type(mask_plan).__name__}")
+    _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
+    mask_plan.check_binding(q, k, v)
+    g = mask_plan.geometry
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if training and not mask_plan.has_backward:
+        raise MissingBackwardViewError(
+            "q/k/v require grad but the plan has no backward view; rebuild it with "
+            "create_mask_plan(..., build_backward=True), or call under torch.no_grad()"
+        )
+    consumer = _check_signatures(mask_plan, q, training)
+    scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    out, lse, max_logit = FlexAttnFunction.apply(q3, k3, v3, mask_plan, consumer, scale, deterministic, return_max_logit)
+    if not g.varlen:
+        out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
+        lse = lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
+    results = (out,) + ((lse,) if return_lse else ()) + ((max_logit,) if return_max_logit else ())
+    return results[0] if len(results) == 1 else results

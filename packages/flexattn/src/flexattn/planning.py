@@ -1,0 +1,81 @@
+"""``create_mask_plan``: validate, resolve the consumer's views, plan."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from maskplan_core import MaskPlan, PlanGeometry, ViewConfig, ViewRequest, validate_plan_inputs
+from maskplan_core.reference import build_plan
+from maskplan_core.validation import require_optional_bool
+
+from .registry import arch_family, consumer_for
+
+log = logging.getLogger("flexattn")
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+
+
+def view_request(g: PlanGeometry, family: str, cc, direction: str, pack_gqa: bool | None) -> ViewRequest:
+    return ViewRequest(
+        arch_family=family,
+        compute_capability=cc,
+        direction=direction,
+        head_dim_qk=g.head_dim_qk,
+        head_dim_v=g.head_dim_v,
+        num_heads_q=g.num_heads_q,
+        num_heads_kv=g.num_heads_kv,
+        mask_heads=g.mask_heads,
+        pack_gqa=pack_gqa,
+        dtype=_DTYPE_NAMES[g.dtype],
+        varlen=g.varlen,
+    )
+
+
+def resolve_views(g: PlanGeometry, family: str, cc, pack_gqa, build_backward: bool):
+    consumer = consumer_for(family)
+    fwd: ViewConfig = consumer.resolve(view_request(g, family, cc, "forward", pack_gqa))
+    bwd = consumer.resolve(view_request(g, family, cc, "backward", pack_gqa)) if build_backward else None
+    return consumer, fwd, bwd
+
+
+def create_mask_plan(
+    mask_func: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    pack_gqa: bool | None = None,
+    build_backward: bool | None = None,
+    target: str | None = None,
+) -> MaskPlan:
+    """Build a reusable plan for an interval mask.
+
+    ``mask_func``: contiguous int32 ``[Hmask, nfunc, total_q]`` (Hmask 1 or Hq, nfunc odd); row
+    ``i``'s visible keys are ``[0, F0) U [F1, F2) U ...`` in sample-local positions (build them
+    with :mod:`flexattn.masks`). Q/K/V are BSHD (fixed) or THD with all four varlen arguments;
+    only their shapes, dtype and device matter, not their values. ``build_backward=None`` builds
+    the backward (K2Q) view when autograd is enabled and any of q/k/v requires grad.
+    ``target`` plans for another architecture family's consumer (e.g. ``"sm90"`` on a laptop, to
+    inspect its block map); the default is the consumer of the tensors' device.
+    """
+    require_optional_bool("pack_gqa", pack_gqa)
+    require_optional_bool("build_backward", build_backward)
+    geometry = validate_plan_inputs(
+        mask_func, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+    )
+    if build_backward is None:
+        build_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    family, cc = arch_family(q.device)
+    if target is not None:
+        if not isinstance(target, str):
+            raise TypeError(f"target must be an architecture family name (str) or None, got {type(target).__name__}")
+        family, cc = target, None
+    consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
+    log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
+    return build_plan(mask_func, geometry, fwd, bwd, consumer.name)

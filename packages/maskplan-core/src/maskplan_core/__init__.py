@@ -1,0 +1,57 @@
+"""maskplan-core: the MaskPlan ABI (schema, validation, plan objects) and the pure-torch reference.
+
+Depends on torch and pydantic only; never imports CuTe DSL.
+"""
+
+from . import masks
+from .consumer import ENTRY_POINT_GROUP, AttentionOutputs, Consumer, ViewConfig, ViewRequest
+from .errors import (
+    ConsumerNotFoundError,
+    EndpointError,
+    FlexAttnError,
+    InputTypeError,
+    InputValueError,
+    MissingBackwardViewError,
+    PlanBindingError,
+    PlanSignatureMismatch,
+    SeqlenError,
+    UnsupportedConfigError,
+)
+from .geometry import PlanGeometry
+from .payload import PayloadLayout, RowMajorLayout
+from .plan import MaskPlan, PlanView
+from .schema import ABI_VERSION, HEADER_FIELDS, PayloadLayoutSpec, PlanSignature, SignatureDiff, Topology
+from .validation import validate_plan_inputs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION",
+    "ENTRY_POINT_GROUP",
+    "HEADER_FIELDS",
+    "AttentionOutputs",
+    "Consumer",
+    "ConsumerNotFoundError",
+    "EndpointError",
+    "FlexAttnError",
+    "InputTypeError",
+    "InputValueError",
+    "MaskPlan",
+    "MissingBackwardViewError",
+    "PayloadLayout",
+    "PayloadLayoutSpec",
+    "PlanBindingError",
+    "PlanGeometry",
+    "PlanSignature",
+    "PlanSignatureMismatch",
+    "PlanView",
+    "RowMajorLayout",
+    "SeqlenError",
+    "SignatureDiff",
+    "Topology",
+    "UnsupportedConfigError",
+    "ViewConfig",
+    "ViewRequest",
+    "masks",
+    "validate_plan_inputs",
+]

@@ -1,0 +1,95 @@
+"""The device error word of the allocation header, and its translation into exceptions.
+
+Planner stages (reference or GPU) only OR bits into one int32 word; the host reads it once with
+the allocation header. Only when a bit is set does :func:`raise_for_error_flags` look at the
+metadata again to name the first culprit (row and value) in the message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import EndpointError, SeqlenError
+from .geometry import PlanGeometry
+
+CU_Q_START = 1 << 0
+CU_Q_END = 1 << 1
+CU_Q_ORDER = 1 << 2
+CU_Q_MAX = 1 << 3
+CU_K_START = 1 << 4
+CU_K_END = 1 << 5
+CU_K_ORDER = 1 << 6
+CU_K_MAX = 1 << 7
+ENDPOINT_RANGE = 1 << 8
+ENDPOINT_ORDER = 1 << 9
+
+SEQLEN_FLAGS = CU_Q_START | CU_Q_END | CU_Q_ORDER | CU_Q_MAX | CU_K_START | CU_K_END | CU_K_ORDER | CU_K_MAX
+
+
+def prefix_error_flags(cu: torch.Tensor, total: int, max_seqlen: int, *, is_q: bool) -> int:
+    """The four prefix rules of spec section 3.2 as error bits (0 when the prefix is valid)."""
+    shift = 0 if is_q else 4
+    lens = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
+    checks = torch.stack(
+        [cu[0] != 0, cu[-1] != total, (lens < 0).any(), (lens > max_seqlen).any()]
+    ).cpu()
+    return sum(1 << (shift + i) for i in range(4) if bool(checks[i]))
+
+
+def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeometry) -> None:
+    """Raise the public exception for the lowest-numbered rule that ``flags`` reports."""
+    if flags == 0:
+        return
+    if flags & SEQLEN_FLAGS:
+        _raise_seqlen(flags, geometry)
+    sample_k_len = _row_k_len(geometry)
+    if flags & ENDPOINT_RANGE:
+        bad = (mask_func < 0) | (mask_func > sample_k_len.view(1, 1, -1))
+        h, f, row = _first(bad)
+        raise EndpointError(
+            f"mask_func[{h}, {f}, {row}] = {int(mask_func[h, f, row])} is outside [0, k_len] for query row "
+            f"{row}, whose sample has k_len = {int(sample_k_len[row])}"
+        )
+    if flags & ENDPOINT_ORDER:
+        bad = mask_func[:, 1:, :] < mask_func[:, :-1, :]
+        h, f, row = _first(bad)
+        raise EndpointError(
+            f"mask_func[{h}, :, {row}] is not sorted: endpoint {f + 1} = {int(mask_func[h, f + 1, row])} "
+            f"< endpoint {f} = {int(mask_func[h, f, row])} (endpoints must satisfy 0 <= F0 <= F1 <= ... <= k_len)"
+        )
+    raise AssertionError(f"unknown planner error flags 0x{flags:x}")
+
+
+def _raise_seqlen(flags: int, g: PlanGeometry) -> None:
+    for name, cu, total, max_len, shift in (
+        ("cu_seqlens_q", g.cu_seqlens_q, g.total_q, g.max_seqlen_q, 0),
+        ("cu_seqlens_k", g.cu_seqlens_k, g.total_k, g.max_seqlen_k, 4),
+    ):
+        vals = cu.cpu().tolist()
+        lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+        if flags & (1 << shift):
+            raise SeqlenError(f"{name}[0] must be 0, got {vals[0]}")
+        if flags & (2 << shift):
+            raise SeqlenError(f"{name}[-1] must equal the total token count {total}, got {vals[-1]}")
+        if flags & (4 << shift):
+            i = next(i for i, n in enumerate(lens) if n < 0)
+            raise SeqlenError(f"{name} decreases at index {i + 1}: {vals[i]} -> {vals[i + 1]}")
+        if flags & (8 << shift):
+            i = next(i for i, n in enumerate(lens) if n > max_len)
+            raise SeqlenError(
+                f"{name} gives sample {i} length {lens[i]}, more than max_seqlen_{name[-1]} = {max_len}"
+            )
+
+
+def _row_k_len(g: PlanGeometry) -> torch.Tensor:
+    """int64 ``[total_q]``: the k_len of the sample owning each query row."""
+    q_lens = (g.cu_seqlens_q[1:] - g.cu_seqlens_q[:-1]).to(torch.int64)
+    k_lens = (g.cu_seqlens_k[1:] - g.cu_seqlens_k[:-1]).to(torch.int64)
+    return torch.repeat_interleave(k_lens, q_lens, output_size=g.total_q)
+
+
+def _first(bad: torch.Tensor) -> tuple[int, int, int]:
+    """(head, endpoint, row) of the first True in row-major order of (head, row, endpoint)."""
+    hits = bad.permute(0, 2, 1).nonzero()
+    h, row, f = (int(x) for x in hits[0])
+    return h, f, row

@@ -1,0 +1,538 @@
+"""Builders for interval-endpoint attention masks.
+
+A mask is stored per query row as sorted interval endpoints: a contiguous ``int32`` tensor
+``endpoints[Hmask, nfunc, total_q]`` with ``nfunc`` a positive odd integer.  For one query row
+with endpoints ``F0 <= F1 <= ... <= F(nfunc-1)`` (each in ``[0, k_len]`` of the row's sample) the
+visible keys are::
+
+    [0, F0) U [F1, F2) U [F3, F4) U ...
+
+Equal adjacent endpoints are an empty interval.  Endpoints are sample-local key positions.
+``total_q`` is ``B * Sq`` for fixed-length batches (rows in batch-major order: ``row = b * Sq + q``)
+or the total query token count for varlen batches (samples delimited by ``cu_seqlens_q``).
+
+Every builder returns a contiguous ``int32`` tensor ``[Hmask, nfunc, total_q]``.
+
+Examples (``.tolist()`` drops the tensor wrapper):
+
+``causal`` -- bottom-right aligned causal mask, ``nfunc = 1``:
+
+>>> causal(3).tolist()
+[[[1, 2, 3]]]
+>>> causal(2, 4, batch=2).tolist()
+[[[3, 4, 3, 4]]]
+
+``sliding_window`` -- keys ``[d - window_left, d + window_right]`` with ``d = i + Sk - Sq``, ``nfunc = 3``:
+
+>>> sliding_window(4, window_left=1).tolist()
+[[[0, 0, 0, 0], [0, 0, 1, 2], [1, 2, 3, 4]]]
+
+``document`` -- packed documents (self-attention within each document), ``nfunc = 3``:
+
+>>> document([2, 3]).tolist()
+[[[0, 0, 0, 0, 0], [0, 0, 2, 2, 2], [1, 2, 3, 4, 5]]]
+>>> document([[2, 1], [1, 2]], causal=False).tolist()
+[[[0, 0, 0, 0, 0, 0], [0, 0, 2, 0, 1, 1], [2, 2, 3, 1, 3, 3]]]
+
+``prefix_lm`` -- bidirectional prefix then causal, ``nfunc = 1``:
+
+>>> prefix_lm(4, 2).tolist()
+[[[2, 2, 3, 4]]]
+>>> prefix_lm(3, [1, 3]).tolist()
+[[[1, 2, 3, 3, 3, 3]]]
+
+``chunked`` -- attention restricted to fixed-size chunks (Llama-4 style), ``nfunc = 3``:
+
+>>> chunked(5, 2).tolist()
+[[[0, 0, 0, 0, 0], [0, 0, 2, 2, 4], [1, 2, 3, 4, 5]]]
+
+``from_dense`` -- boolean ``[Hmask, total_q, Sk]`` mask to endpoints with the smallest odd ``nfunc``:
+
+>>> m = torch.tensor([[[True, False, True, True], [False, True, False, False]]])
+>>> from_dense(m).tolist()
+[[[1, 0], [2, 1], [4, 2]]]
+
+``from_mask_mod`` -- a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx)``:
+
+>>> from_mask_mod(lambda b, h, q, kv: kv <= q, 1, None, 3, 3).tolist()
+[[[1, 2, 3]]]
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = [
+    "causal",
+    "chunked",
+    "document",
+    "from_dense",
+    "from_mask_mod",
+    "prefix_lm",
+    "sliding_window",
+]
+
+# Upper bound on the number of mask elements processed at once by the dense -> endpoints encoder
+# (the scatter index is int64, so this is ~128 MiB of index per chunk).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+# --------------------------------------------------------------------------------------------------
+# argument validation helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_int(name: str, value: object, minimum: int | None = None) -> int:
+    """Return ``value`` as a Python int, raising TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    return out
+
+
+def _as_device(device: object) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(f"device is not a valid device string: {device!r} ({exc})") from None
+    raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    """Validate a 1-D sequence (list/tuple/1-D integer tensor) of ints."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+            raise TypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
+    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _finish(rows: list[torch.Tensor], batch: int) -> torch.Tensor:
+    """Stack per-endpoint rows ``[S]`` into ``[1, nfunc, batch * S]`` contiguous int32."""
+    ep = torch.stack(rows).to(torch.int32)
+    if batch > 1:
+        ep = ep.repeat(1, batch)
+    return ep.unsqueeze(0).contiguous()
+
+
+# --------------------------------------------------------------------------------------------------
+# analytic builders
+# --------------------------------------------------------------------------------------------------
+
+
+def causal(
+    seqlen_q: int,
+    seqlen_k: int | None = None,
+    *,
+    batch: int = 1,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Bottom-right aligned causal mask: row ``i`` sees keys ``< i + 1 + seqlen_k - seqlen_q``.
+
+    The bound is clipped to ``[0, seqlen_k]`` (rows before the diagonal starts see nothing).
+    Returns ``[1, 1, batch * seqlen_q]`` int32.
+    """
+    seqlen_q = _as_int("seqlen_q", seqlen_q, 1)
+    seqlen_k = seqlen_q if seqlen_k is None else _as_int("seqlen_k", seqlen_k, 1)
+    batch = _as_int("batch", batch, 1)
+    dev = _as_device(device)
+    i = torch.arange(seqlen_q, device=dev, dtype=torch.int64)
+    f0 = (i + 1 + (seqlen_k - seqlen_q)).clamp(0, seqlen_k)
+    return _finish([f0], batch)
+
+
+def sliding_window(
+    seqlen_q: int,
+    seqlen_k: int | None = None,
+    *,
+    window_left: int,
+    window_right: int = 0,
+    batch: int = 1,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Sliding-window mask: row ``i`` sees keys ``[d - window_left, d + window_right]`` (inclusive).
+
+    ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal); the window is clipped to
+    ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
+    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``.
+    """
+    seqlen_q = _as_int("seqlen_q", seqlen_q, 1)
+    seqlen_k = seqlen_q if seqlen_k is None else _as_int("seqlen_k", seqlen_k, 1)
+    window_left = _as_int("window_left", window_left, 0)
+    window_right = _as_int("window_right", window_right, 0)
+    batch = _as_int("batch", batch, 1)
+    dev = _as_device(device)
+    d = torch.arange(seqlen_q, device=dev, dtype=torch.int64) + (seqlen_k - seqlen_q)
+    lo = (d - window_left).clamp(0, seqlen_k)
+    hi = (d + window_right + 1).clamp(0, seqlen_k)
+    empty = lo >= hi
+    lo = lo.masked_fill(empty, 0)
+    hi = hi.masked_fill(empty, 0)
+    return _finish([torch.zeros_like(lo), lo, hi], batch)
+
+
+def _is_sequence(x: object) -> bool:
+    """True for a list/tuple/… or a tensor of rank >= 1 (not for str/bytes or 0-d tensors)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() >= 1
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes))
+
+
+def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
+    """Normalise ``doc_lens`` to a list (one entry per batch sample) of document length lists."""
+    nested_input = False
+    if isinstance(doc_lens, torch.Tensor):
+        nested_input = doc_lens.dim() == 2
+        if doc_lens.dim() == 1:
+            seqs = [_int_list("doc_lens", doc_lens)]
+        elif doc_lens.dim() == 2:
+            seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
+        else:
+            raise ValueError(f"doc_lens must be 1-D or 2-D, got a tensor of shape {tuple(doc_lens.shape)}")
+    elif isinstance(doc_lens, (str, bytes)) or not isinstance(doc_lens, Sequence):
+        raise TypeError(
+            f"doc_lens must be a sequence of ints or a sequence of such sequences, "
+            f"got {type(doc_lens).__name__}"
+        )
+    elif len(doc_lens) == 0:
+        raise ValueError("doc_lens must not be empty")
+    else:
+        nested = [_is_sequence(x) for x in doc_lens]
+        if all(nested):
+            nested_input = True
+            seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
+        elif not any(nested):
+            seqs = [_int_list("doc_lens", doc_lens)]
+        else:
+            raise TypeError(
+                "doc_lens must be either a sequence of ints or a sequence of sequences, not a mix"
+            )
+    for b, seq in enumerate(seqs):
+        name = f"doc_lens[{b}]" if nested_input else "doc_lens"
+        if len(seq) == 0:
+            raise ValueError(f"{name} must contain at least one document length")
+        for j, n in enumerate(seq):
+            if n < 0:
+                raise ValueError(f"{name}[{j}] must be >= 0, got {n}")
+        if sum(seq) == 0:
+            raise ValueError(f"{name} must have a positive total length, got 0")
+    totals = [sum(seq) for seq in seqs]
+    if any(t != totals[0] for t in totals):
+        raise ValueError(f"every sample in doc_lens must have the same total length, got totals {totals}")
+    return seqs
+
+
+def document(
+    doc_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    causal: bool = True,
+    window_left: int | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Packed-document (block-diagonal) self-attention mask.
+
+    ``doc_lens`` is either one sequence of document lengths (one packed sequence, batch 1) or a
+    sequence of such sequences (one per batch sample; every sample must sum to the same ``S``),
+    also accepted as a 1-D / 2-D integer tensor.  Zero-length documents are allowed and ignored.
+
+    A row at position ``i`` in document ``[s, e)`` sees keys ``[s, e)`` (``causal=False``),
+    ``[s, i]`` (``causal=True``).  ``window_left`` additionally limits the left edge to
+    ``max(s, i - window_left)`` (for ``causal=False`` the right edge stays ``e``).
+    Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window_left is not None:
+        window_left = _as_int("window_left", window_left, 0)
+    dev = _as_device(device)
+    seqs = _parse_doc_lens(doc_lens)
+    los, his = [], []
+    for seq in seqs:
+        lens = torch.tensor(seq, dtype=torch.int64, device=dev)
+        ends = lens.cumsum(0)
+        starts = ends - lens
+        doc_id = torch.repeat_interleave(torch.arange(len(seq), device=dev), lens)
+        i = torch.arange(int(ends[-1]), device=dev, dtype=torch.int64)
+        lo = starts[doc_id]
+        hi = i + 1 if causal else ends[doc_id]
+        if window_left is not None:
+            lo = torch.maximum(lo, i - window_left)
+        los.append(lo)
+        his.append(hi)
+    lo = torch.cat(los)
+    hi = torch.cat(his)
+    return _finish([torch.zeros_like(lo), lo, hi], 1)
+
+
+def prefix_lm(
+    seqlen: int,
+    prefix_len: int | Sequence[int] | torch.Tensor,
+    *,
+    batch: int | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Prefix-LM mask: row ``i`` sees keys ``[0, max(prefix_len, i + 1))``, clipped to ``seqlen``.
+
+    ``prefix_len`` is an int (same prefix for every sample) or a per-sample sequence / 1-D tensor.
+    ``batch`` defaults to 1 for an int ``prefix_len`` and to ``len(prefix_len)`` for a sequence
+    (if given, it must match).  Returns ``[1, 1, batch * seqlen]`` int32.
+    """
+    seqlen = _as_int("seqlen", seqlen, 1)
+    dev = _as_device(device)
+    if not _is_sequence(prefix_len):
+        prefixes = [_as_int("prefix_len", prefix_len, 0)]
+        batch = 1 if batch is None else _as_int("batch", batch, 1)
+        prefixes = prefixes * batch
+    else:
+        prefixes = _int_list("prefix_len", prefix_len)
+        if len(prefixes) == 0:
+            raise ValueError("prefix_len must not be an empty sequence")
+        for b, p in enumerate(prefixes):
+            if p < 0:
+                raise ValueError(f"prefix_len[{b}] must be >= 0, got {p}")
+        if batch is not None:
+            batch = _as_int("batch", batch, 1)
+            if batch != len(prefixes):
+                raise ValueError(f"prefix_len has {len(prefixes)} entries but batch={batch}")
+    p = torch.tensor(prefixes, dtype=torch.int64, device=dev)[:, None]
+    i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
+    f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
+    return _finish([f0], 1)
+
+
+def chunked(
+    seqlen: int,
+    chunk_size: int,
+    *,
+    causal: bool = True,
+    batch: int = 1,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Chunked attention (Llama-4 style): row ``i`` sees keys of its chunk ``[c * chunk_size, (c+1) * chunk_size)``.
+
+    ``c = i // chunk_size``; the chunk is clipped to ``seqlen``; with ``causal=True`` keys are further
+    limited to ``<= i``.  Returns ``[1, 3, batch * seqlen]`` int32 with endpoints ``[0, lo, hi]``.
+    """
+    seqlen = _as_int("seqlen", seqlen, 1)
+    chunk_size = _as_int("chunk_size", chunk_size, 1)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    batch = _as_int("batch", batch, 1)
+    dev = _as_device(device)
+    i = torch.arange(seqlen, device=dev, dtype=torch.int64)
+    lo = torch.div(i, chunk_size, rounding_mode="floor") * chunk_size
+    hi = i + 1 if causal else (lo + chunk_size).clamp(max=seqlen)
+    return _finish([torch.zeros_like(lo), lo, hi], batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# dense -> endpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def _row_chunk(h: int, sk: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, h * (sk + 1)))
+
+
+def _transitions(m: torch.Tensor) -> torch.Tensor:
+    """``m`` bool ``[H, t, Sk]`` (Sk >= 1) -> bool ``[H, t, Sk]``; entry ``j`` is a run boundary at key ``j + 1``.
+
+    A boundary at key ``k`` (1 <= k <= Sk) means ``m[k] != m[k - 1]`` (with ``m[Sk] = False``).
+    The boundary at key 0 (a row starting with True) is implicit in the ``[0, F0)`` interval.
+    """
+    tr = torch.empty_like(m)
+    torch.ne(m[..., 1:], m[..., :-1], out=tr[..., :-1])
+    tr[..., -1] = m[..., -1]
+    return tr
+
+
+def _encode(mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[H, T, Sk]`` -> int32 ``[H, nfunc, T]`` with the smallest odd ``nfunc``."""
+    h, t, sk = mask.shape
+    dev = mask.device
+    if sk == 0 or t == 0:
+        return torch.zeros(h, 1, t, dtype=torch.int32, device=dev)
+    step = _row_chunk(h, sk)
+
+    # pass 1: endpoints needed per row = number of boundaries after key 0, plus one leading 0
+    # endpoint when the row does not start with True.  Always odd.
+    counts = torch.empty(h, t, dtype=torch.int64, device=dev)
+    for r0 in range(0, t, step):
+        m = mask[:, r0 : r0 + step]
+        counts[:, r0 : r0 + step] = _transitions(m).sum(-1) + (~m[..., 0]).long()
+    nfunc = int(counts.max())
+
+    # pass 2: scatter the key position of every boundary into its endpoint slot (cumsum over
+    # boundaries), then pad unused slots by repeating the row's last endpoint.
+    out = torch.empty(h, nfunc, t, dtype=torch.int32, device=dev)
+    pos = torch.arange(1, sk + 1, dtype=torch.int32, device=dev)
+    slots = torch.arange(nfunc, device=dev)
+    for r0 in range(0, t, step):
+        m = mask[:, r0 : r0 + step]
+        n = m.shape[1]
+        tr = _transitions(m)
+        lead = (~m[..., 0]).long()[..., None]  # 1 -> slot 0 is the empty [0, 0) interval
+        slot = tr.long().cumsum(-1) - 1 + lead
+        slot = torch.where(tr, slot, nfunc)  # non-boundaries go to a dump slot
+        buf = torch.zeros(h, n, nfunc + 1, dtype=torch.int32, device=dev)
+        buf.scatter_(-1, slot, pos.expand(h, n, sk))
+        cnt = counts[:, r0 : r0 + n, None]
+        last = buf.gather(-1, cnt - 1)
+        buf = torch.where(slots >= cnt, last, buf[..., :nfunc])
+        out[:, :, r0 : r0 + n] = buf.transpose(1, 2)
+    return out
+
+
+def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+            raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        cu = value.to(device=device, dtype=torch.int64)
+    else:
+        cu = torch.tensor(_int_list(name, value), dtype=torch.int64, device=device)
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+    return cu
+
+
+def from_dense(
+    mask: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Convert a dense boolean mask ``[Hmask, total_q, Sk]`` to endpoints ``[Hmask, nfunc, total_q]``.
+
+    ``nfunc`` is the smallest odd count representing every row: a row with ``r`` runs of True needs
+    ``2r - 1`` endpoints if it starts with True at key 0 and ``2r + 1`` otherwise; shorter rows are
+    padded by repeating their last endpoint.  All-False rows give all-zero endpoints.
+
+    Fixed length: ``total_q = B * Sq`` and the last axis holds the ``Sk`` keys.  Varlen: pass both
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` (int ``[B + 1]``); the last axis is ``max_seqlen_k``
+    (sample-local key positions) and entries past each row's sample ``k_len`` must be False.
+    The result lives on ``mask.device``.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    if mask.dim() != 3:
+        raise ValueError(f"mask must have rank 3 [Hmask, total_q, Sk], got shape {tuple(mask.shape)}")
+    h, t, sk = mask.shape
+    if h == 0:
+        raise ValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
+    if cu_seqlens_q is not None:
+        dev = mask.device
+        cu_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dev)
+        cu_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dev)
+        if cu_q.numel() != cu_k.numel():
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), "
+                f"got {cu_q.numel()} and {cu_k.numel()}"
+            )
+        if int(cu_q[-1]) != t:
+            raise ValueError(f"cu_seqlens_q[-1] = {int(cu_q[-1])} must equal mask.shape[1] (total_q) = {t}")
+        q_lens = cu_q.diff()
+        k_lens = cu_k.diff()
+        too_long = (q_lens > 0) & (k_lens > sk)
+        if bool(too_long.any()):
+            b = int(too_long.nonzero()[0, 0])
+            raise ValueError(
+                f"mask has {sk} key columns but sample {b} has k_len {int(k_lens[b])} "
+                f"(cu_seqlens_k); the key axis must be at least max_seqlen_k"
+            )
+        row_klen = torch.repeat_interleave(k_lens, q_lens)  # [T]
+        keys = torch.arange(sk, device=dev)
+        step = _row_chunk(h, sk)
+        for r0 in range(0, t, step):
+            outside = keys >= row_klen[r0 : r0 + step, None]  # [t, Sk]
+            bad = (mask[:, r0 : r0 + step] & outside).any(-1)  # [H, t]
+            if bool(bad.any()):
+                hh, rr = (int(x) for x in bad.nonzero()[0])
+                row = r0 + rr
+                b = int(torch.searchsorted(cu_q, torch.tensor(row, device=dev), right=True)) - 1
+                raise ValueError(
+                    f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
+                    f"k_len {int(row_klen[row])}"
+                )
+    return _encode(mask)
+
+
+def from_mask_mod(
+    mask_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    B: int,
+    H: int | None,
+    Sq: int,
+    Sk: int,
+    *,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+    ``mask_mod`` is called once per batch sample with broadcastable int64 index tensors of shapes
+    ``[1, 1, 1, 1]`` (b), ``[1, H, 1, 1]``, ``[1, 1, Sq, 1]`` and ``[1, 1, 1, Sk]``; its result must
+    broadcast to ``[1, H, Sq, Sk]``.  The dense ``[H, Sq, Sk]`` mask of one sample is then encoded
+    like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head gives the
+    same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one head.
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    B = _as_int("B", B, 1)
+    H = 1 if H is None else _as_int("H", H, 1)
+    Sq = _as_int("Sq", Sq, 1)
+    Sk = _as_int("Sk", Sk, 1)
+    dev = _as_device(device)
+    h_idx = torch.arange(H, device=dev).view(1, H, 1, 1)
+    q_idx = torch.arange(Sq, device=dev).view(1, 1, Sq, 1)
+    kv_idx = torch.arange(Sk, device=dev).view(1, 1, 1, Sk)
+    parts = []
+    for b in range(B):
+        b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
+        res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
+        if not isinstance(res, torch.Tensor):
+            raise TypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
+        if res.dtype != torch.bool:
+            raise TypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
+        try:
+            dense = torch.broadcast_to(res, (1, H, Sq, Sk))[0]
+        except RuntimeError:
+            raise ValueError(
+                f"mask_mod result of shape {tuple(res.shape)} does not broadcast to [1, H, Sq, Sk] = "
+                f"{[1, H, Sq, Sk]}"
+            ) from None
+        parts.append(_encode(dense.to(dev)))
+    nfunc = max(p.shape[1] for p in parts)
+    padded = []
+    for p in parts:
+        if p.shape[1] < nfunc:  # repeat each row's last endpoint (empty intervals)
+            p = torch.cat([p, p[:, -1:].expand(-1, nfunc - p.shape[1], -1)], dim=1)
+        padded.append(p)
+    out = torch.cat(padded, dim=2)
+    if H > 1 and bool((out == out[:1]).all()):
+        out = out[:1]
+    return out.contiguous()

@@ -1,0 +1,108 @@
+"""Packed predicate payload: the one mechanism every consumer layout plugs into.
+
+A consumer describes its layout by ONE function, :meth:`PayloadLayout.element_coords`, that maps
+each score element ``(m, n)`` of a ``tile_m x tile_n`` tile (m = query row in the tile, n = key
+column in the tile) to ``(subtile, group, word, bit)``. Packing (CPU reference and GPU
+materialiser), :meth:`PlanView.to_dense` and the attention kernel's bit-select all derive from
+it. A partial block's payload is::
+
+    mask_block_masks[entry, subtile, group, word]   # uint32 bit patterns stored as int32
+    keep(m, n) = (mask_block_masks[entry, s, g, w] >> b) & 1    with (s, g, w, b) = coords(m, n)
+
+Bit 1 keeps the score, bit 0 replaces it with -inf. Bits no element maps to are padding (0).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from functools import cached_property
+
+import torch
+
+from .schema import PayloadLayoutSpec
+
+WORD_BITS = 32
+
+
+class PayloadLayout(ABC):
+    """Element -> (subtile, group, word, bit) map of one consumer's partial-block payload."""
+
+    layout_id: str
+    tile_m: int
+    tile_n: int
+    subtiles: int
+    groups: int
+    words_per_group: int
+
+    @abstractmethod
+    def element_coords(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(subtile, group, word, bit)``, each an int64 tensor ``[tile_m, tile_n]``."""
+
+    @property
+    def spec(self) -> PayloadLayoutSpec:
+        return PayloadLayoutSpec(
+            layout_id=self.layout_id,
+            physical_subtiles=self.subtiles,
+            payload_groups=self.groups,
+            words_per_group=self.words_per_group,
+        )
+
+    @property
+    def words_per_tile(self) -> int:
+        return self.subtiles * self.groups * self.words_per_group
+
+    @cached_property
+    def flat_bit_index(self) -> torch.Tensor:
+        """int64 ``[tile_m, tile_n]``: position of each element's bit in the tile's flat bit string."""
+        s, g, w, b = self.element_coords()
+        word = (s * self.groups + g) * self.words_per_group + w
+        flat = word * WORD_BITS + b
+        if flat.unique().numel() != flat.numel():
+            raise AssertionError(f"payload layout {self.layout_id} maps two elements to one bit")
+        return flat
+
+    def pack(self, tiles: torch.Tensor) -> torch.Tensor:
+        """bool ``[n, tile_m, tile_n]`` -> int32 ``[n, subtiles, groups, words_per_group]``."""
+        n = tiles.shape[0]
+        flat = self.flat_bit_index.to(tiles.device).reshape(-1)
+        word_of = flat // WORD_BITS
+        values = tiles.reshape(n, -1).to(torch.int64) << (flat % WORD_BITS)
+        words = torch.zeros(n, self.words_per_tile, dtype=torch.int64, device=tiles.device)
+        words.index_add_(1, word_of, values)  # distinct bits of one word: add == or
+        words = torch.where(words >= 2**31, words - 2**32, words)
+        return words.to(torch.int32).reshape(n, self.subtiles, self.groups, self.words_per_group)
+
+    def unpack(self, words: torch.Tensor) -> torch.Tensor:
+        """int32 ``[n, subtiles, groups, words_per_group]`` -> bool ``[n, tile_m, tile_n]``."""
+        n = words.shape[0]
+        flat = self.flat_bit_index.to(words.device)
+        w64 = words.reshape(n, -1).to(torch.int64) & 0xFFFFFFFF
+        picked = w64[:, (flat // WORD_BITS).reshape(-1)].reshape(n, self.tile_m, self.tile_n)
+        return ((picked >> (flat % WORD_BITS)) & 1).to(torch.bool)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.layout_id}: tile {self.tile_m}x{self.tile_n}, "
+            f"{self.subtiles} subtile(s) x {self.groups} groups x {self.words_per_group} words)"
+        )
+
+
+class RowMajorLayout(PayloadLayout):
+    """The reference consumer's layout: one group per tile row, bits in column order.
+
+    ::
+
+        group = m          word = n // 32          bit = n % 32
+    """
+
+    def __init__(self, tile_m: int = 128, tile_n: int = 128) -> None:
+        self.tile_m, self.tile_n = tile_m, tile_n
+        self.subtiles = 1
+        self.groups = tile_m
+        self.words_per_group = -(-tile_n // WORD_BITS)
+        self.layout_id = f"rowmajor-v1-{tile_m}x{tile_n}"
+
+    def element_coords(self):
+        m = torch.arange(self.tile_m).unsqueeze(1).expand(self.tile_m, self.tile_n)
+        n = torch.arange(self.tile_n).unsqueeze(0).expand(self.tile_m, self.tile_n)
+        return torch.zeros_like(m), m, n // WORD_BITS, n % WORD_BITS

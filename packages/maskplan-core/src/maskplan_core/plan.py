@@ -1,0 +1,255 @@
+"""``PlanView`` (one consumer's view) and ``MaskPlan`` (the immutable owner of views), spec 4.6-4.8, 8.
+
+Sparse format of one view, for mask head ``h`` and outer plan row ``r`` (a Q block for the
+``"forward"`` view, a K block for the K2Q ``"backward"`` view) of sample ``b``::
+
+    sequence_desc[b] = (q_offset, k_offset, q_len, k_len, row_begin, row_count, inner_blocks, 0)
+    partial entries: mask_block_idx[mask_block_offset[h, r] + i],  i < mask_block_cnt[h, r]
+                     with payload mask_block_masks[mask_block_offset[h, r] + i]
+    full entries:    full_block_idx[full_block_offset[h, r] + i],  i < full_block_cnt[h, r]
+
+The reconstruction loop below is the spec of the format (``to_dense`` runs it vectorised)::
+
+    for h, r:                                     # outer block o = r - row_begin[b]
+        for e in partial range of (h, r):         # inner block x = mask_block_idx[e]
+            tile = layout.unpack(mask_block_masks[e])
+            dense[h, q rows of (o or x), k cols of (x or o)] = tile
+        for e in full range of (h, r):
+            dense[h, q rows, k cols] = True       # a full tile is entirely in bounds
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InputValueError, MissingBackwardViewError, PlanBindingError
+from .geometry import PlanGeometry
+from .payload import PayloadLayout
+from .schema import HEADER_FIELDS, PlanSignature
+
+_ENTRY_CHUNK = 4096
+VIEW_TENSORS = (
+    "mask_block_cnt",
+    "mask_block_offset",
+    "mask_block_idx",
+    "mask_block_masks",
+    "full_block_cnt",
+    "full_block_offset",
+    "full_block_idx",
+    "sequence_desc",
+    "fwd_work_desc",
+    "dq_write_order",
+    "dq_write_order_full",
+)
+
+
+@dataclass(frozen=True)
+class BlockEntries:
+    """Decoded block list of one view: int64 ``head, batch, q_block, k_block`` per entry."""
+
+    head: torch.Tensor
+    batch: torch.Tensor
+    q_block: torch.Tensor
+    k_block: torch.Tensor
+    payload: torch.Tensor | None  # int32 [n, subtiles, groups, words] for partial entries
+
+
+@dataclass(frozen=True, eq=False)
+class PlanView:
+    """One consumer's tensors and the signature that says which consumer may read them."""
+
+    role: str
+    signature: PlanSignature
+    layout: PayloadLayout
+    geometry: PlanGeometry
+    tensors: dict[str, torch.Tensor | None] = field(repr=False)
+
+    def __getattr__(self, name: str):
+        if name in VIEW_TENSORS:
+            return self.__dict__["tensors"].get(name)
+        raise AttributeError(name)
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        """(tile_m, tile_n): Q rows and K columns of one block."""
+        t = self.signature.topology
+        return t.tile_m, t.tile_n
+
+    @property
+    def outer(self) -> str:
+        """Which axis the CSR rows run over: ``"q"`` (forward, Q2K) or ``"k"`` (backward, K2Q)."""
+        return "q" if self.role == "forward" else "k"
+
+    def entries(self, kind: str) -> BlockEntries:
+        """Decode the ``"partial"`` or ``"full"`` CSR into per-entry block coordinates."""
+        prefix = "mask_block" if kind == "partial" else "full_block"
+        cnt, idx = self.tensors[f"{prefix}_cnt"], self.tensors[f"{prefix}_idx"].to(torch.int64)
+        hmask, rows = cnt.shape
+        flat_row = torch.repeat_interleave(
+            torch.arange(hmask * rows, device=cnt.device), cnt.reshape(-1).to(torch.int64), output_size=idx.numel()
+        )
+        head, row = flat_row // rows, flat_row % rows
+        desc = self.tensors["sequence_desc"].to(torch.int64)
+        batch = torch.searchsorted(desc[:, 4] + desc[:, 5], row, right=True)
+        outer_block = row - desc[batch, 4]
+        q_block, k_block = (outer_block, idx) if self.outer == "q" else (idx, outer_block)
+        payload = self.tensors["mask_block_masks"] if kind == "partial" else None
+        return BlockEntries(head, batch, q_block, k_block, payload)
+
+    def to_dense(self) -> torch.Tensor:
+        """bool ``[Hmask, total_q, Sk]`` (varlen: ``max_seqlen_k``, False past each sample's k_len)."""
+        g = self.geometry
+        dense = torch.zeros(g.mask_heads, g.total_q, g.max_seqlen_k, dtype=torch.bool, device=g.device)
+        for kind in ("partial", "full"):
+            self._scatter_tiles(dense, self.entries(kind))
+        return dense
+
+    def _scatter_tiles(self, dense: torch.Tensor, e: BlockEntries) -> None:
+        tm, tn = self.block_size
+        desc = self.tensors["sequence_desc"].to(torch.int64)
+        t = torch.arange(tm, device=dense.device)
+        u = torch.arange(tn, device=dense.device)
+        for c in range(0, e.head.numel(), _ENTRY_CHUNK):
+            sl = slice(c, c + _ENTRY_CHUNK)
+            b = e.batch[sl]
+            q_local = e.q_block[sl, None] * tm + t
+            k_local = e.k_block[sl, None] * tn + u
+            row_ok = q_local < desc[b, 2, None]
+            col_ok = k_local < desc[b, 3, None]
+            if e.payload is None:
+                tiles = row_ok[:, :, None] & col_ok[:, None, :]
+            else:
+                tiles = self.layout.unpack(e.payload[sl])
+                if (tiles & ~(row_ok[:, :, None] & col_ok[:, None, :])).any():
+                    raise AssertionError("payload sets a bit outside the sample's bounds")
+            n, r, k = tiles.nonzero(as_tuple=True)
+            dense[e.head[sl][n], desc[b[n], 0] + q_local[n, r], k_local[n, k]] = True
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values() if t is not None)
+
+    def stats(self) -> dict:
+        desc = self.tensors["sequence_desc"].to(torch.int64)
+        pairs = int((desc[:, 5] * desc[:, 6]).sum()) * self.geometry.mask_heads
+        partial = int(self.tensors["mask_block_idx"].numel())
+        full = int(self.tensors["full_block_idx"].numel())
+        return {
+            "rows": int(self.tensors["mask_block_cnt"].shape[1]),
+            "block": self.block_size,
+            "partial": partial,
+            "full": full,
+            "empty": pairs - partial - full,
+            "density": (partial + full) / pairs if pairs else 0.0,
+            "bytes": self.nbytes(),
+        }
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"PlanView({self.role}, {self.signature.arch_family}/{self.signature.kernel_family}, "
+            f"block {s['block'][0]}x{s['block'][1]}, rows={s['rows']}, partial={s['partial']}, "
+            f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, {s['bytes']} bytes)"
+        )
+
+
+class MaskPlan:
+    """Opaque, read-only owner of a mask's plan views and the geometry they are bound to.
+
+    Build with ``flexattn.create_mask_plan``. Q/K/V identity is not bound: new tensors of the
+    same geometry, dtype and device reuse the plan.
+    """
+
+    __slots__ = ("_geometry", "_views", "_header", "_consumer")
+
+    def __init__(self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str):
+        self._geometry = geometry
+        self._views = dict(views)
+        self._header = tuple(header)
+        self._consumer = consumer
+
+    def __setattr__(self, name, value):
+        if hasattr(self, "_consumer"):
+            raise AttributeError("MaskPlan is read-only; build a new plan instead")
+        object.__setattr__(self, name, value)
+
+    @property
+    def geometry(self) -> PlanGeometry:
+        return self._geometry
+
+    @property
+    def consumer(self) -> str:
+        return self._consumer
+
+    @property
+    def has_backward(self) -> bool:
+        return "backward" in self._views
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(self._views)
+
+    def view(self, role: str) -> PlanView:
+        if role not in self._views:
+            if role == "backward":
+                raise MissingBackwardViewError(
+                    "this plan has no backward view; rebuild it with create_mask_plan(..., build_backward=True)"
+                )
+            raise InputValueError(f"unknown view role {role!r}; this plan has {list(self._views)}")
+        return self._views[role]
+
+    @property
+    def metadata(self) -> dict:
+        g = self._geometry
+        return {
+            "consumer": self._consumer,
+            "geometry": g.describe(),
+            "allocation_header": dict(zip(HEADER_FIELDS, self._header)),
+            "signatures": {role: v.signature.model_dump() for role, v in self._views.items()},
+        }
+
+    def debug_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Clones of every view tensor (mutating them cannot affect the plan)."""
+        snap = {role: {k: t.clone() for k, t in v.tensors.items() if t is not None} for role, v in self._views.items()}
+        snap["geometry"] = {"cu_seqlens_q": self._geometry.cu_seqlens_q.clone(),
+                            "cu_seqlens_k": self._geometry.cu_seqlens_k.clone()}
+        return snap
+
+    def summary(self) -> str:
+        lines = [f"MaskPlan for {self._consumer}: {self._geometry.describe()}"]
+        for role, v in self._views.items():
+            s = v.stats()
+            lines.append(
+                f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  rows {s['rows']:>6}  partial {s['partial']:>7}  "
+                f"full {s['full']:>7}  empty {s['empty']:>7}  density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device."""
+        g = self._geometry
+        if g.varlen:
+            expect = {"q": (g.total_q, g.num_heads_q, g.head_dim_qk), "k": (g.total_k, g.num_heads_kv, g.head_dim_qk),
+                      "v": (g.total_k, g.num_heads_kv, g.head_dim_v)}
+        else:
+            bq, bk = (g.batch, g.max_seqlen_q), (g.batch, g.max_seqlen_k)
+            expect = {"q": (*bq, g.num_heads_q, g.head_dim_qk), "k": (*bk, g.num_heads_kv, g.head_dim_qk),
+                      "v": (*bk, g.num_heads_kv, g.head_dim_v)}
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise PlanBindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != expect[name]:
+                raise PlanBindingError(
+                    f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} ({g.describe()})"
+                )
+            if t.dtype != g.dtype:
+                raise PlanBindingError(f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}")
+            if t.device != g.device:
+                raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
+            if t.stride(-1) != 1:
+                raise PlanBindingError(f"{name} must have a contiguous last (head) dimension")
+

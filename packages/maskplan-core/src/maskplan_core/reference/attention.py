@@ -1,0 +1,132 @@
+"""Reference attention forward and backward that consume a ``PlanView`` the way a kernel does.
+
+For every mask head, the view's partial entries (predicate decoded from the packed payload
+through the consumer's layout: bit 0 -> -inf) and then its full entries (no predicate) are
+visited tile by tile. Accumulation is in fp32 (fp64 for fp64 inputs), in two passes over the
+tiles: row maxima, then exp-sums and P @ V (the backward recomputes P from the LSE).
+Rows with no visible key give O = 0 and LSE = -inf, and zero gradients.
+
+Q/K/V are THD (``[total, H, D]``); O is ``[total_q, Hq, Dv]``, LSE ``[Hq, total_q]`` and the max
+logit ``[Hq]`` in the accumulation dtype (fp32; fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import BlockEntries, PlanView
+
+_TILE_CHUNK = 64
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class _Tiles:
+    """One chunk of tiles of one mask head: token indices, keep mask and the Q heads it serves."""
+
+    q_tok: torch.Tensor  # [n, tm]
+    k_tok: torch.Tensor  # [n, tn]
+    keep: torch.Tensor  # [n, tm, tn]
+    q_heads: torch.Tensor  # [hq']
+    kv_heads: torch.Tensor  # [hq']
+
+
+def _tiles(view: PlanView) -> Iterator[_Tiles]:
+    g = view.geometry
+    tm, tn = view.block_size
+    desc = view.sequence_desc.to(torch.int64)
+    dev = desc.device
+    t, u = torch.arange(tm, device=dev), torch.arange(tn, device=dev)
+    for kind in ("partial", "full"):
+        e: BlockEntries = view.entries(kind)
+        for c in range(0, e.head.numel(), _TILE_CHUNK):
+            sl = slice(c, c + _TILE_CHUNK)
+            b = e.batch[sl]
+            q_local, k_local = e.q_block[sl, None] * tm + t, e.k_block[sl, None] * tn + u
+            row_ok, col_ok = q_local < desc[b, 2, None], k_local < desc[b, 3, None]
+            keep = row_ok[:, :, None] & col_ok[:, None, :]
+            if e.payload is not None:
+                keep = keep & view.layout.unpack(e.payload[sl])
+            q_tok = (desc[b, 0, None] + q_local).clamp(max=max(g.total_q - 1, 0))
+            k_tok = (desc[b, 1, None] + k_local).clamp(max=max(g.total_k - 1, 0))
+            for h in e.head[sl].unique().tolist():
+                mine = e.head[sl] == h
+                q_heads = torch.arange(g.num_heads_q, device=dev) if g.mask_heads == 1 else torch.tensor([h], device=dev)
+                yield _Tiles(q_tok[mine], k_tok[mine], keep[mine], q_heads, q_heads // g.qhead_per_kvhead)
+
+
+def _scores(tl: _Tiles, q, k, scale) -> torch.Tensor:
+    """Scaled scores ``[n, hq', tm, tn]`` with masked elements at -inf."""
+    qt = q[tl.q_tok][:, :, tl.q_heads]  # [n, tm, h, d]
+    kt = k[tl.k_tok][:, :, tl.kv_heads]  # [n, tn, h, d]
+    s = torch.einsum("nmhd,nkhd->nhmk", qt, kt) * scale
+    return s.masked_fill(~tl.keep[:, None], float("-inf"))
+
+
+def _row_index(tl: _Tiles, total_q: int) -> torch.Tensor:
+    """Flat index ``head * total_q + token`` of every score row ``[n, hq', tm]``."""
+    return tl.q_heads[None, :, None] * total_q + tl.q_tok[:, None, :]
+
+
+def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool = False):
+    g = view.geometry
+    cd = compute_dtype(q.dtype)
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    rows = g.num_heads_q * g.total_q
+    row_max = torch.full((rows,), float("-inf"), dtype=cd, device=q.device)
+    for tl in _tiles(view):
+        s = _scores(tl, q, k, softmax_scale)
+        row_max.scatter_reduce_(0, _row_index(tl, g.total_q).unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax")
+    safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)
+    row_sum = torch.zeros(rows, dtype=cd, device=q.device)
+    acc = torch.zeros(g.num_heads_q, g.total_q, g.head_dim_v, dtype=cd, device=q.device)
+    for tl in _tiles(view):
+        idx = _row_index(tl, g.total_q)
+        p = torch.exp(_scores(tl, q, k, softmax_scale) - safe_max[idx].unsqueeze(-1))
+        row_sum.index_add_(0, idx.reshape(-1), p.sum(-1).reshape(-1))
+        pv = torch.einsum("nhmk,nkhd->nhmd", p, v[tl.k_tok][:, :, tl.kv_heads])
+        acc.view(rows, -1).index_add_(0, idx.reshape(-1), pv.reshape(-1, g.head_dim_v))
+    empty = row_sum == 0
+    out = acc / torch.where(empty, 1.0, row_sum).view(g.num_heads_q, g.total_q, 1)
+    lse = torch.where(empty, float("-inf"), safe_max + torch.log(row_sum)).view(g.num_heads_q, g.total_q)
+    max_logit = row_max.view(g.num_heads_q, g.total_q).amax(1) if return_max_logit else None
+    return out.transpose(0, 1).contiguous(), lse, max_logit
+
+
+def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax_scale: float):
+    """Gradients (dq, dk, dv) in the inputs' dtype; ``dlse`` ``[Hq, total_q]`` or None."""
+    g = view.geometry
+    cd = compute_dtype(q.dtype)
+    qc, kc, vc, doc = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
+    lse_flat = lse.to(cd).reshape(-1)
+    safe_lse = torch.where(torch.isinf(lse_flat), 0.0, lse_flat)
+    delta = (doc * out.to(cd)).sum(-1).transpose(0, 1).reshape(-1)  # [Hq * total_q]
+    if dlse is not None:
+        delta = delta - dlse.to(cd).reshape(-1)
+    dq = torch.zeros(g.total_q, g.num_heads_q, g.head_dim_qk, dtype=cd, device=q.device)
+    dk = torch.zeros(g.total_k, g.num_heads_kv, g.head_dim_qk, dtype=cd, device=q.device)
+    dv = torch.zeros(g.total_k, g.num_heads_kv, g.head_dim_v, dtype=cd, device=q.device)
+    for tl in _tiles(view):
+        idx = _row_index(tl, g.total_q)
+        p = torch.exp(_scores(tl, qc, kc, softmax_scale) - safe_lse[idx].unsqueeze(-1))  # [n, h, tm, tn]
+        do_t = doc[tl.q_tok][:, :, tl.q_heads]  # [n, tm, h, dv]
+        v_t, k_t, q_t = vc[tl.k_tok][:, :, tl.kv_heads], kc[tl.k_tok][:, :, tl.kv_heads], qc[tl.q_tok][:, :, tl.q_heads]
+        dp = torch.einsum("nmhd,nkhd->nhmk", do_t, v_t)
+        ds = p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale
+        _add_rows(dq, tl.q_tok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))
+        _add_rows(dk, tl.k_tok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", ds, q_t))
+        _add_rows(dv, tl.k_tok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", p, do_t))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_rows(dst: torch.Tensor, tok: torch.Tensor, heads: torch.Tensor, val: torch.Tensor) -> None:
+    """dst[tok, heads] += val for tiles ``[n, t, h, d]`` (GQA heads sharing a kv head accumulate)."""
+    n_heads = dst.shape[1]
+    flat = (tok[:, :, None] * n_heads + heads[None, None, :]).reshape(-1)
+    dst.view(-1, dst.shape[-1]).index_add_(0, flat, val.reshape(-1, dst.shape[-1]))

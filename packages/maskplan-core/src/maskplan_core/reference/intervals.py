@@ -1,0 +1,66 @@
+"""Reading interval endpoints: per-row visible counts per K block, and per-element tile predicates.
+
+Both work on ``[0, F0) U [F1, F2) U ...`` by prepending a 0 so intervals are ``[G[2i], G[2i+1])``.
+Work is chunked so that no more than ``CHUNK_ELEMENTS`` intermediate elements exist at once:
+the planner never materialises a dense ``[total_q, Sk]`` mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_geometry import BlockGeometry
+
+CHUNK_ELEMENTS = 1 << 24
+
+
+def interval_bounds(mask_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, ends), each int64 ``[Hmask, nfunc // 2 + 1, total_q]``."""
+    h, _, rows = mask_func.shape
+    g = torch.cat([torch.zeros(h, 1, rows, dtype=torch.int64, device=mask_func.device), mask_func.to(torch.int64)], 1)
+    return g[:, 0::2], g[:, 1::2]
+
+
+def row_tokens(geom: BlockGeometry, batch: torch.Tensor, m_block: torch.Tensor, total_q: int):
+    """Global query token of each (row, t) of Q blocks ``(batch, m_block)``, clamped, and its validity."""
+    t = torch.arange(geom.tile_m, device=batch.device)
+    local = m_block.unsqueeze(-1) * geom.tile_m + t
+    valid = local < geom.q_lens[batch].unsqueeze(-1)
+    tok = (geom.q_offsets[batch].unsqueeze(-1) + local).clamp(0, max(total_q - 1, 0))
+    return tok, valid
+
+
+def block_visible_counts(starts, ends, geom: BlockGeometry, batch, m_block, total_q):
+    """Visible keys per (head, row, t, K block) for the Q plan rows ``(batch, m_block)``.
+
+    Returns ``(counts [H, R, tile_m, max_k_blocks], row_valid [R, tile_m])``.
+    """
+    tok, valid = row_tokens(geom, batch, m_block, total_q)
+    st, en = starts[:, :, tok], ends[:, :, tok]  # [H, I, R, tm]
+    j = torch.arange(geom.max_k_blocks, device=batch.device)
+    b_start = j * geom.tile_n  # [K]
+    b_end = torch.minimum(b_start + geom.tile_n, geom.k_lens[batch].unsqueeze(-1))  # [R, K]
+    lo = torch.maximum(st.unsqueeze(-1), b_start)
+    hi = torch.minimum(en.unsqueeze(-1), b_end[None, None, :, None, :])
+    return (hi - lo).clamp_min(0).sum(1), valid
+
+
+def tile_predicates(starts, ends, geom: BlockGeometry, head, batch, m_block, n_block, total_q) -> torch.Tensor:
+    """bool ``[n, tile_m, tile_n]``: which score elements of each listed tile are visible and in bounds."""
+    n = head.numel()
+    out = torch.empty(n, geom.tile_m, geom.tile_n, dtype=torch.bool, device=head.device)
+    per_entry = starts.shape[1] * geom.tile_m * geom.tile_n
+    step = max(1, CHUNK_ELEMENTS // per_entry)
+    u = torch.arange(geom.tile_n, device=head.device)
+    for c in range(0, n, step):
+        sl = slice(c, c + step)
+        h, b = head[sl], batch[sl]
+        tok, row_ok = row_tokens(geom, b, m_block[sl], total_q)
+        st = starts[h.unsqueeze(-1), :, tok].transpose(1, 2)  # [c, I, tm]
+        en = ends[h.unsqueeze(-1), :, tok].transpose(1, 2)
+        key = n_block[sl].unsqueeze(-1) * geom.tile_n + u  # [c, tn]
+        col_ok = key < geom.k_lens[b].unsqueeze(-1)
+        key = key[:, None, None, :]
+        hit = ((key >= st.unsqueeze(-1)) & (key < en.unsqueeze(-1))).any(1)  # [c, tm, tn]
+        out[sl] = hit & row_ok.unsqueeze(-1) & col_ok.unsqueeze(1)
+    return out

@@ -1,0 +1,91 @@
+"""The plan ABI schema: frozen, JSON-serialisable pydantic models.
+
+A third party that wants to consume (or produce) plans reads these models' JSON schema
+(``PlanSignature.model_json_schema()``), not our code.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ABI_VERSION = 1
+
+#: The allocation header (spec 4.5): eight int32 values read once per plan build.
+HEADER_FIELDS = (
+    "forward_q_rows",
+    "forward_partial_nnz",
+    "forward_full_nnz",
+    "backward_q_rows",
+    "backward_k_rows",
+    "backward_partial_nnz",
+    "backward_full_nnz",
+    "error_flags",
+)
+
+Direction = Literal["forward", "backward"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Topology(_Frozen):
+    """Block geometry and CTA topology of one consumer view."""
+
+    tile_m: int = Field(gt=0, description="Q rows per block (the M of the score tile).")
+    tile_n: int = Field(gt=0, description="K columns per block (the N of the score tile).")
+    q_stage: int = Field(1, gt=0, description="Q tiles in flight per CTA.")
+    cta_group_size: int = Field(1, gt=0, description="CTAs cooperating on one MMA (1 or 2).")
+    cluster_axis: Literal["none", "m", "n"] = "none"
+    pack_gqa: bool = False
+    qhead_per_kvhead: int = Field(1, gt=0)
+
+
+class PayloadLayoutSpec(_Frozen):
+    """Shape and identity of the packed predicate payload of one partial block."""
+
+    layout_id: str = Field(description="Versioned name of the element -> (subtile, group, word, bit) map.")
+    physical_subtiles: int = Field(gt=0)
+    payload_groups: int = Field(gt=0)
+    words_per_group: int = Field(gt=0, description="uint32 words per payload group (padded).")
+
+
+class SignatureDiff(_Frozen):
+    field: str
+    expected: object
+    actual: object
+
+    def __str__(self) -> str:
+        return f"{self.field}: plan has {self.actual!r}, consumer expects {self.expected!r}"
+
+
+class PlanSignature(_Frozen):
+    """What one materialised view is for. Dispatch compares it field by field (spec section 7)."""
+
+    abi_version: int = ABI_VERSION
+    arch_family: str = Field(description="'reference', 'sm90', 'sm100', ...")
+    direction: Direction
+    kernel_family: str
+    topology: Topology
+    mma_layout: str
+    payload: PayloadLayoutSpec
+    scheduler_layout: str
+    dq_order_format: Literal["none", "rank_int32"] = "none"
+
+    def diff(self, actual: PlanSignature) -> list[SignatureDiff]:
+        """Fields (dotted for nested models) where ``actual`` differs from ``self``."""
+        return _diff("", self.model_dump(), actual.model_dump())
+
+
+def _diff(prefix: str, expected: dict, actual: dict) -> list[SignatureDiff]:
+    out: list[SignatureDiff] = []
+    for key in expected:
+        name = f"{prefix}{key}"
+        e, a = expected[key], actual.get(key)
+        if isinstance(e, dict) and isinstance(a, dict):
+            out.extend(_diff(name + ".", e, a))
+        elif e != a:
+            out.append(SignatureDiff(field=name, expected=e, actual=a))
+    return out

@@ -1,0 +1,154 @@
+"""Host structural validation of every public input (spec sections 2, 3, 4.1).
+
+Only structure is checked here (types, dtypes, ranks, devices, layouts, shapes, head counts).
+Endpoint and prefix *values* are checked by the planner stages, which report them through the
+allocation header's error word (:mod:`maskplan_core.error_flags`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InputTypeError, InputValueError
+from .geometry import PlanGeometry
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_int(name: str, value: object, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InputValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def require_optional_bool(name: str, value: object) -> None:
+    if value is not None and type(value) is not bool:
+        raise InputTypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
+    layout = "BSHD [B, S, H, D]" if rank == 4 else "THD [total, H, D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_tensor(name, t)
+        if t.dim() != rank:
+            raise InputValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise InputValueError(f"{name} must have a contiguous last (head) dimension, got strides {t.stride()}")
+        if t.device != q.device:
+            raise InputValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.dtype != q.dtype:
+            raise InputTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+    allowed = REFERENCE_DTYPES if q.device.type == "cpu" else KERNEL_DTYPES
+    if q.dtype not in allowed:
+        raise InputTypeError(f"q/k/v dtype must be one of {[str(d) for d in allowed]} on {q.device.type}, got {q.dtype}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise InputValueError(f"k and v must agree on every dimension but the last: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise InputValueError(f"q and k head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hq == 0 or hkv == 0 or hq % hkv:
+        raise InputValueError(f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv})")
+    if rank == 4 and q.shape[0] != k.shape[0]:
+        raise InputValueError(f"q and k batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+
+
+def _check_prefix(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    cu = require_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise InputTypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise InputValueError(f"{name} must be rank-1 with B+1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if not cu.is_contiguous():
+        raise InputValueError(f"{name} must be contiguous")
+    if cu.device != device:
+        raise InputValueError(f"{name} is on {cu.device} but q is on {device}")
+    return cu
+
+
+def validate_plan_inputs(
+    mask_func: object,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> PlanGeometry:
+    """Check the structure of ``create_mask_plan``'s arguments and derive the plan geometry."""
+    varlen_args = {
+        "cu_seqlens_q": cu_seqlens_q,
+        "cu_seqlens_k": cu_seqlens_k,
+        "max_seqlen_q": max_seqlen_q,
+        "max_seqlen_k": max_seqlen_k,
+    }
+    given = [n for n, a in varlen_args.items() if a is not None]
+    if given and len(given) != 4:
+        missing = [n for n in varlen_args if n not in given]
+        raise InputValueError(f"varlen input needs all of cu_seqlens_q/k and max_seqlen_q/k; missing {missing}")
+    varlen = bool(given)
+    _check_qkv(require_tensor("q", q), k, v, 3 if varlen else 4)
+    device = q.device
+    if varlen:
+        cu_q = _check_prefix("cu_seqlens_q", cu_seqlens_q, device)
+        cu_k = _check_prefix("cu_seqlens_k", cu_seqlens_k, device)
+        if cu_q.shape != cu_k.shape:
+            raise InputValueError(
+                f"cu_seqlens_q and cu_seqlens_k must have the same shape, got {tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
+            )
+        max_q = require_int("max_seqlen_q", max_seqlen_q, minimum=1)
+        max_k = require_int("max_seqlen_k", max_seqlen_k, minimum=1)
+        batch, total_q, total_k = cu_q.numel() - 1, q.shape[0], k.shape[0]
+        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+    else:
+        batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
+        if batch == 0 or max_q == 0 or max_k == 0:
+            raise InputValueError(f"q and k must have nonzero batch and sequence sizes, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        total_q, total_k = batch * max_q, batch * max_k
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        cu_q, cu_k = steps * max_q, steps * max_k
+    mask_func = require_tensor("mask_func", mask_func)
+    hq = q.shape[-2]
+    if mask_func.dtype != torch.int32:
+        raise InputTypeError(f"mask_func must be int32, got {mask_func.dtype}")
+    if mask_func.dim() != 3:
+        raise InputValueError(f"mask_func must be [Hmask, nfunc, total_q] (rank 3), got shape {tuple(mask_func.shape)}")
+    if mask_func.device != device:
+        raise InputValueError(f"mask_func is on {mask_func.device} but q is on {device}")
+    if not mask_func.is_contiguous():
+        raise InputValueError("mask_func must be contiguous (call .contiguous())")
+    hmask, nfunc, rows = mask_func.shape
+    if hmask not in (1, hq):
+        raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}")
+    if nfunc <= 0 or nfunc % 2 == 0:
+        raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}")
+    if rows != total_q:
+        raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}")
+    return PlanGeometry(
+        batch=batch,
+        varlen=varlen,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        total_q=total_q,
+        total_k=total_k,
+        num_heads_q=hq,
+        num_heads_kv=k.shape[-2],
+        head_dim_qk=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        mask_heads=hmask,
+        nfunc=nfunc,
+        dtype=q.dtype,
+        device=device,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )

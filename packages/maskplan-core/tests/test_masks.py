@@ -1,0 +1,537 @@
+"""Tests for maskplan_core.masks: every builder against brute-force dense boolean masks."""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maskplan_core import masks
+
+FAST = settings(max_examples=50, deadline=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def decode(ep: torch.Tensor, sk: int) -> torch.Tensor:
+    """endpoints [H, nfunc, T] -> visible[h, row, k] = (k < F0) | OR_j (F_{2j-1} <= k < F_{2j})."""
+    k = torch.arange(sk)
+    e = ep.long()
+    vis = k < e[:, 0, :, None]
+    for j in range(1, ep.shape[1], 2):
+        vis = vis | ((e[:, j, :, None] <= k) & (k < e[:, j + 1, :, None]))
+    return vis
+
+
+def check_wellformed(ep: torch.Tensor, row_klen) -> None:
+    """int32, contiguous, rank 3, odd nfunc, sorted endpoints within [0, k_len] of the row's sample."""
+    assert isinstance(ep, torch.Tensor)
+    assert ep.dtype == torch.int32
+    assert ep.is_contiguous()
+    assert ep.dim() == 3
+    assert ep.shape[1] % 2 == 1
+    klen = torch.as_tensor(row_klen, dtype=torch.int64).reshape(-1)
+    if klen.numel() == 1:
+        klen = klen.expand(ep.shape[2])
+    assert klen.numel() == ep.shape[2]
+    assert bool((ep >= 0).all())
+    assert bool((ep.long() <= klen[None, None, :]).all())
+    assert bool((ep[:, 1:] >= ep[:, :-1]).all())
+
+
+def minimal_nfunc(dense: torch.Tensor) -> int:
+    """Smallest odd nfunc representing every row of bool [H, T, Sk], by counting runs in Python."""
+    best = 1
+    for head in dense.tolist():
+        for row in head:
+            runs = sum(1 for k, v in enumerate(row) if v and (k == 0 or not row[k - 1]))
+            if runs == 0:
+                need = 1
+            elif row[0]:
+                need = 2 * runs - 1
+            else:
+                need = 2 * runs + 1
+            best = max(best, need)
+    return best
+
+
+def dense_from_rule(rows: list, sk: int, rule) -> torch.Tensor:
+    """[1, len(rows), sk] bool where rule(row_info, k) says whether key k is visible."""
+    return torch.tensor([[[bool(rule(r, k)) for k in range(sk)] for r in rows]], dtype=torch.bool).reshape(
+        1, len(rows), sk
+    )
+
+
+def assert_matches(ep: torch.Tensor, ref: torch.Tensor, klen) -> None:
+    check_wellformed(ep, klen)
+    assert ep.shape[0] == ref.shape[0]
+    assert ep.shape[2] == ref.shape[1]
+    assert torch.equal(decode(ep, ref.shape[2]), ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# causal
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_causal(sq: int, sk: int, batch: int) -> torch.Tensor:
+    rows = [i for _ in range(batch) for i in range(sq)]
+    return dense_from_rule(rows, sk, lambda i, k: k < i + 1 + sk - sq)
+
+
+@FAST
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 3))
+def test_causal_matches_dense(sq, sk, batch):
+    ep = masks.causal(sq, sk, batch=batch)
+    assert ep.shape == (1, 1, batch * sq)
+    assert_matches(ep, ref_causal(sq, sk, batch), sk)
+
+
+def test_causal_default_square():
+    ep = masks.causal(4)
+    assert ep.tolist() == [[[1, 2, 3, 4]]]
+    assert torch.equal(masks.causal(4, device="cpu"), masks.causal(4, 4, device=torch.device("cpu")))
+
+
+def test_causal_more_queries_than_keys_gives_empty_rows():
+    ep = masks.causal(5, 2)
+    assert ep.tolist() == [[[0, 0, 0, 1, 2]]]
+
+
+# --------------------------------------------------------------------------------------------------
+# sliding_window
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_sliding(sq: int, sk: int, wl: int, wr: int, batch: int) -> torch.Tensor:
+    rows = [i for _ in range(batch) for i in range(sq)]
+
+    def rule(i, k):
+        d = i + sk - sq
+        return d - wl <= k <= d + wr
+
+    return dense_from_rule(rows, sk, rule)
+
+
+@FAST
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 10), st.integers(0, 10), st.integers(1, 3))
+def test_sliding_window_matches_dense(sq, sk, wl, wr, batch):
+    ep = masks.sliding_window(sq, sk, window_left=wl, window_right=wr, batch=batch)
+    assert ep.shape == (1, 3, batch * sq)
+    ref = ref_sliding(sq, sk, wl, wr, batch)
+    assert_matches(ep, ref, sk)
+    assert bool((ep[:, 0] == 0).all())
+    # rows with no visible key have all endpoints equal
+    empty = ~ref[0].any(-1)
+    assert bool((ep[0, :, empty] == ep[0, :1, empty]).all())
+
+
+def test_sliding_window_out_of_range_rows_are_all_zero():
+    # Sq > Sk: first rows' windows lie entirely left of key 0; window_right=0
+    ep = masks.sliding_window(6, 2, window_left=1)
+    assert ep[0, :, 0].tolist() == [0, 0, 0]
+    assert ep[0, :, 1].tolist() == [0, 0, 0]
+    assert ep[0, :, 2].tolist() == [0, 0, 0]
+    assert ep[0, :, 4].tolist() == [0, 0, 1]
+    # Sq < Sk with a huge left window offset: nothing empty, but windows clip at 0
+    assert masks.sliding_window(2, 5, window_left=100).tolist() == [[[0, 0], [0, 0], [4, 5]]]
+
+
+# --------------------------------------------------------------------------------------------------
+# document
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_document(seqs: list[list[int]], causal: bool, wl) -> torch.Tensor:
+    rows = []
+    for seq in seqs:
+        start = 0
+        for n in seq:
+            for i in range(start, start + n):
+                rows.append((start, start + n, i))
+            start += n
+    s = sum(seqs[0])
+
+    def rule(r, k):
+        lo, hi, i = r
+        if wl is not None:
+            lo = max(lo, i - wl)
+        if causal:
+            hi = i + 1
+        return lo <= k < hi
+
+    return dense_from_rule(rows, s, rule)
+
+
+@st.composite
+def doc_batches(draw):
+    total = draw(st.integers(1, 10))
+    batch = draw(st.integers(1, 3))
+    seqs = []
+    for _ in range(batch):
+        cuts = sorted(draw(st.lists(st.integers(0, total), max_size=4)))
+        bounds = [0, *cuts, total]
+        seqs.append([b - a for a, b in itertools.pairwise(bounds)])  # may contain zero-length docs
+    return seqs
+
+
+@FAST
+@given(doc_batches(), st.booleans(), st.one_of(st.none(), st.integers(0, 6)), st.booleans())
+def test_document_matches_dense(seqs, causal, wl, as_tensor):
+    s = sum(seqs[0])
+    if len(seqs) == 1 and as_tensor:
+        arg = torch.tensor(seqs[0])
+    elif len(seqs) == 1:
+        arg = seqs[0]
+    else:
+        arg = seqs
+    ep = masks.document(arg, causal=causal, window_left=wl)
+    assert ep.shape == (1, 3, len(seqs) * s)
+    assert_matches(ep, ref_document(seqs, causal, wl), s)
+
+
+def test_document_examples():
+    assert masks.document([2, 3]).tolist() == [[[0] * 5, [0, 0, 2, 2, 2], [1, 2, 3, 4, 5]]]
+    assert masks.document([2, 3], causal=False).tolist() == [[[0] * 5, [0, 0, 2, 2, 2], [2, 2, 5, 5, 5]]]
+    assert masks.document([4], window_left=1).tolist() == [[[0] * 4, [0, 0, 1, 2], [1, 2, 3, 4]]]
+    two_d = masks.document(torch.tensor([[1, 2], [2, 1]]))
+    assert torch.equal(two_d, masks.document([[1, 2], [2, 1]]))
+
+
+# --------------------------------------------------------------------------------------------------
+# prefix_lm
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_prefix(s: int, prefixes: list[int]) -> torch.Tensor:
+    rows = [(p, i) for p in prefixes for i in range(s)]
+    return dense_from_rule(rows, s, lambda r, k: k < r[0] or k <= r[1])
+
+
+@FAST
+@given(st.integers(1, 9), st.lists(st.integers(0, 12), min_size=1, max_size=3), st.booleans())
+def test_prefix_lm_matches_dense(s, prefixes, per_batch):
+    if per_batch:
+        ep = masks.prefix_lm(s, prefixes)
+        expect = prefixes
+    else:
+        ep = masks.prefix_lm(s, prefixes[0], batch=len(prefixes))
+        expect = [prefixes[0]] * len(prefixes)
+    assert ep.shape == (1, 1, len(expect) * s)
+    assert_matches(ep, ref_prefix(s, expect), s)
+
+
+def test_prefix_lm_batch_and_tensor_forms():
+    assert masks.prefix_lm(3, 2).tolist() == [[[2, 2, 3]]]
+    assert torch.equal(masks.prefix_lm(3, torch.tensor([1, 2])), masks.prefix_lm(3, [1, 2], batch=2))
+    assert torch.equal(masks.prefix_lm(3, torch.tensor(2)), masks.prefix_lm(3, 2))
+    with pytest.raises(ValueError, match="batch"):
+        masks.prefix_lm(3, [1, 2], batch=3)
+    with pytest.raises(ValueError, match=r"prefix_len\[1\]"):
+        masks.prefix_lm(3, [1, -2])
+
+
+# --------------------------------------------------------------------------------------------------
+# chunked
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_chunked(s: int, chunk: int, causal: bool, batch: int) -> torch.Tensor:
+    rows = [i for _ in range(batch) for i in range(s)]
+
+    def rule(i, k):
+        same = k // chunk == i // chunk
+        return same and (k <= i or not causal)
+
+    return dense_from_rule(rows, s, rule)
+
+
+@FAST
+@given(st.integers(1, 12), st.integers(1, 14), st.booleans(), st.integers(1, 3))
+def test_chunked_matches_dense(s, chunk, causal, batch):
+    ep = masks.chunked(s, chunk, causal=causal, batch=batch)
+    assert ep.shape == (1, 3, batch * s)
+    assert_matches(ep, ref_chunked(s, chunk, causal, batch), s)
+
+
+# --------------------------------------------------------------------------------------------------
+# from_dense
+# --------------------------------------------------------------------------------------------------
+
+
+def bool_tensor(draw, shape) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    flat = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    return torch.tensor(flat, dtype=torch.bool).reshape(shape)
+
+
+@st.composite
+def fixed_masks(draw):
+    h = draw(st.integers(1, 3))
+    t = draw(st.integers(0, 8))
+    sk = draw(st.integers(1, 9))
+    return bool_tensor(draw, (h, t, sk))
+
+
+@st.composite
+def varlen_masks(draw):
+    b = draw(st.integers(1, 4))
+    h = draw(st.integers(1, 3))
+    q_lens = draw(st.lists(st.integers(0, 4), min_size=b, max_size=b))
+    k_lens = draw(st.lists(st.integers(0, 6), min_size=b, max_size=b))
+    sk = max(k_lens) + draw(st.integers(0, 2))
+    t = sum(q_lens)
+    dense = bool_tensor(draw, (h, t, sk))
+    row_klen = torch.repeat_interleave(torch.tensor(k_lens), torch.tensor(q_lens))
+    dense &= torch.arange(sk)[None, None, :] < row_klen[None, :, None]
+    cu_q = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *k_lens]).cumsum(0).to(torch.int32)
+    return dense, cu_q, cu_k, row_klen
+
+
+@FAST
+@given(fixed_masks())
+def test_from_dense_round_trip_fixed(dense):
+    ep = masks.from_dense(dense)
+    h, t, sk = dense.shape
+    assert ep.shape == (h, minimal_nfunc(dense), t)
+    assert_matches(ep, dense, sk)
+
+
+@FAST
+@given(varlen_masks())
+def test_from_dense_round_trip_varlen(case):
+    dense, cu_q, cu_k, row_klen = case
+    ep = masks.from_dense(dense, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    h, t, sk = dense.shape
+    assert ep.shape == (h, minimal_nfunc(dense), t)
+    check_wellformed(ep, row_klen)
+    assert torch.equal(decode(ep, sk), dense)
+
+
+@FAST
+@given(fixed_masks())
+def test_from_dense_padding_repeats_last_endpoint(dense):
+    ep = masks.from_dense(dense)
+    # a row's representation is its minimal endpoints followed by copies of its last endpoint
+    for hh in range(dense.shape[0]):
+        for r in range(dense.shape[1]):
+            need = minimal_nfunc(dense[hh : hh + 1, r : r + 1])
+            row = ep[hh, :, r].tolist()
+            assert all(v == row[need - 1] for v in row[need:])
+            if not dense[hh, r].any():
+                assert row == [0] * len(row)
+
+
+def test_from_dense_examples():
+    t, f = True, False
+    m = torch.tensor([[[t, f, t, t], [f, t, f, f], [f, f, f, f], [t, t, t, t]]])
+    ep = masks.from_dense(m)
+    assert ep.tolist() == [[[1, 0, 0, 4], [2, 1, 0, 4], [4, 2, 0, 4]]]
+    # all rows start True with one run -> nfunc 1
+    assert masks.from_dense(torch.ones(2, 3, 5, dtype=torch.bool)).tolist() == [[[5, 5, 5]]] * 2
+    # all False -> nfunc 1, zeros
+    assert masks.from_dense(torch.zeros(1, 2, 3, dtype=torch.bool)).tolist() == [[[0, 0]]]
+    # no rows at all
+    assert masks.from_dense(torch.zeros(1, 0, 3, dtype=torch.bool)).shape == (1, 1, 0)
+
+
+def test_from_dense_matches_builders():
+    dense = decode(masks.sliding_window(7, 9, window_left=2, window_right=1, batch=2), 9)
+    assert torch.equal(decode(masks.from_dense(dense), 9), dense)
+    assert torch.equal(masks.from_dense(decode(masks.causal(5, 7, batch=2), 7)), masks.causal(5, 7, batch=2))
+
+
+def test_from_dense_large_chunked(monkeypatch):
+    # force many row chunks in the encoder and check it still round-trips
+    monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 64)
+    g = torch.Generator().manual_seed(0)
+    dense = torch.rand(2, 57, 13, generator=g) < 0.4
+    ep = masks.from_dense(dense)
+    assert ep.shape[1] == minimal_nfunc(dense)
+    assert_matches(ep, dense, 13)
+
+
+def test_from_dense_validation():
+    with pytest.raises(TypeError, match="mask"):
+        masks.from_dense([[[True]]])
+    with pytest.raises(TypeError, match="mask"):
+        masks.from_dense(torch.ones(1, 2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="mask"):
+        masks.from_dense(torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask"):
+        masks.from_dense(torch.ones(0, 2, 3, dtype=torch.bool))
+    m = torch.ones(1, 3, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 2]), cu_seqlens_k=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3]), cu_seqlens_k=torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3, 2, 3]), cu_seqlens_k=torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="same length"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3]), cu_seqlens_k=torch.tensor([0, 1, 2]))
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0.0, 3.0]), cu_seqlens_k=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="k_len"):
+        masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3]), cu_seqlens_k=torch.tensor([0, 5]))
+
+
+def test_from_dense_varlen_rejects_keys_past_k_len():
+    m = torch.zeros(2, 5, 4, dtype=torch.bool)
+    cu_q = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 7, 9], dtype=torch.int32)  # k_lens 4, 3, 2
+    m[:, :2, :] = True  # sample 0 may use all 4 keys
+    m[:, 2:, :2] = True
+    ep = masks.from_dense(m, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert ep.tolist() == [[[4, 4, 2, 2, 2]]] * 2
+    m[1, 3, 2] = True  # row 3 is in sample 2 (k_len 2)
+    with pytest.raises(ValueError, match=r"row 3\b.*head 1.*sample 2"):
+        masks.from_dense(m, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    # list forms of cu_seqlens are accepted too
+    m[1, 3, 2] = False
+    assert torch.equal(masks.from_dense(m, cu_seqlens_q=[0, 2, 2, 5], cu_seqlens_k=[0, 4, 7, 9]), ep)
+
+
+# --------------------------------------------------------------------------------------------------
+# from_mask_mod
+# --------------------------------------------------------------------------------------------------
+
+
+def test_from_mask_mod_causal_is_head_independent():
+    ep = masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 2, 4, 5, 5)
+    assert ep.shape[0] == 1
+    assert torch.equal(decode(ep, 5), decode(masks.causal(5, batch=2), 5))
+    assert torch.equal(masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 2, None, 5, 5), ep)
+
+
+def test_from_mask_mod_head_and_batch_dependent():
+    B, H, Sq, Sk = 3, 2, 4, 6
+
+    def rule(b, h, q, kv):
+        return ((kv - q) % (h + 2) == 0) | (kv < b)
+
+    ep = masks.from_mask_mod(rule, B, H, Sq, Sk, device="cpu")
+    assert ep.shape[0] == H
+    ref = torch.tensor(
+        [
+            [
+                [bool(((k - q) % (h + 2) == 0) or (k < b)) for k in range(Sk)]
+                for b in range(B)
+                for q in range(Sq)
+            ]
+            for h in range(H)
+        ]
+    )
+    assert ep.shape[1] == minimal_nfunc(ref)
+    assert_matches(ep, ref, Sk)
+
+
+@st.composite
+def dense_4d(draw):
+    b = draw(st.integers(1, 3))
+    h = draw(st.integers(1, 3))
+    sq = draw(st.integers(1, 5))
+    sk = draw(st.integers(1, 6))
+    dense = bool_tensor(draw, (b, h, sq, sk))
+    if draw(st.booleans()):
+        dense = dense[:, :1].expand(b, h, sq, sk).clone()  # all heads equal
+    return dense
+
+
+@FAST
+@given(dense_4d())
+def test_from_mask_mod_round_trip(dense):
+    b, h, sq, sk = dense.shape
+    ep = masks.from_mask_mod(lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], b, h, sq, sk)
+    heads_equal = bool((dense == dense[:, :1]).all())
+    flat = dense.permute(1, 0, 2, 3).reshape(h, b * sq, sk)  # row = b * Sq + q
+    expect = flat[:1] if heads_equal else flat
+    assert ep.shape == (expect.shape[0], minimal_nfunc(flat), b * sq)
+    assert_matches(ep, expect, sk)
+
+
+def test_from_mask_mod_validation():
+    with pytest.raises(TypeError, match="mask_mod"):
+        masks.from_mask_mod("causal", 1, 1, 2, 2)
+    with pytest.raises(TypeError, match="mask_mod"):
+        masks.from_mask_mod(lambda b, h, q, kv: (kv <= q).int(), 1, 1, 2, 2)
+    with pytest.raises(TypeError, match="mask_mod"):
+        masks.from_mask_mod(lambda b, h, q, kv: True, 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="broadcast"):
+        masks.from_mask_mod(lambda b, h, q, kv: torch.ones(3, 3, dtype=torch.bool), 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="Sq"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 0, 2)
+    with pytest.raises(TypeError, match="B"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1.5, 1, 2, 2)
+
+
+# --------------------------------------------------------------------------------------------------
+# argument validation of the analytic builders, device handling, docstring examples
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "pattern"),
+    [
+        (lambda: masks.causal(0), ValueError, "seqlen_q must be >= 1, got 0"),
+        (lambda: masks.causal(3, -1), ValueError, "seqlen_k"),
+        (lambda: masks.causal(3.0), TypeError, "seqlen_q"),
+        (lambda: masks.causal(True), TypeError, "seqlen_q"),
+        (lambda: masks.causal(3, batch=0), ValueError, "batch"),
+        (lambda: masks.causal(3, device=3), TypeError, "device"),
+        (lambda: masks.sliding_window(4, window_left=-3), ValueError, "window_left must be >= 0, got -3"),
+        (lambda: masks.sliding_window(4, window_left=1, window_right=-1), ValueError, "window_right"),
+        (lambda: masks.sliding_window(4, window_left=None), TypeError, "window_left"),
+        (lambda: masks.document([]), ValueError, "doc_lens"),
+        (lambda: masks.document([2, -1]), ValueError, r"doc_lens\[1\]"),
+        (lambda: masks.document([0, 0]), ValueError, "doc_lens"),
+        (lambda: masks.document([[1, 2], [2]]), ValueError, "same total length"),
+        (lambda: masks.document([[1, 2], 3]), TypeError, "doc_lens"),
+        (lambda: masks.document([1.5, 2]), TypeError, "doc_lens"),
+        (lambda: masks.document(5), TypeError, "doc_lens"),
+        (lambda: masks.document(torch.ones(2, 2, 2, dtype=torch.int64)), ValueError, "doc_lens"),
+        (lambda: masks.document([2, 2], causal=None), TypeError, "causal"),
+        (lambda: masks.document([2, 2], window_left=-1), ValueError, "window_left"),
+        (lambda: masks.prefix_lm(0, 1), ValueError, "seqlen"),
+        (lambda: masks.prefix_lm(4, -1), ValueError, "prefix_len"),
+        (lambda: masks.prefix_lm(4, "2"), TypeError, "prefix_len"),
+        (lambda: masks.prefix_lm(4, []), ValueError, "prefix_len"),
+        (lambda: masks.chunked(4, 0), ValueError, "chunk_size"),
+        (lambda: masks.chunked(4, 2, causal=1), TypeError, "causal"),
+        (lambda: masks.chunked(4, 2, batch=-1), ValueError, "batch"),
+    ],
+)
+def test_builder_validation(call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_device_argument_forms():
+    for dev in (None, "cpu", torch.device("cpu")):
+        for ep in (
+            masks.causal(3, device=dev),
+            masks.sliding_window(3, window_left=1, device=dev),
+            masks.document([1, 2], device=dev),
+            masks.prefix_lm(3, 1, device=dev),
+            masks.chunked(3, 2, device=dev),
+            masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 3, 3, device=dev),
+        ):
+            assert ep.device.type == "cpu"
+            assert ep.dtype == torch.int32 and ep.is_contiguous()
+
+
+def test_module_docstring_examples():
+    result = doctest.testmod(masks, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0
+    assert result.failed == 0
