@@ -22,6 +22,7 @@ import torch
 from .schema import PayloadLayoutSpec
 
 WORD_BITS = 32
+_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 class PayloadLayout(ABC):
@@ -61,24 +62,29 @@ class PayloadLayout(ABC):
             raise AssertionError(f"payload layout {self.layout_id} maps two elements to one bit")
         return flat
 
+    @cached_property
+    def _bit_source(self) -> torch.Tensor:
+        """int64 ``[words_per_tile * 32]``: the element feeding each bit (``tile_m * tile_n`` = padding)."""
+        n_elem = self.tile_m * self.tile_n
+        src = torch.full((self.words_per_tile * WORD_BITS,), n_elem, dtype=torch.int64)
+        src[self.flat_bit_index.reshape(-1)] = torch.arange(n_elem)
+        return src
+
     def pack(self, tiles: torch.Tensor) -> torch.Tensor:
         """bool ``[n, tile_m, tile_n]`` -> int32 ``[n, subtiles, groups, words_per_group]``."""
         n = tiles.shape[0]
-        flat = self.flat_bit_index.to(tiles.device).reshape(-1)
-        word_of = flat // WORD_BITS
-        values = tiles.reshape(n, -1).to(torch.int64) << (flat % WORD_BITS)
-        words = torch.zeros(n, self.words_per_tile, dtype=torch.int64, device=tiles.device)
-        words.index_add_(1, word_of, values)  # distinct bits of one word: add == or
-        words = torch.where(words >= 2**31, words - 2**32, words)
-        return words.to(torch.int32).reshape(n, self.subtiles, self.groups, self.words_per_group)
+        padded = torch.nn.functional.pad(tiles.reshape(n, -1).to(torch.uint8), (0, 1))
+        bits = padded[:, self._bit_source.to(tiles.device)].reshape(n, -1, 8)
+        # little-endian bytes: byte k of a word holds bits 8k..8k+7
+        byte = (bits << _BYTE_SHIFTS.to(tiles.device)).sum(-1, dtype=torch.uint8)
+        return byte.view(torch.int32).reshape(n, self.subtiles, self.groups, self.words_per_group)
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """int32 ``[n, subtiles, groups, words_per_group]`` -> bool ``[n, tile_m, tile_n]``."""
         n = words.shape[0]
-        flat = self.flat_bit_index.to(words.device)
-        w64 = words.reshape(n, -1).to(torch.int64) & 0xFFFFFFFF
-        picked = w64[:, (flat // WORD_BITS).reshape(-1)].reshape(n, self.tile_m, self.tile_n)
-        return ((picked >> (flat % WORD_BITS)) & 1).to(torch.bool)
+        byte = words.contiguous().reshape(n, -1).view(torch.uint8)
+        bits = ((byte.unsqueeze(-1) >> _BYTE_SHIFTS.to(words.device)) & 1).reshape(n, -1)
+        return bits[:, self.flat_bit_index.to(words.device).reshape(-1)].reshape(n, self.tile_m, self.tile_n).bool()
 
     def __repr__(self) -> str:
         return (

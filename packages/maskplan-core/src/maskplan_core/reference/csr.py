@@ -19,7 +19,7 @@ import torch
 from ..payload import PayloadLayout
 from .block_geometry import BlockGeometry
 from .classify import Classification, unpack_bits
-from .intervals import interval_bounds, tile_predicates
+from .intervals import tile_predicates
 
 def exclusive_offsets(counts: torch.Tensor) -> torch.Tensor:
     flat = counts.reshape(-1).to(torch.int64)
@@ -70,8 +70,7 @@ def pack_payloads(mask_func, geom: BlockGeometry, layout: PayloadLayout, head, q
     if (layout.tile_m, layout.tile_n) != (geom.tile_m, geom.tile_n):
         raise ValueError(f"{layout!r} does not match the view tile {geom.tile_m}x{geom.tile_n}")
     row_b, row_m = geom.q_row_owner()
-    starts, ends = interval_bounds(mask_func)
-    tiles = tile_predicates(starts, ends, geom, head, row_b[q_row], row_m[q_row], n_block, mask_func.shape[2])
+    tiles = tile_predicates(mask_func, geom, head, row_b[q_row], row_m[q_row], n_block)
     return layout.pack(tiles)
 
 

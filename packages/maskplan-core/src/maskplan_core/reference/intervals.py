@@ -45,22 +45,26 @@ def block_visible_counts(starts, ends, geom: BlockGeometry, batch, m_block, tota
     return (hi - lo).clamp_min(0).sum(1), valid
 
 
-def tile_predicates(starts, ends, geom: BlockGeometry, head, batch, m_block, n_block, total_q) -> torch.Tensor:
-    """bool ``[n, tile_m, tile_n]``: which score elements of each listed tile are visible and in bounds."""
-    n = head.numel()
+def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_block) -> torch.Tensor:
+    """bool ``[n, tile_m, tile_n]``: which score elements of each listed tile are visible and in bounds.
+
+    With ``G = [0, F0, F1, ...]`` (sorted), key ``x`` is visible iff an odd number of ``G`` values
+    are ``<= x``: one binary search per element instead of a test per interval.
+    """
+    n, total_q = head.numel(), mask_func.shape[2]
     out = torch.empty(n, geom.tile_m, geom.tile_n, dtype=torch.bool, device=head.device)
-    per_entry = starts.shape[1] * geom.tile_m * geom.tile_n
-    step = max(1, CHUNK_ELEMENTS // per_entry)
-    u = torch.arange(geom.tile_n, device=head.device)
+    step = max(1, CHUNK_ELEMENTS // (geom.tile_m * geom.tile_n))
+    u = torch.arange(geom.tile_n, device=head.device, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=head.device)
     for c in range(0, n, step):
         sl = slice(c, c + step)
         h, b = head[sl], batch[sl]
         tok, row_ok = row_tokens(geom, b, m_block[sl], total_q)
-        st = starts[h.unsqueeze(-1), :, tok].transpose(1, 2)  # [c, I, tm]
-        en = ends[h.unsqueeze(-1), :, tok].transpose(1, 2)
-        key = n_block[sl].unsqueeze(-1) * geom.tile_n + u  # [c, tn]
+        ends = mask_func[h.unsqueeze(-1), :, tok]  # [c, tm, nfunc]
+        g = torch.cat([zero.expand(*ends.shape[:2], 1), ends], -1)
+        key = (n_block[sl].to(torch.int32).unsqueeze(-1) * geom.tile_n + u)  # [c, tn]
         col_ok = key < geom.k_lens[b].unsqueeze(-1)
-        key = key[:, None, None, :]
-        hit = ((key >= st.unsqueeze(-1)) & (key < en.unsqueeze(-1))).any(1)  # [c, tm, tn]
-        out[sl] = hit & row_ok.unsqueeze(-1) & col_ok.unsqueeze(1)
+        keys = key.unsqueeze(1).expand(-1, geom.tile_m, -1).contiguous()
+        hits = torch.searchsorted(g.contiguous(), keys, right=True, out_int32=True)
+        out[sl] = ((hits & 1) == 1) & row_ok.unsqueeze(-1) & col_ok.unsqueeze(1)
     return out
