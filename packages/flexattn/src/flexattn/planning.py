@@ -6,7 +6,6 @@ import logging
 
 import torch
 from maskplan_core import MaskPlan, PlanGeometry, ViewConfig, ViewRequest, validate_plan_inputs
-from maskplan_core.reference import build_plan
 from maskplan_core.validation import require_optional_bool
 
 from .registry import arch_family, consumer_for
@@ -78,4 +77,4 @@ def create_mask_plan(
         family, cc = target, None
     consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
     log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
-    return build_plan(mask_func, geometry, fwd, bwd, consumer.name)
+    return consumer.build_plan(mask_func, geometry, fwd, bwd)

@@ -84,6 +84,13 @@ class Consumer(ABC):
     def resolve(self, request: ViewRequest) -> ViewConfig:
         """Return the view config for ``request`` or raise ``UnsupportedConfigError``."""
 
+    def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None) -> MaskPlan:
+        """Plan with this consumer's views. The default runs the reference planner (any device);
+        a consumer with GPU planner kernels overrides it."""
+        from .reference.builder import build_plan
+
+        return build_plan(mask_func, geometry, forward, backward, self.name)
+
     @abstractmethod
     def forward(
         self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool

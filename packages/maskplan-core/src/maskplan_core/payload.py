@@ -73,8 +73,8 @@ class PayloadLayout(ABC):
     def pack(self, tiles: torch.Tensor) -> torch.Tensor:
         """bool ``[n, tile_m, tile_n]`` -> int32 ``[n, subtiles, groups, words_per_group]``."""
         n = tiles.shape[0]
-        padded = torch.nn.functional.pad(tiles.reshape(n, -1).to(torch.uint8), (0, 1))
-        bits = padded[:, self._bit_source.to(tiles.device)].reshape(n, -1, 8)
+        padded = torch.nn.functional.pad(tiles.reshape(n, self.tile_m * self.tile_n).to(torch.uint8), (0, 1))
+        bits = padded[:, self._bit_source.to(tiles.device)].reshape(n, self.words_per_tile * 4, 8)
         # little-endian bytes: byte k of a word holds bits 8k..8k+7
         byte = (bits << _BYTE_SHIFTS.to(tiles.device)).sum(-1, dtype=torch.uint8)
         return byte.view(torch.int32).reshape(n, self.subtiles, self.groups, self.words_per_group)
@@ -82,8 +82,8 @@ class PayloadLayout(ABC):
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """int32 ``[n, subtiles, groups, words_per_group]`` -> bool ``[n, tile_m, tile_n]``."""
         n = words.shape[0]
-        byte = words.contiguous().reshape(n, -1).view(torch.uint8)
-        bits = ((byte.unsqueeze(-1) >> _BYTE_SHIFTS.to(words.device)) & 1).reshape(n, -1)
+        byte = words.contiguous().reshape(n, self.words_per_tile).view(torch.uint8)
+        bits = ((byte.unsqueeze(-1) >> _BYTE_SHIFTS.to(words.device)) & 1).reshape(n, self.words_per_tile * 32)
         return bits[:, self.flat_bit_index.to(words.device).reshape(-1)].reshape(n, self.tile_m, self.tile_n).bool()
 
     def __repr__(self) -> str:

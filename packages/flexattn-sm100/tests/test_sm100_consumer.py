@@ -1,0 +1,196 @@
+"""Sm100Consumer.resolve: variants per head-dim pair, rejections, JSON, no kernels, never on hardware."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from flexattn_sm100 import (
+    FWD_VARIANTS,
+    Sm100Consumer,
+    Sm100FwdConfig,
+    __version__,
+    select_bwd_config,
+    select_fwd_config,
+)
+from maskplan_core.consumer import Consumer, ViewRequest
+from maskplan_core.errors import ConsumerNotFoundError, UnsupportedConfigError
+from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
+
+PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+
+# dims -> (kernel_family, (tile_m, tile_n), q_stage, cta_group_size, cluster_axis, layout_id suffix,
+#          (subtiles, groups, words))
+FORWARD = {
+    (64, 64): ("sm100-fwd-qstage2-1cta-v1", (256, 128), 2, 1, "none", "256x128", (2, 128, 4)),
+    (96, 96): ("sm100-fwd-qstage2-1cta-v1", (256, 128), 2, 1, "none", "256x128", (2, 128, 4)),
+    (128, 128): ("sm100-fwd-qstage1-2cta-v1", (256, 128), 1, 2, "m", "256x128", (2, 128, 4)),
+    (192, 128): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
+    (256, 256): ("sm100-fwd-d256-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
+}  # fmt: skip
+BACKWARD = {
+    (64, 64): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
+    (96, 96): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
+    (128, 128): ("sm100-bwd-k2q-v1", (128, 256), 1, 2, "n", "128x256-wg2-kq", (2, 256, 2)),
+    (192, 128): ("sm100-bwd-k2q-v1", (128, 256), 1, 2, "n", "128x256-wg2-kq", (2, 256, 2)),
+    (256, 256): ("sm100-bwd-d256-k2q-v1", (64, 128), 1, 1, "none", "64x128-kq", (1, 128, 2)),
+}  # fmt: skip
+
+
+def request(direction="forward", dims=(128, 128), **overrides) -> ViewRequest:
+    fields = dict(
+        arch_family="sm100",
+        direction=direction,
+        head_dim_qk=dims[0],
+        head_dim_v=dims[1],
+        num_heads_q=8,
+        num_heads_kv=8,
+        mask_heads=8,
+        dtype="float16",
+        varlen=True,
+    )
+    fields.update(overrides)
+    return ViewRequest(**fields)
+
+
+def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
+    table = FORWARD if direction == "forward" else BACKWARD
+    kernel, tile, q_stage, cta, axis, suffix, (s, g, w) = table[dims]
+    return PlanSignature(
+        arch_family="sm100",
+        direction=direction,
+        kernel_family=kernel,
+        topology=Topology(
+            tile_m=tile[0], tile_n=tile[1], q_stage=q_stage, cta_group_size=cta, cluster_axis=axis
+        ),
+        mma_layout="tcgen05-tmem-ld32x32b",
+        payload=PayloadLayoutSpec(
+            layout_id="sm100-tmem-ld32x32b-v1-" + suffix,
+            physical_subtiles=s,
+            payload_groups=g,
+            words_per_group=w,
+        ),
+        scheduler_layout="plan-clc-persistent-v1" if direction == "forward" else "k-major-grid-v1",
+        dq_order_format="none" if direction == "forward" else "rank_int32",
+    )
+
+
+def test_consumer_identity():
+    c = Sm100Consumer()
+    assert isinstance(c, Consumer)
+    assert c.name == "flexattn-sm100"
+    assert c.arch_families == ("sm100",)
+    assert Sm100Consumer.hardware_verified is False
+
+
+def test_version_matches_pyproject():
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == __version__
+    assert 'sm100 = "flexattn_sm100.consumer:Sm100Consumer"' in text
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_resolve_signature(direction, dims):
+    view = Sm100Consumer().resolve(request(direction, dims))
+    want = expected(direction, dims)
+    assert want.diff(view.signature) == []
+    assert view.signature == want
+    assert view.layout.spec == view.signature.payload
+    assert (view.layout.tile_m, view.layout.tile_n) == (view.tile_m, view.tile_n)
+    assert view.layout.transposed is (direction == "backward")
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_signature_json_round_trip(direction, dims):
+    sig = Sm100Consumer().resolve(request(direction, dims)).signature
+    again = PlanSignature.model_validate_json(sig.model_dump_json())
+    assert again == sig and again.diff(sig) == []
+
+
+def test_pack_gqa_none_and_false_resolve_to_false():
+    for value in (None, False):
+        assert Sm100Consumer().resolve(request(pack_gqa=value)).signature.topology.pack_gqa is False
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (128, 64), (256, 128), (32, 32)])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_rejects_head_dims(direction, dims):
+    with pytest.raises(UnsupportedConfigError, match=r"head_dim_qk, head_dim_v") as info:
+        Sm100Consumer().resolve(request(direction, dims))
+    assert isinstance(info.value, ValueError)
+    assert f"({dims[0]}, {dims[1]})" in str(info.value) and "(256, 256)" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rejects_dtype(dtype):
+    with pytest.raises(UnsupportedConfigError, match=rf"dtype='{dtype}'.*'float16', 'bfloat16'"):
+        Sm100Consumer().resolve(request(dtype=dtype))
+
+
+def test_rejects_pack_gqa():
+    with pytest.raises(
+        UnsupportedConfigError, match="pack_gqa=True.*PackGQA arrives with the SM100 forward kernel"
+    ):
+        Sm100Consumer().resolve(request(pack_gqa=True))
+
+
+@pytest.mark.parametrize(
+    "overrides, argument",
+    [
+        ({"arch_family": "sm90"}, "arch_family"),
+        ({"compute_capability": (9, 0)}, "compute_capability"),
+        ({"compute_capability": (12, 0)}, "compute_capability"),
+        ({"num_heads_q": 6, "num_heads_kv": 4}, "num_heads_q"),
+    ],
+)
+def test_rejects_other_arguments(overrides, argument):
+    with pytest.raises(UnsupportedConfigError, match=argument):
+        Sm100Consumer().resolve(request(**overrides))
+
+
+@pytest.mark.parametrize("cc", [(10, 0), (10, 3)])
+def test_accepts_sm100_and_sm103(cc):
+    assert Sm100Consumer().resolve(request(compute_capability=cc)).signature.arch_family == "sm100"
+
+
+def test_forward_and_backward_have_no_kernel_and_say_so():
+    c = Sm100Consumer()
+    with pytest.raises(
+        ConsumerNotFoundError, match="flexattn-sm100 0.1.0 has no SM100 forward kernel yet"
+    ) as info:
+        c.forward(None, None, None, None, softmax_scale=1.0, return_max_logit=False)
+    assert "never run on SM100 hardware" in str(info.value)
+    with pytest.raises(
+        ConsumerNotFoundError, match="no SM100 backward kernel yet.*never run on SM100 hardware"
+    ):
+        c.backward(None, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=True)
+
+
+def test_variant_override_and_mask_delivery():
+    for name in ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta"):
+        cfg = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant=name)
+        assert cfg.variant is FWD_VARIANTS[name]
+    two_cta = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    assert two_cta.mask_smem_bytes_per_cta == 2 * 2048  # spec 6.2: 128 groups x 4 words x 4 B per stage
+    direct = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16")
+    assert direct.mask_smem_bytes_per_cta == 0  # qstage2 + 1CTA loads payloads GMEM -> registers
+    with pytest.raises(UnsupportedConfigError, match="variant='d256'"):
+        select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant="d256")
+    with pytest.raises(UnsupportedConfigError, match="variant='qstage2-1cta'"):
+        select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16", variant="qstage2-1cta")
+
+
+def test_configs_are_frozen_and_keyed():
+    cfg = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="float16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.varlen = True
+    key = dict(cfg.compile_key())
+    assert key["variant"].cta_group_size == 2 and key["variant"].cluster_axis == "n"
+    assert (cfg.tile_m, cfg.tile_n) == (128, 256)
+    with pytest.raises(ValueError, match="variant="):
+        Sm100FwdConfig(head_dim_qk=64, head_dim_v=64, dtype="float16", variant=cfg.variant)

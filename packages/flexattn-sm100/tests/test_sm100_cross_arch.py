@@ -1,0 +1,73 @@
+"""SM90 and SM100 views of the same problem are different ABIs: their signatures must say where."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexattn_sm100 import Sm100Consumer
+from maskplan_core.consumer import ViewRequest
+
+sm90 = pytest.importorskip("flexattn_sm90")
+
+PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+ALWAYS_DIFFERENT = {"arch_family", "kernel_family", "mma_layout", "payload.layout_id"}
+
+
+def resolve(consumer, arch: str, direction: str, dims: tuple[int, int]):
+    req = ViewRequest(
+        arch_family=arch,
+        direction=direction,
+        head_dim_qk=dims[0],
+        head_dim_v=dims[1],
+        num_heads_q=4,
+        num_heads_kv=4,
+        mask_heads=1,
+        dtype="bfloat16",
+        varlen=False,
+    )
+    return consumer.resolve(req).signature
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_sm90_and_sm100_signatures_differ(direction, dims):
+    a = resolve(sm90.Sm90Consumer(), "sm90", direction, dims)
+    b = resolve(Sm100Consumer(), "sm100", direction, dims)
+    fields = {d.field for d in a.diff(b)}
+    assert ALWAYS_DIFFERENT <= fields
+    assert fields == {d.field for d in b.diff(a)}
+    assert "direction" not in fields and "abi_version" not in fields
+    if direction == "forward":
+        assert "scheduler_layout" in fields  # software atomic queue vs hardware CLC queue
+
+
+def test_forward_d128_diff_is_exact():
+    a = resolve(sm90.Sm90Consumer(), "sm90", "forward", (128, 128))
+    b = resolve(Sm100Consumer(), "sm100", "forward", (128, 128))
+    diffs = {d.field: (d.expected, d.actual) for d in a.diff(b)}
+    assert diffs == {
+        "arch_family": ("sm90", "sm100"),
+        "kernel_family": ("sm90-fwd-persistent-v1", "sm100-fwd-qstage1-2cta-v1"),
+        "topology.tile_m": (128, 256),
+        "topology.cta_group_size": (1, 2),
+        "topology.cluster_axis": ("none", "m"),
+        "mma_layout": ("wgmma-m64nNk16-acc", "tcgen05-tmem-ld32x32b"),
+        "payload.layout_id": ("sm90-wgmma-acc-v1-128x128", "sm100-tmem-ld32x32b-v1-256x128"),
+        "payload.physical_subtiles": (1, 2),
+        "payload.payload_groups": (256, 128),
+        "payload.words_per_group": (2, 4),
+        "scheduler_layout": ("plan-dynamic-persistent-atomic-v1", "plan-clc-persistent-v1"),
+    }
+
+
+def test_backward_d64_diff_is_exact():
+    a = resolve(sm90.Sm90Consumer(), "sm90", "backward", (64, 64))
+    b = resolve(Sm100Consumer(), "sm100", "backward", (64, 64))
+    assert [d.field for d in a.diff(b)] == [
+        "arch_family",
+        "kernel_family",
+        "topology.tile_m",
+        "mma_layout",
+        "payload.layout_id",
+        "payload.words_per_group",
+    ]

@@ -1,0 +1,160 @@
+"""Static configurations of the SM90 forward and backward kernels.
+
+Every field is compile-time: it becomes a ``cutlass.Constexpr`` of the kernel and part of its
+compile key (``field.metadata["constexpr"]`` says so, :meth:`compile_key` collects them).
+Runtime values (softmax scale, sequence lengths, the plan's tensors, the scheduler counter) are
+launch arguments, never config fields. Choosing a config from a problem is
+:mod:`flexattn_sm90.heuristics`; turning one into a plan signature is :meth:`plan_signature`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from maskplan_core.schema import PlanSignature, Topology
+
+from .payload_layout import WgmmaAccumulatorLayout, wgmma_layout
+
+ARCH_FAMILY = "sm90"
+MMA_LAYOUT = "wgmma-m64nNk16-acc"
+FWD_KERNEL_FAMILY = "sm90-fwd-persistent-v1"
+BWD_KERNEL_FAMILY = "sm90-bwd-k2q-v1"
+FWD_SCHEDULER_LAYOUT = "plan-dynamic-persistent-atomic-v1"
+BWD_SCHEDULER_LAYOUT = "k-major-grid-v1"
+
+DType = Literal["float16", "bfloat16"]
+
+
+#: ``field`` metadata of a compile-time (``cutlass.Constexpr``) field
+CONSTEXPR = {"constexpr": True}
+
+
+class _KernelConfig:
+    def compile_key(self) -> tuple:
+        """``(name, value)`` of every compile-time field, in declaration order."""
+        return tuple(
+            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("constexpr")
+        )
+
+    def _check_common(self) -> None:
+        if self.dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}: SM90 kernels take 'float16' or 'bfloat16'")
+        if self.tile_m <= 0 or self.tile_n <= 0 or self.num_consumer_warpgroups <= 0:
+            raise ValueError(f"tile {self.tile_m}x{self.tile_n} / warpgroups must be positive")
+        if self.mask_pipeline_stages < 1:
+            raise ValueError(f"mask_pipeline_stages={self.mask_pipeline_stages} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig(_KernelConfig):
+    """Persistent warp-specialised forward: one producer warpgroup, ``num_consumer_warpgroups``
+    MMA/softmax warpgroups, each owning 64 Q rows of the ``tile_m x tile_n`` score tile."""
+
+    head_dim_qk: int = field(metadata=CONSTEXPR)
+    head_dim_v: int = field(metadata=CONSTEXPR)
+    dtype: DType = field(metadata=CONSTEXPR)
+    tile_m: int = field(default=128, metadata=CONSTEXPR)
+    tile_n: int = field(default=128, metadata=CONSTEXPR)
+    num_consumer_warpgroups: int = field(default=2, metadata=CONSTEXPR)
+    pack_gqa: bool = field(default=False, metadata=CONSTEXPR)
+    qhead_per_kvhead: int = field(default=1, metadata=CONSTEXPR)
+    varlen: bool = field(default=False, metadata=CONSTEXPR)
+    #: stages of the SMEM packed-mask pipeline (spec 6.2); each stage holds one CTA payload plane
+    mask_pipeline_stages: int = field(default=2, metadata=CONSTEXPR)
+    kv_stages: int = field(default=2, metadata=CONSTEXPR)
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        if self.tile_m != 64 * self.num_consumer_warpgroups:
+            raise ValueError(
+                f"tile_m={self.tile_m} must equal 64 * num_consumer_warpgroups "
+                f"({self.num_consumer_warpgroups}): each consumer warpgroup owns 64 Q rows"
+            )
+        self.payload_layout  # noqa: B018 - validates the tile against the wgmma atom
+
+    @property
+    def payload_layout(self) -> WgmmaAccumulatorLayout:
+        return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, False)
+
+    @property
+    def mask_smem_bytes(self) -> int:
+        """SMEM of the packed-mask pipeline: stages x groups x words x 4 bytes."""
+        layout = self.payload_layout
+        return self.mask_pipeline_stages * layout.words_per_tile * 4
+
+    def topology(self) -> Topology:
+        return Topology(
+            tile_m=self.tile_m,
+            tile_n=self.tile_n,
+            q_stage=1,
+            cta_group_size=1,
+            cluster_axis="none",
+            pack_gqa=self.pack_gqa,
+            qhead_per_kvhead=self.qhead_per_kvhead,
+        )
+
+    def plan_signature(self) -> PlanSignature:
+        return PlanSignature(
+            arch_family=ARCH_FAMILY,
+            direction="forward",
+            kernel_family=FWD_KERNEL_FAMILY,
+            topology=self.topology(),
+            mma_layout=MMA_LAYOUT,
+            payload=self.payload_layout.spec,
+            scheduler_layout=FWD_SCHEDULER_LAYOUT,
+            dq_order_format="none",
+        )
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig(_KernelConfig):
+    """K-major backward (dK/dV per K block, dQ accumulated in ``dq_write_order``).
+
+    ``tile_m`` Q rows x ``tile_n`` K columns is the score tile the planner classifies; the kernel
+    computes it transposed (``S^T``, K rows x Q columns) with warpgroups owning K rows, which is
+    why its payload layout is ``WgmmaAccumulatorLayout(..., transposed=True)``.
+    """
+
+    head_dim_qk: int = field(metadata=CONSTEXPR)
+    head_dim_v: int = field(metadata=CONSTEXPR)
+    dtype: DType = field(metadata=CONSTEXPR)
+    tile_m: int = field(default=64, metadata=CONSTEXPR)
+    tile_n: int = field(default=128, metadata=CONSTEXPR)
+    num_consumer_warpgroups: int = field(default=2, metadata=CONSTEXPR)
+    qhead_per_kvhead: int = field(default=1, metadata=CONSTEXPR)
+    varlen: bool = field(default=False, metadata=CONSTEXPR)
+    mask_pipeline_stages: int = field(default=2, metadata=CONSTEXPR)
+    q_stages: int = field(default=2, metadata=CONSTEXPR)
+
+    def __post_init__(self) -> None:
+        self._check_common()
+        self.payload_layout  # noqa: B018 - validates the warpgroup tiling of S^T
+
+    @property
+    def payload_layout(self) -> WgmmaAccumulatorLayout:
+        return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, True)
+
+    def topology(self) -> Topology:
+        return Topology(
+            tile_m=self.tile_m,
+            tile_n=self.tile_n,
+            q_stage=1,
+            cta_group_size=1,
+            cluster_axis="none",
+            pack_gqa=False,
+            qhead_per_kvhead=self.qhead_per_kvhead,
+        )
+
+    def plan_signature(self) -> PlanSignature:
+        return PlanSignature(
+            arch_family=ARCH_FAMILY,
+            direction="backward",
+            kernel_family=BWD_KERNEL_FAMILY,
+            topology=self.topology(),
+            mma_layout=MMA_LAYOUT,
+            payload=self.payload_layout.spec,
+            scheduler_layout=BWD_SCHEDULER_LAYOUT,
+            dq_order_format="rank_int32",
+        )

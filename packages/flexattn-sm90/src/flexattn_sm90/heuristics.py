@@ -1,0 +1,97 @@
+"""Config selection for the SM90 kernels: problem -> :class:`Sm90FwdConfig` / :class:`Sm90BwdConfig`.
+
+The tile is chosen by head dims only (so one plan serves every sequence length):
+
+==============  ============  ==========================  ====================================
+(Dqk, Dv)       forward tile  backward tile (Q x K)       why
+==============  ============  ==========================  ====================================
+(64, 64)        128 x 128     64 x 128                    two consumer warpgroups x m64n128
+(96, 96)        128 x 128     64 x 128
+(128, 128)      128 x 128     64 x 128
+(192, 128)      128 x 128     64 x 64
+(256, 256)      128 x 64      64 x 64                     N64 leaves SMEM for the 2-stage mask
+                                                          pipeline (spec 6.2)
+==============  ============  ==========================  ====================================
+
+Backward: the tile is ``tile_m`` Q rows x ``tile_n`` K columns; the kernel's two consumer
+warpgroups compute ``S^T`` (K rows x Q columns): for 64x128 each takes 64 K rows, for 64x64
+they split the 64 Q columns (32 each).
+"""
+
+from __future__ import annotations
+
+from maskplan_core.errors import UnsupportedConfigError
+
+from .config import Sm90BwdConfig, Sm90FwdConfig
+
+SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedConfigError(
+            f"dtype={dtype!r} is not supported by flexattn-sm90; supported dtype values: "
+            + ", ".join(repr(d) for d in SUPPORTED_DTYPES)
+        )
+
+
+def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
+    if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
+        raise UnsupportedConfigError(
+            f"(head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}) is not supported by flexattn-sm90; "
+            f"supported (head_dim_qk, head_dim_v) pairs: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+
+
+def fwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """Forward ``(tile_m, tile_n)``."""
+    check_head_dims(head_dim_qk, head_dim_v)
+    return (128, 64) if head_dim_qk > 192 else (128, 128)
+
+
+def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """Backward ``(tile_m, tile_n)`` = (Q rows, K columns) of the score tile."""
+    check_head_dims(head_dim_qk, head_dim_v)
+    return (64, 128) if max(head_dim_qk, head_dim_v) <= 128 else (64, 64)
+
+
+def select_fwd_config(
+    *,
+    head_dim_qk: int,
+    head_dim_v: int,
+    dtype: str,
+    pack_gqa: bool = False,
+    qhead_per_kvhead: int = 1,
+    varlen: bool = False,
+) -> Sm90FwdConfig:
+    check_dtype(dtype)
+    tile_m, tile_n = fwd_tile(head_dim_qk, head_dim_v)
+    return Sm90FwdConfig(
+        head_dim_qk=head_dim_qk,
+        head_dim_v=head_dim_v,
+        dtype=dtype,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        num_consumer_warpgroups=tile_m // 64,
+        pack_gqa=pack_gqa,
+        qhead_per_kvhead=qhead_per_kvhead,
+        varlen=varlen,
+    )
+
+
+def select_bwd_config(
+    *, head_dim_qk: int, head_dim_v: int, dtype: str, qhead_per_kvhead: int = 1, varlen: bool = False
+) -> Sm90BwdConfig:
+    check_dtype(dtype)
+    tile_m, tile_n = bwd_tile(head_dim_qk, head_dim_v)
+    return Sm90BwdConfig(
+        head_dim_qk=head_dim_qk,
+        head_dim_v=head_dim_v,
+        dtype=dtype,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        num_consumer_warpgroups=2,
+        qhead_per_kvhead=qhead_per_kvhead,
+        varlen=varlen,
+    )

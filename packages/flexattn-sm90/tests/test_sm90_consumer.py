@@ -1,0 +1,177 @@
+"""Sm90Consumer.resolve: signatures per head-dim pair, rejections, JSON, no kernels yet."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from flexattn_sm90 import Sm90BwdConfig, Sm90Consumer, Sm90FwdConfig, __version__, select_fwd_config
+from maskplan_core.consumer import Consumer, ViewRequest
+from maskplan_core.errors import ConsumerNotFoundError, UnsupportedConfigError
+from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
+
+PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+
+
+def request(direction="forward", dims=(128, 128), **overrides) -> ViewRequest:
+    fields = dict(
+        arch_family="sm90",
+        direction=direction,
+        head_dim_qk=dims[0],
+        head_dim_v=dims[1],
+        num_heads_q=8,
+        num_heads_kv=2,
+        mask_heads=1,
+        dtype="bfloat16",
+        varlen=False,
+    )
+    fields.update(overrides)
+    return ViewRequest(**fields)
+
+
+def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
+    if direction == "forward":
+        tile, layout_id, words = ((128, 64), "sm90-wgmma-acc-v1-128x64", 1) if dims[0] == 256 else (
+            (128, 128), "sm90-wgmma-acc-v1-128x128", 2)  # fmt: skip
+        kernel, scheduler, dq = "sm90-fwd-persistent-v1", "plan-dynamic-persistent-atomic-v1", "none"
+    else:
+        tile, layout_id = ((64, 128), "sm90-wgmma-acc-v1-64x128-kq") if max(dims) <= 128 else (
+            (64, 64), "sm90-wgmma-acc-v1-64x64-wg1x2-kq")  # fmt: skip
+        words, kernel, scheduler, dq = 1, "sm90-bwd-k2q-v1", "k-major-grid-v1", "rank_int32"
+    return PlanSignature(
+        arch_family="sm90",
+        direction=direction,
+        kernel_family=kernel,
+        topology=Topology(tile_m=tile[0], tile_n=tile[1], qhead_per_kvhead=4),
+        mma_layout="wgmma-m64nNk16-acc",
+        payload=PayloadLayoutSpec(
+            layout_id=layout_id, physical_subtiles=1, payload_groups=256, words_per_group=words
+        ),
+        scheduler_layout=scheduler,
+        dq_order_format=dq,
+    )
+
+
+def test_consumer_identity():
+    c = Sm90Consumer()
+    assert isinstance(c, Consumer)
+    assert c.name == "flexattn-sm90"
+    assert c.arch_families == ("sm90",)
+
+
+def test_version_matches_pyproject():
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == __version__
+    assert 'sm90 = "flexattn_sm90.consumer:Sm90Consumer"' in text
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_resolve_signature(direction, dims):
+    view = Sm90Consumer().resolve(request(direction, dims))
+    want = expected(direction, dims)
+    assert want.diff(view.signature) == []
+    assert view.signature == want
+    assert view.layout.spec == view.signature.payload
+    assert (view.layout.tile_m, view.layout.tile_n) == (view.tile_m, view.tile_n)
+    assert view.layout.transposed is (direction == "backward")
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
+def test_signature_json_round_trip(direction, dims):
+    sig = Sm90Consumer().resolve(request(direction, dims)).signature
+    again = PlanSignature.model_validate_json(sig.model_dump_json())
+    assert again == sig and again.diff(sig) == []
+
+
+def test_pack_gqa_none_and_false_resolve_to_false():
+    c = Sm90Consumer()
+    for value in (None, False):
+        assert c.resolve(request(pack_gqa=value)).signature.topology.pack_gqa is False
+
+
+def test_varlen_and_dtype_do_not_change_the_signature():
+    c = Sm90Consumer()
+    base = c.resolve(request()).signature
+    assert c.resolve(request(varlen=True)).signature == base
+    assert c.resolve(request(dtype="float16")).signature == base
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (128, 64), (256, 128), (32, 32), (192, 192)])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_rejects_head_dims(direction, dims):
+    with pytest.raises(UnsupportedConfigError, match=r"head_dim_qk, head_dim_v") as info:
+        Sm90Consumer().resolve(request(direction, dims))
+    assert isinstance(info.value, ValueError)
+    assert f"({dims[0]}, {dims[1]})" in str(info.value)
+    assert "(192, 128)" in str(info.value)  # lists the supported pairs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_rejects_dtype(dtype):
+    with pytest.raises(UnsupportedConfigError, match=rf"dtype='{dtype}'.*'float16', 'bfloat16'"):
+        Sm90Consumer().resolve(request(dtype=dtype))
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_rejects_pack_gqa(direction):
+    with pytest.raises(
+        UnsupportedConfigError, match="pack_gqa=True.*PackGQA arrives with the SM90 forward kernel"
+    ):
+        Sm90Consumer().resolve(request(direction, pack_gqa=True))
+
+
+@pytest.mark.parametrize(
+    "overrides, argument",
+    [
+        ({"arch_family": "sm100"}, "arch_family"),
+        ({"compute_capability": (8, 0)}, "compute_capability"),
+        ({"compute_capability": (10, 0)}, "compute_capability"),
+        ({"num_heads_q": 6, "num_heads_kv": 4}, "num_heads_q"),
+    ],
+)
+def test_rejects_other_arguments(overrides, argument):
+    with pytest.raises(UnsupportedConfigError, match=argument):
+        Sm90Consumer().resolve(request(**overrides))
+
+
+def test_accepts_hopper_compute_capability():
+    assert Sm90Consumer().resolve(request(compute_capability=(9, 0))).signature.arch_family == "sm90"
+
+
+def test_forward_and_backward_have_no_kernel_yet():
+    c = Sm90Consumer()
+    with pytest.raises(
+        ConsumerNotFoundError, match="flexattn-sm90 0.1.0 has no SM90 forward kernel yet"
+    ) as info:
+        c.forward(None, None, None, None, softmax_scale=1.0, return_max_logit=False)
+    assert "Run on CPU tensors for the reference path" in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    with pytest.raises(ConsumerNotFoundError, match="no SM90 backward kernel yet"):
+        c.backward(None, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=False)
+
+
+def test_configs_are_frozen_and_keyed():
+    cfg = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    assert isinstance(cfg, Sm90FwdConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile_m = 64
+    key = dict(cfg.compile_key())
+    assert key["tile_m"] == 128 and key["mask_pipeline_stages"] == 2 and key["num_consumer_warpgroups"] == 2
+    assert all(f.metadata.get("constexpr") for f in dataclasses.fields(cfg))
+    assert cfg.mask_smem_bytes == 4096  # spec 6.2: 256 groups x 2 words x 4 B x 2 stages
+    d256 = select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="float16")
+    assert (d256.tile_m, d256.tile_n, d256.mask_smem_bytes) == (128, 64, 2048)  # 2 KB across both stages
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="tile_m=192 must equal 64"):
+        Sm90FwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", tile_m=192)
+    with pytest.raises(ValueError, match="dtype"):
+        Sm90FwdConfig(head_dim_qk=128, head_dim_v=128, dtype="float32")
+    bwd = Sm90BwdConfig(head_dim_qk=64, head_dim_v=64, dtype="bfloat16")
+    assert bwd.payload_layout.transposed and bwd.payload_layout.groups == 256

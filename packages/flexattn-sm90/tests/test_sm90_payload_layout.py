@@ -1,0 +1,206 @@
+"""The SM90 WGMMA payload layout: bijective, equal to the accumulator ownership rule, round-trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexattn_sm90.payload_layout import (
+    WgmmaAccumulatorLayout,
+    WgmmaForward128x64Layout,
+    WgmmaForward128x128Layout,
+    wgmma_layout,
+)
+
+# (tile_m, tile_n, num_warpgroups, transposed, expected layout_id, groups, words, elements per thread)
+CASES = [
+    (128, 128, None, False, "sm90-wgmma-acc-v1-128x128", 256, 2, 64),  # forward
+    (128, 64, None, False, "sm90-wgmma-acc-v1-128x64", 256, 1, 32),  # forward D256
+    (64, 128, None, True, "sm90-wgmma-acc-v1-64x128-kq", 256, 1, 32),  # backward D<=128, S^T 128x64
+    (64, 64, 2, True, "sm90-wgmma-acc-v1-64x64-wg1x2-kq", 256, 1, 16),  # backward D>128, S^T 64x64
+    (64, 64, None, True, "sm90-wgmma-acc-v1-64x64-kq", 128, 1, 32),
+    (64, 128, None, False, "sm90-wgmma-acc-v1-64x128", 128, 2, 64),
+    (192, 96, None, False, "sm90-wgmma-acc-v1-192x96", 384, 2, 48),
+]
+IDS = [c[4] for c in CASES]
+
+
+def make(case) -> WgmmaAccumulatorLayout:
+    tile_m, tile_n, nwg, transposed = case[:4]
+    return WgmmaAccumulatorLayout(tile_m, tile_n, nwg, transposed=transposed)
+
+
+def ownership_rule(layout: WgmmaAccumulatorLayout) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """(m, n) -> (group, word, bit), written from the PTX rule with plain loops.
+
+    Warp w of a warpgroup owns rows 16w..16w+15; lane l holds rows 16w + l//4 (+8) and, in 8-column
+    group j, columns 8j + 2(l%4) (+1); element e = 4j + 2*half + c. Warpgroups: WM along M (64 rows
+    each), the rest along N, wg = wm + WM * wn.
+    """
+    acc_rows, acc_cols = (
+        (layout.tile_n, layout.tile_m) if layout.transposed else (layout.tile_m, layout.tile_n)
+    )
+    n_wg = layout.num_warpgroups
+    wg_along_m = acc_rows // 64
+    wg_along_n = n_wg // wg_along_m
+    cols_per_wg = acc_cols // wg_along_n
+    out = {}
+    for wg in range(n_wg):
+        wm, wn = wg % wg_along_m, wg // wg_along_m
+        for warp in range(4):
+            for lane in range(32):
+                thread = 128 * wg + 32 * warp + lane
+                for j in range(cols_per_wg // 8):
+                    for half in range(2):
+                        for c in range(2):
+                            row = 64 * wm + 16 * warp + lane // 4 + 8 * half
+                            col = cols_per_wg * wn + 8 * j + 2 * (lane % 4) + c
+                            e = 4 * j + 2 * half + c
+                            key = (col, row) if layout.transposed else (row, col)
+                            assert key not in out, f"rule assigns {key} twice"
+                            out[key] = (thread, e // 32, e % 32)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_shape_and_id(case):
+    layout = make(case)
+    _, _, _, _, layout_id, groups, words, per_thread = case
+    assert layout.layout_id == layout_id
+    assert (layout.subtiles, layout.groups, layout.words_per_group) == (1, groups, words)
+    assert layout.elements_per_thread == per_thread
+    assert layout.spec.model_dump() == {
+        "layout_id": layout_id,
+        "physical_subtiles": 1,
+        "payload_groups": groups,
+        "words_per_group": words,
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_bijection_onto_valid_slots(case):
+    layout = make(case)
+    s, g, w, b = layout.element_coords()
+    for x in (s, g, w, b):
+        assert x.dtype == torch.int64 and x.shape == (layout.tile_m, layout.tile_n)
+    assert bool((s == 0).all())
+    assert 0 <= int(g.min()) and int(g.max()) < layout.groups
+    assert 0 <= int(w.min()) and int(w.max()) < layout.words_per_group
+    assert 0 <= int(b.min()) and int(b.max()) < 32
+    slot = ((g * layout.words_per_group + w) * 32 + b).reshape(-1)
+    assert slot.unique().numel() == layout.tile_m * layout.tile_n  # no collisions
+    per_group = torch.bincount(g.reshape(-1), minlength=layout.groups)
+    assert bool((per_group == layout.elements_per_thread).all())
+    # the used bits of a group are exactly its first elements_per_thread bits (e = 32*word + bit)
+    e = (w * 32 + b).reshape(-1)
+    assert int(e.max()) == layout.elements_per_thread - 1
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_matches_ownership_rule(case):
+    layout = make(case)
+    rule = ownership_rule(layout)
+    assert len(rule) == layout.tile_m * layout.tile_n
+    _, g, w, b = layout.element_coords()
+    got = {(m, n): (int(g[m, n]), int(w[m, n]), int(b[m, n])) for m, n in rule}
+    assert got == rule
+
+
+def test_thread_elements_golden_128x128():
+    layout = WgmmaForward128x128Layout()
+    # warp 0 lane 5: rows 1 / 9, columns 2,3 of every 8-column group (cross-checked with CuTe's TiledMma)
+    assert layout.thread_elements(5)[:8] == [
+        (1, 2),
+        (1, 3),
+        (9, 2),
+        (9, 3),
+        (1, 10),
+        (1, 11),
+        (9, 10),
+        (9, 11),
+    ]
+    # warpgroup 1, warp 2, lane 8: row 64 + 32 + 2 = 98
+    assert layout.thread_elements(200)[:4] == [(98, 0), (98, 1), (106, 0), (106, 1)]
+    assert layout.thread_elements(0)[-2:] == [(8, 120), (8, 121)]  # lane 0: columns 8j, 8j+1
+    assert layout.thread_elements(3)[-2:] == [(8, 126), (8, 127)]  # lane 3: columns 8j+6, 8j+7
+    with pytest.raises(IndexError, match="thread=256"):
+        layout.thread_elements(256)
+
+
+def test_thread_elements_transposed_swaps_roles():
+    fwd_like = WgmmaAccumulatorLayout(128, 64)  # accumulator 128 x 64, not transposed
+    bwd = WgmmaAccumulatorLayout(64, 128, transposed=True)  # accumulator S^T: 128 K rows x 64 Q cols
+    for t in (0, 5, 77, 130, 255):
+        assert bwd.thread_elements(t) == [(n, m) for m, n in fwd_like.thread_elements(t)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_thread_elements_agree_with_element_coords(case):
+    layout = make(case)
+    _, g, w, b = layout.element_coords()
+    for t in range(0, layout.groups, 37):
+        for e, (m, n) in enumerate(layout.thread_elements(t)):
+            assert (int(g[m, n]), int(w[m, n] * 32 + b[m, n])) == (t, e)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_pack_unpack_round_trip(case, density):
+    layout = make(case)
+    gen = torch.Generator().manual_seed(1234)
+    tiles = torch.rand(5, layout.tile_m, layout.tile_n, generator=gen) < density
+    words = layout.pack(tiles)
+    assert words.dtype == torch.int32
+    assert words.shape == (5, 1, layout.groups, layout.words_per_group)
+    assert torch.equal(layout.unpack(words), tiles)
+    # padding bits (past the fragment) stay zero
+    used = layout.elements_per_thread - 32 * (layout.words_per_group - 1)
+    if used < 32:
+        last = words[..., -1].to(torch.int64) & 0xFFFFFFFF
+        assert bool((last >> used == 0).all())
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_kernel_bit_select(case):
+    """What the kernel does: register e of thread t keeps the score iff bit e%32 of word e//32 is set."""
+    layout = make(case)
+    gen = torch.Generator().manual_seed(7)
+    tile = torch.rand(1, layout.tile_m, layout.tile_n, generator=gen) < 0.5
+    words = layout.pack(tile)[0, 0].to(torch.int64) & 0xFFFFFFFF  # [groups, words]
+    for t in range(0, layout.groups, 19):
+        for e, (m, n) in enumerate(layout.thread_elements(t)):
+            assert bool((words[t, e // 32] >> (e % 32)) & 1) == bool(tile[0, m, n])
+
+
+def test_all_ones_words():
+    words = WgmmaForward128x128Layout().pack(torch.ones(1, 128, 128, dtype=torch.bool))
+    assert bool((words == -1).all())  # 64 elements: both words full
+    words = WgmmaForward128x64Layout().pack(torch.ones(1, 128, 64, dtype=torch.bool))
+    assert bool((words == -1).all())  # 32 elements: one full word
+    words = WgmmaAccumulatorLayout(64, 64, 2, transposed=True).pack(torch.ones(1, 64, 64, dtype=torch.bool))
+    assert bool((words == 0xFFFF).all())  # 16 elements + 16 padding bits
+
+
+def test_named_layouts_and_cache():
+    assert WgmmaForward128x128Layout() == WgmmaAccumulatorLayout(128, 128) == wgmma_layout(128, 128, 2)
+    assert WgmmaForward128x64Layout().layout_id == "sm90-wgmma-acc-v1-128x64"
+    assert wgmma_layout(64, 128, 2, True) is wgmma_layout(64, 128, 2, True)
+    assert WgmmaAccumulatorLayout(64, 64, transposed=True) != WgmmaAccumulatorLayout(
+        64, 64, 2, transposed=True
+    )
+    assert "256 groups x 2 words" in repr(WgmmaForward128x128Layout())
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((100, 128), {}, "multiple of 64"),
+        ((128, 12), {}, "multiple of 8"),
+        ((128, 128, 3), {}, "num_warpgroups"),
+        ((128, 128, 0), {}, "num_warpgroups"),
+        ((64, 24, 2), {"transposed": False}, "column"),
+    ],
+)
+def test_invalid_geometry(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WgmmaAccumulatorLayout(*args, **kwargs)
