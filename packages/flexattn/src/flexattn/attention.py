@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from maskplan_core import (
     InputTypeError,
     InputValueError,
@@ -66,9 +67,10 @@ def flex_attn_func(
 ):
     """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
 
-    Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the fp32 LSE
-    (``[B, Hq, Sq]`` / ``[Hq, total_q]``) if ``return_lse``, then the fp32 ``[Hq]`` maximum
-    scaled logit if ``return_max_logit``, as a tuple when more than ``out`` is asked for.
+    Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE
+    (``[B, Hq, Sq]`` / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled
+    logit over visible elements if ``return_max_logit``, as a tuple when more than ``out`` is
+    asked for. LSE and max logit are fp32 (fp64 for fp64 inputs on the CPU reference).
     Rows with no visible key give ``out = 0`` and ``lse = -inf``.
     """
     if not isinstance(mask_plan, MaskPlan):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from maskplan_core import MaskPlan, PlanGeometry, ViewConfig, ViewRequest, validate_plan_inputs
+
+from maskplan_core import InputTypeError, MaskPlan, PlanGeometry, ViewConfig, ViewRequest, validate_plan_inputs
 from maskplan_core.validation import require_optional_bool
 
 from .registry import arch_family, consumer_for
@@ -73,7 +74,7 @@ def create_mask_plan(
     family, cc = arch_family(q.device)
     if target is not None:
         if not isinstance(target, str):
-            raise TypeError(f"target must be an architecture family name (str) or None, got {type(target).__name__}")
+            raise InputTypeError(f"target must be an architecture family name (str) or None, got {type(target).__name__}")
         family, cc = target, None
     consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
     log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)

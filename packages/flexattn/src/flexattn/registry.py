@@ -11,6 +11,7 @@ from functools import lru_cache
 from importlib.metadata import entry_points
 
 import torch
+
 from maskplan_core import ENTRY_POINT_GROUP, Consumer, ConsumerNotFoundError
 from maskplan_core.reference import ReferenceConsumer
 

@@ -21,6 +21,7 @@ The reconstruction loop below is the spec of the format (``to_dense`` runs it ve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -64,7 +65,10 @@ class PlanView:
     signature: PlanSignature
     layout: PayloadLayout
     geometry: PlanGeometry
-    tensors: dict[str, torch.Tensor | None] = field(repr=False)
+    tensors: MappingProxyType = field(repr=False)  # read-only mapping; the tensors are plan storage
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
 
     def __getattr__(self, name: str):
         if name in VIEW_TENSORS:
@@ -173,6 +177,9 @@ class MaskPlan:
         if hasattr(self, "_consumer"):
             raise AttributeError("MaskPlan is read-only; build a new plan instead")
         object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError("MaskPlan is read-only; build a new plan instead")
 
     @property
     def geometry(self) -> PlanGeometry:

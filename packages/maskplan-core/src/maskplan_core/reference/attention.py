@@ -95,7 +95,10 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     empty = row_sum == 0
     out = acc / torch.where(empty, 1.0, row_sum).view(g.num_heads_q, g.total_q, 1)
     lse = torch.where(empty, float("-inf"), safe_max + torch.log(row_sum)).view(g.num_heads_q, g.total_q)
-    max_logit = row_max.view(g.num_heads_q, g.total_q).amax(1) if return_max_logit else None
+    max_logit = None
+    if return_max_logit:  # amax over an empty row axis is an error; no query token means -inf
+        per_row = row_max.view(g.num_heads_q, g.total_q)
+        max_logit = per_row.amax(1) if g.total_q else per_row.new_full((g.num_heads_q,), float("-inf"))
     return out.transpose(0, 1).contiguous(), lse, max_logit
 
 

@@ -21,6 +21,7 @@ from .block_geometry import BlockGeometry
 from .classify import Classification, unpack_bits
 from .intervals import tile_predicates
 
+
 def exclusive_offsets(counts: torch.Tensor) -> torch.Tensor:
     flat = counts.reshape(-1).to(torch.int64)
     return (torch.cumsum(flat, 0) - flat).to(torch.int32).reshape(counts.shape)

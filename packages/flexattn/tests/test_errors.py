@@ -1,0 +1,416 @@
+"""Public-API errors and plan ownership: ``create_mask_plan`` / ``flex_attn_func`` on CPU tensors.
+
+Every public input error must be the precise ``flexattn``/``maskplan_core`` error class *and*
+the builtin ``ValueError``/``TypeError``, with a message naming the culprit.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import (
+    ConsumerNotFoundError,
+    EndpointError,
+    FlexAttnError,
+    InputTypeError,
+    InputValueError,
+    MaskPlan,
+    MissingBackwardViewError,
+    PlanBindingError,
+    PlanSignatureMismatch,
+    SeqlenError,
+    UnsupportedConfigError,
+)
+
+B, SQ, SK, HQ, HKV, D = 2, 150, 140, 2, 1, 16
+
+
+@contextmanager
+def expect(cls, builtin, *needles):
+    with pytest.raises(cls) as info:
+        yield info
+    assert isinstance(info.value, builtin), f"{type(info.value).__name__} is not a {builtin.__name__}"
+    assert isinstance(info.value, FlexAttnError)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in message {message!r}"
+
+
+def fixed_qkv(b=B, sq=SQ, sk=SK, hq=HQ, hkv=HKV, dqk=D, dv=D, dtype=torch.float64, requires_grad=False):
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((b, sq, hq, dqk), (b, sk, hkv, dqk), (b, sk, hkv, dv))
+    return tuple(torch.randn(s, generator=gen, dtype=dtype).requires_grad_(requires_grad) for s in shapes)
+
+
+def causal_mask(b=B, sq=SQ, sk=SK, nfunc=1, hmask=1) -> torch.Tensor:
+    i = torch.arange(b * sq) % sq
+    ep = torch.full((hmask, nfunc, b * sq), sk, dtype=torch.int32)
+    ep[:, 0] = (i + 1 + sk - sq).clamp(0, sk)
+    return ep
+
+
+# varlen: q lengths (130, 0, 70), k lengths (60, 5, 200)
+CU_Q, CU_K = [0, 130, 130, 200], [0, 60, 65, 265]
+
+
+def varlen_case(seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(200, HQ, D, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+    k = torch.randn(265, HKV, D, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+    v = torch.randn(265, HKV, D, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+    k_len = torch.tensor([60] * 130 + [200] * 70)
+    ep = torch.stack([k_len // 3, k_len // 2, k_len]).unsqueeze(0).to(torch.int32).contiguous()  # [1, 3, 200]
+    args = dict(
+        cu_seqlens_q=torch.tensor(CU_Q, dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(CU_K, dtype=torch.int32),
+        max_seqlen_q=130,
+        max_seqlen_k=200,
+    )
+    return ep, (q, k, v), args
+
+
+# --------------------------------------------------------------------------------------------------
+# create_mask_plan input rules (spec 2 - 4.1), once each through the public entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def _mask(**kw):
+    return lambda: (causal_mask(**kw), fixed_qkv(), {})
+
+
+def _with_endpoint(h, f, row, value, nfunc=3):
+    def make():
+        ep = causal_mask(nfunc=nfunc)
+        ep[h, f, row] = value
+        return ep, fixed_qkv(), {}
+
+    return make
+
+
+def _varlen(drop=(), **changes):
+    def make():
+        ep, qkv, args = varlen_case()
+        for name, value in changes.items():
+            args[name] = value(args[name]) if callable(value) else value
+        for name in drop:
+            del args[name]
+        return ep, qkv, args
+
+    return make
+
+
+def _qkv(**kw):
+    def make():
+        q, k, v = fixed_qkv(**kw)
+        return causal_mask(b=q.shape[0], sq=q.shape[1]), (q, k, v), {}
+
+    return make
+
+
+RULES = {
+    "mask-not-tensor": (lambda: ([[1, 2]], fixed_qkv(), {}), InputTypeError, ("mask_func", "Tensor")),
+    "mask-dtype": (lambda: (causal_mask().long(), fixed_qkv(), {}), InputTypeError, ("mask_func", "int32")),
+    "mask-rank": (lambda: (causal_mask()[0], fixed_qkv(), {}), InputValueError, ("mask_func", "rank 3")),
+    "mask-non-contiguous": (
+        lambda: (causal_mask(b=2 * B)[:, :, ::2], fixed_qkv(), {}), InputValueError,
+        ("mask_func", "contiguous"),
+    ),
+    "hmask": (_mask(hmask=3), InputValueError, ("mask_func", "Hmask=3", f"Hq={HQ}")),
+    "even-nfunc": (_mask(nfunc=2), InputValueError, ("mask_func", "nfunc", "2")),
+    "total-q": (_mask(sq=SQ - 1), InputValueError, ("mask_func", "total_q", str(B * SQ))),
+    "endpoint-above-k-len": (_with_endpoint(0, 1, 170, SK + 1), EndpointError,
+                             ("mask_func[0, 1, 170]", "row 170", str(SK + 1), f"k_len = {SK}")),
+    "endpoint-negative": (_with_endpoint(0, 2, 3, -1), EndpointError, ("mask_func[0, 2, 3]", "row 3", "-1")),
+    "endpoints-unordered": (_with_endpoint(0, 1, 100, 2), EndpointError,
+                            ("mask_func[0, :, 100]", "sorted", "endpoint 1 = 2", "endpoint 0 = 91")),
+    "varlen-partial-args": (_varlen(drop=("max_seqlen_q", "cu_seqlens_k")), InputValueError,
+                            ("cu_seqlens_k", "max_seqlen_q")),
+    "cu-dtype": (_varlen(cu_seqlens_q=lambda t: t.long()), InputTypeError, ("cu_seqlens_q", "int32")),
+    "cu-rank": (_varlen(cu_seqlens_k=lambda t: t[None]), InputValueError, ("cu_seqlens_k", "rank-1")),
+    "cu-shape-mismatch": (_varlen(cu_seqlens_k=lambda t: t[:3].contiguous()), InputValueError,
+                          ("cu_seqlens_q", "cu_seqlens_k", "same shape")),
+    "cu-start": (_varlen(cu_seqlens_q=lambda t: t + 1), SeqlenError, ("cu_seqlens_q[0] must be 0", "got 1")),
+    "cu-end": (_varlen(cu_seqlens_k=lambda t: torch.tensor([0, 60, 65, 264], dtype=torch.int32)), SeqlenError,
+               ("cu_seqlens_k[-1]", "265", "got 264")),
+    "cu-decreasing": (_varlen(cu_seqlens_q=lambda t: torch.tensor([0, 130, 120, 200], dtype=torch.int32)),
+                      SeqlenError, ("cu_seqlens_q", "decreases", "130 -> 120")),
+    "cu-over-max": (_varlen(max_seqlen_k=199), SeqlenError, ("cu_seqlens_k", "sample 2 length 200", "199")),
+    "q-rank": (lambda: (causal_mask(), (fixed_qkv()[0][0], *fixed_qkv()[1:]), {}), InputValueError,
+               ("q", "rank 4")),
+    "qkv-dtype-mismatch": (lambda: (causal_mask(), (*fixed_qkv()[:2], fixed_qkv(dtype=torch.float32)[2]), {}),
+                           InputTypeError, ("v", "float32", "float64")),
+    "head-dim-mismatch": (lambda: (causal_mask(), (fixed_qkv()[0], *fixed_qkv(dqk=2 * D)[1:]), {}),
+                          InputValueError, ("head dims", str(2 * D))),
+    "hq-not-multiple": (_qkv(hq=3, hkv=2), InputValueError, ("q heads (3)", "k/v heads (2)")),
+    "kv-mismatch": (lambda: (causal_mask(), (*fixed_qkv()[:2], fixed_qkv(sk=SK - 1)[2]), {}), InputValueError,
+                    ("k and v", str(SK - 1))),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_create_mask_plan_rejects(rule):
+    make, cls, needles = RULES[rule]
+    ep, (q, k, v), args = make()
+    builtin = TypeError if issubclass(cls, TypeError) else ValueError
+    with expect(cls, builtin, *needles):
+        flexattn.create_mask_plan(ep, q, k, v, **args)
+
+
+@pytest.mark.parametrize(
+    "kw, cls, needles",
+    [
+        (dict(build_backward="yes"), InputTypeError, ("build_backward", "bool")),
+        (dict(build_backward=1), InputTypeError, ("build_backward",)),
+        (dict(pack_gqa=0), InputTypeError, ("pack_gqa", "bool")),
+        (dict(pack_gqa=True), UnsupportedConfigError, ("pack_gqa",)),
+        (dict(target=3), InputTypeError, ("target", "int")),
+    ],
+    ids=["build_backward-str", "build_backward-int", "pack_gqa-int", "pack_gqa-reference", "target-int"],
+)
+def test_create_mask_plan_option_errors(kw, cls, needles):
+    builtin = TypeError if issubclass(cls, TypeError) else ValueError
+    with expect(cls, builtin, *needles):
+        flexattn.create_mask_plan(causal_mask(), *fixed_qkv(), **kw)
+
+
+def test_unknown_target_has_no_consumer():
+    with pytest.raises(ConsumerNotFoundError, match="sm999"):
+        flexattn.create_mask_plan(causal_mask(), *fixed_qkv(), target="sm999")
+
+
+# --------------------------------------------------------------------------------------------------
+# build_backward=None, missing backward views
+# --------------------------------------------------------------------------------------------------
+
+
+def test_build_backward_default_follows_autograd():
+    ep = causal_mask()
+    assert not flexattn.create_mask_plan(ep, *fixed_qkv()).has_backward
+    assert flexattn.create_mask_plan(ep, *fixed_qkv(requires_grad=True)).has_backward
+    q, k, v = fixed_qkv()
+    assert flexattn.create_mask_plan(ep, q, k.requires_grad_(), v).has_backward  # any input
+    with torch.no_grad():
+        assert not flexattn.create_mask_plan(ep, *fixed_qkv(requires_grad=True)).has_backward
+    assert flexattn.create_mask_plan(ep, *fixed_qkv(), build_backward=True).has_backward
+    plan = flexattn.create_mask_plan(ep, *fixed_qkv(requires_grad=True), build_backward=False)
+    assert not plan.has_backward
+    plan = flexattn.create_mask_plan(ep, *fixed_qkv(requires_grad=True))
+    assert plan.roles == ("forward", "backward")
+    assert plan.metadata["allocation_header"]["backward_k_rows"] > 0
+
+
+def test_training_call_needs_backward_view():
+    ep = causal_mask()
+    q, k, v = fixed_qkv(requires_grad=True)
+    with torch.no_grad():
+        plan = flexattn.create_mask_plan(ep, q, k, v)
+    assert not plan.has_backward
+    with expect(MissingBackwardViewError, ValueError, "build_backward=True"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    with expect(MissingBackwardViewError, ValueError, "build_backward=True"):
+        plan.view("backward")
+    with torch.no_grad():  # inference with the same tensors is fine
+        out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    assert out.shape == (B, SQ, HQ, D)
+    out2 = flexattn.flex_attn_func(q.detach(), k.detach(), v.detach(), mask_plan=plan)
+    assert torch.equal(out, out2)
+
+
+def test_unknown_view_role():
+    plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
+    with expect(InputValueError, ValueError, "sideways", "forward"):
+        plan.view("sideways")
+
+
+# --------------------------------------------------------------------------------------------------
+# plan binding (spec 8)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, needles",
+    [
+        (lambda: fixed_qkv(sq=SQ + 1), ("q", "shape", str(SQ + 1))),
+        (lambda: fixed_qkv(sk=SK - 1), ("k", "shape", str(SK - 1))),
+        (lambda: fixed_qkv(b=B + 1), ("q", "shape")),
+        (lambda: fixed_qkv(hq=2 * HQ), ("q", "shape")),
+        (lambda: fixed_qkv(hkv=HQ), ("k", "shape")),
+        (lambda: fixed_qkv(dv=2 * D), ("v", "shape", str(2 * D))),
+        (lambda: fixed_qkv(dtype=torch.float32), ("q", "float32", "float64")),
+        (lambda: (*fixed_qkv()[:2], fixed_qkv(dtype=torch.float32)[2]), ("v", "float32")),
+        (lambda: tuple(t.reshape(-1, *t.shape[2:]) for t in fixed_qkv()), ("q", "shape")),
+        (lambda: (torch.randn(B, SQ, HQ, 2 * D, dtype=torch.float64)[..., ::2], *fixed_qkv()[1:]),
+         ("q", "contiguous")),
+        (lambda: (None, *fixed_qkv()[1:]), ("q", "Tensor")),
+    ],
+    ids=["sq", "sk", "batch", "hq", "hkv", "dv", "dtype", "v-dtype", "thd-for-fixed", "strided-q", "none"],
+)
+def test_plan_refuses_other_geometry_or_dtype(make, needles):
+    plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
+    q, k, v = make()
+    with expect(PlanBindingError, ValueError, *needles):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+
+def test_varlen_plan_refuses_other_totals():
+    ep, (q, k, v), args = varlen_case()
+    plan = flexattn.create_mask_plan(ep, q, k, v, **args)
+    with expect(PlanBindingError, ValueError, "k", "shape", "266"):
+        flexattn.flex_attn_func(q, torch.cat([k, k[:1]]), torch.cat([v, v[:1]]), mask_plan=plan)
+    with expect(PlanBindingError, ValueError, "q", "shape"):
+        flexattn.flex_attn_func(q.reshape(1, 200, HQ, D), k, v, mask_plan=plan)
+
+
+def test_signature_mismatch_names_the_fields():
+    """A view materialised for another consumer topology is refused, never reinterpreted."""
+    from maskplan_core import PlanSignature, RowMajorLayout, Topology, ViewConfig, validate_plan_inputs
+    from maskplan_core.reference import build_plan
+
+    def cfg(direction):
+        layout = RowMajorLayout(64, 64)
+        sig = PlanSignature(
+            arch_family="reference", direction=direction, kernel_family="reference-torch-v1",
+            topology=Topology(tile_m=64, tile_n=64), mma_layout="none", payload=layout.spec,
+            scheduler_layout="k-major" if direction == "backward" else "plan-fwd-work-desc-v1",
+            dq_order_format="rank_int32" if direction == "backward" else "none",
+        )
+        return ViewConfig(sig, layout)
+
+    ep, qkv = causal_mask(), fixed_qkv()
+    geometry = validate_plan_inputs(ep, *qkv)
+    plan = build_plan(ep, geometry, cfg("forward"), cfg("backward"), "maskplan-reference")
+    with pytest.raises(PlanSignatureMismatch) as info:
+        flexattn.flex_attn_func(*qkv, mask_plan=plan)
+    assert isinstance(info.value, ValueError)
+    fields = {d.field for d in info.value.diffs}
+    assert {"topology.tile_m", "topology.tile_n", "payload.layout_id"} <= fields
+    assert "topology.tile_m" in str(info.value) and "forward" in str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# ownership: cloned prefixes, read-only plan, snapshot clones
+# --------------------------------------------------------------------------------------------------
+
+
+def test_varlen_plan_survives_caller_mutating_cu_seqlens():
+    ep, (q, k, v), args = varlen_case(requires_grad=True)
+    plan = flexattn.create_mask_plan(ep, q, k, v, **args)
+    out1, lse1 = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    g1 = torch.autograd.grad(out1.sum() + lse1[torch.isfinite(lse1)].sum(), (q, k, v))
+    args["cu_seqlens_q"][1] = 7  # in-place edits of the caller's prefixes
+    args["cu_seqlens_k"].zero_()
+    assert plan.geometry.cu_seqlens_q.tolist() == CU_Q and plan.geometry.cu_seqlens_k.tolist() == CU_K
+    out2, lse2 = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    g2 = torch.autograd.grad(out2.sum() + lse2[torch.isfinite(lse2)].sum(), (q, k, v))
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    for a, b in zip(g1, g2, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mask_plan_is_read_only():
+    plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
+    for name in ("_views", "_geometry", "_header", "_consumer", "geometry", "new_attribute"):
+        with pytest.raises(AttributeError):
+            setattr(plan, name, None)
+    assert plan.roles == ("forward",) and plan.geometry.batch == B
+
+
+def test_mask_plan_attributes_cannot_be_deleted():
+    """Read-only includes deletion: ``del plan._views`` must not strip a plan of its views."""
+    plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
+    for name in ("_views", "_geometry", "_header", "_consumer"):
+        with pytest.raises(AttributeError):
+            delattr(plan, name)
+    assert plan.roles == ("forward",) and plan.geometry.batch == B
+
+
+def test_debug_snapshot_returns_clones():
+    ep = causal_mask(nfunc=3)
+    ep[0, 1, ::3] = ep[0, 0, ::3]  # some holes so there are partial blocks with payloads
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(ep, q, k, v, build_backward=True)
+    out_before = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    dense_before = plan.view("forward").to_dense()
+    snap = plan.debug_snapshot()
+    assert {"forward", "backward", "geometry"} <= set(snap)
+    fwd = plan.view("forward")
+    for name, t in snap["forward"].items():
+        assert torch.equal(t, getattr(fwd, name)), name
+        assert t.data_ptr() != getattr(fwd, name).data_ptr() or t.numel() == 0, f"{name} is not a clone"
+    for role in snap.values():
+        for t in role.values():
+            if t.numel():
+                t.fill_(-7)  # scribble over everything the snapshot returned
+    assert torch.equal(plan.view("forward").to_dense(), dense_before)
+    assert plan.geometry.cu_seqlens_q.tolist() == [0, SQ, 2 * SQ]
+    assert torch.equal(flexattn.flex_attn_func(q, k, v, mask_plan=plan), out_before)
+    assert plan.debug_snapshot()["forward"]["mask_block_idx"].tolist() == fwd.mask_block_idx.tolist()
+
+
+def test_plan_repr_and_metadata():
+    plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv(), build_backward=True)
+    text = repr(plan)
+    assert "forward" in text and "backward" in text and "128x128" in text
+    meta = plan.metadata
+    assert meta["consumer"] == plan.consumer
+    assert set(meta["signatures"]) == {"forward", "backward"}
+    assert meta["allocation_header"]["error_flags"] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# flex_attn_func options
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, cls, needles",
+    [
+        (dict(deterministic=1), InputTypeError, ("deterministic", "bool", "int")),
+        (dict(deterministic=None), InputTypeError, ("deterministic", "bool")),
+        (dict(return_lse="yes"), InputTypeError, ("return_lse", "bool")),
+        (dict(return_max_logit=0), InputTypeError, ("return_max_logit", "bool")),
+        (dict(softmax_scale=math.nan), InputValueError, ("softmax_scale", "finite", "nan")),
+        (dict(softmax_scale=math.inf), InputValueError, ("softmax_scale", "finite")),
+        (dict(softmax_scale="0.1"), InputTypeError, ("softmax_scale", "str")),
+        (dict(softmax_scale=True), InputTypeError, ("softmax_scale", "bool")),
+        (dict(softmax_scale=torch.tensor(0.1)), InputTypeError, ("softmax_scale",)),
+        (dict(softmax_scale=-0.25, return_max_logit=True), InputValueError,
+         ("return_max_logit", "softmax_scale", "-0.25")),
+    ],
+    ids=["det-int", "det-none", "lse-str", "maxlogit-int", "scale-nan", "scale-inf", "scale-str",
+         "scale-bool", "scale-tensor", "maxlogit-negative-scale"],
+)
+def test_flex_attn_func_option_errors(kw, cls, needles):
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    builtin = TypeError if issubclass(cls, TypeError) else ValueError
+    with expect(cls, builtin, *needles):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, **kw)
+
+
+@pytest.mark.parametrize("bad", [None, {}, "plan", causal_mask()])
+def test_flex_attn_func_needs_a_mask_plan(bad):
+    with expect(InputTypeError, TypeError, "mask_plan", "MaskPlan"):
+        flexattn.flex_attn_func(*fixed_qkv(), mask_plan=bad)
+
+
+def test_flex_attn_func_return_arity():
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    assert isinstance(plan, MaskPlan)
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    assert isinstance(out, torch.Tensor) and out.shape == (B, SQ, HQ, D)
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    assert lse.shape == (B, HQ, SQ)
+    out, mx = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_max_logit=True)
+    assert mx.shape == (HQ,)
+    out, lse, mx = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True, return_max_logit=True)
+    assert lse.shape == (B, HQ, SQ) and mx.shape == (HQ,)
+    # a zero or integer scale and a negative scale without max logit are all legal
+    flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=0)
+    flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=-1.0)

@@ -1,0 +1,454 @@
+"""Reference attention (forward, LSE, max logit, gradients) against a dense float64 attention
+written here with an explicit softmax over the boolean mask: end to end through
+``flexattn.flex_attn_func`` with autograd (128x128 reference tiles), and directly through
+``maskplan_core.reference.attention_forward/backward`` on small-tile plans (many blocks and tails).
+
+Rows with no visible key must give ``O = 0``, ``LSE = -inf`` and zero gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from maskplan_core import PlanSignature, RowMajorLayout, Topology, ViewConfig, validate_plan_inputs
+from maskplan_core.reference import attention_backward, attention_forward, build_plan
+
+try:
+    import flexattn
+except ImportError:  # maskplan-core installed alone: only the planner-level tests run
+    flexattn = None
+
+needs_flexattn = pytest.mark.skipif(flexattn is None, reason="flexattn (the facade) is not installed")
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------------------------------
+# problems
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    varlen: bool
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    hq: int = 2
+    hkv: int = 1
+    kinds: tuple[str, ...] = ("random",)  # one per mask head (Hmask = len(kinds)), applied to every sample
+    nfunc: int = 3
+    dqk: int = 16
+    dv: int = 8
+    seed: int = 0
+
+    @property
+    def hmask(self) -> int:
+        return len(self.kinds)
+
+    @property
+    def cu_q(self) -> list[int]:
+        return [sum(self.q_lens[:i]) for i in range(len(self.q_lens) + 1)]
+
+    @property
+    def cu_k(self) -> list[int]:
+        return [sum(self.k_lens[:i]) for i in range(len(self.k_lens) + 1)]
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k_lens)
+
+
+def fixed(batch: int, sq: int, sk: int, **kw) -> Case:
+    return Case(False, (sq,) * batch, (sk,) * batch, **kw)
+
+
+def make_endpoints(c: Case) -> torch.Tensor:
+    """int32 [Hmask, nfunc, total_q]; ``random`` rows are sorted random endpoints with ~1/4 of
+    the rows forced empty, ``causal``/``window`` are bottom-right aligned, ``empty`` has no key."""
+    gen = torch.Generator().manual_seed(c.seed + 1000)
+    ep = torch.zeros(c.hmask, c.nfunc, c.cu_q[-1], dtype=torch.int64)
+    for h, kind in enumerate(c.kinds):
+        for b, (ql, kl) in enumerate(zip(c.q_lens, c.k_lens, strict=True)):
+            i = torch.arange(ql)
+            vals = torch.full((c.nfunc, ql), kl, dtype=torch.int64)
+            if kind == "random":
+                vals = torch.randint(0, kl + 1, (c.nfunc, ql), generator=gen).sort(0).values
+                vals[:, torch.rand(ql, generator=gen) < 0.25] = 0
+            elif kind == "causal" or (kind == "window" and c.nfunc == 1):
+                vals[0] = (i + 1 + kl - ql).clamp(0, kl)
+            elif kind == "window":
+                vals[0] = 0
+                vals[1] = (i + kl - ql - 37).clamp(0, kl)
+                vals[2] = (i + kl - ql + 1).clamp(0, kl)
+            elif kind == "empty":
+                vals.zero_()
+            ep[h, :, c.cu_q[b] : c.cu_q[b + 1]] = vals
+    return ep.to(torch.int32).contiguous()
+
+
+def dense_mask(ep: torch.Tensor, c: Case) -> torch.Tensor:
+    """bool [Hmask, total_q, max_k] decoded from endpoints: k in [0, F0) U [F1, F2) U ..., k < k_len."""
+    e = ep.to(torch.int64)
+    k = torch.arange(c.max_k)
+    vis = k < e[:, 0, :, None]
+    for j in range(1, c.nfunc, 2):
+        vis |= (e[:, j, :, None] <= k) & (k < e[:, j + 1, :, None])
+    row_klen = torch.repeat_interleave(torch.tensor(c.k_lens), torch.tensor(c.q_lens))
+    return vis & (k < row_klen[:, None])
+
+
+def make_inputs(c: Case, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(c.seed)
+    tq, tk = c.cu_q[-1], c.cu_k[-1]
+    shapes = [(tq, c.hq, c.dqk), (tk, c.hkv, c.dqk), (tk, c.hkv, c.dv)]
+    if not c.varlen:
+        b = len(c.q_lens)
+        shapes = [(b, s[0] // b, *s[1:]) for s in shapes]
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for s in shapes]
+
+
+def plan_kwargs(c: Case) -> dict:
+    if not c.varlen:
+        return {}
+    return dict(
+        cu_seqlens_q=torch.tensor(c.cu_q, dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(c.cu_k, dtype=torch.int32),
+        max_seqlen_q=max(max(c.q_lens), 1),
+        max_seqlen_k=max(max(c.k_lens), 1),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# dense reference
+# --------------------------------------------------------------------------------------------------
+
+
+def dense_attention(q, k, v, mask: torch.Tensor, c: Case, scale: float):
+    """THD float64: out [total_q, Hq, Dv], lse [Hq, total_q], max logit [Hq] (-inf if nothing visible)."""
+    q, k, v = (t.reshape(-1, *t.shape[-2:]).to(torch.float64) for t in (q, k, v))
+    group = c.hq // c.hkv
+    outs, lses, maxes = [], [], []
+    for b, (ql, kl) in enumerate(zip(c.q_lens, c.k_lens, strict=True)):
+        qs = q[c.cu_q[b] : c.cu_q[b + 1]]  # [ql, Hq, D]
+        ks = k[c.cu_k[b] : c.cu_k[b + 1]].repeat_interleave(group, dim=1)  # [kl, Hq, D]
+        vs = v[c.cu_k[b] : c.cu_k[b + 1]].repeat_interleave(group, dim=1)
+        m = mask[:, c.cu_q[b] : c.cu_q[b + 1], :kl].expand(c.hq, ql, kl)  # [Hq, ql, kl]
+        s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        s = s.masked_fill(~m, NEG_INF)
+        row_max = s.amax(-1, keepdim=True) if kl else s.new_full((c.hq, ql, 1), NEG_INF)
+        shift = torch.where(torch.isinf(row_max), 0.0, row_max).detach()
+        p = torch.exp(s - shift)  # exactly 0 where masked
+        denom = p.sum(-1, keepdim=True)
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        outs.append(torch.einsum("hqk,khd->qhd", p / safe, vs))
+        lses.append(torch.where(denom > 0, shift + torch.log(safe), NEG_INF).squeeze(-1))
+        maxes.append(row_max.detach().reshape(c.hq, -1))
+    max_logit = torch.cat(maxes, 1).amax(1) if sum(c.q_lens) else torch.full((c.hq,), NEG_INF)
+    return torch.cat(outs, 0), torch.cat(lses, 1), max_logit
+
+
+def to_public_layout(c: Case, out, lse):
+    """THD reference outputs in flex_attn_func's layout (BSHD out, [B, Hq, Sq] lse for fixed)."""
+    if c.varlen:
+        return out, lse
+    b, sq = len(c.q_lens), c.q_lens[0]
+    return out.reshape(b, sq, c.hq, c.dv), lse.reshape(c.hq, b, sq).transpose(0, 1)
+
+
+def grads(loss, inputs):
+    got = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(got, inputs, strict=True)]
+
+
+TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-9),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+def run_and_compare(c: Case, *, dtype=torch.float64, scale=None, a=1.0, b=0.5, deterministic=False):
+    """Forward (out, lse, max logit) and gradients of ``a * <out, W> + b * <lse[finite], U>``."""
+    ep = make_endpoints(c)
+    q, k, v = make_inputs(c, dtype)
+    plan = flexattn.create_mask_plan(ep, q, k, v, **plan_kwargs(c))
+    assert plan.has_backward  # build_backward=None + requires_grad
+    out, lse, max_logit = flexattn.flex_attn_func(
+        q, k, v, mask_plan=plan, softmax_scale=scale, return_lse=True, return_max_logit=True,
+        deterministic=deterministic,
+    )
+    eff_scale = 1.0 / math.sqrt(c.dqk) if scale is None else scale
+    ref_thd_out, ref_thd_lse, ref_max = dense_attention(q, k, v, dense_mask(ep, c), c, eff_scale)
+    ref_out, ref_lse = to_public_layout(c, ref_thd_out, ref_thd_lse)
+
+    assert out.dtype == dtype and out.shape == ref_out.shape
+    assert lse.shape == ref_lse.shape and max_logit.shape == (c.hq,)
+    if dtype != torch.float64:
+        assert lse.dtype == max_logit.dtype == torch.float32
+    assert not max_logit.requires_grad
+    tol = TOL[dtype]
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "rows with no visible key must have lse = -inf"
+    torch.testing.assert_close(out.to(torch.float64), ref_out.detach(), **tol)
+    torch.testing.assert_close(lse[finite].to(torch.float64), ref_lse[finite].detach(), **tol)
+    torch.testing.assert_close(max_logit.to(torch.float64), ref_max, **tol)
+    empty_rows = ~finite  # [.., Hq, ..] rows: O must be exactly zero there
+    out_rows = out.transpose(-2, -3)  # [B, Hq, Sq, Dv] / [Hq, T, Dv], indexed like lse
+    assert bool((out_rows[empty_rows] == 0).all()), "rows with no visible key must give O = 0"
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    u = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+
+    def loss(o, s):
+        return a * (o.to(torch.float64) * w).sum() + b * (s.to(torch.float64)[finite] * u[finite]).sum()
+
+    got = grads(loss(out, lse), (q, k, v))
+    want = grads(loss(ref_out, ref_lse), (q, k, v))
+    for name, g, r in zip("qkv", got, want, strict=True):
+        assert g.dtype == dtype and g.shape == r.shape, name
+        assert bool(torch.isfinite(g).all()), f"d{name} has non-finite values"
+        torch.testing.assert_close(
+            g.to(torch.float64), r.to(torch.float64), **tol, msg=lambda m, n=name: f"d{n}: {m}"
+        )
+    return ep, plan, (q, k, v), (out, lse), got
+
+
+# --------------------------------------------------------------------------------------------------
+# float64 against dense
+# --------------------------------------------------------------------------------------------------
+
+CASES = {
+    "fixed-gqa-dqk48-dv32": fixed(2, 300, 270, hq=4, hkv=2, kinds=("random",), nfunc=3, dqk=48, dv=32),
+    "fixed-per-head-masks": fixed(1, 200, 333, hq=4, hkv=2, kinds=("causal", "window", "random", "empty")),
+    "fixed-sq-lt-sk-nfunc9": fixed(1, 130, 400, hq=2, hkv=2, kinds=("random", "window"), nfunc=9, seed=3),
+    "varlen-gqa": Case(True, (130, 0, 257), (200, 17, 0), hq=4, hkv=1, kinds=("random",), nfunc=5, seed=1),
+    "varlen-per-head": Case(True, (1, 300, 64), (383, 1, 128), hq=2, kinds=("window", "random"), seed=2),
+}
+
+
+@needs_flexattn
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_matches_dense_attention(case):
+    run_and_compare(case)
+
+
+@needs_flexattn
+@pytest.mark.parametrize("scale", [0.3, 0.0, -0.5])
+def test_custom_softmax_scale(scale):
+    c = fixed(1, 150, 140, hq=2, hkv=1, kinds=("random", "causal"), seed=4)
+    if scale < 0:  # a negative scale is legal, just not together with return_max_logit
+        ep = make_endpoints(c)
+        q, k, v = make_inputs(c)
+        plan = flexattn.create_mask_plan(ep, q, k, v)
+        out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale, return_lse=True)
+        ref_out, ref_lse = to_public_layout(c, *dense_attention(q, k, v, dense_mask(ep, c), c, scale)[:2])
+        torch.testing.assert_close(out, ref_out, **TOL[torch.float64])
+        finite = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse[finite], ref_lse[finite], **TOL[torch.float64])
+    else:
+        run_and_compare(c, scale=scale)
+
+
+@needs_flexattn
+def test_gradient_through_lse_only():
+    """loss = sum(lse[finite]): the out gradient is zero, so only the dlse path drives dq/dk/dv."""
+    run_and_compare(fixed(1, 140, 260, hq=2, hkv=2, kinds=("random", "window"), seed=5), a=0.0, b=1.0)
+    run_and_compare(Case(True, (70, 150), (150, 90), hq=2, hkv=1, seed=6), a=0.0, b=-2.0)
+
+
+@needs_flexattn
+def test_deterministic_flag_gives_identical_results():
+    c = fixed(1, 200, 180, hq=2, hkv=1, kinds=("random",), seed=8)
+    *_, (out_a, lse_a), grads_a = run_and_compare(c, deterministic=True)
+    *_, (out_b, lse_b), grads_b = run_and_compare(c, deterministic=False)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    for x, y in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=1e-12)
+
+
+@needs_flexattn
+def test_all_rows_empty():
+    """A mask with no visible key anywhere: O = 0, LSE = -inf, max logit -inf, zero gradients."""
+    c = Case(True, (140, 33), (150, 0), hq=2, hkv=1, kinds=("empty", "empty"), seed=9)
+    ep = make_endpoints(c)
+    q, k, v = make_inputs(c)
+    plan = flexattn.create_mask_plan(ep, q, k, v, **plan_kwargs(c))
+    out, lse, max_logit = flexattn.flex_attn_func(
+        q, k, v, mask_plan=plan, return_lse=True, return_max_logit=True
+    )
+    assert bool((out == 0).all())
+    assert bool(torch.isneginf(lse).all())
+    assert bool(torch.isneginf(max_logit).all())
+    dq, dk, dv = grads(out.sum() + lse[torch.isfinite(lse)].sum(), (q, k, v))
+    for g in (dq, dk, dv):
+        assert bool((g == 0).all())
+
+
+@needs_flexattn
+def test_max_logit_without_query_tokens():
+    """Varlen with every sample's q_len = 0 (total_q = 0) is a valid plan; asking for the max logit
+    must give -inf per head (nothing is visible), like the out/lse path, not crash."""
+    c = Case(True, (0, 0), (5, 9), hq=2, hkv=1, kinds=("random",), seed=17)
+    ep = make_endpoints(c)
+    q, k, v = make_inputs(c)
+    plan = flexattn.create_mask_plan(ep, q, k, v, **plan_kwargs(c))
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    assert out.shape == (0, c.hq, c.dv) and lse.shape == (c.hq, 0)
+    out, max_logit = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_max_logit=True)
+    assert max_logit.shape == (c.hq,) and bool(torch.isneginf(max_logit).all())
+
+
+@needs_flexattn
+def test_partly_empty_rows_get_zero_gradients():
+    """Query rows with no visible key contribute nothing: zero dq there; k/v grads only from others."""
+    c = fixed(1, 200, 200, hq=2, hkv=2, kinds=("random", "random"), seed=10)
+    ep = make_endpoints(c)
+    ep[:, :, :50] = 0  # first 50 query rows see nothing, in both heads
+    q, k, v = make_inputs(c)
+    plan = flexattn.create_mask_plan(ep, q, k, v)
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    assert bool((out[:, :50] == 0).all()) and bool(torch.isneginf(lse[:, :, :50]).all())
+    dq, dk, dv = grads((out * out).sum() + lse[torch.isfinite(lse)].sum(), (q, k, v))
+    assert bool((dq[:, :50] == 0).all())
+    ref = dense_attention(q, k, v, dense_mask(ep, c), c, 1 / math.sqrt(c.dqk))
+    ref_out, ref_lse = to_public_layout(c, *ref[:2])
+    want = grads((ref_out * ref_out).sum() + ref_lse[torch.isfinite(ref_lse)].sum(), (q, k, v))
+    for g, r in zip((dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(g, r, **TOL[torch.float64])
+
+
+@needs_flexattn
+def test_forward_only_plan_under_no_grad():
+    c = fixed(2, 160, 100, hq=2, hkv=1, kinds=("causal",), nfunc=1, seed=11)
+    ep = make_endpoints(c)
+    q, k, v = make_inputs(c)
+    with torch.no_grad():
+        plan = flexattn.create_mask_plan(ep, q, k, v)
+        assert not plan.has_backward
+        out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    ref = dense_attention(q, k, v, dense_mask(ep, c), c, 1 / math.sqrt(c.dqk))
+    ref_out, _ = to_public_layout(c, *ref[:2])
+    assert isinstance(out, torch.Tensor) and not out.requires_grad
+    torch.testing.assert_close(out, ref_out.detach(), **TOL[torch.float64])
+
+
+@needs_flexattn
+def test_plan_is_reused_with_new_values():
+    """Q/K/V identity is not bound: the same plan serves new tensors of the same geometry."""
+    c = Case(True, (100, 60), (90, 130), hq=2, hkv=1, seed=12)
+    ep = make_endpoints(c)
+    q, k, v = make_inputs(c)
+    plan = flexattn.create_mask_plan(ep, q, k, v, build_backward=False, **plan_kwargs(c))
+    for seed in (13, 14):
+        q2, k2, v2 = make_inputs(Case(**{**c.__dict__, "seed": seed}))
+        with torch.no_grad():
+            out = flexattn.flex_attn_func(q2, k2, v2, mask_plan=plan)
+            ref, _, _ = dense_attention(q2, k2, v2, dense_mask(ep, c), c, 1 / math.sqrt(c.dqk))
+        torch.testing.assert_close(out, ref, **TOL[torch.float64])
+
+
+# --------------------------------------------------------------------------------------------------
+# lower precision inputs
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_flexattn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "case",
+    [
+        fixed(1, 200, 170, hq=4, hkv=2, kinds=("random",), seed=15, dqk=64, dv=32),
+        Case(True, (150, 0, 40), (129, 7, 200), hq=2, hkv=1, kinds=("window", "random"), seed=16),
+    ],
+    ids=["fixed", "varlen"],
+)
+def test_low_precision_inputs_match_within_dtype_tolerance(case, dtype):
+    run_and_compare(case, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference kernels on small-tile plans (no facade): many blocks, tails and empty samples
+# --------------------------------------------------------------------------------------------------
+
+KINDS = ("random", "causal", "window", "full", "empty")
+
+
+def small_config(direction: str, tm: int, tn: int) -> ViewConfig:
+    layout = RowMajorLayout(tm, tn)
+    signature = PlanSignature(
+        arch_family="reference", direction=direction, kernel_family="test-small-tiles",
+        topology=Topology(tile_m=tm, tile_n=tn), mma_layout="none", payload=layout.spec,
+        scheduler_layout="test", dq_order_format="rank_int32" if direction == "backward" else "none",
+    )
+    return ViewConfig(signature, layout)
+
+
+@st.composite
+def small_cases(draw) -> Case:
+    varlen = draw(st.booleans())
+    hq, hkv = draw(st.sampled_from([(1, 1), (2, 1), (4, 2), (2, 2)]))
+    kinds = (draw(st.sampled_from(KINDS)),)
+    if draw(st.booleans()):  # Hmask = Hq: one mask per head
+        kinds = tuple(draw(st.lists(st.sampled_from(KINDS), min_size=hq, max_size=hq)))
+    batch = draw(st.integers(1, 3))
+    if varlen:
+        length = st.tuples(st.integers(0, 3), st.integers(1, 70)).map(lambda t: t[1] if t[0] else 0)
+        q_lens = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
+        k_lens = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
+        if max(k_lens) == 0:
+            k_lens = (1, *k_lens[1:])
+    else:
+        q_lens, k_lens = (draw(st.integers(1, 70)),) * batch, (draw(st.integers(1, 70)),) * batch
+    nfunc = draw(st.sampled_from([1, 3, 5]))
+    dqk, dv = draw(st.sampled_from([(8, 8), (12, 4)]))
+    return Case(varlen, q_lens, k_lens, hq, hkv, kinds, nfunc, dqk, dv, draw(st.integers(0, 2**20)))
+
+
+@settings(
+    max_examples=40, deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(c=small_cases(), tiles=st.sampled_from([((16, 32), (32, 16)), ((8, 40), (16, 16))]),
+       scale=st.sampled_from([None, 0.7]))
+def test_small_tile_reference_attention_matches_dense(c, tiles, scale):
+    ep = make_endpoints(c)
+    q, k, v = (t.detach().reshape(-1, *t.shape[-2:]).requires_grad_() for t in make_inputs(c))
+    args = plan_kwargs(c) if c.varlen else {}
+    if c.varlen:
+        geometry = validate_plan_inputs(ep, q, k, v, **args)
+    else:
+        b = len(c.q_lens)
+        geometry = validate_plan_inputs(ep, *(t.detach().reshape(b, -1, *t.shape[-2:]) for t in (q, k, v)))
+    fwd, bwd = small_config("forward", *tiles[0]), small_config("backward", *tiles[1])
+    plan = build_plan(ep, geometry, fwd, bwd, "test-small-tiles")
+    scale = 1 / math.sqrt(c.dqk) if scale is None else scale
+    thd = Case(True, c.q_lens, c.k_lens, c.hq, c.hkv, c.kinds, c.nfunc, c.dqk, c.dv, c.seed)  # THD reference
+
+    want_max = sum(c.q_lens) > 0  # total_q == 0 with max logit: see test_max_logit_without_query_tokens
+    out, lse, max_logit = attention_forward(
+        plan.view("forward"), q, k, v, softmax_scale=scale, return_max_logit=want_max
+    )
+    ref_out, ref_lse, ref_max = dense_attention(q, k, v, dense_mask(ep, c), thd, scale)
+    tol = TOL[torch.float64]
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(out, ref_out.detach(), **tol)
+    torch.testing.assert_close(lse[finite], ref_lse[finite].detach(), **tol)
+    if want_max:
+        torch.testing.assert_close(max_logit, ref_max, **tol)
+
+    gen = torch.Generator().manual_seed(c.seed)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=torch.float64) * finite
+    got = attention_backward(plan.view("backward"), q, k, v, out, lse, dout, dlse, softmax_scale=scale)
+    want = grads((ref_out * dout).sum() + (ref_lse[finite] * dlse[finite]).sum(), (q, k, v))
+    for name, g, r in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(g, r, **tol, msg=lambda m, n=name: f"d{n}: {m}")

@@ -1,0 +1,259 @@
+"""The plan ABI schema (frozen pydantic models) and the reference payload layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from maskplan_core import (
+    ABI_VERSION,
+    HEADER_FIELDS,
+    PayloadLayoutSpec,
+    PlanSignature,
+    RowMajorLayout,
+    SignatureDiff,
+    Topology,
+)
+
+FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None)
+
+
+def spec(layout_id: str, groups: int = 1, words: int = 1) -> PayloadLayoutSpec:
+    return PayloadLayoutSpec(
+        layout_id=layout_id, physical_subtiles=1, payload_groups=groups, words_per_group=words
+    )
+
+
+def signature(**overrides) -> PlanSignature:
+    fields = dict(
+        arch_family="sm90",
+        direction="forward",
+        kernel_family="fa-generic",
+        topology=Topology(tile_m=128, tile_n=128, q_stage=2, cta_group_size=1, pack_gqa=False),
+        mma_layout="wgmma-m64nN",
+        payload=spec("sm90-v1", groups=256, words=2),
+        scheduler_layout="plan-fwd-work-desc-v1",
+    )
+    fields.update(overrides)
+    return PlanSignature(**fields)
+
+
+# --------------------------------------------------------------------------------------------------
+# PlanSignature
+# --------------------------------------------------------------------------------------------------
+
+
+def test_signature_json_round_trip():
+    sig = signature(dq_order_format="rank_int32", direction="backward")
+    text = sig.model_dump_json()
+    assert PlanSignature.model_validate_json(text) == sig
+    data = json.loads(text)
+    assert data["abi_version"] == ABI_VERSION
+    assert data["topology"]["tile_m"] == 128 and data["payload"]["payload_groups"] == 256
+    assert PlanSignature.model_validate(data) == sig
+
+
+def test_signature_json_schema_is_published():
+    schema = PlanSignature.model_json_schema()
+    assert {"arch_family", "direction", "kernel_family", "topology", "payload", "scheduler_layout"} <= set(
+        schema["required"]
+    )
+    json.dumps(schema)  # serialisable as is
+
+
+@pytest.mark.parametrize(
+    "model, field, value",
+    [
+        (signature(), "arch_family", "sm100"),
+        (signature(), "topology", Topology(tile_m=64, tile_n=64)),
+        (Topology(tile_m=128, tile_n=128), "tile_m", 64),
+        (spec("x"), "layout_id", "y"),
+    ],
+)
+def test_models_are_frozen(model, field, value):
+    before = model.model_dump()
+    with pytest.raises(ValidationError):
+        setattr(model, field, value)
+    assert model.model_dump() == before
+
+
+def test_nested_models_are_frozen():
+    sig = signature()
+    with pytest.raises(ValidationError):
+        sig.topology.tile_m = 64
+    assert sig.topology.tile_m == 128
+
+
+def test_signatures_are_hashable_and_compare_by_value():
+    assert signature() == signature()
+    assert hash(signature()) == hash(signature())
+    assert signature() != signature(arch_family="sm100")
+
+
+@pytest.mark.parametrize(
+    "model, data",
+    [
+        (PlanSignature, {**signature().model_dump(), "surprise": 1}),
+        (PlanSignature, {**signature().model_dump(), "topology": {"tile_m": 64, "tile_n": 64, "tile_k": 64}}),
+        (Topology, {"tile_m": 128, "tile_n": 128, "warps": 4}),
+        (PayloadLayoutSpec, {**spec("x").model_dump(), "bits": 32}),
+    ],
+    ids=["signature", "nested-topology", "topology", "payload"],
+)
+def test_extra_fields_are_forbidden(model, data):
+    with pytest.raises(ValidationError, match="(?i)extra"):
+        model.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"tile_m": 0, "tile_n": 128},
+        {"tile_m": 128, "tile_n": -1},
+        {"tile_m": 128, "tile_n": 128, "cluster_axis": "k"},
+    ],
+)
+def test_topology_rejects_bad_values(data):
+    with pytest.raises(ValidationError):
+        Topology.model_validate(data)
+
+
+def test_signature_rejects_unknown_direction_and_dq_format():
+    with pytest.raises(ValidationError):
+        signature(direction="sideways")
+    with pytest.raises(ValidationError):
+        signature(dq_order_format="rank_int64")
+
+
+def test_diff_of_equal_signatures_is_empty():
+    assert signature().diff(signature()) == []
+
+
+def test_diff_names_dotted_nested_fields():
+    expected = signature()
+    actual = signature(
+        kernel_family="fa-other",
+        topology=Topology(tile_m=64, tile_n=128, q_stage=2, pack_gqa=True),
+        payload=spec("sm90-v2", groups=256, words=2),
+    )
+    diffs = expected.diff(actual)
+    assert all(isinstance(d, SignatureDiff) for d in diffs)
+    by_field = {d.field: d for d in diffs}
+    assert set(by_field) == {"kernel_family", "topology.tile_m", "topology.pack_gqa", "payload.layout_id"}
+    assert (by_field["topology.tile_m"].expected, by_field["topology.tile_m"].actual) == (128, 64)
+    assert by_field["payload.layout_id"].actual == "sm90-v2"
+    text = str(by_field["topology.tile_m"])
+    assert "topology.tile_m" in text and "64" in text and "128" in text
+
+
+def test_diff_is_directional():
+    a, b = signature(), signature(arch_family="sm100")
+    (d_ab,) = a.diff(b)
+    (d_ba,) = b.diff(a)
+    assert d_ab.field == d_ba.field == "arch_family"
+    assert (d_ab.expected, d_ab.actual) == ("sm90", "sm100")
+    assert (d_ba.expected, d_ba.actual) == ("sm100", "sm90")
+
+
+def test_header_fields_follow_spec_order():
+    assert HEADER_FIELDS == (
+        "forward_q_rows",
+        "forward_partial_nnz",
+        "forward_full_nnz",
+        "backward_q_rows",
+        "backward_k_rows",
+        "backward_partial_nnz",
+        "backward_full_nnz",
+        "error_flags",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# RowMajorLayout
+# --------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(
+    tm=st.integers(1, 40),
+    tn=st.integers(1, 100),
+    n=st.integers(1, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rowmajor_pack_unpack_round_trip(tm, tn, n, seed):
+    layout = RowMajorLayout(tm, tn)
+    gen = torch.Generator().manual_seed(seed)
+    tiles = torch.rand(n, tm, tn, generator=gen) < 0.5
+    words = layout.pack(tiles)
+    assert words.dtype == torch.int32
+    assert tuple(words.shape) == (n, 1, tm, -(-tn // 32))
+    assert torch.equal(layout.unpack(words), tiles)
+    # padding bits of the last word are zero
+    pad = 32 * words.shape[-1] - tn
+    if pad:
+        last = words[..., -1].to(torch.int64) & 0xFFFFFFFF
+        assert bool((last >> (32 - pad) == 0).all())
+
+
+@pytest.mark.parametrize("tm, tn", [(128, 128), (16, 32), (8, 40), (3, 33)])
+def test_rowmajor_spec_and_coords(tm, tn):
+    layout = RowMajorLayout(tm, tn)
+    spec = layout.spec
+    assert (spec.physical_subtiles, spec.payload_groups, spec.words_per_group) == (1, tm, -(-tn // 32))
+    assert spec.layout_id == layout.layout_id
+    s, g, w, b = layout.element_coords()
+    m = torch.arange(tm)[:, None].expand(tm, tn)
+    n = torch.arange(tn)[None, :].expand(tm, tn)
+    assert bool((s == 0).all())
+    assert torch.equal(g, m) and torch.equal(w, n // 32) and torch.equal(b, n % 32)
+
+
+@pytest.mark.parametrize("m, n", [(0, 0), (0, 31), (5, 32), (15, 63), (7, 45), (15, 0)])
+def test_rowmajor_single_bit_position(m, n):
+    """Element (m, n) is bit n % 32 of word n // 32 in group m; nothing else is set."""
+    layout = RowMajorLayout(16, 64)
+    tile = torch.zeros(1, 16, 64, dtype=torch.bool)
+    tile[0, m, n] = True
+    words = layout.pack(tile)
+    expected = torch.zeros_like(words)
+    value = 1 << (n % 32)
+    expected[0, 0, m, n // 32] = value - (1 << 32) if value >= 1 << 31 else value
+    assert torch.equal(words, expected)
+    assert torch.equal(layout.unpack(words), tile)
+
+
+def test_rowmajor_bit31_is_a_negative_int32():
+    layout = RowMajorLayout(2, 64)
+    tile = torch.zeros(1, 2, 64, dtype=torch.bool)
+    tile[0, 1, 31] = True
+    tile[0, 1, 63] = True
+    words = layout.pack(tile)
+    assert words[0, 0, 1].tolist() == [-(2**31), -(2**31)]
+    assert words[0, 0, 0].tolist() == [0, 0]
+    assert torch.equal(layout.unpack(words), tile)
+    full = layout.pack(torch.ones(1, 2, 64, dtype=torch.bool))
+    assert bool((full == -1).all())
+    assert bool(layout.unpack(full).all())
+
+
+def test_rowmajor_unpack_reads_raw_words():
+    """unpack is the inverse map of the ABI: a hand-written word decodes bit by bit."""
+    layout = RowMajorLayout(1, 40)
+    words = torch.tensor([[[[0b1011, 0x80]]]], dtype=torch.int32)  # [1, 1, 1, 2]
+    keep = layout.unpack(words)[0, 0]
+    assert keep.nonzero().flatten().tolist() == [0, 1, 3, 39]
+
+
+@pytest.mark.parametrize("tm, tn", [(128, 128), (16, 32), (8, 40)])
+def test_rowmajor_empty_batch(tm, tn):
+    """Zero tiles pack to a [0, 1, groups, words] tensor and back (a plan with no partial blocks)."""
+    layout = RowMajorLayout(tm, tn)
+    words = layout.pack(torch.zeros(0, tm, tn, dtype=torch.bool))
+    assert words.dtype == torch.int32
+    assert tuple(words.shape) == (0, 1, tm, -(-tn // 32))
+    assert tuple(layout.unpack(words).shape) == (0, tm, tn)

@@ -1,0 +1,375 @@
+"""Every input rule of spec sections 2-4.1, violated once, at the maskplan-core layer.
+
+Structural rules are checked by ``validate_plan_inputs``; endpoint and prefix *values* by the
+reference planner (``build_plan``), which reports them through the allocation header's error
+word. Each case asserts the precise ``maskplan_core.errors`` class, the builtin
+``ValueError``/``TypeError`` it derives from, and that the message names the culprit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from maskplan_core import (
+    EndpointError,
+    FlexAttnError,
+    InputTypeError,
+    InputValueError,
+    PlanSignature,
+    RowMajorLayout,
+    SeqlenError,
+    Topology,
+    ViewConfig,
+    validate_plan_inputs,
+)
+from maskplan_core.reference import build_plan
+
+B, SQ, SK, HQ, HKV, D = 2, 24, 20, 4, 2, 8
+
+
+@contextmanager
+def expect(cls, builtin, *needles):
+    """pytest.raises(cls) that also checks the builtin base class and the message contents."""
+    with pytest.raises(cls) as info:
+        yield info
+    assert isinstance(info.value, builtin), f"{type(info.value).__name__} is not a {builtin.__name__}"
+    assert isinstance(info.value, FlexAttnError)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in message {message!r}"
+
+
+def fixed_qkv(b=B, sq=SQ, sk=SK, hq=HQ, hkv=HKV, dqk=D, dv=D, dtype=torch.float32):
+    return (
+        torch.zeros(b, sq, hq, dqk, dtype=dtype),
+        torch.zeros(b, sk, hkv, dqk, dtype=dtype),
+        torch.zeros(b, sk, hkv, dv, dtype=dtype),
+    )
+
+
+def causal(total_q=B * SQ, sq=SQ, sk=SK, hmask=1, nfunc=1) -> torch.Tensor:
+    i = torch.arange(total_q) % sq
+    f0 = (i + 1 + sk - sq).clamp(0, sk)
+    ep = torch.full((hmask, nfunc, total_q), sk, dtype=torch.int32)
+    ep[:, 0] = f0
+    return ep
+
+
+# varlen problem: sample lengths q (5, 0, 11), k (7, 3, 0); endpoints are sample-local
+CU_Q, CU_K = [0, 5, 5, 16], [0, 7, 10, 10]
+
+
+def varlen_args(cu_q=None, cu_k=None, max_q=11, max_k=7):
+    return dict(
+        cu_seqlens_q=torch.tensor(CU_Q if cu_q is None else cu_q, dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(CU_K if cu_k is None else cu_k, dtype=torch.int32),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+    )
+
+
+def varlen_qkv(total_q=16, total_k=10):
+    return (torch.zeros(total_q, HQ, D), torch.zeros(total_k, HKV, D), torch.zeros(total_k, HKV, D))
+
+
+def varlen_mask(nfunc=3) -> torch.Tensor:
+    """Row r of sample b sees [0, k_len_b): every endpoint equals the sample's k_len."""
+    k_len_of_row = [7] * 5 + [0] * 11
+    return torch.tensor(k_len_of_row, dtype=torch.int32).expand(1, nfunc, 16).contiguous()
+
+
+def config(direction: str) -> ViewConfig:
+    layout = RowMajorLayout(8, 32)
+    signature = PlanSignature(
+        arch_family="reference",
+        direction=direction,
+        kernel_family="test",
+        topology=Topology(tile_m=8, tile_n=32),
+        mma_layout="none",
+        payload=layout.spec,
+        scheduler_layout="test",
+    )
+    return ViewConfig(signature, layout)
+
+
+def plan(mask_func, q, k, v, **kw):
+    geometry = validate_plan_inputs(mask_func, q, k, v, **kw)
+    return build_plan(mask_func, geometry, config("forward"), config("backward"), "test")
+
+
+def test_valid_inputs_pass():
+    g = validate_plan_inputs(causal(), *fixed_qkv())
+    assert (g.batch, g.max_seqlen_q, g.max_seqlen_k, g.total_q, g.total_k) == (B, SQ, SK, B * SQ, B * SK)
+    assert (g.num_heads_q, g.num_heads_kv, g.mask_heads, g.nfunc, g.varlen) == (HQ, HKV, 1, 1, False)
+    assert g.cu_seqlens_q.tolist() == [0, SQ, 2 * SQ] and g.cu_seqlens_k.tolist() == [0, SK, 2 * SK]
+    gv = validate_plan_inputs(varlen_mask(), *varlen_qkv(), **varlen_args())
+    assert (gv.batch, gv.total_q, gv.total_k, gv.varlen) == (3, 16, 10, True)
+    plan(varlen_mask(), *varlen_qkv(), **varlen_args())
+    plan(causal(hmask=HQ, nfunc=5), *fixed_qkv())
+
+
+def test_error_hierarchy():
+    for cls in (EndpointError, SeqlenError):
+        assert issubclass(cls, InputValueError) and issubclass(cls, ValueError)
+    assert issubclass(InputTypeError, TypeError) and issubclass(InputValueError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------------
+# mask_func structure (spec 2)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mask_func, cls, builtin, needles",
+    [
+        (causal().tolist(), InputTypeError, TypeError, ("mask_func", "Tensor", "list")),
+        (None, InputTypeError, TypeError, ("mask_func", "Tensor")),
+        (causal().to(torch.int64), InputTypeError, TypeError, ("mask_func", "int32", "int64")),
+        (causal().float(), InputTypeError, TypeError, ("mask_func", "int32", "float32")),
+        (causal()[0], InputValueError, ValueError, ("mask_func", "rank 3")),
+        (causal()[None], InputValueError, ValueError, ("mask_func", "rank 3")),
+        (causal(nfunc=3, total_q=2 * B * SQ)[:, :, ::2], InputValueError, ValueError,
+         ("mask_func", "contiguous")),
+        (causal(hmask=HQ, nfunc=3).transpose(0, 1).contiguous().transpose(0, 1), InputValueError, ValueError,
+         ("mask_func", "contiguous")),
+        (causal(hmask=3), InputValueError, ValueError, ("mask_func", "Hmask=3", f"Hq={HQ}")),
+        (causal(hmask=HKV), InputValueError, ValueError, ("mask_func", f"Hmask={HKV}")),
+        (causal(nfunc=2), InputValueError, ValueError, ("mask_func", "nfunc", "2")),
+        (causal(nfunc=4), InputValueError, ValueError, ("mask_func", "nfunc", "4")),
+        (causal(nfunc=3)[:, :0], InputValueError, ValueError, ("mask_func", "nfunc", "0")),
+        (causal(total_q=B * SQ + 1), InputValueError, ValueError, ("mask_func", "total_q", str(B * SQ + 1))),
+        (causal(total_q=SQ), InputValueError, ValueError, ("mask_func", "total_q", str(B * SQ))),
+    ],
+    ids=[
+        "list", "none", "int64", "float32", "rank2", "rank4", "strided-rows", "transposed-heads",
+        "hmask-3", "hmask-hkv", "nfunc-2", "nfunc-4", "nfunc-0", "total_q-plus-1", "total_q-one-sample",
+    ],
+)
+def test_mask_func_structure(mask_func, cls, builtin, needles):
+    with expect(cls, builtin, *needles):
+        validate_plan_inputs(mask_func, *fixed_qkv())
+
+
+def test_mask_func_on_another_device():
+    with expect(InputValueError, ValueError, "mask_func", "meta", "cpu"):
+        validate_plan_inputs(causal().to("meta"), *fixed_qkv())
+
+
+# --------------------------------------------------------------------------------------------------
+# endpoint values (spec 2, 4.3): reported by the planner through the header's error word
+# --------------------------------------------------------------------------------------------------
+
+
+def test_endpoint_above_k_len():
+    ep = causal(nfunc=3)
+    ep[0, 2, 30] = SK + 1
+    with expect(EndpointError, ValueError, "mask_func[0, 2, 30]", str(SK + 1), "row 30", f"k_len = {SK}"):
+        plan(ep, *fixed_qkv())
+
+
+def test_endpoint_negative():
+    ep = causal(hmask=HQ, nfunc=3)
+    ep[2, 0, 7] = -3
+    ep[2, 1, 7] = -1
+    with expect(EndpointError, ValueError, "mask_func[2, 0, 7]", "-3", "row 7"):
+        plan(ep, *fixed_qkv())
+
+
+def test_endpoints_unordered():
+    ep = causal(hmask=HQ, nfunc=5)
+    ep[1, :, 11] = torch.tensor([3, 9, 6, 10, 12], dtype=torch.int32)
+    with expect(EndpointError, ValueError, "mask_func[1, :, 11]", "sorted", "6", "9"):
+        plan(ep, *fixed_qkv())
+
+
+def test_first_culprit_is_named():
+    ep = causal(nfunc=3)
+    ep[0, 1, 40] = SK + 5
+    ep[0, 0, 12] = SK + 2  # earlier row
+    with expect(EndpointError, ValueError, "row 12", str(SK + 2)):
+        plan(ep, *fixed_qkv())
+
+
+def test_range_is_checked_against_the_samples_own_k_len():
+    """Varlen: an endpoint within max_seqlen_k but beyond its own sample's k_len is rejected."""
+    ep = varlen_mask()
+    ep[0, 2, 3] = 7  # sample 0 has k_len 7: fine
+    plan(ep, *varlen_qkv(), **varlen_args())
+    ep[0, 2, 9] = 1  # row 9 belongs to sample 2, whose k_len is 0 (max_seqlen_k is 7)
+    with expect(EndpointError, ValueError, "mask_func[0, 2, 9]", "= 1", "row 9", "k_len = 0"):
+        plan(ep, *varlen_qkv(), **varlen_args())
+
+
+def test_range_error_is_reported_before_order_error():
+    ep = causal(nfunc=3)
+    ep[0, :, 5] = torch.tensor([9, 4, 6], dtype=torch.int32)  # unordered row 5
+    ep[0, 2, 40] = SK + 3  # out-of-range row 40
+    with expect(EndpointError, ValueError, "row 40", "outside"):
+        plan(ep, *fixed_qkv())
+
+
+def test_prefix_error_is_reported_before_endpoint_errors():
+    """A malformed prefix makes every row's k_len meaningless: it is reported first."""
+    ep = varlen_mask()
+    ep[0, 0, 0] = -1
+    with expect(SeqlenError, ValueError, "cu_seqlens_k[0]"):
+        plan(ep, *varlen_qkv(), **varlen_args(cu_k=[1, 7, 10, 10]))
+
+
+def test_endpoint_equal_to_k_len_and_empty_intervals_are_valid():
+    ep = causal(nfunc=5)
+    ep[0, :, 0] = torch.tensor([0, 0, SK, SK, SK], dtype=torch.int32)
+    ep[0, :, 1] = torch.tensor([4, 4, 4, 9, 9], dtype=torch.int32)
+    plan(ep, *fixed_qkv())
+
+
+# --------------------------------------------------------------------------------------------------
+# varlen arguments (spec 3.2)
+# --------------------------------------------------------------------------------------------------
+
+VARLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@pytest.mark.parametrize(
+    "given", [("cu_seqlens_q",), ("cu_seqlens_q", "cu_seqlens_k"), ("max_seqlen_q", "max_seqlen_k"),
+              ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_k"), ("max_seqlen_q",)],
+)
+def test_varlen_needs_all_four_arguments(given):
+    args = {name: value for name, value in varlen_args().items() if name in given}
+    missing = [n for n in VARLEN_NAMES if n not in given]
+    with expect(InputValueError, ValueError, *missing):
+        validate_plan_inputs(varlen_mask(), *varlen_qkv(), **args)
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+@pytest.mark.parametrize(
+    "make, cls, builtin, needles",
+    [
+        (lambda t: t.to(torch.int64), InputTypeError, TypeError, ("int32", "int64")),
+        (lambda t: t.float(), InputTypeError, TypeError, ("int32",)),
+        (lambda t: t.tolist(), InputTypeError, TypeError, ("Tensor",)),
+        (lambda t: t[None], InputValueError, ValueError, ("rank-1",)),
+        (lambda t: t[:1], InputValueError, ValueError, ("rank-1", "(1,)")),
+        (lambda t: t.repeat_interleave(2)[::2], InputValueError, ValueError, ("contiguous",)),
+        (lambda t: t.to("meta"), InputValueError, ValueError, ("meta",)),
+    ],
+    ids=["int64", "float", "list", "rank2", "one-entry", "non-contiguous", "meta-device"],
+)
+def test_cu_seqlens_structure(name, make, cls, builtin, needles):
+    args = varlen_args()
+    args[name] = make(args[name])
+    with expect(cls, builtin, name, *needles):
+        validate_plan_inputs(varlen_mask(), *varlen_qkv(), **args)
+
+
+def test_cu_seqlens_shapes_differ():
+    args = varlen_args(cu_k=[0, 10])
+    with expect(InputValueError, ValueError, "cu_seqlens_q", "cu_seqlens_k", "(4,)", "(2,)"):
+        validate_plan_inputs(varlen_mask(), *varlen_qkv(), **args)
+
+
+@pytest.mark.parametrize(
+    "name, value, cls, needles",
+    [
+        ("max_seqlen_q", 0, InputValueError, (">= 1", "0")),
+        ("max_seqlen_k", -4, InputValueError, (">= 1", "-4")),
+        ("max_seqlen_q", 11.0, InputTypeError, ("int", "float")),
+        ("max_seqlen_k", True, InputTypeError, ("int", "bool")),
+        ("max_seqlen_k", torch.tensor(7), InputTypeError, ("int", "Tensor")),
+    ],
+)
+def test_max_seqlen_values(name, value, cls, needles):
+    args = varlen_args()
+    args[name] = value
+    builtin = TypeError if cls is InputTypeError else ValueError
+    with expect(cls, builtin, name, *needles):
+        validate_plan_inputs(varlen_mask(), *varlen_qkv(), **args)
+
+
+@pytest.mark.parametrize(
+    "kw, qkv, needles",
+    [
+        (dict(cu_q=[1, 5, 5, 16]), (16, 10), ("cu_seqlens_q[0] must be 0", "got 1")),
+        (dict(cu_k=[2, 7, 10, 10]), (16, 10), ("cu_seqlens_k[0] must be 0", "got 2")),
+        (dict(cu_q=[0, 5, 5, 15]), (16, 10), ("cu_seqlens_q[-1]", "16", "got 15")),
+        (dict(cu_k=[0, 7, 10, 12]), (16, 10), ("cu_seqlens_k[-1]", "10", "got 12")),
+        (dict(cu_q=[0, 9, 5, 16]), (16, 10), ("cu_seqlens_q", "decreases at index 2", "9 -> 5")),
+        (dict(cu_k=[0, 7, 3, 10]), (16, 10), ("cu_seqlens_k", "decreases at index 2", "7 -> 3")),
+        (dict(max_q=10), (16, 10), ("cu_seqlens_q", "sample 2 length 11", "max_seqlen_q = 10")),
+        (dict(max_k=6), (16, 10), ("cu_seqlens_k", "sample 0 length 7", "max_seqlen_k = 6")),
+    ],
+    ids=["q-start", "k-start", "q-end", "k-end", "q-decreasing", "k-decreasing", "q-max", "k-max"],
+)
+def test_cu_seqlens_values(kw, qkv, needles):
+    ep = torch.zeros(1, 1, qkv[0], dtype=torch.int32)  # all rows empty: only the prefix is wrong
+    with expect(SeqlenError, ValueError, *needles):
+        plan(ep, *varlen_qkv(*qkv), **varlen_args(**kw))
+
+
+# --------------------------------------------------------------------------------------------------
+# q / k / v (spec 4.1)
+# --------------------------------------------------------------------------------------------------
+
+
+def _replace(index: int, tensor):
+    def make():
+        qkv = list(fixed_qkv())
+        qkv[index] = tensor
+        return qkv
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "make, cls, needles",
+    [
+        (_replace(0, torch.zeros(B * SQ, HQ, D)), InputValueError, ("q", "rank 4", "BSHD")),
+        (_replace(1, torch.zeros(B, SK, HKV, D, 1)), InputValueError, ("k", "rank 4")),
+        (_replace(2, torch.zeros(B * SK, HKV, D)), InputValueError, ("v", "rank 4")),
+        (_replace(0, [[0.0]]), InputTypeError, ("q", "Tensor")),
+        (_replace(2, None), InputTypeError, ("v", "Tensor")),
+        (_replace(1, fixed_qkv(dtype=torch.float64)[1]), InputTypeError, ("k", "float64", "float32")),
+        (_replace(2, fixed_qkv(dtype=torch.float16)[2]), InputTypeError, ("v", "float16", "float32")),
+        (lambda: [t.to(torch.int32) for t in fixed_qkv()], InputTypeError, ("dtype", "int32")),
+        (_replace(1, torch.zeros(B, SK, HKV, D + 8)), InputValueError, ("q", "k", "head dims", str(D + 8))),
+        (lambda: fixed_qkv(hq=3, hkv=2), InputValueError, ("q heads (3)", "k/v heads (2)")),
+        (lambda: fixed_qkv(hq=2, hkv=4), InputValueError, ("q heads (2)", "k/v heads (4)")),
+        (_replace(2, torch.zeros(B, SK + 1, HKV, D)), InputValueError, ("k", "v", str(SK + 1))),
+        (_replace(2, torch.zeros(B, SK, HKV + 2, D)), InputValueError, ("k", "v", str(HKV + 2))),
+        (_replace(1, torch.zeros(B + 1, SK, HKV, D)), InputValueError, ("k", "v")),
+        (lambda: (fixed_qkv()[0], *fixed_qkv(b=B + 1)[1:]), InputValueError, ("q", "k", "batch", str(B + 1))),
+        (_replace(0, torch.zeros(B, SQ, HQ, 2 * D)[..., ::2]), InputValueError, ("q", "contiguous")),
+        (_replace(1, torch.zeros(B, SK, HKV, D, device="meta")), InputValueError, ("k", "meta", "cpu")),
+        (lambda: fixed_qkv(sq=0), InputValueError, ("q", "nonzero")),
+        (lambda: fixed_qkv(b=0), InputValueError, ("q", "nonzero")),
+    ],
+    ids=[
+        "q-rank3", "k-rank5", "v-rank3", "q-not-tensor", "v-none", "k-dtype", "v-dtype", "int-dtype",
+        "head-dim", "hq-not-multiple", "hkv-gt-hq", "kv-seq", "kv-heads", "k-batch", "qk-batch",
+        "q-non-contiguous", "k-device", "sq-zero", "batch-zero",
+    ],
+)
+def test_qkv_structure(make, cls, needles):
+    q, k, v = make()
+    fixed_4d = isinstance(q, torch.Tensor) and q.dim() == 4
+    mask_func = causal(total_q=q.shape[0] * q.shape[1] if fixed_4d else B * SQ)
+    builtin = TypeError if cls is InputTypeError else ValueError
+    with expect(cls, builtin, *needles):
+        validate_plan_inputs(mask_func, q, k, v)
+
+
+def test_varlen_qkv_must_be_thd():
+    q, k, v = fixed_qkv()
+    with expect(InputValueError, ValueError, "q", "THD", "rank 3"):
+        validate_plan_inputs(varlen_mask(), q, k, v, **varlen_args())
+
+
+def test_prefixes_are_cloned():
+    args = varlen_args()
+    g = validate_plan_inputs(varlen_mask(), *varlen_qkv(), **args)
+    args["cu_seqlens_q"][1] = 3
+    args["cu_seqlens_k"].zero_()
+    assert g.cu_seqlens_q.tolist() == CU_Q and g.cu_seqlens_k.tolist() == CU_K
