@@ -1,9 +1,9 @@
 """flexattn: attention with arbitrary static interval masks through reusable MaskPlans.
 
-    import flexattn
-    mask = flexattn.masks.causal(4096, batch=2)
-    plan = flexattn.create_mask_plan(mask, q, k, v)
-    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+import flexattn
+mask = flexattn.masks.causal(4096, batch=2)
+plan = flexattn.create_mask_plan(mask, q, k, v)
+out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 """
 
 from maskplan_core import (

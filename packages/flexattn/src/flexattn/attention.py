@@ -20,8 +20,11 @@ from .registry import arch_family
 
 
 def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -> None:
-    for name, value in (("deterministic", deterministic), ("return_lse", return_lse),
-                        ("return_max_logit", return_max_logit)):
+    for name, value in (
+        ("deterministic", deterministic),
+        ("return_lse", return_lse),
+        ("return_max_logit", return_max_logit),
+    ):
         if type(value) is not bool:
             raise InputTypeError(f"{name} must be a bool, got {type(value).__name__}")
     if softmax_scale is not None:
@@ -47,7 +50,8 @@ def _check_signatures(plan: MaskPlan, q: torch.Tensor, training: bool):
         if diffs:
             listing = "; ".join(str(d) for d in diffs)
             raise PlanSignatureMismatch(
-                f"the plan's {view.role} view was built for {plan.consumer} but {consumer.name} runs these tensors "
+                f"the plan's {view.role} view was built for {plan.consumer} but {consumer.name} "
+                f"runs these tensors "
                 f"({listing}); rebuild the plan with create_mask_plan on this device",
                 diffs,
             )
@@ -74,7 +78,9 @@ def flex_attn_func(
     Rows with no visible key give ``out = 0`` and ``lse = -inf``.
     """
     if not isinstance(mask_plan, MaskPlan):
-        raise InputTypeError(f"mask_plan must be a MaskPlan from create_mask_plan, got {type(mask_plan).__name__}")
+        raise InputTypeError(
+            f"mask_plan must be a MaskPlan from create_mask_plan, got {type(mask_plan).__name__}"
+        )
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
     mask_plan.check_binding(q, k, v)
     g = mask_plan.geometry
@@ -87,7 +93,9 @@ def flex_attn_func(
     consumer = _check_signatures(mask_plan, q, training)
     scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
     q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-    out, lse, max_logit = FlexAttnFunction.apply(q3, k3, v3, mask_plan, consumer, scale, deterministic, return_max_logit)
+    out, lse, max_logit = FlexAttnFunction.apply(
+        q3, k3, v3, mask_plan, consumer, scale, deterministic, return_max_logit
+    )
     if not g.varlen:
         out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
         lse = lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)

@@ -6,14 +6,26 @@ import logging
 
 import torch
 
-from maskplan_core import InputTypeError, MaskPlan, PlanGeometry, ViewConfig, ViewRequest, validate_plan_inputs
+from maskplan_core import (
+    InputTypeError,
+    MaskPlan,
+    PlanGeometry,
+    ViewConfig,
+    ViewRequest,
+    validate_plan_inputs,
+)
 from maskplan_core.validation import require_optional_bool
 
 from .registry import arch_family, consumer_for
 
 log = logging.getLogger("flexattn")
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
 
 
 def view_request(g: PlanGeometry, family: str, cc, direction: str, pack_gqa: bool | None) -> ViewRequest:
@@ -66,15 +78,23 @@ def create_mask_plan(
     require_optional_bool("pack_gqa", pack_gqa)
     require_optional_bool("build_backward", build_backward)
     geometry = validate_plan_inputs(
-        mask_func, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        mask_func,
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
     if build_backward is None:
         build_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     family, cc = arch_family(q.device)
     if target is not None:
         if not isinstance(target, str):
-            raise InputTypeError(f"target must be an architecture family name (str) or None, got {type(target).__name__}")
+            raise InputTypeError(
+                f"target must be an architecture family name (str) or None, got {type(target).__name__}"
+            )
         family, cc = target, None
     consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
     log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)

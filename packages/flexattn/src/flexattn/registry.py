@@ -7,7 +7,7 @@ capability 9.x, ``"sm100"`` for 10.x); the facade never branches on architecture
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+from functools import cache
 from importlib.metadata import entry_points
 
 import torch
@@ -32,13 +32,14 @@ def arch_family(device: torch.device) -> tuple[str, tuple[int, int] | None]:
     family = _ARCH_BY_MAJOR.get(cc[0])
     if family is None:
         raise ConsumerNotFoundError(
-            f"no flexattn consumer targets compute capability {cc[0]}.{cc[1]} ({torch.cuda.get_device_name(device)}); "
+            f"no flexattn consumer targets compute capability {cc[0]}.{cc[1]} "
+            f"({torch.cuda.get_device_name(device)}); "
             f"supported: {sorted(f'{m}.x' for m in _ARCH_BY_MAJOR)}"
         )
     return family, cc
 
 
-@lru_cache(maxsize=None)
+@cache
 def installed_consumers() -> dict[str, Consumer]:
     """Every installed consumer by architecture family (the reference consumer always)."""
     found: dict[str, Consumer] = {}

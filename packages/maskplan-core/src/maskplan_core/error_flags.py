@@ -30,9 +30,7 @@ def prefix_error_flags(cu: torch.Tensor, total: int, max_seqlen: int, *, is_q: b
     """The four prefix rules of spec section 3.2 as error bits (0 when the prefix is valid)."""
     shift = 0 if is_q else 4
     lens = cu[1:].to(torch.int64) - cu[:-1].to(torch.int64)
-    checks = torch.stack(
-        [cu[0] != 0, cu[-1] != total, (lens < 0).any(), (lens > max_seqlen).any()]
-    ).cpu()
+    checks = torch.stack([cu[0] != 0, cu[-1] != total, (lens < 0).any(), (lens > max_seqlen).any()]).cpu()
     return sum(1 << (shift + i) for i in range(4) if bool(checks[i]))
 
 
@@ -55,7 +53,8 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
         h, f, row = _first(bad)
         raise EndpointError(
             f"mask_func[{h}, :, {row}] is not sorted: endpoint {f + 1} = {int(mask_func[h, f + 1, row])} "
-            f"< endpoint {f} = {int(mask_func[h, f, row])} (endpoints must satisfy 0 <= F0 <= F1 <= ... <= k_len)"
+            f"< endpoint {f} = {int(mask_func[h, f, row])} "
+            "(endpoints must satisfy 0 <= F0 <= F1 <= ... <= k_len)"
         )
     raise AssertionError(f"unknown planner error flags 0x{flags:x}")
 
@@ -66,7 +65,7 @@ def _raise_seqlen(flags: int, g: PlanGeometry) -> None:
         ("cu_seqlens_k", g.cu_seqlens_k, g.total_k, g.max_seqlen_k, 4),
     ):
         vals = cu.cpu().tolist()
-        lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+        lens = [b - a for a, b in zip(vals[:-1], vals[1:], strict=False)]
         if flags & (1 << shift):
             raise SeqlenError(f"{name}[0] must be 0, got {vals[0]}")
         if flags & (2 << shift):

@@ -325,7 +325,8 @@ def chunked(
     batch: int = 1,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
-    """Chunked attention (Llama-4 style): row ``i`` sees keys of its chunk ``[c * chunk_size, (c+1) * chunk_size)``.
+    """Chunked attention (Llama-4 style): row ``i`` sees keys of its chunk
+    ``[c * chunk_size, (c+1) * chunk_size)``.
 
     ``c = i // chunk_size``; the chunk is clipped to ``seqlen``; with ``causal=True`` keys are further
     limited to ``<= i``.  Returns ``[1, 3, batch * seqlen]`` int32 with endpoints ``[0, lo, hi]``.
@@ -352,7 +353,8 @@ def _row_chunk(h: int, sk: int) -> int:
 
 
 def _transitions(m: torch.Tensor) -> torch.Tensor:
-    """``m`` bool ``[H, t, Sk]`` (Sk >= 1) -> bool ``[H, t, Sk]``; entry ``j`` is a run boundary at key ``j + 1``.
+    """``m`` bool ``[H, t, Sk]`` (Sk >= 1) -> bool ``[H, t, Sk]``; entry ``j`` is a run boundary
+    at key ``j + 1``.
 
     A boundary at key ``k`` (1 <= k <= Sk) means ``m[k] != m[k - 1]`` (with ``m[Sk] = False``).
     The boundary at key 0 (a row starting with True) is implicit in the ``[0, F0)`` interval.

@@ -83,8 +83,14 @@ class PayloadLayout(ABC):
         """int32 ``[n, subtiles, groups, words_per_group]`` -> bool ``[n, tile_m, tile_n]``."""
         n = words.shape[0]
         byte = words.contiguous().reshape(n, self.words_per_tile).view(torch.uint8)
-        bits = ((byte.unsqueeze(-1) >> _BYTE_SHIFTS.to(words.device)) & 1).reshape(n, self.words_per_tile * 32)
-        return bits[:, self.flat_bit_index.to(words.device).reshape(-1)].reshape(n, self.tile_m, self.tile_n).bool()
+        bits = ((byte.unsqueeze(-1) >> _BYTE_SHIFTS.to(words.device)) & 1).reshape(
+            n, self.words_per_tile * 32
+        )
+        return (
+            bits[:, self.flat_bit_index.to(words.device).reshape(-1)]
+            .reshape(n, self.tile_m, self.tile_n)
+            .bool()
+        )
 
     def __repr__(self) -> str:
         return (

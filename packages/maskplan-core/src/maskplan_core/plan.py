@@ -92,7 +92,9 @@ class PlanView:
         cnt, idx = self.tensors[f"{prefix}_cnt"], self.tensors[f"{prefix}_idx"].to(torch.int64)
         hmask, rows = cnt.shape
         flat_row = torch.repeat_interleave(
-            torch.arange(hmask * rows, device=cnt.device), cnt.reshape(-1).to(torch.int64), output_size=idx.numel()
+            torch.arange(hmask * rows, device=cnt.device),
+            cnt.reshape(-1).to(torch.int64),
+            output_size=idx.numel(),
         )
         head, row = flat_row // rows, flat_row % rows
         desc = self.tensors["sequence_desc"].to(torch.int64)
@@ -167,7 +169,9 @@ class MaskPlan:
 
     __slots__ = ("_geometry", "_views", "_header", "_consumer")
 
-    def __init__(self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str):
+    def __init__(
+        self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
+    ):
         self._geometry = geometry
         self._views = dict(views)
         self._header = tuple(header)
@@ -201,7 +205,8 @@ class MaskPlan:
         if role not in self._views:
             if role == "backward":
                 raise MissingBackwardViewError(
-                    "this plan has no backward view; rebuild it with create_mask_plan(..., build_backward=True)"
+                    "this plan has no backward view; "
+                    "rebuild it with create_mask_plan(..., build_backward=True)"
                 )
             raise InputValueError(f"unknown view role {role!r}; this plan has {list(self._views)}")
         return self._views[role]
@@ -212,15 +217,20 @@ class MaskPlan:
         return {
             "consumer": self._consumer,
             "geometry": g.describe(),
-            "allocation_header": dict(zip(HEADER_FIELDS, self._header)),
+            "allocation_header": dict(zip(HEADER_FIELDS, self._header, strict=False)),
             "signatures": {role: v.signature.model_dump() for role, v in self._views.items()},
         }
 
     def debug_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
         """Clones of every view tensor (mutating them cannot affect the plan)."""
-        snap = {role: {k: t.clone() for k, t in v.tensors.items() if t is not None} for role, v in self._views.items()}
-        snap["geometry"] = {"cu_seqlens_q": self._geometry.cu_seqlens_q.clone(),
-                            "cu_seqlens_k": self._geometry.cu_seqlens_k.clone()}
+        snap = {
+            role: {k: t.clone() for k, t in v.tensors.items() if t is not None}
+            for role, v in self._views.items()
+        }
+        snap["geometry"] = {
+            "cu_seqlens_q": self._geometry.cu_seqlens_q.clone(),
+            "cu_seqlens_k": self._geometry.cu_seqlens_k.clone(),
+        }
         return snap
 
     def summary(self) -> str:
@@ -228,8 +238,9 @@ class MaskPlan:
         for role, v in self._views.items():
             s = v.stats()
             lines.append(
-                f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  rows {s['rows']:>6}  partial {s['partial']:>7}  "
-                f"full {s['full']:>7}  empty {s['empty']:>7}  density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
+                f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  rows {s['rows']:>6}  "
+                f"partial {s['partial']:>7}  full {s['full']:>7}  empty {s['empty']:>7}  "
+                f"density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
             )
         return "\n".join(lines)
 
@@ -240,18 +251,25 @@ class MaskPlan:
         """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device."""
         g = self._geometry
         if g.varlen:
-            expect = {"q": (g.total_q, g.num_heads_q, g.head_dim_qk), "k": (g.total_k, g.num_heads_kv, g.head_dim_qk),
-                      "v": (g.total_k, g.num_heads_kv, g.head_dim_v)}
+            expect = {
+                "q": (g.total_q, g.num_heads_q, g.head_dim_qk),
+                "k": (g.total_k, g.num_heads_kv, g.head_dim_qk),
+                "v": (g.total_k, g.num_heads_kv, g.head_dim_v),
+            }
         else:
             bq, bk = (g.batch, g.max_seqlen_q), (g.batch, g.max_seqlen_k)
-            expect = {"q": (*bq, g.num_heads_q, g.head_dim_qk), "k": (*bk, g.num_heads_kv, g.head_dim_qk),
-                      "v": (*bk, g.num_heads_kv, g.head_dim_v)}
+            expect = {
+                "q": (*bq, g.num_heads_q, g.head_dim_qk),
+                "k": (*bk, g.num_heads_kv, g.head_dim_qk),
+                "v": (*bk, g.num_heads_kv, g.head_dim_v),
+            }
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise PlanBindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if tuple(t.shape) != expect[name]:
                 raise PlanBindingError(
-                    f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} ({g.describe()})"
+                    f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} "
+                    f"({g.describe()})"
                 )
             if t.dtype != g.dtype:
                 raise PlanBindingError(f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}")
@@ -259,4 +277,3 @@ class MaskPlan:
                 raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
             if t.stride(-1) != 1:
                 raise PlanBindingError(f"{name} must have a contiguous last (head) dimension")
-

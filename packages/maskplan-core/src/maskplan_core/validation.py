@@ -42,16 +42,22 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
         if t.dim() != rank:
             raise InputValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(t.shape)}")
         if t.stride(-1) != 1:
-            raise InputValueError(f"{name} must have a contiguous last (head) dimension, got strides {t.stride()}")
+            raise InputValueError(
+                f"{name} must have a contiguous last (head) dimension, got strides {t.stride()}"
+            )
         if t.device != q.device:
             raise InputValueError(f"{name} is on {t.device} but q is on {q.device}")
         if t.dtype != q.dtype:
             raise InputTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
     allowed = REFERENCE_DTYPES if q.device.type == "cpu" else KERNEL_DTYPES
     if q.dtype not in allowed:
-        raise InputTypeError(f"q/k/v dtype must be one of {[str(d) for d in allowed]} on {q.device.type}, got {q.dtype}")
+        raise InputTypeError(
+            f"q/k/v dtype must be one of {[str(d) for d in allowed]} on {q.device.type}, got {q.dtype}"
+        )
     if k.shape[:-1] != v.shape[:-1]:
-        raise InputValueError(f"k and v must agree on every dimension but the last: k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise InputValueError(
+            f"k and v must agree on every dimension but the last: k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[-1] != k.shape[-1]:
         raise InputValueError(f"q and k head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
     hq, hkv = q.shape[-2], k.shape[-2]
@@ -95,7 +101,9 @@ def validate_plan_inputs(
     given = [n for n, a in varlen_args.items() if a is not None]
     if given and len(given) != 4:
         missing = [n for n in varlen_args if n not in given]
-        raise InputValueError(f"varlen input needs all of cu_seqlens_q/k and max_seqlen_q/k; missing {missing}")
+        raise InputValueError(
+            f"varlen input needs all of cu_seqlens_q/k and max_seqlen_q/k; missing {missing}"
+        )
     varlen = bool(given)
     _check_qkv(require_tensor("q", q), k, v, 3 if varlen else 4)
     device = q.device
@@ -104,7 +112,8 @@ def validate_plan_inputs(
         cu_k = _check_prefix("cu_seqlens_k", cu_seqlens_k, device)
         if cu_q.shape != cu_k.shape:
             raise InputValueError(
-                f"cu_seqlens_q and cu_seqlens_k must have the same shape, got {tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
+                f"cu_seqlens_q and cu_seqlens_k must have the same shape, "
+                f"got {tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
             )
         max_q = require_int("max_seqlen_q", max_seqlen_q, minimum=1)
         max_k = require_int("max_seqlen_k", max_seqlen_k, minimum=1)
@@ -113,7 +122,10 @@ def validate_plan_inputs(
     else:
         batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
         if batch == 0 or max_q == 0 or max_k == 0:
-            raise InputValueError(f"q and k must have nonzero batch and sequence sizes, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+            raise InputValueError(
+                f"q and k must have nonzero batch and sequence sizes, "
+                f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
         total_q, total_k = batch * max_q, batch * max_k
         steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
         cu_q, cu_k = steps * max_q, steps * max_k
@@ -122,7 +134,9 @@ def validate_plan_inputs(
     if mask_func.dtype != torch.int32:
         raise InputTypeError(f"mask_func must be int32, got {mask_func.dtype}")
     if mask_func.dim() != 3:
-        raise InputValueError(f"mask_func must be [Hmask, nfunc, total_q] (rank 3), got shape {tuple(mask_func.shape)}")
+        raise InputValueError(
+            f"mask_func must be [Hmask, nfunc, total_q] (rank 3), got shape {tuple(mask_func.shape)}"
+        )
     if mask_func.device != device:
         raise InputValueError(f"mask_func is on {mask_func.device} but q is on {device}")
     if not mask_func.is_contiguous():

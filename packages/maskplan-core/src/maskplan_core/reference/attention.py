@@ -57,7 +57,11 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
             k_tok = (desc[b, 1, None] + k_local).clamp(max=max(g.total_k - 1, 0))
             for h in e.head[sl].unique().tolist():
                 mine = e.head[sl] == h
-                q_heads = torch.arange(g.num_heads_q, device=dev) if g.mask_heads == 1 else torch.tensor([h], device=dev)
+                q_heads = (
+                    torch.arange(g.num_heads_q, device=dev)
+                    if g.mask_heads == 1
+                    else torch.tensor([h], device=dev)
+                )
                 yield _Tiles(q_tok[mine], k_tok[mine], keep[mine], q_heads, q_heads // g.qhead_per_kvhead)
 
 
@@ -82,7 +86,9 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     row_max = torch.full((rows,), float("-inf"), dtype=cd, device=q.device)
     for tl in _tiles(view):
         s = _scores(tl, q, k, softmax_scale)
-        row_max.scatter_reduce_(0, _row_index(tl, g.total_q).unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax")
+        row_max.scatter_reduce_(
+            0, _row_index(tl, g.total_q).unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax"
+        )
     safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)
     row_sum = torch.zeros(rows, dtype=cd, device=q.device)
     acc = torch.zeros(g.num_heads_q, g.total_q, g.head_dim_v, dtype=cd, device=q.device)
@@ -119,7 +125,11 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
         idx = _row_index(tl, g.total_q)
         p = torch.exp(_scores(tl, qc, kc, softmax_scale) - safe_lse[idx].unsqueeze(-1))  # [n, h, tm, tn]
         do_t = doc[tl.q_tok][:, :, tl.q_heads]  # [n, tm, h, dv]
-        v_t, k_t, q_t = vc[tl.k_tok][:, :, tl.kv_heads], kc[tl.k_tok][:, :, tl.kv_heads], qc[tl.q_tok][:, :, tl.q_heads]
+        v_t, k_t, q_t = (
+            vc[tl.k_tok][:, :, tl.kv_heads],
+            kc[tl.k_tok][:, :, tl.kv_heads],
+            qc[tl.q_tok][:, :, tl.q_heads],
+        )
         dp = torch.einsum("nmhd,nkhd->nhmk", do_t, v_t)
         ds = p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale
         _add_rows(dq, tl.q_tok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))

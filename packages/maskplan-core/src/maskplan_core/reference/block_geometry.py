@@ -61,13 +61,24 @@ class BlockGeometry:
             begin, count, inner = self.cu_q_rows[:-1], self.q_blocks, self.k_blocks
         else:
             begin, count, inner = self.cu_k_rows[:-1], self.k_blocks, self.q_blocks
-        cols = [self.q_offsets, self.k_offsets, self.q_lens, self.k_lens, begin, count, inner, torch.zeros_like(inner)]
+        cols = [
+            self.q_offsets,
+            self.k_offsets,
+            self.q_lens,
+            self.k_lens,
+            begin,
+            count,
+            inner,
+            torch.zeros_like(inner),
+        ]
         return torch.stack(cols, dim=1).to(torch.int32)
 
 
 def _owner(cu_rows: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = cu_rows[1:] - cu_rows[:-1]
-    batch = torch.repeat_interleave(torch.arange(counts.numel(), device=cu_rows.device), counts, output_size=n_rows)
+    batch = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=cu_rows.device), counts, output_size=n_rows
+    )
     return batch, torch.arange(n_rows, device=cu_rows.device) - cu_rows[batch]
 
 

@@ -1,7 +1,7 @@
 """The reference planner: spec section 4 as a pipeline of named stages.
 
-    geometry -> classify (fwd [, bwd]) -> K2Q count -> header (one host read, errors raised)
-             -> materialise Q2K [, K2Q + dQ order] -> forward schedule -> MaskPlan
+geometry -> classify (fwd [, bwd]) -> K2Q count -> header (one host read, errors raised)
+         -> materialise Q2K [, K2Q + dQ order] -> forward schedule -> MaskPlan
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def _forward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeomet
     costs = (cls.partial_counts + cls.full_counts).to(torch.int64)[mask_head]
     element = torch.empty((), dtype=g.dtype).element_size()
     work = forward_schedule(
-        costs, geom, num_heads_kv=g.num_heads_kv, kv_head_of=kv_head_of,
+        costs,
+        geom,
+        num_heads_kv=g.num_heads_kv,
+        kv_head_of=kv_head_of,
         row_bytes_kv=(g.head_dim_qk + g.head_dim_v) * element,
     )
     tensors = _csr_tensors(lists) | {"sequence_desc": geom.sequence_desc("q"), "fwd_work_desc": work}

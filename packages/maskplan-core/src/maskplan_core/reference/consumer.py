@@ -20,13 +20,17 @@ class ReferenceConsumer(Consumer):
 
     def resolve(self, request: ViewRequest) -> ViewConfig:
         if request.pack_gqa:
-            raise UnsupportedConfigError("pack_gqa=True is a kernel layout option; the reference consumer has none")
+            raise UnsupportedConfigError(
+                "pack_gqa=True is a kernel layout option; the reference consumer has none"
+            )
         backward = request.direction == "backward"
         signature = PlanSignature(
             arch_family="reference",
             direction=request.direction,
             kernel_family="reference-torch-v1",
-            topology=Topology(tile_m=TILE, tile_n=TILE, qhead_per_kvhead=request.num_heads_q // request.num_heads_kv),
+            topology=Topology(
+                tile_m=TILE, tile_n=TILE, qhead_per_kvhead=request.num_heads_q // request.num_heads_kv
+            ),
             mma_layout="none",
             payload=RowMajorLayout(TILE, TILE).spec,
             scheduler_layout="k-major" if backward else "plan-fwd-work-desc-v1",
@@ -41,4 +45,6 @@ class ReferenceConsumer(Consumer):
         return AttentionOutputs(out.to(q.dtype), lse, max_logit)
 
     def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic):
-        return attention_backward(plan.view("backward"), q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale)
+        return attention_backward(
+            plan.view("backward"), q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale
+        )

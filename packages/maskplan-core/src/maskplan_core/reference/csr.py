@@ -66,7 +66,9 @@ def block_flags(cls: Classification, geom: BlockGeometry) -> tuple[torch.Tensor,
     return visible & ~full, full
 
 
-def pack_payloads(mask_func, geom: BlockGeometry, layout: PayloadLayout, head, q_row, n_block) -> torch.Tensor:
+def pack_payloads(
+    mask_func, geom: BlockGeometry, layout: PayloadLayout, head, q_row, n_block
+) -> torch.Tensor:
     """Packed payloads of the tiles (mask head, compact Q plan row, K block)."""
     if (layout.tile_m, layout.tile_n) != (geom.tile_m, geom.tile_n):
         raise ValueError(f"{layout!r} does not match the view tile {geom.tile_m}x{geom.tile_n}")

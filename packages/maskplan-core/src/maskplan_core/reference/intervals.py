@@ -17,7 +17,9 @@ CHUNK_ELEMENTS = 1 << 24
 def interval_bounds(mask_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(starts, ends), each int64 ``[Hmask, nfunc // 2 + 1, total_q]``."""
     h, _, rows = mask_func.shape
-    g = torch.cat([torch.zeros(h, 1, rows, dtype=torch.int64, device=mask_func.device), mask_func.to(torch.int64)], 1)
+    g = torch.cat(
+        [torch.zeros(h, 1, rows, dtype=torch.int64, device=mask_func.device), mask_func.to(torch.int64)], 1
+    )
     return g[:, 0::2], g[:, 1::2]
 
 
@@ -62,7 +64,7 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
         tok, row_ok = row_tokens(geom, b, m_block[sl], total_q)
         ends = mask_func[h.unsqueeze(-1), :, tok]  # [c, tm, nfunc]
         g = torch.cat([zero.expand(*ends.shape[:2], 1), ends], -1)
-        key = (n_block[sl].to(torch.int32).unsqueeze(-1) * geom.tile_n + u)  # [c, tn]
+        key = n_block[sl].to(torch.int32).unsqueeze(-1) * geom.tile_n + u  # [c, tn]
         col_ok = key < geom.k_lens[b].unsqueeze(-1)
         keys = key.unsqueeze(1).expand(-1, geom.tile_m, -1).contiguous()
         hits = torch.searchsorted(g.contiguous(), keys, right=True, out_int32=True)

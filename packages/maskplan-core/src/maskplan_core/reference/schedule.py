@@ -15,7 +15,9 @@ from .block_geometry import BlockGeometry
 L2_SECTION_BYTES = 50 * 1024 * 1024
 
 
-def heads_per_section(kv_bytes: torch.Tensor, num_heads_kv: int, budget: int = L2_SECTION_BYTES) -> torch.Tensor:
+def heads_per_section(
+    kv_bytes: torch.Tensor, num_heads_kv: int, budget: int = L2_SECTION_BYTES
+) -> torch.Tensor:
     """Largest power of two ``p <= num_heads_kv`` with ``kv_bytes * p <= budget`` (at least 1), per sample."""
     p = torch.ones_like(kv_bytes)
     while True:

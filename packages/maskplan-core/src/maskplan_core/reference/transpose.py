@@ -37,7 +37,9 @@ class K2QLists(BlockLists):
     dq_write_order_full: torch.Tensor
 
 
-def materialize_k2q(mask_func, cls: Classification, geom: BlockGeometry, layout: PayloadLayout, counts) -> K2QLists:
+def materialize_k2q(
+    mask_func, cls: Classification, geom: BlockGeometry, layout: PayloadLayout, counts
+) -> K2QLists:
     """Write half: K-major partial/full CSRs (Q blocks ascending), payloads, dQ write ranks.
 
     ``dq_write_order`` of an entry (K block j -> Q block i) is j's rank among all K blocks
@@ -47,7 +49,7 @@ def materialize_k2q(mask_func, cls: Classification, geom: BlockGeometry, layout:
     visible = unpack_bits(cls.visible_bits, geom.max_k_blocks)
     rank = visible.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1  # [H, R, K]
     lists = []
-    for flags, cnt in zip(block_flags(cls, geom), counts):
+    for flags, cnt in zip(block_flags(cls, geom), counts, strict=False):
         key, h, r, j, m = _k2q_keys(flags, geom)
         order = torch.argsort(key * max(geom.max_q_blocks, 1) + m, stable=True)
         h, r, j, m = h[order], r[order], j[order], m[order]

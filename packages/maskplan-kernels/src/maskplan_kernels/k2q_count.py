@@ -1,0 +1,159 @@
+"""K2Q counting (spec 4.4) in CuTe DSL: the counting half of the sparse transpose of the backward
+Q-major bitsets into per-K-block partial/full contributor counts.
+
+The oracle is :func:`maskplan_core.reference.transpose.k2q_counts`: for mask head ``h`` and compact
+K plan row ``kr`` (sample ``b``, K block ``j``), count the Q plan rows ``r`` of sample ``b`` whose bit
+``j`` is set in ``visible & ~full`` (partial) and in ``full`` (full). It reads the bitsets by column;
+it never rescans the endpoints. No atomics and no zero-filled output: every count is written once.
+
+Work decomposition (one CTA per (32 consecutive compact K rows, mask head))::
+
+    grid  = (ceil(upper_k_rows / 32), Hmask, 1)        block = (32 * num_warps, 1, 1)
+
+    lane l of every warp  -> compact K row kr = 32 * blockIdx.x + l   (its sample b and K block j)
+    warp w                -> a contiguous slice of sample b's Q plan rows:
+                               [q_rows * w / W, q_rows * (w + 1) / W)
+    per Q row r: bit j of visible_bits[h, r, j // 32] and full_bits[h, r, j // 32]
+                 (lanes of one sample read the same word or its neighbour: broadcast loads)
+    shared [W, 32] partial / full sums -> warp 0 adds the W slices, stores counts[h, kr]
+
+Padding K rows (past the exact row count) belong to the dummy sample (no Q rows): count 0.
+
+Compile-time (``Constexpr``): ``num_warps``. Runtime: ``Hmask``, the bounds, ``k_words``, ``B + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ._cute_args import fake_stream, placeholder_ptr
+from ._jit_cache import compile_cached
+from ._primitives import WARP
+from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
+
+
+@dataclass(frozen=True)
+class K2QCountConfig:
+    """Static configuration of the K2Q count kernel (every field is compile-time)."""
+
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_warps <= 32:
+            raise ValueError(f"num_warps must be in [1, 32], got {self.num_warps}")
+
+
+class K2QCount:
+    """Column walk over the backward bitsets; see the module docstring."""
+
+    def __init__(self, config: K2QCountConfig):
+        self.config = config
+        self.num_warps = config.num_warps
+        self.num_threads = WARP * config.num_warps
+
+    @cute.jit
+    def __call__(
+        self,
+        visible_bits: cute.Pointer,  # int32 (Hmask, uq, k_words): backward Q2K bitsets
+        full_bits: cute.Pointer,  # int32 (Hmask, uq, k_words)
+        row_batch_k: cute.Pointer,  # int32 (uk,): sample of each compact K row (B for padding)
+        desc_q: cute.Pointer,  # int32 (B+1, 8): backward "q" descriptor (Q row begin/count)
+        desc_k: cute.Pointer,  # int32 (B+1, 8): backward "k" descriptor (K row begin)
+        partial_counts: cute.Pointer,  # int32 (Hmask, uk), written
+        full_counts: cute.Pointer,  # int32 (Hmask, uk), written
+        hmask: Int32,
+        uq: Int32,
+        uk: Int32,
+        k_words: Int32,
+        batch_plus_one: Int32,
+        stream: cuda.CUstream,
+    ):
+        # (Hmask, uq, k_words)
+        bits_layout = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
+        mVisible = cute.make_tensor(visible_bits, bits_layout)
+        mFull = cute.make_tensor(full_bits, bits_layout)
+        # (uk,)
+        mRowBatchK = cute.make_tensor(row_batch_k, cute.make_layout(uk))
+        # (B+1, 8)
+        desc_layout = cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))
+        mDescQ = cute.make_tensor(desc_q, desc_layout)
+        mDescK = cute.make_tensor(desc_k, desc_layout)
+        # (Hmask, uk)
+        counts_layout = cute.make_layout((hmask, uk), stride=(Int64(uk), 1))
+        mPartial = cute.make_tensor(partial_counts, counts_layout)
+        mFullCnt = cute.make_tensor(full_counts, counts_layout)
+        self.kernel(mVisible, mFull, mRowBatchK, mDescQ, mDescK, mPartial, mFullCnt, uk).launch(
+            grid=[(uk + WARP - 1) // WARP, hmask, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mVisible: cute.Tensor,
+        mFull: cute.Tensor,
+        mRowBatchK: cute.Tensor,
+        mDescQ: cute.Tensor,
+        mDescK: cute.Tensor,
+        mPartial: cute.Tensor,
+        mFullCnt: cute.Tensor,
+        uk: Int32,
+    ):
+        chunk, head, _ = cute.arch.block_idx()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+        smem = cutlass.memory.SmemAllocator()
+        # (num_warps, 32): per-warp partial sums of every lane's K row
+        sPartial = smem.allocate_tensor(Int32, cute.make_layout((self.num_warps, WARP), stride=(WARP, 1)), 16)
+        sFull = smem.allocate_tensor(Int32, cute.make_layout((self.num_warps, WARP), stride=(WARP, 1)), 16)
+
+        k_row = chunk * WARP + lane
+        k_row_ok = k_row < uk
+        dummy = mDescQ.shape[0] - 1
+        batch = dummy
+        if k_row_ok:
+            batch = mRowBatchK[k_row]
+        j = k_row - mDescK[batch, DESC_ROW_BEGIN]  # sample-local K block
+        q_begin = mDescQ[batch, DESC_ROW_BEGIN]
+        q_count = mDescQ[batch, DESC_ROW_COUNT]
+        word = j // WARP
+        shift = j % WARP
+
+        lo = (q_count * warp) // self.num_warps
+        hi = (q_count * (warp + 1)) // self.num_warps
+        partial = Int32(0)
+        full = Int32(0)
+        for m in cutlass.range(lo, hi, 1, unroll=4):
+            r = q_begin + m
+            v = (mVisible[head, r, word] >> shift) & 1
+            f = (mFull[head, r, word] >> shift) & 1
+            partial = partial + (v & (f ^ 1))
+            full = full + f
+        sPartial[warp, lane] = partial
+        sFull[warp, lane] = full
+        cute.arch.sync_threads()
+        if warp == 0:
+            p_sum = Int32(0)
+            f_sum = Int32(0)
+            for w in cutlass.range_constexpr(self.num_warps):
+                p_sum = p_sum + sPartial[w, lane]
+                f_sum = f_sum + sFull[w, lane]
+            if k_row_ok:
+                mPartial[head, k_row] = p_sum
+                mFullCnt[head, k_row] = f_sum
+
+
+def compile_k2q_count(config: K2QCountConfig):
+    """Compile (cached) the K2Q count kernel for ``config``; no GPU needed."""
+
+    def build():
+        ptr = placeholder_ptr()
+        return (K2QCount(config), *(ptr,) * 7, *(Int32(1),) * 5, fake_stream())
+
+    return compile_cached(("k2q_count", config), build)
