@@ -49,12 +49,6 @@ nox.options.error_on_missing_interpreters = True
 # `nox` alone runs what CI runs (every CPU session); gpu and bench are asked for by name.
 nox.options.sessions = ["lint", "core", "kernels", "sm90", "sm100", "facade", "integration", "demo"]
 
-# Layers whose test suites have not been written yet. Their sessions still install the layer (which
-# checks its packaging and declared dependencies), then say loudly that there is nothing to run
-# instead of failing on pytest's "no tests ran" (exit 5). A layer NOT listed here with no tests is
-# an error. Remove a layer from this set once its tests land.
-TESTS_PENDING: set[str] = set()  # every layer has tests now
-
 # Compile-only CuTe DSL tests need a target architecture; no GPU is needed for them.
 SM90_COMPILE = {"CUTE_DSL_ARCH": "sm_90a"}
 SM100_COMPILE = {"CUTE_DSL_ARCH": "sm_100a"}
@@ -152,15 +146,9 @@ def _has_tests(path: Path) -> bool:
     return path.is_dir() and (any(path.rglob("test_*.py")) or any(path.rglob("*_test.py")))
 
 
-def run_tests(session: nox.Session, layer: str, tests: str, env: dict[str, str] | None = None) -> None:
-    path = ROOT / tests
-    if not _has_tests(path):
-        if layer in TESTS_PENDING:
-            session.warn(f"NO TESTS YET for {layer}: {tests} has no test files; installed the layer only")
-            return
-        session.error(f"{tests} has no tests but {layer!r} is not in TESTS_PENDING (noxfile.py)")
-    if layer in TESTS_PENDING:
-        session.log(f"{tests} has tests now: remove {layer!r} from TESTS_PENDING in noxfile.py")
+def run_tests(session: nox.Session, tests: str, env: dict[str, str] | None = None) -> None:
+    if not _has_tests(ROOT / tests):
+        session.error(f"{tests} has no test files")
     session.run("python", "-m", "pytest", tests, *session.posargs, env=env or {})
 
 
@@ -179,42 +167,42 @@ def lint(session: nox.Session) -> None:
 def core(session: nox.Session) -> None:
     """maskplan-core alone (torch + pydantic): ABI, validation, reference planner, masks."""
     install_layer(session, "maskplan-core")
-    run_tests(session, "core", "packages/maskplan-core/tests")
+    run_tests(session, "packages/maskplan-core/tests")
 
 
 @nox.session(python=PYTHON)
 def kernels(session: nox.Session) -> None:
     """maskplan-kernels + core; CuTe DSL compile tests target sm_90a (no GPU needed)."""
     install_layer(session, "maskplan-kernels")
-    run_tests(session, "kernels", "packages/maskplan-kernels/tests", env=SM90_COMPILE)
+    run_tests(session, "packages/maskplan-kernels/tests", env=SM90_COMPILE)
 
 
 @nox.session(python=PYTHON)
 def sm90(session: nox.Session) -> None:
     """flexattn-sm90 + maskplan-kernels + core; layout maths and sm_90a compile tests."""
     install_layer(session, "flexattn-sm90")
-    run_tests(session, "sm90", "packages/flexattn-sm90/tests", env=SM90_COMPILE)
+    run_tests(session, "packages/flexattn-sm90/tests", env=SM90_COMPILE)
 
 
 @nox.session(python=PYTHON)
 def sm100(session: nox.Session) -> None:
     """flexattn-sm100 + maskplan-kernels + core; layout maths and sm_100a compile tests."""
     install_layer(session, "flexattn-sm100")
-    run_tests(session, "sm100", "packages/flexattn-sm100/tests", env=SM100_COMPILE)
+    run_tests(session, "packages/flexattn-sm100/tests", env=SM100_COMPILE)
 
 
 @nox.session(python=PYTHON)
 def facade(session: nox.Session) -> None:
     """flexattn + core (no consumer package): the public API on the CPU reference path."""
     install_layer(session, "flexattn")
-    run_tests(session, "facade", "packages/flexattn/tests")
+    run_tests(session, "packages/flexattn/tests")
 
 
 @nox.session(python=PYTHON)
 def integration(session: nox.Session) -> None:
     """flexattn[all] (every package): cross-package tests in tests/."""
     install_layer(session, "flexattn", extras=("all", "test"))
-    run_tests(session, "integration", "tests")
+    run_tests(session, "tests")
 
 
 @nox.session(python=PYTHON)
