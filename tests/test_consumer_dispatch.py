@@ -1,0 +1,58 @@
+"""Consumer resolution through entry points, planning for another consumer, signature refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import PlanSignatureMismatch, masks
+from flexattn.registry import consumer_for, installed_consumers
+
+B, S, H, D = 2, 200, 4, 64
+
+
+def qkv(dtype=torch.bfloat16):
+    return [torch.randn(B, S, H, D, dtype=dtype) for _ in range(3)]
+
+
+def test_every_installed_consumer_is_found_by_family():
+    found = installed_consumers()
+    assert {"reference", "sm90", "sm100"} <= set(found)
+    assert found["sm90"].name == "flexattn-sm90"
+    assert found["sm100"].hardware_verified is False
+
+
+def test_unknown_family_is_a_clear_error():
+    with pytest.raises(flexattn.ConsumerNotFoundError, match="sm999"):
+        consumer_for("sm999")
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_plan_for_another_consumer_describes_the_same_mask(target):
+    mask = masks.document([[120, 80], [50, 150]], causal=True)
+    q, k, v = qkv()
+    reference = flexattn.create_mask_plan(mask, q, k, v, build_backward=True)
+    other = flexattn.create_mask_plan(mask, q, k, v, build_backward=True, target=target)
+    assert other.view("forward").signature.arch_family == target
+    for role in ("forward", "backward"):
+        assert torch.equal(other.view(role).to_dense(), reference.view(role).to_dense())
+
+
+def test_cpu_call_refuses_a_plan_made_for_sm90_naming_the_fields():
+    q, k, v = qkv()
+    plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, target="sm90")
+    with pytest.raises(PlanSignatureMismatch) as err:
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    fields = {d.field for d in err.value.diffs}
+    assert {"arch_family", "kernel_family", "payload.layout_id"} <= fields
+    assert "arch_family" in str(err.value) and "flexattn-sm90" in str(err.value)
+
+
+def test_sm90_and_sm100_views_differ_field_by_field():
+    q, k, v = qkv()
+    mask = masks.causal(S, batch=B)
+    sm90 = flexattn.create_mask_plan(mask, q, k, v, target="sm90").view("forward").signature
+    sm100 = flexattn.create_mask_plan(mask, q, k, v, target="sm100").view("forward").signature
+    fields = {d.field for d in sm90.diff(sm100)}
+    assert {"arch_family", "mma_layout", "payload.layout_id", "scheduler_layout"} <= fields
