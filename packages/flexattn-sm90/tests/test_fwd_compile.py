@@ -14,16 +14,14 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
-from flexattn_sm90.fwd_launch import compile_uncached, has_tvm_ffi, kernel_key  # noqa: E402
+from flexattn_sm90.fwd_launch import compile_uncached, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
 
 
-def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tvm_ffi=False, tmp_path=None):
+def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tmp_path=None):
     config = select_fwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     extra = f"--keep-ptx --dump-dir {tmp_path}" if tmp_path is not None else ""
-    compiled = compile_uncached(
-        config, mask_via_smem=smem, with_max_logit=max_logit, tvm_ffi=tvm_ffi, extra_options=extra
-    )
+    compiled = compile_uncached(config, mask_via_smem=smem, with_max_logit=max_logit, extra_options=extra)
     return config, compiled
 
 
@@ -69,7 +67,7 @@ def test_d128_instructions(smem, tmp_path):
     ptx = compiled.__ptx__
     assert "cp.async.bulk.tensor" in ptx  # TMA loads of Q/K/V
     assert "atom.global.add.u32" in ptx  # call-local scheduler counter
-    assert "setmaxnreg.dec.sync.aligned.u32 \t32" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
     # spec 6.2: one 2 KB bulk copy per partial block into the SMEM mask stage; direct delivery
     # instead loads each thread's 2 words with one 8-byte load
@@ -81,25 +79,35 @@ def test_d128_instructions(smem, tmp_path):
         assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
-def test_fp16_and_max_logit_compile():
-    _, compiled = _compile(dtype="float16", max_logit=True)
+@pytest.mark.parametrize("schedule", ["pipelined", "pingpong"])
+def test_schedules_compile(schedule, tmp_path):
+    config = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    extra = f"--keep-ptx --dump-dir {tmp_path}"
+    compiled = compile_uncached(
+        config, mask_via_smem=True, with_max_logit=False, schedule=schedule, extra_options=extra
+    )
+    ptx = compiled.__ptx__
+    # the prologue S_0 plus [O += PV, S_next] in the partial and the full loop: 8 + 2 * (8 + 8)
+    assert _wgmma_shapes(ptx) == {"m64n128k16": 40}
+    assert ("bar.arrive" in ptx) == (schedule == "pingpong")  # the warpgroups' turns
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_fp16_and_max_logit_compile(tmp_path):
+    _, compiled = _compile(dtype="float16", max_logit=True, tmp_path=tmp_path)
     ptx = compiled.__ptx__
     assert _wgmma_shapes(ptx) == {"m64n128k16": 32}
     assert ".f32.f16.f16" in ptx
     assert "atom.global.max.s32" in ptx and "atom.global.min.u32" in ptx  # float atomic max
 
 
-@pytest.mark.skipif(not has_tvm_ffi(), reason="apache-tvm-ffi not installed")
-def test_compiles_with_tvm_ffi():
-    _, compiled = _compile(tvm_ffi=True)
-    assert compiled is not None
-
-
 def test_kernel_key_ignores_runtime_geometry():
     """GQA ratio and varlen-ness are runtime values: one kernel serves them all."""
     a = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
     b = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", qhead_per_kvhead=4, varlen=True)
-    kw = {"mask_via_smem": True, "with_max_logit": False, "tvm_ffi": True}
+    kw = {"mask_via_smem": True, "with_max_logit": False, "schedule": "simple"}
     assert kernel_key(a, **kw) == kernel_key(b, **kw)
     c = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="float16")
     assert kernel_key(a, **kw) != kernel_key(c, **kw)

@@ -1,13 +1,13 @@
-"""The SM90 (Hopper) consumer: resolves plan views; its attention kernels are not written yet.
+"""The SM90 (Hopper) consumer: resolves plan views and runs the persistent forward kernel.
 
-``resolve`` is complete: a plan built for SM90 carries the signature and WGMMA payload layout the
-kernels will consume. ``forward``/``backward`` raise :class:`ConsumerNotFoundError` until the
-kernels land; they never fall back to a computation of their own.
+A plan built for SM90 carries the signature and WGMMA payload layout its kernels consume.
+``backward`` raises :class:`ConsumerNotFoundError` until the K2Q backward kernel lands; it never
+falls back to a computation of its own.
 """
 
 from __future__ import annotations
 
-from maskplan_core.consumer import Consumer, ViewConfig, ViewRequest
+from maskplan_core.consumer import AttentionOutputs, Consumer, ViewConfig, ViewRequest
 from maskplan_core.errors import ConsumerNotFoundError, UnsupportedConfigError
 
 from ._version import __version__
@@ -20,7 +20,7 @@ class Sm90Consumer(Consumer):
 
     name = "flexattn-sm90"
     arch_families = ("sm90",)
-    hardware_verified = False  # no SM90 kernel has run yet: nothing to verify
+    hardware_verified = True  # the forward kernel's GPU tests run on an H200
 
     def resolve(self, request: ViewRequest) -> ViewConfig:
         _check_request(request)
@@ -45,7 +45,12 @@ class Sm90Consumer(Consumer):
         return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
 
     def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool):
-        raise ConsumerNotFoundError(_not_available("forward"))
+        from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
+
+        out, lse, max_logit = run_forward(
+            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
+        )
+        return AttentionOutputs(out, lse, max_logit)
 
     def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
         raise ConsumerNotFoundError(_not_available("backward"))
@@ -53,9 +58,9 @@ class Sm90Consumer(Consumer):
 
 def _not_available(direction: str) -> str:
     return (
-        f"flexattn-sm90 {__version__} has no SM90 {direction} kernel yet; plans can be built (reference "
-        "planner) but attention on CUDA is not available in this release. Run on CPU tensors for the "
-        "reference path."
+        f"flexattn-sm90 {__version__} has no SM90 {direction} kernel yet: training on CUDA is not "
+        "available in this release (inference runs the SM90 forward kernel). Run on CPU tensors for "
+        "the reference path."
     )
 
 

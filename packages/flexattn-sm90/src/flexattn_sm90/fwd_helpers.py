@@ -1,0 +1,195 @@
+"""Device helpers of the SM90 forward kernel (CuTe DSL): WGMMA issue, accumulator views, online
+softmax and the packed-predicate bit-select.
+
+Everything here is generic over the accumulator of a ``wgmma.m64nNk16`` fp32 tile held by one
+consumer thread, whose register (fragment) order is the one :mod:`flexattn_sm90.payload_layout`
+documents: ``acc[e]`` with ``e = 4j + 2*half + c`` is row ``r0 + 8*half``, column ``8j + 2(l%4) + c``.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+# -- layouts --------------------------------------------------------------------------------------
+def smem_layout_row_major(dtype, rows: int, cols: int, stages: int | None = None):
+    """Swizzled SMEM layout of a ``rows x cols`` row-major (cols contiguous) tile for WGMMA/TMA.
+
+    ``(rows, cols)`` or ``(rows, cols, stages)``.
+    """
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    order = (0, 1) if stages is None else (0, 1, 2)
+    return cute.tile_to_shape(atom, shape, order=order)
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of an SMEM tensor (``(n, d, s)`` -> ``(d, n, s)``)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """``((2, 2, N/8), MMA_M, MMA_N)`` -> ``((2, MMA_M), (2, N/8, MMA_N))``: (rows, cols) of a thread."""
+    flat = cute.make_layout(acc_layout.shape)
+    shape = ((flat.shape[0][1], flat.shape[1]), (flat.shape[0][0], *flat.shape[0][2:], flat.shape[2]))
+    stride = ((flat.stride[0][1], flat.stride[1]), (flat.stride[0][0], *flat.stride[0][2:], flat.stride[2]))
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """Row/column view of an accumulator fragment (rows = the thread's 2 rows per m64 atom)."""
+    return cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View a ``((2, 2, N/8), MMA_M, MMA_N)`` fp32 accumulator as the register A operand of the
+    next ``m64nKk16`` WGMMA: ``((2, 2, 2), MMA_M, (N/16, MMA_N))`` (two 8-column groups per k16)."""
+    layout = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    shape = (
+        (layout.shape[0][0], layout.shape[0][1], layout.shape[0][2][0]),
+        layout.shape[1],
+        (layout.shape[0][2][1], layout.shape[2]),
+    )
+    stride = (
+        (layout.stride[0][0], layout.stride[0][1], layout.stride[0][2][0]),
+        layout.stride[1],
+        (layout.stride[0][2][1], layout.stride[2]),
+    )
+    return cute.make_tensor(acc.iterator, cute.make_layout(shape, stride=stride))
+
+
+# -- WGMMA ----------------------------------------------------------------------------------------
+@cute.jit
+def wgmma(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tA: cute.Tensor,
+    tB: cute.Tensor,
+    zero_init: cutlass.Constexpr[bool],
+    wait: cutlass.Constexpr[int],
+):
+    """``acc (+)= A @ B`` over every k-block of the fragments; ``wait >= 0`` waits for all but
+    ``wait`` committed groups."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+# -- packed predicate -----------------------------------------------------------------------------
+@cute.jit
+def apply_packed_predicate(acc_s: cute.Tensor, words: cute.Tensor, num_elements: cutlass.Constexpr[int]):
+    """Spec 5.1 on a WGMMA fragment: element ``e`` keeps its score iff bit ``e % 32`` of
+    ``words[e // 32]`` is 1, else becomes -inf. Compile-time unrolled; padding bits are never read."""
+    for w in cutlass.range_constexpr((num_elements + 31) // 32):
+        word = words[w]
+        for b in cutlass.range_constexpr(min(32, num_elements - 32 * w)):
+            e = 32 * w + b
+            keep = ((word >> b) & 1) != 0
+            acc_s[e] = acc_s[e] if keep else -Float32.inf
+
+
+# -- online softmax -------------------------------------------------------------------------------
+@cute.jit
+def quad_allreduce_max(x: Float32) -> Float32:
+    """Max over the 4 lanes of a quad (the lanes sharing one accumulator row)."""
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+
+@cute.jit
+def quad_allreduce_sum(x: Float32) -> Float32:
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=1)
+
+
+@cute.jit
+def row_max_of(row: cute.Tensor, init: Float32) -> Float32:
+    """Max of a register row and ``init``, as a 4-way tree (short dependency chains)."""
+    n = cute.size(row)
+    m = [init, row[0], row[1], row[2]]
+    for c in cutlass.range_constexpr(3, n):
+        m[c % 4] = cute.arch.fmax(m[c % 4], row[c])
+    return cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
+
+
+@cute.jit
+def online_softmax_step(
+    acc_s: cute.Tensor,
+    acc_o: cute.Tensor,
+    row_max: cute.Tensor,
+    row_sum: cute.Tensor,
+    scale_log2: Float32,
+):
+    """One K block of the online softmax (fp32, exp2 with ``softmax_scale * log2(e)`` folded in).
+
+    ``row_max`` holds the raw (unscaled) running max of each of the thread's rows, ``row_sum`` the
+    thread-partial running sum (quad-reduced only at the end). Overwrites ``acc_s`` with
+    P = exp2(s * scale_log2 - max * scale_log2) and rescales ``acc_o``. Fully masked rows keep
+    max = -inf and contribute exactly 0 (never NaN).
+    """
+    s_mn = acc_mn_view(acc_s)
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        m_prev = row_max[r]
+        m_new = quad_allreduce_max(row_max_of(s_mn[r, None], m_prev))
+        row_max[r] = m_new
+        m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+        m_scaled = m_safe * scale_log2
+        correction = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
+        part = [Float32(0.0), Float32(0.0)]
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            p = cute.math.exp2(s_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
+            s_mn[r, c] = p
+            part[c % 2] = part[c % 2] + p
+        row_sum[r] = row_sum[r] * correction + (part[0] + part[1])
+        for c in cutlass.range(cute.size(o_mn, mode=[1]), unroll_full=True):
+            o_mn[r, c] = o_mn[r, c] * correction
+
+
+@cute.jit
+def finalize_softmax(
+    acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, lse: cute.Tensor, scale_log2: Float32
+):
+    """Normalise O by the row sum and write the natural-log LSE of each row into ``lse``.
+
+    A row with no visible key (sum 0) gets O = 0 and LSE = -inf.
+    """
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        total = quad_allreduce_sum(row_sum[r])
+        empty = total == Float32(0.0)
+        inv = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+        lse[r] = (
+            -Float32.inf
+            if empty
+            else (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * Float32(LN_2)
+        )
+        for c in cutlass.range(cute.size(o_mn, mode=[1]), unroll_full=True):
+            o_mn[r, c] = o_mn[r, c] * inv
+
+
+def int32_gmem_ptr(base: cute.Tensor, offset: Int32, align: int):
+    """An Int32 GMEM pointer ``offset`` elements past ``base``'s start, with an asserted alignment."""
+    return cute.make_ptr(Int32, (base.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=align)

@@ -1,0 +1,577 @@
+"""SM90 (Hopper) persistent attention forward that consumes a MaskPlan's forward view (spec 6.1, 6.2).
+
+One CTA = one producer warpgroup + two consumer (MMA/softmax) warpgroups, 384 threads::
+
+    warp 0 (producer WG)   scheduler: takes tasks from ``fwd_work_desc`` through a call-local
+                           atomic counter; TMA loads of Q, K, V; bulk copy of partial payloads
+    warps 1-3              idle (give their registers back and exit)
+    WG1, WG2 (consumers)   64 Q rows each of the 128-row tile: S = Q K^T (WGMMA SS), packed
+                           predicate (partial blocks), online softmax, O += P V (WGMMA RS), epilogue
+                           (fwd_mainloop.py; schedules simple / pipelined / pingpong)
+
+Per task ``(m_block, head, batch, q_valid_rows)``::
+
+    row = sequence_desc[batch].row_begin + m_block,   h = head if Hmask > 1 else 0
+    for e in mask_block_offset[h, row] + [0, mask_block_cnt[h, row]):   # partial blocks
+        S = Q K[mask_block_idx[e]]^T ; S[bit == 0] = -inf ; softmax step ; O += P V
+    for e in full_block_offset[h, row] + [0, full_block_cnt[h, row]):   # full blocks, no mask work
+        S = Q K[full_block_idx[e]]^T ; softmax step ; O += P V
+    O /= rowsum, LSE = max*scale + ln(rowsum); rows with no visible key: O = 0, LSE = -inf
+
+Pipelines (mbarrier based, all CTA-local)::
+
+    sched  2 stages   producer lane 0 -> 256 consumer threads   decoded task record in SMEM
+    Q      1 stage    TMA                -> 8 consumer warps
+    K, V   kv_stages  TMA                -> 8 consumer warps
+    mask   2 stages   cp.async.bulk      -> 256 consumer threads   (spec 6.2; advances on partial
+                                                                    blocks only)
+
+With ``mask_via_smem=False`` each consumer thread loads its payload words GMEM -> registers
+directly (same ABI, spec 9.10). Physical rows are ``q_offset/k_offset + sample-local position``;
+Q/K/V tiles past the tensor end are zero-filled by TMA, partial payloads carry the K tail
+(bit 0), and output rows past ``q_valid_rows`` are never stored.
+"""
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .config import Sm90FwdConfig
+from .fwd_helpers import int32_gmem_ptr, select_modes, smem_layout_row_major
+from .fwd_mainloop import CONSUMER_FIELDS, SCHEDULES, TASK_WORDS, ConsumerMainloop, Task
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+class FwdPlanTensors(NamedTuple):
+    """The forward view's tensors as the kernel reads them (all int32, see ``maskplan_core.plan``).
+
+    ``mask_block_masks`` is flattened to ``[partial_nnz * groups * words]``.
+    """
+
+    mask_block_cnt: cute.Tensor  # (Hmask, rows)
+    mask_block_offset: cute.Tensor  # (Hmask, rows)
+    mask_block_idx: cute.Tensor  # (partial_nnz,)
+    mask_block_masks: cute.Tensor  # (partial_nnz * groups * words,)
+    full_block_cnt: cute.Tensor  # (Hmask, rows)
+    full_block_offset: cute.Tensor  # (Hmask, rows)
+    full_block_idx: cute.Tensor  # (full_nnz,)
+    sequence_desc: cute.Tensor  # (B, 8)
+    fwd_work_desc: cute.Tensor  # (tasks, 4)
+
+    def __new_from_mlir_values__(self, values):
+        return FwdPlanTensors(*values)
+
+
+class Sm90FwdKernel(ConsumerMainloop):
+    """Static configuration of one compiled forward kernel; see the module docstring."""
+
+    def __init__(self, config: Sm90FwdConfig, *, mask_via_smem: bool = True, schedule: str = "simple"):
+        if config.pack_gqa:
+            raise NotImplementedError("PackGQA is not implemented by the SM90 forward kernel yet")
+        if config.num_consumer_warpgroups != 2 or config.tile_m != 128:
+            raise NotImplementedError("the SM90 forward kernel uses a 128-row tile on 2 consumer warpgroups")
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.kv_stages = config.kv_stages
+        self.mask_stages = config.mask_pipeline_stages
+        self.mask_via_smem = mask_via_smem
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; one of {SCHEDULES}")
+        self.schedule = schedule
+        # payload ABI (payload_layout.py is the one source of truth)
+        layout = config.payload_layout
+        self.payload_groups = layout.groups  # = consumer threads
+        self.payload_words = layout.words_per_group
+        self.payload_elements = layout.elements_per_thread
+        self.payload_plane = layout.words_per_tile  # int32 words of one partial entry
+        # warp roles and register budgets (setmaxnreg; 128 * (24 + 2 * 240) = 64512 <= 65536)
+        self.threads_per_wg = 128
+        self.num_consumer_wg = config.num_consumer_warpgroups
+        self.num_consumer_threads = self.threads_per_wg * self.num_consumer_wg
+        self.num_threads = self.threads_per_wg * (1 + self.num_consumer_wg)
+        self.producer_warp = 0
+        self.producer_regs, self.consumer_regs = 24, 240
+        self.sched_stages = 2
+        assert self.payload_groups == self.num_consumer_threads
+
+    # -- host entries -----------------------------------------------------------------------------
+    @cute.jit
+    def from_pointers(
+        self,
+        q: cute.Pointer,  # contiguous THD (total_q, Hq, Dqk), 16-byte aligned
+        k: cute.Pointer,  # (total_k, Hkv, Dqk)
+        v: cute.Pointer,  # (total_k, Hkv, Dv)
+        o: cute.Pointer,  # (total_q, Hq, Dv)
+        lse: cute.Pointer,  # fp32 (Hq, total_q)
+        max_logit: cute.Pointer | None,  # fp32 (Hq,)
+        mask_block_cnt: cute.Pointer,  # int32 (Hmask, rows)
+        mask_block_offset: cute.Pointer,  # (Hmask, rows)
+        mask_block_idx: cute.Pointer,  # (partial_nnz,)
+        mask_block_masks: cute.Pointer,  # (partial_nnz * groups * words,), 16-byte aligned
+        full_block_cnt: cute.Pointer,  # (Hmask, rows)
+        full_block_offset: cute.Pointer,  # (Hmask, rows)
+        full_block_idx: cute.Pointer,  # (full_nnz,)
+        sequence_desc: cute.Pointer,  # (B, 8)
+        fwd_work_desc: cute.Pointer,  # (tasks, 4)
+        tile_counter: cute.Pointer,  # (1,)
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_kv: Int32,
+        mask_heads: Int32,
+        q_rows: Int32,
+        partial_nnz: Int32,
+        full_nnz: Int32,
+        batch: Int32,
+        num_tasks: Int32,
+        softmax_scale: Float32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The launch convention of the project's kernels: raw global pointers plus int32 sizes
+        (no tensor descriptor whose compile-time type could drift from the caller's, ~2 us per
+        argument); builds row-major tensors and calls :meth:`__call__`."""
+        dqk, dv = self.head_dim_qk, self.head_dim_v
+
+        def thd(ptr, total, heads, d):
+            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
+
+        def mat(ptr, rows, cols):
+            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+        def vec(ptr, n):
+            return cute.make_tensor(ptr, cute.make_layout(n))
+
+        self.__call__(
+            thd(q, total_q, num_heads_q, dqk),
+            thd(k, total_k, num_heads_kv, dqk),
+            thd(v, total_k, num_heads_kv, dv),
+            thd(o, total_q, num_heads_q, dv),
+            mat(lse, num_heads_q, total_q),
+            vec(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
+            mat(mask_block_cnt, mask_heads, q_rows),
+            mat(mask_block_offset, mask_heads, q_rows),
+            vec(mask_block_idx, partial_nnz),
+            vec(mask_block_masks, partial_nnz * self.payload_plane),
+            mat(full_block_cnt, mask_heads, q_rows),
+            mat(full_block_offset, mask_heads, q_rows),
+            vec(full_block_idx, full_nnz),
+            mat(sequence_desc, batch, 8),
+            mat(fwd_work_desc, num_tasks, 4),
+            vec(tile_counter, 1),
+            softmax_scale,
+            num_ctas,
+            stream,
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (total_q, Hq, Dqk)
+        mK: cute.Tensor,  # (total_k, Hkv, Dqk)
+        mV: cute.Tensor,  # (total_k, Hkv, Dv)
+        mO: cute.Tensor,  # (total_q, Hq, Dv)
+        mLSE: cute.Tensor,  # (Hq, total_q) fp32
+        mMaxLogit: cute.Tensor | None,  # (Hq,) fp32, -inf at launch; None: not computed
+        mask_block_cnt: cute.Tensor,
+        mask_block_offset: cute.Tensor,
+        mask_block_idx: cute.Tensor,
+        mask_block_masks: cute.Tensor,
+        full_block_cnt: cute.Tensor,
+        full_block_offset: cute.Tensor,
+        full_block_idx: cute.Tensor,
+        sequence_desc: cute.Tensor,
+        fwd_work_desc: cute.Tensor,
+        tile_counter: cute.Tensor,  # (1,) int32, zero at launch
+        softmax_scale: Float32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError(f"q/k/v/o must be {self.dtype}")
+        plan = FwdPlanTensors(
+            mask_block_cnt,
+            mask_block_offset,
+            mask_block_idx,
+            mask_block_masks,
+            full_block_cnt,
+            full_block_offset,
+            full_block_idx,
+            sequence_desc,
+            fwd_work_desc,
+        )
+        # TMA views: (rows, d, heads)
+        mQ_t, mK_t, mV_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV))
+        # (tile_m, Dqk) / (tile_n, Dqk, stages) / (tile_n, Dv, stages)
+        sQ_layout = smem_layout_row_major(self.dtype, self.tile_m, self.head_dim_qk)
+        sK_layout = smem_layout_row_major(self.dtype, self.tile_n, self.head_dim_qk, self.kv_stages)
+        sV_layout = smem_layout_row_major(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ_t, sQ_layout, (self.tile_m, self.head_dim_qk))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            load_op, mK_t, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim_qk)
+        )
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            load_op, mV_t, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v)
+        )
+        self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        # S = Q K^T: (tile_m, tile_n), both K-major; O = P V: P from registers, V^T MN-major
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
+            Float32,
+            (self.num_consumer_wg, 1, 1),
+            (64, self.tile_n),
+        )
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            Float32,
+            (self.num_consumer_wg, 1, 1),
+            (64, self.head_dim_v),
+            warpgroup.OperandSource.RMEM,
+        )
+        assert mma_qk.size == self.num_consumer_threads
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        self.kernel(
+            tma_q,
+            tma_mQ,
+            tma_k,
+            tma_mK,
+            tma_v,
+            tma_mV,
+            mO,
+            mLSE,
+            mMaxLogit,
+            plan,
+            tile_counter,
+            softmax_scale,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            mma_qk,
+            mma_pv,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        mask_words = self.mask_stages * self.payload_plane if self.mask_via_smem else 4
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
+            task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
+            mask: cute.struct.Align[cute.struct.MemRange[Int32, mask_words], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        return SharedStorage
+
+    # -- device entry -----------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mMaxLogit: cute.Tensor | None,
+        plan: FwdPlanTensors,
+        tile_counter: cute.Tensor,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == self.producer_warp:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipes = self._make_pipelines(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # (TASK_WORDS, stages): the decoded task the producer hands to the consumers
+        sTask = storage.task.get_tensor(cute.make_layout((TASK_WORDS, self.sched_stages)))
+        # (words, groups, stages): one payload plane per stage
+        sMask = storage.mask.get_tensor(
+            cute.make_layout((self.payload_words, self.payload_groups, self.mask_stages))
+            if const_expr(self.mask_via_smem)
+            else cute.make_layout(4)
+        )
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.producer_warp:
+                self.producer(
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan, tile_counter, pipes
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consumer(
+                mma_qk,
+                mma_pv,
+                mO,
+                mLSE,
+                mMaxLogit,
+                sQ,
+                sK,
+                sV,
+                sTask,
+                sMask,
+                plan,
+                softmax_scale,
+                pipes,
+                tidx - self.threads_per_wg,
+            )
+
+    def _make_pipelines(self, storage):
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        consumer_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads)
+
+        def tma_pipe(mbar, stages, nbytes):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=one_thread,
+                consumer_group=consumer_warps,
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+
+        pipe_mask = None
+        if const_expr(self.mask_via_smem):
+            # every consumer thread releases (it read its own words; tidx=0 makes all lanes signal)
+            pipe_mask = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_mask.data_ptr(),
+                num_stages=self.mask_stages,
+                producer_group=one_thread,
+                consumer_group=consumer_threads,
+                tx_count=self.payload_plane * 4,
+                tidx=Int32(0),
+                defer_sync=True,
+            )
+        return (
+            tma_pipe(storage.mbar_q, 1, self.bytes_q),
+            tma_pipe(storage.mbar_k, self.kv_stages, self.bytes_k),
+            tma_pipe(storage.mbar_v, self.kv_stages, self.bytes_v),
+            pipe_mask,
+            pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_sched.data_ptr(),
+                num_stages=self.sched_stages,
+                producer_group=one_thread,
+                consumer_group=consumer_threads,
+                defer_sync=True,
+            ),
+        )
+
+    # -- task decoding (producer; consumers get the decoded task through SMEM) -------------------
+    @cute.jit
+    def decode_task(self, plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> Task:
+        m_block = plan.fwd_work_desc[task, 0]
+        head = plan.fwd_work_desc[task, 1]
+        batch = plan.fwd_work_desc[task, 2]
+        q_valid = plan.fwd_work_desc[task, 3]
+        q_offset = plan.sequence_desc[batch, 0]
+        k_offset = plan.sequence_desc[batch, 1]
+        row = plan.sequence_desc[batch, 4] + m_block
+        # Hmask is 1 (shared mask) or Hq
+        h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)
+        kv_head = head // qhead_per_kvhead
+        return Task(
+            m_block,
+            head,
+            kv_head,
+            q_offset,
+            k_offset,
+            q_valid,
+            plan.mask_block_cnt[h_mask, row],
+            plan.mask_block_offset[h_mask, row],
+            plan.full_block_cnt[h_mask, row],
+            plan.full_block_offset[h_mask, row],
+        )
+
+    # -- producer warp ----------------------------------------------------------------------------
+    @cute.jit
+    def producer(
+        self,
+        tma_q,
+        mQ,
+        tma_k,
+        mK,
+        tma_v,
+        mV,
+        sQ,
+        sK,
+        sV,
+        sTask,
+        sMask,
+        plan: FwdPlanTensors,
+        tile_counter: cute.Tensor,
+        pipes,
+    ):
+        pipe_q, pipe_k, pipe_v, pipe_mask, pipe_sched = pipes
+        lane = cute.arch.lane_idx()
+        num_tasks = plan.fwd_work_desc.shape[0]
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
+        bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
+
+        task = Int32(cute.arch.block_idx()[0])
+        while task < num_tasks:
+            t = self.decode_task(plan, task, qhead_per_kvhead)
+            sched_state = self.publish_task(pipe_sched, sched_state, sTask, t, Int32(1), lane)
+            # Q tile: (tile_m, Dqk) at physical row q_offset + m_block * tile_m
+            gQ = cute.local_tile(
+                cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]),
+                (self.tile_m, self.head_dim_qk),
+                (t.m_block, 0),
+            )
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+            # K/V tiles of this sample and kv head: (tile_n, D, n_blocks)
+            gK = cute.local_tile(
+                cute.domain_offset((t.k_offset, 0), mK[None, None, t.kv_head]),
+                (self.tile_n, self.head_dim_qk),
+                (None, 0),
+            )
+            gV = cute.local_tile(
+                cute.domain_offset((t.k_offset, 0), mV[None, None, t.kv_head]),
+                (self.tile_n, self.head_dim_v),
+                (None, 0),
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            # the block index of iteration i + 1 is loaded before iteration i waits for a free stage
+            idx, last = plan.mask_block_idx, cute.size(plan.mask_block_idx) - 1
+            n_block = Int32(0)
+            if t.partial_cnt > 0:
+                n_block = idx[t.partial_off]
+            for i in cutlass.range(t.partial_cnt, unroll=1):
+                entry = t.partial_off + i
+                n_next = idx[cutlass.min(entry + 1, last)]
+                if const_expr(self.mask_via_smem):
+                    mask_state = self.load_payload(
+                        pipe_mask, mask_state, bulk_atom, plan.mask_block_masks, sMask, entry
+                    )
+                kv_state = self.load_kv(
+                    n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
+                )
+                n_block = n_next
+            idx, last = plan.full_block_idx, cute.size(plan.full_block_idx) - 1
+            if t.full_cnt > 0:
+                n_block = idx[t.full_off]
+            for i in cutlass.range(t.full_cnt, unroll=1):
+                n_next = idx[cutlass.min(t.full_off + i + 1, last)]
+                kv_state = self.load_kv(
+                    n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
+                )
+                n_block = n_next
+            task = self.next_task(tile_counter, lane)
+        # tell the consumers there is no more work
+        sched_state = self.publish_task(pipe_sched, sched_state, sTask, None, Int32(0), lane)
+
+    @cute.jit
+    def publish_task(self, pipe_sched, state, sTask: cute.Tensor, t: Task | None, valid: Int32, lane: Int32):
+        """Hand the decoded task (or, with ``valid = 0``, the end of work) to the consumers."""
+        pipe_sched.producer_acquire(state)
+        if lane == 0:
+            record = sTask[None, state.index]
+            record[0] = valid
+            if const_expr(t is not None):
+                for w, field in enumerate(CONSUMER_FIELDS):
+                    record[1 + w] = getattr(t, field)
+            pipe_sched.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def next_task(self, tile_counter: cute.Tensor, lane: Int32) -> Int32:
+        """The next task index: ``gridDim.x + atomicAdd(counter, 1)`` (the first task is blockIdx.x)."""
+        ticket = Int32(0)
+        if lane == 0:
+            ticket = cute.arch.atomic_add(tile_counter.iterator, Int32(1))
+        ticket = cute.arch.shuffle_sync(ticket, 0)
+        return ticket + Int32(cute.arch.grid_dim()[0])
+
+    @cute.jit
+    def load_kv(self, n_block: Int32, pipe_k, pipe_v, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):
+        pipe_k.producer_acquire(state)
+        cute.copy(
+            tma_k,
+            tKgK[None, n_block],
+            tKsK[None, state.index],
+            tma_bar_ptr=pipe_k.producer_get_barrier(state),
+        )
+        pipe_v.producer_acquire(state)
+        cute.copy(
+            tma_v,
+            tVgV[None, n_block],
+            tVsV[None, state.index],
+            tma_bar_ptr=pipe_v.producer_get_barrier(state),
+        )
+        state.advance()
+        return state
+
+    @cute.jit
+    def load_payload(self, pipe_mask, state, bulk_atom, masks: cute.Tensor, sMask: cute.Tensor, entry: Int32):
+        """Spec 6.2: bulk-copy the CTA-native payload plane of partial entry ``entry`` to one stage."""
+        plane = cute.make_layout(self.payload_plane)
+        src = cute.make_tensor(int32_gmem_ptr(masks, entry * self.payload_plane, 16), plane)
+        dst = cute.make_tensor(sMask[None, None, state.index].iterator, plane)
+        pipe_mask.producer_acquire(state)
+        with cute.arch.elect_one():
+            cute.copy(bulk_atom, src, dst, mbar_ptr=pipe_mask.producer_get_barrier(state))
+        state.advance()
+        return state

@@ -1,0 +1,329 @@
+"""Consumer warpgroups of the SM90 forward kernel: the MMA/softmax main loop and the epilogue.
+
+A mixin of :class:`flexattn_sm90.fwd_kernel.Sm90FwdKernel` (it reads the kernel's static config
+from ``self``). Per task both consumer warpgroups visit the partial range (packed predicate
+applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows each::
+
+    simple      per block: S = QK^T; wait; [mask]; softmax; O += PV; wait
+    pipelined   S_{i+1} = QK_{i+1}^T is issued right after O += P_i V_i, so the tensor cores
+                see the two GEMMs back to back
+    pingpong    pipelined, and the two warpgroups take turns issuing their GEMM phases (two named
+                barriers), so one warpgroup's softmax overlaps the other's GEMMs (FA3 schedule)
+
+Every schedule consumes the same pipelines in the same order; the payload of a partial block is
+read before its S is used and the mask pipeline advances only on partial blocks.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from .fwd_helpers import (
+    LOG2_E,
+    acc_as_operand_a,
+    acc_mn_view,
+    apply_packed_predicate,
+    finalize_softmax,
+    int32_gmem_ptr,
+    online_softmax_step,
+    transpose_view,
+    wgmma,
+)
+
+
+class Task(NamedTuple):
+    """One decoded forward task (runtime Int32 values)."""
+
+    m_block: Int32
+    head: Int32
+    kv_head: Int32
+    q_offset: Int32
+    k_offset: Int32
+    q_valid: Int32
+    partial_cnt: Int32
+    partial_off: Int32
+    full_cnt: Int32
+    full_off: Int32
+
+
+#: the task fields the consumers need, in SMEM record order after the valid flag
+CONSUMER_FIELDS = ("m_block", "head", "q_offset", "q_valid", "partial_cnt", "partial_off", "full_cnt")
+TASK_WORDS = 1 + len(CONSUMER_FIELDS)
+SCHEDULES = ("simple", "pipelined", "pingpong")
+#: named barrier ids of the pingpong turns (0 is __syncthreads); warpgroup w waits on 1 + w
+TURN_BARRIER = 1
+
+
+class Operands(NamedTuple):
+    """What the consumer main loop works with (WGMMA fragments, softmax state, pipelines)."""
+
+    mma_qk: object
+    mma_pv: object
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tOrV: cute.Tensor
+    tOrP: cute.Tensor
+    acc_o: cute.Tensor
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+    pipe_k: object
+    pipe_v: object
+    pipe_mask: object
+    sMask: cute.Tensor
+    masks: cute.Tensor
+    scale_log2: Float32
+    tidx: Int32
+    wg: Int32
+
+
+class ConsumerMainloop:
+    """Consumer-side warp-role methods (mixin)."""
+
+    @cute.jit
+    def consumer(
+        self, mma_qk, mma_pv, mO, mLSE, mMaxLogit, sQ, sK, sV, sTask, sMask, plan, softmax_scale: Float32,
+        pipes, tidx: Int32,
+    ):  # fmt: skip
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        pipe_q, pipe_k, pipe_v, pipe_mask, pipe_sched = pipes
+        wg = tidx // self.threads_per_wg
+        # WGMMA operands: A/B descriptors per warpgroup, C per thread
+        wg_qk, wg_pv = mma_qk.get_slice(wg * self.threads_per_wg), mma_pv.get_slice(wg * self.threads_per_wg)
+        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        # (row, col) in the tile of each acc_o element, as (rows, cols) of this thread
+        tOcO = acc_mn_view(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        num_rows = cute.size(tOcO, mode=[0])
+        ops = Operands(
+            mma_qk=mma_qk,
+            mma_pv=mma_pv,
+            tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),  # (MMA, MMA_M, MMA_K)
+            tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),  # (MMA, MMA_N, MMA_K, stages)
+            tOrV=wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(sV))),  # (MMA, MMA_N, MMA_K, stages)
+            tOrP=thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n))),
+            acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32),
+            row_max=cute.make_rmem_tensor(num_rows, Float32),
+            row_sum=cute.make_rmem_tensor(num_rows, Float32),
+            pipe_k=pipe_k,
+            pipe_v=pipe_v,
+            pipe_mask=pipe_mask,
+            sMask=sMask,
+            masks=plan.mask_block_masks,
+            scale_log2=scale_log2,
+            tidx=tidx,
+            wg=wg,
+        )
+        acc_s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
+        lse = cute.make_rmem_tensor(num_rows, Float32)
+
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
+        if const_expr(self.schedule == "pingpong"):
+            if wg == 1:  # warpgroup 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
+
+        valid, t, sched_state = self.fetch_task(pipe_sched, sched_state, sTask)
+        while valid != 0:
+            ops.acc_o.fill(0.0)
+            ops.row_max.fill(-Float32.inf)
+            ops.row_sum.fill(0.0)
+            has_blocks = t.partial_cnt + t.full_cnt > 0
+            if has_blocks:
+                pipe_q.consumer_wait(q_state)
+                if const_expr(self.schedule == "simple"):
+                    kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
+                else:
+                    kv_state, mask_state = self.mainloop_pipelined(ops, acc_s_shape, t, kv_state, mask_state)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+            finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)
+            self.epilogue(thr_pv, ops.acc_o, lse, ops.row_max, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
+            valid, t, sched_state = self.fetch_task(pipe_sched, sched_state, sTask)
+
+    @cute.jit
+    def fetch_task(self, pipe_sched, state, sTask: cute.Tensor):
+        """The next decoded task from SMEM (consumers never read the plan's descriptors)."""
+        pipe_sched.consumer_wait(state)
+        record = sTask[None, state.index]
+        valid = record[0]
+        fields = {field: record[1 + w] for w, field in enumerate(CONSUMER_FIELDS)}
+        pipe_sched.consumer_release(state)
+        state.advance()
+        zero = Int32(0)
+        return valid, Task(**{f: fields.get(f, zero) for f in Task._fields}), state
+
+    # -- packed predicate delivery ----------------------------------------------------------------
+    @cute.jit
+    def read_payload(self, ops, mask_state, entry: Int32, words: cute.Tensor):
+        """This thread's payload words of partial entry ``entry``: from the SMEM stage (spec 6.2:
+        wait, copy to registers, release) or directly from GMEM."""
+        if const_expr(self.mask_via_smem):
+            ops.pipe_mask.consumer_wait(mask_state)
+            cute.autovec_copy(ops.sMask[None, ops.tidx, mask_state.index], words)
+            # generic-proxy reads must complete before cp.async.bulk (async proxy) rewrites the slot
+            cute.arch.fence_proxy("async.shared", space="cta")
+            ops.pipe_mask.consumer_release(mask_state)
+            mask_state.advance()
+        else:
+            offset = (entry * self.payload_groups + ops.tidx) * self.payload_words
+            src = int32_gmem_ptr(ops.masks, offset, 4 * self.payload_words)
+            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.payload_words)), words)
+        return mask_state
+
+    # -- schedules --------------------------------------------------------------------------------
+    @cute.jit
+    def softmax_to_p(self, ops, acc_s: cute.Tensor, words):
+        """[Packed predicate,] online softmax step, P (input dtype) into the PV A-operand registers."""
+        if const_expr(words is not None):
+            apply_packed_predicate(acc_s, words, self.payload_elements)
+        online_softmax_step(acc_s, ops.acc_o, ops.row_max, ops.row_sum, ops.scale_log2)
+        ops.tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+
+    @cute.jit
+    def mainloop_simple(self, ops, acc_s_shape, t, kv_state, mask_state):
+        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        for i in cutlass.range(t.partial_cnt, unroll=1):
+            mask_state = self.read_payload(ops, mask_state, t.partial_off + i, words)
+            kv_state = self.simple_step(ops, acc_s_shape, kv_state, words)
+        for _ in cutlass.range(t.full_cnt, unroll=1):
+            kv_state = self.simple_step(ops, acc_s_shape, kv_state, None)
+        return kv_state, mask_state
+
+    @cute.jit
+    def simple_step(self, ops, acc_s_shape, kv_state, words):
+        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+        ops.pipe_k.consumer_wait(kv_state)
+        wgmma(ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index], zero_init=True, wait=0)
+        ops.pipe_k.consumer_release(kv_state)
+        self.softmax_to_p(ops, acc_s, words)
+        ops.pipe_v.consumer_wait(kv_state)
+        wgmma(
+            ops.mma_pv,
+            ops.acc_o,
+            ops.tOrP,
+            ops.tOrV[None, None, None, kv_state.index],
+            zero_init=False,
+            wait=0,
+        )
+        ops.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def mainloop_pipelined(self, ops, acc_s_shape, t, kv_state, mask_state):
+        """GEMM phases ``[S_0], [O += P_0 V_0, S_1], ..., [O += P_{n-1} V_{n-1}]``; with pingpong each
+        phase is one turn of this warpgroup."""
+        total = t.partial_cnt + t.full_cnt
+        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+        if t.partial_cnt > 0:
+            mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
+        self.turn_wait(ops)
+        ops.pipe_k.consumer_wait(kv_state)
+        wgmma(
+            ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index], zero_init=True, wait=-1
+        )
+        self.turn_pass(ops)
+        for i in cutlass.range(t.partial_cnt, unroll=1):
+            kv_state, mask_state = self.pipelined_step(
+                ops, acc_s, words, kv_state, mask_state, True, i + 1 < total, i + 1 < t.partial_cnt,
+                t.partial_off + i + 1,
+            )  # fmt: skip
+        for i in cutlass.range(t.full_cnt, unroll=1):
+            kv_state, mask_state = self.pipelined_step(
+                ops, acc_s, words, kv_state, mask_state, False, t.partial_cnt + i + 1 < total, None, None
+            )
+        return kv_state, mask_state
+
+    @cute.jit
+    def pipelined_step(
+        self, ops, acc_s, words, kv_state, mask_state, partial: cutlass.Constexpr[bool], has_next,
+        next_partial, next_entry,
+    ):  # fmt: skip
+        warpgroup.wait_group(0)  # S_i is in acc_s
+        ops.pipe_k.consumer_release(kv_state)
+        self.softmax_to_p(ops, acc_s, words if const_expr(partial) else None)
+        if const_expr(next_partial is not None):
+            if next_partial:  # the payload of block i + 1 (words of block i are consumed)
+                mask_state = self.read_payload(ops, mask_state, next_entry, words)
+        next_state = kv_state.clone()
+        next_state.advance()
+        self.turn_wait(ops)
+        ops.pipe_v.consumer_wait(kv_state)
+        wgmma(
+            ops.mma_pv,
+            ops.acc_o,
+            ops.tOrP,
+            ops.tOrV[None, None, None, kv_state.index],
+            zero_init=False,
+            wait=-1,
+        )
+        if has_next:
+            ops.pipe_k.consumer_wait(next_state)
+            wgmma(
+                ops.mma_qk,
+                acc_s,
+                ops.tSrQ,
+                ops.tSrK[None, None, None, next_state.index],
+                zero_init=True,
+                wait=-1,
+            )
+        self.turn_pass(ops)
+        if has_next:
+            warpgroup.wait_group(1)  # O += P_i V_i done (groups retire in order), S_{i+1} in flight
+        else:
+            warpgroup.wait_group(0)
+        ops.pipe_v.consumer_release(kv_state)
+        return next_state, mask_state
+
+    @cute.jit
+    def turn_wait(self, ops):
+        if const_expr(self.schedule == "pingpong"):
+            cute.arch.barrier(barrier_id=TURN_BARRIER + ops.wg, number_of_threads=self.num_consumer_threads)
+
+    @cute.jit
+    def turn_pass(self, ops):
+        if const_expr(self.schedule == "pingpong"):
+            cute.arch.barrier_arrive(
+                barrier_id=TURN_BARRIER + 1 - ops.wg, number_of_threads=self.num_consumer_threads
+            )
+
+    # -- epilogue ---------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(
+        self, thr_pv, acc_o: cute.Tensor, lse: cute.Tensor, row_max: cute.Tensor, tOcO: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, softmax_scale: Float32, t,
+    ):  # fmt: skip
+        """Store O rows ``< q_valid`` of the tile (input dtype), their LSE (fp32), and fold their
+        scaled row maxima into ``mMaxLogit[head]`` (one atomic per warp)."""
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        gO = cute.local_tile(
+            cute.domain_offset((t.q_offset, 0), mO[None, t.head, None]),
+            (self.tile_m, self.head_dim_v),
+            (t.m_block, 0),
+        )
+        tOgO = acc_mn_view(thr_pv.partition_C(gO))
+        r_o_mn = acc_mn_view(r_o)
+        row0 = t.m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            row = tOcO[r, 0][0]
+            if row < t.q_valid:
+                cute.autovec_copy(r_o_mn[r, None], tOgO[r, None])
+                if tOcO[r, 0][1] == 0:
+                    mLSE[t.head, t.q_offset + row0 + row] = lse[r]
+        if const_expr(mMaxLogit is not None):
+            m = -Float32.inf
+            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                if tOcO[r, 0][0] < t.q_valid:
+                    m = cute.arch.fmax(m, row_max[r])
+            # the 4 lanes of a quad hold the same rows: reduce over the 8 quads of the warp
+            for offset in (16, 8, 4):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
+            if cute.arch.lane_idx() == 0 and m != -Float32.inf:
+                cute.arch.atomic_fmax(mMaxLogit.iterator + t.head, m * softmax_scale)
