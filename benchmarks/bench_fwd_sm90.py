@@ -1,0 +1,145 @@
+"""Forward attention throughput, side by side in one run on the same GPU.
+
+    python benchmarks/bench_fwd_sm90.py [--seqlen 8192] [--batch 2] [--heads 16] [--dim 128]
+                                        [--masks causal,sliding-1024,document,random-5]
+                                        [--systems flexattn,cudnn,torch-flex,fa4-causal] [--out DIR]
+
+TFLOP/s count visible elements only (4 * D * visible pairs * heads); dense causal FA4 is timed
+on the causal row only, as the ceiling. Prints a table with ratios flexattn / peer, writes
+``results.json`` and (with matplotlib) ``fwd_tflops.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from masks_bench import endpoint_mask, mask_mod_from_endpoints, visible_pairs  # noqa: E402
+
+import flexattn  # noqa: E402
+
+
+def timed(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        fn()
+        en.record()
+        torch.cuda.synchronize()
+        times.append(st.elapsed_time(en))
+    return sorted(times)[len(times) // 2]
+
+
+def systems(args, q, k, v, name, endpoints):
+    """name -> zero-argument callable running that system's forward, for the available peers."""
+    scale = 1.0 / math.sqrt(args.dim)
+    out = {}
+    if "flexattn" in args.systems:
+        plan = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=False)
+        out["flexattn"] = lambda: flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
+    if "cudnn" in args.systems:
+        try:
+            from cudnn import flex_attention as cfa
+
+            cplan = cfa.create_mask_plan(endpoints, q, k, v, build_backward=False)
+            out["cudnn"] = lambda: cfa.flex_attn_func(q, k, v, mask_plan=cplan, softmax_scale=scale)
+        except ImportError as e:
+            print(f"  cudnn flex_attention unavailable: {e}")
+    if "torch-flex" in args.systems:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = systems.flex or torch.compile(flex_attention)
+        systems.flex = compiled
+        bm = create_block_mask(mask_mod_from_endpoints(endpoints, args.seqlen), args.batch, None,
+                               args.seqlen, args.seqlen, device="cuda")
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        out["torch-flex"] = lambda: compiled(qt, kt, vt, block_mask=bm, scale=scale)
+    if "fa4-causal" in args.systems and name == "causal":
+        try:
+            from flash_attn.cute.interface import flash_attn_func
+
+            out["fa4-causal"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+        except ImportError as e:
+            print(f"  FA4 unavailable: {e}")
+    return out
+
+
+systems.flex = None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
+    p.add_argument("--systems", default="flexattn,cudnn,torch-flex,fa4-causal")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    args.systems = args.systems.split(",")
+    torch.manual_seed(0)
+    shape = (args.batch, args.seqlen, args.heads, args.dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    print(f"{torch.cuda.get_device_name()}  B={args.batch} S={args.seqlen} H={args.heads} D={args.dim} bf16")
+    rows = []
+    for name in args.masks.split(","):
+        endpoints = endpoint_mask(name, args.batch, args.seqlen)
+        flops = 4 * args.dim * visible_pairs(endpoints) * args.heads
+        for system, fn in systems(args, q, k, v, name, endpoints).items():
+            try:
+                ms = timed(fn)
+            except Exception as e:  # a peer failing must not hide the others' numbers
+                print(f"  {name} {system}: failed: {type(e).__name__}: {e}")
+                continue
+            rows.append({"mask": name, "system": system, "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"  {name:13s} {system:11s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+    report(rows, Path(args.out))
+
+
+def report(rows: list[dict], out: Path) -> None:
+    ours = {r["mask"]: r["tflops"] for r in rows if r["system"] == "flexattn"}
+    print("\nmask           system       TFLOP/s   flexattn/system")
+    for r in rows:
+        ratio = ours.get(r["mask"], float("nan")) / r["tflops"]
+        print(f"{r['mask']:14s} {r['system']:11s} {r['tflops']:8.1f}   {ratio:6.2f}x")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart written")
+        return
+    mask_names = list(dict.fromkeys(r["mask"] for r in rows))
+    system_names = list(dict.fromkeys(r["system"] for r in rows))
+    width = 0.8 / len(system_names)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    tflops = {(r["mask"], r["system"]): r["tflops"] for r in rows}
+    for i, s in enumerate(system_names):
+        xs = [x for x, m in enumerate(mask_names) if (m, s) in tflops]
+        ax.bar([x + i * width for x in xs], [tflops[mask_names[x], s] for x in xs], width, label=s)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(mask_names))], mask_names)
+    ax.set_ylabel("TFLOP/s (visible elements)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fwd_tflops.png", dpi=120)
+    print(f"chart: {out / 'fwd_tflops.png'}")
+
+
+if __name__ == "__main__":
+    main()
