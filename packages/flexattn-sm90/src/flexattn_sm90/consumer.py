@@ -44,6 +44,15 @@ class Sm90Consumer(Consumer):
             )
         return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
 
+    def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None):
+        """CUDA tensors plan with the GPU planner kernels; CPU tensors (``target="sm90"`` on a
+        machine without a GPU) with the reference planner, which builds the same tensors."""
+        if mask_func.device.type != "cuda":
+            return super().build_plan(mask_func, geometry, forward, backward)
+        from maskplan_kernels import build_plan_gpu  # CuTe DSL loads on first use
+
+        return build_plan_gpu(mask_func, geometry, forward, backward, self.name)
+
     def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool):
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 

@@ -3,8 +3,21 @@
 Importing this package imports CuTe DSL (``cutlass``); ``maskplan_core`` never imports it.
 Every kernel has a pure-torch twin in ``maskplan_core.reference`` and is tested bit-exactly
 against it on the GPU; CI compiles every kernel for ``CUTE_DSL_ARCH=sm_90a`` without a GPU.
+
+Stages (one kernel class per module) and the pipeline that runs them::
+
+    geometry.VarlenGeometry          row prefixes, sequence_desc, row ownership, prefix errors
+    classify.Q2KClassify             visible/full bitsets, counts, endpoint errors
+    k2q_count.K2QCount               K2Q counts from the backward bitsets
+    scan_header.ScanHeader           exclusive CSR offsets + the 8-value allocation header
+    materialize_q2k.Q2KMaterialize   forward CSRs + payloads (layout table as data)
+    schedule_stats.ScheduleStats     per-L2-section totals
+    schedule_scatter.ScheduleScatter fwd_work_desc in the spec 4.8 order
+    materialize_k2q.K2QMaterialize   K2Q CSRs + payloads + dq_write_order(_full)
+    builder.build_plan_gpu           the pipeline, one host read (the header)
 """
 
+from .builder import build_plan_gpu
 from .classify import ClassifyConfig, Q2KClassify, classify_gpu, compile_classify
 
-__all__ = ["ClassifyConfig", "Q2KClassify", "classify_gpu", "compile_classify"]
+__all__ = ["ClassifyConfig", "Q2KClassify", "build_plan_gpu", "classify_gpu", "compile_classify"]

@@ -18,11 +18,15 @@ _KEY_LOCKS: dict[Hashable, threading.Lock] = {}
 _GLOBAL_LOCK = threading.Lock()
 
 
-def compile_cached(key: Hashable, build: Callable[[], tuple]) -> object:
+def compile_cached(key: Hashable, build: Callable[[], tuple], options: str | None = None) -> object:
     """Return the compiled function for ``key``; on a miss ``cute.compile(*build())``.
 
-    ``build`` returns ``(jit_callable, *placeholder_args)``.
+    ``build`` returns ``(jit_callable, *placeholder_args)``. ``options`` (e.g. ``"--keep-ptx"`` for
+    ``compiled.__ptx__``) compiles a fresh, uncached function.
     """
+    if options is not None:
+        fn, *args = build()
+        return cute.compile(fn, *args, options=options)
     compiled = _COMPILED.get(key)
     if compiled is not None:
         return compiled

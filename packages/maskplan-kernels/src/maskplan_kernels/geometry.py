@@ -167,9 +167,27 @@ class VarlenGeometry:
         mRbBQ = cute.make_tensor(row_batch_bwd_q, cute.make_layout(cutlass.max(uq_bwd, 1)))
         mRbBK = cute.make_tensor(row_batch_bwd_k, cute.make_layout(cutlass.max(uk_bwd, 1)))
         self.kernel(
-            mCuQ, mCuK, mHeader, mDescF, mRbF, mDescBQ, mRbBQ, mDescBK, mRbBK,
-            total_q, total_k, max_seqlen_q, max_seqlen_k,
-            tile_m_fwd, tile_n_fwd, tile_m_bwd, tile_n_bwd, uq_fwd, uq_bwd, uk_bwd, validate,
+            mCuQ,
+            mCuK,
+            mHeader,
+            mDescF,
+            mRbF,
+            mDescBQ,
+            mRbBQ,
+            mDescBK,
+            mRbBK,
+            total_q,
+            total_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            tile_m_fwd,
+            tile_n_fwd,
+            tile_m_bwd,
+            tile_n_bwd,
+            uq_fwd,
+            uq_bwd,
+            uk_bwd,
+            validate,
         ).launch(grid=[1, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -270,8 +288,15 @@ class VarlenGeometry:
             self.fill_row_batch(mDescBK, mRbBK, carry_bk, uk_b, batch, tidx)
 
     @cute.jit
-    def prefix_flags(self, mCu: cute.Tensor, total: Int32, max_len: Int32, shift: cutlass.Constexpr[int],
-                     tidx: Int32, batch: Int32) -> Int32:
+    def prefix_flags(
+        self,
+        mCu: cute.Tensor,
+        total: Int32,
+        max_len: Int32,
+        shift: cutlass.Constexpr[int],
+        tidx: Int32,
+        batch: Int32,
+    ) -> Int32:
         """The four rules of ``maskplan_core.error_flags.prefix_error_flags`` for one prefix."""
         start_bit = CU_Q_START if const_expr(shift == 0) else CU_K_START
         end_bit = CU_Q_END if const_expr(shift == 0) else CU_K_END
@@ -292,8 +317,18 @@ class VarlenGeometry:
         return flags
 
     @cute.jit
-    def write_desc(self, mDesc: cute.Tensor, b: Int32, q_off: Int32, k_off: Int32, q_len: Int32, k_len: Int32,
-                   row_begin: Int32, row_count: Int32, inner: Int32):
+    def write_desc(
+        self,
+        mDesc: cute.Tensor,
+        b: Int32,
+        q_off: Int32,
+        k_off: Int32,
+        q_len: Int32,
+        k_len: Int32,
+        row_begin: Int32,
+        row_count: Int32,
+        inner: Int32,
+    ):
         mDesc[b, DESC_Q_OFFSET] = q_off
         mDesc[b, DESC_K_OFFSET] = k_off
         mDesc[b, DESC_Q_LEN] = q_len
@@ -304,8 +339,9 @@ class VarlenGeometry:
         mDesc[b, 7] = Int32(0)
 
     @cute.jit
-    def fill_row_batch(self, mDesc: cute.Tensor, mRb: cute.Tensor, n_rows: Int32, upper: Int32, batch: Int32,
-                       tidx: Int32):
+    def fill_row_batch(
+        self, mDesc: cute.Tensor, mRb: cute.Tensor, n_rows: Int32, upper: Int32, batch: Int32, tidx: Int32
+    ):
         """Warp per sample (lane = row), then the padding rows -> dummy sample ``batch``."""
         warp = cute.arch.warp_idx()
         lane = cute.arch.lane_idx()
@@ -323,11 +359,14 @@ class VarlenGeometry:
 # host side
 
 
-def compile_geometry(config: GeometryConfig):
-    """Compile (cached) the geometry kernel for ``config``; no GPU needed."""
+def compile_geometry(config: GeometryConfig, *, options: str | None = None):
+    """Compile (cached) the geometry kernel for ``config``; no GPU needed.
+
+    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
+    """
 
     def build():
         ptr = placeholder_ptr()
         return (VarlenGeometry(config), *(ptr,) * 9, *(Int32(1),) * 13, fake_stream())
 
-    return compile_cached(("geometry", config), build)
+    return compile_cached(("geometry", config), build, options)

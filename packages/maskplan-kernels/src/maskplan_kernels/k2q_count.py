@@ -149,11 +149,14 @@ class K2QCount:
                 mFullCnt[head, k_row] = f_sum
 
 
-def compile_k2q_count(config: K2QCountConfig):
-    """Compile (cached) the K2Q count kernel for ``config``; no GPU needed."""
+def compile_k2q_count(config: K2QCountConfig, *, options: str | None = None):
+    """Compile (cached) the K2Q count kernel for ``config``; no GPU needed.
+
+    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
+    """
 
     def build():
         ptr = placeholder_ptr()
         return (K2QCount(config), *(ptr,) * 7, *(Int32(1),) * 5, fake_stream())
 
-    return compile_cached(("k2q_count", config), build)
+    return compile_cached(("k2q_count", config), build, options)

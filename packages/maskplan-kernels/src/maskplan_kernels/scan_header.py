@@ -133,8 +133,15 @@ class ScanHeader:
                 self.scan_array(mCntBF, mOffBF, n_bwd, mHeader, HEADER_SLOTS[3], sScratch)
 
     @cute.jit
-    def scan_array(self, mCnt: cute.Tensor, mOff: cute.Tensor, n: Int32, mHeader: cute.Tensor,
-                   slot: cutlass.Constexpr[int], sScratch: cute.Tensor):
+    def scan_array(
+        self,
+        mCnt: cute.Tensor,
+        mOff: cute.Tensor,
+        n: Int32,
+        mHeader: cute.Tensor,
+        slot: cutlass.Constexpr[int],
+        sScratch: cute.Tensor,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         carry = Int32(0)
         for base in cutlass.range(0, n, self.chunk, unroll=1):
@@ -159,11 +166,14 @@ class ScanHeader:
             mHeader[slot] = carry
 
 
-def compile_scan_header(config: ScanConfig):
-    """Compile (cached) the scan/header kernel for ``config``; no GPU needed."""
+def compile_scan_header(config: ScanConfig, *, options: str | None = None):
+    """Compile (cached) the scan/header kernel for ``config``; no GPU needed.
+
+    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
+    """
 
     def build():
         ptr = placeholder_ptr()
         return (ScanHeader(config), *(ptr,) * 9, Int32(1), Int32(1), fake_stream())
 
-    return compile_cached(("scan_header", config), build)
+    return compile_cached(("scan_header", config), build, options)

@@ -1,0 +1,254 @@
+"""K2Q materialisation (spec 4.7) in CuTe DSL: the write half of the sparse transpose, the backward
+payloads and ``dq_write_order`` / ``dq_write_order_full``.
+
+The oracle is :func:`maskplan_core.reference.transpose.materialize_k2q`. For mask head ``h`` and
+compact K plan row ``kr`` (sample ``b``, K block ``j``), over the Q plan rows ``r`` of sample ``b``
+in ascending order (Q block ``m = r - row_begin[b]``):
+
+    partial (bit j of visible & ~full):  mask_block_idx[off_p + i] = m,  payload of tile (m, j),
+                                         dq_write_order[off_p + i] = rank of j in row r
+    full    (bit j of full):             full_block_idx[off_f + i] = m,
+                                         dq_write_order_full[off_f + i] = rank of j in row r
+
+where ``rank of j in row r`` = number of visible K blocks of Q row ``r`` below ``j`` (popcount of
+the row's visible words before word ``j // 32`` plus the masked word itself).
+
+Work decomposition (persistent CTAs over the ``Hmask * k_rows`` work items, item = (h, kr))::
+
+    grid = (num_ctas, 1, 1)        block = (32 * num_warps, 1, 1)
+
+    once per CTA   payload-table registers (TilePacker.load_table)
+    per item       per chunk of num_threads Q rows (thread = Q row, ascending):
+                     bit j of the row's visible/full word -> partial/full flag
+                     ONE CTA exclusive scan of (partial | full << 16) -> both ranks at once
+                     write idx + dq rank, list partial Q blocks in shared memory
+                     per listed Q block: endpoints of its rows -> bitmap of block j -> pack, store
+
+Compile-time (``Constexpr``): ``MaterializeConfig``. Runtime: sizes, bounds, nnz, ``write_compact``.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+
+from ._cute_args import fake_stream, placeholder_ptr
+from ._jit_cache import compile_cached
+from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
+from ._tile_packer import MaterializeConfig, TilePacker
+from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN, DESC_ROW_COUNT
+
+_HALF = 16  # the packed scan keeps the partial rank in bits 0..15 and the full rank in 16..31
+
+
+class K2QMaterialize:
+    """Persistent CTAs, one (mask head, K plan row) at a time; see the module docstring."""
+
+    def __init__(self, config: MaterializeConfig):
+        if config.num_threads >= 1 << _HALF:
+            raise ValueError("the packed rank scan needs fewer than 65536 threads")
+        self.config = config
+        self.packer = TilePacker(config)
+        self.tile_m = config.tile_m
+        self.num_threads = config.num_threads
+        self.num_warps = config.num_warps
+        self.words_per_tile = config.words_per_tile
+
+    @cute.jit
+    def __call__(
+        self,
+        mask_func: cute.Pointer,  # int32 (Hmask, nfunc, total_q)
+        row_batch_k: cute.Pointer,  # int32 (uk,): sample of each compact K row
+        desc_q: cute.Pointer,  # int32 (B+1, 8): backward "q" descriptor (Q rows of each sample)
+        desc_k: cute.Pointer,  # int32 (B+1, 8): backward "k" descriptor (K row begin)
+        visible_bits: cute.Pointer,  # int32 (Hmask, uq, k_words): backward Q2K bitsets
+        full_bits: cute.Pointer,  # int32 (Hmask, uq, k_words)
+        counts_ws: cute.Pointer,  # int32 (4, Hmask, uk): partial cnt, full cnt, partial off, full off
+        counts_out: cute.Pointer,  # int32 (4, Hmask, n_k_rows): compact copy if write_compact
+        partial_idx: cute.Pointer,  # int32 (nnz_p,), written
+        full_idx: cute.Pointer,  # int32 (nnz_f,), written
+        dq_order: cute.Pointer,  # int32 (nnz_p,), written
+        dq_order_full: cute.Pointer,  # int32 (nnz_f,), written
+        masks: cute.Pointer,  # int32 (nnz_p, words_per_tile), written
+        table: cute.Pointer,  # int32 (words_per_tile * 32,)
+        hmask: Int32,
+        total_q: Int32,
+        uq: Int32,
+        uk: Int32,
+        k_words: Int32,
+        n_k_rows: Int32,
+        batch_plus_one: Int32,
+        nnz_p: Int32,
+        nnz_f: Int32,
+        write_compact: Int32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        nfunc = self.config.nfunc
+        # (Hmask, nfunc, total_q)
+        mMask = cute.make_tensor(
+            mask_func,
+            cute.make_layout((hmask, nfunc, total_q), stride=(Int64(total_q) * nfunc, Int64(total_q), 1)),
+        )
+        mRowBatchK = cute.make_tensor(row_batch_k, cute.make_layout(uk))  # (uk,)
+        desc_layout = cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))  # (B+1, 8)
+        mDescQ = cute.make_tensor(desc_q, desc_layout)
+        mDescK = cute.make_tensor(desc_k, desc_layout)
+        # (Hmask, uq, k_words)
+        bits_layout = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
+        mVisible = cute.make_tensor(visible_bits, bits_layout)
+        mFull = cute.make_tensor(full_bits, bits_layout)
+        # (4, Hmask, rows)
+        mCountsWs = cute.make_tensor(
+            counts_ws, cute.make_layout((4, hmask, uk), stride=(Int64(hmask) * uk, Int64(uk), 1))
+        )
+        rows_out = cutlass.max(n_k_rows, 1)
+        mCountsOut = cute.make_tensor(
+            counts_out,
+            cute.make_layout((4, hmask, rows_out), stride=(Int64(hmask) * rows_out, Int64(rows_out), 1)),
+        )
+        lp = cute.make_layout(cutlass.max(nnz_p, 1))  # (nnz_p,)
+        lf = cute.make_layout(cutlass.max(nnz_f, 1))  # (nnz_f,)
+        # (nnz_p, words_per_tile)
+        mMasks = cute.make_tensor(
+            masks,
+            cute.make_layout(
+                (cutlass.max(nnz_p, 1), self.words_per_tile), stride=(Int64(self.words_per_tile), 1)
+            ),
+        )
+        mTable = cute.make_tensor(table, cute.make_layout(self.words_per_tile * WARP))  # (words * 32,)
+        self.kernel(
+            mMask,
+            mRowBatchK,
+            mDescQ,
+            mDescK,
+            mVisible,
+            mFull,
+            mCountsWs,
+            mCountsOut,
+            cute.make_tensor(partial_idx, lp),
+            cute.make_tensor(full_idx, lf),
+            cute.make_tensor(dq_order, lp),
+            cute.make_tensor(dq_order_full, lf),
+            mMasks,
+            mTable,
+            n_k_rows,
+            write_compact,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mMask: cute.Tensor,
+        mRowBatchK: cute.Tensor,
+        mDescQ: cute.Tensor,
+        mDescK: cute.Tensor,
+        mVisible: cute.Tensor,
+        mFull: cute.Tensor,
+        mCountsWs: cute.Tensor,
+        mCountsOut: cute.Tensor,
+        mPartialIdx: cute.Tensor,
+        mFullIdx: cute.Tensor,
+        mDqOrder: cute.Tensor,
+        mDqOrderFull: cute.Tensor,
+        mMasks: cute.Tensor,
+        mTable: cute.Tensor,
+        n_k_rows: Int32,
+        write_compact: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        num_ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.warp_idx()
+        lane = cute.arch.lane_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        sEnd, sBitmap = self.packer.allocate(smem)
+        sList = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads), byte_alignment=16)
+        sScratch = smem.allocate_tensor(Int32, cute.make_layout(SCAN_SCRATCH), byte_alignment=16)
+
+        self.packer.init(sBitmap, tidx)
+        regs = self.packer.load_table(mTable, warp, lane)
+        hmask = mVisible.shape[0]
+
+        for item in cutlass.range(bidx, hmask * n_k_rows, num_ctas, unroll=1):
+            head = item // n_k_rows
+            k_row = item - head * n_k_rows
+            batch = mRowBatchK[k_row]
+            j = k_row - mDescK[batch, DESC_ROW_BEGIN]  # sample-local K block
+            q_begin = mDescQ[batch, DESC_ROW_BEGIN]
+            q_count = mDescQ[batch, DESC_ROW_COUNT]
+            q_offset = mDescQ[batch, DESC_Q_OFFSET]
+            q_len = mDescQ[batch, DESC_Q_LEN]
+            k_len = mDescQ[batch, DESC_K_LEN]
+            cnt_p = mCountsWs[0, head, k_row]
+            cnt_f = mCountsWs[1, head, k_row]
+            off_p = mCountsWs[2, head, k_row]
+            off_f = mCountsWs[3, head, k_row]
+            if write_compact != 0:
+                if tidx == 0:
+                    mCountsOut[0, head, k_row] = cnt_p
+                    mCountsOut[1, head, k_row] = cnt_f
+                    mCountsOut[2, head, k_row] = off_p
+                    mCountsOut[3, head, k_row] = off_f
+            if cnt_p + cnt_f > 0:
+                word = j // WARP
+                shift = j - word * WARP
+                below = ~(Int32(-1) << shift)  # bits of K blocks j' < j inside word j // 32
+                carry_p = Int32(0)
+                carry_f = Int32(0)
+                for c0 in cutlass.range(0, q_count, self.num_threads, unroll=1):
+                    m = c0 + tidx  # sample-local Q block of this thread
+                    r = q_begin + m
+                    vis = Int32(0)
+                    full = Int32(0)
+                    if m < q_count:
+                        vis = mVisible[head, r, word]
+                        full = mFull[head, r, word]
+                    is_vis = (vis >> shift) & 1
+                    is_full = (full >> shift) & 1
+                    is_part = is_vis & (is_full ^ 1)
+                    ex, tot = block_exclusive_sum(is_part | (is_full << _HALF), sScratch, self.num_warps)
+                    rank_p = ex & 0xFFFF
+                    rank_f = ex >> _HALF
+                    n_list = tot & 0xFFFF
+                    if is_vis != 0:
+                        dq_rank = cute.arch.popc(vis & below)
+                        for w in cutlass.range(0, word, 1, unroll=1):
+                            dq_rank = dq_rank + cute.arch.popc(mVisible[head, r, w])
+                        if is_part != 0:
+                            pos = off_p + carry_p + rank_p
+                            mPartialIdx[pos] = m
+                            mDqOrder[pos] = dq_rank
+                            sList[rank_p] = m
+                        else:
+                            pos = off_f + carry_f + rank_f
+                            mFullIdx[pos] = m
+                            mDqOrderFull[pos] = dq_rank
+                    cute.arch.sync_threads()  # sList visible
+                    for e in cutlass.range(0, n_list, 1, unroll=1):
+                        self.packer.load_rows(
+                            mMask, sEnd, head, q_offset, sList[e] * self.tile_m, q_len, tidx
+                        )
+                        cute.arch.sync_threads()
+                        self.packer.build_bitmap(sEnd, sBitmap, j, k_len, tidx)
+                        cute.arch.sync_threads()
+                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e, warp, lane)
+                        cute.arch.sync_threads()
+                    carry_p = carry_p + n_list
+                    carry_f = carry_f + (tot >> _HALF)
+
+
+def compile_k2q_materialize(config: MaterializeConfig, *, options: str | None = None):
+    """Compile (cached) the K2Q materialiser for ``config``; no GPU needed.
+
+    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
+    """
+
+    def build():
+        ptr = placeholder_ptr()
+        return (K2QMaterialize(config), *(ptr,) * 14, *(Int32(1),) * 11, fake_stream())
+
+    return compile_cached(("k2q_materialize", config), build, options)

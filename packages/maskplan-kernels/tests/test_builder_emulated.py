@@ -1,0 +1,160 @@
+"""CPU tier: ``build_plan_gpu``'s host pipeline with every kernel replaced by its CPU twin.
+
+The twins (``kernel_twins.py``) take the kernels' exact positional signatures and pointer
+semantics, so these tests check, without a GPU, the argument wiring of every launch, the upper
+bounds and padding rows, the single header read, compaction, error translation, and the
+algorithms the kernels implement (layout table packing, K2Q ranks, the schedule's bounded
+counting). The device code itself is checked by ``test_builder_gpu.py`` on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_twins import TWINS, FakePtr
+from plan_cases import assert_plans_equal, make_geometry, make_mask, row_major, view_config
+
+from maskplan_core.errors import EndpointError, SeqlenError
+from maskplan_core.reference import build_plan
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    """Run build_plan_gpu on CPU tensors with the kernel twins; counts header reads."""
+    import maskplan_kernels.builder as builder
+    from maskplan_kernels.payload_table import payload_source_table
+
+    for name, twin in TWINS.items():
+        monkeypatch.setattr(builder, name, lambda config, twin=twin: twin(config))
+    monkeypatch.setattr(builder, "int32_ptr", FakePtr.of)
+    monkeypatch.setattr(builder, "torch_stream", lambda device: None)
+    monkeypatch.setattr(builder, "persistent_ctas", lambda device, items, ctas_per_sm=1: 1)
+    monkeypatch.setattr(builder, "device_source_table", lambda layout, device: payload_source_table(layout))
+    monkeypatch.setattr(builder, "_check_inputs", lambda *args: None)
+    reads = []
+    real_read = builder.read_header
+
+    def counting_read(header):
+        reads.append(1)
+        return real_read(header)
+
+    monkeypatch.setattr(builder, "read_header", counting_read)
+    return reads
+
+
+def _build_both(geometry, mask, fwd_layout, bwd_layout, *, pack_gqa=False):
+    from maskplan_kernels.builder import build_plan_gpu
+
+    qpk = geometry.qhead_per_kvhead
+    fwd = view_config(fwd_layout, "forward", pack_gqa=pack_gqa, qpk=qpk)
+    bwd = view_config(bwd_layout, "backward", qpk=qpk) if bwd_layout is not None else None
+    ref = build_plan(mask, geometry, fwd, bwd, "test")
+    got = build_plan_gpu(mask, geometry, fwd, bwd, "test")
+    return ref, got
+
+
+CASES = [
+    # q_lens, k_lens, varlen
+    ([100, 100], [160, 160], False),
+    ([70, 0, 33, 1, 65], [50, 90, 0, 5, 128], True),
+    ([0, 0, 64], [10, 0, 64], True),
+    ([129], [31], True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{len(c[0])}{'-varlen' if c[2] else ''}")
+@pytest.mark.parametrize("nfunc", [1, 5])
+@pytest.mark.parametrize("heads", [(2, 1, 1), (4, 2, 4)], ids=["hm1-gqa2", "hm4-gqa2"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_matches_reference(twins, case, nfunc, heads, backward):
+    q_lens, k_lens, varlen = case
+    hq, hkv, hmask = heads
+    g = make_geometry(q_lens, k_lens, hq=hq, hkv=hkv, hmask=hmask, nfunc=nfunc, varlen=varlen)
+    mask = make_mask(q_lens, k_lens, hmask, nfunc, seed=len(q_lens) * 10 + nfunc)
+    ref, got = _build_both(g, mask, row_major(32, 16), row_major(16, 32) if backward else None)
+    assert_plans_equal(ref, got)
+    assert len(twins) == 1  # exactly one header read per build
+
+
+def test_wgmma_layouts_and_tails(twins):
+    sm90 = pytest.importorskip("flexattn_sm90.payload_layout")
+    q_lens, k_lens = [150, 0, 64], [200, 7, 130]
+    g = make_geometry(q_lens, k_lens, hq=2, hkv=2, hmask=2, nfunc=3)
+    mask = make_mask(q_lens, k_lens, 2, 3, seed=4)
+    ref, got = _build_both(g, mask, sm90.wgmma_layout(64, 64), sm90.wgmma_layout(64, 64, 2, True))
+    assert_plans_equal(ref, got)
+
+
+def test_pack_gqa_schedule(twins):
+    q_lens, k_lens = [90, 40], [90, 200]
+    g = make_geometry(q_lens, k_lens, hq=4, hkv=2, hmask=1, nfunc=3, varlen=True)
+    mask = make_mask(q_lens, k_lens, 1, 3, seed=8)
+    ref, got = _build_both(g, mask, row_major(16, 16), None, pack_gqa=True)
+    assert_plans_equal(ref, got)
+
+
+def test_schedule_sections_split_heads(twins, monkeypatch):
+    """Several L2 sections per sample, a head count that is not a power of two, sections of
+    different sizes per sample (a smaller section budget stands in for long sequences)."""
+    import maskplan_core.reference.schedule as ref_schedule
+    import maskplan_kernels._sections as sections
+
+    budget = 64 * 512 * 2  # (Dqk + Dv) * 2 bytes = 512: two heads of a 64-key sample, four of a 20-key one
+    monkeypatch.setattr(ref_schedule.heads_per_section, "__defaults__", (budget,))
+    monkeypatch.setattr(sections.ScheduleParams.__init__, "__defaults__", (budget,))
+    q_lens, k_lens = [64, 48], [64, 20]
+    g = make_geometry(q_lens, k_lens, hq=6, hkv=6, hmask=6, nfunc=3, varlen=True, head_dim=128)
+    mask = make_mask(q_lens, k_lens, 6, 3, seed=2)
+    ref, got = _build_both(g, mask, row_major(16, 16), None)
+    assert_plans_equal(ref, got)
+    assert int(got.view("forward").fwd_work_desc[:, 2].ne(0).sum()) > 0
+
+
+def test_malformed_endpoints_raise_like_the_reference(twins):
+    q_lens, k_lens = [40, 30], [50, 0]
+    g = make_geometry(q_lens, k_lens, hq=1, hkv=1, hmask=1, nfunc=3)
+    mask = make_mask(q_lens, k_lens, 1, 3, seed=1, kinds=("causal",))
+    mask[0, 2, 45] = 1  # sample 1 has k_len 0
+    fwd = view_config(row_major(16, 16), "forward")
+    from maskplan_kernels.builder import build_plan_gpu
+
+    with pytest.raises(EndpointError) as ref_err:
+        build_plan(mask, g, fwd, None, "test")
+    with pytest.raises(EndpointError) as got_err:
+        build_plan_gpu(mask, g, fwd, None, "test")
+    assert str(got_err.value) == str(ref_err.value)
+
+
+@pytest.mark.parametrize("corrupt", ["start", "end", "decrease", "max"])
+def test_malformed_prefixes_raise_like_the_reference(twins, corrupt):
+    q_lens, k_lens = [40, 30, 20], [50, 10, 20]
+    g = make_geometry(q_lens, k_lens, hq=1, hkv=1, hmask=1, nfunc=1)
+    mask = make_mask(q_lens, k_lens, 1, 1, seed=3, kinds=("causal",))
+    cu = g.cu_seqlens_k if corrupt != "max" else g.cu_seqlens_q
+    if corrupt == "start":
+        cu[0] = 1
+    elif corrupt == "end":
+        cu[-1] = cu[-1] + 5
+    elif corrupt == "decrease":
+        cu[1], cu[2] = cu[2], cu[1]
+    else:
+        cu[1] = 45  # sample 0 gets 45 > max_seqlen_q = 40 query rows
+    fwd = view_config(row_major(16, 16), "forward")
+    bwd = view_config(row_major(16, 16), "backward")
+    from maskplan_kernels.builder import build_plan_gpu
+
+    with pytest.raises(SeqlenError) as ref_err:
+        build_plan(mask, g, fwd, bwd, "test")
+    with pytest.raises(SeqlenError) as got_err:
+        build_plan_gpu(mask, g, fwd, bwd, "test")
+    assert str(got_err.value) == str(ref_err.value)
+
+
+def test_fake_ptr_bounds():
+    t = torch.zeros(2, 3, dtype=torch.int32)
+    p = FakePtr.of(t[1])
+    assert p.offset == 3
+    with pytest.raises(IndexError):
+        p.view(4)
+    (p + 1).view(2)[:] = 7
+    assert t.tolist() == [[0, 0, 0], [0, 7, 7]]

@@ -1,0 +1,92 @@
+"""CPU tier: the layout-as-data table the GPU packer reads, and the host-known workspace bounds.
+
+``pack_with_table`` is the pure-torch twin of the device packer (bitmap in shared memory, then one
+warp ballot per payload word through ``payload_source_table``); it must equal the consumer's own
+``layout.pack`` for every layout the consumers ship, tails and padding bits included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plan_cases import make_geometry
+
+from maskplan_core.payload import RowMajorLayout
+from maskplan_core.reference.block_geometry import block_geometry
+from maskplan_kernels.geometry import ViewBounds
+from maskplan_kernels.payload_table import (
+    bitmap_row_stride,
+    bitmap_words,
+    pack_with_table,
+    payload_source_table,
+    zero_address,
+)
+
+
+def _layouts():
+    out = [RowMajorLayout(128, 128), RowMajorLayout(64, 128), RowMajorLayout(128, 80), RowMajorLayout(16, 32)]
+    try:
+        from flexattn_sm90.payload_layout import wgmma_layout
+
+        out += [
+            wgmma_layout(128, 128),
+            wgmma_layout(128, 64),
+            wgmma_layout(64, 128, None, True),
+            wgmma_layout(64, 64, 2, True),
+        ]
+    except ImportError:
+        pass
+    try:
+        from flexattn_sm100.payload_layout import tmem_layout
+
+        out += [tmem_layout(128, 128, 1, False), tmem_layout(128, 128, 1, True)]
+    except (ImportError, ValueError):
+        pass
+    return out
+
+
+@pytest.mark.parametrize("layout", _layouts(), ids=lambda layout: layout.layout_id)
+def test_table_packing_equals_the_layout(layout):
+    gen = torch.Generator().manual_seed(0)
+    tiles = torch.rand(6, layout.tile_m, layout.tile_n, generator=gen) < 0.5
+    tiles[0] = True  # padding bits stay 0 even when every element is visible
+    tiles[1] = False
+    assert torch.equal(pack_with_table(tiles, layout), layout.pack(tiles))
+
+
+@pytest.mark.parametrize("layout", _layouts(), ids=lambda layout: layout.layout_id)
+def test_table_addresses_stay_inside_the_bitmap(layout):
+    table = payload_source_table(layout).to(torch.int64)
+    assert table.dtype == torch.int64 and table.numel() == layout.words_per_tile * 32
+    words = table // 32
+    assert int(words.max()) < bitmap_words(layout.tile_m, layout.tile_n)
+    real = table != zero_address(layout.tile_m, layout.tile_n)
+    assert int(real.sum()) == layout.tile_m * layout.tile_n  # every element feeds exactly one bit
+    assert table[real].unique().numel() == layout.tile_m * layout.tile_n
+    assert bitmap_row_stride(layout.tile_n) % 2 == 1
+
+
+CASES = [
+    ([100, 100], [160, 160], False),
+    ([70, 0, 33, 1, 65], [50, 90, 0, 5, 128], True),
+    ([0, 0, 64], [10, 0, 64], True),
+    ([1000, 17, 4000], [3, 5000, 129], True),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tile", [(128, 128), (64, 128), (16, 32), (192, 80)])
+def test_view_bounds_hold_the_exact_geometry(case, tile):
+    q_lens, k_lens, varlen = case
+    g = make_geometry(q_lens, k_lens, varlen=varlen)
+    exact = block_geometry(g, *tile)
+    bounds = ViewBounds.of(g, *tile)
+    assert bounds.q_rows >= exact.n_q_rows and bounds.k_rows >= exact.n_k_rows
+    assert bounds.max_q_blocks >= exact.max_q_blocks and bounds.max_k_blocks >= exact.max_k_blocks
+    assert bounds.k_words >= exact.k_words
+    if not varlen:
+        assert (bounds.q_rows, bounds.k_rows, bounds.k_words) == (
+            exact.n_q_rows,
+            exact.n_k_rows,
+            exact.k_words,
+        )
