@@ -26,19 +26,21 @@ from masks_bench import endpoint_mask, mask_mod_from_endpoints, visible_pairs  #
 import flexattn  # noqa: E402
 
 
-def timed(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls."""
+def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
+    """Milliseconds per call: ``iters`` calls queued back to back between two CUDA events (as a
+    training step issues them), median over ``repeats``."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         st.record()
-        fn()
+        for _ in range(iters):
+            fn()
         en.record()
         torch.cuda.synchronize()
-        times.append(st.elapsed_time(en))
+        times.append(st.elapsed_time(en) / iters)
     return sorted(times)[len(times) // 2]
 
 

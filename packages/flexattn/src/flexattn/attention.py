@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -34,6 +35,19 @@ def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -
             raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
         if return_max_logit and softmax_scale < 0:
             raise InputValueError(f"return_max_logit needs a non-negative softmax_scale, got {softmax_scale}")
+
+
+#: plan -> {(device, training): consumer}: a plan's signatures are checked once per device and mode
+#: (plans are immutable), which keeps the per-call host cost of a reused plan small.
+_CHECKED: WeakKeyDictionary[MaskPlan, dict] = WeakKeyDictionary()
+
+
+def _checked_consumer(plan: MaskPlan, q: torch.Tensor, training: bool):
+    key = (q.device, training)
+    known = _CHECKED.setdefault(plan, {})
+    if key not in known:
+        known[key] = _check_signatures(plan, q, training)
+    return known[key]
 
 
 def _check_signatures(plan: MaskPlan, q: torch.Tensor, training: bool):
@@ -90,7 +104,7 @@ def flex_attn_func(
             "q/k/v require grad but the plan has no backward view; rebuild it with "
             "create_mask_plan(..., build_backward=True), or call under torch.no_grad()"
         )
-    consumer = _check_signatures(mask_plan, q, training)
+    consumer = _checked_consumer(mask_plan, q, training)
     scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
     q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
     out, lse, max_logit = FlexAttnFunction.apply(

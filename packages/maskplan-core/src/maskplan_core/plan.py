@@ -167,7 +167,7 @@ class MaskPlan:
     same geometry, dtype and device reuse the plan.
     """
 
-    __slots__ = ("_geometry", "_views", "_header", "_consumer")
+    __slots__ = ("_geometry", "_views", "_header", "_consumer", "__weakref__")
 
     def __init__(
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str

@@ -176,7 +176,9 @@ def _check_inputs(
             f"mask_func must be a contiguous int32 [Hmask, nfunc, total_q] tensor, got "
             f"{mask_func.dtype} {tuple(mask_func.shape)}"
         )
-    if mask_func.device != geometry.device or mask_func.shape[2] != geometry.total_q:
+    # torch.device("cuda") names the current device; tensors always carry an index
+    same_device = mask_func.device == torch.empty(0, device=geometry.device).device
+    if not same_device or mask_func.shape[2] != geometry.total_q:
         raise ValueError(
             f"mask_func {tuple(mask_func.shape)} on {mask_func.device} does not match the geometry "
             f"({geometry.describe()})"
