@@ -134,7 +134,7 @@ def test_rejects_dtype(dtype):
 
 def test_rejects_pack_gqa():
     with pytest.raises(
-        UnsupportedConfigError, match="pack_gqa=True.*PackGQA arrives with the SM100 forward kernel"
+        UnsupportedConfigError, match="pack_gqa=True is not supported by flexattn-sm100"
     ):
         Sm100Consumer().resolve(request(pack_gqa=True))
 

@@ -120,7 +120,7 @@ def test_rejects_dtype(dtype):
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_rejects_pack_gqa(direction):
     with pytest.raises(
-        UnsupportedConfigError, match="pack_gqa=True.*PackGQA arrives with the SM90 forward kernel"
+        UnsupportedConfigError, match="pack_gqa=True is not supported by flexattn-sm90"
     ):
         Sm90Consumer().resolve(request(direction, pack_gqa=True))
 

@@ -19,6 +19,7 @@ Any generic forward variant can be forced for the D <= 192 pairs with ``variant=
 
 from __future__ import annotations
 
+from maskplan_core.consumer import require_supported
 from maskplan_core.errors import UnsupportedConfigError
 
 from .config import BWD_VARIANTS, FWD_VARIANTS, Sm100BwdConfig, Sm100FwdConfig
@@ -44,19 +45,12 @@ _GENERIC_FWD = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
 
 
 def check_dtype(dtype: str) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedConfigError(
-            f"dtype={dtype!r} is not supported by flexattn-sm100; supported dtype values: "
-            + ", ".join(repr(d) for d in SUPPORTED_DTYPES)
-        )
+    require_supported("dtype", dtype, SUPPORTED_DTYPES, "flexattn-sm100")
 
 
 def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
-    if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
-        raise UnsupportedConfigError(
-            f"(head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}) is not supported by flexattn-sm100; "
-            f"supported (head_dim_qk, head_dim_v) pairs: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
-        )
+    head_dims = (head_dim_qk, head_dim_v)
+    require_supported("(head_dim_qk, head_dim_v)", head_dims, SUPPORTED_HEAD_DIMS, "flexattn-sm100")
 
 
 def select_fwd_config(

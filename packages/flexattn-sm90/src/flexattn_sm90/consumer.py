@@ -7,42 +7,25 @@ falls back to a computation of its own.
 
 from __future__ import annotations
 
-from maskplan_core.consumer import AttentionOutputs, Consumer, ViewConfig, ViewRequest
-from maskplan_core.errors import ConsumerNotFoundError, UnsupportedConfigError
+from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
+from maskplan_core.errors import ConsumerNotFoundError
 
 from ._version import __version__
-from .config import ARCH_FAMILY
-from .heuristics import check_dtype, check_head_dims, select_bwd_config, select_fwd_config
+from .heuristics import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, select_bwd_config, select_fwd_config
 
 
-class Sm90Consumer(Consumer):
+class Sm90Consumer(KernelConsumer):
     """Hopper consumer: WGMMA accumulator payloads, persistent forward, K-major backward."""
 
     name = "flexattn-sm90"
     arch_families = ("sm90",)
     hardware_verified = True  # the forward kernel's GPU tests run on an H200
 
-    def resolve(self, request: ViewRequest) -> ViewConfig:
-        _check_request(request)
-        qhead_per_kvhead = request.num_heads_q // request.num_heads_kv
-        if request.direction == "forward":
-            config = select_fwd_config(
-                head_dim_qk=request.head_dim_qk,
-                head_dim_v=request.head_dim_v,
-                dtype=request.dtype,
-                pack_gqa=False,
-                qhead_per_kvhead=qhead_per_kvhead,
-                varlen=request.varlen,
-            )
-        else:
-            config = select_bwd_config(
-                head_dim_qk=request.head_dim_qk,
-                head_dim_v=request.head_dim_v,
-                dtype=request.dtype,
-                qhead_per_kvhead=qhead_per_kvhead,
-                varlen=request.varlen,
-            )
-        return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
+    compute_capabilities = ((9, 0),)
+    supported_dtypes = SUPPORTED_DTYPES
+    supported_head_dims = SUPPORTED_HEAD_DIMS
+    select_forward = staticmethod(select_fwd_config)
+    select_backward = staticmethod(select_bwd_config)
 
     def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None):
         """CUDA tensors plan with the GPU planner kernels; CPU tensors (``target="sm90"`` on a
@@ -72,25 +55,3 @@ def _not_available(direction: str) -> str:
         "the reference path."
     )
 
-
-def _check_request(request: ViewRequest) -> None:
-    if request.arch_family != ARCH_FAMILY:
-        raise UnsupportedConfigError(
-            f"arch_family={request.arch_family!r}: flexattn-sm90 serves arch_family 'sm90' only"
-        )
-    if request.compute_capability is not None and tuple(request.compute_capability) != (9, 0):
-        raise UnsupportedConfigError(
-            f"compute_capability={tuple(request.compute_capability)}: flexattn-sm90 kernels target sm_90a, "
-            "supported compute_capability: (9, 0)"
-        )
-    check_dtype(request.dtype)
-    check_head_dims(request.head_dim_qk, request.head_dim_v)
-    if request.num_heads_q % request.num_heads_kv:
-        raise UnsupportedConfigError(
-            f"num_heads_q={request.num_heads_q} is not a multiple of num_heads_kv={request.num_heads_kv}"
-        )
-    if request.pack_gqa:
-        raise UnsupportedConfigError(
-            "pack_gqa=True is not supported by flexattn-sm90 yet: PackGQA arrives with the SM90 forward "
-            "kernel; supported pack_gqa values: None, False"
-        )

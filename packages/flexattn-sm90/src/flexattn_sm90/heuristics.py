@@ -20,7 +20,7 @@ they split the 64 Q columns (32 each).
 
 from __future__ import annotations
 
-from maskplan_core.errors import UnsupportedConfigError
+from maskplan_core.consumer import require_supported
 
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
@@ -29,19 +29,12 @@ SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
 def check_dtype(dtype: str) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedConfigError(
-            f"dtype={dtype!r} is not supported by flexattn-sm90; supported dtype values: "
-            + ", ".join(repr(d) for d in SUPPORTED_DTYPES)
-        )
+    require_supported("dtype", dtype, SUPPORTED_DTYPES, "flexattn-sm90")
 
 
 def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
-    if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
-        raise UnsupportedConfigError(
-            f"(head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}) is not supported by flexattn-sm90; "
-            f"supported (head_dim_qk, head_dim_v) pairs: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
-        )
+    head_dims = (head_dim_qk, head_dim_v)
+    require_supported("(head_dim_qk, head_dim_v)", head_dims, SUPPORTED_HEAD_DIMS, "flexattn-sm90")
 
 
 def fwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:

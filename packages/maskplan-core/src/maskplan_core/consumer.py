@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .errors import UnsupportedConfigError
 from .payload import PayloadLayout
 from .schema import Direction, PlanSignature
 
@@ -100,3 +101,62 @@ class Consumer(ABC):
     def backward(
         self, plan: MaskPlan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def require_supported(argument: str, value: object, supported: tuple, owner: str) -> None:
+    """Raise ``UnsupportedConfigError`` naming ``argument``, its value and the supported values."""
+    if value not in supported:
+        raise UnsupportedConfigError(
+            f"{argument}={value!r} is not supported by {owner}; supported {argument} values: "
+            + ", ".join(map(repr, supported))
+        )
+
+
+class KernelConsumer(Consumer):
+    """A consumer whose views come from tile heuristics: one request check and dispatch for all.
+
+    Subclasses name what they support and give the two config selectors; each selector takes
+    ``head_dim_qk, head_dim_v, dtype, qhead_per_kvhead, varlen`` and returns a config with
+    ``plan_signature()`` and ``payload_layout``.
+    """
+
+    compute_capabilities: ClassVar[tuple[tuple[int, int], ...]]
+    supported_dtypes: ClassVar[tuple[str, ...]]
+    supported_head_dims: ClassVar[tuple[tuple[int, int], ...]]
+
+    @staticmethod
+    @abstractmethod
+    def select_forward(**problem): ...
+
+    @staticmethod
+    @abstractmethod
+    def select_backward(**problem): ...
+
+    def resolve(self, request: ViewRequest) -> ViewConfig:
+        self.check_request(request)
+        select = self.select_forward if request.direction == "forward" else self.select_backward
+        config = select(
+            head_dim_qk=request.head_dim_qk,
+            head_dim_v=request.head_dim_v,
+            dtype=request.dtype,
+            qhead_per_kvhead=request.num_heads_q // request.num_heads_kv,
+            varlen=request.varlen,
+        )
+        return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
+
+    def check_request(self, request: ViewRequest) -> None:
+        require_supported("arch_family", request.arch_family, self.arch_families, self.name)
+        if request.compute_capability is not None:
+            cc = tuple(request.compute_capability)
+            require_supported("compute_capability", cc, self.compute_capabilities, self.name)
+        require_supported("dtype", request.dtype, self.supported_dtypes, self.name)
+        head_dims = (request.head_dim_qk, request.head_dim_v)
+        require_supported("(head_dim_qk, head_dim_v)", head_dims, self.supported_head_dims, self.name)
+        if request.num_heads_q % request.num_heads_kv:
+            raise UnsupportedConfigError(
+                f"num_heads_q={request.num_heads_q} is not a multiple of num_heads_kv={request.num_heads_kv}"
+            )
+        if request.pack_gqa:
+            raise UnsupportedConfigError(
+                f"pack_gqa=True is not supported by {self.name} yet; supported pack_gqa values: None, False"
+            )
