@@ -82,6 +82,14 @@ def test_importing_flexattn_pulls_in_no_gpu_stack():
     assert fresh_interpreter_modules("flexattn", "flexattn.masks") == []
 
 
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_importing_a_consumer_pulls_in_no_gpu_stack(consumer):
+    """Consumers load CuTe DSL when a kernel is first used, not on import (entry-point lookup
+    imports every installed consumer)."""
+    pytest.importorskip(consumer)
+    assert fresh_interpreter_modules(consumer, f"{consumer}.consumer", f"{consumer}.payload_layout") == []
+
+
 def test_maskplan_core_source_exists():
     files = list(SOURCE_DIRS["maskplan_core"].rglob("*.py"))
     assert len(files) > 5, "maskplan_core sources not found; is the layout packages/maskplan-core/src/?"
