@@ -38,6 +38,30 @@ class _KernelConfig:
             (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("constexpr")
         )
 
+    def topology(self) -> Topology:
+        return Topology(
+            tile_m=self.tile_m,
+            tile_n=self.tile_n,
+            q_stage=1,
+            cta_group_size=1,
+            cluster_axis="none",
+            pack_gqa=getattr(self, "pack_gqa", False),
+            qhead_per_kvhead=self.qhead_per_kvhead,
+        )
+
+    def plan_signature(self) -> PlanSignature:
+        """The signature a view built for this config carries (spec section 7)."""
+        return PlanSignature(
+            arch_family=ARCH_FAMILY,
+            direction=self.direction,
+            kernel_family=self.kernel_family,
+            topology=self.topology(),
+            mma_layout=MMA_LAYOUT,
+            payload=self.payload_layout.spec,
+            scheduler_layout=self.scheduler_layout,
+            dq_order_format=self.dq_order_format,
+        )
+
     def _check_common(self) -> None:
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: SM90 kernels take 'float16' or 'bfloat16'")
@@ -51,6 +75,11 @@ class _KernelConfig:
 class Sm90FwdConfig(_KernelConfig):
     """Persistent warp-specialised forward: one producer warpgroup, ``num_consumer_warpgroups``
     MMA/softmax warpgroups, each owning 64 Q rows of the ``tile_m x tile_n`` score tile."""
+
+    direction = "forward"
+    kernel_family = FWD_KERNEL_FAMILY
+    scheduler_layout = FWD_SCHEDULER_LAYOUT
+    dq_order_format = "none"
 
     head_dim_qk: int = field(metadata=CONSTEXPR)
     head_dim_v: int = field(metadata=CONSTEXPR)
@@ -84,29 +113,6 @@ class Sm90FwdConfig(_KernelConfig):
         layout = self.payload_layout
         return self.mask_pipeline_stages * layout.words_per_tile * 4
 
-    def topology(self) -> Topology:
-        return Topology(
-            tile_m=self.tile_m,
-            tile_n=self.tile_n,
-            q_stage=1,
-            cta_group_size=1,
-            cluster_axis="none",
-            pack_gqa=self.pack_gqa,
-            qhead_per_kvhead=self.qhead_per_kvhead,
-        )
-
-    def plan_signature(self) -> PlanSignature:
-        return PlanSignature(
-            arch_family=ARCH_FAMILY,
-            direction="forward",
-            kernel_family=FWD_KERNEL_FAMILY,
-            topology=self.topology(),
-            mma_layout=MMA_LAYOUT,
-            payload=self.payload_layout.spec,
-            scheduler_layout=FWD_SCHEDULER_LAYOUT,
-            dq_order_format="none",
-        )
-
 
 @dataclass(frozen=True)
 class Sm90BwdConfig(_KernelConfig):
@@ -116,6 +122,11 @@ class Sm90BwdConfig(_KernelConfig):
     computes it transposed (``S^T``, K rows x Q columns) with warpgroups owning K rows, which is
     why its payload layout is ``WgmmaAccumulatorLayout(..., transposed=True)``.
     """
+
+    direction = "backward"
+    kernel_family = BWD_KERNEL_FAMILY
+    scheduler_layout = BWD_SCHEDULER_LAYOUT
+    dq_order_format = "rank_int32"
 
     head_dim_qk: int = field(metadata=CONSTEXPR)
     head_dim_v: int = field(metadata=CONSTEXPR)
@@ -135,26 +146,3 @@ class Sm90BwdConfig(_KernelConfig):
     @property
     def payload_layout(self) -> WgmmaAccumulatorLayout:
         return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, True)
-
-    def topology(self) -> Topology:
-        return Topology(
-            tile_m=self.tile_m,
-            tile_n=self.tile_n,
-            q_stage=1,
-            cta_group_size=1,
-            cluster_axis="none",
-            pack_gqa=False,
-            qhead_per_kvhead=self.qhead_per_kvhead,
-        )
-
-    def plan_signature(self) -> PlanSignature:
-        return PlanSignature(
-            arch_family=ARCH_FAMILY,
-            direction="backward",
-            kernel_family=BWD_KERNEL_FAMILY,
-            topology=self.topology(),
-            mma_layout=MMA_LAYOUT,
-            payload=self.payload_layout.spec,
-            scheduler_layout=BWD_SCHEDULER_LAYOUT,
-            dq_order_format="rank_int32",
-        )
