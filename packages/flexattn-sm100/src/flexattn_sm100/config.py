@@ -102,6 +102,31 @@ class _KernelConfig:
     def tile_n(self) -> int:
         return self.variant.tile_n
 
+    def topology(self) -> Topology:
+        v = self.variant
+        return Topology(
+            tile_m=v.tile_m,
+            tile_n=v.tile_n,
+            q_stage=v.q_stage,
+            cta_group_size=v.cta_group_size,
+            cluster_axis=v.cluster_axis,
+            pack_gqa=getattr(self, "pack_gqa", False),
+            qhead_per_kvhead=self.qhead_per_kvhead,
+        )
+
+    def plan_signature(self) -> PlanSignature:
+        """The signature a view built for this config carries (spec section 7)."""
+        return PlanSignature(
+            arch_family=ARCH_FAMILY,
+            direction=self.direction,
+            kernel_family=self.variant.kernel_family,
+            topology=self.topology(),
+            mma_layout=MMA_LAYOUT,
+            payload=self.payload_layout.spec,
+            scheduler_layout=self.scheduler_layout,
+            dq_order_format=self.dq_order_format,
+        )
+
     def _check_common(self, variants: dict[str, Sm100Variant]) -> None:
         if self.dtype not in ("float16", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: SM100 kernels take 'float16' or 'bfloat16'")
@@ -111,6 +136,10 @@ class _KernelConfig:
 
 @dataclass(frozen=True)
 class Sm100FwdConfig(_KernelConfig):
+    direction = "forward"
+    scheduler_layout = FWD_SCHEDULER_LAYOUT
+    dq_order_format = "none"
+
     head_dim_qk: int = field(metadata=CONSTEXPR)
     head_dim_v: int = field(metadata=CONSTEXPR)
     dtype: DType = field(metadata=CONSTEXPR)
@@ -134,33 +163,13 @@ class Sm100FwdConfig(_KernelConfig):
         layout = self.payload_layout
         return self.variant.mask_pipeline_stages * layout.groups * layout.words_per_group * 4
 
-    def topology(self) -> Topology:
-        v = self.variant
-        return Topology(
-            tile_m=v.tile_m,
-            tile_n=v.tile_n,
-            q_stage=v.q_stage,
-            cta_group_size=v.cta_group_size,
-            cluster_axis=v.cluster_axis,
-            pack_gqa=self.pack_gqa,
-            qhead_per_kvhead=self.qhead_per_kvhead,
-        )
-
-    def plan_signature(self) -> PlanSignature:
-        return PlanSignature(
-            arch_family=ARCH_FAMILY,
-            direction="forward",
-            kernel_family=self.variant.kernel_family,
-            topology=self.topology(),
-            mma_layout=MMA_LAYOUT,
-            payload=self.payload_layout.spec,
-            scheduler_layout=FWD_SCHEDULER_LAYOUT,
-            dq_order_format="none",
-        )
-
 
 @dataclass(frozen=True)
 class Sm100BwdConfig(_KernelConfig):
+    direction = "backward"
+    scheduler_layout = BWD_SCHEDULER_LAYOUT
+    dq_order_format = "rank_int32"
+
     head_dim_qk: int = field(metadata=CONSTEXPR)
     head_dim_v: int = field(metadata=CONSTEXPR)
     dtype: DType = field(metadata=CONSTEXPR)
@@ -175,27 +184,3 @@ class Sm100BwdConfig(_KernelConfig):
     def payload_layout(self) -> TmemLoadLayout:
         v = self.variant
         return tmem_layout(v.tile_m, v.tile_n, v.num_softmax_warpgroups, True)
-
-    def topology(self) -> Topology:
-        v = self.variant
-        return Topology(
-            tile_m=v.tile_m,
-            tile_n=v.tile_n,
-            q_stage=v.q_stage,
-            cta_group_size=v.cta_group_size,
-            cluster_axis=v.cluster_axis,
-            pack_gqa=False,
-            qhead_per_kvhead=self.qhead_per_kvhead,
-        )
-
-    def plan_signature(self) -> PlanSignature:
-        return PlanSignature(
-            arch_family=ARCH_FAMILY,
-            direction="backward",
-            kernel_family=self.variant.kernel_family,
-            topology=self.topology(),
-            mma_layout=MMA_LAYOUT,
-            payload=self.payload_layout.spec,
-            scheduler_layout=BWD_SCHEDULER_LAYOUT,
-            dq_order_format="rank_int32",
-        )
