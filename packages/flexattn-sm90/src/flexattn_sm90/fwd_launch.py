@@ -15,7 +15,6 @@ int32 sizes, the convention of the project's planner kernels), so it is compiled
 plan, a sequence length, a head count or a batch size never triggers a recompile.
 """
 
-import threading
 import weakref
 from dataclasses import dataclass
 
@@ -26,12 +25,15 @@ from cutlass import BFloat16, Float16, Float32, Int32
 
 from maskplan_core.errors import InputValueError, PlanSignatureMismatch
 from maskplan_core.plan import PlanView
+from maskplan_kernels import compile_cache
 
 from .config import Sm90FwdConfig
 from .fwd_kernel import Sm90FwdKernel
 from .heuristics import select_fwd_config
 
 GPU_ARCH = "sm_90a"
+#: packages whose sources the forward kernel is built from (part of its on-disk cache key)
+SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: alignment (bytes) the kernel assumes for Q/K/V/O and the payload tensor (TMA, bulk copy)
 _ALIGN = 16
@@ -82,12 +84,7 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
     )
 
 
-# -- compile cache --------------------------------------------------------------------------------
-_CACHE: dict[tuple, object] = {}
-_KEY_LOCKS: dict[tuple, threading.Lock] = {}
-_CACHE_LOCK = threading.Lock()
-
-
+# -- compile --------------------------------------------------------------------------------------
 def _ptr(dtype, address: int = 0, align: int = 4) -> cute.Pointer:
     return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
 
@@ -114,19 +111,17 @@ def compile_forward(
     with_max_logit: bool = False,
     schedule: str = DEFAULT_SCHEDULE,
 ):
-    """The compiled kernel for ``config`` (compiled on first use; thread-safe, one compile per key)."""
+    """The compiled kernel for ``config``: compiled on first use, then served by the project's
+    compile cache (:mod:`maskplan_kernels.compile_cache`: in process, and on disk across
+    processes). Thread-safe, one compile per key."""
     key = kernel_key(config, mask_via_smem=mask_via_smem, with_max_logit=with_max_logit, schedule=schedule)
-    compiled = _CACHE.get(key)
-    if compiled is not None:
-        return compiled
-    with _CACHE_LOCK:
-        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
-    with lock:
-        if key not in _CACHE:
-            _CACHE[key] = compile_uncached(
-                config, mask_via_smem=mask_via_smem, with_max_logit=with_max_logit, schedule=schedule
-            )
-    return _CACHE[key]
+
+    def build():
+        kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule)
+        return (kernel.from_pointers, *placeholder_arguments(kernel, with_max_logit=with_max_logit))
+
+    options = f"--gpu-arch {GPU_ARCH}"
+    return compile_cache.compile_cached(key, build, options=options, packages=SOURCE_PACKAGES)
 
 
 def compile_uncached(

@@ -6,6 +6,8 @@ plan = flexattn.create_mask_plan(mask, q, k, v)
 out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 """
 
+import logging
+
 from maskplan_core import (
     ConsumerNotFoundError,
     EndpointError,
@@ -26,6 +28,12 @@ from .attention import flex_attn_func
 from .planning import create_mask_plan
 
 __version__ = "0.1.0"
+
+# The "flexattn" logger (compiles, cache hits, warnings) is silent unless the application configures
+# logging, e.g. logging.basicConfig(level=logging.INFO).
+_log = logging.getLogger("flexattn")
+if not any(isinstance(h, logging.NullHandler) for h in _log.handlers):
+    _log.addHandler(logging.NullHandler())
 
 __all__ = [
     "ConsumerNotFoundError",

@@ -1,9 +1,13 @@
-"""``flex_attn_func``: bind, check the plan signature, dispatch to the consumer through autograd."""
+"""``flex_attn_func``: check the arguments and the plan binding, then run the ``flexattn::fwd`` custom op.
+
+The op (:mod:`flexattn.ops`) checks the plan's signatures against the consumer of q's device
+and dispatches to it; autograd reaches ``flexattn::bwd``. Everything here before the op reads
+shapes, dtypes and Python values only, so ``torch.compile`` traces it without a graph break.
+"""
 
 from __future__ import annotations
 
 import math
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -12,12 +16,9 @@ from maskplan_core import (
     InputValueError,
     MaskPlan,
     MissingBackwardViewError,
-    PlanSignatureMismatch,
 )
 
-from .autograd import FlexAttnFunction
-from .planning import resolve_views
-from .registry import arch_family
+from . import ops
 
 
 def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -> None:
@@ -35,41 +36,6 @@ def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -
             raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
         if return_max_logit and softmax_scale < 0:
             raise InputValueError(f"return_max_logit needs a non-negative softmax_scale, got {softmax_scale}")
-
-
-#: plan -> {(device, training): consumer}: a plan's signatures are checked once per device and mode
-#: (plans are immutable), which keeps the per-call host cost of a reused plan small.
-_CHECKED: WeakKeyDictionary[MaskPlan, dict] = WeakKeyDictionary()
-
-
-def _checked_consumer(plan: MaskPlan, q: torch.Tensor, training: bool):
-    key = (q.device, training)
-    known = _CHECKED.setdefault(plan, {})
-    if key not in known:
-        known[key] = _check_signatures(plan, q, training)
-    return known[key]
-
-
-def _check_signatures(plan: MaskPlan, q: torch.Tensor, training: bool):
-    """Resolve the consumer for q's device and compare every needed view's signature field by field."""
-    family, cc = arch_family(q.device)
-    g = plan.geometry
-    pack = plan.view("forward").signature.topology.pack_gqa
-    consumer, fwd, bwd = resolve_views(g, family, cc, pack, training)
-    for expected in (fwd, bwd):
-        if expected is None:
-            continue
-        view = plan.view(expected.signature.direction)
-        diffs = expected.signature.diff(view.signature)
-        if diffs:
-            listing = "; ".join(str(d) for d in diffs)
-            raise PlanSignatureMismatch(
-                f"the plan's {view.role} view was built for {plan.consumer} but {consumer.name} "
-                f"runs these tensors "
-                f"({listing}); rebuild the plan with create_mask_plan on this device",
-                diffs,
-            )
-    return consumer
 
 
 def flex_attn_func(
@@ -104,14 +70,14 @@ def flex_attn_func(
             "q/k/v require grad but the plan has no backward view; rebuild it with "
             "create_mask_plan(..., build_backward=True), or call under torch.no_grad()"
         )
-    consumer = _checked_consumer(mask_plan, q, training)
     scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
     q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-    out, lse, max_logit = FlexAttnFunction.apply(
-        q3, k3, v3, mask_plan, consumer, scale, deterministic, return_max_logit
+    out, lse, max_logit = ops.fwd(
+        q3, k3, v3, mask_plan.handle, scale, training, deterministic, return_max_logit
     )
     if not g.varlen:
         out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
         lse = lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
+    max_logit = max_logit.detach()  # a statistic, not differentiable
     results = (out,) + ((lse,) if return_lse else ()) + ((max_logit,) if return_max_logit else ())
     return results[0] if len(results) == 1 else results

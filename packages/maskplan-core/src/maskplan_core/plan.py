@@ -20,6 +20,8 @@ The reconstruction loop below is the spec of the format (``to_dense`` runs it ve
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -160,14 +162,31 @@ class PlanView:
         )
 
 
+#: handle -> live plan. Weak values: the registry never keeps a plan alive.
+_LIVE_PLANS: weakref.WeakValueDictionary[int, MaskPlan] = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+
+
+def plan_for_handle(handle: int) -> MaskPlan:
+    """The live plan whose :attr:`MaskPlan.handle` is ``handle`` (custom ops carry the int, not the plan)."""
+    plan = _LIVE_PLANS.get(int(handle))
+    if plan is None:
+        raise InputValueError(
+            f"no live MaskPlan has handle {handle}: the plan was garbage-collected (or built in another "
+            "process); keep a reference to the plan for as long as a compiled graph that uses it runs"
+        )
+    return plan
+
+
 class MaskPlan:
     """Opaque, read-only owner of a mask's plan views and the geometry they are bound to.
 
     Build with ``flexattn.create_mask_plan``. Q/K/V identity is not bound: new tensors of the
-    same geometry, dtype and device reuse the plan.
+    same geometry, dtype and device reuse the plan. :attr:`handle` is a process-unique int that
+    names the plan where only plain values may travel (``torch.library`` custom ops).
     """
 
-    __slots__ = ("_geometry", "_views", "_header", "_consumer", "__weakref__")
+    __slots__ = ("_geometry", "_views", "_header", "_handle", "_consumer", "__weakref__")
 
     def __init__(
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
@@ -175,7 +194,9 @@ class MaskPlan:
         self._geometry = geometry
         self._views = dict(views)
         self._header = tuple(header)
-        self._consumer = consumer
+        self._handle = next(_NEXT_HANDLE)
+        self._consumer = consumer  # set last: from here on the plan is read-only
+        _LIVE_PLANS[self._handle] = self
 
     def __setattr__(self, name, value):
         if hasattr(self, "_consumer"):
@@ -192,6 +213,11 @@ class MaskPlan:
     @property
     def consumer(self) -> str:
         return self._consumer
+
+    @property
+    def handle(self) -> int:
+        """Process-unique id of this plan; :func:`plan_for_handle` maps it back while the plan lives."""
+        return self._handle
 
     @property
     def has_backward(self) -> bool:

@@ -1,21 +1,17 @@
-"""The in-process compile cache of the planner kernels: one compiled function per (kernel, static config).
+"""The planner kernels' entry to the project's compile cache (:mod:`.compile_cache`).
 
-Sizes are runtime arguments of every planner kernel, so the key is only the kernel class and its
-frozen config dataclass (hashable). Compiling uses placeholder pointers (``_cute_args``): it needs no
-GPU and allocates nothing. A per-key lock lets two threads compile different kernels concurrently
-while a second caller of the same key waits for the first compile instead of repeating it.
+Sizes are runtime arguments of every planner kernel, so the key is only the kernel name and its
+frozen config dataclass; the planner packages' sources and versions, the DSL and the target join it
+on disk. Compiling uses placeholder pointers (``_cute_args``): it needs no GPU and allocates nothing.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Hashable
 
 import cutlass.cute as cute
 
-_COMPILED: dict[Hashable, object] = {}
-_KEY_LOCKS: dict[Hashable, threading.Lock] = {}
-_GLOBAL_LOCK = threading.Lock()
+from . import compile_cache
 
 
 def compile_cached(key: Hashable, build: Callable[[], tuple], options: str | None = None) -> object:
@@ -27,20 +23,9 @@ def compile_cached(key: Hashable, build: Callable[[], tuple], options: str | Non
     if options is not None:
         fn, *args = build()
         return cute.compile(fn, *args, options=options)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        return compiled
-    with _GLOBAL_LOCK:
-        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
-    with lock:
-        compiled = _COMPILED.get(key)
-        if compiled is None:
-            fn, *args = build()
-            compiled = cute.compile(fn, *args)
-            _COMPILED[key] = compiled
-        return compiled
+    return compile_cache.compile_cached(key, build, packages=compile_cache.PLANNER_PACKAGES)
 
 
 def cached_keys() -> list[Hashable]:
-    """The keys compiled so far in this process (for tests and diagnostics)."""
-    return list(_COMPILED)
+    """The keys compiled (or loaded from disk) so far in this process (for tests and diagnostics)."""
+    return compile_cache.cached_keys()

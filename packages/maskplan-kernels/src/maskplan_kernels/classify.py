@@ -40,7 +40,6 @@ than the kernel (~30 us per call), see ``classify_gpu``.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -54,6 +53,7 @@ from maskplan_core.reference.block_geometry import WORD_BITS, BlockGeometry
 from maskplan_core.reference.classify import Classification
 
 from ._cute_args import fake_stream, int32_ptr, placeholder_ptr, torch_stream
+from ._jit_cache import compile_cached
 
 # sequence_desc[B, 8] columns (BlockGeometry.sequence_desc("q"))
 DESC_Q_OFFSET, DESC_K_OFFSET, DESC_Q_LEN, DESC_K_LEN, DESC_ROW_BEGIN = 0, 1, 2, 3, 4
@@ -330,29 +330,24 @@ class Q2KClassify:
 # ------------------------------------------------------------------------------------------------
 # host side: compile once per static config, launch on torch tensors
 
-_COMPILED: dict[ClassifyConfig, object] = {}
-_COMPILE_LOCK = threading.Lock()
-
-
 def compile_classify(config: ClassifyConfig):
     """``cute.compile`` the classifier for ``config`` (no GPU, no allocation: placeholder pointers).
 
     Sizes are runtime arguments, so one compiled kernel serves every problem size of a view;
-    ``nfunc`` and the tiles are compile-time through ``config``. Cached per config for the life of
-    the process.
+    ``nfunc`` and the tiles are compile-time through ``config``. Cached per config (in the process
+    and on disk: :mod:`.compile_cache`).
     """
-    with _COMPILE_LOCK:
-        compiled = _COMPILED.get(config)
-        if compiled is None:
-            ptr = placeholder_ptr()
-            compiled = cute.compile(
-                Q2KClassify(config),
-                *(ptr,) * 8,  # mask_func, row_batch, sequence_desc, 4 outputs, error word
-                *(Int32(1),) * 5,  # hmask, total_q, n_q_rows, k_words, batch
-                fake_stream(),
-            )
-            _COMPILED[config] = compiled
-        return compiled
+
+    def build():
+        ptr = placeholder_ptr()
+        return (
+            Q2KClassify(config),
+            *(ptr,) * 8,  # mask_func, row_batch, sequence_desc, 4 outputs, error word
+            *(Int32(1),) * 5,  # hmask, total_q, n_q_rows, k_words, batch
+            fake_stream(),
+        )
+
+    return compile_cached(("classify", config), build)
 
 
 def classify_gpu(

@@ -1,0 +1,611 @@
+"""SM90 (Hopper) K-major attention backward that consumes a MaskPlan's K2Q backward view (spec 6.3).
+
+One CTA per (K plan row = K block of ``tile_n`` keys, kv head): it loads its K/V tile once and
+accumulates dK/dV in registers over every Q head of its kv head (GQA needs no later reduction),
+while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. 384 threads::
+
+    warp 0 (WG0)      producer: TMA loads of K, V (once), Q + LSE and dO + D (per Q block, 2
+                      stages each), bulk copy of the partial payloads (2-stage SMEM mask pipeline)
+    warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
+                      from SMEM into the accumulator; deterministic mode takes a turnstile first
+    warps 2-3         idle (give their registers back and exit)
+    WG1, WG2          MMA warpgroups, 64 K rows each (bwd_mainloop.py):
+                        S^T = K Q^T, dP^T = V dO^T        (SS, 128 x tile_m, K rows on WGMMA M)
+                        P^T = exp2(S^T scale log2e - LSE log2e)  [packed predicate: bit 0 -> P = 0]
+                        dS^T = P^T (dP^T - D)             (D = rowsum(dO O) - dlse, preprocess)
+                        dV += P^T dO, dK += dS^T Q        (RS: P^T / dS^T straight from registers)
+                        dQ = dS K                         (dS^T stored transposed to SMEM, SS)
+
+The score tile is computed transposed, so the accumulator rows are K rows: exactly the ownership
+``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes,
+and the packed predicate's bit ``e`` guards accumulator register ``e`` of each thread.
+
+Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_begin``::
+
+    for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv
+        h = hq if Hmask > 1 else 0
+        for e in mask_block_offset[h, r] + [0, mask_block_cnt[h, r]):   # partial Q blocks
+            m = mask_block_idx[e]; step(m, payload = mask_block_masks[e], rank = dq_write_order[e])
+        for e in full_block_offset[h, r] + [0, full_block_cnt[h, r]):   # full Q blocks
+            m = full_block_idx[e]; step(m, no payload, rank = dq_write_order_full[e])
+    dK = scale * dK, dV stored (rows < k_len of the sample); a K block without any entry stores 0
+
+dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sample ``b`` is
+global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
+(P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
+whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds, waits for the add
+to complete and increments it: every run adds the contributions in ``dq_write_order``.
+Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices, it
+cannot deadlock as long as CTAs start in index order.
+"""
+
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .bwd_helpers import (
+    bulk_reduce_add_f32,
+    common_major,
+    int32_ptr,
+    make_dq_tiled_mma,
+    smem_layout,
+    turnstile_advance,
+    turnstile_wait,
+)
+from .bwd_mainloop import BwdMainloop
+from .config import Sm90BwdConfig
+from .fwd_helpers import LOG2_E, int32_gmem_ptr, select_modes
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+class BwdPlanTensors(NamedTuple):
+    """The backward view's tensors as the kernel reads them (int32; see ``maskplan_core.plan``),
+    plus two plan-derived ones the launcher computes once per view."""
+
+    mask_block_cnt: cute.Tensor  # (Hmask, k_rows)
+    mask_block_offset: cute.Tensor  # (Hmask, k_rows)
+    mask_block_idx: cute.Tensor  # (partial_nnz,)  sample-local Q block
+    mask_block_masks: cute.Tensor  # (partial_nnz * groups * words,)
+    full_block_cnt: cute.Tensor  # (Hmask, k_rows)
+    full_block_offset: cute.Tensor  # (Hmask, k_rows)
+    full_block_idx: cute.Tensor  # (full_nnz,)
+    dq_write_order: cute.Tensor  # (partial_nnz,)  rank of the entry among its Q block's writers
+    dq_write_order_full: cute.Tensor  # (full_nnz,)
+    sequence_desc: cute.Tensor  # (B, 8)
+    k_row_batch: cute.Tensor  # (k_rows,)  sample of each K plan row
+    q_block_begin: cute.Tensor  # (B,)  first global (padded) Q block of each sample
+
+    def __new_from_mlir_values__(self, values):
+        return BwdPlanTensors(*values)
+
+
+class Work(NamedTuple):
+    """The CTA's K block (runtime Int32 values)."""
+
+    row: Int32  # K plan row
+    n_block: Int32  # sample-local K block
+    kv_head: Int32
+    q_offset: Int32
+    k_offset: Int32
+    k_valid: Int32  # keys of this block inside the sample
+    qblk_base: Int32  # global Q block of the sample's block 0
+    q_per_kv: Int32  # G = Hq / Hkv
+    mask_heads: Int32
+
+
+class HeadRange(NamedTuple):
+    """The K2Q ranges of one Q head for the CTA's K block."""
+
+    q_head: Int32
+    partial_cnt: Int32
+    partial_off: Int32
+    full_cnt: Int32
+    full_off: Int32
+
+
+class Sm90BwdKernel(BwdMainloop):
+    """Static configuration of one compiled backward main kernel; see the module docstring."""
+
+    #: named barriers (0 is __syncthreads)
+    BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM
+    BAR_DQ_FULL = 2  # + wg: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
+    BAR_DQ_EMPTY = 4  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
+
+    def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
+        if config.tile_n != 128 or config.tile_m != 64 or config.num_consumer_warpgroups != 2:
+            raise NotImplementedError(
+                f"the SM90 backward kernel implements the 64x128 (Q x K) tile on 2 warpgroups; "
+                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}) selects "
+                f"{config.tile_m}x{config.tile_n}, which has no SM90 backward kernel yet"
+            )
+        if config.head_dim_qk != config.head_dim_v or config.head_dim_qk % 32:
+            raise NotImplementedError(
+                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the SM90 backward "
+                "kernel takes equal head dims that are multiples of 32 (64, 96, 128)"
+            )
+        self.config = config
+        self.deterministic = deterministic
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim_qk
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
+        self.q_stages = config.q_stages
+        self.mask_stages = config.mask_pipeline_stages
+        # payload ABI (payload_layout.py is the one source of truth)
+        layout = config.payload_layout
+        assert layout.transposed and layout.wg_n == 1
+        self.payload_groups = layout.groups
+        self.payload_words = layout.words_per_group
+        self.payload_elements = layout.elements_per_thread
+        self.payload_plane = layout.words_per_tile
+        # warp roles and register budgets (setmaxnreg; 128 * (32 + 2 * 240) = 65536)
+        self.threads_per_wg = 128
+        self.num_mma_wg = config.num_consumer_warpgroups
+        self.num_mma_threads = self.threads_per_wg * self.num_mma_wg
+        self.num_threads = self.threads_per_wg * (1 + self.num_mma_wg)
+        self.producer_warp, self.dq_warp = 0, 1
+        self.producer_regs, self.mma_regs = 32, 240
+        # dQ = dS K: the two MMA warpgroups split the head dim; each owns one contiguous chunk
+        self.dq_cols = self.head_dim // self.num_mma_wg
+        self.dq_elements = self.tile_m * self.dq_cols // self.threads_per_wg  # per thread
+        self.dq_chunk = self.tile_m * self.dq_cols  # fp32 values of one warpgroup's chunk
+        self.dq_block = self.tile_m * self.head_dim  # fp32 values of one Q block
+        assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
+
+    # -- host entries -------------------------------------------------------------------------------
+    @cute.jit
+    def from_pointers(
+        self,
+        q: cute.Pointer,  # (total_q, Hq, D)   contiguous THD, 16-byte aligned
+        k: cute.Pointer,  # (total_k, Hkv, D)
+        v: cute.Pointer,  # (total_k, Hkv, D)
+        dout: cute.Pointer,  # (total_q, Hq, D)
+        dk: cute.Pointer,  # (total_k, Hkv, D)  output, input dtype
+        dv: cute.Pointer,  # (total_k, Hkv, D)  output
+        lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
+        dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
+        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D), zeroed by the preprocess
+        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), zeroed by the preprocess
+        mask_block_cnt: cute.Pointer,
+        mask_block_offset: cute.Pointer,
+        mask_block_idx: cute.Pointer,
+        mask_block_masks: cute.Pointer,  # 16-byte aligned
+        full_block_cnt: cute.Pointer,
+        full_block_offset: cute.Pointer,
+        full_block_idx: cute.Pointer,
+        dq_write_order: cute.Pointer,
+        dq_write_order_full: cute.Pointer,
+        sequence_desc: cute.Pointer,
+        k_row_batch: cute.Pointer,
+        q_block_begin: cute.Pointer,
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_kv: Int32,
+        mask_heads: Int32,
+        k_rows: Int32,
+        partial_nnz: Int32,
+        full_nnz: Int32,
+        batch: Int32,
+        n_qblk: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """Raw global pointers plus int32 sizes (the project's launch convention, see
+        ``fwd_kernel.Sm90FwdKernel.from_pointers``); builds the tensors and calls :meth:`__call__`."""
+        d = self.head_dim
+
+        def thd(ptr, total, heads):
+            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
+
+        def mat(ptr, rows, cols):
+            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+        def vec(ptr, n):
+            return cute.make_tensor(ptr, cute.make_layout(n))
+
+        plan = BwdPlanTensors(
+            mat(mask_block_cnt, mask_heads, k_rows),
+            mat(mask_block_offset, mask_heads, k_rows),
+            vec(mask_block_idx, partial_nnz),
+            vec(mask_block_masks, partial_nnz * self.payload_plane),
+            mat(full_block_cnt, mask_heads, k_rows),
+            mat(full_block_offset, mask_heads, k_rows),
+            vec(full_block_idx, full_nnz),
+            vec(dq_write_order, partial_nnz),
+            vec(dq_write_order_full, full_nnz),
+            mat(sequence_desc, batch, 8),
+            vec(k_row_batch, k_rows),
+            vec(q_block_begin, batch),
+        )
+        self.__call__(
+            thd(q, total_q, num_heads_q),
+            thd(k, total_k, num_heads_kv),
+            thd(v, total_k, num_heads_kv),
+            thd(dout, total_q, num_heads_q),
+            thd(dk, total_k, num_heads_kv),
+            thd(dv, total_k, num_heads_kv),
+            mat(lse_log2, num_heads_q, n_qblk * self.tile_m),
+            mat(dsum, num_heads_q, n_qblk * self.tile_m),
+            mat(dq_accum, num_heads_q, n_qblk * self.dq_block),
+            mat(dq_semaphore, num_heads_q, n_qblk),
+            plan,
+            softmax_scale,
+            stream,
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE: cute.Tensor,  # (Hq, n_qblk * tile_m) fp32, log2 domain, +inf for rows without keys
+        mDsum: cute.Tensor,  # (Hq, n_qblk * tile_m) fp32
+        mdQaccum: cute.Tensor,  # (Hq, n_qblk * tile_m * D) fp32, fragment-ordered chunks
+        mdQsem: cute.Tensor,  # (Hq, n_qblk) int32
+        plan: BwdPlanTensors,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError(f"q/k/v/dout/dk/dv must be {self.dtype}")
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        # TMA views: (rows, d, heads)
+        mQ_t, mK_t, mV_t, mdO_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO))
+        # (tile_m, D, q_stages): B of S^T (K-major) and of dK (MN-major, all D columns)
+        sQ_layout = smem_layout(self.dtype, tm, d, self.q_stages)
+        sdO_layout = smem_layout(self.dtype, tm, d, self.q_stages)
+        # (tile_n, D): A of S^T (K-major) and B of dQ (MN-major, D / 2 columns per warpgroup)
+        sK_layout = smem_layout(self.dtype, tn, d, major=common_major(d, self.dq_cols))
+        sV_layout = smem_layout(self.dtype, tn, d)
+        # (tile_m, tile_n, q_stages): dS, A of dQ (K-major)
+        sdS_layout = smem_layout(self.dtype, tm, tn, self.q_stages)
+        load_op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            load_op, mQ_t, cute.select(sQ_layout, mode=[0, 1]), (tm, d)
+        )
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
+            load_op, mdO_t, cute.select(sdO_layout, mode=[0, 1]), (tm, d)
+        )
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK_t, sK_layout, (tn, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV_t, sV_layout, (tn, d))
+        self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.bytes_kv = 2 * cute.size_in_bytes(self.dtype, sK_layout)
+        self.bytes_row_stats = tm * 4  # LSE or D of one Q block
+        mmas = self._tiled_mmas()
+        self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
+        self.kernel(
+            tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
+            mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, plan,
+            softmax_scale * Float32(LOG2_E), softmax_scale,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, mmas,
+        ).launch(
+            grid=[cute.size(plan.k_row_batch), cute.size(mK, mode=[1]), 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )  # fmt: skip
+
+    def _tiled_mmas(self):
+        """``(sdp, dkv, dq)``: S^T / dP^T (tile_n x tile_m), dK / dV (tile_n x D, A from registers),
+        dQ (tile_m x D, the warpgroups split D)."""
+        K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        dt, wg = self.dtype, self.num_mma_wg
+        sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (wg, 1, 1), (64, self.tile_m))
+        dkv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K, MN, Float32, (wg, 1, 1), (64, self.head_dim), warpgroup.OperandSource.RMEM
+        )
+        dq = make_dq_tiled_mma(dt, self.head_dim, self.tile_m, wg)
+        assert sdp.size == dkv.size == dq.size == self.num_mma_threads
+        return sdp, dkv, dq
+
+    def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout):
+        stats = self.tile_m * self.q_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
+            lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            dsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            mask: cute.struct.Align[cute.struct.MemRange[Int32, self.mask_stages * self.payload_plane], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_block], 1024]
+
+        return SharedStorage
+
+    # -- device entry -------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_do: cute.CopyAtom,
+        mdO: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor,
+        plan: BwdPlanTensors,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        mmas: tuple,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == self.producer_warp:
+            for atom in (tma_q, tma_do, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipes = self._make_pipelines(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        s = {
+            "sQ": storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            "sdO": storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner),
+            "sK": storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            "sV": storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
+            "sdS": storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+            # (tile_m, q_stages): LSE (log2) / D of the staged Q block
+            "sLSE": storage.lse.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "sDsum": storage.dsum.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            # (words, groups, stages): one payload plane per stage
+            "sMask": storage.mask.get_tensor(
+                cute.make_layout((self.payload_words, self.payload_groups, self.mask_stages))
+            ),
+            # (dq_block,): two fragment-ordered warpgroup chunks
+            "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_block)),
+        }
+        work = self.decode_work(plan, mQ.shape[2] // mK.shape[2])
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.producer_warp:
+                self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes)
+            if warp_idx == self.dq_warp:
+                self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.mma_warpgroups(mmas, mdK, mdV, s, plan, work, scale_log2, softmax_scale, pipes,
+                                tidx - self.threads_per_wg)  # fmt: skip
+
+    def _make_pipelines(self, storage):
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        mma_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
+
+        def tma_pipe(mbar, stages, nbytes):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=one_thread,
+                consumer_group=mma_warps,
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+
+        return (
+            tma_pipe(storage.mbar_kv, 1, self.bytes_kv),
+            tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + self.bytes_row_stats),
+            tma_pipe(storage.mbar_do, self.q_stages, self.bytes_q + self.bytes_row_stats),
+            # every MMA thread releases the payload stage (it read its own word)
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_mask.data_ptr(),
+                num_stages=self.mask_stages,
+                producer_group=one_thread,
+                consumer_group=mma_threads,
+                tx_count=self.payload_plane * 4,
+                tidx=Int32(0),
+                defer_sync=True,
+            ),
+        )
+
+    # -- work decoding (every role decodes the same plan entries itself) ----------------------------
+    @cute.jit
+    def decode_work(self, plan: BwdPlanTensors, q_per_kv: Int32) -> Work:
+        row, kv_head, _ = cute.arch.block_idx()
+        b = plan.k_row_batch[row]
+        n_block = row - plan.sequence_desc[b, 4]
+        k_len = plan.sequence_desc[b, 3]
+        return Work(
+            row,
+            n_block,
+            kv_head,
+            plan.sequence_desc[b, 0],
+            plan.sequence_desc[b, 1],
+            cutlass.min(k_len - n_block * self.tile_n, self.tile_n),
+            plan.q_block_begin[b],
+            q_per_kv,
+            plan.mask_block_cnt.shape[0],
+        )
+
+    @cute.jit
+    def head_range(self, plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
+        q_head = work.kv_head * work.q_per_kv + g
+        h = cutlass.min(q_head, work.mask_heads - 1)  # Hmask is 1 (shared mask) or Hq
+        return HeadRange(
+            q_head,
+            plan.mask_block_cnt[h, work.row],
+            plan.mask_block_offset[h, work.row],
+            plan.full_block_cnt[h, work.row],
+            plan.full_block_offset[h, work.row],
+        )
+
+    @cute.jit
+    def total_steps(self, plan: BwdPlanTensors, work: Work) -> Int32:
+        n = Int32(0)
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            n += hr.partial_cnt + hr.full_cnt
+        return n
+
+    # -- producer warp ------------------------------------------------------------------------------
+    @cute.jit
+    def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes):
+        pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
+        bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
+        bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        if self.total_steps(plan, work) > 0:
+            # K and V of this block, once
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            for atom, m_x, s_x in ((tma_k, mK, s["sK"]), (tma_v, mV, s["sV"])):
+                g_x = cute.local_tile(
+                    cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]),
+                    (tn, d),
+                    (work.n_block, 0),
+                )
+                t_s, t_g = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+                )
+                cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            # (tile_m, D, n_q_blocks) of this sample and head
+            tiles = []
+            for atom, m_x, s_x in ((tma_q, mQ, s["sQ"]), (tma_do, mdO, s["sdO"])):
+                g_x = cute.local_tile(
+                    cute.domain_offset((work.q_offset, 0), m_x[None, None, hr.q_head]), (tm, d), (None, 0)
+                )
+                tiles.append(cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+                ))  # fmt: skip
+            tQsQ, tQgQ = tiles[0]
+            tdOsdO, tdOgdO = tiles[1]
+            stats_row = hr.q_head * mLSE.shape[1]
+            for i in cutlass.range(hr.partial_cnt, unroll=1):
+                entry = hr.partial_off + i
+                mask_state = self.load_payload(
+                    pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], entry
+                )
+                q_state = self.load_q_block(
+                    plan.mask_block_idx[entry], work, stats_row, pipe_q, pipe_do, q_state, tma_q, tQgQ, tQsQ,
+                    tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
+                )  # fmt: skip
+            for i in cutlass.range(hr.full_cnt, unroll=1):
+                q_state = self.load_q_block(
+                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipe_q, pipe_do, q_state, tma_q,
+                    tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
+                )  # fmt: skip
+
+    @cute.jit
+    def load_q_block(
+        self, m_block, work, stats_row, pipe_q, pipe_do, state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
+        bulk_f32, mLSE, mDsum, s,
+    ):  # fmt: skip
+        """Q + its LSE into one stage of the Q pipeline, dO + its D into the same stage of dO's."""
+        stats = cute.make_layout(self.tile_m)
+        first = stats_row + (work.qblk_base + m_block) * self.tile_m
+        for pipe, atom, t_g, t_s, m_stat, s_stat in (
+            (pipe_q, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"]),
+            (pipe_do, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"]),
+        ):
+            pipe.producer_acquire(state)
+            bar = pipe.producer_get_barrier(state)
+            cute.copy(atom, t_g[None, m_block], t_s[None, state.index], tma_bar_ptr=bar)
+            src = cute.make_tensor(
+                cute.make_ptr(
+                    Float32, (m_stat.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=16
+                ),
+                stats,
+            )
+            dst = cute.make_tensor(s_stat[None, state.index].iterator, stats)
+            with cute.arch.elect_one():
+                cute.copy(bulk_f32, src, dst, mbar_ptr=bar)
+        state.advance()
+        return state
+
+    @cute.jit
+    def load_payload(self, pipe_mask, state, bulk_atom, masks: cute.Tensor, sMask: cute.Tensor, entry: Int32):
+        """Spec 6.2 protocol: bulk-copy the CTA payload plane of partial entry ``entry`` to one stage."""
+        plane = cute.make_layout(self.payload_plane)
+        src = cute.make_tensor(int32_gmem_ptr(masks, entry * self.payload_plane, 16), plane)
+        dst = cute.make_tensor(sMask[None, None, state.index].iterator, plane)
+        pipe_mask.producer_acquire(state)
+        with cute.arch.elect_one():
+            cute.copy(bulk_atom, src, dst, mbar_ptr=pipe_mask.producer_get_barrier(state))
+        state.advance()
+        return state
+
+    # -- dQ writer warp -----------------------------------------------------------------------------
+    @cute.jit
+    def dq_writer(
+        self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, plan: BwdPlanTensors, work
+    ):
+        """Per step: hand both SMEM chunks back to the MMA warpgroups, [wait for this entry's turn,]
+        bulk-add each chunk into the GMEM accumulator once its warpgroup has written it."""
+        lane = cute.arch.lane_idx()
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            for i in cutlass.range(hr.partial_cnt, unroll=1):
+                entry = hr.partial_off + i
+                self.write_dq_block(
+                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + plan.mask_block_idx[entry],
+                    plan.dq_write_order[entry], lane,
+                )  # fmt: skip
+            for i in cutlass.range(hr.full_cnt, unroll=1):
+                entry = hr.full_off + i
+                self.write_dq_block(
+                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + plan.full_block_idx[entry],
+                    plan.dq_write_order_full[entry], lane,
+                )  # fmt: skip
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def write_dq_block(self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32):
+        pair = self.threads_per_wg + 32
+        for wg in cutlass.range_constexpr(self.num_mma_wg):
+            if const_expr(not self.deterministic):
+                # the previous step's add of chunk wg has read its SMEM
+                cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
+            cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        counter = int32_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block)
+        if const_expr(self.deterministic):
+            turnstile_wait(counter, rank, lane)
+        base = q_head * mdQaccum.shape[1] + q_block * self.dq_block
+        for wg in cutlass.range_constexpr(self.num_mma_wg):
+            cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
+            if lane == 0:
+                dst = cute.make_ptr(
+                    Float32, (mdQaccum.iterator + base + wg * self.dq_chunk).toint(), cute.AddressSpace.gmem,
+                    assumed_align=16,
+                )  # fmt: skip
+                bulk_reduce_add_f32(sdQ.iterator + wg * self.dq_chunk, dst, self.dq_chunk * 4)
+            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+            cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM
+            turnstile_advance(counter, lane)

@@ -1,0 +1,221 @@
+"""MMA warpgroups of the SM90 backward kernel: the per-Q-block step and the dK/dV epilogue.
+
+A mixin of :class:`flexattn_sm90.bwd_kernel.Sm90BwdKernel` (it reads the static config from
+``self``). Each of the two warpgroups owns 64 K rows of the CTA's ``tile_n``-key block. One step
+(one K2Q entry, Q block ``m`` of head ``hq``), in issue order::
+
+    wait Q          S^T  = K Q^T                  (async)
+    wait dO         dP^T = V dO^T                 (async; S^T done)
+    [wait payload]  P^T  = exp2(S^T * scale*log2e - LSE2[q])  [bit e == 0 -> P^T[e] = 0]
+                    dP^T done;  dS^T = P^T (dP^T - D[q])
+                    dS^T -> SMEM as dS (tile_m x tile_n)       (both warpgroups, then barrier)
+                    dV  += P^T dO   (RS)          (async)
+                    dQ   = dS K     (SS)          (async; dV done -> release dO)
+                    dK  += dS^T Q   (RS)          (async; dQ done)
+                    dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
+
+Partial entries apply the packed predicate to P^T after the exponential, so a masked element is
+exactly 0 whatever its score (tail rows of another sample, rows without a visible key). Full
+entries never touch the mask pipeline.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from .bwd_helpers import aligned_ptr, dq_chunk_layout
+from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
+
+
+class StepOperands(NamedTuple):
+    """What one step works with: WGMMA fragments of every GEMM and the pipelines."""
+
+    tSrK: cute.Tensor  # A of S^T: (MMA, MMA_M, MMA_K)
+    tSrQ: cute.Tensor  # B of S^T: (MMA, MMA_N, MMA_K, stages)
+    tPrV: cute.Tensor  # A of dP^T
+    tPrdO: cute.Tensor  # B of dP^T (stages)
+    tVrdO: cute.Tensor  # B of dV: dO^T, MN-major (stages)
+    tKrQ: cute.Tensor  # B of dK: Q^T, MN-major (stages)
+    tQrdS: cute.Tensor  # A of dQ: dS (stages)
+    tQrK: cute.Tensor  # B of dQ: K^T, MN-major
+    rP: cute.Tensor  # A of dV: P^T in the input dtype
+    rdS: cute.Tensor  # A of dK: dS^T in the input dtype
+    acc_dk: cute.Tensor
+    acc_dv: cute.Tensor
+    pipe_q: object
+    pipe_do: object
+    pipe_mask: object
+
+
+class BwdMainloop:
+    """MMA-warpgroup methods (mixin)."""
+
+    @cute.jit
+    def mma_warpgroups(
+        self, mmas, mdK, mdV, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes, tidx: Int32
+    ):
+        mma_sdp, mma_dkv, mma_dq = mmas
+        pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
+        wg = tidx // self.threads_per_wg
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        wg_sdp, thr_sdp = mma_sdp.get_slice(wg * self.threads_per_wg), mma_sdp.get_slice(tidx)
+        wg_dkv, thr_dkv = mma_dkv.get_slice(wg * self.threads_per_wg), mma_dkv.get_slice(tidx)
+        wg_dq, thr_dq = mma_dq.get_slice(wg * self.threads_per_wg), mma_dq.get_slice(tidx)
+        sQ, sdO, sK, sV, sdS = s["sQ"], s["sdO"], s["sK"], s["sV"], s["sdS"]
+        ops = StepOperands(
+            tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
+            tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+            tPrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
+            tPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
+            tVrdO=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO))),
+            tKrQ=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ))),
+            tQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(sdS)),
+            tQrK=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK))),
+            rP=thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((tn, tm))),
+            rdS=thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((tn, tm))),
+            acc_dk=cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32),
+            acc_dv=cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32),
+            pipe_q=pipe_q,
+            pipe_do=pipe_do,
+            pipe_mask=pipe_mask,
+        )
+        ops.acc_dk.fill(0.0)
+        ops.acc_dv.fill(0.0)
+        acc_s_shape = thr_sdp.partition_shape_C((tn, tm))
+        acc_dq_shape = thr_dq.partition_shape_C((tm, d))
+        # this thread's slot of its warpgroup's dQ chunk, in fragment order: (4, elements / 4)
+        chunk = cute.make_tensor(s["sdQ"].iterator + wg * self.dq_chunk, dq_chunk_layout(self.dq_elements))
+        tdQsdQ = chunk[tidx % self.threads_per_wg, None]
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
+        if self.total_steps(plan, work) > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            for _ in cutlass.range(hr.partial_cnt, unroll=1):
+                q_state, mask_state = self.step(
+                    ops, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                    q_state, mask_state, words, tidx, wg, True,
+                )  # fmt: skip
+            for _ in cutlass.range(hr.full_cnt, unroll=1):
+                q_state, mask_state = self.step(
+                    ops, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                    q_state, mask_state, words, tidx, wg, False,
+                )  # fmt: skip
+        self.epilogue(thr_dkv, ops.acc_dk, ops.acc_dv, mdK, mdV, work, softmax_scale)
+
+    @cute.jit
+    def stat_columns(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
+        """``out[c]`` = the per-Q-row statistic (LSE or D) of column ``c`` of this thread's S^T
+        fragment (a column of S^T is a Q row), read from SMEM stage ``stage``."""
+        # (tile_n, tile_m) broadcast of the stage's tile_m values along the K rows
+        bcast = cute.make_tensor(
+            s_stat[None, stage].iterator, cute.make_layout((self.tile_n, self.tile_m), stride=(0, 1))
+        )
+        t_mn = acc_mn_view(thr_sdp.partition_C(bcast))
+        for c in cutlass.range_constexpr(cute.size(out)):
+            out[c] = t_mn[0, c]
+
+    @cute.jit
+    def step(
+        self, ops: StepOperands, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s,
+        scale_log2: Float32, q_state, mask_state, words, tidx: Int32, wg: Int32,
+        partial: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        stage = q_state.index
+        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+        acc_dp = cute.make_rmem_tensor(acc_s_shape, Float32)
+        s_mn, dp_mn = acc_mn_view(acc_s), acc_mn_view(acc_dp)
+        n_rows, n_cols = cute.size(s_mn, mode=[0]), cute.size(s_mn, mode=[1])
+        stat = cute.make_rmem_tensor(n_cols, Float32)
+
+        ops.pipe_q.consumer_wait(q_state)
+        wgmma(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        ops.pipe_do.consumer_wait(q_state)
+        wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, stage], zero_init=True, wait=1)
+        if const_expr(partial):
+            ops.pipe_mask.consumer_wait(mask_state)
+            cute.autovec_copy(s["sMask"][None, tidx, mask_state.index], words)
+            # generic-proxy reads complete before cp.async.bulk (async proxy) rewrites the slot
+            cute.arch.fence_proxy("async.shared", space="cta")
+            ops.pipe_mask.consumer_release(mask_state)
+            mask_state.advance()
+        # P^T = exp2(S^T scale log2e - LSE2[q])
+        self.stat_columns(thr_sdp, s["sLSE"], stage, stat)
+        for c in cutlass.range_constexpr(n_cols):
+            for r in cutlass.range_constexpr(n_rows):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - stat[c], fastmath=True)
+        if const_expr(partial):  # spec 5.1 on the transposed fragment: bit e guards register e
+            for w in cutlass.range_constexpr(self.payload_words):
+                for b in cutlass.range_constexpr(min(32, self.payload_elements - 32 * w)):
+                    e = 32 * w + b
+                    acc_s[e] = acc_s[e] if ((words[w] >> b) & 1) != 0 else Float32(0.0)
+        ops.rP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+        # dS^T = P^T (dP^T - D[q])
+        self.stat_columns(thr_sdp, s["sDsum"], stage, stat)
+        # the generic-proxy reads of LSE / D complete before the bulk copies refill their stage
+        cute.arch.fence_proxy("async.shared", space="cta")
+        warpgroup.wait_group(0)
+        for c in cutlass.range_constexpr(n_cols):
+            for r in cutlass.range_constexpr(n_rows):
+                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - stat[c])
+        rdS_acc = cute.make_rmem_tensor(acc_s_shape, self.dtype)
+        rdS_acc.store(acc_dp.load().to(self.dtype))
+        ops.rdS.store(acc_as_operand_a(rdS_acc).load())
+        # dS^T -> SMEM as dS (tile_m x tile_n): the element (k, q) of the fragment is dS[q, k]
+        tdSsdS = thr_sdp.partition_C(transpose_view(s["sdS"])[None, None, stage])
+        for i in cutlass.range_constexpr(cute.size(rdS_acc)):
+            tdSsdS[i] = rdS_acc[i]
+        # dV += P^T dO
+        wgmma(mma_dkv, ops.acc_dv, ops.rP, ops.tVrdO[None, None, None, stage], zero_init=False, wait=-1)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
+        # dQ = dS K
+        acc_dq = cute.make_rmem_tensor(acc_dq_shape, Float32)
+        wgmma(mma_dq, acc_dq, ops.tQrdS[None, None, None, stage], ops.tQrK, zero_init=True, wait=1)
+        ops.pipe_do.consumer_release(q_state)  # dV has read dO
+        # dK += dS^T Q
+        wgmma(mma_dkv, ops.acc_dk, ops.rdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
+        # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it
+        pair = self.threads_per_wg + 32
+        cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
+        warpgroup.wait_group(0)
+        ops.pipe_q.consumer_release(q_state)
+        q_state.advance()
+        return q_state, mask_state
+
+    @cute.jit
+    def epilogue(
+        self, thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, work,
+        softmax_scale: Float32,
+    ):  # fmt: skip
+        """Store dK (times the softmax scale) and dV rows ``< k_valid`` of the block (input dtype)."""
+        d, tn = self.head_dim, self.tile_n
+        tcoord = acc_mn_view(thr_dkv.partition_C(cute.make_identity_tensor((tn, d))))
+        for acc, m_x, scale in ((acc_dk, mdK, softmax_scale), (acc_dv, mdV, None)):
+            r_x = cute.make_rmem_tensor_like(acc, self.dtype)
+            if const_expr(scale is None):
+                r_x.store(acc.load().to(self.dtype))
+            else:
+                r_x.store((acc.load() * scale).to(self.dtype))
+            # (tile_n, D) rows of this block and kv head; a row starts 16-byte aligned
+            heads = m_x.shape[1]
+            g_x = cute.make_tensor(
+                aligned_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
+                cute.make_layout((tn, d), stride=(heads * d, 1)),
+            )
+            t_g = acc_mn_view(thr_dkv.partition_C(g_x))
+            r_mn = acc_mn_view(r_x)
+            for r in cutlass.range_constexpr(cute.size(tcoord, mode=[0])):
+                if tcoord[r, 0][0] < work.k_valid:
+                    cute.autovec_copy(r_mn[r, None], t_g[r, None])

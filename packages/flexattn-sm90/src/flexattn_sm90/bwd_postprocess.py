@@ -1,0 +1,100 @@
+"""SM90 backward postprocess: the fp32 dQ accumulator -> dQ in the input dtype, times the softmax scale.
+
+One CTA of 256 threads per (sample-local Q block ``m``, q head ``hq``, sample ``b``). Thread ``t``
+plays MMA thread ``t`` of the main kernel's dQ ``TiledMma`` (:func:`bwd_helpers.make_dq_tiled_mma`,
+the same builder): it reads its accumulator fragment from the fragment-ordered chunk of warpgroup
+``t // 128`` (:func:`bwd_helpers.dq_chunk_layout`), scales, converts and stores the rows of the
+block that lie inside the sample (``< q_len``). Rows of padding never leave the workspace.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .bwd_helpers import aligned_ptr, dq_chunk_layout, make_dq_tiled_mma
+from .fwd_helpers import acc_mn_view
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+class Sm90BwdPostprocess:
+    """Static configuration: head dim, dtype, block rows, MMA warpgroups of the main kernel."""
+
+    def __init__(self, head_dim: int, dtype: str, *, tile_m: int = 64, num_warpgroups: int = 2):
+        self.dtype = _DTYPES[dtype]
+        self.head_dim, self.tile_m = head_dim, tile_m
+        self.num_wg = num_warpgroups
+        self.num_threads = 128 * num_warpgroups
+        self.dq_chunk = tile_m * head_dim // num_warpgroups
+        self.dq_elements = self.dq_chunk // 128
+
+    @cute.jit
+    def from_pointers(
+        self,
+        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D)  16-byte aligned
+        dq: cute.Pointer,  # (total_q, Hq, D)  output
+        sequence_desc: cute.Pointer,  # (B, 8)
+        q_block_begin: cute.Pointer,  # (B,)
+        total_q: Int32,
+        num_heads_q: Int32,
+        batch: Int32,
+        n_qblk: Int32,
+        max_q_blocks: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        d, tm = self.head_dim, self.tile_m
+        mdQaccum = cute.make_tensor(
+            dq_accum, cute.make_layout((num_heads_q, n_qblk * tm * d), stride=(n_qblk * tm * d, 1))
+        )
+        mdQ = cute.make_tensor(
+            dq, cute.make_layout((total_q, num_heads_q, d), stride=(num_heads_q * d, d, 1))
+        )
+        self.kernel(
+            mdQaccum,
+            mdQ,
+            cute.make_tensor(sequence_desc, cute.make_layout((batch, 8), stride=(8, 1))),
+            cute.make_tensor(q_block_begin, cute.make_layout(batch)),
+            make_dq_tiled_mma(self.dtype, d, tm, self.num_wg),
+            softmax_scale,
+        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mdQaccum: cute.Tensor,
+        mdQ: cute.Tensor,
+        sequence_desc: cute.Tensor,
+        q_block_begin: cute.Tensor,
+        mma_dq: cute.TiledMma,
+        softmax_scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, q_head, b = cute.arch.block_idx()
+        if m_block < sequence_desc[b, 6]:
+            d, tm = self.head_dim, self.tile_m
+            q_offset, q_len = sequence_desc[b, 0], sequence_desc[b, 2]
+            blk = q_block_begin[b] + m_block
+            wg, t = tidx // 128, tidx % 128
+            thr = mma_dq.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((tm, d)), Float32)
+            # (tile_m * D,) of this block -> this thread's slot of its warpgroup's chunk: (4, elements / 4)
+            first = q_head * mdQaccum.shape[1] + blk * tm * d + wg * self.dq_chunk
+            src = cute.make_tensor(aligned_ptr(mdQaccum, first), dq_chunk_layout(self.dq_elements))[t, None]
+            cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            r.store((acc.load() * softmax_scale).to(self.dtype))
+            # (tile_m, D) rows of this block and head; a row starts 16-byte aligned (D * 2 bytes >= 128)
+            heads = mdQ.shape[1]
+            gdQ = cute.make_tensor(
+                aligned_ptr(mdQ, ((q_offset + m_block * tm) * heads + q_head) * d),
+                cute.make_layout((tm, d), stride=(heads * d, 1)),
+            )
+            t_g = acc_mn_view(thr.partition_C(gdQ))
+            t_c = acc_mn_view(thr.partition_C(cute.make_identity_tensor((tm, d))))
+            r_mn = acc_mn_view(r)
+            q_valid = q_len - m_block * tm
+            for i in cutlass.range_constexpr(cute.size(t_c, mode=[0])):
+                if t_c[i, 0][0] < q_valid:
+                    cute.autovec_copy(r_mn[i, None], t_g[i, None])

@@ -1,0 +1,140 @@
+"""SM90 backward preprocess: per-row statistics and zeroed dQ workspace, per (q head, Q block).
+
+One CTA of 256 threads per (sample-local Q block ``m``, q head ``hq``, sample ``b``) of the
+backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_m)`` exit. With
+``blk = q_block_begin[b] + m`` (the global, padded Q block) and ``i < tile_m``, row ``q = m*tile_m+i``::
+
+    D[hq, blk*tile_m + i]    = sum_d dO[q, hq, d] * O[q, hq, d]  - dlse[hq, q]     (0 past q_len)
+    LSE2[hq, blk*tile_m + i] = lse[hq, q] * log2(e),  +inf where lse = -inf or past q_len
+    dQaccum[hq, blk]         = 0      (tile_m x D fp32, the main kernel bulk-adds into it)
+    dQsemaphore[hq, blk]     = 0      (deterministic mode's turnstile)
+
+``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key
+and for padding rows, so they contribute nothing (and never NaN). Four threads share a row, each
+reducing ``Dv / 4`` products, then a quad shuffle.
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .bwd_helpers import aligned_ptr, quad_sum
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+LOG2_E = math.log2(math.e)
+
+
+class Sm90BwdPreprocess:
+    """Static configuration: head dims, dtype, block rows and whether a ``dlse`` is subtracted."""
+
+    threads_per_row = 4
+
+    def __init__(self, head_dim_qk: int, head_dim_v: int, dtype: str, *, tile_m: int = 64, with_dlse: bool):
+        self.dtype = _DTYPES[dtype]
+        self.head_dim_qk, self.head_dim_v = head_dim_qk, head_dim_v
+        self.tile_m = tile_m
+        self.with_dlse = with_dlse
+        self.num_threads = tile_m * self.threads_per_row
+        self.row_part = head_dim_v // self.threads_per_row  # O / dO elements per thread
+        self.zero_part = tile_m * head_dim_qk // self.num_threads  # dQ accumulator values per thread
+        if head_dim_v % (8 * self.threads_per_row) or self.zero_part % 4:
+            raise ValueError(f"head dims ({head_dim_qk}, {head_dim_v}) do not split into 16-byte vectors")
+
+    @cute.jit
+    def from_pointers(
+        self,
+        out: cute.Pointer,  # (total_q, Hq, Dv)  16-byte aligned
+        dout: cute.Pointer,  # (total_q, Hq, Dv)
+        lse: cute.Pointer,  # fp32 (Hq, total_q)
+        dlse: cute.Pointer | None,  # fp32 (Hq, total_q)
+        lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  output
+        dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  output
+        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk)  output (zeroed)
+        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk)  output (zeroed)
+        sequence_desc: cute.Pointer,  # (B, 8)
+        q_block_begin: cute.Pointer,  # (B,)
+        total_q: Int32,
+        num_heads_q: Int32,
+        batch: Int32,
+        n_qblk: Int32,
+        max_q_blocks: Int32,
+        stream: cuda.CUstream,
+    ):
+        dv, tm = self.head_dim_v, self.tile_m
+
+        def mat(ptr, rows, cols):
+            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+        thd = cute.make_layout((total_q, num_heads_q, dv), stride=(num_heads_q * dv, dv, 1))
+        self.kernel(
+            cute.make_tensor(out, thd),
+            cute.make_tensor(dout, thd),
+            mat(lse, num_heads_q, total_q),
+            mat(dlse, num_heads_q, total_q) if const_expr(dlse is not None) else None,
+            mat(lse_log2, num_heads_q, n_qblk * tm),
+            mat(dsum, num_heads_q, n_qblk * tm),
+            mat(dq_accum, num_heads_q, n_qblk * tm * self.head_dim_qk),
+            mat(dq_semaphore, num_heads_q, n_qblk),
+            mat(sequence_desc, batch, 8),
+            cute.make_tensor(q_block_begin, cute.make_layout(batch)),
+        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor | None,
+        mLSE2: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor,
+        sequence_desc: cute.Tensor,
+        q_block_begin: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, q_head, b = cute.arch.block_idx()
+        if m_block < sequence_desc[b, 6]:  # Q blocks of the sample (inner blocks of the K2Q view)
+            tm = self.tile_m
+            q_offset, q_len = sequence_desc[b, 0], sequence_desc[b, 2]
+            blk = q_block_begin[b] + m_block
+            row, part = tidx // self.threads_per_row, tidx % self.threads_per_row
+            q_local = m_block * tm + row
+            token = q_offset + q_local
+            dot = Float32(0.0)
+            if q_local < q_len:
+                # this thread's Dv / 4 elements of the row: 16-byte aligned (Dv / 4 is a multiple of 8)
+                seg = cute.make_layout(self.row_part)
+                offset = (token * mO.shape[1] + q_head) * self.head_dim_v + part * self.row_part
+                r_o = cute.make_rmem_tensor(self.row_part, self.dtype)
+                r_do = cute.make_rmem_tensor(self.row_part, self.dtype)
+                cute.autovec_copy(cute.make_tensor(aligned_ptr(mO, offset), seg), r_o)
+                cute.autovec_copy(cute.make_tensor(aligned_ptr(mdO, offset), seg), r_do)
+                prod = r_o.load().to(Float32) * r_do.load().to(Float32)
+                dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            dot = quad_sum(dot)
+            if part == 0:
+                lse2 = Float32.inf
+                d = Float32(0.0)
+                if q_local < q_len:
+                    lse = mLSE[q_head, token]
+                    if lse != -Float32.inf:
+                        lse2 = lse * Float32(LOG2_E)
+                    d = dot
+                    if const_expr(mdLSE is not None):
+                        d = dot - mdLSE[q_head, token]
+                mLSE2[q_head, blk * tm + row] = lse2
+                mDsum[q_head, blk * tm + row] = d
+            # zero this block's dQ accumulator: one contiguous tile_m x Dqk fp32 run
+            zeros = cute.make_rmem_tensor(self.zero_part, Float32)
+            zeros.fill(0.0)
+            offset = (q_head * mdQaccum.shape[1] + blk * tm * self.head_dim_qk) + tidx * self.zero_part
+            cute.autovec_copy(
+                zeros, cute.make_tensor(aligned_ptr(mdQaccum, offset), cute.make_layout(self.zero_part))
+            )
+            if tidx == 0:
+                mdQsem[q_head, blk] = Int32(0)

@@ -1,0 +1,128 @@
+"""Compile-only tests of the SM90 backward (preprocess, K-major main kernel, postprocess): every
+supported config traces and compiles to sm_90a on a machine without a GPU, and the PTX has what
+the design promises (WGMMA of the five GEMMs, TMA, the payload bulk copy, the bulk fp32 dQ
+reduction, the deterministic turnstile) with no register spills."""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # the launcher also passes --gpu-arch sm_90a
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+pytest.importorskip("cutlass.cute")
+
+from flexattn_sm90.bwd_launch import BWD_HEAD_DIMS, compile_uncached, kernel_keys  # noqa: E402
+from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
+
+
+def _ptx(kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=False, with_dlse=False) -> str:
+    config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
+    compiled = compile_uncached(
+        kind, config, deterministic=deterministic, with_dlse=with_dlse,
+        extra_options=f"--keep-ptx --dump-dir {tmp_path}",
+    )  # fmt: skip
+    ptx = compiled.__ptx__
+    assert ".target sm_90a" in ptx
+    return ptx
+
+
+def _ptxas_report(ptx: str, tmp_path) -> str | None:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
+    )
+    return run.stderr + run.stdout
+
+
+def _assert_no_spills(ptx: str, tmp_path) -> None:
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def _wgmma_shapes(ptx: str) -> dict[str, int]:
+    shapes: dict[str, int] = {}
+    for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.(?:bf16|f16)", ptx):
+        shapes[m.group(1)] = shapes.get(m.group(1), 0) + 1
+    return shapes
+
+
+def _expected_wgmma(d: int, tile_m: int = 64, tile_n: int = 128) -> dict[str, int]:
+    """Per step: S^T and dP^T (m64n{tile_m}, d/16 k-blocks each), dV and dK (m64n{d}, tile_m/16),
+    dQ (m64n{d/2}, tile_n/16); the partial and the full loop each hold one step."""
+    expect: dict[str, int] = {}
+    for shape, count in (
+        (f"m64n{tile_m}k16", 2 * d // 16),
+        (f"m64n{d}k16", 2 * tile_m // 16),
+        (f"m64n{d // 2}k16", tile_n // 16),
+    ):
+        expect[shape] = expect.get(shape, 0) + 2 * count
+    return expect
+
+
+@pytest.mark.parametrize("dq,dv", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
+    ptx = _ptx("main", dq, dv, dtype, tmp_path=tmp_path)
+    assert _wgmma_shapes(ptx) == _expected_wgmma(dq)
+    assert (".f32.bf16.bf16" in ptx) == (dtype == "bfloat16")
+    _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_main_kernel_d128_instructions(deterministic, tmp_path):
+    ptx = _ptx("main", tmp_path=tmp_path, deterministic=deterministic)
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads of K, V, Q, dO
+    assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # payload plane, LSE, D
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx  # dQ accumulation
+    assert "setmaxnreg.dec.sync.aligned.u32 \t32" in ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
+    assert "st.shared.v4" in ptx  # dQ fragments into the 16-byte vectors of their chunk
+    # the turnstile: acquire spin, then a release increment, only in deterministic mode
+    assert ("ld.acquire.gpu.global.b32" in ptx) == deterministic
+    assert ("red.release.gpu.global.add.s32" in ptx) == deterministic
+    _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("dq,dv", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_preprocess_compiles(dq, dv, with_dlse, tmp_path):
+    ptx = _ptx("pre", dq, dv, tmp_path=tmp_path, with_dlse=with_dlse)
+    assert "st.global.v4" in ptx  # the dQ accumulator is zeroed with 16-byte stores
+    _assert_no_spills(ptx, tmp_path)
+
+
+@pytest.mark.parametrize("dq,dv", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_postprocess_compiles(dq, dv, dtype, tmp_path):
+    ptx = _ptx("post", dq, dv, dtype, tmp_path=tmp_path)
+    _assert_no_spills(ptx, tmp_path)
+
+
+def test_unsupported_head_dims_refused():
+    from flexattn_sm90.bwd_kernel import Sm90BwdKernel
+
+    for dq, dv in ((192, 128), (256, 256)):
+        config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
+        with pytest.raises(NotImplementedError, match="no SM90 backward kernel yet"):
+            Sm90BwdKernel(config)
+
+
+def test_kernel_keys_ignore_runtime_geometry():
+    """GQA ratio and varlen-ness are runtime values: one set of kernels serves them all."""
+    a = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    b = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", qhead_per_kvhead=4, varlen=True)
+    kw = {"deterministic": False, "with_dlse": False}
+    assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
+    det = kernel_keys(a, deterministic=True, with_dlse=False)
+    assert det["main"] != kernel_keys(a, **kw)["main"] and det["pre"] == kernel_keys(a, **kw)["pre"]
+    dlse = kernel_keys(a, deterministic=False, with_dlse=True)
+    assert dlse["pre"] != kernel_keys(a, **kw)["pre"] and dlse["main"] == kernel_keys(a, **kw)["main"]

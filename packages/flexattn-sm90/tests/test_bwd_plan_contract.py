@@ -1,0 +1,228 @@
+"""CPU tests of what the SM90 backward kernels assume about a plan's backward view, and a torch
+twin of the kernels' indexing (no GPU, no compile).
+
+* The launcher's plan-derived tensors (sample of each K plan row, first padded Q block of each
+  sample) match the view's ``sequence_desc``.
+* ``dq_write_order`` is a complete turnstile: for every (mask head, Q block) the ranks of its
+  writers are 0..n-1 in ascending K-block order, so deterministic mode neither deadlocks (a
+  writer only waits on lower K blocks, i.e. lower CTA indices) nor skips a rank.
+* :func:`emulate_backward` walks CTAs, Q heads, partial then full entries exactly as
+  ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks, per-(head, block) dQ
+  accumulation in rank order, the packed predicate applied after the exponential) and must
+  agree with ``attention_backward``.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+from flexattn_sm90 import Sm90Consumer  # noqa: E402
+from flexattn_sm90.bwd_launch import _prepared, config_for_view  # noqa: E402
+from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
+from maskplan_core.errors import PlanSignatureMismatch, UnsupportedConfigError  # noqa: E402
+from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
+
+CPU = torch.device("cpu")
+CU_Q = [0, 100, 100, 164, 500, 700]
+CU_K = [0, 300, 500, 500, 760, 893]
+
+
+def plan_for(mask_func, q, k, v, **varlen):
+    g = validate_plan_inputs(mask_func, q, k, v, **varlen)
+    consumer = Sm90Consumer()
+    views = [
+        consumer.resolve(
+            ViewRequest(
+                arch_family="sm90",
+                direction=d,
+                head_dim_qk=g.head_dim_qk,
+                head_dim_v=g.head_dim_v,
+                num_heads_q=g.num_heads_q,
+                num_heads_kv=g.num_heads_kv,
+                mask_heads=g.mask_heads,
+                dtype="bfloat16",
+                varlen=g.varlen,
+            )  # fmt: skip
+        )
+        for d in ("forward", "backward")
+    ]
+    return build_plan(mask_func, g, *views, consumer.name)
+
+
+def random_intervals(hmask, nfunc, row_k_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_len = row_k_len.to(torch.float64)
+    u = torch.rand(hmask, nfunc, k_len.numel(), generator=gen, dtype=torch.float64)
+    return torch.floor(u * (k_len + 1)).clamp(max=k_len).to(torch.int32).sort(dim=1).values.contiguous()
+
+
+def problems():
+    """(name, mask_func, q, k, v, varlen): fixed, GQA with per-head masks, varlen with empty samples."""
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(tq, tk, hq, hkv, d=64):
+        q = torch.randn(*tq, hq, d, generator=gen).bfloat16()
+        return (
+            q,
+            torch.randn(*tk, hkv, d, generator=gen).bfloat16(),
+            torch.randn(*tk, hkv, d, generator=gen).bfloat16(),
+        )
+
+    out = [("causal", masks.causal(300, batch=2), *qkv((2, 300), (2, 300), 2, 2), {})]
+    ep = random_intervals(4, 5, torch.full((2 * 200,), 333), seed=1)
+    out.append(("gqa-per-head", ep, *qkv((2, 200), (2, 333), 4, 2), {}))
+    cu_q, cu_k = torch.tensor(CU_Q, dtype=torch.int32), torch.tensor(CU_K, dtype=torch.int32)
+    k_len = (cu_k[1:] - cu_k[:-1]).repeat_interleave(cu_q[1:] - cu_q[:-1])
+    varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 400, "max_seqlen_k": 300}
+    ep = random_intervals(1, 3, k_len, seed=2)
+    ep[..., 400:470] = 0  # rows without a visible key
+    out.append(("varlen", ep, *qkv((CU_Q[-1],), (CU_K[-1],), 4, 2), varlen))
+    return out
+
+
+PROBLEMS = problems()
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
+def test_prepared_tensors(problem):
+    _, ep, q, k, v, varlen = problem
+    view = plan_for(ep, q, k, v, **varlen).view("backward")
+    prep = _prepared(view, CPU)
+    desc = view.sequence_desc.to(torch.int64)
+    k_row_batch, q_block_begin = prep.tensors[10].to(torch.int64), prep.tensors[11].to(torch.int64)
+    assert k_row_batch.tolist() == [b for b in range(desc.shape[0]) for _ in range(int(desc[b, 5]))]
+    assert prep.k_rows == int(desc[:, 5].sum()) == view.mask_block_cnt.shape[1]
+    q_blocks = [math.ceil(int(n) / 64) for n in desc[:, 2]]
+    assert q_blocks == desc[:, 6].tolist()
+    assert q_block_begin[: desc.shape[0]].tolist() == [sum(q_blocks[:b]) for b in range(len(q_blocks))]
+    assert (prep.n_qblk, prep.max_q_blocks) == (sum(q_blocks), max(q_blocks))
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
+def test_dq_write_order_is_a_complete_turnstile(problem):
+    _, ep, q, k, v, varlen = problem
+    view = plan_for(ep, q, k, v, **varlen).view("backward")
+    writers: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for kind, order in (("partial", view.dq_write_order), ("full", view.dq_write_order_full)):
+        e = view.entries(kind)
+        for h, b, m, n, rank in zip(e.head, e.batch, e.q_block, e.k_block, order, strict=True):
+            writers.setdefault((int(h), int(b), int(m)), []).append((int(n), int(rank)))
+    assert writers
+    for key, ws in writers.items():
+        ranks = [rank for _, rank in sorted(ws)]
+        assert ranks == list(range(len(ws))), f"(head, sample, Q block) {key}: ranks by K block {ranks}"
+
+
+def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
+    """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess."""
+    g, prep = view.geometry, _prepared(view, CPU)
+    tm, tn = view.block_size
+    desc = view.sequence_desc.to(torch.int64)
+    k_row_batch, q_block_begin = prep.tensors[10].long(), prep.tensors[11].long()
+    hq_n, hkv_n, group = g.num_heads_q, g.num_heads_kv, g.num_heads_q // g.num_heads_kv
+    # preprocess: padded per-(head, global Q block) rows
+    lse2 = torch.full((hq_n, prep.n_qblk * tm), math.inf)
+    dsum = torch.zeros(hq_n, prep.n_qblk * tm)
+    for b in range(desc.shape[0]):
+        q_off, q_len = int(desc[b, 0]), int(desc[b, 2])
+        first = int(q_block_begin[b]) * tm
+        rows = slice(first, first + q_len)
+        tok = slice(q_off, q_off + q_len)
+        d = (dout[tok].float() * out[tok].float()).sum(-1).transpose(0, 1)
+        dsum[:, rows] = d - (dlse[:, tok] if dlse is not None else 0)
+        lse2[:, rows] = torch.where(torch.isinf(lse[:, tok]), math.inf, lse[:, tok] * math.log2(math.e))
+    dq_acc = torch.zeros(hq_n, prep.n_qblk, tm, g.head_dim_qk)
+    dq_log: dict[tuple[int, int], list[int]] = {}
+    dk, dv = (
+        torch.full_like(k, math.nan, dtype=torch.float32),
+        torch.full_like(v, math.nan, dtype=torch.float32),
+    )
+    unpack = view.layout.unpack
+    for r in range(prep.k_rows):
+        b = int(k_row_batch[r])
+        n = r - int(desc[b, 4])
+        q_off, k_off, q_len, k_len = (int(x) for x in desc[b, :4])
+        k_valid = min(k_len - n * tn, tn)
+        k_tok = torch.arange(k_off + n * tn, k_off + n * tn + tn).clamp(max=g.total_k - 1)
+        for hk in range(hkv_n):
+            acc_dk = torch.zeros(tn, g.head_dim_qk)
+            acc_dv = torch.zeros(tn, g.head_dim_v)
+            kt, vt = k[k_tok, hk].float(), v[k_tok, hk].float()
+            for gi in range(group):
+                hq = hk * group + gi
+                h = min(hq, g.mask_heads - 1)
+                for kind in ("partial", "full"):
+                    pre = "mask_block" if kind == "partial" else "full_block"
+                    cnt, off = int(view.tensors[f"{pre}_cnt"][h, r]), int(view.tensors[f"{pre}_offset"][h, r])
+                    for e in range(off, off + cnt):
+                        m = int(view.tensors[f"{pre}_idx"][e])
+                        blk = int(q_block_begin[b]) + m
+                        rank = int(
+                            (view.dq_write_order if kind == "partial" else view.dq_write_order_full)[e]
+                        )
+                        q_tok = torch.arange(q_off + m * tm, q_off + m * tm + tm).clamp(max=g.total_q - 1)
+                        qt, dot = q[q_tok, hq].float(), dout[q_tok, hq].float()
+                        st = kt @ qt.T  # S^T: (tile_n, tile_m)
+                        p = torch.exp2(st * scale * math.log2(math.e) - lse2[hq, blk * tm : blk * tm + tm])
+                        if kind == "partial":  # bit 0 -> P = 0 (after the exponential)
+                            p = torch.where(unpack(view.mask_block_masks[e : e + 1])[0].T, p, 0.0)
+                        dpt = vt @ dot.T
+                        dst = p * (dpt - dsum[hq, blk * tm : blk * tm + tm])
+                        acc_dv += p @ dot
+                        acc_dk += dst @ qt
+                        assert len(dq_log.setdefault((hq, blk), [])) == rank, "turnstile order"
+                        dq_log[(hq, blk)].append(r)
+                        dq_acc[hq, blk] += dst.T @ kt
+            rows = slice(k_off + n * tn, k_off + n * tn + k_valid)
+            dk[rows, hk] = acc_dk[:k_valid] * scale
+            dv[rows, hk] = acc_dv[:k_valid]
+    dq = torch.full_like(q, math.nan, dtype=torch.float32)
+    for b in range(desc.shape[0]):  # postprocess
+        q_off, q_len = int(desc[b, 0]), int(desc[b, 2])
+        for m in range(int(desc[b, 6])):
+            rows = min(q_len - m * tm, tm)
+            blk = int(q_block_begin[b]) + m
+            dq[q_off + m * tm : q_off + m * tm + rows] = dq_acc[:, blk, :rows].transpose(0, 1) * scale
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_emulated_kernel_matches_reference(problem, with_dlse):
+    _, ep, q, k, v, varlen = problem
+    plan = plan_for(ep, q, k, v, **varlen)
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    scale = 0.125
+    out, lse, _ = attention_forward(plan.view("forward"), q3, k3, v3, softmax_scale=scale)
+    gen = torch.Generator().manual_seed(3)
+    dout = torch.randn(out.shape, generator=gen)
+    dlse = torch.randn(lse.shape, generator=gen) if with_dlse else None
+    view = plan.view("backward")
+    got = emulate_backward(view, q3, k3, v3, out, lse, dout, dlse, scale)
+    want = attention_backward(
+        view, q3.float(), k3.float(), v3.float(), out, lse, dout, dlse, softmax_scale=scale
+    )
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert not torch.isnan(a).any(), f"{name}: elements the kernel indexing never writes"
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("d", [(192, 128), (256, 256)])
+def test_unimplemented_head_dims_refused_with_a_clear_error(d):
+    q, k, v = (
+        torch.zeros(1, 64, 1, d[0]).bfloat16(),
+        torch.zeros(1, 64, 1, d[0]).bfloat16(),
+        torch.zeros(1, 64, 1, d[1]),
+    )
+    view = plan_for(masks.causal(64, batch=1), q, k, v.bfloat16()).view("backward")
+    with pytest.raises(UnsupportedConfigError, match="no SM90 backward kernel yet"):
+        config_for_view(view)
+
+
+def test_forward_view_refused():
+    _, ep, q, k, v, varlen = PROBLEMS[0]
+    with pytest.raises(PlanSignatureMismatch, match="build_backward=True"):
+        config_for_view(plan_for(ep, q, k, v, **varlen).view("forward"))

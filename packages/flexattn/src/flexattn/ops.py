@@ -1,0 +1,183 @@
+"""``flexattn::fwd`` / ``flexattn::bwd``: ``flex_attn_func`` as ``torch.library`` custom ops.
+
+``flex_attn_func`` checks its arguments in Python (type checks, plan binding, the backward-view
+check: all shape/dtype/metadata work, so Dynamo traces it and turns it into guards), then calls
+``torch.ops.flexattn.fwd``; autograd reaches ``torch.ops.flexattn.bwd`` through
+``register_autograd``. Both ops have fake implementations (output shapes and dtypes from the
+input shapes alone), so ``torch.compile(fullgraph=True)`` traces a model that calls
+``flex_attn_func`` without a graph break, and AOTAutograd traces its backward.
+
+How the MaskPlan crosses the op boundary
+----------------------------------------
+A custom op takes tensors and plain values only. We pass the plan as an ``int``: every
+:class:`~maskplan_core.MaskPlan` gets a process-unique :attr:`~maskplan_core.MaskPlan.handle` when
+it is built, and :func:`~maskplan_core.plan.plan_for_handle` maps it back through a
+``WeakValueDictionary``, so the registry never keeps a plan (and its device tensors) alive. We
+chose this over passing the plan's tensors explicitly because
+
+* the op schema stays small and fixed; the number and meaning of a view's tensors is the
+  consumer's business (a forward view has 9 of them, a backward view more, a third-party
+  consumer may add others), and the static half of a plan (geometry, signatures, payload
+  layout) cannot be a tensor anyway, so a handle would be needed in any case;
+* a plan is immutable, so the int names fixed content; nothing the op reads can change between
+  tracing and running;
+* Dynamo reads ``plan.handle`` as a plain int attribute. The first graph is specialised on it
+  (a guard ``plan._handle == N``); a second plan of the same geometry recompiles once, after
+  which Dynamo's automatic-dynamic makes the handle a symbolic int and one graph serves every
+  further plan of that geometry (a new plan per batch, e.g. document masks, costs nothing).
+  Only the fake implementation sees the symbolic value, and it never reads it.
+
+The cost: the plan must stay alive while a compiled graph that captured its handle runs (a
+collected plan raises a clear error naming the handle), and a graph cannot be exported to
+another process with a plan inside it.
+
+The consumer's signature check (resolve the consumer for q's device, compare the plan's
+signatures field by field) runs in the real implementation, memoised per (plan, device, mode);
+the exception passes through the dispatcher unchanged, so eager and compiled calls raise the
+same ``PlanSignatureMismatch`` (raised from a fake implementation, Dynamo would wrap it in its
+``TorchRuntimeError``, which is why the fake implementation checks nothing).
+"""
+
+from __future__ import annotations
+
+from weakref import WeakKeyDictionary
+
+import torch
+
+from maskplan_core import MaskPlan, PlanSignatureMismatch
+from maskplan_core.plan import plan_for_handle
+
+from .planning import resolve_views
+from .registry import arch_family
+
+#: plan -> {(device, training): consumer}: a plan's signatures are checked once per device and mode
+#: (plans are immutable), which keeps the per-call host cost of a reused plan small.
+_CHECKED: WeakKeyDictionary[MaskPlan, dict] = WeakKeyDictionary()
+
+
+def checked_consumer(plan: MaskPlan, device: torch.device, training: bool):
+    """The consumer that runs ``plan`` on ``device``, after its signature check (memoised)."""
+    key = (device, training)
+    known = _CHECKED.setdefault(plan, {})
+    if key not in known:
+        known[key] = _check_signatures(plan, device, training)
+    return known[key]
+
+
+def _check_signatures(plan: MaskPlan, device: torch.device, training: bool):
+    """Resolve the consumer for ``device`` and compare every needed view's signature field by field."""
+    family, cc = arch_family(device)
+    g = plan.geometry
+    pack = plan.view("forward").signature.topology.pack_gqa
+    consumer, fwd, bwd = resolve_views(g, family, cc, pack, training)
+    for expected in (fwd, bwd):
+        if expected is None:
+            continue
+        view = plan.view(expected.signature.direction)
+        diffs = expected.signature.diff(view.signature)
+        if diffs:
+            listing = "; ".join(str(d) for d in diffs)
+            raise PlanSignatureMismatch(
+                f"the plan's {view.role} view was built for {plan.consumer} but {consumer.name} "
+                f"runs these tensors "
+                f"({listing}); rebuild the plan with create_mask_plan on this device",
+                diffs,
+            )
+    return consumer
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """LSE / max-logit dtype: fp32, fp64 for fp64 inputs (the CPU reference computes in fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- the ops --------------------------------------------------------------------------------------
+@torch.library.custom_op("flexattn::fwd", mutates_args=())
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: int,
+    scale: float,
+    training: bool,
+    deterministic: bool,
+    want_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """THD in: ``out [total_q, Hq, Dv]``, ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
+    ``want_max``). ``plan`` is a :attr:`MaskPlan.handle`; ``training`` selects the signature check
+    (forward and backward views); ``deterministic`` is only kept for the backward."""
+    mask_plan = plan_for_handle(plan)
+    consumer = checked_consumer(mask_plan, q.device, training)
+    res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
+    max_logit = res.max_logit
+    if max_logit is None:
+        max_logit = q.new_empty(0, dtype=_stat_dtype(q.dtype))
+    return res.out.contiguous(), res.lse.contiguous(), max_logit.contiguous()
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
+    # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
+    # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
+    total_q, num_heads_q = q.shape[0], q.shape[1]
+    stat = _stat_dtype(q.dtype)
+    out = q.new_empty((total_q, num_heads_q, v.shape[-1]))
+    lse = q.new_empty((num_heads_q, total_q), dtype=stat)
+    max_logit = q.new_empty((num_heads_q if want_max else 0,), dtype=stat)
+    return out, lse, max_logit
+
+
+@torch.library.custom_op("flexattn::bwd", mutates_args=())
+def bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    plan: int,
+    scale: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` shaped like ``(q, k, v)`` (THD); ``dlse`` ``[Hq, total_q]`` or None."""
+    mask_plan = plan_for_handle(plan)
+    consumer = checked_consumer(mask_plan, q.device, True)
+    dq, dk, dv = consumer.backward(
+        mask_plan, q, k, v, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
+    )
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@bwd.register_fake
+def _bwd_fake(q, k, v, out, lse, dout, dlse, plan, scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# -- autograd -------------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    q, k, v, plan, scale, _training, deterministic, _want_max = inputs
+    out, lse, _max_logit = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.plan, ctx.scale, ctx.deterministic = plan, scale, deterministic
+    ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
+
+
+def _backward(ctx, dout, dlse, _dmax):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.flexattn.bwd(
+        q, k, v, out, lse, dout.contiguous(), dlse, ctx.plan, ctx.scale, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _not_twice_differentiable(ctx, *grads):
+    raise RuntimeError("flexattn::bwd is not differentiable (no double backward through attention)")
+
+
+bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, inputs, output: None)

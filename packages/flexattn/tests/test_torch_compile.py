@@ -1,0 +1,253 @@
+"""``flex_attn_func`` as ``torch.library`` custom ops: registration, fake tensors, ``torch.compile``.
+
+CPU tensors, the reference consumer. ``torch.compile`` runs with the ``aot_eager`` backend (Dynamo +
+AOTAutograd, which is what the custom ops must survive) except one inductor test marked ``slow``
+(~25 s cold on the 2-core CI machine, ~6 s with a warm inductor cache).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flexattn
+from flexattn import InputValueError, PlanBindingError, PlanSignatureMismatch, masks
+from maskplan_core.plan import plan_for_handle
+
+B, S, H, HKV, D = 2, 72, 4, 2, 16
+# varlen: q lengths (50, 0, 40), k lengths (30, 20, 70)
+CU_Q, CU_K = [0, 50, 50, 90], [0, 30, 50, 120]
+
+
+def fixed_case(dtype=torch.float64, requires_grad=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((B, S, H, D), (B, S, HKV, D), (B, S, HKV, D))
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes)
+    q, k, v = (t.requires_grad_(requires_grad) for t in (q, k, v))
+    mask = masks.sliding_window(S, window_left=20, batch=B)
+    return flexattn.create_mask_plan(mask, q, k, v), (q, k, v), {}
+
+
+def varlen_case(dtype=torch.float64, requires_grad=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(CU_Q[-1], H, D, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(CU_K[-1], HKV, D, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    q, k, v = (t.requires_grad_(requires_grad) for t in (q, k, v))
+    k_len = torch.tensor([30] * 50 + [70] * 40)
+    ep = torch.stack([k_len // 3, k_len // 2, k_len]).unsqueeze(0).to(torch.int32).contiguous()
+    args = dict(
+        cu_seqlens_q=torch.tensor(CU_Q, dtype=torch.int32),
+        cu_seqlens_k=torch.tensor(CU_K, dtype=torch.int32),
+        max_seqlen_q=50,
+        max_seqlen_k=70,
+    )
+    return flexattn.create_mask_plan(ep, q, k, v, **args), (q, k, v), args
+
+
+CASES = {"fixed": fixed_case, "varlen": varlen_case}
+
+
+def thd(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1, *t.shape[-2:])
+
+
+# --------------------------------------------------------------------------------------------------
+# registration
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ops_are_registered_with_their_schemas():
+    fwd, bwd = torch.ops.flexattn.fwd.default, torch.ops.flexattn.bwd.default
+    assert [a.name for a in fwd._schema.arguments] == [
+        "q", "k", "v", "plan", "scale", "training", "deterministic", "want_max",
+    ]  # fmt: skip
+    assert len(fwd._schema.returns) == 3 and len(bwd._schema.returns) == 3
+    assert "Tensor? dlse" in str(bwd._schema)
+    assert not any(a.alias_info for a in (*fwd._schema.arguments, *bwd._schema.arguments))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("want_max", [False, True])
+def test_opcheck_forward(case, want_max):
+    plan, qkv, _ = CASES[case]()
+    q, k, v = (thd(t).requires_grad_() for t in qkv)
+    args = (q, k, v, plan.handle, 0.3, True, False, want_max)
+    torch.library.opcheck(torch.ops.flexattn.fwd.default, args)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_opcheck_backward(case, with_dlse):
+    plan, qkv, _ = CASES[case]()
+    q, k, v = (thd(t) for t in qkv)
+    out, lse, _ = torch.ops.flexattn.fwd(q, k, v, plan.handle, 0.3, True, False, False)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=lse.dtype) if with_dlse else None
+    args = (q, k, v, out, lse, dout, dlse, plan.handle, 0.3, False)
+    torch.library.opcheck(torch.ops.flexattn.bwd.default, args)
+
+
+def test_plan_handles_are_unique_and_weak():
+    plan, qkv, _ = fixed_case(requires_grad=False)
+    other, _, _ = fixed_case(requires_grad=False)
+    assert plan.handle != other.handle and plan_for_handle(plan.handle) is plan
+    handle = other.handle
+    del other
+    gc.collect()
+    with pytest.raises(InputValueError, match=f"handle {handle}"):
+        plan_for_handle(handle)
+    with pytest.raises(InputValueError, match="garbage-collected"):
+        torch.ops.flexattn.fwd(*(thd(t) for t in qkv), handle, 0.25, False, False, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# fake tensors: shapes and dtypes without running anything
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fake_tensor_shapes_and_dtypes_match_the_real_call(case, dtype):
+    plan, (q, k, v), _ = CASES[case](dtype=dtype)
+    real = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True, return_max_logit=True)
+    real[0].sum().backward()
+    real_grads = [t.grad for t in (q, k, v)]
+    detached = [t.detach() for t in (q, k, v)]
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t).requires_grad_() for t in detached)
+        fake = flexattn.flex_attn_func(fq, fk, fv, mask_plan=plan, return_lse=True, return_max_logit=True)
+        fake[0].sum().backward()
+        fake_grads = [t.grad for t in (fq, fk, fv)]
+    for r, f in zip((*real, *real_grads), (*fake, *fake_grads), strict=True):
+        assert type(f).__name__ == "FakeTensor"
+        assert (f.shape, f.dtype, f.device) == (r.shape, r.dtype, r.device)
+    assert fake[0].requires_grad and not fake[2].requires_grad  # max logit is not differentiable
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True): no graph break, same outputs and gradients as eager
+# --------------------------------------------------------------------------------------------------
+
+
+class AttentionBlock(torch.nn.Module):
+    """Projections around ``flex_attn_func``: the shape of a transformer attention sublayer."""
+
+    def __init__(self, varlen: bool, dtype=torch.float64):
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        self.varlen = varlen
+        self.wq = torch.nn.Parameter(torch.randn(H * D, H * D, generator=gen, dtype=dtype) / 8)
+        self.wkv = torch.nn.Parameter(torch.randn(H * D, 2 * HKV * D, generator=gen, dtype=dtype) / 8)
+        self.wo = torch.nn.Parameter(torch.randn(H * D, H * D, generator=gen, dtype=dtype) / 8)
+
+    def forward(self, x, plan):
+        lead = x.shape[:-1]
+        q = (x @ self.wq).view(*lead, H, D)
+        k, v = (x @ self.wkv).view(*lead, 2, HKV, D).unbind(-3)
+        out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+        y = out.reshape(*lead, H * D) @ self.wo
+        return y, lse
+
+
+def _block_inputs(case: str):
+    """Self-attention: a fixed sliding-window plan, or a varlen causal plan over documents (50, 0, 40)."""
+    gen = torch.Generator().manual_seed(3)
+    if case == "fixed":
+        plan, _, _ = fixed_case()
+        x = torch.randn(B, S, H * D, generator=gen, dtype=torch.float64)
+        return AttentionBlock(varlen=False), x.requires_grad_(), plan
+    lens = torch.tensor(CU_Q).diff()
+    x = torch.randn(CU_Q[-1], H * D, generator=gen, dtype=torch.float64)
+    local = torch.cat([torch.arange(n) for n in lens.tolist()])
+    q = torch.empty(CU_Q[-1], H, D, dtype=torch.float64)
+    kv = torch.empty(CU_Q[-1], HKV, D, dtype=torch.float64)
+    cu = torch.tensor(CU_Q, dtype=torch.int32)
+    plan = flexattn.create_mask_plan(
+        (local + 1).view(1, 1, -1).to(torch.int32), q, kv, kv, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()), build_backward=True,
+    )  # fmt: skip
+    return AttentionBlock(varlen=True), x.requires_grad_(), plan
+
+
+def _step(module, x, plan):
+    y, lse = module(x, plan)
+    loss = y.square().sum() + lse[torch.isfinite(lse)].sum()
+    grads = torch.autograd.grad(loss, (x, *module.parameters()))
+    return y.detach(), lse.detach(), grads
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_block_matches_eager(case):
+    module, x, plan = _block_inputs(case)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    want = _step(module, x, plan)
+    got = _step(compiled, x, plan)
+    for a, b in zip((want[0], want[1], *want[2]), (got[0], got[1], *got[2]), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_new_plans_of_one_geometry_reuse_the_graph():
+    """The first graph is specialised on the plan handle, the second makes it symbolic, and every
+    further plan of the same geometry runs that graph without compiling again."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend=counting_backend)
+    _, (q, k, v), _ = fixed_case(requires_grad=False)
+    for window in (3, 9, 17, 33, 65):
+        plan = flexattn.create_mask_plan(masks.sliding_window(S, window_left=window, batch=B), q, k, v)
+        assert torch.equal(compiled(q, k, v, plan), attend(q, k, v, plan))
+    assert len(graphs) == 2
+
+
+def test_compiled_errors_are_the_eager_errors():
+    """A binding error is raised while Dynamo traces: the eager exception without fullgraph; with
+    fullgraph, Dynamo's ``Unsupported`` ("Observed exception") quoting it -- Dynamo's rule for any
+    exception raised in traced code. A signature mismatch is raised by the op at run time, so it is
+    the eager exception either way."""
+    _, (q, k, v), _ = fixed_case(requires_grad=False)
+    plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    torch._dynamo.reset()
+    with pytest.raises(PlanBindingError, match=f"q has shape \\(2, 50, {H}, {D}\\)"):
+        torch.compile(attend, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"PlanBindingError.*q has shape \(2, 50"):  # Dynamo's Unsupported
+        torch.compile(attend, fullgraph=True, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
+
+    q, k, v = (torch.randn(B, S, H, 64, dtype=torch.bfloat16) for _ in range(3))  # a shape SM90 plans
+    other = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, target="sm90")
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        with pytest.raises(PlanSignatureMismatch) as info:
+            torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, k, v, other)
+        assert "arch_family" in {d.field for d in info.value.diffs}
+
+
+@pytest.mark.slow
+def test_inductor_block_matches_eager():
+    module, x, plan = _block_inputs("fixed")
+    module, x = module.float(), x.detach().float().requires_grad_()
+    plan = flexattn.create_mask_plan(
+        masks.sliding_window(S, window_left=20, batch=B), *fixed_case(torch.float32)[1]
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True)
+    want, got = _step(module, x, plan), _step(compiled, x, plan)
+    for a, b in zip((want[0], want[1], *want[2]), (got[0], got[1], *got[2]), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
