@@ -56,3 +56,19 @@ def test_sm90_and_sm100_views_differ_field_by_field():
     sm100 = flexattn.create_mask_plan(mask, q, k, v, target="sm100").view("forward").signature
     fields = {d.field for d in sm90.diff(sm100)}
     assert {"arch_family", "mma_layout", "payload.layout_id", "scheduler_layout"} <= fields
+
+
+def test_compiled_signature_mismatch_is_the_eager_error():
+    """A signature mismatch is raised by the op at run time: the eager exception in either mode."""
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.bfloat16) for _ in range(3))  # a shape SM90 plans
+    other = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, target="sm90")
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        with pytest.raises(PlanSignatureMismatch) as info:
+            torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, k, v, other)
+        assert "arch_family" in {d.field for d in info.value.diffs}
+
