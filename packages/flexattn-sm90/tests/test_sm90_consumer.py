@@ -172,3 +172,34 @@ def test_config_validation():
         Sm90FwdConfig(head_dim_qk=128, head_dim_v=128, dtype="float32")
     bwd = Sm90BwdConfig(head_dim_qk=64, head_dim_v=64, dtype="bfloat16")
     assert bwd.payload_layout.transposed and bwd.payload_layout.groups == 256
+
+
+
+def test_view_config_accepts_its_own_views_and_refuses_others():
+    import torch
+
+    from flexattn_sm90.view_config import config_for_view
+    from maskplan_core import masks, validate_plan_inputs
+    from maskplan_core.errors import PlanSignatureMismatch
+    from maskplan_core.reference import ReferenceConsumer, build_plan
+
+    q = torch.randn(1, 300, 4, 128, dtype=torch.bfloat16)
+    mask = masks.causal(300)
+    geometry = validate_plan_inputs(mask, q, q, q)
+
+    def plan_with(consumer, family):
+        same = dict(arch_family=family, num_heads_q=4, num_heads_kv=4)
+        fwd, bwd = (consumer.resolve(request(d, **same)) for d in ("forward", "backward"))
+        return build_plan(mask, geometry, fwd, bwd, consumer.name)
+
+    plan = plan_with(Sm90Consumer(), "sm90")
+    assert config_for_view(plan.view("forward"), "forward") == select_fwd_config(
+        head_dim_qk=128, head_dim_v=128, dtype="bfloat16"
+    )
+    assert config_for_view(plan.view("backward"), "backward").payload_layout.transposed
+    with pytest.raises(PlanSignatureMismatch, match="kernel_family"):
+        config_for_view(plan.view("backward"), "forward")
+    reference = plan_with(ReferenceConsumer(), "reference")
+    with pytest.raises(PlanSignatureMismatch, match="arch_family") as info:
+        config_for_view(reference.view("forward"), "forward")
+    assert "rebuild the plan with create_mask_plan on an SM90 device" in str(info.value)

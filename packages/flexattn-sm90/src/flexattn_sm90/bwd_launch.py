@@ -32,15 +32,15 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32
 
-from maskplan_core.errors import InputValueError, PlanSignatureMismatch, UnsupportedConfigError
+from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
 
+from . import view_config
 from .bwd_kernel import Sm90BwdKernel
 from .bwd_postprocess import Sm90BwdPostprocess
 from .bwd_preprocess import Sm90BwdPreprocess
 from .config import Sm90BwdConfig
-from .heuristics import select_bwd_config
 
 GPU_ARCH = "sm_90a"
 #: (head_dim_qk, head_dim_v) the backward kernel implements: the 64 x 128 backward tile. (192, 128)
@@ -48,39 +48,21 @@ GPU_ARCH = "sm_90a"
 BWD_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128))
 #: packages whose sources the backward kernels are built from (part of their on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = view_config.DTYPE_NAMES
 _ALIGN = 16  # bytes: TMA, bulk copies and 16-byte vector accesses
 
 
 # -- configuration --------------------------------------------------------------------------------
 def config_for_view(view: PlanView) -> Sm90BwdConfig:
-    """The backward config a view was planned for; raises unless it is an SM90 backward view."""
+    """The backward config a view was planned for; raises unless it is an SM90 backward view of
+    head dims the backward kernel has."""
     g = view.geometry
-    dtype = _DTYPE_NAMES.get(g.dtype)
-    if dtype is None:
-        raise InputValueError(f"the SM90 backward kernel takes float16/bfloat16, the plan is {g.dtype}")
     if (g.head_dim_qk, g.head_dim_v) not in BWD_HEAD_DIMS:
         raise UnsupportedConfigError(
             f"(head_dim_qk, head_dim_v)=({g.head_dim_qk}, {g.head_dim_v}) has no SM90 backward kernel yet; "
             f"supported (head_dim_qk, head_dim_v) pairs: {', '.join(map(str, BWD_HEAD_DIMS))}"
         )
-    config = select_bwd_config(
-        head_dim_qk=g.head_dim_qk,
-        head_dim_v=g.head_dim_v,
-        dtype=dtype,
-        qhead_per_kvhead=g.qhead_per_kvhead,
-        varlen=g.varlen,
-    )
-    diffs = config.plan_signature().diff(view.signature)
-    if view.role != "backward" or diffs:
-        listing = "; ".join(str(d) for d in diffs) or f"role is {view.role!r}"
-        raise PlanSignatureMismatch(
-            f"this view cannot be run by the SM90 backward kernel ({listing}); rebuild the plan with "
-            "create_mask_plan(..., build_backward=True) on an SM90 device",
-            diffs,
-        )
-    return config
-
+    return view_config.config_for_view(view, "backward")
 
 def kernel_keys(config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
     """Compile keys of the three kernels. GQA ratio, varlen-ness and all sizes are runtime values."""

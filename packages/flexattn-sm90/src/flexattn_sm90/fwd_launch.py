@@ -23,18 +23,18 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32
 
-from maskplan_core.errors import InputValueError, PlanSignatureMismatch
+from maskplan_core.errors import InputValueError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
 
+from . import view_config
 from .config import Sm90FwdConfig
 from .fwd_kernel import Sm90FwdKernel
-from .heuristics import select_fwd_config
 
 GPU_ARCH = "sm_90a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = view_config.DTYPE_NAMES
 #: alignment (bytes) the kernel assumes for Q/K/V/O and the payload tensor (TMA, bulk copy)
 _ALIGN = 16
 #: consumer main-loop schedule when none is asked for and the plan does not pick one (see
@@ -47,29 +47,7 @@ _TINY_SCALE = 1e-30
 # -- configuration --------------------------------------------------------------------------------
 def config_for_view(view: PlanView) -> Sm90FwdConfig:
     """The forward config a view was planned for; raises unless the view is an SM90 forward view."""
-    g = view.geometry
-    dtype = _DTYPE_NAMES.get(g.dtype)
-    if dtype is None:
-        raise InputValueError(f"the SM90 forward kernel takes float16/bfloat16, the plan is {g.dtype}")
-    topo = view.signature.topology
-    config = select_fwd_config(
-        head_dim_qk=g.head_dim_qk,
-        head_dim_v=g.head_dim_v,
-        dtype=dtype,
-        pack_gqa=topo.pack_gqa,
-        qhead_per_kvhead=g.qhead_per_kvhead,
-        varlen=g.varlen,
-    )
-    diffs = config.plan_signature().diff(view.signature)
-    if view.role != "forward" or diffs:
-        listing = "; ".join(str(d) for d in diffs) or f"role is {view.role!r}"
-        raise PlanSignatureMismatch(
-            f"this view cannot be run by the SM90 forward kernel ({listing}); rebuild the plan with "
-            "create_mask_plan on an SM90 device",
-            diffs,
-        )
-    return config
-
+    return view_config.config_for_view(view, "forward")
 
 def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bool, schedule: str) -> tuple:
     """Everything the compiled kernel depends on. GQA ratio and varlen-ness are runtime values."""
