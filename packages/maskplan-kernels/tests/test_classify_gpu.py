@@ -16,98 +16,23 @@ import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+from plan_cases import KINDS, make_geometry, make_mask  # noqa: E402
+
 from maskplan_core.error_flags import ENDPOINT_ORDER, ENDPOINT_RANGE  # noqa: E402
-from maskplan_core.geometry import PlanGeometry  # noqa: E402
 from maskplan_core.reference.block_geometry import block_geometry  # noqa: E402
 from maskplan_core.reference.classify import classify  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-KINDS = ("random", "causal", "window", "document", "adjacent", "full", "empty")
-
-
 # --------------------------------------------------------------------------------------------------
-# problems
-
-
-def make_geometry(q_lens, k_lens, *, hmask: int, nfunc: int, varlen: bool, device) -> PlanGeometry:
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return PlanGeometry(
-        batch=len(q_lens),
-        varlen=varlen,
-        max_seqlen_q=max(max(q_lens), 1),
-        max_seqlen_k=max(max(k_lens), 1),
-        total_q=int(cu_q[-1]),
-        total_k=int(cu_k[-1]),
-        num_heads_q=hmask,
-        num_heads_kv=1,
-        head_dim_qk=64,
-        head_dim_v=64,
-        mask_heads=hmask,
-        nfunc=nfunc,
-        dtype=torch.bfloat16,
-        device=torch.device(device),
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-    )
-
-
-def sample_endpoints(kind: str, q_len: int, k_len: int, nfunc: int, gen: torch.Generator) -> torch.Tensor:
-    """int64 [nfunc, q_len], sorted, in [0, k_len]."""
-    i = torch.arange(q_len)
-    diag = i + k_len - q_len  # bottom-right aligned diagonal, as for Sq != Sk causal masks
-    vals = torch.full((nfunc, q_len), k_len, dtype=torch.int64)
-    if kind == "random":
-        vals = torch.randint(0, k_len + 1, (nfunc, q_len), generator=gen)
-    elif kind == "causal" or (kind == "window" and nfunc == 1):
-        vals[0] = (diag + 1).clamp(0, k_len)
-    elif kind == "window":
-        w = int(torch.randint(1, 300, (1,), generator=gen))
-        vals[0] = 0
-        vals[1] = (diag - w + 1).clamp(0, k_len)
-        vals[2] = (diag + 1).clamp(0, k_len)
-    elif kind == "document":  # documents split the keys; a query sees its document up to the diagonal
-        bounds = torch.randint(0, k_len + 1, (8,), generator=gen).sort().values
-        bounds[0] = 0
-        pos = diag.clamp(0, max(k_len - 1, 0))
-        end = (diag + 1).clamp(0, k_len)
-        start = torch.minimum(bounds[torch.searchsorted(bounds, pos, right=True) - 1], end)
-        if nfunc >= 3:
-            vals[0], vals[1], vals[2] = 0, start, end
-        else:
-            vals[0] = end
-    elif kind == "adjacent":  # one row pattern per sample on multiples of 16..64, half the joints touching
-        step = int(torch.randint(1, 5, (1,), generator=gen)) * 16
-        vals = (torch.randint(0, k_len // step + 2, (nfunc, 1), generator=gen) * step).clamp(0, k_len)
-        vals = vals.sort(0).values
-        join = torch.rand((nfunc,), generator=gen) < 0.5
-        for j in range(1, nfunc, 2):  # F(j) = F(j-1): [.., F(j-1)) and [F(j), ..) are adjacent
-            if join[j]:
-                vals[j] = vals[j - 1]
-        vals = vals.expand(nfunc, q_len)
-    elif kind == "empty":
-        vals.zero_()
-    return vals.sort(0).values
-
-
-def make_mask(q_lens, k_lens, hmask: int, nfunc: int, seed: int, kinds=KINDS) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    cols = []
-    for _ in range(hmask):
-        per_head = []
-        for ql, kl in zip(q_lens, k_lens, strict=True):
-            kind = kinds[int(torch.randint(0, len(kinds), (1,), generator=gen))]
-            per_head.append(sample_endpoints(kind, ql, kl, nfunc, gen))
-        cols.append(torch.cat(per_head, 1) if per_head else torch.zeros(nfunc, 0, dtype=torch.int64))
-    return torch.stack(cols).to(torch.int32).contiguous()
+# problems (generators shared with the builder tests)
 
 
 def run_both(q_lens, k_lens, *, hmask, nfunc, tile, varlen=True, seed=0, mask=None, config=None):
     from maskplan_kernels import classify_gpu
 
     device = "cuda"
-    g = make_geometry(q_lens, k_lens, hmask=hmask, nfunc=nfunc, varlen=varlen, device=device)
+    g = make_geometry(q_lens, k_lens, hq=hmask, hmask=hmask, nfunc=nfunc, varlen=varlen, device=device)
     geom = block_geometry(g, *tile)
     if mask is None:
         mask = make_mask(q_lens, k_lens, hmask, nfunc, seed)
@@ -240,7 +165,7 @@ def test_error_word_is_or_accumulated():
     from maskplan_kernels import classify_gpu
 
     q_lens, k_lens = [100], [100]
-    g = make_geometry(q_lens, k_lens, hmask=1, nfunc=1, varlen=False, device="cuda")
+    g = make_geometry(q_lens, k_lens, hq=1, hmask=1, nfunc=1, varlen=False, device="cuda")
     geom = block_geometry(g, 128, 128)
     word = torch.tensor([1], dtype=torch.int32, device="cuda")  # a prefix error from an earlier stage
     mask = torch.full((1, 1, 100), 101, dtype=torch.int32, device="cuda")
