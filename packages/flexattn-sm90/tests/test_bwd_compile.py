@@ -83,7 +83,7 @@ def test_main_kernel_d128_instructions(deterministic, tmp_path):
     assert "cp.async.bulk.tensor" in ptx  # TMA loads of K, V, Q, dO
     assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # payload plane, LSE, D
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx  # dQ accumulation
-    assert "setmaxnreg.dec.sync.aligned.u32 \t32" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
     assert "st.shared.v4" in ptx  # dQ fragments into the 16-byte vectors of their chunk
     # the turnstile: acquire spin, then a release increment, only in deterministic mode
@@ -126,3 +126,15 @@ def test_kernel_keys_ignore_runtime_geometry():
     assert det["main"] != kernel_keys(a, **kw)["main"] and det["pre"] == kernel_keys(a, **kw)["pre"]
     dlse = kernel_keys(a, deterministic=False, with_dlse=True)
     assert dlse["pre"] != kernel_keys(a, **kw)["pre"] and dlse["main"] == kernel_keys(a, **kw)["main"]
+
+
+def test_register_split_must_fit_the_launch_allocation():
+    """32 + 2 x 240 fits 65536 but not the 3 x 168 registers a 384-thread CTA launches with:
+    ``setmaxnreg.inc`` then waits forever (the first backward split hung on the H200)."""
+    from flexattn_sm90.fwd_helpers import register_split
+
+    assert register_split(2, 24, 240) == (24, 240)
+    assert register_split(1, 24, 240) == (24, 240)
+    with pytest.raises(ValueError, match="does not fit 3 x 168"):
+        register_split(2, 32, 240)
+

@@ -10,7 +10,7 @@ import pytest
 
 from flexattn_sm90 import Sm90BwdConfig, Sm90Consumer, Sm90FwdConfig, __version__, select_fwd_config
 from maskplan_core.consumer import Consumer, ViewRequest
-from maskplan_core.errors import ConsumerNotFoundError, UnsupportedConfigError
+from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
 
 PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
@@ -143,13 +143,13 @@ def test_accepts_hopper_compute_capability():
     assert Sm90Consumer().resolve(request(compute_capability=(9, 0))).signature.arch_family == "sm90"
 
 
-def test_backward_has_no_kernel_yet():
-    c = Sm90Consumer()
-    expected = "flexattn-sm90 0.1.0 has no SM90 backward kernel yet"
-    with pytest.raises(ConsumerNotFoundError, match=expected) as info:
-        c.backward(None, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=False)
-    assert "Run on CPU tensors for the reference path" in str(info.value)
-    assert isinstance(info.value, RuntimeError)
+def test_backward_refuses_head_dims_without_a_kernel():
+    """The backward launcher names the head dims it has no kernel for (no other computation)."""
+    from flexattn_sm90.bwd_launch import config_for_view
+
+    view = type("V", (), {"geometry": type("G", (), {"head_dim_qk": 256, "head_dim_v": 256})()})()
+    with pytest.raises(UnsupportedConfigError, match=r"\(head_dim_qk, head_dim_v\)=\(256, 256\)"):
+        config_for_view(view)
 
 
 def test_configs_are_frozen_and_keyed():

@@ -61,7 +61,7 @@ from .bwd_helpers import (
 )
 from .bwd_mainloop import BwdMainloop
 from .config import Sm90BwdConfig
-from .fwd_helpers import LOG2_E, int32_gmem_ptr, select_modes
+from .fwd_helpers import LOG2_E, int32_gmem_ptr, register_split, select_modes
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -145,13 +145,13 @@ class Sm90BwdKernel(BwdMainloop):
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread
         self.payload_plane = layout.words_per_tile
-        # warp roles and register budgets (setmaxnreg; 128 * (32 + 2 * 240) = 65536)
+        # warp roles and register budgets (setmaxnreg, fwd_helpers.register_split)
         self.threads_per_wg = 128
         self.num_mma_wg = config.num_consumer_warpgroups
         self.num_mma_threads = self.threads_per_wg * self.num_mma_wg
         self.num_threads = self.threads_per_wg * (1 + self.num_mma_wg)
         self.producer_warp, self.dq_warp = 0, 1
-        self.producer_regs, self.mma_regs = 32, 240
+        self.producer_regs, self.mma_regs = register_split(self.num_mma_wg, 24, 240)
         # dQ = dS K: the two MMA warpgroups split the head dim; each owns one contiguous chunk
         self.dq_cols = self.head_dim // self.num_mma_wg
         self.dq_elements = self.tile_m * self.dq_cols // self.threads_per_wg  # per thread

@@ -1,16 +1,15 @@
-"""The SM90 (Hopper) consumer: resolves plan views and runs the persistent forward kernel.
+"""The SM90 (Hopper) consumer: resolves plan views, runs the persistent forward kernel and the
+K-major backward kernel.
 
-A plan built for SM90 carries the signature and WGMMA payload layout its kernels consume.
-``backward`` raises :class:`ConsumerNotFoundError` until the K2Q backward kernel lands; it never
-falls back to a computation of its own.
+A plan built for SM90 carries the signature and WGMMA payload layouts its kernels consume; head
+dims without a backward kernel are refused by the backward launcher (UnsupportedConfigError),
+never computed another way.
 """
 
 from __future__ import annotations
 
 from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
-from maskplan_core.errors import ConsumerNotFoundError
 
-from ._version import __version__
 from .heuristics import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, select_bwd_config, select_fwd_config
 
 
@@ -45,13 +44,10 @@ class Sm90Consumer(KernelConsumer):
         return AttentionOutputs(out, lse, max_logit)
 
     def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
-        raise ConsumerNotFoundError(_not_available("backward"))
+        from .bwd_launch import run_backward
 
-
-def _not_available(direction: str) -> str:
-    return (
-        f"flexattn-sm90 {__version__} has no SM90 {direction} kernel yet: training on CUDA is not "
-        "available in this release (inference runs the SM90 forward kernel). Run on CPU tensors for "
-        "the reference path."
-    )
+        return run_backward(
+            plan.view("backward"), q, k, v, out, lse, dout, dlse,
+            softmax_scale=softmax_scale, deterministic=deterministic,
+        )  # fmt: skip
 

@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .config import Sm90FwdConfig
-from .fwd_helpers import int32_gmem_ptr, select_modes, smem_layout_row_major
+from .fwd_helpers import int32_gmem_ptr, register_split, select_modes, smem_layout_row_major
 from .fwd_mainloop import CONSUMER_FIELDS, SCHEDULES, TASK_WORDS, ConsumerMainloop, Task
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -94,13 +94,13 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread
         self.payload_plane = layout.words_per_tile  # int32 words of one partial entry
-        # warp roles and register budgets (setmaxnreg; 128 * (24 + 2 * 240) = 64512 <= 65536)
+        # warp roles and register budgets (setmaxnreg, fwd_helpers.register_split)
         self.threads_per_wg = 128
         self.num_consumer_wg = config.num_consumer_warpgroups
         self.num_consumer_threads = self.threads_per_wg * self.num_consumer_wg
         self.num_threads = self.threads_per_wg * (1 + self.num_consumer_wg)
         self.producer_warp = 0
-        self.producer_regs, self.consumer_regs = 24, 240
+        self.producer_regs, self.consumer_regs = register_split(self.num_consumer_wg, 24, 240)
         self.sched_stages = 2
         assert self.payload_groups == self.num_consumer_threads
 
