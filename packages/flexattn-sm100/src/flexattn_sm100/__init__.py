@@ -1,7 +1,8 @@
 """flexattn-sm100: the Blackwell (SM100/SM103) MaskPlan consumer (TMEM payload layout, configs, consumer).
 
-Pure layout maths and configuration; importing it never imports CuTe DSL. Nothing in this package
-has run on SM100 hardware (``Sm100Consumer.hardware_verified`` is False).
+Importing it never imports CuTe DSL: the forward kernel (``fwd_kernel``, ``fwd_softmax``,
+``fwd_launch``; compiled for sm_100a) loads on first use. Nothing in this package has run on SM100
+hardware (``Sm100Consumer.hardware_verified`` is False).
 """
 
 from ._version import __version__

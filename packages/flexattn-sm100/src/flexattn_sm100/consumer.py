@@ -1,14 +1,16 @@
-"""The SM100/SM103 (Blackwell) consumer: resolves plan views; no kernel exists and none has run.
+"""The SM100/SM103 (Blackwell) consumer: resolves plan views; its forward kernel is compile-only.
 
 ``resolve`` is complete: a plan built for SM100 carries the signature and TMEM payload layout the
 kernels are specified to consume. ``hardware_verified`` is False: this consumer has never run on
-SM100 hardware. ``forward``/``backward`` raise :class:`ConsumerNotFoundError`; they never fall back
-to a computation of their own.
+SM100 hardware. ``forward`` launches the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`,
+compiled for sm_100a, generic qstage1 + 1CTA variant) only where the tensors live on a
+compute-capability 10.x GPU; everywhere else, and for ``backward`` (no kernel), it raises
+:class:`ConsumerNotFoundError`. It never falls back to a computation of its own.
 """
 
 from __future__ import annotations
 
-from maskplan_core.consumer import KernelConsumer
+from maskplan_core.consumer import AttentionOutputs, KernelConsumer
 from maskplan_core.errors import ConsumerNotFoundError
 
 from ._version import __version__
@@ -29,10 +31,31 @@ class Sm100Consumer(KernelConsumer):
     select_backward = staticmethod(select_bwd_config)
 
     def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool):
-        raise ConsumerNotFoundError(_not_available("forward"))
+        if not _on_sm100(q):
+            raise ConsumerNotFoundError(
+                f"flexattn-sm100 {__version__} has an SM100 forward kernel compiled for sm_100a, but it has "
+                "never run on SM100 hardware (hardware_verified=False) and runs only on a compute-capability "
+                "10.x GPU; these tensors are not on one. Run on CPU tensors for the reference path."
+            )
+        from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
+
+        out, lse, max_logit = run_forward(
+            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
+        )
+        return AttentionOutputs(out, lse, max_logit)
 
     def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
         raise ConsumerNotFoundError(_not_available("backward"))
+
+
+def _on_sm100(t) -> bool:
+    """Whether ``t`` is a CUDA tensor on a compute-capability 10.x device."""
+    device = getattr(t, "device", None)
+    if device is None or device.type != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(device)[0] == 10
 
 
 def _not_available(direction: str) -> str:
@@ -41,4 +64,3 @@ def _not_available(direction: str) -> str:
         "on SM100 hardware (hardware_verified=False); plans can be built (reference planner) but attention "
         "on CUDA is not available in this release. Run on CPU tensors for the reference path."
     )
-

@@ -1,0 +1,188 @@
+"""Device helpers of the SM100 forward kernel (CuTe DSL): the tcgen05 MMA builders, the TMEM
+fragments and copies the softmax warpgroup reads, the packed-predicate bit-select and the per-row
+online softmax.
+
+The score copy (:func:`score_tmem_load`) is the one :mod:`flexattn_sm100.payload_layout` describes:
+``tcgen05.ld 32x32b``, thread ``t`` of the softmax warpgroup reads TMEM lane ``t`` (accumulator row
+``t``) and its register ``e`` is column ``e``. The kernel tests bit ``e % 32`` of word ``e // 32``
+for register ``e``; ``tests/test_fwd_layout_agreement.py`` builds these same objects and checks
+every register against ``TmemLoadLayout.element_coords()``.
+
+Since one thread owns one whole score row, the softmax needs no cross-thread reduction: the row
+max and the row sum are per-thread scalars.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from cutlass.cutlass_dsl import dsl_user_op
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+#: registers (32-bit TMEM columns) per tcgen05.ld/st of the O accumulator (rescale and epilogue)
+O_CHUNK = 32
+
+
+# -- MMA builders ---------------------------------------------------------------------------------
+def make_qk_mma(dtype, tile_m: int, tile_n: int) -> cute.TiledMma:
+    """S = Q K^T: A = Q (tile_m x Dqk, K-major, SMEM), B = K (tile_n x Dqk, K-major), fp32 in TMEM."""
+    return sm100_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, tcgen05.CtaGroup.ONE, (tile_m, tile_n)
+    )
+
+
+def make_pv_mma(dtype, tile_m: int, head_dim_v: int) -> cute.TiledMma:
+    """O += P V: A = P (tile_m x tile_n, 16-bit, TMEM), B = V^T (Dv x tile_n, MN-major, SMEM)."""
+    return sm100_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, tcgen05.CtaGroup.ONE,
+        (tile_m, head_dim_v), tcgen05.OperandSource.TMEM,
+    )  # fmt: skip
+
+
+def tmem_acc(thr_mma, shape_mn: tuple[int, int], tmem_ptr: cute.Pointer) -> cute.Tensor:
+    """The ``shape_mn`` fp32 accumulator of ``thr_mma`` placed at ``tmem_ptr``: ((128, N), 1, 1)."""
+    frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C(shape_mn))
+    return cute.make_tensor(tmem_ptr, frag.layout)
+
+
+def score_tmem_load(tStS: cute.Tensor, tScS: cute.Tensor, thread: Int32):
+    """The softmax warpgroup's read of a score tile (spec 5.1): ``tcgen05.ld.32x32b.x32``.
+
+    Returns ``(tiled_copy, tLtS, tLcS)``: the TMEM source partition and, with the same shape, the
+    score coordinates ``(m, n)`` of every register of ``thread``. Register ``e`` (flat index) is the
+    payload element ``e`` of group ``thread``.
+    """
+    atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+    tiled = tcgen05.make_tmem_copy(atom, tStS)
+    thr = tiled.get_slice(thread)
+    return tiled, thr.partition_S(tStS), thr.partition_D(tScS)
+
+
+def row_chunk_copies(tAtA: cute.Tensor, thread: Int32, columns: int):
+    """32x32b load/store of ``columns`` TMEM columns of a 128-lane fp32 tile (one row per thread).
+
+    Returns ``(load, store, tLtA, tStA)``: the copies and this thread's TMEM partitions of the
+    first ``columns`` columns; chunk ``i`` is the same partition shifted by ``i * columns`` columns.
+    """
+    chunk = cute.make_tensor(tAtA.iterator, cute.composition(tAtA.layout, cute.make_layout((128, columns))))
+    ld = tcgen05.make_tmem_copy(
+        cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(columns)), Float32), chunk
+    )
+    st = tcgen05.make_tmem_copy(
+        cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(columns)), Float32), chunk
+    )
+    return ld, st, ld.get_slice(thread).partition_S(chunk), st.get_slice(thread).partition_D(chunk)
+
+
+def shift_columns(t: cute.Tensor, columns) -> cute.Tensor:
+    """The TMEM partition ``t`` moved ``columns`` 32-bit columns to the right."""
+    return cute.make_tensor(t.iterator + columns, t.layout)
+
+
+# -- packed predicate -----------------------------------------------------------------------------
+@cute.jit
+def apply_packed_predicate(row: cute.Tensor, words: cute.Tensor, num_elements: cutlass.Constexpr[int]):
+    """Spec 5.1 on a TMEM-loaded score row: register ``e`` keeps its score iff bit ``e % 32`` of
+    ``words[e // 32]`` is 1, else becomes -inf. Compile-time unrolled; padding bits are never read."""
+    for w in cutlass.range_constexpr((num_elements + 31) // 32):
+        word = words[w]
+        for b in cutlass.range_constexpr(min(32, num_elements - 32 * w)):
+            e = 32 * w + b
+            keep = ((word >> b) & 1) != 0
+            row[e] = row[e] if keep else -Float32.inf
+
+
+# -- per-row online softmax -------------------------------------------------------------------------
+@cute.jit
+def row_max(row: cute.Tensor, init: Float32) -> Float32:
+    """Max of a register row and ``init``, as a 4-way tree (short dependency chains)."""
+    n = cute.size(row)
+    m = [init, row[0], row[1], row[2]]
+    for c in cutlass.range_constexpr(3, n):
+        m[c % 4] = cute.arch.fmax(m[c % 4], row[c])
+    return cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
+
+
+@cute.jit
+def exp2_row_and_sum(row: cute.Tensor, scale_log2: Float32, max_scaled: Float32) -> Float32:
+    """``row[c] = 2^(row[c] * scale_log2 - max_scaled)`` in place; returns the sum (4 partial sums)."""
+    part = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+    for c in cutlass.range_constexpr(cute.size(row)):
+        p = cute.math.exp2(row[c] * scale_log2 - max_scaled, fastmath=True)
+        row[c] = p
+        part[c % 4] = part[c % 4] + p
+    return (part[0] + part[1]) + (part[2] + part[3])
+
+
+@cute.jit
+def softmax_update(
+    row: cute.Tensor, m_prev: Float32, sum_prev: Float32, scale_log2: Float32
+) -> tuple[Float32, Float32, Float32]:
+    """One K block of one row: ``row`` (raw scores, -inf where masked) becomes P in place.
+
+    Returns ``(m_new, sum_new, correction)``; ``m`` is the raw (unscaled) running max, and O must
+    be multiplied by ``correction`` before P V is added. A row with nothing visible yet keeps
+    ``m = -inf`` and contributes exactly 0 (never NaN).
+    """
+    m_new = row_max(row, m_prev)
+    m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+    correction = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
+    block_sum = exp2_row_and_sum(row, scale_log2, m_safe * scale_log2)
+    return m_new, sum_prev * correction + block_sum, correction
+
+
+def int32_gmem_ptr(base: cute.Tensor, offset: Int32, align: int):
+    """An Int32 GMEM pointer ``offset`` elements past ``base``'s start, with an asserted alignment."""
+    return cute.make_ptr(Int32, (base.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+@cute.jit
+def load_words(masks: cute.Tensor, offset: Int32, words: cute.Tensor):
+    """This thread's payload words (spec 6.2 direct delivery: GMEM -> registers, one vector load)."""
+    n = cute.size(words)
+    src = int32_gmem_ptr(masks, offset, 4 * n)
+    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(n)), words)
+
+
+@dsl_user_op
+def tcgen05_fence_before(*, loc=None, ip=None) -> None:
+    """``tcgen05.fence::before_thread_sync``: order this thread's prior tcgen05 ops (ld/st) before
+    the mbarrier arrive that follows."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tcgen05_fence_after(*, loc=None, ip=None) -> None:
+    """``tcgen05.fence::after_thread_sync``: order the tcgen05 ops that follow after the mbarrier
+    wait that precedes."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+__all__ = [
+    "LN_2",
+    "LOG2_E",
+    "O_CHUNK",
+    "apply_packed_predicate",
+    "int32_gmem_ptr",
+    "load_words",
+    "make_pv_mma",
+    "make_qk_mma",
+    "row_chunk_copies",
+    "row_max",
+    "score_tmem_load",
+    "select_modes",
+    "shift_columns",
+    "softmax_update",
+    "tcgen05_fence_after",
+    "tcgen05_fence_before",
+    "tmem_acc",
+]

@@ -1,0 +1,645 @@
+"""SM100 (Blackwell) attention forward that consumes a MaskPlan's forward view: generic qstage1 + 1CTA
+variant (spec 6.1, 6.2). Compile-verified for sm_100a only: it has NEVER run on SM100 hardware.
+
+One CTA = six warps, 192 threads, one 128 x 128 plan block (tile_m = tile_n = 128)::
+
+    warps 0-3 (softmax WG)  thread t owns score row t (TMEM lane t, tcgen05.ld 32x32b): packed
+                            predicate (payload words GMEM -> registers, spec 6.2 direct delivery),
+                            online softmax in the log2 domain, P -> TMEM, O rescale in TMEM,
+                            epilogue (O / rowsum -> GMEM, LSE); allocates and frees TMEM
+    warp 4   (MMA)          one thread issues tcgen05.mma: S_j = Q K_j^T (SS, into TMEM),
+                            O += P_j V_j (TS: P from TMEM, V from SMEM)
+    warp 5   (load)         hardware CLC queue over ``fwd_work_desc`` (task = CTA id; a CTA that is
+                            done cancels a not-yet-launched CTA and takes its task), task decode,
+                            TMA loads of Q, K, V
+
+TMEM (512 columns, fp32)::
+
+    S stage 0: cols   0..127   S stage 1: cols 128..255   (QK_{j+1} overlaps softmax j)
+    O        : cols 256..256+Dv-1                          P: cols 384..447 (128 x 16-bit packed)
+
+Per task ``(m_block, head, batch, q_valid_rows)`` (the walk of flexattn_sm90, spec 6.1)::
+
+    row = sequence_desc[batch].row_begin + m_block,   h = head if Hmask > 1 else 0
+    for e in mask_block_offset[h, row] + [0, mask_block_cnt[h, row]):   # partial blocks
+        S = Q K[mask_block_idx[e]]^T ; S[bit == 0] = -inf ; softmax step ; O += P V
+    for e in full_block_offset[h, row] + [0, full_block_cnt[h, row]):   # full blocks, no mask work
+        S = Q K[full_block_idx[e]]^T ; softmax step ; O += P V
+    O /= rowsum, LSE = max*scale + ln(rowsum); rows with no visible key: O = 0, LSE = -inf
+
+Pipelines (mbarriers, CTA-local)::
+
+    sched  2 stages   load lane 0 -> MMA warp + softmax WG     decoded task record in SMEM
+    Q      1 stage    TMA -> MMA                               released by tcgen05.commit
+    K, V   kv_stages  TMA -> MMA                               released by tcgen05.commit
+    S      2 stages   MMA (commit) -> softmax WG               released after tcgen05.ld
+    P      1 stage    softmax WG -> MMA                        released by the commit of P V, so
+                                                               acquiring P = "O is stable"
+    O      1 stage    MMA (commit after the last P V) -> softmax WG epilogue
+
+Physical rows are ``q_offset/k_offset + sample-local position``; Q/K/V tiles past the tensor end
+are zero-filled by TMA, partial payloads carry the K tail (bit 0), and output rows past
+``q_valid_rows`` are never stored.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from .config import Sm100FwdConfig
+from .fwd_helpers import make_pv_mma, make_qk_mma, select_modes, tcgen05_fence_after, tmem_acc
+from .fwd_softmax import CONSUMER_FIELDS, TASK_WORDS, SoftmaxRole, Task
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+#: the variants this kernel implements (qstage2 / 2CTA / D256 are specified but not written)
+IMPLEMENTED_VARIANTS = ("qstage1-1cta",)
+#: SMEM the Q/K/V stages may take (the rest: barriers, task records, CLC response)
+_SMEM_BUDGET = 200 * 1024
+_MAX_KV_STAGES = 4
+
+
+class FwdPlanTensors(NamedTuple):
+    """The forward view's tensors as the kernel reads them (all int32, see ``maskplan_core.plan``).
+
+    ``mask_block_masks`` is flattened to ``[partial_nnz * subtiles * groups * words]``.
+    """
+
+    mask_block_cnt: cute.Tensor  # (Hmask, rows)
+    mask_block_offset: cute.Tensor  # (Hmask, rows)
+    mask_block_idx: cute.Tensor  # (partial_nnz,)
+    mask_block_masks: cute.Tensor  # (partial_nnz * plane,)
+    full_block_cnt: cute.Tensor  # (Hmask, rows)
+    full_block_offset: cute.Tensor  # (Hmask, rows)
+    full_block_idx: cute.Tensor  # (full_nnz,)
+    sequence_desc: cute.Tensor  # (B, 8)
+    fwd_work_desc: cute.Tensor  # (tasks, 4)
+
+    def __new_from_mlir_values__(self, values):
+        return FwdPlanTensors(*values)
+
+
+def kv_stages_for(head_dim_qk: int, head_dim_v: int, element_bytes: int = 2, tile: int = 128) -> int:
+    """K/V pipeline depth: as many stages as fit next to Q in :data:`_SMEM_BUDGET` (at most 4)."""
+    q_bytes = tile * head_dim_qk * element_bytes
+    kv_bytes = tile * (head_dim_qk + head_dim_v) * element_bytes
+    return max(2, min(_MAX_KV_STAGES, (_SMEM_BUDGET - q_bytes) // kv_bytes))
+
+
+class Sm100FwdKernel(SoftmaxRole):
+    """Static configuration of one compiled forward kernel; see the module docstring."""
+
+    def __init__(self, config: Sm100FwdConfig):
+        if config.variant.name not in IMPLEMENTED_VARIANTS:
+            raise NotImplementedError(
+                f"the SM100 forward kernel implements variants {IMPLEMENTED_VARIANTS}, not "
+                f"{config.variant.name!r}"
+            )
+        if config.pack_gqa:
+            raise NotImplementedError("PackGQA is not implemented by the SM100 forward kernel")
+        if config.head_dim_v > 128 or config.head_dim_qk % 16 or config.head_dim_v % 32:
+            raise NotImplementedError(
+                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the qstage1 + 1CTA "
+                "kernel keeps O (Dv <= 128, a multiple of 32) next to two S stages in TMEM"
+            )
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        assert (self.tile_m, self.tile_n) == (128, 128)
+        self.kv_stages = kv_stages_for(self.head_dim_qk, self.head_dim_v)
+        self.sched_stages = 2
+        self.s_stages = 2
+        # payload ABI (payload_layout.py is the one source of truth): subtile 0 only (1CTA, 1 stage)
+        layout = config.payload_layout
+        assert layout.subtiles == 1
+        self.payload_groups = layout.groups  # = softmax threads
+        self.payload_words = layout.words_per_group
+        self.payload_elements = layout.elements_per_thread
+        self.payload_plane = layout.words_per_tile  # int32 words of one partial entry
+        # warp roles
+        self.softmax_warps = (0, 1, 2, 3)
+        self.mma_warp = 4
+        self.load_warp = 5
+        self.num_softmax_threads = 32 * len(self.softmax_warps)
+        self.num_threads = 32 * (len(self.softmax_warps) + 2)
+        assert self.payload_groups == self.num_softmax_threads
+        # named barriers (0 is __syncthreads)
+        self.tmem_alloc_barrier_id = 1  # softmax WG + MMA warp wait for the TMEM address
+        self.tmem_free_barrier_id = 2  # softmax WG done with TMEM before warp 0 frees it
+        # TMEM columns (32-bit), see the module docstring
+        self.tmem_cols = 512
+        self.tmem_s_offset = 0
+        self.tmem_s_stride = self.tile_n
+        self.tmem_o_offset = 2 * self.tile_n
+        self.tmem_p_offset = 3 * self.tile_n
+        assert self.tmem_o_offset + self.head_dim_v <= self.tmem_p_offset
+        assert self.tmem_p_offset + self.tile_n // 2 <= self.tmem_cols
+
+    # -- host entries -----------------------------------------------------------------------------
+    @cute.jit
+    def from_pointers(
+        self,
+        q: cute.Pointer,  # contiguous THD (total_q, Hq, Dqk), 16-byte aligned
+        k: cute.Pointer,  # (total_k, Hkv, Dqk)
+        v: cute.Pointer,  # (total_k, Hkv, Dv)
+        o: cute.Pointer,  # (total_q, Hq, Dv)
+        lse: cute.Pointer,  # fp32 (Hq, total_q)
+        max_logit: cute.Pointer | None,  # fp32 (Hq,)
+        mask_block_cnt: cute.Pointer,  # int32 (Hmask, rows)
+        mask_block_offset: cute.Pointer,  # (Hmask, rows)
+        mask_block_idx: cute.Pointer,  # (partial_nnz,)
+        mask_block_masks: cute.Pointer,  # (partial_nnz * plane,), 16-byte aligned
+        full_block_cnt: cute.Pointer,  # (Hmask, rows)
+        full_block_offset: cute.Pointer,  # (Hmask, rows)
+        full_block_idx: cute.Pointer,  # (full_nnz,)
+        sequence_desc: cute.Pointer,  # (B, 8)
+        fwd_work_desc: cute.Pointer,  # (tasks, 4)
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_kv: Int32,
+        mask_heads: Int32,
+        q_rows: Int32,
+        partial_nnz: Int32,
+        full_nnz: Int32,
+        batch: Int32,
+        num_tasks: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """The launch convention of the project's kernels: raw global pointers plus int32 sizes, so
+        no plan size, sequence length or head count triggers a recompile; builds row-major
+        tensors and calls :meth:`__call__`."""
+        dqk, dv = self.head_dim_qk, self.head_dim_v
+
+        def thd(ptr, total, heads, d):
+            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
+
+        def mat(ptr, rows, cols):
+            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+        def vec(ptr, n):
+            return cute.make_tensor(ptr, cute.make_layout(n))
+
+        self.__call__(
+            thd(q, total_q, num_heads_q, dqk),
+            thd(k, total_k, num_heads_kv, dqk),
+            thd(v, total_k, num_heads_kv, dv),
+            thd(o, total_q, num_heads_q, dv),
+            mat(lse, num_heads_q, total_q),
+            vec(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
+            FwdPlanTensors(
+                mat(mask_block_cnt, mask_heads, q_rows),
+                mat(mask_block_offset, mask_heads, q_rows),
+                vec(mask_block_idx, partial_nnz),
+                vec(mask_block_masks, partial_nnz * self.payload_plane),
+                mat(full_block_cnt, mask_heads, q_rows),
+                mat(full_block_offset, mask_heads, q_rows),
+                vec(full_block_idx, full_nnz),
+                mat(sequence_desc, batch, 8),
+                mat(fwd_work_desc, num_tasks, 4),
+            ),
+            softmax_scale,
+            num_tasks,
+            stream,
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (total_q, Hq, Dqk)
+        mK: cute.Tensor,  # (total_k, Hkv, Dqk)
+        mV: cute.Tensor,  # (total_k, Hkv, Dv)
+        mO: cute.Tensor,  # (total_q, Hq, Dv)
+        mLSE: cute.Tensor,  # (Hq, total_q) fp32
+        mMaxLogit: cute.Tensor | None,  # (Hq,) fp32, -inf at launch; None: not computed
+        plan: FwdPlanTensors,
+        softmax_scale: Float32,
+        num_tasks: Int32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError(f"q/k/v/o must be {self.dtype}")
+        qk_mma = make_qk_mma(self.dtype, self.tile_m, self.tile_n)
+        pv_mma = make_pv_mma(self.dtype, self.tile_m, self.head_dim_v)
+        qk_tiler = (self.tile_m, self.tile_n, self.head_dim_qk)  # (M, N, K) of S = Q K^T
+        pv_tiler = (self.tile_m, self.head_dim_v, self.tile_n)  # (M, N, K) of O = P V
+        # ((MMA), MMA_M, MMA_K, stages) UMMA-canonical SMEM layouts
+        sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, qk_tiler, self.dtype, 1)
+        sK_layout = sm100_utils.make_smem_layout_b(qk_mma, qk_tiler, self.dtype, self.kv_stages)
+        sV_layout = sm100_utils.make_smem_layout_b(pv_mma, pv_tiler, self.dtype, self.kv_stages)
+        # the P operand (K-major A of P V) as it lies in TMEM
+        tP_layout = sm100_utils.make_smem_layout_a(pv_mma, pv_tiler, self.dtype, 1)
+        # TMA views: Q, K (rows, D, heads); V^T (Dv, rows, heads), MN-major for the PV B operand
+        mQ_t, mK_t, mV_t = (
+            select_modes(mQ, [0, 2, 1]),
+            select_modes(mK, [0, 2, 1]),
+            select_modes(mV, [2, 0, 1]),
+        )
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,)).shape
+        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        one = [0, 1, 2]
+        tma_q, tma_mQ = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, mQ_t, cute.select(sQ_layout, mode=one), qk_tiler, qk_mma, cluster_vmnk
+        )
+        tma_k, tma_mK = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mK_t, cute.select(sK_layout, mode=one), qk_tiler, qk_mma, cluster_vmnk
+        )
+        tma_v, tma_mV = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mV_t, cute.select(sV_layout, mode=one), pv_tiler, pv_mma, cluster_vmnk
+        )
+        self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=one))
+        self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=one))
+        self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=one))
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        self.kernel(
+            qk_mma,
+            pv_mma,
+            tma_q,
+            tma_mQ,
+            tma_k,
+            tma_mK,
+            tma_v,
+            tma_mV,
+            mO,
+            mLSE,
+            mMaxLogit,
+            plan,
+            softmax_scale,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            tP_layout,
+        ).launch(  # fmt: skip
+            grid=[num_tasks, 1, 1],  # one CTA per task; CLC turns running CTAs into persistent ones
+            block=[self.num_threads, 1, 1],
+            cluster=[1, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        @cute.struct
+        class SharedStorage:
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * self.s_stages]
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_clc: cute.struct.MemRange[cutlass.Int64, 1]
+            clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
+            tmem_holding: Int32
+            task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        return SharedStorage
+
+    # -- device entry -----------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mMaxLogit: cute.Tensor | None,
+        plan: FwdPlanTensors,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == self.load_warp:
+            for atom in (tma_q, tma_k, tma_v):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipes = self._make_pipelines(storage)
+        clc_mbar = storage.mbar_clc.data_ptr()
+        if warp_idx == self.load_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(clc_mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # (MMA, MMA_M, MMA_K, stages) operand tiles in SMEM
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # (TASK_WORDS, stages): the decoded task the load warp hands to the MMA warp and softmax WG
+        sTask = storage.task.get_tensor(cute.make_layout((TASK_WORDS, self.sched_stages)))
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                self.tmem_alloc_barrier_id, self.num_softmax_threads + 32
+            ),
+            allocator_warp_id=self.softmax_warps[0],
+        )
+
+        qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
+        if warp_idx == self.load_warp:
+            self.load_role(
+                qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, plan, pipes, clc_mbar,
+                storage.clc_response.data_ptr(),
+            )  # fmt: skip
+        elif warp_idx < self.mma_warp:
+            tmem.allocate(self.tmem_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.softmax_role(
+                qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, plan, softmax_scale, pipes, tidx
+            )
+            # every MMA completed before the last epilogue read O; all softmax threads are done
+            pipeline.NamedBarrier(self.tmem_free_barrier_id, self.num_softmax_threads).arrive_and_wait()
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr, self.tmem_cols)
+        else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.mma_role(qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes)
+
+    def _make_pipelines(self, storage):
+        def group(threads: int):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
+
+        def tma_umma(mbar, stages, nbytes):
+            return pipeline.PipelineTmaUmma.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=group(1),
+                consumer_group=group(1),
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+
+        def umma_async(mbar, stages):
+            return pipeline.PipelineUmmaAsync.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=group(1),
+                consumer_group=group(self.num_softmax_threads),
+                defer_sync=True,
+            )
+
+        return Pipes(
+            sched=pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_sched.data_ptr(),
+                num_stages=self.sched_stages,
+                producer_group=group(1),
+                consumer_group=group(self.num_softmax_threads + 32),
+                defer_sync=True,
+            ),
+            q=tma_umma(storage.mbar_q, 1, self.bytes_q),
+            k=tma_umma(storage.mbar_k, self.kv_stages, self.bytes_k),
+            v=tma_umma(storage.mbar_v, self.kv_stages, self.bytes_v),
+            s=umma_async(storage.mbar_s, self.s_stages),
+            p=pipeline.PipelineAsyncUmma.create(
+                barrier_storage=storage.mbar_p.data_ptr(),
+                num_stages=1,
+                producer_group=group(self.num_softmax_threads),
+                consumer_group=group(1),
+                defer_sync=True,
+            ),
+            o=umma_async(storage.mbar_o, 1),
+        )
+
+    # -- task decoding (load warp; the others get the decoded task through SMEM) -----------------
+    @cute.jit
+    def decode_task(self, plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> Task:
+        m_block = plan.fwd_work_desc[task, 0]
+        head = plan.fwd_work_desc[task, 1]
+        batch = plan.fwd_work_desc[task, 2]
+        q_valid = plan.fwd_work_desc[task, 3]
+        row = plan.sequence_desc[batch, 4] + m_block
+        h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)  # Hmask is 1 or Hq
+        return Task(
+            m_block,
+            head,
+            head // qhead_per_kvhead,
+            plan.sequence_desc[batch, 0],
+            plan.sequence_desc[batch, 1],
+            q_valid,
+            plan.mask_block_cnt[h_mask, row],
+            plan.mask_block_offset[h_mask, row],
+            plan.full_block_cnt[h_mask, row],
+            plan.full_block_offset[h_mask, row],
+        )
+
+    @cute.jit
+    def publish_task(self, pipe_sched, state, sTask: cute.Tensor, t: Task | None, valid: Int32, lane: Int32):
+        """Hand the decoded task (or, with ``valid = 0``, the end of work) to the MMA and softmax warps."""
+        pipe_sched.producer_acquire(state)
+        if lane == 0:
+            record = sTask[None, state.index]
+            record[0] = valid
+            if const_expr(t is not None):
+                for w, field in enumerate(CONSUMER_FIELDS):
+                    record[1 + w] = getattr(t, field)
+            pipe_sched.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def next_task_clc(self, clc_mbar, clc_response, phase: Int32) -> Int32:
+        """Wait for the CLC response of the query issued for this task; the cancelled CTA's task,
+        or -1 when none is left (no query may follow a failed one)."""
+        cute.arch.mbarrier_wait(clc_mbar, phase)
+        cta_x, _, _, valid = cute.arch.clc_response(clc_response)
+        # generic reads of the response before the async proxy rewrites it
+        cute.arch.fence_proxy("async.shared", space="cta")
+        return cta_x if valid != 0 else Int32(-1)
+
+    # -- load warp ----------------------------------------------------------------------------------
+    @cute.jit
+    def load_role(
+        self, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, plan: FwdPlanTensors, pipes,
+        clc_mbar, clc_response,
+    ):  # fmt: skip
+        lane = cute.arch.lane_idx()
+        qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+        clc_phase = Int32(0)
+        task = Int32(cute.arch.block_idx()[0])
+        while task >= 0:
+            # ask the hardware queue for the next task now; the answer is read after the loads
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(clc_mbar, 16)
+                cute.arch.issue_clc_query(clc_mbar, clc_response, multicast=False)
+            t = self.decode_task(plan, task, qhead_per_kvhead)
+            sched_state = self.publish_task(pipes.sched, sched_state, sTask, t, Int32(1), lane)
+            if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
+                q_state, kv_state = self.load_task(
+                    t, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, plan, pipes,
+                    q_state, kv_state,
+                )  # fmt: skip
+            task = self.next_task_clc(clc_mbar, clc_response, clc_phase)
+            clc_phase = clc_phase ^ 1
+        sched_state = self.publish_task(pipes.sched, sched_state, sTask, None, Int32(0), lane)
+
+    @cute.jit
+    def load_task(
+        self, t: Task, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, plan: FwdPlanTensors,
+        pipes, q_state, kv_state,
+    ):  # fmt: skip
+        no_mcast = cute.make_layout(1)
+        # Q: (tile_m, Dqk) tiles of this sample and head -> (MMA, MMA_M, MMA_K, m_blocks, 1)
+        gQ = cute.flat_divide(
+            cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]), (self.tile_m, self.head_dim_qk)
+        )
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, no_mcast, cute.group_modes(sQ, 0, 3), cute.group_modes(qk_thr.partition_A(gQ), 0, 3)
+        )
+        # K: (tile_n, Dqk, n_blocks, 1); V^T: (Dv, tile_n, 1, n_blocks) of this sample and kv head
+        gK = cute.flat_divide(
+            cute.domain_offset((t.k_offset, 0), mK[None, None, t.kv_head]), (self.tile_n, self.head_dim_qk)
+        )
+        gV = cute.flat_divide(
+            cute.domain_offset((0, t.k_offset), mV[None, None, t.kv_head]), (self.head_dim_v, self.tile_n)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, no_mcast, cute.group_modes(sK, 0, 3), cute.group_modes(qk_thr.partition_B(gK), 0, 3)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_v, 0, no_mcast, cute.group_modes(sV, 0, 3), cute.group_modes(pv_thr.partition_B(gV), 0, 3)
+        )
+        pipes.q.producer_acquire(q_state)
+        cute.copy(
+            tma_q, tQgQ[None, t.m_block, 0], tQsQ[None, 0], tma_bar_ptr=pipes.q.producer_get_barrier(q_state)
+        )
+        q_state.advance()
+        # partial blocks, then full blocks: the consumers walk the same order
+        for i in cutlass.range(t.partial_cnt, unroll=1):
+            n_block = plan.mask_block_idx[t.partial_off + i]
+            kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
+        for i in cutlass.range(t.full_cnt, unroll=1):
+            n_block = plan.full_block_idx[t.full_off + i]
+            kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
+        return q_state, kv_state
+
+    @cute.jit
+    def load_kv(self, n_block: Int32, pipes, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):
+        pipes.k.producer_acquire(state)
+        cute.copy(
+            tma_k,
+            tKgK[None, n_block, 0],
+            tKsK[None, state.index],
+            tma_bar_ptr=pipes.k.producer_get_barrier(state),
+        )
+        pipes.v.producer_acquire(state)
+        cute.copy(
+            tma_v,
+            tVgV[None, 0, n_block],
+            tVsV[None, state.index],
+            tma_bar_ptr=pipes.v.producer_get_barrier(state),
+        )
+        state.advance()
+        return state
+
+    # -- MMA warp -----------------------------------------------------------------------------------
+    @cute.jit
+    def mma_role(self, qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes):
+        tSrQ = qk_thr.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, 1) SMEM descriptors
+        tSrK = qk_thr.make_fragment_B(sK)  # (MMA, MMA_N, MMA_K, kv_stages)
+        tOrV = pv_thr.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, kv_stages)
+        # S stage 0 (stage s is shifted s * tmem_s_stride columns), O, and the P operand in TMEM
+        tStS = tmem_acc(qk_thr, (self.tile_m, self.tile_n), tmem_ptr + self.tmem_s_offset)
+        tOtO = tmem_acc(pv_thr, (self.tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offset)
+        tOrP_proto = pv_thr.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0]
+        tOrP = cute.make_tensor(
+            cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=tOrP_proto.element_type), tOrP_proto.layout
+        )
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s_stages)
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+
+        valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+        while valid != 0:
+            n = t.partial_cnt + t.full_cnt
+            if n > 0:
+                pipes.q.consumer_wait(q_state)
+                k_state = kv_state.clone()
+                s_state, k_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, pipes, s_state, k_state)
+                for j in cutlass.range(n, unroll=1):
+                    if j + 1 < n:  # S_{j+1} overlaps the softmax of block j
+                        s_state, k_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, pipes, s_state, k_state)
+                    pipes.p.consumer_wait(p_state)
+                    pipes.v.consumer_wait(kv_state)
+                    if j == 0:
+                        pipes.o.producer_acquire(o_state)  # the previous epilogue has read O
+                    tcgen05_fence_after()
+                    self.issue_pv(pv_mma, tOtO, tOrP, tOrV, kv_state.index, j > 0)
+                    pipes.p.consumer_release(p_state)  # fires when P V completes: O stable, P free
+                    p_state.advance()
+                    pipes.v.consumer_release(kv_state)
+                    kv_state.advance()
+                pipes.o.producer_commit(o_state)
+                o_state.advance()
+                pipes.q.consumer_release(q_state)
+                q_state.advance()
+            valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+
+    @cute.jit
+    def issue_pv(self, pv_mma, tOtO, tOrP, tOrV, v_stage: Int32, accumulate):
+        """O (+)= P V[v_stage]; block 0 of a task overwrites O."""
+        for kb in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            if const_expr(kb == 0):
+                pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                pv_mma.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(pv_mma, tOtO, tOrP[None, None, kb], tOrV[None, None, kb, v_stage], tOtO)
+
+    @cute.jit
+    def issue_qk(self, qk_mma, tSrQ, tSrK, tStS, pipes, s_state, k_state):
+        """S[stage] = Q K^T for the next K tile; the K stage is released when the MMA completes."""
+        pipes.s.producer_acquire(s_state)  # the softmax has read this S stage
+        pipes.k.consumer_wait(k_state)
+        tcgen05_fence_after()
+        tStS_s = cute.make_tensor(tStS.iterator + s_state.index * self.tmem_s_stride, tStS.layout)
+        for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
+            cute.gemm(qk_mma, tStS_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, k_state.index], tStS_s)
+        pipes.s.producer_commit(s_state)
+        s_state.advance()
+        pipes.k.consumer_release(k_state)
+        k_state.advance()
+        return s_state, k_state
+
+
+@dataclass(frozen=True)
+class Pipes:
+    """The CTA's pipelines (a frozen dataclass: the DSL passes it through loops as read-only)."""
+
+    sched: object
+    q: object
+    k: object
+    v: object
+    s: object
+    p: object
+    o: object

@@ -1,0 +1,265 @@
+"""The softmax warpgroup of the SM100 forward kernel: packed predicate, online softmax, O rescale,
+epilogue. A mixin of :class:`flexattn_sm100.fwd_kernel.Sm100FwdKernel` (it reads the kernel's static
+config from ``self``). Never run on SM100 hardware.
+
+Thread ``t`` (0..127) owns score row ``t`` of the 128-row Q tile: ``tcgen05.ld 32x32b`` puts
+column ``e`` of S in its register ``e`` (:func:`fwd_helpers.score_tmem_load`, the fragment
+:mod:`flexattn_sm100.payload_layout` describes), so the row max and row sum are plain per-thread
+scalars and the packed predicate is the thread's own ``words_per_group`` payload words. Per block::
+
+    wait S[j] ; tcgen05.ld S -> 128 fp32 registers ; release S[j] (the MMA may compute S[j + 2])
+    [partial] register e = -inf unless bit e % 32 of word e // 32            (spec 5.1)
+    m' = max(m, rowmax) ; P = 2^(S * scale_log2 - m' * scale_log2) ; l = l * 2^((m - m') * scale_log2) + sum P
+    acquire P (= the P V of block j-1 completed: O is stable, the P buffer is free)
+    [j > 0 and some row of the warp changed its max] O *= correction (tcgen05.ld/st, 32 columns a time)
+    tcgen05.st P (16-bit, packed two per column) ; commit P -> the MMA warp issues O += P V
+
+Epilogue: wait O ; O / l -> GMEM (rows < q_valid) ; LSE = (m * scale_log2 + log2 l) * ln 2 ;
+rows that saw no key get O = 0 and LSE = -inf (the SM90 kernel's and the reference's convention).
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import tcgen05
+
+from .fwd_helpers import (
+    LN_2,
+    LOG2_E,
+    O_CHUNK,
+    apply_packed_predicate,
+    load_words,
+    row_chunk_copies,
+    score_tmem_load,
+    shift_columns,
+    softmax_update,
+    tcgen05_fence_after,
+    tcgen05_fence_before,
+    tmem_acc,
+)
+
+
+class Task(NamedTuple):
+    """One decoded forward task (runtime Int32 values)."""
+
+    m_block: Int32
+    head: Int32
+    kv_head: Int32
+    q_offset: Int32
+    k_offset: Int32
+    q_valid: Int32
+    partial_cnt: Int32
+    partial_off: Int32
+    full_cnt: Int32
+    full_off: Int32
+
+
+#: the task fields the MMA warp and the softmax warpgroup need, in SMEM record order after the valid flag
+CONSUMER_FIELDS = ("m_block", "head", "q_offset", "q_valid", "partial_cnt", "partial_off", "full_cnt")
+TASK_WORDS = 1 + len(CONSUMER_FIELDS)
+
+
+class SoftmaxFragments(NamedTuple):
+    """TMEM partitions, copies and registers of one softmax thread (built once per CTA)."""
+
+    s_load: object  # tcgen05.ld 32x32b.x32 of a score tile
+    tLtS: cute.Tensor  # this thread's S stage-0 TMEM partition
+    tLcS: cute.Tensor  # score coordinates (m, n) of this thread's registers rS[e] (tests)
+    rS: cute.Tensor  # (128,) fp32 score row -> P
+    p_store: object  # tcgen05.st 32x32b of the packed P
+    tPtP: cute.Tensor  # this thread's P TMEM partition (tile_n / 2 columns)
+    tPcP: cute.Tensor  # (row, packed column) of rP32[j] (tests)
+    rP32: cute.Tensor  # the packed P as fp32 registers (tile_n / 2)
+    rP: cute.Tensor  # the same registers as tile_n 16-bit values, rS's layout
+    o_load: object  # tcgen05.ld 32x32b of O_CHUNK columns of O
+    o_store: object  # tcgen05.st 32x32b of O_CHUNK columns of O
+    tLtO: cute.Tensor  # chunk 0 of this thread's O row (TMEM)
+    tStO: cute.Tensor
+    tLcO: cute.Tensor  # O coordinates (m, d) of rO[e] for chunk 0 (tests)
+    rO: cute.Tensor  # (O_CHUNK,) fp32
+
+
+class SoftmaxRole:
+    """Softmax-warpgroup methods (mixin)."""
+
+    @cute.jit
+    def fetch_task(self, pipe_sched, state, sTask: cute.Tensor):
+        """The next decoded task from SMEM (only the load warp reads the plan's descriptors)."""
+        pipe_sched.consumer_wait(state)
+        record = sTask[None, state.index]
+        valid = record[0]
+        fields = {field: record[1 + w] for w, field in enumerate(CONSUMER_FIELDS)}
+        pipe_sched.consumer_release(state)
+        state.advance()
+        zero = Int32(0)
+        return valid, Task(**{f: fields.get(f, zero) for f in Task._fields}), state
+
+    def softmax_fragments(self, qk_thr, pv_thr, tmem_ptr, tidx) -> SoftmaxFragments:
+        # S stage 0: ((128, tile_n), 1, 1) fp32 in TMEM, and the (m, n) coordinates of its elements
+        tStS = tmem_acc(qk_thr, (self.tile_m, self.tile_n), tmem_ptr + self.tmem_s_offset)
+        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        s_load, tLtS, tLcS = score_tmem_load(tStS, tScS, tidx)
+        rS = cute.make_rmem_tensor(tLcS.shape, Float32)
+        # P: tile_n 16-bit values per row = tile_n / 2 fp32 columns
+        p_cols = self.tile_n * self.dtype.width // 32
+        tStP = cute.make_tensor(
+            tmem_ptr + self.tmem_p_offset,
+            cute.composition(tStS.layout, cute.make_layout((self.tile_m, p_cols))),
+        )
+        tScP = cute.make_tensor(
+            tScS.iterator, cute.composition(tScS.layout, cute.make_layout((self.tile_m, p_cols)))
+        )
+        p_store = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(32)), Float32), tStP
+        )
+        thr_p = p_store.get_slice(tidx)
+        tPcP = thr_p.partition_S(tScP)
+        rP32 = cute.make_rmem_tensor(tPcP.shape, Float32)
+        rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), rS.layout)
+        # O: ((128, Dv), 1, 1) fp32 in TMEM, visited O_CHUNK columns at a time
+        tOtO = tmem_acc(pv_thr, (self.tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offset)
+        o_load, o_store, tLtO, tStO = row_chunk_copies(tOtO, tidx, O_CHUNK)
+        cO = pv_thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        cO_chunk = cute.make_tensor(
+            cO.iterator, cute.composition(cO.layout, cute.make_layout((self.tile_m, O_CHUNK)))
+        )
+        tLcO = o_load.get_slice(tidx).partition_D(cO_chunk)
+        return SoftmaxFragments(
+            s_load, tLtS, tLcS, rS, p_store, thr_p.partition_D(tStP), tPcP, rP32, rP, o_load, o_store,
+            tLtO, tStO, tLcO, cute.make_rmem_tensor(tLcO.shape, Float32),
+        )  # fmt: skip
+
+    @cute.jit
+    def softmax_role(
+        self, qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, plan, softmax_scale: Float32, pipes,
+        tidx: Int32,
+    ):  # fmt: skip
+        scale_log2 = softmax_scale * Float32(LOG2_E)
+        frags = self.softmax_fragments(qk_thr, pv_thr, tmem_ptr, tidx)
+        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s_stages)
+        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+
+        valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+        while valid != 0:
+            m = -Float32.inf
+            l_sum = Float32(0.0)
+            for i in cutlass.range(t.partial_cnt, unroll=1):
+                # spec 6.2 direct delivery: this thread's words of payload group tidx, subtile 0
+                load_words(
+                    plan.mask_block_masks,
+                    ((t.partial_off + i) * self.payload_groups + tidx) * self.payload_words,
+                    words,
+                )
+                s_state, p_state, m, l_sum = self.softmax_block(
+                    frags, pipes, s_state, p_state, m, l_sum, scale_log2, i > 0, words
+                )
+            for i in cutlass.range(t.full_cnt, unroll=1):
+                s_state, p_state, m, l_sum = self.softmax_block(
+                    frags, pipes, s_state, p_state, m, l_sum, scale_log2, t.partial_cnt + i > 0, None
+                )
+            o_state = self.epilogue(
+                frags, pipes, o_state, t, m, l_sum, scale_log2, softmax_scale, mO, mLSE, mMaxLogit, tidx
+            )
+            valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+
+    @cute.jit
+    def softmax_block(
+        self, frags: SoftmaxFragments, pipes, s_state, p_state, m: Float32, l_sum: Float32,
+        scale_log2: Float32, has_o, words,
+    ):  # fmt: skip
+        """One K block of this thread's row; see the module docstring."""
+        rS = frags.rS
+        pipes.s.consumer_wait(s_state)
+        tcgen05_fence_after()
+        cute.copy(frags.s_load, shift_columns(frags.tLtS, s_state.index * self.tmem_s_stride), rS)
+        cute.arch.fence_view_async_tmem_load()
+        tcgen05_fence_before()
+        pipes.s.consumer_release(s_state)
+        s_state.advance()
+        if const_expr(words is not None):
+            apply_packed_predicate(rS, words, self.payload_elements)
+        m, l_sum, correction = softmax_update(rS, m, l_sum, scale_log2)
+        frags.rP.store(rS.load().to(self.dtype))
+        pipes.p.producer_acquire(p_state)  # P V of the previous block completed
+        tcgen05_fence_after()
+        if has_o:
+            if cute.arch.vote_any_sync(correction != Float32(1.0)):  # warp-uniform: tcgen05.ld/st are
+                self.rescale_o(frags, correction)  # warp-collective
+        cute.copy(frags.p_store, frags.rP32, frags.tPtP)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before()
+        pipes.p.producer_commit(p_state)
+        p_state.advance()
+        return s_state, p_state, m, l_sum
+
+    @cute.jit
+    def rescale_o(self, frags: SoftmaxFragments, factor: Float32):
+        """O row *= factor, O_CHUNK TMEM columns at a time."""
+        rO = frags.rO
+        for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+            cute.copy(frags.o_load, shift_columns(frags.tLtO, c * O_CHUNK), rO)
+            cute.arch.fence_view_async_tmem_load()
+            for e in cutlass.range_constexpr(cute.size(rO)):
+                rO[e] = rO[e] * factor
+            cute.copy(frags.o_store, rO, shift_columns(frags.tStO, c * O_CHUNK))
+
+    @cute.jit
+    def epilogue(
+        self, frags: SoftmaxFragments, pipes, o_state, t, m: Float32, l_sum: Float32, scale_log2: Float32,
+        softmax_scale: Float32, mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, tidx: Int32,
+    ):  # fmt: skip
+        """Store this thread's O row (input dtype) and LSE when the row is < q_valid, and fold its
+        scaled row max into ``mMaxLogit[head]`` (one atomic per warp). Every row of the tile takes
+        part in the TMEM reads (warp-collective); only valid rows write."""
+        row_in_tile = tidx
+        store = row_in_tile < t.q_valid
+        q_row = t.q_offset + t.m_block * self.tile_m + row_in_tile
+        num_heads = mO.shape[1]
+        row_offset = (cutlass.Int64(q_row) * num_heads + t.head) * self.head_dim_v
+        gO_row = cute.make_tensor(
+            cute.make_ptr(
+                self.dtype, (mO.iterator + row_offset).toint(), cute.AddressSpace.gmem, assumed_align=16
+            ),
+            cute.make_layout(self.head_dim_v),
+        )
+        empty = l_sum == Float32(0.0)
+        inv = Float32(0.0) if empty else cute.arch.rcp_approx(l_sum)
+        lse = (
+            -Float32.inf if empty else (m * scale_log2 + cute.math.log2(l_sum, fastmath=True)) * Float32(LN_2)
+        )
+        rO = frags.rO
+        out = cute.make_rmem_tensor(cute.make_layout(O_CHUNK), self.dtype)
+        has_blocks = t.partial_cnt + t.full_cnt > 0
+        if has_blocks:
+            pipes.o.consumer_wait(o_state)
+            tcgen05_fence_after()
+        for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
+            if has_blocks:
+                cute.copy(frags.o_load, shift_columns(frags.tLtO, c * O_CHUNK), rO)
+                cute.arch.fence_view_async_tmem_load()
+                for e in cutlass.range_constexpr(O_CHUNK):
+                    rO[e] = rO[e] * inv
+            else:
+                rO.fill(0.0)
+            out.store(cute.make_tensor(rO.iterator, cute.make_layout(O_CHUNK)).load().to(self.dtype))
+            if store:
+                cute.autovec_copy(out, cute.local_tile(gO_row, (O_CHUNK,), (c,)))
+        if has_blocks:
+            tcgen05_fence_before()
+            pipes.o.consumer_release(o_state)
+            o_state.advance()
+        if store:
+            mLSE[t.head, q_row] = lse
+        if const_expr(mMaxLogit is not None):
+            row_m = m if store else -Float32.inf
+            for offset in (16, 8, 4, 2, 1):
+                row_m = cute.arch.fmax(row_m, cute.arch.shuffle_sync_bfly(row_m, offset=offset))
+            if cute.arch.lane_idx() == 0 and row_m != -Float32.inf:
+                cute.arch.atomic_fmax(mMaxLogit.iterator + t.head, row_m * softmax_scale)
+        return o_state

@@ -1,0 +1,149 @@
+"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA): it traces and compiles to
+sm_100a on a machine without a GPU (placeholder pointers, no CUDA allocation), its PTX has the
+instructions the design promises (tcgen05 MMA into TMEM, 32x32b TMEM loads/stores, TMA, the CLC
+queue, direct payload loads) and, where ptxas is installed, no register spills.
+
+Compiling is the ONLY verification this kernel has had: no SM100 hardware was available, and it has
+never run. Run with ``CUTE_DSL_ARCH=sm_100a`` (the nox session sets it); the DSL fixes its target
+once per process, so in a process that already targets another architecture these tests skip.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # the launcher also passes --gpu-arch sm_100a
+
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("cutlass.cute")
+
+from flexattn_sm100.fwd_kernel import IMPLEMENTED_VARIANTS, Sm100FwdKernel, kv_stages_for  # noqa: E402
+from flexattn_sm100.fwd_launch import (  # noqa: E402
+    GPU_ARCH,
+    SOURCE_PACKAGES,
+    compile_forward,
+    compile_uncached,
+    kernel_key,
+    supports,
+)
+from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
+from maskplan_kernels import compile_cache  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
+    reason="the CuTe DSL target is fixed per process; run with CUTE_DSL_ARCH=sm_100a",
+)
+
+#: every (head dims, dtype) the qstage1 + 1CTA kernel supports, compiled once each (~2-4 s)
+CONFIGS = [((64, 64), "bfloat16"), ((128, 128), "bfloat16"), ((128, 128), "float16"), ((96, 96), "bfloat16"),
+           ((192, 128), "bfloat16")]  # fmt: skip
+
+
+def config(dims, dtype="bfloat16"):
+    return select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype=dtype, variant="qstage1-1cta")
+
+
+def _ptxas_report(ptx: str, tmp_path) -> str | None:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run(
+        [ptxas, "-arch=sm_100a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
+    )
+    return run.stderr + run.stdout
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@pytest.mark.parametrize("dims,dtype", CONFIGS, ids=[f"{a}x{b}-{t}" for (a, b), t in CONFIGS])
+def test_compiles(dims, dtype, tmp_path):
+    dq, dv = dims
+    cfg = config(dims, dtype)
+    assert supports(cfg)
+    max_logit = dims == (128, 128) and dtype == "float16"
+    compiled = compile_uncached(
+        cfg, with_max_logit=max_logit, extra_options=f"--keep-ptx --dump-dir {tmp_path}"
+    )
+    ptx = compiled.__ptx__
+    assert ".target sm_100a" in ptx
+    # UMMA: S = Q K^T (A, B from SMEM) Dqk/16 k-blocks, issued at two sites (first block, next block);
+    # O += P V (A = P from TMEM) tile_n/16 = 8 k-blocks
+    mma = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
+    assert len(mma) == 2 * dq // 16 + 8
+    assert sum(a.startswith("[") for a in mma) == 8  # the P operand comes from TMEM
+    # softmax: S rows via tcgen05.ld 32x32b.x32 (4 per tile, two sites), O rescale (Dv/32 per
+    # site, two sites) and epilogue (Dv/32); P via tcgen05.st (2 per tile, two sites) and O rescale
+    assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32") == 8 + 3 * dv // 32
+    assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 4 + 2 * dv // 32
+    assert _count(ptx, r"tcgen05\.alloc\.") == 1 and _count(ptx, r"tcgen05\.dealloc\.") == 1
+    assert "clusterlaunchcontrol.try_cancel" in ptx  # spec 4.8: hardware CLC queue over fwd_work_desc
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads of Q/K/V
+    # spec 6.2: the payload goes GMEM -> registers directly (one 16-byte load of 4 words), no SMEM stage
+    assert _count(ptx, r"ld\.global(\.nc)?\.v4\.b32") == 1
+    assert not re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)
+    # O rows: Dv/8 16-byte stores per thread
+    assert _count(ptx, r"st\.global\.v4\.b32") == dv // 8
+    if max_logit:
+        assert "atom.global.max.s32" in ptx or "atom.global.max.f32" in ptx or "red.global.max" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_smem_fits_one_cta_per_sm():
+    """Q + kv_stages x (K + V) fits 227 KB and exceeds half of it, so a second CTA never waits on
+    TMEM (each takes all 512 columns)."""
+    for (dq, dv), _ in CONFIGS:
+        stages = kv_stages_for(dq, dv)
+        smem = 128 * 2 * (dq + stages * (dq + dv))
+        assert stages >= 2 and 114 * 1024 < smem <= 210 * 1024, (dq, dv, stages, smem)
+
+
+def test_unimplemented_variants_are_refused():
+    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta",)
+    for name in ("qstage2-1cta", "qstage1-2cta"):
+        cfg = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant=name)
+        assert not supports(cfg)
+        with pytest.raises(NotImplementedError, match=name):
+            Sm100FwdKernel(cfg)
+    d256 = select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")
+    assert not supports(d256)
+
+
+def test_kernel_key_ignores_runtime_geometry():
+    """GQA ratio and varlen-ness are runtime values: one kernel serves them all."""
+    a = config((128, 128))
+    b = select_fwd_config(
+        head_dim_qk=128,
+        head_dim_v=128,
+        dtype="bfloat16",
+        qhead_per_kvhead=4,
+        varlen=True,
+        variant="qstage1-1cta",
+    )
+    assert kernel_key(a, with_max_logit=False) == kernel_key(b, with_max_logit=False)
+    assert kernel_key(a, with_max_logit=False) != kernel_key(
+        config((128, 128), "float16"), with_max_logit=False
+    )
+    assert kernel_key(a, with_max_logit=False) != kernel_key(a, with_max_logit=True)
+
+
+def test_compile_forward_goes_through_the_project_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLEXATTN_CACHE", "1")
+    monkeypatch.setattr(compile_cache, "_MEMORY", {})
+    cfg = config((64, 64))
+    compiled = compile_forward(cfg)
+    assert compile_forward(cfg) is compiled
+    key = kernel_key(cfg, with_max_logit=False)
+    assert key in compile_cache.cached_keys()
+    disk_key = compile_cache.make_key(key, options=f"--gpu-arch {GPU_ARCH}", packages=SOURCE_PACKAGES)
+    assert disk_key.arch == "sm_100a"
+    assert [p[0] for p in disk_key.packages] == ["flexattn_sm100", "maskplan_kernels", "maskplan_core"]
