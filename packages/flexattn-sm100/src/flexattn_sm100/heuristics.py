@@ -1,8 +1,11 @@
 """Config selection for the SM100/SM103 kernels: problem -> :class:`Sm100FwdConfig` / :class:`Sm100BwdConfig`.
 
-Provisional: no SM100 kernel exists and nothing here has been measured on hardware. The table
-fixes a topology per head-dim pair so plans (and their signatures) are well defined; it will be
-revisited when the kernels land (a change bumps the affected kernel family / layout versions).
+Provisional: nothing here has been measured on hardware. The table fixes a topology per head-dim
+pair so plans (and their signatures) are well defined; it will be revisited when the kernels land
+(a change bumps the affected kernel family / layout versions). Only the qstage1 + 1CTA forward kernel
+exists (``fwd_kernel.py``, compiled for sm_100a, never run): it serves plans built with
+``variant="qstage1-1cta"``, which is the default only for (192, 128); the other defaults have no
+kernel yet and ``fwd_launch.run_forward`` refuses them.
 
 ==============  =============================================  ==========================================
 (Dqk, Dv)       forward variant (plan block, payload)          backward variant (Q x K block, payload)

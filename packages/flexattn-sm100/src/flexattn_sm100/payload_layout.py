@@ -1,9 +1,12 @@
 """The SM100/SM103 packed-predicate payload layout: the ONE place the TMEM load ownership is written.
 
-Status: compile-verified only, and only in part; never run on SM100 hardware (no SM100 kernel exists
-yet). ``tests/test_sm100_cute_crosscheck.py`` checks the forward QK ownership (1CTA M128, and 2CTA
-M256 per CTA rank) against CuTe DSL's ``tcgen05.make_tmem_copy(Ld32x32bOp)`` partition at compile
-time (``CUTE_DSL_ARCH=sm_100a``). The backward's two-warpgroup column split below is a design
+Status: compile-verified only, and only in part; never run on SM100 hardware.
+``tests/test_sm100_cute_crosscheck.py`` checks the forward QK ownership (1CTA M128, and 2CTA M256
+per CTA rank) against CuTe DSL's ``tcgen05.make_tmem_copy(Ld32x32bOp)`` partition at compile time
+(``CUTE_DSL_ARCH=sm_100a``);
+``tests/test_fwd_layout_agreement.py`` checks that the qstage1 + 1CTA forward kernel's own softmax
+fragment tests, in every thread and register, the bit this layout assigns (the only SM100 kernel so
+far; compiled for sm_100a, never run). The backward's two-warpgroup column split below is a design
 choice the future kernel's TMEM copy must follow; nothing has checked it yet.
 
 The score accumulator lives in tensor memory (TMEM): accumulator row ``r`` of a 128-row MMA tile is
