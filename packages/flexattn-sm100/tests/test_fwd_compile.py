@@ -15,6 +15,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # the launcher also passes --
 import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -147,3 +148,28 @@ def test_compile_forward_goes_through_the_project_cache(tmp_path, monkeypatch):
     disk_key = compile_cache.make_key(key, options=f"--gpu-arch {GPU_ARCH}", packages=SOURCE_PACKAGES)
     assert disk_key.arch == "sm_100a"
     assert [p[0] for p in disk_key.packages] == ["flexattn_sm100", "maskplan_kernels", "maskplan_core"]
+
+
+SM103_SCRIPT = """
+from flexattn_sm100.heuristics import select_fwd_config
+from flexattn_sm100.fwd_kernel import Sm100FwdKernel
+from flexattn_sm100.fwd_launch import placeholder_arguments
+import cutlass.cute as cute
+cfg = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant="qstage1-1cta")
+kernel = Sm100FwdKernel(cfg)
+args = placeholder_arguments(kernel, with_max_logit=False)
+options = "--gpu-arch sm_103a --keep-ptx --dump-dir {dump}"
+compiled = cute.compile(kernel.from_pointers, *args, options=options)
+print(".target sm_103a" in compiled.__ptx__)
+"""
+
+
+@pytest.mark.slow
+def test_compiles_for_sm103a(tmp_path):
+    """SM103 is the same consumer family (spec 7): the kernel also compiles for sm_103a (a fresh
+    interpreter: the DSL's target is fixed per process)."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_103a", "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = SM103_SCRIPT.format(dump=tmp_path)
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip().splitlines()[-1] == "True"
