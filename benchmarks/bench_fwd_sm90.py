@@ -1,12 +1,16 @@
-"""Forward attention throughput, side by side in one run on the same GPU.
+"""Attention throughput (forward, or forward + backward), side by side in one run on the same GPU.
 
-    python benchmarks/bench_fwd_sm90.py [--seqlen 8192] [--batch 2] [--heads 16] [--dim 128]
+    python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192] [--batch 2] [--heads 16]
+                                        [--kv-heads 16] [--dim 128]
                                         [--masks causal,sliding-1024,document,random-5]
                                         [--systems flexattn,cudnn,torch-flex,fa4-causal] [--out DIR]
 
-TFLOP/s count visible elements only (4 * D * visible pairs * heads); dense causal FA4 is timed
-on the causal row only, as the ceiling. Prints a table with ratios flexattn / peer, writes
-``results.json`` and (with matplotlib) ``fwd_tflops.png`` to ``--out``.
+``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
+``dout``, plans with backward views) and adds ``flexattn-det`` (``deterministic=True``).
+TFLOP/s count visible elements only: 4 * D * visible pairs * heads for the forward, 3.5 times
+that for forward + backward; dense causal FA4 is timed on the causal row only, as the ceiling.
+Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
+``<mode>_tflops.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -45,18 +49,24 @@ def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
 
 
 def systems(args, q, k, v, name, endpoints):
-    """name -> zero-argument callable running that system's forward, for the available peers."""
+    """name -> zero-argument callable running that system's forward (``--mode train``: forward and
+    backward), for the available peers."""
     scale = 1.0 / math.sqrt(args.dim)
-    out = {}
+    train = args.mode == "train"
+    fwd = {}
     if "flexattn" in args.systems:
-        plan = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=False)
-        out["flexattn"] = lambda: flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
+        plan = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train)
+        fwd["flexattn"] = lambda: flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
+        if train:
+            fwd["flexattn-det"] = lambda: flexattn.flex_attn_func(
+                q, k, v, mask_plan=plan, softmax_scale=scale, deterministic=True
+            )
     if "cudnn" in args.systems:
         try:
             from cudnn import flex_attention as cfa
 
-            cplan = cfa.create_mask_plan(endpoints, q, k, v, build_backward=False)
-            out["cudnn"] = lambda: cfa.flex_attn_func(q, k, v, mask_plan=cplan, softmax_scale=scale)
+            cplan = cfa.create_mask_plan(endpoints, q, k, v, build_backward=train)
+            fwd["cudnn"] = lambda: cfa.flex_attn_func(q, k, v, mask_plan=cplan, softmax_scale=scale)
         except ImportError as e:
             print(f"  cudnn flex_attention unavailable: {e}")
     if "torch-flex" in args.systems:
@@ -67,15 +77,27 @@ def systems(args, q, k, v, name, endpoints):
         bm = create_block_mask(mask_mod_from_endpoints(endpoints, args.seqlen), args.batch, None,
                                args.seqlen, args.seqlen, device="cuda")
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        out["torch-flex"] = lambda: compiled(qt, kt, vt, block_mask=bm, scale=scale)
+        gqa = args.kv_heads != args.heads
+        fwd["torch-flex"] = lambda: compiled(
+            qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=gqa
+        ).transpose(1, 2)
     if "fa4-causal" in args.systems and name == "causal":
         try:
             from flash_attn.cute.interface import flash_attn_func
 
-            out["fa4-causal"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+            fwd["fa4-causal"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
         except ImportError as e:
             print(f"  FA4 unavailable: {e}")
-    return out
+    if not train:
+        return fwd
+    dout = torch.randn_like(q)  # out has q's shape (Dv = D here)
+
+    def step(f):
+        out = f()
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    return {name: (lambda f=f: step(f)) for name, f in fwd.items()}
 
 
 systems.flex = None
@@ -86,20 +108,29 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--mode", choices=("fwd", "train"), default="fwd")
     p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
     p.add_argument("--systems", default="flexattn,cudnn,torch-flex,fa4-causal")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     args.systems = args.systems.split(",")
+    args.kv_heads = args.kv_heads or args.heads
     torch.manual_seed(0)
-    shape = (args.batch, args.seqlen, args.heads, args.dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    print(f"{torch.cuda.get_device_name()}  B={args.batch} S={args.seqlen} H={args.heads} D={args.dim} bf16")
+    train = args.mode == "train"
+
+    def leaf(heads):
+        t = torch.randn(args.batch, args.seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
+        return t.requires_grad_(train)
+
+    q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
+    print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={args.seqlen} Hq={args.heads} "
+          f"Hkv={args.kv_heads} D={args.dim} bf16")
     rows = []
     for name in args.masks.split(","):
         endpoints = endpoint_mask(name, args.batch, args.seqlen)
-        flops = 4 * args.dim * visible_pairs(endpoints) * args.heads
+        flops = 4 * args.dim * visible_pairs(endpoints) * args.heads * (3.5 if train else 1.0)
         for system, fn in systems(args, q, k, v, name, endpoints).items():
             try:
                 ms = timed(fn)
@@ -107,18 +138,18 @@ def main() -> None:
                 print(f"  {name} {system}: failed: {type(e).__name__}: {e}")
                 continue
             rows.append({"mask": name, "system": system, "ms": ms, "tflops": flops / ms / 1e9})
-            print(f"  {name:13s} {system:11s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
-    report(rows, Path(args.out))
+            print(f"  {name:13s} {system:12s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+    report(rows, Path(args.out), args.mode)
 
 
-def report(rows: list[dict], out: Path) -> None:
+def report(rows: list[dict], out: Path, mode: str) -> None:
     ours = {r["mask"]: r["tflops"] for r in rows if r["system"] == "flexattn"}
-    print("\nmask           system       TFLOP/s   flexattn/system")
+    print(f"\n{mode}: mask     system        TFLOP/s   flexattn/system")
     for r in rows:
         ratio = ours.get(r["mask"], float("nan")) / r["tflops"]
-        print(f"{r['mask']:14s} {r['system']:11s} {r['tflops']:8.1f}   {ratio:6.2f}x")
+        print(f"{r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio:6.2f}x")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / f"results-{mode}.json").write_text(json.dumps(rows, indent=1))
     try:
         import matplotlib
 
@@ -139,8 +170,8 @@ def report(rows: list[dict], out: Path) -> None:
     ax.set_ylabel("TFLOP/s (visible elements)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "fwd_tflops.png", dpi=120)
-    print(f"chart: {out / 'fwd_tflops.png'}")
+    fig.savefig(out / f"{mode}_tflops.png", dpi=120)
+    print(f"chart: {out / f'{mode}_tflops.png'}")
 
 
 if __name__ == "__main__":

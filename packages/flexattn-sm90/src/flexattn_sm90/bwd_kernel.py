@@ -36,7 +36,9 @@ global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows 
 whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds, waits for the add
 to complete and increments it: every run adds the contributions in ``dq_write_order``.
 Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices, it
-cannot deadlock as long as CTAs start in index order.
+cannot deadlock as long as CTAs start in index order. Each K block's CTA trails the one before it
+by a few steps, so deterministic mode puts the kv head on grid x: the resident CTAs then form
+many short chains (one per head) instead of one long chain of consecutive K blocks.
 """
 
 from typing import NamedTuple
@@ -151,7 +153,9 @@ class Sm90BwdKernel(BwdMainloop):
         self.num_mma_threads = self.threads_per_wg * self.num_mma_wg
         self.num_threads = self.threads_per_wg * (1 + self.num_mma_wg)
         self.producer_warp, self.dq_warp = 0, 1
-        self.producer_regs, self.mma_regs = register_split(self.num_mma_wg, 24, 240)
+        # D = 64: the producer's TMA bookkeeping spills at 24 and the MMA warpgroups fit in 232
+        split = (40, 232) if self.head_dim <= 64 else (24, 240)
+        self.producer_regs, self.mma_regs = register_split(self.num_mma_wg, *split)
         # dQ = dS K: the two MMA warpgroups split the head dim; each owns one contiguous chunk
         self.dq_cols = self.head_dim // self.num_mma_wg
         self.dq_elements = self.tile_m * self.dq_cols // self.threads_per_wg  # per thread
@@ -291,11 +295,15 @@ class Sm90BwdKernel(BwdMainloop):
             softmax_scale * Float32(LOG2_E), softmax_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, mmas,
         ).launch(
-            grid=[cute.size(plan.k_row_batch), cute.size(mK, mode=[1]), 1],
+            grid=self.grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
+
+    def grid(self, k_rows, kv_heads) -> list:
+        """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring)."""
+        return [kv_heads, k_rows, 1] if self.deterministic else [k_rows, kv_heads, 1]
 
     def _tiled_mmas(self):
         """``(sdp, dkv, dq)``: S^T / dP^T (tile_n x tile_m), dK / dV (tile_n x D, A from registers),
@@ -405,36 +413,32 @@ class Sm90BwdKernel(BwdMainloop):
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
         mma_threads = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads)
 
-        def tma_pipe(mbar, stages, nbytes):
+        def tma_pipe(mbar, stages, nbytes, every_thread=False):
+            # every_thread: each MMA thread releases the stage itself, after its own generic-proxy
+            # reads of it (payload words, LSE, D); stages read only by WGMMA release per warp
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=mbar.data_ptr(),
                 num_stages=stages,
                 producer_group=one_thread,
-                consumer_group=mma_warps,
+                consumer_group=mma_threads if every_thread else mma_warps,
                 tx_count=nbytes,
+                tidx=Int32(0) if every_thread else None,
                 defer_sync=True,
             )
 
+        stage_bytes = self.bytes_q + self.bytes_row_stats
         return (
             tma_pipe(storage.mbar_kv, 1, self.bytes_kv),
-            tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + self.bytes_row_stats),
-            tma_pipe(storage.mbar_do, self.q_stages, self.bytes_q + self.bytes_row_stats),
-            # every MMA thread releases the payload stage (it read its own word)
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_mask.data_ptr(),
-                num_stages=self.mask_stages,
-                producer_group=one_thread,
-                consumer_group=mma_threads,
-                tx_count=self.payload_plane * 4,
-                tidx=Int32(0),
-                defer_sync=True,
-            ),
+            tma_pipe(storage.mbar_q, self.q_stages, stage_bytes, every_thread=True),
+            tma_pipe(storage.mbar_do, self.q_stages, stage_bytes, every_thread=True),
+            tma_pipe(storage.mbar_mask, self.mask_stages, self.payload_plane * 4, every_thread=True),
         )
 
     # -- work decoding (every role decodes the same plan entries itself) ----------------------------
     @cute.jit
     def decode_work(self, plan: BwdPlanTensors, q_per_kv: Int32) -> Work:
-        row, kv_head, _ = cute.arch.block_idx()
+        x, y, _ = cute.arch.block_idx()
+        row, kv_head = (y, x) if const_expr(self.deterministic) else (x, y)
         b = plan.k_row_batch[row]
         n_block = row - plan.sequence_desc[b, 4]
         k_len = plan.sequence_desc[b, 3]

@@ -50,6 +50,7 @@ BWD_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128))
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
 _DTYPE_NAMES = view_config.DTYPE_NAMES
 _ALIGN = 16  # bytes: TMA, bulk copies and 16-byte vector accesses
+_MAX_GRID_Y = 65535
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -320,6 +321,11 @@ def run_backward(
     q, k, v, out, dout = (_aligned(x) for x in (q, k, v, out, dout))
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    if deterministic and prep.k_rows > _MAX_GRID_Y:
+        raise UnsupportedConfigError(
+            f"deterministic=True puts the {prep.k_rows} K blocks of this plan on grid y (at most "
+            f"{_MAX_GRID_Y}); split the batch or use deterministic=False"
+        )
     compiled = compile_backward(config, deterministic=deterministic, with_dlse=dlse is not None)
 
     hq, rows = g.num_heads_q, prep.n_qblk * config.tile_m
