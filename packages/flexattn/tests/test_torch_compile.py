@@ -128,6 +128,29 @@ def test_fake_tensor_shapes_and_dtypes_match_the_real_call(case, dtype):
     assert fake[0].requires_grad and not fake[2].requires_grad  # max logit is not differentiable
 
 
+_EAGER_SCRIPT = """
+import sys, torch, flexattn
+from flexattn import masks
+q = torch.randn(1, 64, 2, 16, dtype=torch.float64, requires_grad=True)
+plan = flexattn.create_mask_plan(masks.causal(64), q, q, q)
+out, lse = flexattn.flex_attn_func(q, q, q, mask_plan=plan, return_lse=True)
+(out.sum() + lse.sum()).backward()
+assert q.grad is not None
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_eager_training_step_does_not_import_dynamo():
+    """Eager calls bypass the custom ops, whose Dynamo-disabling shim imports torch._dynamo on its
+    first call (seconds of first-call latency no eager program needs)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EAGER_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
 # --------------------------------------------------------------------------------------------------
 # torch.compile(fullgraph=True): no graph break, same outputs and gradients as eager
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""``flex_attn_func``: check the arguments and the plan binding, then run the ``flexattn::fwd`` custom op.
+"""``flex_attn_func``: check the arguments and the plan binding, then run attention through
+:func:`flexattn.ops.attention` (the ``flexattn::fwd`` custom op under ``torch.compile``).
 
-The op (:mod:`flexattn.ops`) checks the plan's signatures against the consumer of q's device
-and dispatches to it; autograd reaches ``flexattn::bwd``. Everything here before the op reads
+It checks the plan's signatures against the consumer of q's device and dispatches to it;
+autograd reaches the consumer's backward. Everything here before the op reads
 shapes, dtypes and Python values only, so ``torch.compile`` traces it without a graph break.
 """
 
@@ -72,7 +73,7 @@ def flex_attn_func(
         )
     scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
     q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-    out, lse, max_logit = ops.fwd(
+    out, lse, max_logit = ops.attention(
         q3, k3, v3, mask_plan.handle, scale, training, deterministic, return_max_logit
     )
     if not g.varlen:

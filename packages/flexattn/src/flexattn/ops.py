@@ -31,6 +31,16 @@ The cost: the plan must stay alive while a compiled graph that captured its hand
 collected plan raises a clear error naming the handle), and a graph cannot be exported to
 another process with a plan inside it.
 
+Eager calls go around the ops
+-----------------------------
+torch wraps every custom op's implementation in a shim that disables Dynamo, and the shim's
+first call imports ``torch._dynamo`` (1.5 s with warm bytecode caches, 5 s without, measured on
+the first forward of a process). An eager program never needs Dynamo, so :func:`attention` calls
+the same implementations through :class:`EagerAttention` (a ``torch.autograd.Function``) when
+it runs plain tensors outside any compile or tracing mode; compiled graphs (and fake-tensor
+tracing) contain ``flexattn::fwd`` / ``flexattn::bwd``.
+Both routes share the implementation, the saved tensors and the gradient function below.
+
 The consumer's signature check (resolve the consumer for q's device, compare the plan's
 signatures field by field) runs in the real implementation, memoised per (plan, device, mode);
 the exception passes through the dispatcher unchanged, so eager and compiled calls raise the
@@ -43,6 +53,7 @@ from __future__ import annotations
 from weakref import WeakKeyDictionary
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from maskplan_core import MaskPlan, PlanSignatureMismatch
 from maskplan_core.plan import plan_for_handle
@@ -91,9 +102,8 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# -- the ops --------------------------------------------------------------------------------------
-@torch.library.custom_op("flexattn::fwd", mutates_args=())
-def fwd(
+# -- implementations ------------------------------------------------------------------------------
+def _forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -115,20 +125,7 @@ def fwd(
     return res.out.contiguous(), res.lse.contiguous(), max_logit.contiguous()
 
 
-@fwd.register_fake
-def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
-    # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
-    # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
-    total_q, num_heads_q = q.shape[0], q.shape[1]
-    stat = _stat_dtype(q.dtype)
-    out = q.new_empty((total_q, num_heads_q, v.shape[-1]))
-    lse = q.new_empty((num_heads_q, total_q), dtype=stat)
-    max_logit = q.new_empty((num_heads_q if want_max else 0,), dtype=stat)
-    return out, lse, max_logit
-
-
-@torch.library.custom_op("flexattn::bwd", mutates_args=())
-def bwd(
+def _backward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -149,6 +146,23 @@ def bwd(
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+# -- the ops --------------------------------------------------------------------------------------
+fwd = torch.library.custom_op("flexattn::fwd", _forward_impl, mutates_args=())
+bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=())
+
+
+@fwd.register_fake
+def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
+    # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
+    # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
+    total_q, num_heads_q = q.shape[0], q.shape[1]
+    stat = _stat_dtype(q.dtype)
+    out = q.new_empty((total_q, num_heads_q, v.shape[-1]))
+    lse = q.new_empty((num_heads_q, total_q), dtype=stat)
+    max_logit = q.new_empty((num_heads_q if want_max else 0,), dtype=stat)
+    return out, lse, max_logit
+
+
 @bwd.register_fake
 def _bwd_fake(q, k, v, out, lse, dout, dlse, plan, scale, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -163,14 +177,18 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
 
 
-def _backward(ctx, dout, dlse, _dmax):
+def _gradients(ctx, dout, dlse, backward_fn):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flexattn.bwd(
+    dq, dk, dv = backward_fn(
         q, k, v, out, lse, dout.contiguous(), dlse, ctx.plan, ctx.scale, ctx.deterministic
     )
     return dq, dk, dv, None, None, None, None, None
+
+
+def _backward(ctx, dout, dlse, _dmax):
+    return _gradients(ctx, dout, dlse, torch.ops.flexattn.bwd)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -181,3 +199,30 @@ def _not_twice_differentiable(ctx, *grads):
 
 
 bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, inputs, output: None)
+
+
+# -- eager route ----------------------------------------------------------------------------------
+class EagerAttention(torch.autograd.Function):
+    """``flexattn::fwd`` with its autograd, for eager calls (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, training, deterministic, want_max):
+        output = _forward_impl(q, k, v, plan, scale, training, deterministic, want_max)
+        _setup_context(ctx, (q, k, v, plan, scale, training, deterministic, want_max), output)
+        ctx.mark_non_differentiable(output[2])
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse, _dmax):
+        return _gradients(ctx, dout, dlse, _backward_impl)
+
+
+def attention(q, k, v, plan: int, scale: float, training: bool, deterministic: bool, want_max: bool):
+    """``(out, lse, max_logit)`` THD: :class:`EagerAttention` for plain tensors in plain eager
+    mode; the custom op under ``torch.compile``, fake tensors, tensor subclasses or any
+    ``TorchDispatchMode`` (``make_fx``, export), which need its fake implementation."""
+    plain = all(type(t) is torch.Tensor for t in (q, k, v))
+    if plain and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
+        return EagerAttention.apply(q, k, v, plan, scale, training, deterministic, want_max)
+    return fwd(q, k, v, plan, scale, training, deterministic, want_max)
