@@ -3,9 +3,10 @@
 ``resolve`` is complete: a plan built for SM100 carries the signature and TMEM payload layout the
 kernels are specified to consume. ``hardware_verified`` is False: this consumer has never run on
 SM100 hardware. ``forward`` launches the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`,
-compiled for sm_100a, generic qstage1 + 1CTA variant) only where the tensors live on a
-compute-capability 10.x GPU; everywhere else, and for ``backward`` (no kernel), it raises
-:class:`ConsumerNotFoundError`. It never falls back to a computation of its own.
+compiled for sm_100a, generic qstage1 + 1CTA variant) and ``backward`` the K-major backward
+(:mod:`flexattn_sm100.bwd_launch`, k2q-1cta variant, compile-only too) only where the tensors live on
+a compute-capability 10.x GPU; everywhere else it raises :class:`ConsumerNotFoundError`. It never
+falls back to a computation of its own.
 """
 
 from __future__ import annotations
@@ -45,7 +46,19 @@ class Sm100Consumer(KernelConsumer):
         return AttentionOutputs(out, lse, max_logit)
 
     def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
-        raise ConsumerNotFoundError(_not_available("backward"))
+        if not _on_sm100(q):
+            raise ConsumerNotFoundError(
+                f"flexattn-sm100 {__version__} has an SM100 backward kernel (k2q-1cta) compiled for sm_100a, "
+                "but it has never run on SM100 hardware (hardware_verified=False) and runs only on a "
+                "compute-capability 10.x GPU; these tensors are not on one. Run on CPU tensors for the "
+                "reference path."
+            )
+        from .bwd_launch import run_backward  # CuTe DSL loads on first use, not on import
+
+        return run_backward(
+            plan.view("backward"), q, k, v, out, lse, dout, dlse,
+            softmax_scale=softmax_scale, deterministic=deterministic,
+        )  # fmt: skip
 
 
 def _on_sm100(t) -> bool:
@@ -57,10 +70,3 @@ def _on_sm100(t) -> bool:
 
     return torch.cuda.get_device_capability(device)[0] == 10
 
-
-def _not_available(direction: str) -> str:
-    return (
-        f"flexattn-sm100 {__version__} has no SM100 {direction} kernel yet, and this consumer has never run "
-        "on SM100 hardware (hardware_verified=False); plans can be built (reference planner) but attention "
-        "on CUDA is not available in this release. Run on CPU tensors for the reference path."
-    )

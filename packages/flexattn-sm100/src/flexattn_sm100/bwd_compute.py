@@ -1,0 +1,274 @@
+"""Compute and dQ warps of the SM100 backward kernel (a mixin of
+:class:`flexattn_sm100.bwd_kernel.Sm100BwdKernel`; it reads the static config from ``self``). Never
+run on SM100 hardware.
+
+Compute thread ``t = 128 wg + r`` (warps 0-7) owns K row ``r`` (TMEM lane ``r``) and the Q columns
+``64 wg + e``, ``e < 64``, of S^T and dP^T, read with ``tcgen05.ld 32x32b.x32`` in two 32-column
+chunks: register ``e`` of the pair is accumulator ``(r, 64 wg + e)`` = score ``(q = 64 wg + e,
+k = r)``, the element ``TmemLoadLayout(128, 128, 2, transposed=True)`` gives group ``t``, word
+``e // 32``, bit ``e % 32`` (``tests/test_bwd_layout_agreement.py`` checks every register). Per step::
+
+    [partial] words = mask_block_masks[entry, group t]           (2 int32, GMEM -> registers)
+    wait S^T_j  -> 64 registers ; P = exp2(S^T scale log2e - LSE2[q]) ; bit 0 -> P = 0
+    P (16-bit) -> TMEM columns 32 + 32 wg .. (inside this thread's own S columns) ; arrive P_j
+    wait dP^T_j ; [wait dS_{j-1} consumed] dS^T = P (dP^T - D[q]) -> SMEM row r ; arrive dS_j
+    release the LSE2 / D stage (every thread, after its own reads)
+
+dQ thread ``t`` (warps 8-11) owns dQ row ``t``: per step it waits for dQ_j, loads ``DQ_CHUNK`` columns
+at a time, releases the TMEM columns after the last load, and per chunk writes its warp's 4 KB run
+(conflict-free 16-byte vectors) and bulk-adds it into the fp32 accumulator. Deterministic mode:
+thread 0 waits until the (q head, Q block) turnstile equals the entry's ``dq_write_order`` rank
+before the first add, and advances it after every add of the step completed.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+
+from .bwd_helpers import (
+    DQ_CHUNK,
+    WARP_ROWS,
+    bulk_reduce_add_f32,
+    chunk_copy,
+    dq_run_layout,
+    gmem_ptr,
+    operand_2d,
+    shift_columns,
+    tcgen05_fence_after,
+    tcgen05_fence_before,
+    tmem_acc,
+    turnstile_advance,
+    turnstile_wait,
+)
+
+#: S^T / dP^T columns per tcgen05.ld of a compute thread
+S_CHUNK = 32
+
+
+class ComputeRoles:
+    """Compute-warp and dQ-warp methods (mixin)."""
+
+    # -- fragments (also traced by the layout-agreement probe) --------------------------------------
+    def compute_fragments(self, thr, tmem_ptr, r: Int32) -> dict:
+        """TMEM copies and coordinate tensors of compute thread ``r`` of its warpgroup; chunk ``c``
+        of warpgroup ``wg`` is the chunk-0 partition shifted ``64 wg + 32 c`` columns."""
+        tm, tn = self.tile_m, self.tile_n
+        tStS = tmem_acc(thr["s"], (tn, tm), tmem_ptr + self.tmem_s)
+        tPtdP = tmem_acc(thr["dp"], (tn, tm), tmem_ptr + self.tmem_dp)
+        tScS = thr["s"].partition_C(cute.make_identity_tensor((tn, tm)))
+        s_load, tLtS, tLcS = chunk_copy(tStS, tScS, r, S_CHUNK)
+        _, tLtdP, _ = chunk_copy(tPtdP, tScS, r, S_CHUNK)
+        # P^T packed: S_CHUNK fp32 columns hold 2 * S_CHUNK 16-bit values of one thread's row
+        p_store, tStP, tScP = chunk_copy(tStS, tScS, r, S_CHUNK, store=True)
+        return {
+            "s_load": s_load,
+            "tLtS": tLtS,
+            "tLcS": tLcS,  # (k row, q column) of the chunk-0 registers
+            "tLtdP": tLtdP,
+            "p_store": p_store,
+            "tStP": shift_columns(tStP, self.tmem_p - self.tmem_s),
+            "tScP": tScP,  # (k row, packed column) of the P registers
+        }
+
+    def ds_store_view(self, sdS: cute.Tensor) -> cute.Tensor:
+        """dS^T as the plain (tile_n, tile_m) tensor the compute threads write: the dK MMA's A
+        operand layout (same buffer as the dQ MMA's MN-major A)."""
+        return cute.make_tensor(sdS.iterator, operand_2d(sdS.layout))
+
+    # -- compute warps --------------------------------------------------------------------------------
+    @cute.jit
+    def compute_role(
+        self, thr, tmem_ptr, s, plan, work, pipes, bars, mdK, mdV, scale_log2, softmax_scale, tidx
+    ):
+        wg, r = tidx // 128, tidx % 128
+        f = self.compute_fragments(thr, tmem_ptr, r)
+        col0 = wg * self.payload_elements  # this thread's first Q column
+        sdS2 = self.ds_store_view(s["sdS"])
+        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        j = Int32(0)
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            for i in cutlass.range(hr.partial_cnt, unroll=1):
+                # spec 6.2 direct delivery: this thread's words of payload group tidx
+                first = ((hr.partial_off + i) * self.payload_groups + tidx) * self.payload_words
+                src = gmem_ptr(plan.mask_block_masks, first, align=4 * self.payload_words)
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.payload_words)), words)
+                stats_state = self.compute_step(
+                    f, s, sdS2, pipes, bars, stats_state, j, col0, r, scale_log2, words
+                )
+                j += 1
+            for _ in cutlass.range(hr.full_cnt, unroll=1):
+                stats_state = self.compute_step(
+                    f, s, sdS2, pipes, bars, stats_state, j, col0, r, scale_log2, None
+                )
+                j += 1
+        self.epilogue(thr, tmem_ptr, bars, mdK, mdV, work, softmax_scale, j, wg, r)
+
+    @cute.jit
+    def compute_step(self, f, s, sdS2, pipes, bars, stats_state, j: Int32, col0: Int32, r: Int32,
+                     scale_log2: Float32, words):  # fmt: skip
+        n_chunks = self.payload_elements // S_CHUNK
+        stage = stats_state.index
+        pipes.stats.consumer_wait(stats_state)
+        # P^T = exp2(S^T scale log2e - LSE2[q]); packed predicate after the exponential (spec 5.1)
+        cute.arch.mbarrier_wait(bars.s, j & 1)
+        tcgen05_fence_after()
+        rP = cute.make_rmem_tensor((S_CHUNK, n_chunks), Float32)
+        rS = cute.make_rmem_tensor(f["tLcS"].shape, Float32)
+        for c in cutlass.range_constexpr(n_chunks):
+            cute.copy(f["s_load"], shift_columns(f["tLtS"], col0 + c * S_CHUNK), rS)
+            cute.arch.fence_view_async_tmem_load()
+            for e in cutlass.range_constexpr(S_CHUNK):
+                lse2 = s["sLSE"][col0 + c * S_CHUNK + e, stage]
+                p = cute.math.exp2(rS[e] * scale_log2 - lse2, fastmath=True)
+                if const_expr(words is not None):
+                    p = p if ((words[c] >> e) & 1) != 0 else Float32(0.0)
+                rP[e, c] = p
+        # P^T -> TMEM, 16-bit, two values per column: register i holds Q columns 2i, 2i + 1
+        rP32 = cute.make_rmem_tensor(f["tScP"].shape, Float32)
+        rP16 = cute.make_tensor(
+            cute.recast_ptr(rP32.iterator, dtype=self.dtype), cute.make_layout(2 * S_CHUNK)
+        )
+        rP16.store(rP.load().to(self.dtype))
+        cute.copy(f["p_store"], rP32, shift_columns(f["tStP"], col0 // 2))
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before()
+        cute.arch.mbarrier_arrive(bars.p)
+        # dS^T = P^T (dP^T - D[q]) -> SMEM, once the dK / dQ MMAs of the previous step read dS
+        cute.arch.mbarrier_wait(bars.dp, j & 1)
+        tcgen05_fence_after()
+        if j > 0:
+            cute.arch.mbarrier_wait(bars.dq, (j - 1) & 1)
+        rdP = cute.make_rmem_tensor(f["tLcS"].shape, Float32)
+        rdS = cute.make_rmem_tensor(S_CHUNK, self.dtype)
+        for c in cutlass.range_constexpr(n_chunks):
+            cute.copy(f["s_load"], shift_columns(f["tLtdP"], col0 + c * S_CHUNK), rdP)
+            cute.arch.fence_view_async_tmem_load()
+            ds = cute.make_rmem_tensor(S_CHUNK, Float32)
+            for e in cutlass.range_constexpr(S_CHUNK):
+                ds[e] = rP[e, c] * (rdP[e] - s["sDsum"][col0 + c * S_CHUNK + e, stage])
+            rdS.store(ds.load().to(self.dtype))
+            for v in cutlass.range_constexpr(S_CHUNK // 8):  # 16-byte runs (the swizzle keeps 8 together)
+                dst = cute.local_tile(sdS2[r, None], (8,), ((col0 + c * S_CHUNK) // 8 + v,))
+                cute.autovec_copy(cute.local_tile(rdS, (8,), (v,)), dst)
+        # generic reads of LSE2 / D and generic writes of dS, then hand both to the async proxy
+        cute.arch.fence_view_async_shared()
+        tcgen05_fence_before()
+        cute.arch.mbarrier_arrive(bars.ds)
+        pipes.stats.consumer_release(stats_state)
+        stats_state.advance()
+        return stats_state
+
+    @cute.jit
+    def epilogue(
+        self, thr, tmem_ptr, bars, mdK, mdV, work, softmax_scale: Float32, n: Int32, wg: Int32, r: Int32
+    ):
+        """dK (times the softmax scale) and dV rows ``< k_valid`` (input dtype); warpgroup ``wg`` takes
+        half of each row's columns. A K block without any entry stores zeros."""
+        tn = self.tile_n
+        if n > 0:
+            cute.arch.mbarrier_wait(bars.dkv, 0)
+            tcgen05_fence_after()
+        store = r < work.k_valid
+        for m_x, key, offset, d, scale in (
+            (mdV, "dv", self.tmem_dv, self.head_dim_v, None),
+            (mdK, "dk", self.tmem_dk, self.head_dim_qk, softmax_scale),
+        ):
+            half = d // 2
+            width = 32 if half % 32 == 0 else 16
+            acc = tmem_acc(thr[key], (tn, d), tmem_ptr + offset)
+            coords = thr[key].partition_C(cute.make_identity_tensor((tn, d)))
+            load, tL, tLc = chunk_copy(acc, coords, r, width)
+            regs = cute.make_rmem_tensor(tLc.shape, Float32)
+            out = cute.make_rmem_tensor(width, self.dtype)
+            heads = m_x.shape[1]
+            row = cute.make_tensor(
+                gmem_ptr(m_x, ((work.k_offset + work.n_block * tn + r) * heads + work.kv_head) * d),
+                cute.make_layout(d),
+            )
+            for c in cutlass.range_constexpr(half // width):
+                col = wg * half + c * width
+                if n > 0:
+                    cute.copy(load, shift_columns(tL, col), regs)
+                    cute.arch.fence_view_async_tmem_load()
+                    if const_expr(scale is not None):
+                        for e in cutlass.range_constexpr(width):
+                            regs[e] = regs[e] * scale
+                else:
+                    regs.fill(0.0)
+                out.store(regs.load().to(self.dtype))
+                if store:
+                    cute.autovec_copy(out, cute.local_tile(row, (width,), (col // width,)))
+        if n > 0:
+            tcgen05_fence_before()
+
+    # -- dQ warps -------------------------------------------------------------------------------------
+    def dq_fragments(self, thr, tmem_ptr, t: Int32) -> dict:
+        tQtdQ = tmem_acc(thr["dq"], (self.tile_m, self.head_dim_qk), tmem_ptr + self.tmem_dq)
+        coords = thr["dq"].partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_qk)))
+        load, tL, tLc = chunk_copy(tQtdQ, coords, t, DQ_CHUNK)
+        return {"load": load, "tL": tL, "tLc": tLc}
+
+    @cute.jit
+    def dq_role(self, thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, t: Int32):
+        f = self.dq_fragments(thr, tmem_ptr, t)
+        w, lane = t // WARP_ROWS, t % WARP_ROWS
+        run = s["sdQ"][None, w]
+        slot = cute.make_tensor(run.iterator, dq_run_layout())[lane, None]  # (4, DQ_CHUNK / 4)
+        regs = cute.make_rmem_tensor(f["tLc"].shape, Float32)
+        j = Int32(0)
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            for i in cutlass.range(hr.partial_cnt, unroll=1):
+                e = hr.partial_off + i
+                blk = work.qblk_base + plan.mask_block_idx[e]
+                rank = plan.dq_write_order[e]
+                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, rank, j, t, w, lane)
+                j += 1
+            for i in cutlass.range(hr.full_cnt, unroll=1):
+                e = hr.full_off + i
+                blk = work.qblk_base + plan.full_block_idx[e]
+                rank = plan.dq_write_order_full[e]
+                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, rank, j, t, w, lane)
+                j += 1
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def dq_step(self, f, bars, regs, run, slot, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32,
+                j: Int32, t: Int32, w: Int32, lane: Int32):  # fmt: skip
+        n_chunks = self.head_dim_qk // DQ_CHUNK
+        turn = pipeline.NamedBarrier(self.dq_turn_barrier_id, self.num_dq_threads)
+        counter = gmem_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, align=4)
+        cute.arch.mbarrier_wait(bars.dq, j & 1)
+        tcgen05_fence_after()
+        if const_expr(self.deterministic):
+            if t == 0:
+                turnstile_wait(counter, rank)
+            turn.arrive_and_wait()
+        block = q_head * mdQaccum.shape[1] + q_block * self.tile_m * self.head_dim_qk
+        for c in cutlass.range_constexpr(n_chunks):
+            cute.copy(f["load"], shift_columns(f["tL"], c * DQ_CHUNK), regs)
+            cute.arch.fence_view_async_tmem_load()
+            if const_expr(c == n_chunks - 1):  # every dQ column of this thread is in registers
+                tcgen05_fence_before()
+                cute.arch.mbarrier_arrive(bars.dq_empty)
+            if lane == 0:  # the previous add has read this warp's run
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            cute.autovec_copy(cute.make_tensor(regs.iterator, slot.layout.shape), slot)
+            cute.arch.fence_view_async_shared()
+            cute.arch.sync_warp()
+            if lane == 0:
+                dst = gmem_ptr(mdQaccum, block + (c * len(self.dq_warps) + w) * WARP_ROWS * DQ_CHUNK)
+                bulk_reduce_add_f32(run.iterator, dst, WARP_ROWS * DQ_CHUNK * 4)
+                cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds are in GMEM
+                cute.arch.fence_proxy("async.global")
+            turn.arrive_and_wait()
+            if t == 0:
+                turnstile_advance(counter)

@@ -1,0 +1,808 @@
+"""SM100 (Blackwell) K-major attention backward over a MaskPlan's K2Q backward view (spec 4.7, 6.3):
+the ``k2q-1cta`` variant (one CTA per K block, no cluster). Compile-verified for sm_100a only: it has
+NEVER run on SM100 hardware.
+
+One CTA per (K plan row = K block of ``tile_n = 128`` keys, kv head). It loads K and V once and
+visits, for every Q head of its kv group, the K2Q partial entries then the full entries (the
+traversal of the SM90 backward); dK and dV accumulate in TMEM over the whole group, each visited Q
+block's dQ goes to an fp32 accumulator in GMEM. 14 warps, 448 threads::
+
+    warps 0-7   (compute, 2 WGs)  thread t = 128 wg + r owns K row r (TMEM lane r) and Q columns
+                                  64 wg .. 64 wg + 63 of S^T / dP^T: exactly TmemLoadLayout(128,
+                                  128, 2, transposed=True), so payload bit e of group t guards
+                                  register e. P^T = exp2(S^T scale log2e - LSE2), bit 0 -> P^T = 0;
+                                  P^T -> TMEM (16-bit); dS^T = P^T (dP^T - D) -> SMEM; at the end
+                                  dK (times softmax_scale) and dV TMEM -> GMEM (rows < k_valid)
+    warps 8-11  (dQ)              thread t owns dQ row t: TMEM -> SMEM run -> bulk fp32 reduce-add
+                                  into the accumulator (cp.reduce.async.bulk); deterministic mode
+                                  takes the (q head, Q block) turnstile in dq_write_order first
+    warp 12     (MMA)             one thread issues tcgen05.mma (below)
+    warp 13     (load)            TMA: K, V once; Q and dO per step; LSE2 + D per step (bulk copy)
+
+TMEM (fp32 columns)::
+
+    S^T   [0, 128)        P^T (16-bit, packed): [32, 96)  WG w's P columns lie inside its own S
+                          columns [64 w, 64 w + 64), so no thread overwrites S another still reads
+    dP^T  [128, 256)      dQ [128, 128 + Dqk) once dP^T is consumed
+    dV    [256, 256 + Dv)   dK [256 + Dv, 256 + Dv + Dqk)
+
+MMA issue order (n steps over all heads' partial then full entries; tcgen05.mma execute in order)::
+
+    S_0 ; dP_0
+    for j < n:  [P_j stored] dV += P_j^T dO_j -> dO_j free
+                S_{j+1}                                      (S_j was read before P_j was stored)
+                [dS_j in SMEM] dK += dS_j^T Q_j -> Q_j free ;  dQ_j = dS_j K -> dQ ready, dS free
+                [dQ_j read out] dP_{j+1}                     (dQ_j shares dP's columns)
+    -> dK, dV final
+
+Partial entries apply the packed predicate after the exponential (P^T = 0 where the bit is 0), so a
+masked element contributes nothing whatever its score (keys past the sample's end, padding Q rows).
+Padding Q rows also carry LSE2 = +inf and D = 0 (preprocess). dK/dV rows past the sample's K length
+and dQ rows past its Q length are never stored.
+
+Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b].row_begin``::
+
+    for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv
+        h = hq if Hmask > 1 else 0
+        for e in mask_block_offset[h, r] + [0, mask_block_cnt[h, r]):   # partial Q blocks
+            step(mask_block_idx[e], payload words of entry e, rank = dq_write_order[e])
+        for e in full_block_offset[h, r] + [0, full_block_cnt[h, r]):   # full Q blocks
+            step(full_block_idx[e], no payload, rank = dq_write_order_full[e])
+
+Deterministic mode orders the grid kv-head-first (as SM90: resident CTAs form many short chains).
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from .bwd_compute import ComputeRoles
+from .bwd_helpers import (
+    LOG2_E,
+    make_mmas,
+    mma_tilers,
+    select_modes,
+    smem_views,
+    tcgen05_fence_after,
+    tmem_acc,
+)
+from .config import Sm100BwdConfig
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+#: the backward variants this kernel implements (k2q-2cta and d256 are specified, not written)
+IMPLEMENTED_VARIANTS = ("k2q-1cta",)
+#: (head_dim_qk, head_dim_v) it implements: S, dP, dV, dK take 256 + Dv + Dqk <= 512 TMEM columns
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+_SMEM_LIMIT = 227 * 1024
+#: registers per thread the 448-thread CTA launches with (ptxas -v: "Used 128 registers")
+LAUNCH_REGS = 128
+
+
+def check_register_split(num_threads: int, split: tuple[tuple[int, int], ...]) -> None:
+    """``(registers, warps)`` pairs after setmaxnreg must fit what the launch allocated (and be
+    multiples of 8 in [24, 256]); otherwise an increase never completes."""
+    total = sum(32 * regs * warps for regs, warps in split)
+    if sum(warps for _, warps in split) * 32 != num_threads or total > num_threads * LAUNCH_REGS:
+        raise ValueError(
+            f"register split {split} takes {total} registers; it does not fit {num_threads} x {LAUNCH_REGS}"
+        )
+    if any(regs % 8 or not 24 <= regs <= 256 for regs, _ in split):
+        raise ValueError(f"setmaxnreg counts must be multiples of 8 in [24, 256]: {split}")
+
+
+def set_registers(regs: int) -> None:
+    """setmaxnreg from the launch's LAUNCH_REGS to ``regs`` (an increase waits for the registers
+    the decreasing warps release)."""
+    if regs > LAUNCH_REGS:
+        cute.arch.setmaxregister_increase(regs)
+    elif regs < LAUNCH_REGS:
+        cute.arch.setmaxregister_decrease(regs)
+
+
+class BwdPlanTensors(NamedTuple):
+    """The backward view's tensors as the kernel reads them (int32; see ``maskplan_core.plan``),
+    plus two plan-derived ones the launcher computes once per view."""
+
+    mask_block_cnt: cute.Tensor  # (Hmask, k_rows)
+    mask_block_offset: cute.Tensor  # (Hmask, k_rows)
+    mask_block_idx: cute.Tensor  # (partial_nnz,)  sample-local Q block
+    mask_block_masks: cute.Tensor  # (partial_nnz * plane,)
+    full_block_cnt: cute.Tensor  # (Hmask, k_rows)
+    full_block_offset: cute.Tensor  # (Hmask, k_rows)
+    full_block_idx: cute.Tensor  # (full_nnz,)
+    dq_write_order: cute.Tensor  # (partial_nnz,)
+    dq_write_order_full: cute.Tensor  # (full_nnz,)
+    sequence_desc: cute.Tensor  # (B, 8)
+    k_row_batch: cute.Tensor  # (k_rows,)  sample of each K plan row
+    q_block_begin: cute.Tensor  # (B,)  first global (padded) Q block of each sample
+
+    def __new_from_mlir_values__(self, values):
+        return BwdPlanTensors(*values)
+
+
+class Work(NamedTuple):
+    """The CTA's K block (runtime Int32 values)."""
+
+    row: Int32
+    n_block: Int32
+    kv_head: Int32
+    q_offset: Int32
+    k_offset: Int32
+    k_valid: Int32  # keys of this block inside the sample
+    qblk_base: Int32  # global Q block of the sample's block 0
+    q_per_kv: Int32
+    mask_heads: Int32
+
+
+class HeadRange(NamedTuple):
+    q_head: Int32
+    partial_cnt: Int32
+    partial_off: Int32
+    full_cnt: Int32
+    full_off: Int32
+
+
+def smem_bytes(head_dim_qk: int, head_dim_v: int, q_stages: int, do_stages: int, tile: int = 128) -> int:
+    """SMEM of the operand tiles, statistics and dQ runs (2-byte elements), without barriers."""
+    k_v = tile * (head_dim_qk + head_dim_v) * 2
+    q_do = tile * (q_stages * head_dim_qk + do_stages * head_dim_v) * 2
+    ds = tile * tile * 2
+    stats = 2 * q_stages * tile * 4
+    dq_runs = 4 * 32 * 32 * 4
+    return k_v + q_do + ds + stats + dq_runs
+
+
+class Sm100BwdKernel(ComputeRoles):
+    """Static configuration of one compiled backward main kernel; see the module docstring."""
+
+    def __init__(self, config: Sm100BwdConfig, *, deterministic: bool = False):
+        if config.variant.name not in IMPLEMENTED_VARIANTS:
+            raise NotImplementedError(
+                f"the SM100 backward kernel implements variants {IMPLEMENTED_VARIANTS}, not "
+                f"{config.variant.name!r}"
+            )
+        dims = (config.head_dim_qk, config.head_dim_v)
+        if dims not in HEAD_DIMS:
+            raise NotImplementedError(
+                f"(head_dim_qk, head_dim_v)={dims}: the k2q-1cta backward keeps S^T, dP^T, dV and dK in "
+                f"TMEM, which fits {HEAD_DIMS}"
+            )
+        self.config = config
+        self.deterministic = deterministic
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim_qk, self.head_dim_v = dims
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
+        assert (self.tile_m, self.tile_n) == (128, 128)
+        self.q_stages = 2  # S_{j+1} is issued while Q_j still feeds dK_j
+        self.do_stages = 1
+        assert smem_bytes(*dims, self.q_stages, self.do_stages) + 4096 <= _SMEM_LIMIT
+        # payload ABI (payload_layout.py is the one source of truth): one subtile, 2 warpgroups
+        layout = config.payload_layout
+        assert layout.transposed and layout.subtiles == 1 and layout.num_warpgroups == 2
+        self.payload_groups = layout.groups  # = compute threads
+        self.payload_words = layout.words_per_group
+        self.payload_elements = layout.elements_per_thread  # Q columns per compute thread
+        self.payload_plane = layout.words_per_tile
+        # warp roles
+        self.compute_warps = tuple(range(8))
+        self.dq_warps = (8, 9, 10, 11)
+        self.mma_warp = 12
+        self.load_warp = 13
+        self.num_compute_threads = 32 * len(self.compute_warps)
+        self.num_dq_threads = 32 * len(self.dq_warps)
+        self.num_threads = 32 * 14
+        assert self.payload_groups == self.num_compute_threads
+        assert self.payload_elements == self.tile_m // 2
+        # register budgets (setmaxnreg): the launch gives every thread LAUNCH_REGS; the split must fit
+        # it, or setmaxnreg.inc waits forever (the lesson of the SM90 backward)
+        self.compute_regs, self.dq_regs, self.load_regs, self.mma_regs = 152, 88, 56, 152
+        check_register_split(
+            self.num_threads,
+            ((self.compute_regs, 8), (self.dq_regs, 4), (self.load_regs, 1), (self.mma_regs, 1)),
+        )
+        # named barriers (0 is __syncthreads)
+        self.tmem_alloc_barrier_id = 1  # compute + dQ + MMA warps wait for the TMEM address
+        self.tmem_free_barrier_id = 2  # compute + dQ warps are done with TMEM
+        self.dq_turn_barrier_id = 3  # dQ warps: the turnstile was passed / every add completed
+        # TMEM columns (32-bit), see the module docstring
+        self.tmem_cols = 512
+        self.tmem_s = 0
+        self.tmem_p = 32
+        self.tmem_dp = 128
+        self.tmem_dq = self.tmem_dp
+        self.tmem_dv = 256
+        self.tmem_dk = self.tmem_dv + self.head_dim_v
+        assert self.tmem_dk + self.head_dim_qk <= self.tmem_cols
+        assert self.head_dim_qk <= self.tmem_dv - self.tmem_dq
+
+    # -- host entries ---------------------------------------------------------------------------------
+    @cute.jit
+    def from_pointers(
+        self,
+        q: cute.Pointer,  # (total_q, Hq, Dqk)   contiguous THD, 16-byte aligned
+        k: cute.Pointer,  # (total_k, Hkv, Dqk)
+        v: cute.Pointer,  # (total_k, Hkv, Dv)
+        dout: cute.Pointer,  # (total_q, Hq, Dv)
+        dk: cute.Pointer,  # (total_k, Hkv, Dqk)  output, input dtype
+        dv: cute.Pointer,  # (total_k, Hkv, Dv)  output
+        lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
+        dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
+        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk), zeroed by the preprocess
+        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), zeroed by the preprocess
+        mask_block_cnt: cute.Pointer,
+        mask_block_offset: cute.Pointer,
+        mask_block_idx: cute.Pointer,
+        mask_block_masks: cute.Pointer,  # 16-byte aligned
+        full_block_cnt: cute.Pointer,
+        full_block_offset: cute.Pointer,
+        full_block_idx: cute.Pointer,
+        dq_write_order: cute.Pointer,
+        dq_write_order_full: cute.Pointer,
+        sequence_desc: cute.Pointer,
+        k_row_batch: cute.Pointer,
+        q_block_begin: cute.Pointer,
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_kv: Int32,
+        mask_heads: Int32,
+        k_rows: Int32,
+        partial_nnz: Int32,
+        full_nnz: Int32,
+        batch: Int32,
+        n_qblk: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """Raw global pointers plus int32 sizes (the project's launch convention: no size triggers a
+        recompile); builds row-major tensors and calls :meth:`__call__`."""
+        dqk, dv_ = self.head_dim_qk, self.head_dim_v
+
+        def thd(ptr, total, heads, d):
+            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
+
+        def mat(ptr, rows, cols):
+            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+        def vec(ptr, n):
+            return cute.make_tensor(ptr, cute.make_layout(n))
+
+        plan = BwdPlanTensors(
+            mat(mask_block_cnt, mask_heads, k_rows),
+            mat(mask_block_offset, mask_heads, k_rows),
+            vec(mask_block_idx, partial_nnz),
+            vec(mask_block_masks, partial_nnz * self.payload_plane),
+            mat(full_block_cnt, mask_heads, k_rows),
+            mat(full_block_offset, mask_heads, k_rows),
+            vec(full_block_idx, full_nnz),
+            vec(dq_write_order, partial_nnz),
+            vec(dq_write_order_full, full_nnz),
+            mat(sequence_desc, batch, 8),
+            vec(k_row_batch, k_rows),
+            vec(q_block_begin, batch),
+        )
+        self.__call__(
+            thd(q, total_q, num_heads_q, dqk),
+            thd(k, total_k, num_heads_kv, dqk),
+            thd(v, total_k, num_heads_kv, dv_),
+            thd(dout, total_q, num_heads_q, dv_),
+            thd(dk, total_k, num_heads_kv, dqk),
+            thd(dv, total_k, num_heads_kv, dv_),
+            mat(lse_log2, num_heads_q, n_qblk * self.tile_m),
+            mat(dsum, num_heads_q, n_qblk * self.tile_m),
+            mat(dq_accum, num_heads_q, n_qblk * self.tile_m * dqk),
+            mat(dq_semaphore, num_heads_q, n_qblk),
+            plan,
+            softmax_scale,
+            stream,
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE: cute.Tensor,  # (Hq, n_qblk * tile_m) fp32, log2 domain, +inf for rows without keys
+        mDsum: cute.Tensor,  # (Hq, n_qblk * tile_m) fp32
+        mdQaccum: cute.Tensor,  # (Hq, n_qblk * tile_m * Dqk) fp32 (bwd_helpers: dQ accumulator order)
+        mdQsem: cute.Tensor,  # (Hq, n_qblk) int32
+        plan: BwdPlanTensors,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError(f"q/k/v/dout/dk/dv must be {self.dtype}")
+        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
+        mmas = make_mmas(self.dtype, tm, tn, dqk, dv_)
+        tilers = mma_tilers(tm, tn, dqk, dv_)
+        views = smem_views(mmas, tilers, self.dtype, self.q_stages, self.do_stages)
+        # TMA views (rows, D, heads)
+        mQ_t, mK_t, mV_t, mdO_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO))
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mmas["s"].thr_id.shape,)).shape
+        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        one = [0, 1, 2]
+        tma_k, tma_mK = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, mK_t, cute.select(views["k"], mode=one), tilers["s"], mmas["s"], cluster_vmnk
+        )
+        tma_v, tma_mV = cute.nvgpu.make_tiled_tma_atom_A(
+            load_op, mV_t, cute.select(views["v"], mode=one), tilers["dp"], mmas["dp"], cluster_vmnk
+        )
+        tma_q, tma_mQ = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mQ_t, cute.select(views["q"], mode=one), tilers["s"], mmas["s"], cluster_vmnk
+        )
+        tma_do, tma_mdO = cute.nvgpu.make_tiled_tma_atom_B(
+            load_op, mdO_t, cute.select(views["do"], mode=one), tilers["dp"], mmas["dp"], cluster_vmnk
+        )
+        self.bytes_kv = cute.size_in_bytes(
+            self.dtype, cute.select(views["k"], mode=one)
+        ) + cute.size_in_bytes(self.dtype, cute.select(views["v"], mode=one))
+        self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(views["q"], mode=one))
+        self.bytes_do = cute.size_in_bytes(self.dtype, cute.select(views["do"], mode=one))
+        self.bytes_stats = 2 * tm * 4  # LSE2 and D of one Q block
+        self.shared_storage = self._shared_storage(views)
+        self.kernel(
+            mmas["s"], mmas["dp"], mmas["dv"], mmas["dk"], mmas["dq"],
+            tma_k, tma_mK, tma_v, tma_mV, tma_q, tma_mQ, tma_do, tma_mdO,
+            mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, plan,
+            softmax_scale * Float32(LOG2_E), softmax_scale,
+            views["k"], views["kt"], views["v"], views["q"], views["qt"], views["do"], views["dot"],
+            views["ds"], views["dsq"], views["tp"],
+        ).launch(
+            grid=self.grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
+            block=[self.num_threads, 1, 1],
+            cluster=[1, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )  # fmt: skip
+
+    def grid(self, k_rows, kv_heads) -> list:
+        """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring)."""
+        return [kv_heads, k_rows, 1] if self.deterministic else [k_rows, kv_heads, 1]
+
+    def _shared_storage(self, views: dict):
+        stats = self.tile_m * self.q_stages
+        dq_runs = len(self.dq_warps) * 32 * 32
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            # MMA <-> compute / dQ handshakes (one completion per step each)
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 1]  # S^T_j in TMEM (tcgen05.commit)
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 1]  # P^T_j in TMEM (compute threads)
+            mbar_dp: cute.struct.MemRange[cutlass.Int64, 1]  # dP^T_j in TMEM (commit)
+            mbar_ds: cute.struct.MemRange[cutlass.Int64, 1]  # dS_j in SMEM (compute threads)
+            mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # dK_j, dQ_j done (commit)
+            mbar_dq_empty: cute.struct.MemRange[cutlass.Int64, 1]  # dQ_j read out (dQ threads)
+            mbar_dkv: cute.struct.MemRange[cutlass.Int64, 1]  # dK, dV final (commit)
+            tmem_holding: Int32
+            lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            dsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            dq_run: cute.struct.Align[cute.struct.MemRange[Float32, dq_runs], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(views["k"])], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(views["v"])], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(views["q"])], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(views["do"])], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(views["ds"])], 1024]
+
+        return SharedStorage
+
+    # -- device entry ---------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mma_s: cute.TiledMma,
+        mma_dp: cute.TiledMma,
+        mma_dv: cute.TiledMma,
+        mma_dk: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_do: cute.CopyAtom,
+        mdO: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor,
+        plan: BwdPlanTensors,
+        scale_log2: Float32,
+        softmax_scale: Float32,
+        sK_layout: cute.ComposedLayout,
+        sKt_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sQ_layout: cute.ComposedLayout,
+        sQt_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sdOt_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdSq_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == self.load_warp:
+            for atom in (tma_k, tma_v, tma_q, tma_do):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipes = self._make_pipelines(storage)
+        bars = Handshakes(
+            storage.mbar_s.data_ptr(),
+            storage.mbar_p.data_ptr(),
+            storage.mbar_dp.data_ptr(),
+            storage.mbar_ds.data_ptr(),
+            storage.mbar_dq.data_ptr(),
+            storage.mbar_dq_empty.data_ptr(),
+            storage.mbar_dkv.data_ptr(),
+        )
+        if warp_idx == self.mma_warp:
+            with cute.arch.elect_one():
+                for bar in (bars.s, bars.dp, bars.dq, bars.dkv):
+                    cute.arch.mbarrier_init(bar, 1)
+                cute.arch.mbarrier_init(bars.p, self.num_compute_threads)
+                cute.arch.mbarrier_init(bars.ds, self.num_compute_threads)
+                cute.arch.mbarrier_init(bars.dq_empty, self.num_dq_threads)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # operand tiles; the second role of a buffer is the same memory through its other layout
+        def tile(buf, layout):
+            return cute.make_tensor(
+                cute.recast_ptr(buf.data_ptr(), layout.inner, dtype=self.dtype), layout.outer
+            )
+
+        s = {
+            "sK": tile(storage.sK, sK_layout),
+            "sKt": tile(storage.sK, sKt_layout),
+            "sV": tile(storage.sV, sV_layout),
+            "sQ": tile(storage.sQ, sQ_layout),
+            "sQt": tile(storage.sQ, sQt_layout),
+            "sdO": tile(storage.sdO, sdO_layout),
+            "sdOt": tile(storage.sdO, sdOt_layout),
+            "sdS": tile(storage.sdS, sdS_layout),
+            "sdSq": tile(storage.sdS, sdSq_layout),
+            # (tile_m, q_stages): LSE2 / D of the staged Q block
+            "sLSE": storage.lse.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "sDsum": storage.dsum.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            # (32 * 32, dQ warps): one staging run per dQ warp
+            "sdQ": storage.dq_run.get_tensor(cute.make_layout((32 * 32, len(self.dq_warps)))),
+        }
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                self.tmem_alloc_barrier_id, self.num_compute_threads + self.num_dq_threads + 32
+            ),
+            allocator_warp_id=self.compute_warps[0],
+        )
+        work = self.decode_work(plan, mQ.shape[2] // mK.shape[2])
+        thr = {k: m.get_slice(0) for k, m in (("s", mma_s), ("dp", mma_dp), ("dv", mma_dv), ("dk", mma_dk),
+                                             ("dq", mma_dq))}  # fmt: skip
+        free = pipeline.NamedBarrier(
+            self.tmem_free_barrier_id, self.num_compute_threads + self.num_dq_threads
+        )
+
+        if warp_idx == self.load_warp:
+            set_registers(self.load_regs)
+            self.load_role(
+                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes
+            )
+        elif warp_idx < len(self.compute_warps):
+            set_registers(self.compute_regs)
+            tmem.allocate(self.tmem_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.compute_role(
+                thr, tmem_ptr, s, plan, work, pipes, bars, mdK, mdV, scale_log2, softmax_scale, tidx
+            )
+            free.arrive_and_wait()  # the dQ warps' last TMEM loads are done
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr, self.tmem_cols)
+        elif warp_idx < self.mma_warp:
+            set_registers(self.dq_regs)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.dq_role(
+                thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, tidx - self.num_compute_threads
+            )
+            free.arrive()
+        else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
+            set_registers(self.mma_regs)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.mma_role(
+                mma_s, mma_dp, mma_dv, mma_dk, mma_dq, thr, s, tP_layout, tmem_ptr, plan, work, pipes, bars
+            )
+
+    def _make_pipelines(self, storage):
+        def group(threads: int):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
+
+        def tma_umma(mbar, stages, nbytes):
+            return pipeline.PipelineTmaUmma.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=stages,
+                producer_group=group(1),
+                consumer_group=group(1),
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+
+        return Pipes(
+            kv=tma_umma(storage.mbar_kv, 1, self.bytes_kv),
+            q=tma_umma(storage.mbar_q, self.q_stages, self.bytes_q),
+            do=tma_umma(storage.mbar_do, self.do_stages, self.bytes_do),
+            # LSE2 + D: read by generic loads of every compute thread, so every thread releases
+            # the stage itself after its reads (tidx=0: each thread is a signalling thread)
+            stats=pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_stats.data_ptr(),
+                num_stages=self.q_stages,
+                producer_group=group(1),
+                consumer_group=group(self.num_compute_threads),
+                tx_count=self.bytes_stats,
+                tidx=Int32(0),
+                defer_sync=True,
+            ),
+        )
+
+    # -- work decoding (every role decodes the same plan entries itself) ------------------------------
+    @cute.jit
+    def decode_work(self, plan: BwdPlanTensors, q_per_kv: Int32) -> Work:
+        x, y, _ = cute.arch.block_idx()
+        row, kv_head = (y, x) if const_expr(self.deterministic) else (x, y)
+        b = plan.k_row_batch[row]
+        n_block = row - plan.sequence_desc[b, 4]
+        k_len = plan.sequence_desc[b, 3]
+        return Work(
+            row,
+            n_block,
+            kv_head,
+            plan.sequence_desc[b, 0],
+            plan.sequence_desc[b, 1],
+            cutlass.min(k_len - n_block * self.tile_n, self.tile_n),
+            plan.q_block_begin[b],
+            q_per_kv,
+            plan.mask_block_cnt.shape[0],
+        )
+
+    @cute.jit
+    def head_range(self, plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
+        q_head = work.kv_head * work.q_per_kv + g
+        h = cutlass.min(q_head, work.mask_heads - 1)  # Hmask is 1 (shared mask) or Hq
+        return HeadRange(
+            q_head,
+            plan.mask_block_cnt[h, work.row],
+            plan.mask_block_offset[h, work.row],
+            plan.full_block_cnt[h, work.row],
+            plan.full_block_offset[h, work.row],
+        )
+
+    @cute.jit
+    def total_steps(self, plan: BwdPlanTensors, work: Work) -> Int32:
+        n = Int32(0)
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            n += hr.partial_cnt + hr.full_cnt
+        return n
+
+    # -- load warp ------------------------------------------------------------------------------------
+    @cute.jit
+    def load_role(self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes):
+        no_mcast = cute.make_layout(1)
+        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
+        bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        if self.total_steps(plan, work) > 0:
+            # K and V of this block, once: (tile_n, D, n_blocks, 1) of this sample and kv head
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipes.kv.producer_acquire(kv_state)
+            bar = pipes.kv.producer_get_barrier(kv_state)
+            for atom, m_x, s_x, t, d in (
+                (tma_k, mK, s["sK"], thr["s"], dqk),
+                (tma_v, mV, s["sV"], thr["dp"], dv_),
+            ):
+                g_x = cute.flat_divide(
+                    cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]), (tn, d)
+                )
+                t_s, t_g = cpasync.tma_partition(
+                    atom, 0, no_mcast, cute.group_modes(s_x, 0, 3), cute.group_modes(t.partition_A(g_x), 0, 3)
+                )
+                cute.copy(atom, t_g[None, work.n_block, 0], t_s[None, 0], tma_bar_ptr=bar)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
+        for g in cutlass.range(work.q_per_kv, unroll=1):
+            hr = self.head_range(plan, work, g)
+            # Q, dO: (tile_m, D, q_blocks, 1) of this sample and q head
+            g_q = cute.flat_divide(
+                cute.domain_offset((work.q_offset, 0), mQ[None, None, hr.q_head]), (tm, dqk)
+            )
+            g_do = cute.flat_divide(
+                cute.domain_offset((work.q_offset, 0), mdO[None, None, hr.q_head]), (tm, dv_)
+            )
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q,
+                0,
+                no_mcast,
+                cute.group_modes(s["sQ"], 0, 3),
+                cute.group_modes(thr["s"].partition_B(g_q), 0, 3),
+            )
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_do, 0, no_mcast, cute.group_modes(s["sdO"], 0, 3),
+                cute.group_modes(thr["dp"].partition_B(g_do), 0, 3),
+            )  # fmt: skip
+            stats_row = hr.q_head * mLSE.shape[1]
+            for i in cutlass.range(hr.partial_cnt, unroll=1):
+                q_state, do_state = self.load_step(
+                    plan.mask_block_idx[hr.partial_off + i], work, stats_row, pipes, q_state, do_state,
+                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
+                )  # fmt: skip
+            for i in cutlass.range(hr.full_cnt, unroll=1):
+                q_state, do_state = self.load_step(
+                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipes, q_state, do_state,
+                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
+                )  # fmt: skip
+
+    @cute.jit
+    def load_step(
+        self, m_block, work, stats_row, pipes, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
+        bulk_f32, mLSE, mDsum, s,
+    ):  # fmt: skip
+        """Q + (LSE2, D) into stage ``q_state`` of the Q and stats pipelines, dO into its own."""
+        pipes.q.producer_acquire(q_state)
+        cute.copy(tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index],
+                  tma_bar_ptr=pipes.q.producer_get_barrier(q_state))  # fmt: skip
+        pipes.stats.producer_acquire(q_state)
+        bar = pipes.stats.producer_get_barrier(q_state)
+        first = stats_row + (work.qblk_base + m_block) * self.tile_m
+        stats = cute.make_layout(self.tile_m)
+        for m_stat, s_stat in ((mLSE, s["sLSE"]), (mDsum, s["sDsum"])):
+            src = cute.make_tensor(
+                cute.make_ptr(
+                    Float32, (m_stat.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=16
+                ),
+                stats,
+            )
+            with cute.arch.elect_one():
+                cute.copy(
+                    bulk_f32, src, cute.make_tensor(s_stat[None, q_state.index].iterator, stats), mbar_ptr=bar
+                )
+        q_state.advance()
+        pipes.do.producer_acquire(do_state)
+        cute.copy(tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index],
+                  tma_bar_ptr=pipes.do.producer_get_barrier(do_state))  # fmt: skip
+        do_state.advance()
+        return q_state, do_state
+
+    # -- MMA warp -------------------------------------------------------------------------------------
+    @cute.jit
+    def mma_role(
+        self, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, thr, s, tP_layout, tmem_ptr, plan, work, pipes, bars
+    ):
+        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
+        # SMEM descriptors: (MMA, MMA_MN, MMA_K[, stages])
+        tSrK = thr["s"].make_fragment_A(s["sK"])[None, None, None, 0]
+        tSrQ = thr["s"].make_fragment_B(s["sQ"])
+        tPrV = thr["dp"].make_fragment_A(s["sV"])[None, None, None, 0]
+        tPrdO = thr["dp"].make_fragment_B(s["sdO"])
+        tVrdO = thr["dv"].make_fragment_B(s["sdOt"])
+        tKrdS = thr["dk"].make_fragment_A(s["sdS"])[None, None, None, 0]
+        tKrQ = thr["dk"].make_fragment_B(s["sQt"])
+        tQrdS = thr["dq"].make_fragment_A(s["sdSq"])[None, None, None, 0]
+        tQrK = thr["dq"].make_fragment_B(s["sKt"])[None, None, None, 0]
+        # the P^T operand in TMEM (16-bit, packed two per column)
+        tVrP_proto = thr["dv"].make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[
+            None, None, None, 0
+        ]
+        tVrP = cute.make_tensor(
+            cute.recast_ptr(tmem_ptr + self.tmem_p, dtype=tVrP_proto.element_type), tVrP_proto.layout
+        )
+        # accumulators
+        tStS = tmem_acc(thr["s"], (tn, tm), tmem_ptr + self.tmem_s)
+        tPtdP = tmem_acc(thr["dp"], (tn, tm), tmem_ptr + self.tmem_dp)
+        tVtdV = tmem_acc(thr["dv"], (tn, dv_), tmem_ptr + self.tmem_dv)
+        tKtdK = tmem_acc(thr["dk"], (tn, dqk), tmem_ptr + self.tmem_dk)
+        tQtdQ = tmem_acc(thr["dq"], (tm, dqk), tmem_ptr + self.tmem_dq)
+
+        n = self.total_steps(plan, work)
+        if n > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+            q_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+            do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+            pipes.kv.consumer_wait(kv_state)
+            # S_0, dP_0
+            pipes.q.consumer_wait(q_next)
+            self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
+            self.commit(bars.s)
+            q_next.advance()
+            pipes.do.consumer_wait(do_state)
+            self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+            self.commit(bars.dp)
+            for j in cutlass.range(n, unroll=1):
+                phase = j & 1
+                # dV += P_j^T dO_j, then dO_j is free
+                cute.arch.mbarrier_wait(bars.p, phase)
+                tcgen05_fence_after()
+                self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, None, do_state.index], j > 0)
+                pipes.do.consumer_release(do_state)
+                do_state.advance()
+                # S_{j+1}: tcgen05.mma run in issue order, so it overwrites P_j after dV_j read it
+                if j + 1 < n:
+                    pipes.q.consumer_wait(q_next)
+                    self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
+                    self.commit(bars.s)
+                    q_next.advance()
+                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K
+                cute.arch.mbarrier_wait(bars.ds, phase)
+                tcgen05_fence_after()
+                self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, None, q_state.index], j > 0)
+                pipes.q.consumer_release(q_state)
+                q_state.advance()
+                self.gemm(mma_dq, tQtdQ, tQrdS, tQrK, False)
+                self.commit(bars.dq)
+                # dP_{j+1} into the columns dQ_j leaves once read out
+                if j + 1 < n:
+                    pipes.do.consumer_wait(do_state)
+                    cute.arch.mbarrier_wait(bars.dq_empty, phase)
+                    tcgen05_fence_after()
+                    self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+                    self.commit(bars.dp)
+            self.commit(bars.dkv)
+
+    @cute.jit
+    def gemm(
+        self, mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor, accumulate
+    ):
+        """acc (+)= A B over every k-block; ``accumulate`` (runtime) applies to the first k-block."""
+        for kb in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+            if const_expr(kb == 0):
+                mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                mma.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(mma, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
+
+    @cute.jit
+    def commit(self, mbar):
+        """Arrive on ``mbar`` once every tcgen05.mma issued so far has completed."""
+        with cute.arch.elect_one():
+            tcgen05.commit(mbar)
+
+
+class Handshakes(NamedTuple):
+    """mbarriers between the MMA warp and the compute / dQ warps (one completion per step)."""
+
+    s: cute.Pointer
+    p: cute.Pointer
+    dp: cute.Pointer
+    ds: cute.Pointer
+    dq: cute.Pointer
+    dq_empty: cute.Pointer
+    dkv: cute.Pointer
+
+
+@dataclass(frozen=True)
+class Pipes:
+    """The CTA's TMA pipelines (a frozen dataclass: the DSL passes it through loops as read-only)."""
+
+    kv: object
+    q: object
+    do: object
+    stats: object

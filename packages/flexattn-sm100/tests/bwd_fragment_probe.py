@@ -1,0 +1,99 @@
+"""Script (not a test module): print, as JSON, what the SM100 backward kernel's OWN fragments and SMEM
+views hold, for ``test_bwd_layout_agreement.py`` (compile-time only, no GPU; run in a fresh
+interpreter with ``CUTE_DSL_ARCH=sm_100a`` because the DSL fixes its target once per process).
+
+Per case ``(head_dim, dtype)``:
+
+* ``s``: for compute thread ``t = 128 wg + r``, the score ``(m, n)`` of each of its 64 registers in
+  the order the kernel tests payload bits: chunk ``c`` register ``e`` is the chunk-0 copy
+  (:meth:`Sm100BwdKernel.compute_fragments`) shifted ``64 wg + 32 c`` TMEM columns (a TMEM address
+  plus ``k`` is column plus ``k``), and accumulator ``(row, col)`` of S^T is score ``(col, row)``;
+* ``p``: the ``(row, packed column)`` of the P^T store registers (chunk 0);
+* ``dq``: the dQ ``(row, column)`` of each dQ thread's chunk-0 registers;
+* ``smem``: for every buffer read through two MMA layouts (K, Q, dO, dS), the number of
+  coordinates (every column of :data:`SAMPLE_ROWS`) where the second view does not address the
+  element the first one does, the swizzles of both, and the stage strides.
+
+    python bwd_fragment_probe.py '[[128, "bfloat16"]]'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import cutlass
+import cutlass.cute as cute
+
+from flexattn_sm100.bwd_helpers import make_mmas, mma_tilers, operand_2d, smem_views
+from flexattn_sm100.bwd_kernel import Sm100BwdKernel
+from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig
+
+#: rows whose every column is compared (two swizzle periods at the start, middle and end: the
+#: swizzle repeats every 8 rows, the atoms every 64)
+SAMPLE_ROWS = (*range(16), *range(56, 72), *range(112, 128))
+#: (buffer, its second role): the second is the transpose of the first
+PAIRS = (("k", "kt"), ("q", "qt"), ("do", "dot"), ("ds", "dsq"))
+
+
+def probe(head_dim: int, dtype: str) -> dict:
+    config = Sm100BwdConfig(
+        head_dim_qk=head_dim, head_dim_v=head_dim, dtype=dtype, variant=BWD_VARIANTS["k2q-1cta"]
+    )
+    kernel = Sm100BwdKernel(config)
+    result: dict = {"s_chunk0": [], "p": [], "dq": [], "smem": {}}
+
+    @cute.jit
+    def run():
+        tm, tn, d = kernel.tile_m, kernel.tile_n, head_dim
+        mmas = make_mmas(kernel.dtype, tm, tn, d, d)
+        views = smem_views(mmas, mma_tilers(tm, tn, d, d), kernel.dtype, kernel.q_stages, kernel.do_stages)
+        thr = {key: m.get_slice(0) for key, m in mmas.items()}
+        tmem = cute.make_ptr(cutlass.Float32, 0, mem_space=cute.AddressSpace.tmem, assumed_align=16)
+        for r in cutlass.range_constexpr(128):
+            f = kernel.compute_fragments(thr, tmem, r)
+            result["s_chunk0"].append([tuple(f["tLcS"][e]) for e in range(cute.size(f["tLcS"]))])
+            result["p"].append([tuple(f["tScP"][e]) for e in range(cute.size(f["tScP"]))])
+            g = kernel.dq_fragments(thr, tmem, r)
+            result["dq"].append([tuple(g["tLc"][e]) for e in range(cute.size(g["tLc"]))])
+        for first, second in PAIRS:
+            a, b = views[first], views[second]
+            a2, b2 = operand_2d(a.outer), operand_2d(b.outer)
+            rows, cols = cute.size(a2, mode=[0]), cute.size(a2, mode=[1])
+            bad = sum(
+                cute.crd2idx((i, j), a2) != cute.crd2idx((j, i), b2)
+                for i in SAMPLE_ROWS
+                if i < rows
+                for j in range(cols)
+            )
+            stage = [
+                cute.rank(a.outer) > 3 and a.outer.stride[3],
+                cute.rank(b.outer) > 3 and b.outer.stride[3],
+            ]
+            result["smem"][first] = {
+                "shape": [rows, cols],
+                "mismatches": int(bad),
+                "swizzles": [str(a.inner), str(b.inner)],
+                "stage_strides": [int(x) for x in stage],
+            }
+
+    run()
+    chunk0 = result.pop("s_chunk0")
+    chunk = len(chunk0[0])
+    # score (m, n) = accumulator (col, row) of S^T, chunk c of warpgroup wg shifted 64 wg + chunk c columns
+    result["s"] = [
+        [
+            [int(col) + 64 * wg + chunk * c, int(row)]
+            for c in range(kernel.payload_elements // chunk)
+            for row, col in chunk0[r]
+        ]
+        for wg in range(2)
+        for r in range(128)
+    ]
+    result["dq"] = [[[int(x) for x in c] for c in regs] for regs in result["dq"]]
+    result["p"] = [[[int(x) for x in c] for c in regs] for regs in result["p"]]
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps([probe(*case) for case in json.loads(sys.argv[1])]))

@@ -1,0 +1,142 @@
+"""Compile-only tests of the SM100 backward (k2q-1cta main kernel and its postprocess): every supported
+config traces and compiles to sm_100a on a machine without a GPU, the PTX has what the design promises
+(tcgen05 MMAs of the five GEMMs, 32x32b TMEM loads/stores, TMA, the bulk fp32 dQ reduction, the
+deterministic turnstile, setmaxnreg) and ptxas reports no spills.
+
+Compiling is the ONLY verification these kernels have had: no SM100 hardware was available, and they
+have never run. Run with ``CUTE_DSL_ARCH=sm_100a``; in a process that already targets another
+architecture these tests skip.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # the launcher also passes --gpu-arch sm_100a
+
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("cutlass.cute")
+
+from flexattn_sm100.bwd_kernel import (  # noqa: E402
+    HEAD_DIMS,
+    IMPLEMENTED_VARIANTS,
+    Sm100BwdKernel,
+    check_register_split,
+    smem_bytes,
+)
+from flexattn_sm100.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
+from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
+from flexattn_sm100.heuristics import select_bwd_config  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
+    reason="the CuTe DSL target is fixed per process; run with CUTE_DSL_ARCH=sm_100a",
+)
+
+#: (head dim, dtype, deterministic): each head dim and dtype, both modes, about 3 s each
+MAIN = [(64, "bfloat16", False), (96, "bfloat16", False), (128, "bfloat16", False), (128, "float16", True),
+        (64, "float16", True)]  # fmt: skip
+
+
+def config(d: int, dtype: str = "bfloat16") -> Sm100BwdConfig:
+    return Sm100BwdConfig(head_dim_qk=d, head_dim_v=d, dtype=dtype, variant=BWD_VARIANTS["k2q-1cta"])
+
+
+def _ptxas_report(ptx: str, tmp_path) -> str | None:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run(
+        [ptxas, "-arch=sm_100a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
+    )
+    return run.stderr + run.stdout
+
+
+def _ptx(kind, d, dtype, tmp_path, **kw) -> str:
+    compiled = compile_uncached(
+        kind, config(d, dtype), extra_options=f"--keep-ptx --dump-dir {tmp_path}", **kw
+    )
+    ptx = compiled.__ptx__
+    assert ".target sm_100a" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    return ptx
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@pytest.mark.parametrize(
+    "d,dtype,deterministic", MAIN, ids=[f"d{d}-{t}-{'det' if x else 'atomic'}" for d, t, x in MAIN]
+)
+def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
+    ptx = _ptx("main", d, dtype, tmp_path, deterministic=deterministic)
+    # UMMA, cta_group 1: S^T and dP^T (D/16 k-blocks, two sites each: first step and next step),
+    # dV, dK (tile_m/16 = 8 each), dQ (tile_n/16 = 8); only dV takes A from TMEM (P^T)
+    mma = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
+    assert len(mma) == 4 * d // 16 + 3 * 8
+    assert sum(a.startswith("[") for a in mma) == 8
+    assert _count(ptx, r"tcgen05\.commit\.cta_group::1") == 8  # S x2, dP x2, dQ, dO/Q releases, dK/dV done
+    # compute: S^T and dP^T in 2 chunks of 32 columns, at the partial and the full site; P^T stores;
+    # epilogue dV and dK (D/2 columns per warpgroup); dQ warps: D/32 chunks at two sites
+    width = 32 if (d // 2) % 32 == 0 else 16
+    loads = 2 * 2 * 2 + 2 * (d // 2) // width + 2 * d // 32
+    assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x\d+\.b32") == loads
+    assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 2
+    assert _count(ptx, r"tcgen05\.alloc\.") == 1 and _count(ptx, r"tcgen05\.dealloc\.") == 1
+    assert "cp.async.bulk.tensor" in ptx  # TMA of K, V, Q, dO
+    assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # LSE2 and D
+    assert _count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2 * d // 32
+    assert _count(ptx, r"ld\.global(\.nc)?\.v2\.b32") == 1  # the 2 payload words, GMEM -> registers
+    assert _count(ptx, r"setmaxnreg\.inc") == 2 and _count(ptx, r"setmaxnreg\.dec") == 2
+    assert ("ld.acquire.gpu.global.b32" in ptx) == deterministic  # the turnstile
+    assert ("red.release.gpu.global.add.s32" in ptx) == deterministic
+    assert (".f32.bf16.bf16" in ptx or "kind::f16" in ptx) and (
+        (dtype == "bfloat16") == ("cvt.rn.bf16x2.f32" in ptx)
+    )
+
+
+@pytest.mark.parametrize("d,dtype", [(64, "bfloat16"), (128, "float16")])
+def test_postprocess_compiles(d, dtype, tmp_path):
+    ptx = _ptx("post", d, dtype, tmp_path)
+    assert _count(ptx, r"ld\.global\.(v4\.[fb]32|v2\.b64)") == d // 4  # the accumulator, 16 bytes at a time
+
+
+def test_budgets():
+    """SMEM (operand tiles, statistics, dQ runs) fits 227 KB, TMEM columns fit 512, the register
+    split fits the 448 x 128 registers the CTA launches with."""
+    for d in (64, 96, 128):
+        k = Sm100BwdKernel(config(d))
+        assert smem_bytes(d, d, k.q_stages, k.do_stages) + 4096 <= 227 * 1024
+        assert k.tmem_dk + d <= 512 and k.tmem_dq + d <= k.tmem_dv
+    with pytest.raises(ValueError, match="does not fit"):
+        check_register_split(448, ((168, 8), (88, 4), (56, 1), (152, 1)))
+
+
+def test_unimplemented_variants_and_head_dims_are_refused():
+    assert IMPLEMENTED_VARIANTS == ("k2q-1cta",) and HEAD_DIMS == ((64, 64), (96, 96), (128, 128))
+    for dq, dv in ((128, 128), (192, 128), (256, 256)):
+        default = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
+        assert default.variant.name != "k2q-1cta"
+        with pytest.raises(NotImplementedError, match=default.variant.name):
+            Sm100BwdKernel(default)
+    with pytest.raises(NotImplementedError, match="fits"):
+        Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=192, head_dim_v=128, dtype="bfloat16",
+                                      variant=BWD_VARIANTS["k2q-1cta"]))  # fmt: skip
+
+
+def test_kernel_keys_ignore_runtime_geometry():
+    a = config(128)
+    b = Sm100BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant=BWD_VARIANTS["k2q-1cta"],
+                       qhead_per_kvhead=4, varlen=True)  # fmt: skip
+    kw = {"deterministic": False, "with_dlse": False}
+    assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
+    det = kernel_keys(a, deterministic=True, with_dlse=False)
+    assert det["main"] != kernel_keys(a, **kw)["main"] and det["pre"] == kernel_keys(a, **kw)["pre"]

@@ -1,0 +1,99 @@
+"""The SM100 backward kernel tests the bit the backward payload layout assigns, and reads each SMEM
+buffer consistently through both of its MMA roles (spec 5.1, 9.5), on CPU.
+
+``bwd_fragment_probe.py`` traces the kernel's own fragment builders
+(:meth:`Sm100BwdKernel.compute_fragments`, :meth:`Sm100BwdKernel.dq_fragments`) and its SMEM views
+(:func:`bwd_helpers.smem_views`) at compile time (``CUTE_DSL_ARCH=sm_100a``, no GPU). The compute
+thread ``t`` keeps register ``e`` iff bit ``e % 32`` of word ``e // 32`` of payload group ``t`` is
+set (words loaded at ``(entry * groups + t) * words``), so agreement means, for all ``t, e``::
+
+    TmemLoadLayout(128, 128, 2, transposed=True).element_coords()[m, n] == (0, t, e // 32, e % 32)
+
+where ``(m, n)`` is the score element the kernel's register ``e`` holds. Nothing here has run on
+SM100 hardware.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexattn_sm100.bwd_helpers import DQ_CHUNK, dq_accum_offset
+from flexattn_sm100.heuristics import select_bwd_config
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("cutlass") is None, reason="CuTe DSL (cutlass) not installed"
+    ),
+]
+
+PROBE = Path(__file__).with_name("bwd_fragment_probe.py")
+CASES = ((128, "bfloat16"), (96, "float16"))
+
+
+@pytest.fixture(scope="module")
+def probed() -> list[dict]:
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_bit_tested_is_bit_assigned(probed):
+    layout = select_bwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16").payload_layout
+    assert (layout.subtiles, layout.groups, layout.words_per_group, layout.transposed) == (1, 256, 2, True)
+    subtile, group, word, bit = layout.element_coords()
+    for case in probed:
+        coords = torch.tensor(case["s"])  # [thread, register, (m, n)]
+        assert coords.shape == (layout.groups, layout.elements_per_thread, 2)
+        m, n = coords[..., 0], coords[..., 1]
+        t = torch.arange(layout.groups).view(-1, 1).expand_as(m)
+        e = torch.arange(layout.elements_per_thread).view(1, -1).expand_as(m)
+        assert bool((subtile[m, n] == 0).all())
+        assert torch.equal(group[m, n], t), "register owners disagree with the payload groups"
+        assert torch.equal(word[m, n], e // 32), "register order disagrees with the payload words"
+        assert torch.equal(bit[m, n], e % 32), "register order disagrees with the payload bits"
+        assert torch.unique(m * layout.tile_n + n).numel() == layout.tile_m * layout.tile_n
+
+
+def test_p_store_and_dq_load_registers_are_row_ordered(probed):
+    """P^T register i -> TMEM column i of the thread's own lane (16-bit pairs 2i, 2i + 1); dQ register
+    e -> column e of the dQ thread's row, which the dQ run map then places."""
+    for case in probed:
+        for key in ("p", "dq"):
+            regs = torch.tensor(case[key])  # [thread, registers, (row, column)]
+            threads, count, _ = regs.shape
+            assert threads == 128 and count == 32
+            assert torch.equal(regs[..., 0], torch.arange(128).view(-1, 1).expand(128, count))
+            assert torch.equal(regs[..., 1], torch.arange(count).view(1, -1).expand(128, count))
+
+
+def test_each_smem_buffer_agrees_with_itself_in_both_roles(probed):
+    """K (A of S^T / B of dQ), Q (B of S^T / B of dK), dO (B of dP^T / B of dV) and dS (A of dK, which
+    the compute threads write through / A of dQ) address every element identically."""
+    for case in probed:
+        for name, check in case["smem"].items():
+            assert check["mismatches"] == 0, (name, check)
+            assert check["swizzles"][0] == check["swizzles"][1], (name, check)
+            assert check["stage_strides"][0] == check["stage_strides"][1], (name, check)
+
+
+def test_dq_accumulator_order_is_a_bijection():
+    """The dQ accumulator order of a Q block (bwd_helpers.dq_accum_offset, which the main kernel
+    writes and the postprocess reads) covers tile_m x D exactly once, a 4 KB run per (warp, chunk)."""
+    for d in (64, 96, 128):
+        offsets = torch.tensor([[dq_accum_offset(r, c) for c in range(d)] for r in range(128)])
+        assert torch.equal(offsets.flatten().sort().values, torch.arange(128 * d))
+        run = offsets // (32 * DQ_CHUNK)
+        w, c = torch.arange(128).view(-1, 1) // 32, torch.arange(d).view(1, -1) // DQ_CHUNK
+        assert torch.equal(run, c * 4 + w)
