@@ -1,6 +1,6 @@
 """Device helpers of the SM100 forward kernel (CuTe DSL): the tcgen05 MMA builders, the TMEM
-fragments and copies the softmax warpgroup reads, the packed-predicate bit-select and the per-row
-online softmax.
+fragments and copies the softmax warpgroup reads, the direct payload load and the per-row online
+softmax (the plan walk and the packed-predicate bit-select are :mod:`maskplan_kernels.consumer_plan`).
 
 The score copy (:func:`score_tmem_load`) is the one :mod:`flexattn_sm100.payload_layout` describes:
 ``tcgen05.ld 32x32b``, thread ``t`` of the softmax warpgroup reads TMEM lane ``t`` (accumulator row
@@ -12,8 +12,6 @@ Since one thread owns one whole score row, the softmax needs no cross-thread red
 max and the row sum are per-thread scalars.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
@@ -22,8 +20,9 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
+from maskplan_kernels.consumer_plan import int32_gmem_ptr
+from maskplan_kernels.consumer_softmax import row_max_of
+
 #: registers (32-bit TMEM columns) per tcgen05.ld/st of the O accumulator (rescale and epilogue)
 O_CHUNK = 32
 
@@ -84,30 +83,7 @@ def shift_columns(t: cute.Tensor, columns) -> cute.Tensor:
     return cute.make_tensor(t.iterator + columns, t.layout)
 
 
-# -- packed predicate -----------------------------------------------------------------------------
-@cute.jit
-def apply_packed_predicate(row: cute.Tensor, words: cute.Tensor, num_elements: cutlass.Constexpr[int]):
-    """Spec 5.1 on a TMEM-loaded score row: register ``e`` keeps its score iff bit ``e % 32`` of
-    ``words[e // 32]`` is 1, else becomes -inf. Compile-time unrolled; padding bits are never read."""
-    for w in cutlass.range_constexpr((num_elements + 31) // 32):
-        word = words[w]
-        for b in cutlass.range_constexpr(min(32, num_elements - 32 * w)):
-            e = 32 * w + b
-            keep = ((word >> b) & 1) != 0
-            row[e] = row[e] if keep else -Float32.inf
-
-
 # -- per-row online softmax -------------------------------------------------------------------------
-@cute.jit
-def row_max(row: cute.Tensor, init: Float32) -> Float32:
-    """Max of a register row and ``init``, as a 4-way tree (short dependency chains)."""
-    n = cute.size(row)
-    m = [init, row[0], row[1], row[2]]
-    for c in cutlass.range_constexpr(3, n):
-        m[c % 4] = cute.arch.fmax(m[c % 4], row[c])
-    return cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
-
-
 @cute.jit
 def exp2_row_and_sum(row: cute.Tensor, scale_log2: Float32, max_scaled: Float32) -> Float32:
     """``row[c] = 2^(row[c] * scale_log2 - max_scaled)`` in place; returns the sum (4 partial sums)."""
@@ -129,16 +105,11 @@ def softmax_update(
     be multiplied by ``correction`` before P V is added. A row with nothing visible yet keeps
     ``m = -inf`` and contributes exactly 0 (never NaN).
     """
-    m_new = row_max(row, m_prev)
+    m_new = row_max_of(row, m_prev)
     m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
     correction = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
     block_sum = exp2_row_and_sum(row, scale_log2, m_safe * scale_log2)
     return m_new, sum_prev * correction + block_sum, correction
-
-
-def int32_gmem_ptr(base: cute.Tensor, offset: Int32, align: int):
-    """An Int32 GMEM pointer ``offset`` elements past ``base``'s start, with an asserted alignment."""
-    return cute.make_ptr(Int32, (base.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 @cute.jit
@@ -163,23 +134,13 @@ def tcgen05_fence_after(*, loc=None, ip=None) -> None:
     nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
-def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
-
-
 __all__ = [
-    "LN_2",
-    "LOG2_E",
     "O_CHUNK",
-    "apply_packed_predicate",
-    "int32_gmem_ptr",
     "load_words",
     "make_pv_mma",
     "make_qk_mma",
     "row_chunk_copies",
-    "row_max",
     "score_tmem_load",
-    "select_modes",
     "shift_columns",
     "softmax_update",
     "tcgen05_fence_after",

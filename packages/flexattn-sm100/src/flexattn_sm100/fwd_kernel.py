@@ -43,7 +43,6 @@ are zero-filled by TMA, partial payloads carry the K tail (bit 0), and output ro
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -54,9 +53,19 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from maskplan_kernels.consumer_plan import (
+    TASK_WORDS,
+    FwdPlanTensors,
+    Task,
+    decode_task,
+    fetch_task,
+    publish_task,
+    select_modes,
+)
+
 from .config import Sm100FwdConfig
-from .fwd_helpers import make_pv_mma, make_qk_mma, select_modes, tcgen05_fence_after, tmem_acc
-from .fwd_softmax import CONSUMER_FIELDS, TASK_WORDS, SoftmaxRole, Task
+from .fwd_helpers import make_pv_mma, make_qk_mma, tcgen05_fence_after, tmem_acc
+from .fwd_softmax import SoftmaxRole
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: the variants this kernel implements (qstage2 / 2CTA / D256 are specified but not written)
@@ -64,26 +73,6 @@ IMPLEMENTED_VARIANTS = ("qstage1-1cta",)
 #: SMEM the Q/K/V stages may take (the rest: barriers, task records, CLC response)
 _SMEM_BUDGET = 200 * 1024
 _MAX_KV_STAGES = 4
-
-
-class FwdPlanTensors(NamedTuple):
-    """The forward view's tensors as the kernel reads them (all int32, see ``maskplan_core.plan``).
-
-    ``mask_block_masks`` is flattened to ``[partial_nnz * subtiles * groups * words]``.
-    """
-
-    mask_block_cnt: cute.Tensor  # (Hmask, rows)
-    mask_block_offset: cute.Tensor  # (Hmask, rows)
-    mask_block_idx: cute.Tensor  # (partial_nnz,)
-    mask_block_masks: cute.Tensor  # (partial_nnz * plane,)
-    full_block_cnt: cute.Tensor  # (Hmask, rows)
-    full_block_offset: cute.Tensor  # (Hmask, rows)
-    full_block_idx: cute.Tensor  # (full_nnz,)
-    sequence_desc: cute.Tensor  # (B, 8)
-    fwd_work_desc: cute.Tensor  # (tasks, 4)
-
-    def __new_from_mlir_values__(self, values):
-        return FwdPlanTensors(*values)
 
 
 def kv_stages_for(head_dim_qk: int, head_dim_v: int, element_bytes: int = 2, tile: int = 128) -> int:
@@ -425,42 +414,6 @@ class Sm100FwdKernel(SoftmaxRole):
             o=umma_async(storage.mbar_o, 1),
         )
 
-    # -- task decoding (load warp; the others get the decoded task through SMEM) -----------------
-    @cute.jit
-    def decode_task(self, plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> Task:
-        m_block = plan.fwd_work_desc[task, 0]
-        head = plan.fwd_work_desc[task, 1]
-        batch = plan.fwd_work_desc[task, 2]
-        q_valid = plan.fwd_work_desc[task, 3]
-        row = plan.sequence_desc[batch, 4] + m_block
-        h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)  # Hmask is 1 or Hq
-        return Task(
-            m_block,
-            head,
-            head // qhead_per_kvhead,
-            plan.sequence_desc[batch, 0],
-            plan.sequence_desc[batch, 1],
-            q_valid,
-            plan.mask_block_cnt[h_mask, row],
-            plan.mask_block_offset[h_mask, row],
-            plan.full_block_cnt[h_mask, row],
-            plan.full_block_offset[h_mask, row],
-        )
-
-    @cute.jit
-    def publish_task(self, pipe_sched, state, sTask: cute.Tensor, t: Task | None, valid: Int32, lane: Int32):
-        """Hand the decoded task (or, with ``valid = 0``, the end of work) to the MMA and softmax warps."""
-        pipe_sched.producer_acquire(state)
-        if lane == 0:
-            record = sTask[None, state.index]
-            record[0] = valid
-            if const_expr(t is not None):
-                for w, field in enumerate(CONSUMER_FIELDS):
-                    record[1 + w] = getattr(t, field)
-            pipe_sched.producer_commit(state)
-        state.advance()
-        return state
-
     @cute.jit
     def next_task_clc(self, clc_mbar, clc_response, phase: Int32) -> Int32:
         """Wait for the CLC response of the query issued for this task; the cancelled CTA's task,
@@ -489,8 +442,8 @@ class Sm100FwdKernel(SoftmaxRole):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(clc_mbar, 16)
                 cute.arch.issue_clc_query(clc_mbar, clc_response, multicast=False)
-            t = self.decode_task(plan, task, qhead_per_kvhead)
-            sched_state = self.publish_task(pipes.sched, sched_state, sTask, t, Int32(1), lane)
+            t = decode_task(plan, task, qhead_per_kvhead)
+            sched_state = publish_task(pipes.sched, sched_state, sTask, t, Int32(1), lane)
             if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
                 q_state, kv_state = self.load_task(
                     t, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, plan, pipes,
@@ -498,7 +451,7 @@ class Sm100FwdKernel(SoftmaxRole):
                 )  # fmt: skip
             task = self.next_task_clc(clc_mbar, clc_response, clc_phase)
             clc_phase = clc_phase ^ 1
-        sched_state = self.publish_task(pipes.sched, sched_state, sTask, None, Int32(0), lane)
+        sched_state = publish_task(pipes.sched, sched_state, sTask, None, Int32(0), lane)
 
     @cute.jit
     def load_task(
@@ -579,7 +532,7 @@ class Sm100FwdKernel(SoftmaxRole):
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
 
-        valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+        valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
         while valid != 0:
             n = t.partial_cnt + t.full_cnt
             if n > 0:
@@ -603,7 +556,7 @@ class Sm100FwdKernel(SoftmaxRole):
                 o_state.advance()
                 pipes.q.consumer_release(q_state)
                 q_state.advance()
-            valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+            valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
     def issue_pv(self, pv_mma, tOtO, tOrP, tOrV, v_stage: Int32, accumulate):

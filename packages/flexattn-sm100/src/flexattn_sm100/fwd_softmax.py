@@ -26,11 +26,11 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
+from maskplan_kernels.consumer_plan import apply_packed_predicate, fetch_task
+from maskplan_kernels.consumer_softmax import LN_2, LOG2_E
+
 from .fwd_helpers import (
-    LN_2,
-    LOG2_E,
     O_CHUNK,
-    apply_packed_predicate,
     load_words,
     row_chunk_copies,
     score_tmem_load,
@@ -40,26 +40,6 @@ from .fwd_helpers import (
     tcgen05_fence_before,
     tmem_acc,
 )
-
-
-class Task(NamedTuple):
-    """One decoded forward task (runtime Int32 values)."""
-
-    m_block: Int32
-    head: Int32
-    kv_head: Int32
-    q_offset: Int32
-    k_offset: Int32
-    q_valid: Int32
-    partial_cnt: Int32
-    partial_off: Int32
-    full_cnt: Int32
-    full_off: Int32
-
-
-#: the task fields the MMA warp and the softmax warpgroup need, in SMEM record order after the valid flag
-CONSUMER_FIELDS = ("m_block", "head", "q_offset", "q_valid", "partial_cnt", "partial_off", "full_cnt")
-TASK_WORDS = 1 + len(CONSUMER_FIELDS)
 
 
 class SoftmaxFragments(NamedTuple):
@@ -84,18 +64,6 @@ class SoftmaxFragments(NamedTuple):
 
 class SoftmaxRole:
     """Softmax-warpgroup methods (mixin)."""
-
-    @cute.jit
-    def fetch_task(self, pipe_sched, state, sTask: cute.Tensor):
-        """The next decoded task from SMEM (only the load warp reads the plan's descriptors)."""
-        pipe_sched.consumer_wait(state)
-        record = sTask[None, state.index]
-        valid = record[0]
-        fields = {field: record[1 + w] for w, field in enumerate(CONSUMER_FIELDS)}
-        pipe_sched.consumer_release(state)
-        state.advance()
-        zero = Int32(0)
-        return valid, Task(**{f: fields.get(f, zero) for f in Task._fields}), state
 
     def softmax_fragments(self, qk_thr, pv_thr, tmem_ptr, tidx) -> SoftmaxFragments:
         # S stage 0: ((128, tile_n), 1, 1) fp32 in TMEM, and the (m, n) coordinates of its elements
@@ -145,7 +113,7 @@ class SoftmaxRole:
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
 
-        valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+        valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
         while valid != 0:
             m = -Float32.inf
             l_sum = Float32(0.0)
@@ -166,7 +134,7 @@ class SoftmaxRole:
             o_state = self.epilogue(
                 frags, pipes, o_state, t, m, l_sum, scale_log2, softmax_scale, mO, mLSE, mMaxLogit, tidx
             )
-            valid, t, sched_state = self.fetch_task(pipes.sched, sched_state, sTask)
+            valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
     def softmax_block(

@@ -52,6 +52,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from maskplan_kernels.consumer_plan import load_payload_plane, select_modes
+from maskplan_kernels.consumer_softmax import LOG2_E
+
 from .bwd_helpers import (
     bulk_reduce_add_f32,
     common_major,
@@ -63,7 +66,7 @@ from .bwd_helpers import (
 )
 from .bwd_mainloop import BwdMainloop
 from .config import Sm90BwdConfig
-from .fwd_helpers import LOG2_E, int32_gmem_ptr, register_split, select_modes
+from .fwd_helpers import register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -513,9 +516,10 @@ class Sm90BwdKernel(BwdMainloop):
             stats_row = hr.q_head * mLSE.shape[1]
             for i in cutlass.range(hr.partial_cnt, unroll=1):
                 entry = hr.partial_off + i
-                mask_state = self.load_payload(
-                    pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], entry
-                )
+                mask_state = load_payload_plane(
+                    pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], entry,
+                    self.payload_plane,
+                )  # fmt: skip
                 q_state = self.load_q_block(
                     plan.mask_block_idx[entry], work, stats_row, pipe_q, pipe_do, q_state, tma_q, tQgQ, tQsQ,
                     tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
@@ -550,18 +554,6 @@ class Sm90BwdKernel(BwdMainloop):
             dst = cute.make_tensor(s_stat[None, state.index].iterator, stats)
             with cute.arch.elect_one():
                 cute.copy(bulk_f32, src, dst, mbar_ptr=bar)
-        state.advance()
-        return state
-
-    @cute.jit
-    def load_payload(self, pipe_mask, state, bulk_atom, masks: cute.Tensor, sMask: cute.Tensor, entry: Int32):
-        """Spec 6.2 protocol: bulk-copy the CTA payload plane of partial entry ``entry`` to one stage."""
-        plane = cute.make_layout(self.payload_plane)
-        src = cute.make_tensor(int32_gmem_ptr(masks, entry * self.payload_plane, 16), plane)
-        dst = cute.make_tensor(sMask[None, None, state.index].iterator, plane)
-        pipe_mask.producer_acquire(state)
-        with cute.arch.elect_one():
-            cute.copy(bulk_atom, src, dst, mbar_ptr=pipe_mask.producer_get_barrier(state))
         state.advance()
         return state
 

@@ -14,17 +14,16 @@ and for padding rows, so they contribute nothing (and never NaN). Four threads s
 reducing ``Dv / 4`` products, then a quad shuffle.
 """
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from maskplan_kernels.consumer_softmax import LOG2_E
+
 from .bwd_helpers import aligned_ptr, quad_sum
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-LOG2_E = math.log2(math.e)
 
 
 class Sm90BwdPreprocess:

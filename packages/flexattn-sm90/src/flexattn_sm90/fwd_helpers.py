@@ -1,23 +1,20 @@
-"""Device helpers of the SM90 forward kernel (CuTe DSL): WGMMA issue, accumulator views, online
-softmax and the packed-predicate bit-select.
+"""Device helpers of the SM90 forward kernel (CuTe DSL): WGMMA issue, accumulator views and the
+online softmax over a WGMMA fragment. The plan walk and the packed-predicate bit-select every
+consumer shares live in :mod:`maskplan_kernels.consumer_plan`.
 
 Everything here is generic over the accumulator of a ``wgmma.m64nNk16`` fp32 tile held by one
 consumer thread, whose register (fragment) order is the one :mod:`flexattn_sm90.payload_layout`
 documents: ``acc[e]`` with ``e = 4j + 2*half + c`` is row ``r0 + 8*half``, column ``8j + 2(l%4) + c``.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
+from maskplan_kernels.consumer_softmax import LN_2, row_max_of
 
 # -- warp specialisation ---------------------------------------------------------------------------
 REGISTERS_PER_SM = 65536
@@ -63,10 +60,6 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
     order = (1, 0, *range(2, cute.rank(t)))
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
 
 
 def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
@@ -122,19 +115,6 @@ def wgmma(
         warpgroup.wait_group(wait)
 
 
-# -- packed predicate -----------------------------------------------------------------------------
-@cute.jit
-def apply_packed_predicate(acc_s: cute.Tensor, words: cute.Tensor, num_elements: cutlass.Constexpr[int]):
-    """Spec 5.1 on a WGMMA fragment: element ``e`` keeps its score iff bit ``e % 32`` of
-    ``words[e // 32]`` is 1, else becomes -inf. Compile-time unrolled; padding bits are never read."""
-    for w in cutlass.range_constexpr((num_elements + 31) // 32):
-        word = words[w]
-        for b in cutlass.range_constexpr(min(32, num_elements - 32 * w)):
-            e = 32 * w + b
-            keep = ((word >> b) & 1) != 0
-            acc_s[e] = acc_s[e] if keep else -Float32.inf
-
-
 # -- online softmax -------------------------------------------------------------------------------
 @cute.jit
 def quad_allreduce_max(x: Float32) -> Float32:
@@ -147,16 +127,6 @@ def quad_allreduce_max(x: Float32) -> Float32:
 def quad_allreduce_sum(x: Float32) -> Float32:
     x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
     return x + cute.arch.shuffle_sync_bfly(x, offset=1)
-
-
-@cute.jit
-def row_max_of(row: cute.Tensor, init: Float32) -> Float32:
-    """Max of a register row and ``init``, as a 4-way tree (short dependency chains)."""
-    n = cute.size(row)
-    m = [init, row[0], row[1], row[2]]
-    for c in cutlass.range_constexpr(3, n):
-        m[c % 4] = cute.arch.fmax(m[c % 4], row[c])
-    return cute.arch.fmax(cute.arch.fmax(m[0], m[1]), cute.arch.fmax(m[2], m[3]))
 
 
 @cute.jit
@@ -214,7 +184,3 @@ def finalize_softmax(
         for c in cutlass.range(cute.size(o_mn, mode=[1]), unroll_full=True):
             o_mn[r, c] = o_mn[r, c] * inv
 
-
-def int32_gmem_ptr(base: cute.Tensor, offset: Int32, align: int):
-    """An Int32 GMEM pointer ``offset`` elements past ``base``'s start, with an asserted alignment."""
-    return cute.make_ptr(Int32, (base.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=align)

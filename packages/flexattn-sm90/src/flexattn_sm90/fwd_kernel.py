@@ -32,8 +32,6 @@ Q/K/V tiles past the tensor end are zero-filled by TMA, partial payloads carry t
 (bit 0), and output rows past ``q_valid_rows`` are never stored.
 """
 
-from typing import NamedTuple
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -43,31 +41,20 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from maskplan_kernels.consumer_plan import (
+    TASK_WORDS,
+    FwdPlanTensors,
+    decode_task,
+    load_payload_plane,
+    publish_task,
+    select_modes,
+)
+
 from .config import Sm90FwdConfig
-from .fwd_helpers import int32_gmem_ptr, register_split, select_modes, smem_layout_row_major
-from .fwd_mainloop import CONSUMER_FIELDS, SCHEDULES, TASK_WORDS, ConsumerMainloop, Task
+from .fwd_helpers import register_split, smem_layout_row_major
+from .fwd_mainloop import SCHEDULES, ConsumerMainloop
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
-
-class FwdPlanTensors(NamedTuple):
-    """The forward view's tensors as the kernel reads them (all int32, see ``maskplan_core.plan``).
-
-    ``mask_block_masks`` is flattened to ``[partial_nnz * groups * words]``.
-    """
-
-    mask_block_cnt: cute.Tensor  # (Hmask, rows)
-    mask_block_offset: cute.Tensor  # (Hmask, rows)
-    mask_block_idx: cute.Tensor  # (partial_nnz,)
-    mask_block_masks: cute.Tensor  # (partial_nnz * groups * words,)
-    full_block_cnt: cute.Tensor  # (Hmask, rows)
-    full_block_offset: cute.Tensor  # (Hmask, rows)
-    full_block_idx: cute.Tensor  # (full_nnz,)
-    sequence_desc: cute.Tensor  # (B, 8)
-    fwd_work_desc: cute.Tensor  # (tasks, 4)
-
-    def __new_from_mlir_values__(self, values):
-        return FwdPlanTensors(*values)
 
 
 class Sm90FwdKernel(ConsumerMainloop):
@@ -404,32 +391,6 @@ class Sm90FwdKernel(ConsumerMainloop):
             ),
         )
 
-    # -- task decoding (producer; consumers get the decoded task through SMEM) -------------------
-    @cute.jit
-    def decode_task(self, plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> Task:
-        m_block = plan.fwd_work_desc[task, 0]
-        head = plan.fwd_work_desc[task, 1]
-        batch = plan.fwd_work_desc[task, 2]
-        q_valid = plan.fwd_work_desc[task, 3]
-        q_offset = plan.sequence_desc[batch, 0]
-        k_offset = plan.sequence_desc[batch, 1]
-        row = plan.sequence_desc[batch, 4] + m_block
-        # Hmask is 1 (shared mask) or Hq
-        h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)
-        kv_head = head // qhead_per_kvhead
-        return Task(
-            m_block,
-            head,
-            kv_head,
-            q_offset,
-            k_offset,
-            q_valid,
-            plan.mask_block_cnt[h_mask, row],
-            plan.mask_block_offset[h_mask, row],
-            plan.full_block_cnt[h_mask, row],
-            plan.full_block_offset[h_mask, row],
-        )
-
     # -- producer warp ----------------------------------------------------------------------------
     @cute.jit
     def producer(
@@ -461,8 +422,8 @@ class Sm90FwdKernel(ConsumerMainloop):
 
         task = Int32(cute.arch.block_idx()[0])
         while task < num_tasks:
-            t = self.decode_task(plan, task, qhead_per_kvhead)
-            sched_state = self.publish_task(pipe_sched, sched_state, sTask, t, Int32(1), lane)
+            t = decode_task(plan, task, qhead_per_kvhead)
+            sched_state = publish_task(pipe_sched, sched_state, sTask, t, Int32(1), lane)
             # Q tile: (tile_m, Dqk) at physical row q_offset + m_block * tile_m
             gQ = cute.local_tile(
                 cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]),
@@ -502,9 +463,10 @@ class Sm90FwdKernel(ConsumerMainloop):
                 entry = t.partial_off + i
                 n_next = idx[cutlass.min(entry + 1, last)]
                 if const_expr(self.mask_via_smem):
-                    mask_state = self.load_payload(
-                        pipe_mask, mask_state, bulk_atom, plan.mask_block_masks, sMask, entry
-                    )
+                    mask_state = load_payload_plane(
+                        pipe_mask, mask_state, bulk_atom, plan.mask_block_masks, sMask, entry,
+                        self.payload_plane,
+                    )  # fmt: skip
                 kv_state = self.load_kv(
                     n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
                 )
@@ -520,21 +482,7 @@ class Sm90FwdKernel(ConsumerMainloop):
                 n_block = n_next
             task = self.next_task(tile_counter, lane)
         # tell the consumers there is no more work
-        sched_state = self.publish_task(pipe_sched, sched_state, sTask, None, Int32(0), lane)
-
-    @cute.jit
-    def publish_task(self, pipe_sched, state, sTask: cute.Tensor, t: Task | None, valid: Int32, lane: Int32):
-        """Hand the decoded task (or, with ``valid = 0``, the end of work) to the consumers."""
-        pipe_sched.producer_acquire(state)
-        if lane == 0:
-            record = sTask[None, state.index]
-            record[0] = valid
-            if const_expr(t is not None):
-                for w, field in enumerate(CONSUMER_FIELDS):
-                    record[1 + w] = getattr(t, field)
-            pipe_sched.producer_commit(state)
-        state.advance()
-        return state
+        sched_state = publish_task(pipe_sched, sched_state, sTask, None, Int32(0), lane)
 
     @cute.jit
     def next_task(self, tile_counter: cute.Tensor, lane: Int32) -> Int32:
@@ -564,14 +512,3 @@ class Sm90FwdKernel(ConsumerMainloop):
         state.advance()
         return state
 
-    @cute.jit
-    def load_payload(self, pipe_mask, state, bulk_atom, masks: cute.Tensor, sMask: cute.Tensor, entry: Int32):
-        """Spec 6.2: bulk-copy the CTA-native payload plane of partial entry ``entry`` to one stage."""
-        plane = cute.make_layout(self.payload_plane)
-        src = cute.make_tensor(int32_gmem_ptr(masks, entry * self.payload_plane, 16), plane)
-        dst = cute.make_tensor(sMask[None, None, state.index].iterator, plane)
-        pipe_mask.producer_acquire(state)
-        with cute.arch.elect_one():
-            cute.copy(bulk_atom, src, dst, mbar_ptr=pipe_mask.producer_get_barrier(state))
-        state.advance()
-        return state

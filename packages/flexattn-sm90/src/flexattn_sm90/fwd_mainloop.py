@@ -22,37 +22,18 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from maskplan_kernels.consumer_plan import apply_packed_predicate, fetch_task, int32_gmem_ptr
+from maskplan_kernels.consumer_softmax import LOG2_E
+
 from .fwd_helpers import (
-    LOG2_E,
     acc_as_operand_a,
     acc_mn_view,
-    apply_packed_predicate,
     finalize_softmax,
-    int32_gmem_ptr,
     online_softmax_step,
     transpose_view,
     wgmma,
 )
 
-
-class Task(NamedTuple):
-    """One decoded forward task (runtime Int32 values)."""
-
-    m_block: Int32
-    head: Int32
-    kv_head: Int32
-    q_offset: Int32
-    k_offset: Int32
-    q_valid: Int32
-    partial_cnt: Int32
-    partial_off: Int32
-    full_cnt: Int32
-    full_off: Int32
-
-
-#: the task fields the consumers need, in SMEM record order after the valid flag
-CONSUMER_FIELDS = ("m_block", "head", "q_offset", "q_valid", "partial_cnt", "partial_off", "full_cnt")
-TASK_WORDS = 1 + len(CONSUMER_FIELDS)
 SCHEDULES = ("simple", "pipelined", "pingpong")
 #: named barrier ids of the pingpong turns (0 is __syncthreads); warpgroup w waits on 1 + w
 TURN_BARRIER = 1
@@ -127,7 +108,7 @@ class ConsumerMainloop:
             if wg == 1:  # warpgroup 0 takes the first turn
                 cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
 
-        valid, t, sched_state = self.fetch_task(pipe_sched, sched_state, sTask)
+        valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
         while valid != 0:
             ops.acc_o.fill(0.0)
             ops.row_max.fill(-Float32.inf)
@@ -143,19 +124,7 @@ class ConsumerMainloop:
                 q_state.advance()
             finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)
             self.epilogue(thr_pv, ops.acc_o, lse, ops.row_max, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
-            valid, t, sched_state = self.fetch_task(pipe_sched, sched_state, sTask)
-
-    @cute.jit
-    def fetch_task(self, pipe_sched, state, sTask: cute.Tensor):
-        """The next decoded task from SMEM (consumers never read the plan's descriptors)."""
-        pipe_sched.consumer_wait(state)
-        record = sTask[None, state.index]
-        valid = record[0]
-        fields = {field: record[1 + w] for w, field in enumerate(CONSUMER_FIELDS)}
-        pipe_sched.consumer_release(state)
-        state.advance()
-        zero = Int32(0)
-        return valid, Task(**{f: fields.get(f, zero) for f in Task._fields}), state
+            valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
 
     # -- packed predicate delivery ----------------------------------------------------------------
     @cute.jit
