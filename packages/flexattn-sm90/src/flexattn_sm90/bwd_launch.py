@@ -24,17 +24,27 @@ device, the sample of each K row, the first padded Q block of each sample) are b
 (view, device). The workspace (fp32 LSE2 / D / dQ accumulator, int32 turnstiles) is per call.
 """
 
-import weakref
 from dataclasses import dataclass
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32
 
-from maskplan_core.errors import InputValueError, UnsupportedConfigError
+from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
+from maskplan_kernels._cute_args import torch_stream
+from maskplan_kernels.consumer_launch import (
+    ALIGN,
+    aligned,
+    cached_per_view,
+    check_inputs,
+    cute_dtype,
+    gmem_ptr,
+    int32_tensor,
+    output,
+    plan_pointers,
+)
 
 from . import view_config
 from .bwd_kernel import Sm90BwdKernel
@@ -48,8 +58,6 @@ GPU_ARCH = "sm_90a"
 BWD_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128))
 #: packages whose sources the backward kernels are built from (part of their on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
-_DTYPE_NAMES = view_config.DTYPE_NAMES
-_ALIGN = 16  # bytes: TMA, bulk copies and 16-byte vector accesses
 _MAX_GRID_Y = 65535
 
 
@@ -82,29 +90,25 @@ def kernel_keys(config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool) 
 
 
 # -- compile --------------------------------------------------------------------------------------
-def _ptr(dtype, address: int = 0, align: int = 4) -> cute.Pointer:
-    return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def _placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
     """Compile-time stand-ins for the ``from_pointers`` arguments of kernel ``kind`` (same types)."""
-    f32, i32, stream = _ptr(Float32, align=_ALIGN), _ptr(Int32), cute.runtime.make_fake_stream()
+    f32, i32, stream = gmem_ptr(Float32, align=ALIGN), gmem_ptr(Int32), cute.runtime.make_fake_stream()
     if kind == "pre":
         return [
-            _ptr(dtype, align=_ALIGN), _ptr(dtype, align=_ALIGN),  # out, dout
-            _ptr(Float32), _ptr(Float32) if with_dlse else None,  # lse, dlse
+            gmem_ptr(dtype, align=ALIGN), gmem_ptr(dtype, align=ALIGN),  # out, dout
+            gmem_ptr(Float32), gmem_ptr(Float32) if with_dlse else None,  # lse, dlse
             f32, f32, f32, i32, i32, i32, *(Int32(1) for _ in range(5)), stream,
         ]  # fmt: skip
     if kind == "main":
         return [
-            *(_ptr(dtype, align=_ALIGN) for _ in range(6)),  # q, k, v, dout, dk, dv
+            *(gmem_ptr(dtype, align=ALIGN) for _ in range(6)),  # q, k, v, dout, dk, dv
             f32, f32, f32, i32,  # lse_log2, dsum, dq_accum, dq_semaphore
-            i32, i32, i32, _ptr(Int32, align=_ALIGN),  # mask_block_cnt/offset/idx/masks
+            i32, i32, i32, gmem_ptr(Int32, align=ALIGN),  # mask_block_cnt/offset/idx/masks
             i32, i32, i32, i32, i32,  # full_block_cnt/offset/idx, dq_write_order(_full)
             i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
             *(Int32(1) for _ in range(10)), Float32(1.0), stream,
         ]  # fmt: skip
-    return [f32, _ptr(dtype, align=_ALIGN), i32, i32, *(Int32(1) for _ in range(5)), Float32(1.0), stream]
+    return [f32, gmem_ptr(dtype, align=ALIGN), i32, i32, *(Int32(1) for _ in range(5)), Float32(1.0), stream]
 
 
 def _build(kind: str, config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool):
@@ -158,20 +162,6 @@ def compile_backward(config: Sm90BwdConfig, *, deterministic: bool, with_dlse: b
 
 
 # -- plan-derived tensors -------------------------------------------------------------------------
-_DUMMY: dict[tuple, torch.Tensor] = {}
-
-
-def _int32(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[int, ...]) -> torch.Tensor:
-    """A contiguous, 16-byte aligned int32 tensor; empty ones become a small dummy (never read)."""
-    if t.numel() == 0:
-        key = (device, shape_if_empty)
-        if key not in _DUMMY:
-            _DUMMY[key] = torch.zeros(shape_if_empty, dtype=torch.int32, device=device)
-        return _DUMMY[key]
-    t = t.to(device=device, dtype=torch.int32).contiguous()
-    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
-
-
 @dataclass(frozen=True)
 class _PreparedView:
     """What the launches need from a view, derived once per (view, device): the plan is immutable."""
@@ -187,22 +177,13 @@ class _PreparedView:
     max_q_blocks: int  # Q blocks of the longest sample (grid of pre/postprocess)
 
 
-_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
+@cached_per_view
 def _prepared_config(view: PlanView) -> Sm90BwdConfig:
-    config = _CONFIGS.get(view)
-    if config is None:
-        config = _CONFIGS[view] = config_for_view(view)
-    return config
+    return config_for_view(view)
 
 
+@cached_per_view
 def _prepared(view: PlanView, device: torch.device) -> _PreparedView:
-    per_device = _PREPARED.setdefault(view, {})
-    prep = per_device.get(device)
-    if prep is not None:
-        return prep
     t = view.tensors
     desc = t["sequence_desc"].to(device=device, dtype=torch.int64)
     batch = desc.shape[0]
@@ -213,23 +194,22 @@ def _prepared(view: PlanView, device: torch.device) -> _PreparedView:
     n_qblk, max_q_blocks = (int(x) for x in torch.stack([q_blocks.sum(), q_blocks.max()]).tolist())
     cnt = t["mask_block_cnt"]
     tensors = (
-        _int32(cnt, device, (1, 1)),
-        _int32(t["mask_block_offset"], device, (1, 1)),
-        _int32(t["mask_block_idx"], device, (4,)),
-        _int32(t["mask_block_masks"].reshape(-1), device, (4,)),
-        _int32(t["full_block_cnt"], device, (1, 1)),
-        _int32(t["full_block_offset"], device, (1, 1)),
-        _int32(t["full_block_idx"], device, (4,)),
-        _int32(t["dq_write_order"], device, (4,)),
-        _int32(t["dq_write_order_full"], device, (4,)),
-        _int32(t["sequence_desc"], device, (1, 8)),
-        _int32(k_row_batch, device, (4,)),
-        _int32(q_block_begin, device, (4,)),
+        int32_tensor(cnt, device, (1, 1)),
+        int32_tensor(t["mask_block_offset"], device, (1, 1)),
+        int32_tensor(t["mask_block_idx"], device, (4,)),
+        int32_tensor(t["mask_block_masks"].reshape(-1), device, (4,)),
+        int32_tensor(t["full_block_cnt"], device, (1, 1)),
+        int32_tensor(t["full_block_offset"], device, (1, 1)),
+        int32_tensor(t["full_block_idx"], device, (4,)),
+        int32_tensor(t["dq_write_order"], device, (4,)),
+        int32_tensor(t["dq_write_order_full"], device, (4,)),
+        int32_tensor(t["sequence_desc"], device, (1, 8)),
+        int32_tensor(k_row_batch, device, (4,)),
+        int32_tensor(q_block_begin, device, (4,)),
     )
-    pointers = tuple(_ptr(Int32, x.data_ptr(), _ALIGN if i == 3 else 4) for i, x in enumerate(tensors))
-    prep = _PreparedView(
+    return _PreparedView(
         tensors=tensors,
-        pointers=pointers,
+        pointers=plan_pointers(tensors),
         mask_heads=cnt.shape[0],
         k_rows=cnt.shape[1],
         partial_nnz=t["mask_block_idx"].numel(),
@@ -238,53 +218,9 @@ def _prepared(view: PlanView, device: torch.device) -> _PreparedView:
         n_qblk=n_qblk,
         max_q_blocks=max_q_blocks,
     )
-    per_device[device] = prep
-    return prep
 
 
 # -- launch ---------------------------------------------------------------------------------------
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned base; copies only when it is not."""
-    if t.is_contiguous() and t.data_ptr() % _ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _output(t, name, shape, dtype, device) -> torch.Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise InputValueError(
-            f"{name} must be a contiguous {dtype} tensor {shape} on {device}, got {tuple(t.shape)} {t.dtype}"
-        )
-    if t.data_ptr() % _ALIGN:
-        raise InputValueError(f"{name} must be {_ALIGN}-byte aligned")
-    return t
-
-
-def _check_inputs(view: PlanView, q, k, v, out, lse, dout, dlse) -> None:
-    g = view.geometry
-    expect = {
-        "q": ((g.total_q, g.num_heads_q, g.head_dim_qk), g.dtype),
-        "k": ((g.total_k, g.num_heads_kv, g.head_dim_qk), g.dtype),
-        "v": ((g.total_k, g.num_heads_kv, g.head_dim_v), g.dtype),
-        "out": ((g.total_q, g.num_heads_q, g.head_dim_v), g.dtype),
-        "dout": ((g.total_q, g.num_heads_q, g.head_dim_v), g.dtype),
-        "lse": ((g.num_heads_q, g.total_q), torch.float32),
-    }
-    given = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse}
-    if dlse is not None:
-        expect["dlse"] = ((g.num_heads_q, g.total_q), None)
-        given["dlse"] = dlse
-    for name, x in given.items():
-        shape, dtype = expect[name]
-        if tuple(x.shape) != shape or (dtype is not None and x.dtype != dtype) or x.device.type != "cuda":
-            raise InputValueError(
-                f"{name} is {tuple(x.shape)} {x.dtype} on {x.device}; the plan expects {shape} "
-                f"{dtype or 'floating point'} on CUDA (THD layout)"
-            )
-
-
 def run_backward(
     view: PlanView,
     q: torch.Tensor,
@@ -309,16 +245,16 @@ def run_backward(
     output shapes and q's dtype) to be written in place; every element of them is written.
     """
     config = _prepared_config(view)
-    _check_inputs(view, q, k, v, out, lse, dout, dlse)
+    check_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
     g = view.geometry
     device = q.device
-    dq = _output(dq, "dq", (g.total_q, g.num_heads_q, g.head_dim_qk), q.dtype, device)
-    dk = _output(dk, "dk", (g.total_k, g.num_heads_kv, g.head_dim_qk), q.dtype, device)
-    dv = _output(dv, "dv", (g.total_k, g.num_heads_kv, g.head_dim_v), q.dtype, device)
+    dq = output(dq, "dq", (g.total_q, g.num_heads_q, g.head_dim_qk), q.dtype, device)
+    dk = output(dk, "dk", (g.total_k, g.num_heads_kv, g.head_dim_qk), q.dtype, device)
+    dv = output(dv, "dv", (g.total_k, g.num_heads_kv, g.head_dim_v), q.dtype, device)
     prep = _prepared(view, device)
     if g.total_q == 0 or g.total_k == 0 or prep.partial_nnz + prep.full_nnz == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()  # no visible key anywhere: every gradient is 0
-    q, k, v, out, dout = (_aligned(x) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     if deterministic and prep.k_rows > _MAX_GRID_Y:
@@ -333,12 +269,12 @@ def run_backward(
     dsum = torch.empty(hq, rows, dtype=torch.float32, device=device)
     dq_accum = torch.empty(hq, rows * config.head_dim_qk, dtype=torch.float32, device=device)
     dq_semaphore = torch.empty(hq, prep.n_qblk, dtype=torch.int32, device=device)
-    dt = {torch.bfloat16: BFloat16, torch.float16: Float16}[q.dtype]
+    dt = cute_dtype(q.dtype)
 
-    def ptr(x, dtype=dt, align=_ALIGN):
-        return _ptr(dtype, x.data_ptr(), align)
+    def ptr(x, dtype=dt, align=ALIGN):
+        return gmem_ptr(dtype, x.data_ptr(), align)
 
-    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    stream = torch_stream(device)
     seq_ptr, qbb_ptr = prep.pointers[9], prep.pointers[11]
     sizes = (Int32(g.total_q), Int32(hq), Int32(prep.batch), Int32(prep.n_qblk), Int32(prep.max_q_blocks))
     compiled["pre"](

@@ -15,17 +15,21 @@ int32 sizes, the convention of the project's planner kernels), so it is compiled
 plan, a sequence length, a head count or a batch size never triggers a recompile.
 """
 
-import weakref
-from dataclasses import dataclass
-
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import Float32, Int32
 
-from maskplan_core.errors import InputValueError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
+from maskplan_kernels._cute_args import torch_stream
+from maskplan_kernels._launch import persistent_ctas
+from maskplan_kernels.consumer_launch import (
+    cached_per_view,
+    forward_io,
+    fwd_placeholders,
+    fwd_view_args,
+    gmem_ptr,
+)
 
 from . import view_config
 from .config import Sm90FwdConfig
@@ -34,14 +38,9 @@ from .fwd_kernel import Sm90FwdKernel
 GPU_ARCH = "sm_90a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
-_DTYPE_NAMES = view_config.DTYPE_NAMES
-#: alignment (bytes) the kernel assumes for Q/K/V/O and the payload tensor (TMA, bulk copy)
-_ALIGN = 16
 #: consumer main-loop schedule when none is asked for and the plan does not pick one (see
 #: :func:`auto_schedule` and fwd_mainloop.SCHEDULES)
 DEFAULT_SCHEDULE = "simple"
-#: stands in for softmax_scale = 0 (every visible score then weighs the same)
-_TINY_SCALE = 1e-30
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -63,20 +62,11 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
 
 
 # -- compile --------------------------------------------------------------------------------------
-def _ptr(dtype, address: int = 0, align: int = 4) -> cute.Pointer:
-    return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def placeholder_arguments(kernel: Sm90FwdKernel, *, with_max_logit: bool) -> list:
     """Compile-time stand-ins for :meth:`Sm90FwdKernel.from_pointers`' arguments (same types)."""
-    dt = kernel.dtype
     return [
-        *(_ptr(dt, align=_ALIGN) for _ in range(4)),  # q, k, v, o
-        _ptr(Float32),  # lse
-        _ptr(Float32) if with_max_logit else None,
-        _ptr(Int32), _ptr(Int32), _ptr(Int32), _ptr(Int32, align=_ALIGN),  # mask_block_cnt/offset/idx/masks
-        _ptr(Int32), _ptr(Int32), _ptr(Int32),  # full_block_cnt/offset/idx
-        _ptr(Int32), _ptr(Int32), _ptr(Int32),  # sequence_desc, fwd_work_desc, tile counter
+        *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
+        gmem_ptr(Int32),  # tile counter
         *(Int32(1) for _ in range(10)),  # sizes
         Float32(1.0), Int32(1), cute.runtime.make_fake_stream(),
     ]  # fmt: skip
@@ -118,69 +108,6 @@ def compile_uncached(
 
 
 # -- launch ---------------------------------------------------------------------------------------
-_SM_COUNT: dict[int, int] = {}
-_DUMMY: dict[tuple, torch.Tensor] = {}
-
-
-def config_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: BFloat16, torch.float16: Float16}[dtype]
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def _aligned(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` contiguous (row-major THD, what :meth:`Sm90FwdKernel.from_pointers` assumes) with a
-    16-byte aligned base (TMA); copies only when it is not."""
-    if t.dtype not in _DTYPE_NAMES:
-        raise InputValueError(f"{name} must be float16 or bfloat16, got {t.dtype}")
-    if t.is_contiguous() and t.data_ptr() % _ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _int32(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[int, ...]) -> torch.Tensor:
-    """A contiguous, 16-byte aligned int32 tensor; empty ones become a small dummy (never read)."""
-    if t.numel() == 0:
-        key = (device, shape_if_empty)
-        if key not in _DUMMY:
-            _DUMMY[key] = torch.zeros(shape_if_empty, dtype=torch.int32, device=device)
-        return _DUMMY[key]
-    t = t.to(device=device, dtype=torch.int32).contiguous()
-    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
-
-
-def _output(t, name, shape, dtype, device) -> torch.Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device or not t.is_contiguous():
-        raise InputValueError(
-            f"{name} must be a contiguous {dtype} tensor {shape} on {device}, got {tuple(t.shape)}"
-        )
-    if t.data_ptr() % _ALIGN:
-        raise InputValueError(f"{name} must be {_ALIGN}-byte aligned")
-    return t
-
-
-@dataclass(frozen=True)
-class _PreparedView:
-    """What a launch needs from a view, derived once per (view, device): the plan is immutable."""
-
-    tensors: tuple  # int32, contiguous, 16-byte aligned (kept alive for the pointers below)
-    pointers: tuple  # cute pointers of the 9 plan tensors, in from_pointers order
-    sizes: tuple  # Int32: total_q, total_k, Hq, Hkv, Hmask, rows, partial_nnz, full_nnz, B, tasks
-    num_tasks: int
-    schedule: str  # auto_schedule of the view
-
-
-_CONFIGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def auto_schedule(partial_nnz: int, full_nnz: int) -> str:
     """The main-loop schedule for a plan. Measured on H200 (B=2, S=8192, H=16, D=128, bf16):
     ``pipelined`` beats ``simple`` by 5% on causal (128 partial / 4032 full blocks) and loses up to
@@ -189,40 +116,9 @@ def auto_schedule(partial_nnz: int, full_nnz: int) -> str:
     return "pipelined" if full_nnz >= 8 * partial_nnz else "simple"
 
 
+@cached_per_view
 def _prepared_config(view: PlanView) -> Sm90FwdConfig:
-    config = _CONFIGS.get(view)
-    if config is None:
-        config = _CONFIGS[view] = config_for_view(view)
-    return config
-
-
-def _prepared(view: PlanView, config: Sm90FwdConfig, device: torch.device) -> _PreparedView:
-    per_device = _PREPARED.setdefault(view, {})
-    prep = per_device.get(device)
-    if prep is not None:
-        return prep
-    t, g = view.tensors, view.geometry
-    tensors = (
-        _int32(t["mask_block_cnt"], device, (1, 1)),
-        _int32(t["mask_block_offset"], device, (1, 1)),
-        _int32(t["mask_block_idx"], device, (4,)),
-        _int32(t["mask_block_masks"].reshape(-1), device, (4,)),
-        _int32(t["full_block_cnt"], device, (1, 1)),
-        _int32(t["full_block_offset"], device, (1, 1)),
-        _int32(t["full_block_idx"], device, (4,)),
-        _int32(t["sequence_desc"], device, (1, 8)),
-        _int32(t["fwd_work_desc"], device, (1, 4)),
-    )
-    pointers = tuple(_ptr(Int32, x.data_ptr(), _ALIGN if i == 3 else 4) for i, x in enumerate(tensors))
-    cnt, num_tasks = t["mask_block_cnt"], t["fwd_work_desc"].shape[0]
-    sizes = (
-        g.total_q, g.total_k, g.num_heads_q, g.num_heads_kv, cnt.shape[0], cnt.shape[1],
-        t["mask_block_idx"].numel(), t["full_block_idx"].numel(), t["sequence_desc"].shape[0], num_tasks,
-    )  # fmt: skip
-    schedule = auto_schedule(sizes[6], sizes[7])
-    prep = _PreparedView(tensors, pointers, tuple(Int32(n) for n in sizes), num_tasks, schedule)
-    per_device[device] = prep
-    return prep
+    return config_for_view(view)
 
 
 def run_forward(
@@ -248,55 +144,30 @@ def run_forward(
     same.
     """
     config = _prepared_config(view)
-    g = view.geometry
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise InputValueError("run_forward takes THD q/k/v ([total, heads, head_dim])")
-    expect = {
-        "q": (g.total_q, g.num_heads_q, g.head_dim_qk),
-        "k": (g.total_k, g.num_heads_kv, g.head_dim_qk),
-        "v": (g.total_k, g.num_heads_kv, g.head_dim_v),
-    }
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if tuple(x.shape) != expect[name] or x.dtype != g.dtype or x.device.type != "cuda":
-            raise InputValueError(
-                f"{name} is {tuple(x.shape)} {x.dtype} on {x.device}; the plan expects THD {expect[name]} "
-                f"{g.dtype} on CUDA"
-            )
-    device = q.device
-    q, k, v = _aligned(q, "q"), _aligned(k, "k"), _aligned(v, "v")
-    # the kernel tracks the running max of raw scores, which needs softmax_scale > 0:
-    # s * c = (-q . k) * |c| for c < 0, and c = 0 is the limit of a tiny positive scale
-    softmax_scale = float(softmax_scale)
-    if softmax_scale < 0:
-        q, softmax_scale = -q, -softmax_scale
-    softmax_scale = max(softmax_scale, _TINY_SCALE)
-    total_q, num_heads_q = q.shape[0], q.shape[1]
-    out = _output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
-    lse = _output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
-    max_logit = torch.full((num_heads_q,), float("-inf"), device=device) if return_max_logit else None
+    io = forward_io(
+        view, q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit, out=out, lse=lse
+    )
     if view.fwd_work_desc.shape[0] == 0:
-        return out, lse, max_logit
-    prep = _prepared(view, config, device)
+        return io.out, io.lse, io.max_logit
+    device = q.device
+    prep = fwd_view_args(view, device)
     compiled = compile_forward(
         config,
         mask_via_smem=mask_via_smem,
         with_max_logit=return_max_logit,
-        schedule=schedule or prep.schedule,
+        schedule=schedule or auto_schedule(prep.partial_nnz, prep.full_nnz),
     )
     counter = torch.zeros(1, dtype=torch.int32, device=device)  # call-local scheduler counter
-    dt = config_dtype(q.dtype)
     compiled(
-        *(_ptr(dt, x.data_ptr(), _ALIGN) for x in (q, k, v, out)),
-        _ptr(Float32, lse.data_ptr()),
-        _ptr(Float32, max_logit.data_ptr()) if return_max_logit else None,
+        *io.pointers(),
         *prep.pointers,
-        _ptr(Int32, counter.data_ptr()),
+        gmem_ptr(Int32, counter.data_ptr()),
         *prep.sizes,
-        Float32(softmax_scale),
-        Int32(min(prep.num_tasks, _sm_count(device))),
-        cuda.CUstream(torch.cuda.current_stream(device).cuda_stream),
+        Float32(io.softmax_scale),
+        Int32(persistent_ctas(device, prep.num_tasks)),
+        torch_stream(device),
     )
-    return out, lse, max_logit
+    return io.out, io.lse, io.max_logit
 
 
 __all__ = [

@@ -12,18 +12,19 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import UnsupportedConfigError
+from .errors import InputValueError, PlanSignatureMismatch, UnsupportedConfigError
 from .payload import PayloadLayout
 from .schema import Direction, PlanSignature
 
 if TYPE_CHECKING:
-    import torch
-
-    from .plan import MaskPlan
+    from .plan import MaskPlan, PlanView
 
 ENTRY_POINT_GROUP = "maskplan.consumers"
+#: the input dtypes of the attention kernels, by the name their configs use
+KERNEL_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class ViewRequest(BaseModel):
@@ -160,3 +161,43 @@ class KernelConsumer(Consumer):
             raise UnsupportedConfigError(
                 f"pack_gqa=True is not supported by {self.name} yet; supported pack_gqa values: None, False"
             )
+
+
+# -- view -> kernel config (the check every kernel launcher runs first) ----------------------------
+def view_problem(view: PlanView, kernel: str) -> dict:
+    """The selector arguments (``head_dim_qk, head_dim_v, dtype, qhead_per_kvhead, varlen``) of the
+    problem ``view`` was planned for; raises :class:`InputValueError` naming ``kernel`` (e.g.
+    "SM90 forward") unless the plan's dtype is one the kernels take."""
+    g = view.geometry
+    dtype = KERNEL_DTYPE_NAMES.get(g.dtype)
+    if dtype is None:
+        raise InputValueError(f"the {kernel} kernel takes float16/bfloat16, the plan is {g.dtype}")
+    return dict(
+        head_dim_qk=g.head_dim_qk,
+        head_dim_v=g.head_dim_v,
+        dtype=dtype,
+        qhead_per_kvhead=g.qhead_per_kvhead,
+        varlen=g.varlen,
+    )
+
+
+def require_view_signature(view: PlanView, direction: str, config, *, arch: str, note: str = ""):
+    """``config`` if ``view`` is a ``direction`` view carrying exactly ``config.plan_signature()``.
+
+    A view is runnable by a kernel only if re-selecting the config from the view gives the
+    signature it carries; anything else is a plan for another consumer (or direction) and raises
+    :class:`PlanSignatureMismatch` with the differing fields. ``config=None``: the consumer has no
+    config for this view (``note`` says why, e.g. its kernel family); ``arch`` names the consumer's
+    devices ("SM90") in the message.
+    """
+    diffs = [] if config is None else config.plan_signature().diff(view.signature)
+    if config is None or view.role != direction or diffs:
+        why = f"role is {view.role!r}" + (f", {note}" if note else "")
+        listing = "; ".join(str(d) for d in diffs) or why
+        rebuild = "create_mask_plan" + ("(..., build_backward=True)" if direction == "backward" else "")
+        raise PlanSignatureMismatch(
+            f"this view cannot be run by the {arch} {direction} kernel ({listing}); rebuild the plan with "
+            f"{rebuild} on an {arch} device",
+            diffs,
+        )
+    return config

@@ -15,6 +15,13 @@ Stages (one kernel class per module) and the pipeline that runs them::
     schedule_scatter.ScheduleScatter fwd_work_desc in the spec 4.8 order
     materialize_k2q.K2QMaterialize   K2Q CSRs + payloads + dq_write_order(_full)
     builder.build_plan_gpu           the pipeline, one host read (the header)
+
+What every attention consumer (flexattn_sm90, flexattn_sm100) does with a plan the same way::
+
+    consumer_plan                    device: forward view tensors, task decode and SMEM hand-off,
+                                     payload plane copy, packed-predicate bit-select
+    consumer_softmax                 device: log2-domain constants, row max
+    consumer_launch                  host: pointers, input/output checks, view -> kernel arguments
 """
 
 from .builder import build_plan_gpu
