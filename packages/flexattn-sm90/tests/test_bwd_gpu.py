@@ -15,6 +15,7 @@ of queries without a visible key, and keys no query sees, must be exactly 0.
     python -m pytest packages/flexattn-sm90/tests/test_bwd_gpu.py -m gpu -q
 """
 
+import functools
 import math
 
 import pytest
@@ -27,13 +28,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_launch import run_backward  # noqa: E402
-from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
+from maskplan_core import masks, testing, validate_plan_inputs  # noqa: E402
 from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
+from maskplan_core.testing import resolve_view  # noqa: E402
 
 DEV = torch.device("cuda")
 REL_L2 = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 MAX_ABS = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES = [torch.bfloat16, torch.float16]
 CU_Q = [0, 100, 100, 164, 964, 1300]  # samples: normal, q empty, k empty, long, tail
 CU_K = [0, 300, 500, 500, 1400, 1533]
@@ -46,33 +47,15 @@ def sm90_plan(mask_func, q, k, v, *, gpu_planner=False, **varlen):
     consumer = Sm90Consumer()
 
     def view(direction):
-        request = ViewRequest(
-            arch_family="sm90", compute_capability=(9, 0), direction=direction, head_dim_qk=g.head_dim_qk,
-            head_dim_v=g.head_dim_v, num_heads_q=g.num_heads_q, num_heads_kv=g.num_heads_kv,
-            mask_heads=g.mask_heads, dtype=DTYPE_NAMES[g.dtype], varlen=g.varlen,
-        )  # fmt: skip
-        return consumer.resolve(request)
+        return resolve_view(consumer, g, direction)
 
     if gpu_planner:
         return consumer.build_plan(mask_func, g, view("forward"), view("backward"))
     return build_plan(mask_func, g, view("forward"), view("backward"), consumer.name)
 
 
-def qkv(shape_q, shape_k, dqk, dv, dtype, seed=0):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(*shape_q, dqk, device=DEV, dtype=dtype, generator=gen)
-    k = torch.randn(*shape_k, dqk, device=DEV, dtype=dtype, generator=gen)
-    v = torch.randn(*shape_k, dv, device=DEV, dtype=dtype, generator=gen)
-    return q, k, v
-
-
-def random_intervals(hmask, nfunc, row_k_len, seed=0):
-    """Endpoints ``[hmask, nfunc, rows]``: sorted uniform draws in ``[0, k_len]`` of each row."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    k_len = row_k_len.to(DEV, torch.float64)
-    u = torch.rand(hmask, nfunc, k_len.numel(), device=DEV, generator=gen, dtype=torch.float64)
-    ep = torch.floor(u * (k_len + 1)).clamp(max=k_len).to(torch.int32)
-    return ep.sort(dim=1).values.contiguous()
+qkv = functools.partial(testing.qkv, device=DEV)
+random_intervals = functools.partial(testing.random_intervals, device=DEV)
 
 
 def varlen_args():
@@ -88,12 +71,8 @@ def varlen_k_len():
 
 def varlen_causal():
     """Bottom-right causal endpoints of the varlen samples: ``[1, 1, total_q]``."""
-    rows = []
-    for b in range(len(CU_Q) - 1):
-        q_len, k_len = CU_Q[b + 1] - CU_Q[b], CU_K[b + 1] - CU_K[b]
-        i = torch.arange(q_len, device=DEV)
-        rows.append((i + 1 + k_len - q_len).clamp(0, k_len))
-    return torch.cat(rows).to(torch.int32).view(1, 1, -1).contiguous()
+    args = varlen_args()
+    return testing.varlen_causal(args["cu_seqlens_q"], args["cu_seqlens_k"])
 
 
 # -- the check ------------------------------------------------------------------------------------

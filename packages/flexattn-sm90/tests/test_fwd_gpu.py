@@ -9,7 +9,7 @@ does not write fails the test. Tolerance (max abs error vs fp32 on random normal
     python -m pytest packages/flexattn-sm90/tests/test_fwd_gpu.py -m gpu -q
 """
 
-import math
+import functools
 
 import pytest
 import torch
@@ -22,91 +22,25 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.fwd_launch import run_forward  # noqa: E402
 from flexattn_sm90.fwd_mainloop import SCHEDULES  # noqa: E402
-from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
-from maskplan_core.reference import attention_forward, build_plan  # noqa: E402
+from maskplan_core import masks, testing  # noqa: E402
+from maskplan_core.testing import check_forward, reference_plan, resolve_view, varlen_causal  # noqa: E402
 
 DEV = torch.device("cuda")
-TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+qkv = functools.partial(testing.qkv, device=DEV)
+random_intervals = functools.partial(testing.random_intervals, device=DEV)
 
 
-# -- problem builders -----------------------------------------------------------------------------
 def sm90_plan(mask_func, q, k, v, **varlen):
     """A forward-only plan with the SM90 consumer's view (reference planner, CUDA tensors)."""
-    g = validate_plan_inputs(mask_func, q, k, v, **varlen)
     consumer = Sm90Consumer()
-    request = ViewRequest(
-        arch_family="sm90", compute_capability=(9, 0), direction="forward", head_dim_qk=g.head_dim_qk,
-        head_dim_v=g.head_dim_v, num_heads_q=g.num_heads_q, num_heads_kv=g.num_heads_kv,
-        mask_heads=g.mask_heads, dtype=DTYPE_NAMES[g.dtype], varlen=g.varlen,
-    )  # fmt: skip
-    return build_plan(mask_func, g, consumer.resolve(request), None, consumer.name)
+    forward = functools.partial(resolve_view, consumer, direction="forward")
+    return reference_plan(mask_func, q, k, v, consumer=consumer.name, forward=forward, **varlen)
 
 
-def qkv(shape_q, shape_k, dqk, dv, dtype, seed=0):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(*shape_q, dqk, device=DEV, dtype=dtype, generator=gen)
-    k = torch.randn(*shape_k, dqk, device=DEV, dtype=dtype, generator=gen)
-    v = torch.randn(*shape_k, dv, device=DEV, dtype=dtype, generator=gen)
-    return q, k, v
-
-
-def random_intervals(hmask, nfunc, row_k_len, seed=0):
-    """Endpoints ``[hmask, nfunc, rows]``: sorted uniform draws in ``[0, k_len]`` of each row."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    k_len = row_k_len.to(DEV, torch.float64)
-    u = torch.rand(hmask, nfunc, k_len.numel(), device=DEV, generator=gen, dtype=torch.float64)
-    ep = torch.floor(u * (k_len + 1)).clamp(max=k_len).to(torch.int32)
-    return ep.sort(dim=1).values.contiguous()
-
-
-def varlen_causal(cu_q, cu_k):
-    """Bottom-right causal endpoints for varlen samples: ``[1, 1, total_q]``."""
-    rows = []
-    for b in range(cu_q.numel() - 1):
-        q_len, k_len = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
-        i = torch.arange(q_len, device=DEV)
-        rows.append((i + 1 + k_len - q_len).clamp(0, k_len))
-    return torch.cat(rows).to(torch.int32).view(1, 1, -1).contiguous()
-
-
-# -- the check ------------------------------------------------------------------------------------
 def check(mask_func, q, k, v, *, varlen=None, mask_via_smem=True, scale=None, schedule=None):
-    varlen = varlen or {}
-    plan = sm90_plan(mask_func, q, k, v, **varlen)
-    view = plan.view("forward")
-    g = plan.geometry
-    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
-    scale = 1.0 / math.sqrt(g.head_dim_qk) if scale is None else scale
-    out = torch.full((g.total_q, g.num_heads_q, g.head_dim_v), float("nan"), dtype=q.dtype, device=DEV)
-    lse = torch.full((g.num_heads_q, g.total_q), float("nan"), dtype=torch.float32, device=DEV)
-    out, lse, max_logit = run_forward(
-        view,
-        q3,
-        k3,
-        v3,
-        softmax_scale=scale,
-        return_max_logit=True,
-        mask_via_smem=mask_via_smem,
-        schedule=schedule,
-        out=out,
-        lse=lse,
-    )
-    torch.cuda.synchronize()
-    ref_out, ref_lse, ref_max = attention_forward(
-        view, q3, k3, v3, softmax_scale=scale, return_max_logit=True
-    )
-
-    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} O elements unwritten or NaN"
-    assert not torch.isnan(lse).any(), f"{int(torch.isnan(lse).sum())} LSE elements unwritten or NaN"
-    err = (out.float() - ref_out).abs().max().item()
-    assert err <= TOL[q.dtype], f"max |O - ref| = {err:.3e} > {TOL[q.dtype]}"
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse) & (lse < 0), empty), "LSE = -inf exactly on rows with no visible key"
-    assert (out.float()[empty.transpose(0, 1)] == 0).all(), "rows with no visible key must have O = 0"
-    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
-    assert lse_err <= 1e-2, f"max |LSE - ref| = {lse_err:.3e}"
-    assert torch.allclose(max_logit, ref_max, atol=1e-2, rtol=1e-3, equal_nan=False), (max_logit, ref_max)
+    plan = sm90_plan(mask_func, q, k, v, **(varlen or {}))
+    run = functools.partial(run_forward, mask_via_smem=mask_via_smem, schedule=schedule)
+    check_forward(run, plan.view("forward"), q, k, v, scale=scale)
     return plan
 
 
