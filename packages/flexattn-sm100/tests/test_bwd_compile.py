@@ -103,6 +103,16 @@ def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
     )
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_shared_preprocess_compiles_at_tile_m_128(d, with_dlse, tmp_path):
+    """The architecture-neutral preprocess (maskplan_kernels.consumer_bwd_preprocess) at this
+    backward's tile_m = 128 (512 threads): the dQ accumulator is zeroed with 16-byte stores."""
+    assert config(d).tile_m == 128
+    ptx = _ptx("pre", d, "bfloat16", tmp_path, with_dlse=with_dlse)
+    assert re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)  # sm_100a: 16-byte stores as v2.b64
+
+
 @pytest.mark.parametrize("d,dtype", [(64, "bfloat16"), (128, "float16")])
 def test_postprocess_compiles(d, dtype, tmp_path):
     ptx = _ptx("post", d, dtype, tmp_path)

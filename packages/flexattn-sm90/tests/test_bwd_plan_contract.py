@@ -20,10 +20,11 @@ import torch
 pytest.importorskip("cutlass.cute")
 
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
-from flexattn_sm90.bwd_launch import _prepared, config_for_view  # noqa: E402
+from flexattn_sm90.bwd_launch import config_for_view  # noqa: E402
 from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.errors import PlanSignatureMismatch, UnsupportedConfigError  # noqa: E402
 from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
+from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
 
 CPU = torch.device("cpu")
 CU_Q = [0, 100, 100, 164, 500, 700]
@@ -90,7 +91,7 @@ PROBLEMS = problems()
 def test_prepared_tensors(problem):
     _, ep, q, k, v, varlen = problem
     view = plan_for(ep, q, k, v, **varlen).view("backward")
-    prep = _prepared(view, CPU)
+    prep = bwd_view_args(view, CPU)
     desc = view.sequence_desc.to(torch.int64)
     k_row_batch, q_block_begin = prep.tensors[10].to(torch.int64), prep.tensors[11].to(torch.int64)
     assert k_row_batch.tolist() == [b for b in range(desc.shape[0]) for _ in range(int(desc[b, 5]))]
@@ -118,7 +119,7 @@ def test_dq_write_order_is_a_complete_turnstile(problem):
 
 def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
     """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess."""
-    g, prep = view.geometry, _prepared(view, CPU)
+    g, prep = view.geometry, bwd_view_args(view, CPU)
     tm, tn = view.block_size
     desc = view.sequence_desc.to(torch.int64)
     k_row_batch, q_block_begin = prep.tensors[10].long(), prep.tensors[11].long()

@@ -26,21 +26,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 
-from .bwd_helpers import (
-    DQ_CHUNK,
-    WARP_ROWS,
+from maskplan_kernels.consumer_plan import (
     bulk_reduce_add_f32,
-    chunk_copy,
-    dq_run_layout,
-    gmem_ptr,
-    operand_2d,
-    shift_columns,
-    tcgen05_fence_after,
-    tcgen05_fence_before,
-    tmem_acc,
+    element_ptr,
+    head_range,
     turnstile_advance,
     turnstile_wait,
 )
+
+from .bwd_helpers import DQ_CHUNK, WARP_ROWS, chunk_copy, dq_run_layout, operand_2d
+from .fwd_helpers import shift_columns, tcgen05_fence_after, tcgen05_fence_before, tmem_acc
 
 #: S^T / dP^T columns per tcgen05.ld of a compute thread
 S_CHUNK = 32
@@ -89,11 +84,11 @@ class ComputeRoles:
         stats_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         j = Int32(0)
         for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
+            hr = head_range(plan, work, g)
             for i in cutlass.range(hr.partial_cnt, unroll=1):
                 # spec 6.2 direct delivery: this thread's words of payload group tidx
                 first = ((hr.partial_off + i) * self.payload_groups + tidx) * self.payload_words
-                src = gmem_ptr(plan.mask_block_masks, first, align=4 * self.payload_words)
+                src = element_ptr(plan.mask_block_masks, first, align=4 * self.payload_words)
                 cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.payload_words)), words)
                 stats_state = self.compute_step(
                     f, s, sdS2, pipes, bars, stats_state, j, col0, r, scale_log2, words
@@ -185,7 +180,7 @@ class ComputeRoles:
             out = cute.make_rmem_tensor(width, self.dtype)
             heads = m_x.shape[1]
             row = cute.make_tensor(
-                gmem_ptr(m_x, ((work.k_offset + work.n_block * tn + r) * heads + work.kv_head) * d),
+                element_ptr(m_x, ((work.k_offset + work.n_block * tn + r) * heads + work.kv_head) * d),
                 cute.make_layout(d),
             )
             for c in cutlass.range_constexpr(half // width):
@@ -220,7 +215,7 @@ class ComputeRoles:
         regs = cute.make_rmem_tensor(f["tLc"].shape, Float32)
         j = Int32(0)
         for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
+            hr = head_range(plan, work, g)
             for i in cutlass.range(hr.partial_cnt, unroll=1):
                 e = hr.partial_off + i
                 blk = work.qblk_base + plan.mask_block_idx[e]
@@ -241,12 +236,11 @@ class ComputeRoles:
                 j: Int32, t: Int32, w: Int32, lane: Int32):  # fmt: skip
         n_chunks = self.head_dim_qk // DQ_CHUNK
         turn = pipeline.NamedBarrier(self.dq_turn_barrier_id, self.num_dq_threads)
-        counter = gmem_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, align=4)
+        counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, align=4)
         cute.arch.mbarrier_wait(bars.dq, j & 1)
         tcgen05_fence_after()
         if const_expr(self.deterministic):
-            if t == 0:
-                turnstile_wait(counter, rank)
+            turnstile_wait(counter, rank, t)  # thread 0 spins; every dQ warp then fences
             turn.arrive_and_wait()
         block = q_head * mdQaccum.shape[1] + q_block * self.tile_m * self.head_dim_qk
         for c in cutlass.range_constexpr(n_chunks):
@@ -262,7 +256,7 @@ class ComputeRoles:
             cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             if lane == 0:
-                dst = gmem_ptr(mdQaccum, block + (c * len(self.dq_warps) + w) * WARP_ROWS * DQ_CHUNK)
+                dst = element_ptr(mdQaccum, block + (c * len(self.dq_warps) + w) * WARP_ROWS * DQ_CHUNK)
                 bulk_reduce_add_f32(run.iterator, dst, WARP_ROWS * DQ_CHUNK * 4)
                 cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):
@@ -270,5 +264,4 @@ class ComputeRoles:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds are in GMEM
                 cute.arch.fence_proxy("async.global")
             turn.arrive_and_wait()
-            if t == 0:
-                turnstile_advance(counter)
+            turnstile_advance(counter, t)

@@ -1,6 +1,8 @@
 """Device helpers of the SM100 backward kernel (CuTe DSL): the five tcgen05 MMAs, the SMEM tiles that
-serve two MMA roles, the TMEM copies of the compute and dQ warps, the dQ accumulator order, and the
-bulk fp32 reduction with the deterministic turnstile.
+serve two MMA roles, the TMEM copies of the compute and dQ warps and the dQ accumulator order.
+The bulk fp32 reduction, the deterministic turnstile and the K2Q walk are shared with the SM90
+backward (:mod:`maskplan_kernels.consumer_plan`); the TMEM accumulator, column shift and tcgen05
+fences with the forward (:mod:`flexattn_sm100.fwd_helpers`).
 
 Never run on SM100 hardware: compiled for sm_100a only.
 
@@ -25,16 +27,12 @@ SMEM stores, one bulk reduction per run). :func:`dq_accum_offset` is that map; t
 reads it back.
 """
 
-import math
 
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
 
-LOG2_E = math.log2(math.e)
 #: dQ columns per TMEM load / SMEM staging run / bulk reduction of one dQ warp
 DQ_CHUNK = 32
 #: rows (TMEM lanes) of one warp's 32x32b access
@@ -98,12 +96,6 @@ def operand_2d(layout: cute.Layout) -> cute.Layout:
 
 
 # -- TMEM ------------------------------------------------------------------------------------------
-def tmem_acc(thr_mma, shape_mn: tuple[int, int], tmem_ptr: cute.Pointer) -> cute.Tensor:
-    """The ``shape_mn`` fp32 accumulator of ``thr_mma`` placed at ``tmem_ptr``: ((128, N), 1, 1)."""
-    frag = thr_mma.make_fragment_C(thr_mma.partition_shape_C(shape_mn))
-    return cute.make_tensor(tmem_ptr, frag.layout)
-
-
 def column_chunk(t: cute.Tensor, columns: int) -> cute.Tensor:
     """The first ``columns`` columns of a ``((128, N), 1, 1)`` accumulator (or coordinate) tensor."""
     return cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout((128, columns))))
@@ -126,27 +118,6 @@ def chunk_copy(acc: cute.Tensor, coords: cute.Tensor, thread: Int32, columns: in
     return tiled, thr.partition_S(chunk), thr.partition_D(column_chunk(coords, columns))
 
 
-def shift_columns(t: cute.Tensor, columns) -> cute.Tensor:
-    """The TMEM partition ``t`` moved ``columns`` 32-bit columns to the right."""
-    return cute.make_tensor(t.iterator + columns, t.layout)
-
-
-@dsl_user_op
-def tcgen05_fence_before(*, loc=None, ip=None) -> None:
-    """``tcgen05.fence::before_thread_sync`` (this thread's tcgen05 ops before the arrive that follows)."""
-    from cutlass._mlir.dialects import nvvm
-
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def tcgen05_fence_after(*, loc=None, ip=None) -> None:
-    """``tcgen05.fence::after_thread_sync`` (the tcgen05 ops that follow after the wait that precedes)."""
-    from cutlass._mlir.dialects import nvvm
-
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
-
-
 # -- dQ accumulator --------------------------------------------------------------------------------
 def dq_run_layout() -> cute.Layout:
     """``(lane, element) -> offset`` inside one warp's ``32 x DQ_CHUNK`` run (module docstring)."""
@@ -161,78 +132,15 @@ def dq_accum_offset(row: int, col: int) -> int:
     return (c * 4 + w) * WARP_ROWS * DQ_CHUNK + (e // 4) * 4 * WARP_ROWS + 4 * lane + e % 4
 
 
-# -- PTX the DSL has no op for ---------------------------------------------------------------------
-@dsl_user_op
-def bulk_reduce_add_f32(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
-    """``gmem[i] += smem[i]`` over ``num_bytes / 4`` fp32 values by the bulk copy engine, tracked by
-    the issuing thread's bulk async-group."""
-    llvm.inline_asm(
-        None,
-        [
-            gmem_dst.toint(loc=loc, ip=ip).ir_value(),
-            smem_src.toint(loc=loc, ip=ip).ir_value(),
-            Int32(num_bytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@cute.jit
-def turnstile_wait(counter: cute.Pointer, ticket: Int32):
-    """Spin until ``*counter == ticket`` (acquire, GPU scope); then order the bulk reductions that
-    follow (async proxy) after it. One thread."""
-    seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-    while seen != ticket:
-        seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-    cute.arch.fence_proxy("async.global")
-
-
-@cute.jit
-def turnstile_advance(counter: cute.Pointer):
-    """Pass the turn on (release, GPU scope) once every bulk reduction of the step has completed
-    and was made visible (each issuing thread: wait_group 0 + fence.proxy.async, then a barrier).
-    One thread."""
-    cute.arch.fence_proxy("async.global")
-    cute.arch.red(counter, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
-
-
-def gmem_ptr(base: cute.Tensor, offset, align: int = 16, dtype=None) -> cute.Pointer:
-    """A GMEM pointer ``offset`` elements past ``base``'s start with an asserted alignment."""
-    return cute.make_ptr(
-        dtype or base.element_type,
-        (base.iterator + offset).toint(),
-        cute.AddressSpace.gmem,
-        assumed_align=align,
-    )
-
-
-def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
-
-
 __all__ = [
     "DQ_CHUNK",
-    "LOG2_E",
     "WARP_ROWS",
-    "bulk_reduce_add_f32",
     "chunk_copy",
     "column_chunk",
     "dq_accum_offset",
     "dq_run_layout",
-    "gmem_ptr",
     "make_mmas",
     "mma_tilers",
     "operand_2d",
-    "select_modes",
-    "shift_columns",
     "smem_views",
-    "tcgen05_fence_after",
-    "tcgen05_fence_before",
-    "tmem_acc",
-    "turnstile_advance",
-    "turnstile_wait",
 ]

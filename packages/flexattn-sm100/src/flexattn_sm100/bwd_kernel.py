@@ -63,20 +63,17 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from maskplan_kernels.consumer_plan import BwdPlanTensors, decode_work, head_range, select_modes, total_steps
+from maskplan_kernels.consumer_softmax import LOG2_E
+
 from .bwd_compute import ComputeRoles
-from .bwd_helpers import (
-    LOG2_E,
-    make_mmas,
-    mma_tilers,
-    select_modes,
-    smem_views,
-    tcgen05_fence_after,
-    tmem_acc,
-)
+from .bwd_helpers import make_mmas, mma_tilers, smem_views
 from .config import Sm100BwdConfig
+from .fwd_helpers import tcgen05_fence_after, tmem_acc
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: the backward variants this kernel implements (k2q-2cta and d256 are specified, not written)
+#: the backward variants this kernel implements (k2q-2cta and d256 are specified, not written;
+#: heuristics.py selects k2q-1cta by default wherever HEAD_DIMS allows)
 IMPLEMENTED_VARIANTS = ("k2q-1cta",)
 #: (head_dim_qk, head_dim_v) it implements: S, dP, dV, dK take 256 + Dv + Dqk <= 512 TMEM columns
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
@@ -104,49 +101,6 @@ def set_registers(regs: int) -> None:
         cute.arch.setmaxregister_increase(regs)
     elif regs < LAUNCH_REGS:
         cute.arch.setmaxregister_decrease(regs)
-
-
-class BwdPlanTensors(NamedTuple):
-    """The backward view's tensors as the kernel reads them (int32; see ``maskplan_core.plan``),
-    plus two plan-derived ones the launcher computes once per view."""
-
-    mask_block_cnt: cute.Tensor  # (Hmask, k_rows)
-    mask_block_offset: cute.Tensor  # (Hmask, k_rows)
-    mask_block_idx: cute.Tensor  # (partial_nnz,)  sample-local Q block
-    mask_block_masks: cute.Tensor  # (partial_nnz * plane,)
-    full_block_cnt: cute.Tensor  # (Hmask, k_rows)
-    full_block_offset: cute.Tensor  # (Hmask, k_rows)
-    full_block_idx: cute.Tensor  # (full_nnz,)
-    dq_write_order: cute.Tensor  # (partial_nnz,)
-    dq_write_order_full: cute.Tensor  # (full_nnz,)
-    sequence_desc: cute.Tensor  # (B, 8)
-    k_row_batch: cute.Tensor  # (k_rows,)  sample of each K plan row
-    q_block_begin: cute.Tensor  # (B,)  first global (padded) Q block of each sample
-
-    def __new_from_mlir_values__(self, values):
-        return BwdPlanTensors(*values)
-
-
-class Work(NamedTuple):
-    """The CTA's K block (runtime Int32 values)."""
-
-    row: Int32
-    n_block: Int32
-    kv_head: Int32
-    q_offset: Int32
-    k_offset: Int32
-    k_valid: Int32  # keys of this block inside the sample
-    qblk_base: Int32  # global Q block of the sample's block 0
-    q_per_kv: Int32
-    mask_heads: Int32
-
-
-class HeadRange(NamedTuple):
-    q_head: Int32
-    partial_cnt: Int32
-    partial_off: Int32
-    full_cnt: Int32
-    full_off: Int32
 
 
 def smem_bytes(head_dim_qk: int, head_dim_v: int, q_stages: int, do_stages: int, tile: int = 128) -> int:
@@ -494,7 +448,7 @@ class Sm100BwdKernel(ComputeRoles):
             ),
             allocator_warp_id=self.compute_warps[0],
         )
-        work = self.decode_work(plan, mQ.shape[2] // mK.shape[2])
+        work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
         thr = {k: m.get_slice(0) for k, m in (("s", mma_s), ("dp", mma_dp), ("dv", mma_dv), ("dk", mma_dk),
                                              ("dq", mma_dq))}  # fmt: skip
         free = pipeline.NamedBarrier(
@@ -564,53 +518,13 @@ class Sm100BwdKernel(ComputeRoles):
             ),
         )
 
-    # -- work decoding (every role decodes the same plan entries itself) ------------------------------
-    @cute.jit
-    def decode_work(self, plan: BwdPlanTensors, q_per_kv: Int32) -> Work:
-        x, y, _ = cute.arch.block_idx()
-        row, kv_head = (y, x) if const_expr(self.deterministic) else (x, y)
-        b = plan.k_row_batch[row]
-        n_block = row - plan.sequence_desc[b, 4]
-        k_len = plan.sequence_desc[b, 3]
-        return Work(
-            row,
-            n_block,
-            kv_head,
-            plan.sequence_desc[b, 0],
-            plan.sequence_desc[b, 1],
-            cutlass.min(k_len - n_block * self.tile_n, self.tile_n),
-            plan.q_block_begin[b],
-            q_per_kv,
-            plan.mask_block_cnt.shape[0],
-        )
-
-    @cute.jit
-    def head_range(self, plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
-        q_head = work.kv_head * work.q_per_kv + g
-        h = cutlass.min(q_head, work.mask_heads - 1)  # Hmask is 1 (shared mask) or Hq
-        return HeadRange(
-            q_head,
-            plan.mask_block_cnt[h, work.row],
-            plan.mask_block_offset[h, work.row],
-            plan.full_block_cnt[h, work.row],
-            plan.full_block_offset[h, work.row],
-        )
-
-    @cute.jit
-    def total_steps(self, plan: BwdPlanTensors, work: Work) -> Int32:
-        n = Int32(0)
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
-            n += hr.partial_cnt + hr.full_cnt
-        return n
-
     # -- load warp ------------------------------------------------------------------------------------
     @cute.jit
     def load_role(self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes):
         no_mcast = cute.make_layout(1)
         dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
         bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        if self.total_steps(plan, work) > 0:
+        if total_steps(plan, work) > 0:
             # K and V of this block, once: (tile_n, D, n_blocks, 1) of this sample and kv head
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipes.kv.producer_acquire(kv_state)
@@ -629,7 +543,7 @@ class Sm100BwdKernel(ComputeRoles):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
+            hr = head_range(plan, work, g)
             # Q, dO: (tile_m, D, q_blocks, 1) of this sample and q head
             g_q = cute.flat_divide(
                 cute.domain_offset((work.q_offset, 0), mQ[None, None, hr.q_head]), (tm, dqk)
@@ -721,7 +635,7 @@ class Sm100BwdKernel(ComputeRoles):
         tKtdK = tmem_acc(thr["dk"], (tn, dqk), tmem_ptr + self.tmem_dk)
         tQtdQ = tmem_acc(thr["dq"], (tm, dqk), tmem_ptr + self.tmem_dq)
 
-        n = self.total_steps(plan, work)
+        n = total_steps(plan, work)
         if n > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)

@@ -15,7 +15,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout, gmem_ptr
+from maskplan_kernels.consumer_plan import element_ptr
+
+from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -79,10 +81,10 @@ class Sm100BwdPostprocess:
             store = m_block * tm + t < q_len
             heads = mdQ.shape[1]
             row = cute.make_tensor(
-                gmem_ptr(mdQ, ((q_offset + m_block * tm + t) * heads + q_head) * d), cute.make_layout(d)
+                element_ptr(mdQ, ((q_offset + m_block * tm + t) * heads + q_head) * d), cute.make_layout(d)
             )
             for c in cutlass.range_constexpr(d // DQ_CHUNK):
-                run = gmem_ptr(mdQaccum, block + (c * 4 + w) * WARP_ROWS * DQ_CHUNK)
+                run = element_ptr(mdQaccum, block + (c * 4 + w) * WARP_ROWS * DQ_CHUNK)
                 src = cute.make_tensor(run, dq_run_layout())[lane, None]
                 cute.autovec_copy(src, cute.make_tensor(regs.iterator, src.layout.shape))
                 out.store((regs.load() * softmax_scale).to(self.dtype))

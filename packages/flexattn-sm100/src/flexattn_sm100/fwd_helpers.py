@@ -20,7 +20,7 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.cutlass_dsl import dsl_user_op
 
-from maskplan_kernels.consumer_plan import int32_gmem_ptr
+from maskplan_kernels.consumer_plan import element_ptr
 from maskplan_kernels.consumer_softmax import row_max_of
 
 #: registers (32-bit TMEM columns) per tcgen05.ld/st of the O accumulator (rescale and epilogue)
@@ -116,7 +116,7 @@ def softmax_update(
 def load_words(masks: cute.Tensor, offset: Int32, words: cute.Tensor):
     """This thread's payload words (spec 6.2 direct delivery: GMEM -> registers, one vector load)."""
     n = cute.size(words)
-    src = int32_gmem_ptr(masks, offset, 4 * n)
+    src = element_ptr(masks, offset, 4 * n)
     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(n)), words)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from maskplan_core.consumer import require_view_signature, view_problem
 from maskplan_core.plan import PlanView
 
-from .config import FWD_VARIANTS, Sm100FwdConfig
+from .config import BWD_VARIANTS, FWD_VARIANTS, Sm100BwdConfig, Sm100FwdConfig
 from .heuristics import select_fwd_config
 
 
@@ -24,3 +24,26 @@ def fwd_config_for_view(view: PlanView) -> Sm100FwdConfig:
     if variant is not None and view.role == "forward":
         config = select_fwd_config(pack_gqa=view.signature.topology.pack_gqa, variant=variant, **problem)
     return require_view_signature(view, "forward", config, arch="SM100", note=f"kernel family {family!r}")
+
+
+def bwd_config_for_view(view: PlanView) -> Sm100BwdConfig:
+    """The backward config ``view`` was planned for (the variant of its kernel family and tile
+    topology); raises unless it is an SM100 backward view."""
+    problem = view_problem(view, "SM100 backward")
+    sig = view.signature
+    topo = sig.topology
+    variant = next(
+        (
+            v
+            for v in BWD_VARIANTS.values()
+            if v.kernel_family == sig.kernel_family
+            and (v.tile_m, v.tile_n, v.cta_group_size) == (topo.tile_m, topo.tile_n, topo.cta_group_size)
+        ),
+        None,
+    )
+    config = None
+    if variant is not None and view.role == "backward":
+        config = Sm100BwdConfig(variant=variant, **problem)
+    return require_view_signature(
+        view, "backward", config, arch="SM100", note=f"kernel family {sig.kernel_family!r}"
+    )

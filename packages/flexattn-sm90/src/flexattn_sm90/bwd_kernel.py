@@ -41,8 +41,6 @@ by a few steps, so deterministic mode puts the kv head on grid x: the resident C
 many short chains (one per head) instead of one long chain of consecutive K blocks.
 """
 
-from typing import NamedTuple
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -52,68 +50,26 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from maskplan_kernels.consumer_plan import load_payload_plane, select_modes
-from maskplan_kernels.consumer_softmax import LOG2_E
-
-from .bwd_helpers import (
+from maskplan_kernels.consumer_plan import (
+    BwdPlanTensors,
     bulk_reduce_add_f32,
-    common_major,
-    int32_ptr,
-    make_dq_tiled_mma,
-    smem_layout,
+    decode_work,
+    element_ptr,
+    head_range,
+    load_payload_plane,
+    select_modes,
+    total_steps,
     turnstile_advance,
     turnstile_wait,
 )
+from maskplan_kernels.consumer_softmax import LOG2_E
+
+from .bwd_helpers import common_major, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
 from .config import Sm90BwdConfig
 from .fwd_helpers import register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
-
-class BwdPlanTensors(NamedTuple):
-    """The backward view's tensors as the kernel reads them (int32; see ``maskplan_core.plan``),
-    plus two plan-derived ones the launcher computes once per view."""
-
-    mask_block_cnt: cute.Tensor  # (Hmask, k_rows)
-    mask_block_offset: cute.Tensor  # (Hmask, k_rows)
-    mask_block_idx: cute.Tensor  # (partial_nnz,)  sample-local Q block
-    mask_block_masks: cute.Tensor  # (partial_nnz * groups * words,)
-    full_block_cnt: cute.Tensor  # (Hmask, k_rows)
-    full_block_offset: cute.Tensor  # (Hmask, k_rows)
-    full_block_idx: cute.Tensor  # (full_nnz,)
-    dq_write_order: cute.Tensor  # (partial_nnz,)  rank of the entry among its Q block's writers
-    dq_write_order_full: cute.Tensor  # (full_nnz,)
-    sequence_desc: cute.Tensor  # (B, 8)
-    k_row_batch: cute.Tensor  # (k_rows,)  sample of each K plan row
-    q_block_begin: cute.Tensor  # (B,)  first global (padded) Q block of each sample
-
-    def __new_from_mlir_values__(self, values):
-        return BwdPlanTensors(*values)
-
-
-class Work(NamedTuple):
-    """The CTA's K block (runtime Int32 values)."""
-
-    row: Int32  # K plan row
-    n_block: Int32  # sample-local K block
-    kv_head: Int32
-    q_offset: Int32
-    k_offset: Int32
-    k_valid: Int32  # keys of this block inside the sample
-    qblk_base: Int32  # global Q block of the sample's block 0
-    q_per_kv: Int32  # G = Hq / Hkv
-    mask_heads: Int32
-
-
-class HeadRange(NamedTuple):
-    """The K2Q ranges of one Q head for the CTA's K block."""
-
-    q_head: Int32
-    partial_cnt: Int32
-    partial_off: Int32
-    full_cnt: Int32
-    full_off: Int32
 
 
 class Sm90BwdKernel(BwdMainloop):
@@ -398,7 +354,7 @@ class Sm90BwdKernel(BwdMainloop):
             # (dq_block,): two fragment-ordered warpgroup chunks
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_block)),
         }
-        work = self.decode_work(plan, mQ.shape[2] // mK.shape[2])
+        work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -437,46 +393,6 @@ class Sm90BwdKernel(BwdMainloop):
             tma_pipe(storage.mbar_mask, self.mask_stages, self.payload_plane * 4, every_thread=True),
         )
 
-    # -- work decoding (every role decodes the same plan entries itself) ----------------------------
-    @cute.jit
-    def decode_work(self, plan: BwdPlanTensors, q_per_kv: Int32) -> Work:
-        x, y, _ = cute.arch.block_idx()
-        row, kv_head = (y, x) if const_expr(self.deterministic) else (x, y)
-        b = plan.k_row_batch[row]
-        n_block = row - plan.sequence_desc[b, 4]
-        k_len = plan.sequence_desc[b, 3]
-        return Work(
-            row,
-            n_block,
-            kv_head,
-            plan.sequence_desc[b, 0],
-            plan.sequence_desc[b, 1],
-            cutlass.min(k_len - n_block * self.tile_n, self.tile_n),
-            plan.q_block_begin[b],
-            q_per_kv,
-            plan.mask_block_cnt.shape[0],
-        )
-
-    @cute.jit
-    def head_range(self, plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
-        q_head = work.kv_head * work.q_per_kv + g
-        h = cutlass.min(q_head, work.mask_heads - 1)  # Hmask is 1 (shared mask) or Hq
-        return HeadRange(
-            q_head,
-            plan.mask_block_cnt[h, work.row],
-            plan.mask_block_offset[h, work.row],
-            plan.full_block_cnt[h, work.row],
-            plan.full_block_offset[h, work.row],
-        )
-
-    @cute.jit
-    def total_steps(self, plan: BwdPlanTensors, work: Work) -> Int32:
-        n = Int32(0)
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
-            n += hr.partial_cnt + hr.full_cnt
-        return n
-
     # -- producer warp ------------------------------------------------------------------------------
     @cute.jit
     def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes):
@@ -486,7 +402,7 @@ class Sm90BwdKernel(BwdMainloop):
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
         bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
         bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        if self.total_steps(plan, work) > 0:
+        if total_steps(plan, work) > 0:
             # K and V of this block, once
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
@@ -501,7 +417,7 @@ class Sm90BwdKernel(BwdMainloop):
                 )
                 cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
+            hr = head_range(plan, work, g)
             # (tile_m, D, n_q_blocks) of this sample and head
             tiles = []
             for atom, m_x, s_x in ((tma_q, mQ, s["sQ"]), (tma_do, mdO, s["sdO"])):
@@ -545,12 +461,7 @@ class Sm90BwdKernel(BwdMainloop):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
             cute.copy(atom, t_g[None, m_block], t_s[None, state.index], tma_bar_ptr=bar)
-            src = cute.make_tensor(
-                cute.make_ptr(
-                    Float32, (m_stat.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=16
-                ),
-                stats,
-            )
+            src = cute.make_tensor(element_ptr(m_stat, first), stats)
             dst = cute.make_tensor(s_stat[None, state.index].iterator, stats)
             with cute.arch.elect_one():
                 cute.copy(bulk_f32, src, dst, mbar_ptr=bar)
@@ -566,7 +477,7 @@ class Sm90BwdKernel(BwdMainloop):
         bulk-add each chunk into the GMEM accumulator once its warpgroup has written it."""
         lane = cute.arch.lane_idx()
         for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
+            hr = head_range(plan, work, g)
             for i in cutlass.range(hr.partial_cnt, unroll=1):
                 entry = hr.partial_off + i
                 self.write_dq_block(
@@ -589,17 +500,14 @@ class Sm90BwdKernel(BwdMainloop):
                 # the previous step's add of chunk wg has read its SMEM
                 cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
             cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
-        counter = int32_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block)
+        counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
         if const_expr(self.deterministic):
             turnstile_wait(counter, rank, lane)
         base = q_head * mdQaccum.shape[1] + q_block * self.dq_block
         for wg in cutlass.range_constexpr(self.num_mma_wg):
             cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
             if lane == 0:
-                dst = cute.make_ptr(
-                    Float32, (mdQaccum.iterator + base + wg * self.dq_chunk).toint(), cute.AddressSpace.gmem,
-                    assumed_align=16,
-                )  # fmt: skip
+                dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
                 bulk_reduce_add_f32(sdQ.iterator + wg * self.dq_chunk, dst, self.dq_chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):

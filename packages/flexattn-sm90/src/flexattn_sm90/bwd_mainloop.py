@@ -27,7 +27,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from .bwd_helpers import aligned_ptr, dq_chunk_layout
+from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps
+
+from .bwd_helpers import dq_chunk_layout
 from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
 
 
@@ -93,12 +95,12 @@ class BwdMainloop:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
-        if self.total_steps(plan, work) > 0:
+        if total_steps(plan, work) > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         words = cute.make_rmem_tensor(self.payload_words, Int32)
         for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = self.head_range(plan, work, g)
+            hr = head_range(plan, work, g)
             for _ in cutlass.range(hr.partial_cnt, unroll=1):
                 q_state, mask_state = self.step(
                     ops, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
@@ -211,7 +213,7 @@ class BwdMainloop:
             # (tile_n, D) rows of this block and kv head; a row starts 16-byte aligned
             heads = m_x.shape[1]
             g_x = cute.make_tensor(
-                aligned_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
+                element_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
                 cute.make_layout((tn, d), stride=(heads * d, 1)),
             )
             t_g = acc_mn_view(thr_dkv.partition_C(g_x))

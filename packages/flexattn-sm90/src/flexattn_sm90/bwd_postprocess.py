@@ -12,7 +12,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .bwd_helpers import aligned_ptr, dq_chunk_layout, make_dq_tiled_mma
+from maskplan_kernels.consumer_plan import element_ptr
+
+from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma
 from .fwd_helpers import acc_mn_view
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -81,14 +83,14 @@ class Sm90BwdPostprocess:
             acc = cute.make_rmem_tensor(thr.partition_shape_C((tm, d)), Float32)
             # (tile_m * D,) of this block -> this thread's slot of its warpgroup's chunk: (4, elements / 4)
             first = q_head * mdQaccum.shape[1] + blk * tm * d + wg * self.dq_chunk
-            src = cute.make_tensor(aligned_ptr(mdQaccum, first), dq_chunk_layout(self.dq_elements))[t, None]
+            src = cute.make_tensor(element_ptr(mdQaccum, first), dq_chunk_layout(self.dq_elements))[t, None]
             cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
             r = cute.make_rmem_tensor_like(acc, self.dtype)
             r.store((acc.load() * softmax_scale).to(self.dtype))
             # (tile_m, D) rows of this block and head; a row starts 16-byte aligned (D * 2 bytes >= 128)
             heads = mdQ.shape[1]
             gdQ = cute.make_tensor(
-                aligned_ptr(mdQ, ((q_offset + m_block * tm) * heads + q_head) * d),
+                element_ptr(mdQ, ((q_offset + m_block * tm) * heads + q_head) * d),
                 cute.make_layout((tm, d), stride=(heads * d, 1)),
             )
             t_g = acc_mn_view(thr.partition_C(gdQ))

@@ -22,7 +22,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import apply_packed_predicate, fetch_task, int32_gmem_ptr
+from maskplan_kernels.consumer_plan import apply_packed_predicate, element_ptr, fetch_task
 from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .fwd_helpers import (
@@ -140,7 +140,7 @@ class ConsumerMainloop:
             mask_state.advance()
         else:
             offset = (entry * self.payload_groups + ops.tidx) * self.payload_words
-            src = int32_gmem_ptr(ops.masks, offset, 4 * self.payload_words)
+            src = element_ptr(ops.masks, offset, 4 * self.payload_words)
             cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.payload_words)), words)
         return mask_state
 

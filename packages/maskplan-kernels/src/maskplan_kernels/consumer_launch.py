@@ -11,9 +11,12 @@ alignment as the real one (it is part of the compiled signature). Here:
 * the caller's tensors: :func:`check_inputs` (THD shapes against the plan geometry),
   :func:`aligned`, :func:`output`, :func:`positive_softmax_scale`;
 * a forward call at once: :func:`forward_io`;
-* the plan's tensors: :func:`int32_tensor`, and for a forward view :func:`fwd_view_args`, derived
-  once per (view, device) through :func:`cached_per_view` (a plan is immutable; entries die with
-  the view); :func:`fwd_placeholders` stands in for the forward pointers at compile time.
+* the plan's tensors: :func:`int32_tensor`, and for a forward view :func:`fwd_view_args` (for a
+  backward view :func:`bwd_view_args`), derived once per (view, device) through
+  :func:`cached_per_view` (a plan is immutable; entries die with the view);
+  :func:`fwd_placeholders` / :func:`bwd_placeholders` stand in for the pointers at compile time;
+* a backward call at once: :func:`backward_io`, then its three launches (preprocess, main,
+  postprocess) on one workspace: :func:`launch_backward`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32
 
-from maskplan_core.errors import InputValueError
+from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
+
+from ._cute_args import torch_stream
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
 ALIGN = 16
@@ -233,13 +238,194 @@ def fwd_view_args(view: PlanView, device: torch.device) -> FwdViewArgs:
     )
 
 
+# -- backward -------------------------------------------------------------------------------------
+def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
+    """Compile-time stand-ins for the ``from_pointers`` arguments of backward kernel ``kind``
+    (``"pre"``, ``"main"``, ``"post"``; same types as :func:`launch_backward` passes)."""
+    f32, i32, stream = gmem_ptr(Float32, align=ALIGN), gmem_ptr(Int32), cute.runtime.make_fake_stream()
+    if kind == "pre":
+        return [
+            gmem_ptr(dtype, align=ALIGN), gmem_ptr(dtype, align=ALIGN),  # out, dout
+            gmem_ptr(Float32), gmem_ptr(Float32) if with_dlse else None,  # lse, dlse
+            f32, f32, f32, i32, i32, i32, *(Int32(1) for _ in range(5)), stream,
+        ]  # fmt: skip
+    if kind == "main":
+        return [
+            *(gmem_ptr(dtype, align=ALIGN) for _ in range(6)),  # q, k, v, dout, dk, dv
+            f32, f32, f32, i32,  # lse_log2, dsum, dq_accum, dq_semaphore
+            i32, i32, i32, gmem_ptr(Int32, align=ALIGN),  # mask_block_cnt/offset/idx/masks
+            i32, i32, i32, i32, i32,  # full_block_cnt/offset/idx, dq_write_order(_full)
+            i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
+            *(Int32(1) for _ in range(10)), Float32(1.0), stream,
+        ]  # fmt: skip
+    return [f32, gmem_ptr(dtype, align=ALIGN), i32, i32, *(Int32(1) for _ in range(5)), Float32(1.0), stream]
+
+
+@dataclass(frozen=True)
+class BwdViewArgs:
+    """What the backward launches need from a view, derived once per (view, device)."""
+
+    tensors: tuple  # int32 device tensors, kept alive for the pointers below
+    pointers: tuple  # cute pointers of the 12 plan tensors, in the main kernel's from_pointers order
+    mask_heads: int
+    k_rows: int
+    partial_nnz: int
+    full_nnz: int
+    batch: int
+    n_qblk: int  # padded Q blocks of all samples (workspace rows / tile_m)
+    max_q_blocks: int  # Q blocks of the longest sample (grid of pre/postprocess)
+
+
+@cached_per_view
+def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
+    """The backward view's tensors on ``device`` as kernel arguments
+    (:class:`maskplan_kernels.consumer_plan.BwdPlanTensors` order), plus the sample of every K plan
+    row and the first padded Q block of every sample."""
+    t = view.tensors
+    desc = t["sequence_desc"].to(device=device, dtype=torch.int64)
+    batch = desc.shape[0]
+    # the sample of every K plan row; the first global (padded) Q block of every sample
+    k_row_batch = torch.repeat_interleave(torch.arange(batch, device=device), desc[:, 5])
+    q_blocks = desc[:, 6]
+    q_block_begin = torch.cumsum(q_blocks, 0) - q_blocks
+    n_qblk, max_q_blocks = (int(x) for x in torch.stack([q_blocks.sum(), q_blocks.max()]).tolist())
+    cnt = t["mask_block_cnt"]
+    tensors = (
+        int32_tensor(cnt, device, (1, 1)),
+        int32_tensor(t["mask_block_offset"], device, (1, 1)),
+        int32_tensor(t["mask_block_idx"], device, (4,)),
+        int32_tensor(t["mask_block_masks"].reshape(-1), device, (4,)),
+        int32_tensor(t["full_block_cnt"], device, (1, 1)),
+        int32_tensor(t["full_block_offset"], device, (1, 1)),
+        int32_tensor(t["full_block_idx"], device, (4,)),
+        int32_tensor(t["dq_write_order"], device, (4,)),
+        int32_tensor(t["dq_write_order_full"], device, (4,)),
+        int32_tensor(t["sequence_desc"], device, (1, 8)),
+        int32_tensor(k_row_batch, device, (4,)),
+        int32_tensor(q_block_begin, device, (4,)),
+    )
+    return BwdViewArgs(
+        tensors=tensors,
+        pointers=plan_pointers(tensors),
+        mask_heads=cnt.shape[0],
+        k_rows=cnt.shape[1],
+        partial_nnz=t["mask_block_idx"].numel(),
+        full_nnz=t["full_block_idx"].numel(),
+        batch=batch,
+        n_qblk=n_qblk,
+        max_q_blocks=max_q_blocks,
+    )
+
+
+#: deterministic mode puts the K plan rows on grid y (heads-major grid)
+MAX_GRID_Y = 65535
+
+
+class BackwardIO(NamedTuple):
+    """All of a backward call's tensors, checked and ready for :func:`launch_backward`."""
+
+    view: PlanView
+    prep: BwdViewArgs
+    q: torch.Tensor  # q, k, v, out, dout: 16-byte aligned, contiguous
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor  # fp32, contiguous
+    dout: torch.Tensor
+    dlse: torch.Tensor | None  # fp32, contiguous
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+    @property
+    def grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.dq, self.dk, self.dv
+
+    @property
+    def nothing_visible(self) -> bool:
+        """No key is visible anywhere: every gradient is 0 (zeroed by :func:`backward_io`)."""
+        g = self.view.geometry
+        return g.total_q == 0 or g.total_k == 0 or self.prep.partial_nnz + self.prep.full_nnz == 0
+
+
+def backward_io(
+    view: PlanView, q, k, v, out, lse, dout, dlse, *, deterministic: bool, dq=None, dk=None, dv=None
+) -> BackwardIO:
+    """Check a backward call's tensors against the view (:func:`check_inputs`, :func:`output`),
+    allocate the gradients that were not given, align and convert the inputs. When nothing is
+    visible the gradients are zeroed and returned as they are (``nothing_visible``)."""
+    check_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
+    g = view.geometry
+    device = q.device
+    dq = output(dq, "dq", (g.total_q, g.num_heads_q, g.head_dim_qk), q.dtype, device)
+    dk = output(dk, "dk", (g.total_k, g.num_heads_kv, g.head_dim_qk), q.dtype, device)
+    dv = output(dv, "dv", (g.total_k, g.num_heads_kv, g.head_dim_v), q.dtype, device)
+    prep = bwd_view_args(view, device)
+    io = BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
+    if io.nothing_visible:
+        for x in io.grads:
+            x.zero_()
+        return io
+    q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
+    lse = lse.to(torch.float32).contiguous()
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    if deterministic and prep.k_rows > MAX_GRID_Y:
+        raise UnsupportedConfigError(
+            f"deterministic=True puts the {prep.k_rows} K blocks of this plan on grid y (at most "
+            f"{MAX_GRID_Y}); split the batch or use deterministic=False"
+        )
+    return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
+
+
+def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: float) -> None:
+    """Allocate the fp32 workspace (LSE2 / D ``(Hq, n_qblk * tile_m)``, dQ accumulator
+    ``(Hq, n_qblk * tile_m * Dqk)``, turnstiles ``(Hq, n_qblk)``) and run ``compiled["pre"]``,
+    ``["main"]`` and ``["post"]`` on the current stream."""
+    g, prep, device = io.view.geometry, io.prep, io.q.device
+    hq, rows = g.num_heads_q, prep.n_qblk * tile_m
+    lse_log2 = torch.empty(hq, rows, dtype=torch.float32, device=device)
+    dsum = torch.empty(hq, rows, dtype=torch.float32, device=device)
+    dq_accum = torch.empty(hq, rows * g.head_dim_qk, dtype=torch.float32, device=device)
+    dq_semaphore = torch.empty(hq, prep.n_qblk, dtype=torch.int32, device=device)
+    dt = cute_dtype(io.q.dtype)
+
+    def ptr(x, dtype=dt, align=ALIGN):
+        return gmem_ptr(dtype, x.data_ptr(), align)
+
+    stream = torch_stream(device)
+    seq_ptr, qbb_ptr = prep.pointers[9], prep.pointers[11]
+    sizes = (Int32(g.total_q), Int32(hq), Int32(prep.batch), Int32(prep.n_qblk), Int32(prep.max_q_blocks))
+    dlse = None if io.dlse is None else ptr(io.dlse, Float32, 4)
+    compiled["pre"](
+        ptr(io.out), ptr(io.dout), ptr(io.lse, Float32, 4), dlse,
+        ptr(lse_log2, Float32), ptr(dsum, Float32), ptr(dq_accum, Float32), ptr(dq_semaphore, Int32, 4),
+        seq_ptr, qbb_ptr, *sizes, stream,
+    )  # fmt: skip
+    compiled["main"](
+        *(ptr(x) for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)),
+        ptr(lse_log2, Float32), ptr(dsum, Float32), ptr(dq_accum, Float32), ptr(dq_semaphore, Int32, 4),
+        *prep.pointers,
+        *(Int32(n) for n in (g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows)),
+        *(Int32(n) for n in (prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk)),
+        Float32(softmax_scale), stream,
+    )  # fmt: skip
+    compiled["post"](
+        ptr(dq_accum, Float32), ptr(io.dq), seq_ptr, qbb_ptr, *sizes, Float32(softmax_scale), stream
+    )
+
 __all__ = [
     "ALIGN",
     "FWD_PLAN_TENSORS",
+    "MAX_GRID_Y",
     "TINY_SCALE",
+    "BackwardIO",
+    "BwdViewArgs",
     "ForwardIO",
     "FwdViewArgs",
     "aligned",
+    "backward_io",
+    "bwd_placeholders",
+    "bwd_view_args",
     "cached_per_view",
     "check_inputs",
     "cute_dtype",
@@ -248,6 +434,7 @@ __all__ = [
     "fwd_view_args",
     "gmem_ptr",
     "int32_tensor",
+    "launch_backward",
     "output",
     "plan_pointers",
     "positive_softmax_scale",

@@ -14,6 +14,17 @@ the decoding warp reads the plan's descriptors. A partial block's payload plane 
 :func:`load_payload_plane` (or each thread loads its own words), and the words select scores with
 :func:`apply_packed_predicate` (spec 5.1), whatever fragment order the consumer's payload layout
 gives them.
+
+A backward (K2Q) view is walked per CTA of one K block and kv head (:func:`decode_work`): for each
+of the ``G = Hq / Hkv`` q heads sharing the kv head (:func:`head_range`)::
+
+    h = q_head if Hmask > 1 else 0
+    partial Q blocks: mask_block_idx[mask_block_offset[h, row] + [0, mask_block_cnt[h, row])]
+    full Q blocks:    full_block_idx[full_block_offset[h, row] + [0, full_block_cnt[h, row])]
+
+and each step bulk-adds its fp32 dQ into the (q head, Q block) accumulator
+(:func:`bulk_reduce_add_f32`), in deterministic mode in ``dq_write_order`` behind a turnstile
+(:func:`turnstile_wait` / :func:`turnstile_advance`).
 """
 
 from typing import NamedTuple
@@ -21,6 +32,8 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 class FwdPlanTensors(NamedTuple):
@@ -144,7 +157,7 @@ def load_payload_plane(
     (16-byte aligned in ``masks``) into stage ``state`` of ``sMask`` ``(words, groups, stages)``;
     one elected lane issues the copy on the stage's barrier. Returns the advanced state."""
     plane = cute.make_layout(plane_words)
-    src = cute.make_tensor(int32_gmem_ptr(masks, entry * plane_words, 16), plane)
+    src = cute.make_tensor(element_ptr(masks, entry * plane_words, 16), plane)
     dst = cute.make_tensor(sMask[None, None, state.index].iterator, plane)
     pipe_mask.producer_acquire(state)
     with cute.arch.elect_one():
@@ -153,9 +166,16 @@ def load_payload_plane(
     return state
 
 
-def int32_gmem_ptr(base: cute.Tensor, offset: Int32, align: int):
-    """An Int32 GMEM pointer ``offset`` elements past ``base``'s start, with an asserted alignment."""
-    return cute.make_ptr(Int32, (base.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=align)
+def element_ptr(base: cute.Tensor, offset, align: int = 16, dtype=None) -> cute.Pointer:
+    """A GMEM pointer ``offset`` elements past ``base``'s start (of ``base``'s element type unless
+    ``dtype`` is given), asserting an alignment the caller guarantees (so vector accesses and bulk
+    copies are emitted)."""
+    return cute.make_ptr(
+        base.element_type if dtype is None else dtype,
+        (base.iterator + offset).toint(),
+        cute.AddressSpace.gmem,
+        assumed_align=align,
+    )
 
 
 def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
@@ -163,16 +183,168 @@ def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
 
 
+# -- backward (K2Q) view ----------------------------------------------------------------------------
+class BwdPlanTensors(NamedTuple):
+    """The backward view's tensors as a kernel reads them (int32; see ``maskplan_core.plan``), plus
+    two plan-derived ones the launcher computes once per view
+    (:func:`maskplan_kernels.consumer_launch.bwd_view_args`)."""
+
+    mask_block_cnt: cute.Tensor  # (Hmask, k_rows)
+    mask_block_offset: cute.Tensor  # (Hmask, k_rows)
+    mask_block_idx: cute.Tensor  # (partial_nnz,)  sample-local Q block
+    mask_block_masks: cute.Tensor  # (partial_nnz * plane,)
+    full_block_cnt: cute.Tensor  # (Hmask, k_rows)
+    full_block_offset: cute.Tensor  # (Hmask, k_rows)
+    full_block_idx: cute.Tensor  # (full_nnz,)
+    dq_write_order: cute.Tensor  # (partial_nnz,)  rank of the entry among its Q block's writers
+    dq_write_order_full: cute.Tensor  # (full_nnz,)
+    sequence_desc: cute.Tensor  # (B, 8)
+    k_row_batch: cute.Tensor  # (k_rows,)  sample of each K plan row
+    q_block_begin: cute.Tensor  # (B,)  first global (padded) Q block of each sample
+
+    def __new_from_mlir_values__(self, values):
+        return BwdPlanTensors(*values)
+
+
+class Work(NamedTuple):
+    """The CTA's K block (runtime Int32 values)."""
+
+    row: Int32  # K plan row
+    n_block: Int32  # sample-local K block
+    kv_head: Int32
+    q_offset: Int32
+    k_offset: Int32
+    k_valid: Int32  # keys of this block inside the sample
+    qblk_base: Int32  # global Q block of the sample's block 0
+    q_per_kv: Int32  # G = Hq / Hkv
+    mask_heads: Int32
+
+
+class HeadRange(NamedTuple):
+    """The K2Q ranges of one Q head for the CTA's K block."""
+
+    q_head: Int32
+    partial_cnt: Int32
+    partial_off: Int32
+    full_cnt: Int32
+    full_off: Int32
+
+
+@cute.jit
+def decode_work(
+    plan: BwdPlanTensors,
+    q_per_kv: Int32,
+    tile_n: cutlass.Constexpr[int],
+    heads_major: cutlass.Constexpr[bool],
+) -> Work:
+    """The CTA's K block from its block index: grid ``(K rows, Hkv)``, or ``(Hkv, K rows)`` with
+    ``heads_major`` (deterministic mode, so the writers of a Q block run in ``dq_write_order``)."""
+    x, y, _ = cute.arch.block_idx()
+    row, kv_head = (y, x) if const_expr(heads_major) else (x, y)
+    b = plan.k_row_batch[row]
+    n_block = row - plan.sequence_desc[b, 4]
+    k_len = plan.sequence_desc[b, 3]
+    return Work(
+        row,
+        n_block,
+        kv_head,
+        plan.sequence_desc[b, 0],
+        plan.sequence_desc[b, 1],
+        cutlass.min(k_len - n_block * tile_n, tile_n),
+        plan.q_block_begin[b],
+        q_per_kv,
+        plan.mask_block_cnt.shape[0],
+    )
+
+
+@cute.jit
+def head_range(plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
+    """The partial and full K2Q ranges of q head ``g`` (of ``G``) of the CTA's kv head."""
+    q_head = work.kv_head * work.q_per_kv + g
+    h = cutlass.min(q_head, work.mask_heads - 1)  # Hmask is 1 (shared mask) or Hq
+    return HeadRange(
+        q_head,
+        plan.mask_block_cnt[h, work.row],
+        plan.mask_block_offset[h, work.row],
+        plan.full_block_cnt[h, work.row],
+        plan.full_block_offset[h, work.row],
+    )
+
+
+@cute.jit
+def total_steps(plan: BwdPlanTensors, work: Work) -> Int32:
+    """Q blocks (partial + full, all q heads of the kv head) the CTA's K block visits."""
+    n = Int32(0)
+    for g in cutlass.range(work.q_per_kv, unroll=1):
+        hr = head_range(plan, work, g)
+        n += hr.partial_cnt + hr.full_cnt
+    return n
+
+
+# -- dQ accumulation: PTX the DSL has no op for, and the deterministic turnstile ----------------------
+@dsl_user_op
+def bulk_reduce_add_f32(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """``gmem[i] += smem[i]`` for ``num_bytes / 4`` fp32 values, by the bulk copy engine
+    (``cp.reduce.async.bulk``, completion through the issuing thread's bulk async-group)."""
+    llvm.inline_asm(
+        None,
+        [
+            gmem_dst.toint(loc=loc, ip=ip).ir_value(),
+            smem_src.toint(loc=loc, ip=ip).ir_value(),
+            Int32(num_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def turnstile_wait(counter: cute.Pointer, ticket: Int32, leader: Int32):
+    """Spin (the thread whose ``leader`` index is 0) until ``*counter == ticket`` with acquire
+    semantics, then order the bulk reductions that follow (async proxy) after the acquire.
+    Called by whole warps (``leader`` is the lane, or the thread index in a group of warps that
+    then meets at a barrier)."""
+    if leader == 0:
+        seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
+        while seen != ticket:
+            seen = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
+    cute.arch.sync_warp()
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def turnstile_advance(counter: cute.Pointer, leader: Int32):
+    """After the calling threads' bulk reductions completed (``cp.async.bulk.wait_group 0``): make
+    them visible, then (the thread whose ``leader`` index is 0) pass the turn on (release).
+    Called by whole warps, like :func:`turnstile_wait`."""
+    cute.arch.fence_proxy("async.global")
+    if leader == 0:
+        cute.arch.red(counter, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+    cute.arch.sync_warp()
+
+
 __all__ = [
     "CONSUMER_FIELDS",
     "TASK_WORDS",
+    "BwdPlanTensors",
     "FwdPlanTensors",
+    "HeadRange",
     "Task",
+    "Work",
     "apply_packed_predicate",
+    "bulk_reduce_add_f32",
     "decode_task",
+    "decode_work",
+    "element_ptr",
     "fetch_task",
-    "int32_gmem_ptr",
+    "head_range",
     "load_payload_plane",
     "publish_task",
     "select_modes",
+    "total_steps",
+    "turnstile_advance",
+    "turnstile_wait",
 ]

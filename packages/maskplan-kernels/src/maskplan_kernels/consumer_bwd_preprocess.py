@@ -1,4 +1,9 @@
-"""SM90 backward preprocess: per-row statistics and zeroed dQ workspace, per (q head, Q block).
+"""Backward preprocess: per-row statistics and zeroed dQ workspace, per (q head, Q block).
+
+Architecture-neutral SIMT kernel (plain loads, stores and shuffles): the SM90 and SM100 backward
+launchers both run it before their main kernel, at their backward tile's ``tile_m`` (64 on SM90,
+128 on SM100). The workspace it writes is the main kernels' contract; only the dQ accumulator's
+order inside a block is the consumer's own, and this kernel zeroes the block as one run.
 
 One CTA of 256 threads per (sample-local Q block ``m``, q head ``hq``, sample ``b``) of the
 backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_m)`` exit. With
@@ -19,14 +24,20 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from maskplan_kernels.consumer_softmax import LOG2_E
-
-from .bwd_helpers import aligned_ptr, quad_sum
+from .consumer_plan import element_ptr
+from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-class Sm90BwdPreprocess:
+@cute.jit
+def quad_sum(x: Float32) -> Float32:
+    """Sum over the 4 consecutive lanes that share a row."""
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+
+class BwdPreprocess:
     """Static configuration: head dims, dtype, block rows and whether a ``dlse`` is subtracted."""
 
     threads_per_row = 4
@@ -111,8 +122,8 @@ class Sm90BwdPreprocess:
                 offset = (token * mO.shape[1] + q_head) * self.head_dim_v + part * self.row_part
                 r_o = cute.make_rmem_tensor(self.row_part, self.dtype)
                 r_do = cute.make_rmem_tensor(self.row_part, self.dtype)
-                cute.autovec_copy(cute.make_tensor(aligned_ptr(mO, offset), seg), r_o)
-                cute.autovec_copy(cute.make_tensor(aligned_ptr(mdO, offset), seg), r_do)
+                cute.autovec_copy(cute.make_tensor(element_ptr(mO, offset), seg), r_o)
+                cute.autovec_copy(cute.make_tensor(element_ptr(mdO, offset), seg), r_do)
                 prod = r_o.load().to(Float32) * r_do.load().to(Float32)
                 dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             dot = quad_sum(dot)
@@ -133,7 +144,10 @@ class Sm90BwdPreprocess:
             zeros.fill(0.0)
             offset = (q_head * mdQaccum.shape[1] + blk * tm * self.head_dim_qk) + tidx * self.zero_part
             cute.autovec_copy(
-                zeros, cute.make_tensor(aligned_ptr(mdQaccum, offset), cute.make_layout(self.zero_part))
+                zeros, cute.make_tensor(element_ptr(mdQaccum, offset), cute.make_layout(self.zero_part))
             )
             if tidx == 0:
                 mdQsem[q_head, blk] = Int32(0)
+
+
+__all__ = ["BwdPreprocess", "quad_sum"]

@@ -1,0 +1,65 @@
+"""CPU tier: the architecture-neutral backward preprocess (``consumer_bwd_preprocess.BwdPreprocess``)
+compiles without a GPU for the CI target (sm_90a unless ``CUTE_DSL_ARCH`` says otherwise) at both
+consumers' tile_m (SM90: 64, SM100: 128), with and without ``dlse``, and zeroes the dQ accumulator
+with 16-byte stores and no register spills. The SM100 package compiles it for sm_100a
+(flexattn-sm100 tests/test_bwd_compile.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # also when this file is run on its own
+
+pytest.importorskip("cutlass.cute")
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import BFloat16  # noqa: E402
+
+from maskplan_kernels.consumer_bwd_preprocess import BwdPreprocess  # noqa: E402
+from maskplan_kernels.consumer_launch import bwd_placeholders  # noqa: E402
+
+ARCH = os.environ["CUTE_DSL_ARCH"]
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128)]
+
+
+def _ptx(dq, dv, tile_m, with_dlse, tmp_path) -> str:
+    kernel = BwdPreprocess(dq, dv, "bfloat16", tile_m=tile_m, with_dlse=with_dlse)
+    compiled = cute.compile(
+        kernel.from_pointers, *bwd_placeholders("pre", BFloat16, with_dlse=with_dlse),
+        options=f"--gpu-arch {ARCH} --keep-ptx --dump-dir {tmp_path}",
+    )  # fmt: skip
+    ptx = compiled.__ptx__
+    assert f".target {ARCH}" in ptx
+    return ptx
+
+
+def _assert_no_spills(ptx: str, tmp_path) -> None:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run(
+        [ptxas, f"-arch={ARCH}", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
+    )
+    assert "0 bytes spill stores, 0 bytes spill loads" in run.stderr + run.stdout
+
+
+@pytest.mark.parametrize("dq,dv", HEAD_DIMS, ids=[f"{a}x{b}" for a, b in HEAD_DIMS])
+@pytest.mark.parametrize("tile_m", [64, 128])
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_preprocess_compiles(dq, dv, tile_m, with_dlse, tmp_path):
+    ptx = _ptx(dq, dv, tile_m, with_dlse, tmp_path)
+    # the dQ accumulator is zeroed with 16-byte stores (sm_100a writes them as v2.b64)
+    assert re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)
+    _assert_no_spills(ptx, tmp_path)
+
+
+def test_head_dims_must_split_into_vectors():
+    with pytest.raises(ValueError, match="16-byte vectors"):
+        BwdPreprocess(64, 48, "bfloat16", tile_m=64, with_dlse=False)
