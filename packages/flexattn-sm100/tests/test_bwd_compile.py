@@ -132,11 +132,16 @@ def test_budgets():
 
 def test_unimplemented_variants_and_head_dims_are_refused():
     assert IMPLEMENTED_VARIANTS == ("k2q-1cta",) and HEAD_DIMS == ((64, 64), (96, 96), (128, 128))
-    for dq, dv in ((128, 128), (192, 128), (256, 256)):
+    for dq, dv in HEAD_DIMS:  # the default wherever the kernel fits
+        assert select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16").variant.name == "k2q-1cta"
+    for dq, dv in ((192, 128), (256, 256)):  # defaults without a kernel
         default = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
         assert default.variant.name != "k2q-1cta"
         with pytest.raises(NotImplementedError, match=default.variant.name):
             Sm100BwdKernel(default)
+    with pytest.raises(NotImplementedError, match="k2q-2cta"):
+        Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16",
+                                      variant=BWD_VARIANTS["k2q-2cta"]))  # fmt: skip
     with pytest.raises(NotImplementedError, match="fits"):
         Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=192, head_dim_v=128, dtype="bfloat16",
                                       variant=BWD_VARIANTS["k2q-1cta"]))  # fmt: skip

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from flexattn_sm100 import (
+    BWD_VARIANTS,
     FWD_VARIANTS,
+    Sm100BwdConfig,
     Sm100Consumer,
     Sm100FwdConfig,
     __version__,
@@ -24,19 +26,34 @@ PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 # dims -> (kernel_family, (tile_m, tile_n), q_stage, cta_group_size, cluster_axis, layout_id suffix,
 #          (subtiles, groups, words))
+# the defaults are the variants with a kernel (heuristics.py): forward qstage1-1cta wherever it
+# supports the head dims, backward k2q-1cta for D <= 128; pairs without a kernel keep the variant
+# their config specifies (launchers refuse those)
 FORWARD = {
-    (64, 64): ("sm100-fwd-qstage2-1cta-v1", (256, 128), 2, 1, "none", "256x128", (2, 128, 4)),
-    (96, 96): ("sm100-fwd-qstage2-1cta-v1", (256, 128), 2, 1, "none", "256x128", (2, 128, 4)),
-    (128, 128): ("sm100-fwd-qstage1-2cta-v1", (256, 128), 1, 2, "m", "256x128", (2, 128, 4)),
+    (64, 64): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
+    (96, 96): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
+    (128, 128): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (192, 128): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (256, 256): ("sm100-fwd-d256-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
 }  # fmt: skip
 BACKWARD = {
     (64, 64): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
     (96, 96): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
-    (128, 128): ("sm100-bwd-k2q-v1", (128, 256), 1, 2, "n", "128x256-wg2-kq", (2, 256, 2)),
+    (128, 128): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
     (192, 128): ("sm100-bwd-k2q-v1", (128, 256), 1, 2, "n", "128x256-wg2-kq", (2, 256, 2)),
     (256, 256): ("sm100-bwd-d256-k2q-v1", (64, 128), 1, 1, "none", "64x128-kq", (1, 128, 2)),
+}  # fmt: skip
+# variants that are defined (config, payload layout) but not selected by default: (direction, dims,
+# variant) -> the same row format
+NOT_DEFAULT = {
+    ("forward", (64, 64), "qstage2-1cta"):
+        ("sm100-fwd-qstage2-1cta-v1", (256, 128), 2, 1, "none", "256x128", (2, 128, 4)),
+    ("forward", (96, 96), "qstage2-1cta"):
+        ("sm100-fwd-qstage2-1cta-v1", (256, 128), 2, 1, "none", "256x128", (2, 128, 4)),
+    ("forward", (128, 128), "qstage1-2cta"):
+        ("sm100-fwd-qstage1-2cta-v1", (256, 128), 1, 2, "m", "256x128", (2, 128, 4)),
+    ("backward", (128, 128), "k2q-2cta"):
+        ("sm100-bwd-k2q-v1", (128, 256), 1, 2, "n", "128x256-wg2-kq", (2, 256, 2)),
 }  # fmt: skip
 
 
@@ -56,9 +73,9 @@ def request(direction="forward", dims=(128, 128), **overrides) -> ViewRequest:
     return ViewRequest(**fields)
 
 
-def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
+def expected(direction: str, dims: tuple[int, int], row: tuple | None = None) -> PlanSignature:
     table = FORWARD if direction == "forward" else BACKWARD
-    kernel, tile, q_stage, cta, axis, suffix, (s, g, w) = table[dims]
+    kernel, tile, q_stage, cta, axis, suffix, (s, g, w) = row or table[dims]
     return PlanSignature(
         arch_family="sm100",
         direction=direction,
@@ -102,6 +119,20 @@ def test_resolve_signature(direction, dims):
     assert view.layout.spec == view.signature.payload
     assert (view.layout.tile_m, view.layout.tile_n) == (view.tile_m, view.tile_n)
     assert view.layout.transposed is (direction == "backward")
+
+
+@pytest.mark.parametrize("key", NOT_DEFAULT, ids=[f"{d}-{v}-{a}x{b}" for d, (a, b), v in NOT_DEFAULT])
+def test_not_default_variants_keep_their_signatures(key):
+    """Variants without a kernel stay defined (config + payload layout), selectable explicitly."""
+    direction, (dq, dv), variant = key
+    if direction == "forward":
+        cfg = select_fwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="float16", varlen=True, variant=variant)
+    else:
+        cfg = Sm100BwdConfig(head_dim_qk=dq, head_dim_v=dv, dtype="float16", varlen=True,
+                             variant=BWD_VARIANTS[variant])  # fmt: skip
+    want = expected(direction, (dq, dv), NOT_DEFAULT[key])
+    assert want.diff(cfg.plan_signature()) == []
+    assert cfg.plan_signature() == want
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
@@ -176,9 +207,13 @@ def test_variant_override_and_mask_delivery():
     for name in ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta"):
         cfg = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant=name)
         assert cfg.variant is FWD_VARIANTS[name]
-    two_cta = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    for dims in ((64, 64), (96, 96), (128, 128), (192, 128)):  # the default: the kernel that exists
+        cfg = select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
+        assert cfg.variant is FWD_VARIANTS["qstage1-1cta"]
+        assert cfg.mask_smem_bytes_per_cta == 0  # 1CTA loads payloads GMEM -> registers
+    two_cta = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant="qstage1-2cta")
     assert two_cta.mask_smem_bytes_per_cta == 2 * 2048  # spec 6.2: 128 groups x 4 words x 4 B per stage
-    direct = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16")
+    direct = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant="qstage2-1cta")
     assert direct.mask_smem_bytes_per_cta == 0  # qstage2 + 1CTA loads payloads GMEM -> registers
     with pytest.raises(UnsupportedConfigError, match="variant='d256'"):
         select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant="d256")
@@ -187,7 +222,9 @@ def test_variant_override_and_mask_delivery():
 
 
 def test_configs_are_frozen_and_keyed():
-    cfg = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="float16")
+    default = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="float16")
+    assert default.variant is BWD_VARIANTS["k2q-1cta"] and (default.tile_m, default.tile_n) == (128, 128)
+    cfg = select_bwd_config(head_dim_qk=192, head_dim_v=128, dtype="float16")  # k2q-2cta: no kernel
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.varlen = True
     key = dict(cfg.compile_key())

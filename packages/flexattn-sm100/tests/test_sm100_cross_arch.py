@@ -45,6 +45,26 @@ def test_forward_d128_diff_is_exact():
     a = resolve(sm90.Sm90Consumer(), "sm90", "forward", (128, 128))
     b = resolve(Sm100Consumer(), "sm100", "forward", (128, 128))
     diffs = {d.field: (d.expected, d.actual) for d in a.diff(b)}
+    # the SM100 default for D128 is the qstage1 + 1CTA kernel: same 128 x 128 tile and one subtile,
+    # so only the payload grouping differs structurally (heuristics.py)
+    assert diffs == {
+        "arch_family": ("sm90", "sm100"),
+        "kernel_family": ("sm90-fwd-persistent-v1", "sm100-fwd-qstage1-1cta-v1"),
+        "mma_layout": ("wgmma-m64nNk16-acc", "tcgen05-tmem-ld32x32b"),
+        "payload.layout_id": ("sm90-wgmma-acc-v1-128x128", "sm100-tmem-ld32x32b-v1-128x128"),
+        "payload.payload_groups": (256, 128),
+        "payload.words_per_group": (2, 4),
+        "scheduler_layout": ("plan-dynamic-persistent-atomic-v1", "plan-clc-persistent-v1"),
+    }
+
+
+def test_forward_d128_two_cta_diff_is_exact():
+    """The (not default) qstage1 + 2CTA variant's signature against SM90's: the M-axis CTA pair."""
+    from flexattn_sm100 import select_fwd_config
+
+    a = resolve(sm90.Sm90Consumer(), "sm90", "forward", (128, 128))
+    b = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant="qstage1-2cta")
+    diffs = {d.field: (d.expected, d.actual) for d in a.diff(b.plan_signature())}
     assert diffs == {
         "arch_family": ("sm90", "sm100"),
         "kernel_family": ("sm90-fwd-persistent-v1", "sm100-fwd-qstage1-2cta-v1"),

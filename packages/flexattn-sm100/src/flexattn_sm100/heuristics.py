@@ -1,20 +1,28 @@
 """Config selection for the SM100/SM103 kernels: problem -> :class:`Sm100FwdConfig` / :class:`Sm100BwdConfig`.
 
-Provisional: nothing here has been measured on hardware. The table fixes a topology per head-dim
-pair so plans (and their signatures) are well defined; it will be revisited when the kernels land
-(a change bumps the affected kernel family / layout versions). Only the qstage1 + 1CTA forward kernel
-exists (``fwd_kernel.py``, compiled for sm_100a, never run): it serves plans built with
-``variant="qstage1-1cta"``, which is the default only for (192, 128); the other defaults have no
-kernel yet and ``fwd_launch.run_forward`` refuses them.
+Provisional: nothing here has been measured on hardware. The defaults are the variants that have a
+kernel (compiled for sm_100a, never run), so a default plan on an SM100 device can run:
+
+* forward ``qstage1-1cta`` (``fwd_kernel.py``) for every head-dim pair it supports (Dv <= 128);
+* backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128).
+
+The other variants (forward ``qstage2-1cta``, ``qstage1-2cta``, ``d256``; backward ``k2q-2cta``,
+``d256``) keep their configs and payload layouts defined and tested (``config.py``,
+``payload_layout.py``) but are not selected by default; the generic forward variants can still be
+forced with ``variant=``. Pairs with no kernel in a direction still resolve a view (plans are
+inspectable anywhere); ``fwd_launch.run_forward`` / ``bwd_launch.run_backward`` refuse them with
+:class:`UnsupportedConfigError` naming the variant.
 
 ==============  =============================================  ==========================================
-(Dqk, Dv)       forward variant (plan block, payload)          backward variant (Q x K block, payload)
+(Dqk, Dv)       forward default (plan block, payload)          backward default (Q x K block, payload)
 ==============  =============================================  ==========================================
-(64, 64)        qstage2-1cta  (256x128, 2 x 128 x 4 words)     k2q-1cta  (128x128, 1 x 256 x 2 words)
-(96, 96)        qstage2-1cta                                   k2q-1cta
-(128, 128)      qstage1-2cta  (256x128, 2 x 128 x 4, SMEM)     k2q-2cta  (128x256, 2 x 256 x 2, cluster n)
-(192, 128)      qstage1-1cta  (128x128, 1 x 128 x 4 words)     k2q-2cta
+(64, 64)        qstage1-1cta  (128x128, 1 x 128 x 4 words)     k2q-1cta  (128x128, 1 x 256 x 2 words)
+(96, 96)        qstage1-1cta                                   k2q-1cta
+(128, 128)      qstage1-1cta                                   k2q-1cta
+(192, 128)      qstage1-1cta                                   k2q-2cta  (128x256, 2 x 256 x 2, cluster n)
+                                                               no kernel
 (256, 256)      d256          (128x128, 1 x 128 x 4 words)     d256      (64x128, 1 x 128 x 2 words)
+                no kernel                                      no kernel
 ==============  =============================================  ==========================================
 
 Any generic forward variant can be forced for the D <= 192 pairs with ``variant=``.
@@ -31,16 +39,16 @@ SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 12
 SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 _FWD_DEFAULT = {
-    (64, 64): "qstage2-1cta",
-    (96, 96): "qstage2-1cta",
-    (128, 128): "qstage1-2cta",
+    (64, 64): "qstage1-1cta",
+    (96, 96): "qstage1-1cta",
+    (128, 128): "qstage1-1cta",
     (192, 128): "qstage1-1cta",
     (256, 256): "d256",
 }
 _BWD_DEFAULT = {
     (64, 64): "k2q-1cta",
     (96, 96): "k2q-1cta",
-    (128, 128): "k2q-2cta",
+    (128, 128): "k2q-1cta",
     (192, 128): "k2q-2cta",
     (256, 256): "d256",
 }
