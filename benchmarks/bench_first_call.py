@@ -50,7 +50,11 @@ def timed(name, fn):
 plan = timed("plan_s", lambda: api.create_mask_plan(mask, q, k, v, build_backward=True))
 out = timed("forward_s", lambda: api.flex_attn_func(q, k, v, mask_plan=plan))
 timed("backward_s", lambda: torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
-print(json.dumps(dict(import_s=t_import, **times)))
+stats = {{}}
+if {system!r} == "flexattn":
+    from maskplan_kernels import compile_cache
+    stats = dict(compile_cache.STATS)  # compiles vs disk hits: a warm run should compile nothing
+print(json.dumps(dict(import_s=t_import, **times, cache=stats)))
 """
 
 
@@ -83,7 +87,8 @@ def main() -> None:
                     break
                 total = r["plan_s"] + r["forward_s"] + r["backward_s"]
                 values = (r["import_s"], r["plan_s"], r["forward_s"], r["backward_s"], total)
-                print(f"{system:10s} {run:8s} " + " ".join(f"{x:9.3f}" for x in values), flush=True)
+                cache = f"  cache {r['cache']}" if r["cache"] else ""
+                print(f"{system:10s} {run:8s} " + " ".join(f"{x:9.3f}" for x in values) + cache, flush=True)
 
 
 if __name__ == "__main__":
