@@ -63,7 +63,14 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from maskplan_kernels.consumer_plan import BwdPlanTensors, decode_work, head_range, select_modes, total_steps
+from maskplan_kernels.consumer_plan import (
+    BwdHostEntry,
+    BwdPlanTensors,
+    decode_work,
+    head_range,
+    select_modes,
+    total_steps,
+)
 from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_compute import ComputeRoles
@@ -113,7 +120,7 @@ def smem_bytes(head_dim_qk: int, head_dim_v: int, q_stages: int, do_stages: int,
     return k_v + q_do + ds + stats + dq_runs
 
 
-class Sm100BwdKernel(ComputeRoles):
+class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
     """Static configuration of one compiled backward main kernel; see the module docstring."""
 
     def __init__(self, config: Sm100BwdConfig, *, deterministic: bool = False):
@@ -176,88 +183,7 @@ class Sm100BwdKernel(ComputeRoles):
         assert self.tmem_dk + self.head_dim_qk <= self.tmem_cols
         assert self.head_dim_qk <= self.tmem_dv - self.tmem_dq
 
-    # -- host entries ---------------------------------------------------------------------------------
-    @cute.jit
-    def from_pointers(
-        self,
-        q: cute.Pointer,  # (total_q, Hq, Dqk)   contiguous THD, 16-byte aligned
-        k: cute.Pointer,  # (total_k, Hkv, Dqk)
-        v: cute.Pointer,  # (total_k, Hkv, Dv)
-        dout: cute.Pointer,  # (total_q, Hq, Dv)
-        dk: cute.Pointer,  # (total_k, Hkv, Dqk)  output, input dtype
-        dv: cute.Pointer,  # (total_k, Hkv, Dv)  output
-        lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
-        dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
-        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk), zeroed by the preprocess
-        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), zeroed by the preprocess
-        mask_block_cnt: cute.Pointer,
-        mask_block_offset: cute.Pointer,
-        mask_block_idx: cute.Pointer,
-        mask_block_masks: cute.Pointer,  # 16-byte aligned
-        full_block_cnt: cute.Pointer,
-        full_block_offset: cute.Pointer,
-        full_block_idx: cute.Pointer,
-        dq_write_order: cute.Pointer,
-        dq_write_order_full: cute.Pointer,
-        sequence_desc: cute.Pointer,
-        k_row_batch: cute.Pointer,
-        q_block_begin: cute.Pointer,
-        total_q: Int32,
-        total_k: Int32,
-        num_heads_q: Int32,
-        num_heads_kv: Int32,
-        mask_heads: Int32,
-        k_rows: Int32,
-        partial_nnz: Int32,
-        full_nnz: Int32,
-        batch: Int32,
-        n_qblk: Int32,
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        """Raw global pointers plus int32 sizes (the project's launch convention: no size triggers a
-        recompile); builds row-major tensors and calls :meth:`__call__`."""
-        dqk, dv_ = self.head_dim_qk, self.head_dim_v
-
-        def thd(ptr, total, heads, d):
-            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
-
-        def mat(ptr, rows, cols):
-            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-
-        def vec(ptr, n):
-            return cute.make_tensor(ptr, cute.make_layout(n))
-
-        plan = BwdPlanTensors(
-            mat(mask_block_cnt, mask_heads, k_rows),
-            mat(mask_block_offset, mask_heads, k_rows),
-            vec(mask_block_idx, partial_nnz),
-            vec(mask_block_masks, partial_nnz * self.payload_plane),
-            mat(full_block_cnt, mask_heads, k_rows),
-            mat(full_block_offset, mask_heads, k_rows),
-            vec(full_block_idx, full_nnz),
-            vec(dq_write_order, partial_nnz),
-            vec(dq_write_order_full, full_nnz),
-            mat(sequence_desc, batch, 8),
-            vec(k_row_batch, k_rows),
-            vec(q_block_begin, batch),
-        )
-        self.__call__(
-            thd(q, total_q, num_heads_q, dqk),
-            thd(k, total_k, num_heads_kv, dqk),
-            thd(v, total_k, num_heads_kv, dv_),
-            thd(dout, total_q, num_heads_q, dv_),
-            thd(dk, total_k, num_heads_kv, dqk),
-            thd(dv, total_k, num_heads_kv, dv_),
-            mat(lse_log2, num_heads_q, n_qblk * self.tile_m),
-            mat(dsum, num_heads_q, n_qblk * self.tile_m),
-            mat(dq_accum, num_heads_q, n_qblk * self.tile_m * dqk),
-            mat(dq_semaphore, num_heads_q, n_qblk),
-            plan,
-            softmax_scale,
-            stream,
-        )
-
+    # -- host entry: BwdHostEntry.from_pointers, then --------------------------------------------------
     @cute.jit
     def __call__(
         self,

@@ -51,6 +51,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
+    BwdHostEntry,
     BwdPlanTensors,
     bulk_reduce_add_f32,
     decode_work,
@@ -72,8 +73,9 @@ from .fwd_helpers import register_split
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-class Sm90BwdKernel(BwdMainloop):
-    """Static configuration of one compiled backward main kernel; see the module docstring."""
+class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
+    """Static configuration of one compiled backward main kernel; see the module docstring. Its host
+    entry ``from_pointers`` is :class:`maskplan_kernels.consumer_plan.BwdHostEntry` (shared with SM100)."""
 
     #: named barriers (0 is __syncthreads)
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM
@@ -96,6 +98,7 @@ class Sm90BwdKernel(BwdMainloop):
         self.deterministic = deterministic
         self.dtype = _DTYPES[config.dtype]
         self.head_dim = config.head_dim_qk
+        self.head_dim_qk = self.head_dim_v = self.head_dim  # equal (checked above)
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         self.q_stages = config.q_stages
         self.mask_stages = config.mask_pipeline_stages
@@ -122,88 +125,7 @@ class Sm90BwdKernel(BwdMainloop):
         self.dq_block = self.tile_m * self.head_dim  # fp32 values of one Q block
         assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
 
-    # -- host entries -------------------------------------------------------------------------------
-    @cute.jit
-    def from_pointers(
-        self,
-        q: cute.Pointer,  # (total_q, Hq, D)   contiguous THD, 16-byte aligned
-        k: cute.Pointer,  # (total_k, Hkv, D)
-        v: cute.Pointer,  # (total_k, Hkv, D)
-        dout: cute.Pointer,  # (total_q, Hq, D)
-        dk: cute.Pointer,  # (total_k, Hkv, D)  output, input dtype
-        dv: cute.Pointer,  # (total_k, Hkv, D)  output
-        lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
-        dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
-        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D), zeroed by the preprocess
-        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), zeroed by the preprocess
-        mask_block_cnt: cute.Pointer,
-        mask_block_offset: cute.Pointer,
-        mask_block_idx: cute.Pointer,
-        mask_block_masks: cute.Pointer,  # 16-byte aligned
-        full_block_cnt: cute.Pointer,
-        full_block_offset: cute.Pointer,
-        full_block_idx: cute.Pointer,
-        dq_write_order: cute.Pointer,
-        dq_write_order_full: cute.Pointer,
-        sequence_desc: cute.Pointer,
-        k_row_batch: cute.Pointer,
-        q_block_begin: cute.Pointer,
-        total_q: Int32,
-        total_k: Int32,
-        num_heads_q: Int32,
-        num_heads_kv: Int32,
-        mask_heads: Int32,
-        k_rows: Int32,
-        partial_nnz: Int32,
-        full_nnz: Int32,
-        batch: Int32,
-        n_qblk: Int32,
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        """Raw global pointers plus int32 sizes (the project's launch convention, see
-        ``fwd_kernel.Sm90FwdKernel.from_pointers``); builds the tensors and calls :meth:`__call__`."""
-        d = self.head_dim
-
-        def thd(ptr, total, heads):
-            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
-
-        def mat(ptr, rows, cols):
-            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-
-        def vec(ptr, n):
-            return cute.make_tensor(ptr, cute.make_layout(n))
-
-        plan = BwdPlanTensors(
-            mat(mask_block_cnt, mask_heads, k_rows),
-            mat(mask_block_offset, mask_heads, k_rows),
-            vec(mask_block_idx, partial_nnz),
-            vec(mask_block_masks, partial_nnz * self.payload_plane),
-            mat(full_block_cnt, mask_heads, k_rows),
-            mat(full_block_offset, mask_heads, k_rows),
-            vec(full_block_idx, full_nnz),
-            vec(dq_write_order, partial_nnz),
-            vec(dq_write_order_full, full_nnz),
-            mat(sequence_desc, batch, 8),
-            vec(k_row_batch, k_rows),
-            vec(q_block_begin, batch),
-        )
-        self.__call__(
-            thd(q, total_q, num_heads_q),
-            thd(k, total_k, num_heads_kv),
-            thd(v, total_k, num_heads_kv),
-            thd(dout, total_q, num_heads_q),
-            thd(dk, total_k, num_heads_kv),
-            thd(dv, total_k, num_heads_kv),
-            mat(lse_log2, num_heads_q, n_qblk * self.tile_m),
-            mat(dsum, num_heads_q, n_qblk * self.tile_m),
-            mat(dq_accum, num_heads_q, n_qblk * self.dq_block),
-            mat(dq_semaphore, num_heads_q, n_qblk),
-            plan,
-            softmax_scale,
-            stream,
-        )
-
+    # -- host entry: BwdHostEntry.from_pointers, then ------------------------------------------------
     @cute.jit
     def __call__(
         self,

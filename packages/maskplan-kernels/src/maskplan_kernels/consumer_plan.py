@@ -24,11 +24,14 @@ of the ``G = Hq / Hkv`` q heads sharing the kv head (:func:`head_range`)::
 
 and each step bulk-adds its fp32 dQ into the (q head, Q block) accumulator
 (:func:`bulk_reduce_add_f32`), in deterministic mode in ``dq_write_order`` behind a turnstile
-(:func:`turnstile_wait` / :func:`turnstile_advance`).
+(:func:`turnstile_wait` / :func:`turnstile_advance`). Both consumers' backward main kernels share
+their host entry, :class:`BwdHostEntry` (raw pointers -> :func:`bwd_plan_tensors` and the row-major
+views :func:`thd_tensor`, :func:`row_major`, :func:`vector`).
 """
 
 from typing import NamedTuple
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -206,6 +209,150 @@ class BwdPlanTensors(NamedTuple):
         return BwdPlanTensors(*values)
 
 
+# -- tensor views a host entry builds from raw pointers and int32 sizes -----------------------------
+# Plain helpers, traced inline by the ``@cute.jit`` host entry that calls them.
+def thd_tensor(ptr: cute.Pointer, total, heads, d: int) -> cute.Tensor:
+    """Contiguous THD ``(total, heads, d)``, row-major."""
+    return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
+
+
+def row_major(ptr: cute.Pointer, rows, cols) -> cute.Tensor:
+    """Contiguous ``(rows, cols)``, row-major."""
+    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
+
+
+def vector(ptr: cute.Pointer, n) -> cute.Tensor:
+    """Contiguous ``(n,)``."""
+    return cute.make_tensor(ptr, cute.make_layout(n))
+
+
+def bwd_plan_tensors(
+    mask_block_cnt: cute.Pointer,
+    mask_block_offset: cute.Pointer,
+    mask_block_idx: cute.Pointer,
+    mask_block_masks: cute.Pointer,
+    full_block_cnt: cute.Pointer,
+    full_block_offset: cute.Pointer,
+    full_block_idx: cute.Pointer,
+    dq_write_order: cute.Pointer,
+    dq_write_order_full: cute.Pointer,
+    sequence_desc: cute.Pointer,
+    k_row_batch: cute.Pointer,
+    q_block_begin: cute.Pointer,
+    *,
+    mask_heads: Int32,
+    k_rows: Int32,
+    partial_nnz: Int32,
+    full_nnz: Int32,
+    batch: Int32,
+    plane: int,
+) -> BwdPlanTensors:
+    """:class:`BwdPlanTensors` from the 12 plan pointers (in field order) and the view's int32 sizes;
+    ``plane`` is the int32 words of one partial entry (``PayloadLayout.words_per_tile``)."""
+    return BwdPlanTensors(
+        row_major(mask_block_cnt, mask_heads, k_rows),
+        row_major(mask_block_offset, mask_heads, k_rows),
+        vector(mask_block_idx, partial_nnz),
+        vector(mask_block_masks, partial_nnz * plane),
+        row_major(full_block_cnt, mask_heads, k_rows),
+        row_major(full_block_offset, mask_heads, k_rows),
+        vector(full_block_idx, full_nnz),
+        vector(dq_write_order, partial_nnz),
+        vector(dq_write_order_full, full_nnz),
+        row_major(sequence_desc, batch, 8),
+        vector(k_row_batch, k_rows),
+        vector(q_block_begin, batch),
+    )
+
+
+class BwdHostEntry:
+    """The host entry of a backward (K2Q) main kernel, the same for every consumer: raw global pointers
+    plus int32 sizes (the project's launch convention, no size triggers a recompile; the arguments
+    :func:`maskplan_kernels.consumer_launch.bwd_placeholders` and ``launch_backward`` pass), turned
+    into row-major tensors for the kernel class's ``@cute.jit __call__(mQ, mK, mV, mdO, mdK, mdV,
+    mLSE, mDsum, mdQaccum, mdQsem, plan, softmax_scale, stream)``.
+
+    The kernel class provides ``head_dim_qk``, ``head_dim_v``, ``tile_m`` and ``payload_plane``
+    (int32 words of one partial entry).
+    """
+
+    @cute.jit
+    def from_pointers(
+        self,
+        q: cute.Pointer,  # (total_q, Hq, Dqk)   contiguous THD, 16-byte aligned
+        k: cute.Pointer,  # (total_k, Hkv, Dqk)
+        v: cute.Pointer,  # (total_k, Hkv, Dv)
+        dout: cute.Pointer,  # (total_q, Hq, Dv)
+        dk: cute.Pointer,  # (total_k, Hkv, Dqk)  output, input dtype
+        dv: cute.Pointer,  # (total_k, Hkv, Dv)  output
+        lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
+        dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
+        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk), zeroed by the preprocess
+        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), zeroed by the preprocess
+        mask_block_cnt: cute.Pointer,
+        mask_block_offset: cute.Pointer,
+        mask_block_idx: cute.Pointer,
+        mask_block_masks: cute.Pointer,  # 16-byte aligned
+        full_block_cnt: cute.Pointer,
+        full_block_offset: cute.Pointer,
+        full_block_idx: cute.Pointer,
+        dq_write_order: cute.Pointer,
+        dq_write_order_full: cute.Pointer,
+        sequence_desc: cute.Pointer,
+        k_row_batch: cute.Pointer,
+        q_block_begin: cute.Pointer,
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_kv: Int32,
+        mask_heads: Int32,
+        k_rows: Int32,
+        partial_nnz: Int32,
+        full_nnz: Int32,
+        batch: Int32,
+        n_qblk: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """Builds the tensors and calls ``self.__call__``."""
+        dqk, dv_ = self.head_dim_qk, self.head_dim_v
+        plan = bwd_plan_tensors(
+            mask_block_cnt,
+            mask_block_offset,
+            mask_block_idx,
+            mask_block_masks,
+            full_block_cnt,
+            full_block_offset,
+            full_block_idx,
+            dq_write_order,
+            dq_write_order_full,
+            sequence_desc,
+            k_row_batch,
+            q_block_begin,
+            mask_heads=mask_heads,
+            k_rows=k_rows,
+            partial_nnz=partial_nnz,
+            full_nnz=full_nnz,
+            batch=batch,
+            plane=self.payload_plane,
+        )
+        self.__call__(
+            thd_tensor(q, total_q, num_heads_q, dqk),
+            thd_tensor(k, total_k, num_heads_kv, dqk),
+            thd_tensor(v, total_k, num_heads_kv, dv_),
+            thd_tensor(dout, total_q, num_heads_q, dv_),
+            thd_tensor(dk, total_k, num_heads_kv, dqk),
+            thd_tensor(dv, total_k, num_heads_kv, dv_),
+            row_major(lse_log2, num_heads_q, n_qblk * self.tile_m),
+            row_major(dsum, num_heads_q, n_qblk * self.tile_m),
+            row_major(dq_accum, num_heads_q, n_qblk * (self.tile_m * dqk)),
+            row_major(dq_semaphore, num_heads_q, n_qblk),
+            plan,
+            softmax_scale,
+            stream,
+        )
+
+
 class Work(NamedTuple):
     """The CTA's K block (runtime Int32 values)."""
 
@@ -329,6 +476,7 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 __all__ = [
     "CONSUMER_FIELDS",
     "TASK_WORDS",
+    "BwdHostEntry",
     "BwdPlanTensors",
     "FwdPlanTensors",
     "HeadRange",
@@ -336,6 +484,7 @@ __all__ = [
     "Work",
     "apply_packed_predicate",
     "bulk_reduce_add_f32",
+    "bwd_plan_tensors",
     "decode_task",
     "decode_work",
     "element_ptr",
@@ -343,8 +492,11 @@ __all__ = [
     "head_range",
     "load_payload_plane",
     "publish_task",
+    "row_major",
     "select_modes",
+    "thd_tensor",
     "total_steps",
     "turnstile_advance",
     "turnstile_wait",
+    "vector",
 ]
