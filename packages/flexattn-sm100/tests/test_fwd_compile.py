@@ -1,7 +1,9 @@
-"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA): it traces and compiles to
-sm_100a on a machine without a GPU (placeholder pointers, no CUDA allocation), its PTX has the
-instructions the design promises (tcgen05 MMA into TMEM, 32x32b TMEM loads/stores, TMA, the CLC
-queue, direct payload loads) and, where ptxas is installed, no register spills.
+"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA and qstage1 + 2CTA): it
+traces and compiles to sm_100a on a machine without a GPU (placeholder pointers, no CUDA
+allocation), its PTX has the instructions the design promises (tcgen05 MMA into TMEM, 32x32b TMEM
+loads/stores, TMA, the CLC queue; 1CTA: direct payload loads; 2CTA: cta_group::2 MMAs, TMA and TMEM
+allocation, multicast commits and CLC responses, the SMEM payload ring) and, where ptxas is
+installed, no register spills.
 
 Compiling is the ONLY verification this kernel has had: no SM100 hardware was available, and it has
 never run. Run with ``CUTE_DSL_ARCH=sm_100a`` (the nox session sets it); the DSL fixes its target
@@ -28,9 +30,11 @@ from flexattn_sm100.fwd_launch import (  # noqa: E402
     compile_forward,
     compile_uncached,
     kernel_key,
+    require_kernel,
     supports,
 )
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
+from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
 from maskplan_kernels import compile_cache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -43,8 +47,12 @@ CONFIGS = [((64, 64), "bfloat16"), ((128, 128), "bfloat16"), ((128, 128), "float
            ((192, 128), "bfloat16")]  # fmt: skip
 
 
-def config(dims, dtype="bfloat16"):
-    return select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype=dtype, variant="qstage1-1cta")
+#: the qstage1 + 2CTA configs compiled here (all five compile; two keep the suite short)
+CONFIGS_2CTA = [((128, 128), "bfloat16"), ((192, 128), "float16")]
+
+
+def config(dims, dtype="bfloat16", variant="qstage1-1cta"):
+    return select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype=dtype, variant=variant)
 
 
 def _ptxas_report(ptx: str, tmp_path) -> str | None:
@@ -98,24 +106,69 @@ def test_compiles(dims, dtype, tmp_path):
         assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+@pytest.mark.parametrize("dims,dtype", CONFIGS_2CTA, ids=[f"{a}x{b}-{t}" for (a, b), t in CONFIGS_2CTA])
+def test_compiles_2cta(dims, dtype, tmp_path):
+    """qstage1 + 2CTA: cluster (2, 1, 1), the leader issues M256 cta_group::2 MMAs; each CTA stages
+    its own payload plane (2 KB) through a two-stage SMEM ring (spec 6.2)."""
+    dq, dv = dims
+    cfg = config(dims, dtype, "qstage1-2cta")
+    assert supports(cfg) and cfg.mask_smem_bytes_per_cta == 4096
+    compiled = compile_uncached(cfg, extra_options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = compiled.__ptx__
+    assert ".target sm_100a" in ptx
+    mma = re.findall(r"tcgen05\.mma\.cta_group::(\d)\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
+    assert len(mma) == 2 * dq // 16 + 8 and {g for g, _ in mma} == {"2"}
+    assert sum(a.startswith("[") for _, a in mma) == 8  # the P operand comes from TMEM
+    # the softmax WG of each CTA reads its own 128 lanes exactly as in the 1CTA kernel
+    assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32") == 8 + 3 * dv // 32
+    assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 4 + 2 * dv // 32
+    assert (
+        _count(ptx, r"tcgen05\.alloc\.cta_group::2") == 1
+        and _count(ptx, r"tcgen05\.dealloc\.cta_group::2") == 1
+    )
+    assert _count(ptx, r"tcgen05\.commit\.cta_group::2\S*multicast::cluster") >= 1
+    assert "multicast::cluster::all" in ptx  # one CLC query per cluster, response to both CTAs
+    tma = re.findall(r"cp\.async\.bulk\.tensor\S*", ptx)
+    assert tma and all(op.endswith("cta_group::2") for op in tma)
+    # spec 6.2: one bulk copy of the CTA's plane into the ring, one 16-byte SMEM read per thread
+    # and block, a proxy fence before the stage is released; no direct GMEM payload load
+    assert _count(ptx, r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier") == 1
+    assert _count(ptx, r"ld\.global(\.nc)?\.v4\.b32") == 0
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert _count(ptx, r"barrier\.cluster\.wait") == 2  # after barrier init, before exit
+    assert _count(ptx, r"st\.global\.v4\.b32") == dv // 8
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
 def test_smem_fits_one_cta_per_sm():
-    """Q + kv_stages x (K + V) fits 227 KB and exceeds half of it, so a second CTA never waits on
-    TMEM (each takes all 512 columns)."""
+    """Q + kv_stages x (K + V) (+ the 2CTA payload ring) fits 227 KB and exceeds half of it, so a
+    second CTA never waits on TMEM (each takes all 512 columns)."""
     for (dq, dv), _ in CONFIGS:
-        stages = kv_stages_for(dq, dv)
-        smem = 128 * 2 * (dq + stages * (dq + dv))
-        assert stages >= 2 and 114 * 1024 < smem <= 210 * 1024, (dq, dv, stages, smem)
+        for pair in (1, 2):
+            stages = kv_stages_for(dq, dv, cta_group_size=pair)
+            ring = 4096 if pair == 2 else 0
+            smem = 128 * 2 * dq + stages * 128 * 2 * (dq + dv) // pair + ring
+            assert stages >= 2 and 114 * 1024 < smem <= 210 * 1024, (dq, dv, pair, stages, smem)
 
 
 def test_unimplemented_variants_are_refused():
-    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta",)
-    for name in ("qstage2-1cta", "qstage1-2cta"):
+    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta", "qstage1-2cta")
+    for name in ("qstage2-1cta",):
         cfg = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant=name)
         assert not supports(cfg)
         with pytest.raises(NotImplementedError, match=name):
             Sm100FwdKernel(cfg)
+        with pytest.raises(UnsupportedConfigError, match=f"variant '{name}'.*'qstage1-1cta', 'qstage1-2cta'"):
+            require_kernel(cfg)  # what run_forward raises for a view of this variant
     d256 = select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")
     assert not supports(d256)
+    with pytest.raises(UnsupportedConfigError, match="variant 'd256'"):
+        require_kernel(d256)
+    for name in IMPLEMENTED_VARIANTS:
+        cfg = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="float16", variant=name)
+        assert require_kernel(cfg) is cfg
 
 
 def test_kernel_key_ignores_runtime_geometry():
@@ -134,6 +187,8 @@ def test_kernel_key_ignores_runtime_geometry():
         config((128, 128), "float16"), with_max_logit=False
     )
     assert kernel_key(a, with_max_logit=False) != kernel_key(a, with_max_logit=True)
+    two = config((128, 128), variant="qstage1-2cta")
+    assert kernel_key(a, with_max_logit=False) != kernel_key(two, with_max_logit=False)
 
 
 def test_compile_forward_goes_through_the_project_cache(tmp_path, monkeypatch):

@@ -3,12 +3,11 @@
 They run ONLY on a compute-capability 10.x GPU. None was available when the kernel was written:
 these tests have never run, and the kernel has only been compiled (``test_fwd_compile.py``).
 
-Plans are built by the reference planner with the SM100 consumer's forward config for the variant
-the kernel implements (qstage1 + 1CTA, forced with ``variant=``; the heuristics' defaults for
-D64/D128 are variants without a kernel yet), so the kernel consumes exactly the view a plan for
-that config carries. Outputs are poisoned with NaN before each run: an element the kernel does not
-write fails the test. Tolerance (max abs error vs fp32 on random normal inputs), as for SM90:
-bf16 2e-2, fp16 5e-3.
+Plans are built by the reference planner with the SM100 consumer's forward config for each variant
+a kernel implements (qstage1 + 1CTA and qstage1 + 2CTA, forced with ``variant=``; every test runs
+for both), so the kernel consumes exactly the view a plan for that config carries. Outputs are
+poisoned with NaN before each run: an element the kernel does not write fails the test. Tolerance
+(max abs error vs fp32 on random normal inputs), as for SM90: bf16 2e-2, fp16 5e-3.
 
     python -m pytest packages/flexattn-sm100/tests/test_fwd_gpu.py -m gpu -q
 """
@@ -31,13 +30,21 @@ from maskplan_core.consumer import KERNEL_DTYPE_NAMES, ViewConfig  # noqa: E402
 from maskplan_core.testing import check_forward, reference_plan, varlen_causal  # noqa: E402
 
 DEV = torch.device("cuda")
-VARIANT = "qstage1-1cta"
+VARIANTS = ("qstage1-1cta", "qstage1-2cta")
+VARIANT = VARIANTS[0]  # the variant of the running test (set by the autouse fixture below)
 qkv = functools.partial(testing.qkv, device=DEV)
 random_intervals = functools.partial(testing.random_intervals, device=DEV)
 
 
+@pytest.fixture(autouse=True, params=VARIANTS)
+def variant(request, monkeypatch):
+    """Every test runs once per forward kernel variant."""
+    monkeypatch.setitem(globals(), "VARIANT", request.param)
+    return request.param
+
+
 def qstage1_view(g) -> ViewConfig:
-    """The forward view of the qstage1 + 1CTA config for ``g``."""
+    """The forward view of the qstage1 config (:data:`VARIANT`) for ``g``."""
     config = select_fwd_config(
         head_dim_qk=g.head_dim_qk, head_dim_v=g.head_dim_v, dtype=KERNEL_DTYPE_NAMES[g.dtype],
         qhead_per_kvhead=g.num_heads_q // g.num_heads_kv, varlen=g.varlen, variant=VARIANT,
@@ -46,7 +53,7 @@ def qstage1_view(g) -> ViewConfig:
 
 
 def sm100_plan(mask_func, q, k, v, **varlen):
-    """A forward-only plan with the SM100 qstage1 + 1CTA view (reference planner, CUDA tensors)."""
+    """A forward-only plan with the SM100 qstage1 view (reference planner, CUDA tensors)."""
     return reference_plan(mask_func, q, k, v, consumer=Sm100Consumer.name, forward=qstage1_view, **varlen)
 
 

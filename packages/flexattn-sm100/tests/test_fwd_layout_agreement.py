@@ -1,14 +1,17 @@
-"""The SM100 forward kernel tests the bit the payload layout assigns (spec 5.1, 9.5), on CPU.
+"""The SM100 forward kernels test the bit the payload layout assigns (spec 5.1, 9.5), on CPU.
 
 ``fwd_fragment_probe.py`` traces the kernel's own softmax-fragment builder
-(:meth:`Sm100FwdKernel.softmax_fragments`, compile-time only, ``CUTE_DSL_ARCH=sm_100a``) and reports,
-for every softmax thread ``t`` and register ``e``, the score element ``(m, n)`` the tcgen05.ld 32x32b
-copy puts in ``rS[e]``. The kernel keeps ``rS[e]`` iff bit ``e % 32`` of its payload word ``e // 32``
-of group ``t`` is set (``fwd_helpers.apply_packed_predicate``, words loaded at
-``(entry * groups + t) * words_per_group``). So agreement means, for all ``t, e``::
+(:meth:`Sm100FwdKernel.softmax_fragments`, compile-time only, ``CUTE_DSL_ARCH=sm_100a``) with the
+kernel's own MMA slice of every CTA rank ``r`` (qstage1-1cta: rank 0 only; qstage1-2cta: both CTAs of
+the pair) and reports, for every softmax thread ``t`` and register ``e``, the score element ``(m, n)``
+of the plan block that the tcgen05.ld 32x32b copy puts in ``rS[e]``. The kernel keeps ``rS[e]`` iff
+bit ``e % 32`` of its payload word ``e // 32`` of group ``t`` in plane ``payload_plane_index(entry,
+r)`` is set (``apply_packed_predicate``; 1CTA loads the words from GMEM, 2CTA from a stage of the
+SMEM ring the load warp fills with that plane). So agreement means, for all ``r, t, e``::
 
-    layout.element_coords()[m, n] == (subtile 0, group t, word e // 32, bit e % 32)
+    layout.element_coords()[m, n] == (subtile r, group t, word e // 32, bit e % 32)
 
+and the addressing checks say the words read are those of ``mask_block_masks[entry, r, t, :]``.
 It also checks the two other per-thread fragments whose register order the kernel relies on: the
 packed P store (register ``j`` -> TMEM column ``j``, holding P columns ``2j, 2j + 1``) and the O
 chunk load (register ``e`` -> O column ``e``, stored to GMEM as a contiguous row). Nothing here has
@@ -37,43 +40,81 @@ pytestmark = [
 ]
 
 PROBE = Path(__file__).with_name("fwd_fragment_probe.py")
-CASE = (128, 128, "bfloat16")
+#: (head_dim_qk, head_dim_v, dtype, variant); one probe process for all
+CASES = [(128, 128, "bfloat16", "qstage1-1cta"), (128, 128, "bfloat16", "qstage1-2cta")]
+IDS = [case[3] for case in CASES]
 
 
 @pytest.fixture(scope="module")
-def kernel_fragments() -> dict[str, list]:
+def probed() -> dict[str, dict]:
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_100a", "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps([CASE])], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(PROBE), json.dumps(CASES)], env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.splitlines()[-1])[0]
+    return dict(zip(IDS, json.loads(run.stdout.splitlines()[-1]), strict=True))
 
 
-def test_bit_tested_is_bit_assigned(kernel_fragments):
-    layout = select_fwd_config(
-        head_dim_qk=CASE[0], head_dim_v=CASE[1], dtype=CASE[2], variant="qstage1-1cta"
+def layout_of(case):
+    return select_fwd_config(
+        head_dim_qk=case[0], head_dim_v=case[1], dtype=case[2], variant=case[3]
     ).payload_layout
-    assert (layout.subtiles, layout.groups, layout.words_per_group) == (1, 128, 4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_bit_tested_is_bit_assigned(case, probed):
+    layout = layout_of(case)
+    ranks = 2 if case[3].endswith("2cta") else 1
+    assert (layout.subtiles, layout.groups, layout.words_per_group) == (ranks, 128, 4)
     subtile, group, word, bit = layout.element_coords()
-    coords = torch.tensor(kernel_fragments["s"])  # [thread, register, (m, n)]
-    assert coords.shape == (layout.groups, layout.elements_per_thread, 2)
-    m, n = coords[..., 0], coords[..., 1]
-    t = torch.arange(layout.groups).view(-1, 1).expand_as(m)
-    e = torch.arange(layout.elements_per_thread).view(1, -1).expand_as(m)
-    assert bool((subtile[m, n] == 0).all())
-    assert torch.equal(group[m, n], t), "register rows disagree with the payload groups"
-    assert torch.equal(word[m, n], e // 32), "register order disagrees with the payload words"
-    assert torch.equal(bit[m, n], e % 32), "register order disagrees with the payload bits"
-    # and the registers cover the tile exactly once
-    assert torch.unique(m * layout.tile_n + n).numel() == layout.tile_m * layout.tile_n
+    per_rank = torch.tensor(probed[case[3]]["s"])  # [rank, thread, register, (m, n)]
+    assert per_rank.shape == (ranks, layout.groups, layout.elements_per_thread, 2)
+    for r in range(ranks):
+        m, n = per_rank[r, ..., 0], per_rank[r, ..., 1]
+        t = torch.arange(layout.groups).view(-1, 1).expand_as(m)
+        e = torch.arange(layout.elements_per_thread).view(1, -1).expand_as(m)
+        assert bool((subtile[m, n] == r).all()), f"rank {r}: registers outside its payload subtile"
+        assert torch.equal(group[m, n], t), f"rank {r}: register rows disagree with the payload groups"
+        assert torch.equal(word[m, n], e // 32), f"rank {r}: register order disagrees with the words"
+        assert torch.equal(bit[m, n], e % 32), f"rank {r}: register order disagrees with the bits"
+    # and the registers of all ranks cover the plan block exactly once
+    m, n = per_rank[..., 0], per_rank[..., 1]
+    assert torch.unique(m * layout.tile_n + n).numel() == layout.tile_m * layout.tile_n == m.numel()
 
 
-def test_packed_p_and_o_chunk_registers_are_row_ordered(kernel_fragments):
-    p = torch.tensor(kernel_fragments["p"])  # [thread, 64, (row, packed column)]
-    o = torch.tensor(kernel_fragments["o"])  # [thread, 32, (row, column)]
-    for regs in (p, o):
-        threads, count, _ = regs.shape
-        assert threads == 128
-        assert torch.equal(regs[..., 0], torch.arange(128).view(-1, 1).expand(128, count))
-        assert torch.equal(regs[..., 1], torch.arange(count).view(1, -1).expand(128, count))
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_words_read_are_the_entry_plane_of_the_cta(case, probed):
+    """The words the kernel reads for (entry, rank r, thread t), packed by the layout's own packer
+    from a random tile, reproduce the tile at the elements of r's registers: plane index, in-plane
+    (group, word) offset and, for the SMEM ring, the stage layout agree with ``mask_block_masks``."""
+    layout, got = layout_of(case), probed[case[3]]
+    plane_words = got["plane_words"]
+    assert plane_words == layout.groups * layout.words_per_group
+    entries = got["entries"]
+    shape = (max(entries) + 1, layout.tile_m, layout.tile_n)
+    tiles = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    flat = layout.pack(tiles).reshape(-1)  # mask_block_masks as the kernel sees it: [nnz * plane_words]
+    if got["mask_stages"]:  # the ring stage holds the plane in GMEM order: word w of group t at t * W + w
+        ring = torch.tensor(got["ring"])
+        expected = torch.arange(plane_words).view(layout.groups, layout.words_per_group)
+        assert torch.equal(ring, expected)
+    coords = torch.tensor(got["s"])  # [rank, thread, register, (m, n)]
+    for i, entry in enumerate(entries):
+        for r, plane in enumerate(got["planes"][i]):
+            words = flat[plane * plane_words : (plane + 1) * plane_words].view(layout.groups, -1)
+            e = torch.arange(layout.elements_per_thread)
+            bits = (words[:, e // 32] >> (e % 32)) & 1  # [thread, register]: the bit the kernel tests
+            m, n = coords[r, ..., 0], coords[r, ..., 1]
+            assert torch.equal(bits.bool(), tiles[entry][m, n]), f"entry {entry} rank {r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_packed_p_and_o_chunk_registers_are_row_ordered(case, probed):
+    for key in ("p", "o"):
+        per_rank = torch.tensor(probed[case[3]][key])  # [rank, thread, registers, (row, column)]
+        for r, regs in enumerate(per_rank):
+            threads, count, _ = regs.shape
+            assert threads == 128
+            rows = 128 * r + torch.arange(128).view(-1, 1).expand(128, count)
+            assert torch.equal(regs[..., 0], rows), (key, r)
+            assert torch.equal(regs[..., 1], torch.arange(count).view(1, -1).expand(128, count)), (key, r)

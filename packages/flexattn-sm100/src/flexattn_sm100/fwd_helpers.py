@@ -1,6 +1,7 @@
-"""Device helpers of the SM100 forward kernel (CuTe DSL): the tcgen05 MMA builders, the TMEM
-fragments and copies the softmax warpgroup reads, the direct payload load and the per-row online
-softmax (the plan walk and the packed-predicate bit-select are :mod:`maskplan_kernels.consumer_plan`).
+"""Device helpers of the SM100 forward kernel (CuTe DSL): the tcgen05 MMA builders (1 or 2 CTAs), the
+TMEM fragments and copies the softmax warpgroup reads, the payload loads (direct, or from the SMEM
+ring) and the per-row online softmax (the plan walk and the packed-predicate bit-select are
+:mod:`maskplan_kernels.consumer_plan`).
 
 The score copy (:func:`score_tmem_load`) is the one :mod:`flexattn_sm100.payload_layout` describes:
 ``tcgen05.ld 32x32b``, thread ``t`` of the softmax warpgroup reads TMEM lane ``t`` (accumulator row
@@ -28,17 +29,26 @@ O_CHUNK = 32
 
 
 # -- MMA builders ---------------------------------------------------------------------------------
-def make_qk_mma(dtype, tile_m: int, tile_n: int) -> cute.TiledMma:
-    """S = Q K^T: A = Q (tile_m x Dqk, K-major, SMEM), B = K (tile_n x Dqk, K-major), fp32 in TMEM."""
-    return sm100_utils.make_trivial_tiled_mma(
-        dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, tcgen05.CtaGroup.ONE, (tile_m, tile_n)
-    )
+def cta_group_of(cta_group_size: int) -> tcgen05.CtaGroup:
+    """``tcgen05.CtaGroup`` of an MMA issued for ``cta_group_size`` (1 or 2) CTAs."""
+    return tcgen05.CtaGroup.TWO if cta_group_size == 2 else tcgen05.CtaGroup.ONE
 
 
-def make_pv_mma(dtype, tile_m: int, head_dim_v: int) -> cute.TiledMma:
-    """O += P V: A = P (tile_m x tile_n, 16-bit, TMEM), B = V^T (Dv x tile_n, MN-major, SMEM)."""
+def make_qk_mma(dtype, tile_m: int, tile_n: int, cta_group_size: int = 1) -> cute.TiledMma:
+    """S = Q K^T: A = Q (tile_m x Dqk, K-major, SMEM), B = K (tile_n x Dqk, K-major), fp32 in TMEM.
+    With ``cta_group_size = 2`` (tile_m = 256) each CTA of the pair holds 128 rows of Q and of S and
+    half of K's rows."""
     return sm100_utils.make_trivial_tiled_mma(
-        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, tcgen05.CtaGroup.ONE,
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, cta_group_of(cta_group_size),
+        (tile_m, tile_n),
+    )  # fmt: skip
+
+
+def make_pv_mma(dtype, tile_m: int, head_dim_v: int, cta_group_size: int = 1) -> cute.TiledMma:
+    """O += P V: A = P (tile_m x tile_n, 16-bit, TMEM), B = V^T (Dv x tile_n, MN-major, SMEM).
+    With ``cta_group_size = 2`` each CTA holds its 128 rows of P and O and half of V's columns."""
+    return sm100_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, cta_group_of(cta_group_size),
         (tile_m, head_dim_v), tcgen05.OperandSource.TMEM,
     )  # fmt: skip
 
@@ -120,6 +130,20 @@ def load_words(masks: cute.Tensor, offset: Int32, words: cute.Tensor):
     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(n)), words)
 
 
+@cute.jit
+def read_staged_words(pipe_mask, state, sMask: cute.Tensor, group: Int32, words: cute.Tensor):
+    """Spec 6.2 SMEM delivery, consumer side: wait for stage ``state`` of the payload ring ``sMask``
+    ``(words, groups, stages)``, copy payload group ``group``'s words to registers, order the generic
+    reads before the next bulk copy into the stage (``fence.proxy.async``), release the stage.
+    Returns the advanced state (it advances once per partial block, never on full blocks)."""
+    pipe_mask.consumer_wait(state)
+    cute.autovec_copy(sMask[None, group, state.index], words)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    pipe_mask.consumer_release(state)
+    state.advance()
+    return state
+
+
 @dsl_user_op
 def tcgen05_fence_before(*, loc=None, ip=None) -> None:
     """``tcgen05.fence::before_thread_sync``: order this thread's prior tcgen05 ops (ld/st) before
@@ -136,9 +160,11 @@ def tcgen05_fence_after(*, loc=None, ip=None) -> None:
 
 __all__ = [
     "O_CHUNK",
+    "cta_group_of",
     "load_words",
     "make_pv_mma",
     "make_qk_mma",
+    "read_staged_words",
     "row_chunk_copies",
     "score_tmem_load",
     "shift_columns",

@@ -1,17 +1,28 @@
-"""SM100 (Blackwell) attention forward that consumes a MaskPlan's forward view: generic qstage1 + 1CTA
-variant (spec 6.1, 6.2). Compile-verified for sm_100a only: it has NEVER run on SM100 hardware.
+"""SM100 (Blackwell) attention forward that consumes a MaskPlan's forward view (spec 6.1, 6.2): the
+generic qstage1 + 1CTA and qstage1 + 2CTA variants, one class configured by the variant (CTA group
+size and payload delivery are constructor facts). Compile-verified for sm_100a only: it has NEVER
+run on SM100 hardware.
 
-One CTA = six warps, 192 threads, one 128 x 128 plan block (tile_m = tile_n = 128)::
+``qstage1-1cta``: one CTA = one 128 x 128 plan block. ``qstage1-2cta``: a cluster of two CTAs = one
+256 x 128 plan block computed by tcgen05 ``cta_group::2`` MMAs (M = 256) that the leader CTA (rank
+0) issues; CTA rank r holds Q rows ``128 r .. 128 r + 127`` of the block, half of every K tile (64
+rows) and of every V^T tile (Dv / 2 columns) in SMEM, and its own 128 rows of S, P and O in its own
+TMEM; payload subtile r is CTA r's plane (payload_layout.py). Each CTA has six warps, 192 threads::
 
-    warps 0-3 (softmax WG)  thread t owns score row t (TMEM lane t, tcgen05.ld 32x32b): packed
-                            predicate (payload words GMEM -> registers, spec 6.2 direct delivery),
-                            online softmax in the log2 domain, P -> TMEM, O rescale in TMEM,
-                            epilogue (O / rowsum -> GMEM, LSE); allocates and frees TMEM
+    warps 0-3 (softmax WG)  thread t owns score row 128 r + t (TMEM lane t, tcgen05.ld 32x32b):
+                            packed predicate (1CTA: payload words GMEM -> registers; 2CTA: from the
+                            CTA's two-stage SMEM payload ring, spec 6.2), online softmax in the log2
+                            domain, P -> TMEM, O rescale in TMEM, epilogue (O / rowsum -> GMEM,
+                            LSE); allocates and frees TMEM (2CTA: both CTAs, cta_group::2)
     warp 4   (MMA)          one thread issues tcgen05.mma: S_j = Q K_j^T (SS, into TMEM),
-                            O += P_j V_j (TS: P from TMEM, V from SMEM)
-    warp 5   (load)         hardware CLC queue over ``fwd_work_desc`` (task = CTA id; a CTA that is
-                            done cancels a not-yet-launched CTA and takes its task), task decode,
-                            TMA loads of Q, K, V
+                            O += P_j V_j (TS: P from TMEM, V from SMEM); 2CTA: the leader's only
+                            (the peer's MMA warp only drains its task records)
+    warp 5   (load)         hardware CLC queue over ``fwd_work_desc`` (task = cluster id; a cluster
+                            that is done cancels a not-yet-launched one and takes its task; 2CTA:
+                            the leader queries, the response is multicast to both CTAs), task
+                            decode, TMA loads of Q, K, V (2CTA: each CTA its share, completing on
+                            the leader's barriers), 2CTA: bulk copy of the CTA's payload plane of
+                            each partial block into the SMEM ring
 
 TMEM (512 columns, fp32)::
 
@@ -27,19 +38,24 @@ Per task ``(m_block, head, batch, q_valid_rows)`` (the walk of flexattn_sm90, sp
         S = Q K[full_block_idx[e]]^T ; softmax step ; O += P V
     O /= rowsum, LSE = max*scale + ln(rowsum); rows with no visible key: O = 0, LSE = -inf
 
-Pipelines (mbarriers, CTA-local)::
+Pipelines (mbarriers; with a CTA pair the full barriers of Q/K/V/P and the empty barriers of S/O are
+the leader's: both CTAs' TMA bytes and softmax arrivals land there, and the leader's tcgen05.commit
+multicasts to both CTAs)::
 
-    sched  2 stages   load lane 0 -> MMA warp + softmax WG     decoded task record in SMEM
+    sched  2 stages   load lane 0 -> MMA warp + softmax WG     decoded task record in SMEM (CTA-local)
     Q      1 stage    TMA -> MMA                               released by tcgen05.commit
     K, V   kv_stages  TMA -> MMA                               released by tcgen05.commit
-    S      2 stages   MMA (commit) -> softmax WG               released after tcgen05.ld
-    P      1 stage    softmax WG -> MMA                        released by the commit of P V, so
+    S      2 stages   MMA (commit) -> softmax WG(s)            released after tcgen05.ld
+    P      1 stage    softmax WG(s) -> MMA                     released by the commit of P V, so
                                                                acquiring P = "O is stable"
-    O      1 stage    MMA (commit after the last P V) -> softmax WG epilogue
+    O      1 stage    MMA (commit after the last P V) -> softmax WG(s) epilogue
+    mask   2 stages   cp.async.bulk -> softmax WG              2CTA only, CTA-local (spec 6.2):
+                                                               advances once per partial block;
+                                                               full blocks never touch it
 
 Physical rows are ``q_offset/k_offset + sample-local position``; Q/K/V tiles past the tensor end
 are zero-filled by TMA, partial payloads carry the K tail (bit 0), and output rows past
-``q_valid_rows`` are never stored.
+``q_valid_rows`` (of the whole plan block) are never stored.
 """
 
 from dataclasses import dataclass
@@ -51,6 +67,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_plan import (
@@ -59,27 +76,37 @@ from maskplan_kernels.consumer_plan import (
     Task,
     decode_task,
     fetch_task,
+    load_payload_plane,
     publish_task,
     select_modes,
 )
 
 from .config import Sm100FwdConfig
-from .fwd_helpers import make_pv_mma, make_qk_mma, tcgen05_fence_after, tmem_acc
+from .fwd_helpers import cta_group_of, make_pv_mma, make_qk_mma, tcgen05_fence_after, tmem_acc
 from .fwd_softmax import SoftmaxRole
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: the variants this kernel implements (qstage2 / 2CTA / D256 are specified but not written)
-IMPLEMENTED_VARIANTS = ("qstage1-1cta",)
-#: SMEM the Q/K/V stages may take (the rest: barriers, task records, CLC response)
+#: the variants this kernel implements (qstage2 / D256 are specified but not written)
+IMPLEMENTED_VARIANTS = ("qstage1-1cta", "qstage1-2cta")
+#: SMEM the Q/K/V stages may take (the rest: barriers, task records, CLC response, payload ring)
 _SMEM_BUDGET = 200 * 1024
 _MAX_KV_STAGES = 4
+#: half of an SM's 227 KB of SMEM: a CTA above it never shares its SM
+_HALF_SM_SMEM = 114 * 1024
 
 
-def kv_stages_for(head_dim_qk: int, head_dim_v: int, element_bytes: int = 2, tile: int = 128) -> int:
-    """K/V pipeline depth: as many stages as fit next to Q in :data:`_SMEM_BUDGET` (at most 4)."""
+def kv_stages_for(
+    head_dim_qk: int, head_dim_v: int, element_bytes: int = 2, tile: int = 128, cta_group_size: int = 1
+) -> int:
+    """K/V pipeline depth: up to 4 stages that fit next to Q in :data:`_SMEM_BUDGET`, or more when 4
+    leave the CTA under half an SM's SMEM. Each CTA allocates all 512 TMEM columns, so a second
+    CTA on the SM would only wait for them (and a CTA pair waiting on two SMs could deadlock). With
+    a CTA pair each CTA holds half of every K and V tile."""
     q_bytes = tile * head_dim_qk * element_bytes
-    kv_bytes = tile * (head_dim_qk + head_dim_v) * element_bytes
-    return max(2, min(_MAX_KV_STAGES, (_SMEM_BUDGET - q_bytes) // kv_bytes))
+    kv_bytes = tile * (head_dim_qk + head_dim_v) * element_bytes // cta_group_size
+    fit = (_SMEM_BUDGET - q_bytes) // kv_bytes
+    above_half = -(-(_HALF_SM_SMEM + 1 - q_bytes) // kv_bytes)
+    return max(2, min(fit, max(_MAX_KV_STAGES, above_half)))
 
 
 class Sm100FwdKernel(SoftmaxRole):
@@ -95,24 +122,34 @@ class Sm100FwdKernel(SoftmaxRole):
             raise NotImplementedError("PackGQA is not implemented by the SM100 forward kernel")
         if config.head_dim_v > 128 or config.head_dim_qk % 16 or config.head_dim_v % 32:
             raise NotImplementedError(
-                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the qstage1 + 1CTA "
-                "kernel keeps O (Dv <= 128, a multiple of 32) next to two S stages in TMEM"
+                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the qstage1 "
+                "kernels keep O (Dv <= 128, a multiple of 32) next to two S stages in TMEM"
             )
+        variant = config.variant
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
-        self.tile_m, self.tile_n = config.tile_m, config.tile_n
-        assert (self.tile_m, self.tile_n) == (128, 128)
-        self.kv_stages = kv_stages_for(self.head_dim_qk, self.head_dim_v)
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # the plan block = the MMA tile
+        # CTA pair: cluster (2, 1, 1) along M, cta_group::2 MMAs issued by the leader (rank 0)
+        self.cta_group_size = variant.cta_group_size
+        self.cluster_shape = (self.cta_group_size, 1, 1)
+        self.cta_tile_m = self.tile_m // self.cta_group_size  # Q rows = TMEM lanes of one CTA
+        assert (self.cta_tile_m, self.tile_n) == (128, 128) and self.cta_group_size in (1, 2)
+        self.kv_stages = kv_stages_for(self.head_dim_qk, self.head_dim_v, cta_group_size=self.cta_group_size)
         self.sched_stages = 2
         self.s_stages = 2
-        # payload ABI (payload_layout.py is the one source of truth): subtile 0 only (1CTA, 1 stage)
+        # payload delivery (spec 6.2): 0 = direct GMEM -> registers, else the SMEM ring's depth
+        self.mask_stages = variant.mask_pipeline_stages
+        # payload ABI (payload_layout.py is the one source of truth): subtile = CTA rank
         layout = config.payload_layout
-        assert layout.subtiles == 1
-        self.payload_groups = layout.groups  # = softmax threads
+        assert layout.subtiles == self.cta_group_size
+        self.payload_subtiles = layout.subtiles
+        self.payload_groups = layout.groups  # = softmax threads of one CTA
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread
-        self.payload_plane = layout.words_per_tile  # int32 words of one partial entry
+        self.payload_plane = layout.groups * layout.words_per_group  # int32 words of one CTA's subtile
+        self.payload_entry = layout.words_per_tile  # int32 words of one partial entry (all subtiles)
+        assert self.payload_entry == self.payload_subtiles * self.payload_plane
         # warp roles
         self.softmax_warps = (0, 1, 2, 3)
         self.mma_warp = 4
@@ -120,7 +157,7 @@ class Sm100FwdKernel(SoftmaxRole):
         self.num_softmax_threads = 32 * len(self.softmax_warps)
         self.num_threads = 32 * (len(self.softmax_warps) + 2)
         assert self.payload_groups == self.num_softmax_threads
-        # named barriers (0 is __syncthreads)
+        # named barriers (0 is __syncthreads), CTA-local
         self.tmem_alloc_barrier_id = 1  # softmax WG + MMA warp wait for the TMEM address
         self.tmem_free_barrier_id = 2  # softmax WG done with TMEM before warp 0 frees it
         # TMEM columns (32-bit), see the module docstring
@@ -189,7 +226,7 @@ class Sm100FwdKernel(SoftmaxRole):
                 mat(mask_block_cnt, mask_heads, q_rows),
                 mat(mask_block_offset, mask_heads, q_rows),
                 vec(mask_block_idx, partial_nnz),
-                vec(mask_block_masks, partial_nnz * self.payload_plane),
+                vec(mask_block_masks, partial_nnz * self.payload_entry),
                 mat(full_block_cnt, mask_heads, q_rows),
                 mat(full_block_offset, mask_heads, q_rows),
                 vec(full_block_idx, full_nnz),
@@ -217,11 +254,11 @@ class Sm100FwdKernel(SoftmaxRole):
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError(f"q/k/v/o must be {self.dtype}")
-        qk_mma = make_qk_mma(self.dtype, self.tile_m, self.tile_n)
-        pv_mma = make_pv_mma(self.dtype, self.tile_m, self.head_dim_v)
+        qk_mma = make_qk_mma(self.dtype, self.tile_m, self.tile_n, self.cta_group_size)
+        pv_mma = make_pv_mma(self.dtype, self.tile_m, self.head_dim_v, self.cta_group_size)
         qk_tiler = (self.tile_m, self.tile_n, self.head_dim_qk)  # (M, N, K) of S = Q K^T
         pv_tiler = (self.tile_m, self.head_dim_v, self.tile_n)  # (M, N, K) of O = P V
-        # ((MMA), MMA_M, MMA_K, stages) UMMA-canonical SMEM layouts
+        # ((MMA), MMA_M, MMA_K, stages) UMMA-canonical SMEM layouts, one CTA's share of each tile
         sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, qk_tiler, self.dtype, 1)
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, qk_tiler, self.dtype, self.kv_stages)
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, pv_tiler, self.dtype, self.kv_stages)
@@ -233,8 +270,9 @@ class Sm100FwdKernel(SoftmaxRole):
             select_modes(mK, [0, 2, 1]),
             select_modes(mV, [2, 0, 1]),
         )
-        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (qk_mma.thr_id.shape,)).shape
-        load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        # ((cta_group), 1, 1, 1): the CTAs of one MMA along V, nothing multicast along M/N
+        cluster_vmnk = self.cta_layout_vmnk(qk_mma).shape
+        load_op = cpasync.CopyBulkTensorTileG2SOp(cta_group_of(self.cta_group_size))
         one = [0, 1, 2]
         tma_q, tma_mQ = cute.nvgpu.make_tiled_tma_atom_A(
             load_op, mQ_t, cute.select(sQ_layout, mode=one), qk_tiler, qk_mma, cluster_vmnk
@@ -245,9 +283,11 @@ class Sm100FwdKernel(SoftmaxRole):
         tma_v, tma_mV = cute.nvgpu.make_tiled_tma_atom_B(
             load_op, mV_t, cute.select(sV_layout, mode=one), pv_tiler, pv_mma, cluster_vmnk
         )
-        self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=one))
-        self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=one))
-        self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=one))
+        # bytes landing on one (the leader's) full barrier: every CTA's share of the tile
+        self.bytes_q, self.bytes_k, self.bytes_v = (
+            cute.size_in_bytes(self.dtype, cute.select(layout, mode=one)) * self.cta_group_size
+            for layout in (sQ_layout, sK_layout, sV_layout)
+        )
         self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
         self.kernel(
             qk_mma,
@@ -268,14 +308,35 @@ class Sm100FwdKernel(SoftmaxRole):
             sV_layout,
             tP_layout,
         ).launch(  # fmt: skip
-            grid=[num_tasks, 1, 1],  # one CTA per task; CLC turns running CTAs into persistent ones
+            # one cluster per task; CLC turns running clusters into persistent ones
+            grid=[num_tasks * self.cta_group_size, 1, 1],
             block=[self.num_threads, 1, 1],
-            cluster=[1, 1, 1],
+            cluster=list(self.cluster_shape),
             stream=stream,
             min_blocks_per_mp=1,
         )
 
+    # -- payload addressing (payload_layout.py: plane = subtile = CTA rank) ------------------------
+    def payload_plane_index(self, entry, cta_rank):
+        """Plane of CTA ``cta_rank`` for partial entry ``entry``: ``mask_block_masks`` viewed as
+        ``[partial_nnz * subtiles, groups, words]`` (the view's ``[partial_nnz, subtiles, groups,
+        words]`` flattened); both deliveries read group ``t``'s words at ``plane * payload_plane +
+        t * payload_words``."""
+        return entry * self.payload_subtiles + cta_rank
+
+    def mask_ring_layout(self) -> cute.Layout:
+        """``(payload_words, payload_groups, mask_stages)``: one CTA plane per stage, in the GMEM
+        plane's (group, word) order, so one bulk copy fills a stage."""
+        return cute.make_layout((self.payload_words, self.payload_groups, self.mask_stages))
+
+    def cta_layout_vmnk(self, qk_mma: cute.TiledMma) -> cute.Layout:
+        """The cluster as ``((cta_group), M, N, K)``: the CTAs of one MMA, then the MMA tiles."""
+        return cute.tiled_divide(cute.make_layout(self.cluster_shape), (qk_mma.thr_id.shape,))
+
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        mask_stages = max(1, self.mask_stages)
+        mask_words = self.mask_stages * self.payload_plane if self.mask_stages else 4
+
         @cute.struct
         class SharedStorage:
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
@@ -285,13 +346,18 @@ class Sm100FwdKernel(SoftmaxRole):
             mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * self.s_stages]
             mbar_p: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_o: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * mask_stages]
             mbar_clc: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_clc_read: cute.struct.MemRange[cutlass.Int64, 1]  # 2CTA: both CTAs read the response
+            mbar_tmem_dealloc: cute.struct.MemRange[cutlass.Int64, 1]  # 2CTA TMEM free handshake
             clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
             tmem_holding: Int32
             task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            # (payload_words, payload_groups, mask_stages): the CTA's payload plane per stage
+            mask: cute.struct.Align[cute.struct.MemRange[Int32, mask_words], 128]
 
         return SharedStorage
 
@@ -319,19 +385,38 @@ class Sm100FwdKernel(SoftmaxRole):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        pair = const_expr(self.cta_group_size > 1)
+        # rank in the CTA pair = payload subtile; 0 (the leader) issues the MMAs and the CLC queries
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) if pair else 0
         if warp_idx == self.load_warp:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        pipes = self._make_pipelines(storage)
-        clc_mbar = storage.mbar_clc.data_ptr()
+        pipes = self._make_pipelines(storage, self.cta_layout_vmnk(qk_mma))
+        clc = ClcBarriers(storage.mbar_clc.data_ptr(), storage.mbar_clc_read.data_ptr(),
+                          storage.clc_response.data_ptr())  # fmt: skip
         if warp_idx == self.load_warp:
             with cute.arch.elect_one():
-                cute.arch.mbarrier_init(clc_mbar, 1)
+                cute.arch.mbarrier_init(clc.full, 1)
+                cute.arch.mbarrier_init(clc.read, self.cta_group_size)
+        # 2CTA: the allocator warp inits the TMEM-free handshake barrier here, before the cluster sync
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_holding.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                self.tmem_alloc_barrier_id, self.num_softmax_threads + 32
+            ),
+            allocator_warp_id=self.softmax_warps[0],
+            is_two_cta=pair,
+            two_cta_tmem_dealloc_mbar_ptr=storage.mbar_tmem_dealloc.data_ptr() if pair else None,
+        )
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(pair):  # the peer's barriers are initialised before anyone signals them
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         # (MMA, MMA_M, MMA_K, stages) operand tiles in SMEM
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -339,37 +424,45 @@ class Sm100FwdKernel(SoftmaxRole):
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # (TASK_WORDS, stages): the decoded task the load warp hands to the MMA warp and softmax WG
         sTask = storage.task.get_tensor(cute.make_layout((TASK_WORDS, self.sched_stages)))
-        tmem = cutlass.memory.TmemAllocator(
-            storage.tmem_holding.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                self.tmem_alloc_barrier_id, self.num_softmax_threads + 32
-            ),
-            allocator_warp_id=self.softmax_warps[0],
-        )
+        # (payload_words, payload_groups, mask_stages): the payload ring (None: direct delivery)
+        sMask = None
+        if const_expr(self.mask_stages > 0):
+            sMask = storage.mask.get_tensor(self.mask_ring_layout())
 
-        qk_thr, pv_thr = qk_mma.get_slice(0), pv_mma.get_slice(0)
+        qk_thr, pv_thr = qk_mma.get_slice(cta_rank), pv_mma.get_slice(cta_rank)
         if warp_idx == self.load_warp:
             self.load_role(
-                qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, plan, pipes, clc_mbar,
-                storage.clc_response.data_ptr(),
+                qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan, pipes, clc,
+                cta_rank,
             )  # fmt: skip
         elif warp_idx < self.mma_warp:
             tmem.allocate(self.tmem_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.softmax_role(
-                qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, plan, softmax_scale, pipes, tidx
-            )
+                qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, sMask, plan, softmax_scale, pipes, tidx,
+                cta_rank,
+            )  # fmt: skip
             # every MMA completed before the last epilogue read O; all softmax threads are done
             pipeline.NamedBarrier(self.tmem_free_barrier_id, self.num_softmax_threads).arrive_and_wait()
             tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr, self.tmem_cols)
+            tmem.free(tmem_ptr, self.tmem_cols)  # 2CTA: after the peer is done with its TMEM too
         else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.mma_role(qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes)
+            if cta_rank == 0:
+                self.mma_role(qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes)
+            else:  # the peer's MMA warp issues nothing; it consumes its task records
+                self.skip_tasks(sTask, pipes)
+        if const_expr(pair):  # no CTA leaves while its peer may still signal its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
-    def _make_pipelines(self, storage):
+    def _make_pipelines(self, storage, cta_layout_vmnk):
+        """CTA-local pipelines, and the UMMA-bridging ones over the CTA pair (``cta_layout_vmnk``):
+        with two CTAs their MMA-side barriers are the leader's, so every non-MMA count doubles."""
+        pair_threads = self.num_softmax_threads * self.cta_group_size
+
         def group(threads: int):
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
 
@@ -380,6 +473,7 @@ class Sm100FwdKernel(SoftmaxRole):
                 producer_group=group(1),
                 consumer_group=group(1),
                 tx_count=nbytes,
+                cta_layout_vmnk=cta_layout_vmnk,
                 defer_sync=True,
             )
 
@@ -388,10 +482,24 @@ class Sm100FwdKernel(SoftmaxRole):
                 barrier_storage=mbar.data_ptr(),
                 num_stages=stages,
                 producer_group=group(1),
-                consumer_group=group(self.num_softmax_threads),
+                consumer_group=group(pair_threads),
+                cta_layout_vmnk=cta_layout_vmnk,
                 defer_sync=True,
             )
 
+        mask = None
+        if const_expr(self.mask_stages > 0):
+            # CTA-local: this CTA's load warp -> its 128 softmax threads, each releasing (tidx=0 makes
+            # every thread a signalling one)
+            mask = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_mask.data_ptr(),
+                num_stages=self.mask_stages,
+                producer_group=group(1),
+                consumer_group=group(self.num_softmax_threads),
+                tx_count=self.payload_plane * 4,
+                tidx=Int32(0),
+                defer_sync=True,
+            )
         return Pipes(
             sched=pipeline.PipelineAsync.create(
                 barrier_storage=storage.mbar_sched.data_ptr(),
@@ -407,59 +515,84 @@ class Sm100FwdKernel(SoftmaxRole):
             p=pipeline.PipelineAsyncUmma.create(
                 barrier_storage=storage.mbar_p.data_ptr(),
                 num_stages=1,
-                producer_group=group(self.num_softmax_threads),
+                producer_group=group(pair_threads),
                 consumer_group=group(1),
+                cta_layout_vmnk=cta_layout_vmnk,
                 defer_sync=True,
             ),
             o=umma_async(storage.mbar_o, 1),
+            mask=mask,
         )
 
+    # -- hardware CLC queue -------------------------------------------------------------------------
     @cute.jit
-    def next_task_clc(self, clc_mbar, clc_response, phase: Int32) -> Int32:
-        """Wait for the CLC response of the query issued for this task; the cancelled CTA's task,
-        or -1 when none is left (no query may follow a failed one)."""
-        cute.arch.mbarrier_wait(clc_mbar, phase)
-        cta_x, _, _, valid = cute.arch.clc_response(clc_response)
+    def request_task_clc(self, clc, query: Int32, cta_rank):
+        """Ask the hardware queue for a cluster not yet launched (query number ``query``). Every CTA
+        expects the 16-byte response on its own barrier; with a CTA pair the leader issues one query
+        for the cluster, multicast to both CTAs, once both have read the previous response."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(clc.full, 16)
+        if const_expr(self.cta_group_size == 1):
+            with cute.arch.elect_one():
+                cute.arch.issue_clc_query(clc.full, clc.response, multicast=False)
+        else:
+            if cta_rank == 0:
+                if query > 0:
+                    cute.arch.mbarrier_wait(clc.read, (query - 1) % 2)
+                with cute.arch.elect_one():
+                    cute.arch.issue_clc_query(clc.full, clc.response, multicast=True)
+
+    @cute.jit
+    def next_task_clc(self, clc, query: Int32) -> Int32:
+        """Wait for the response to query ``query``: the task of the cancelled cluster, or -1 when
+        none is left (no query may follow a failed one)."""
+        cute.arch.mbarrier_wait(clc.full, query % 2)
+        cta_x, _, _, valid = cute.arch.clc_response(clc.response)
         # generic reads of the response before the async proxy rewrites it
         cute.arch.fence_proxy("async.shared", space="cta")
-        return cta_x if valid != 0 else Int32(-1)
+        if const_expr(self.cta_group_size > 1):  # tell the leader this CTA has read it
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(clc.read, 0, scope=nvvm.MemScopeKind.CLUSTER)
+        return cta_x // self.cta_group_size if valid != 0 else Int32(-1)
 
     # -- load warp ----------------------------------------------------------------------------------
     @cute.jit
     def load_role(
-        self, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, plan: FwdPlanTensors, pipes,
-        clc_mbar, clc_response,
+        self, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan: FwdPlanTensors,
+        pipes, clc, cta_rank,
     ):  # fmt: skip
         lane = cute.arch.lane_idx()
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-        clc_phase = Int32(0)
-        task = Int32(cute.arch.block_idx()[0])
+        mask_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, max(1, self.mask_stages)
+        )
+        query = Int32(0)
+        task = Int32(cute.arch.block_idx()[0]) // self.cta_group_size
         while task >= 0:
             # ask the hardware queue for the next task now; the answer is read after the loads
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(clc_mbar, 16)
-                cute.arch.issue_clc_query(clc_mbar, clc_response, multicast=False)
+            self.request_task_clc(clc, query, cta_rank)
             t = decode_task(plan, task, qhead_per_kvhead)
             sched_state = publish_task(pipes.sched, sched_state, sTask, t, Int32(1), lane)
             if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
-                q_state, kv_state = self.load_task(
-                    t, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, plan, pipes,
-                    q_state, kv_state,
+                q_state, kv_state, mask_state = self.load_task(
+                    t, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sMask, plan, pipes,
+                    q_state, kv_state, mask_state, cta_rank,
                 )  # fmt: skip
-            task = self.next_task_clc(clc_mbar, clc_response, clc_phase)
-            clc_phase = clc_phase ^ 1
+            task = self.next_task_clc(clc, query)
+            query += 1
         sched_state = publish_task(pipes.sched, sched_state, sTask, None, Int32(0), lane)
 
     @cute.jit
     def load_task(
-        self, t: Task, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, plan: FwdPlanTensors,
-        pipes, q_state, kv_state,
+        self, t: Task, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sMask,
+        plan: FwdPlanTensors, pipes, q_state, kv_state, mask_state, cta_rank,
     ):  # fmt: skip
         no_mcast = cute.make_layout(1)
-        # Q: (tile_m, Dqk) tiles of this sample and head -> (MMA, MMA_M, MMA_K, m_blocks, 1)
+        # Q: (tile_m, Dqk) tiles of this sample and head -> (MMA, MMA_M, MMA_K, m_blocks, 1); the
+        # MMA slice of CTA rank r takes rows 128 r .. 128 r + 127 of each tile
         gQ = cute.flat_divide(
             cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]), (self.tile_m, self.head_dim_qk)
         )
@@ -467,6 +600,7 @@ class Sm100FwdKernel(SoftmaxRole):
             tma_q, 0, no_mcast, cute.group_modes(sQ, 0, 3), cute.group_modes(qk_thr.partition_A(gQ), 0, 3)
         )
         # K: (tile_n, Dqk, n_blocks, 1); V^T: (Dv, tile_n, 1, n_blocks) of this sample and kv head
+        # (2CTA: each CTA's MMA slice is half of K's rows and half of V^T's Dv rows)
         gK = cute.flat_divide(
             cute.domain_offset((t.k_offset, 0), mK[None, None, t.kv_head]), (self.tile_n, self.head_dim_qk)
         )
@@ -485,13 +619,20 @@ class Sm100FwdKernel(SoftmaxRole):
         )
         q_state.advance()
         # partial blocks, then full blocks: the consumers walk the same order
+        bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
         for i in cutlass.range(t.partial_cnt, unroll=1):
-            n_block = plan.mask_block_idx[t.partial_off + i]
+            entry = t.partial_off + i
+            if const_expr(self.mask_stages > 0):  # spec 6.2: this CTA's plane = subtile cta_rank
+                mask_state = load_payload_plane(
+                    pipes.mask, mask_state, bulk_atom, plan.mask_block_masks, sMask,
+                    self.payload_plane_index(entry, cta_rank), self.payload_plane,
+                )  # fmt: skip
+            n_block = plan.mask_block_idx[entry]
             kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
         for i in cutlass.range(t.full_cnt, unroll=1):
             n_block = plan.full_block_idx[t.full_off + i]
             kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
-        return q_state, kv_state
+        return q_state, kv_state, mask_state
 
     @cute.jit
     def load_kv(self, n_block: Int32, pipes, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):
@@ -513,6 +654,14 @@ class Sm100FwdKernel(SoftmaxRole):
         return state
 
     # -- MMA warp -----------------------------------------------------------------------------------
+    @cute.jit
+    def skip_tasks(self, sTask, pipes):
+        """The peer CTA's MMA warp: consume the task records (the sched pipeline counts it)."""
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+        valid, _, sched_state = fetch_task(pipes.sched, sched_state, sTask)
+        while valid != 0:
+            valid, _, sched_state = fetch_task(pipes.sched, sched_state, sTask)
+
     @cute.jit
     def mma_role(self, qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes):
         tSrQ = qk_thr.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, 1) SMEM descriptors
@@ -596,3 +745,14 @@ class Pipes:
     s: object
     p: object
     o: object
+    mask: object  # the payload ring (spec 6.2 SMEM delivery), None with direct delivery
+
+
+@dataclass(frozen=True)
+class ClcBarriers:
+    """SMEM of the CLC queue: ``full`` (the response arrived), ``read`` (2CTA, the leader's: both CTAs
+    read the response, so it may be overwritten) and the 16-byte ``response``."""
+
+    full: cute.Pointer
+    read: cute.Pointer
+    response: cute.Pointer

@@ -1,6 +1,10 @@
 """Host side of the SM100 forward kernel: compile cache and launch from a MaskPlan's forward view.
 
 Compile-verified for sm_100a; NEVER run on SM100 hardware (there is none where it was written).
+The view's variant picks the kernel: ``qstage1-1cta`` (one CTA per 128 x 128 block, direct payload
+loads) or ``qstage1-2cta`` (a CTA pair per 256 x 128 block, tcgen05 cta_group::2, SMEM payload
+ring), both :class:`Sm100FwdKernel` configured by the variant; a view of a variant without a kernel
+(``qstage2-1cta``, ``d256``) is refused with :class:`UnsupportedConfigError` naming it.
 
 ::
 
@@ -10,7 +14,7 @@ Same contract as ``flexattn_sm90.fwd_launch.run_forward``: ``q/k/v`` are THD (``
 fixed BSHD tensor is passed as its ``[B*S, H, D]`` view); ``out`` is ``[total_q, Hq, Dv]`` in q's
 dtype, ``lse`` ``[Hq, total_q]`` fp32 (natural log; -inf and O = 0 on rows with no visible key),
 ``max_logit`` ``[Hq]`` fp32 (or None). The grid is one CTA per task of ``fwd_work_desc``; the
-hardware CLC queue turns the running CTAs into persistent ones, so there is no counter to zero.
+hardware CLC queue turns the running CTAs (clusters) into persistent ones, so there is no counter to zero.
 
 The kernel is launched through :meth:`Sm100FwdKernel.from_pointers` (raw global pointers plus int32
 sizes), so it is compiled once per :func:`kernel_key` against placeholder pointers: no GPU and no
@@ -22,7 +26,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from maskplan_core.errors import ConsumerNotFoundError
+from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
 from maskplan_kernels._cute_args import torch_stream
@@ -55,7 +59,8 @@ def kernel_key(config: Sm100FwdConfig, *, with_max_logit: bool) -> tuple:
 
 
 def supports(config: Sm100FwdConfig) -> bool:
-    """Whether a kernel for ``config`` exists (compiles; none has run on hardware)."""
+    """Whether a kernel for ``config`` (its variant, head dims, PackGQA) exists (compiles; none has
+    run on hardware)."""
     return (
         config.variant.name in IMPLEMENTED_VARIANTS
         and not config.pack_gqa
@@ -97,16 +102,24 @@ def compile_uncached(config: Sm100FwdConfig, *, with_max_logit: bool = False, ex
 
 
 # -- launch ---------------------------------------------------------------------------------------
-@cached_per_view
-def _prepared_config(view: PlanView) -> Sm100FwdConfig:
-    config = config_for_view(view)
+def require_kernel(config: Sm100FwdConfig) -> Sm100FwdConfig:
+    """``config`` if a forward kernel implements it, else :class:`UnsupportedConfigError` naming the
+    variant and what exists."""
     if not supports(config):
-        raise ConsumerNotFoundError(
-            f"flexattn-sm100 has no forward kernel for the plan's variant {config.variant.name!r} "
-            f"(head dims ({config.head_dim_qk}, {config.head_dim_v})); implemented: "
-            f"{', '.join(IMPLEMENTED_VARIANTS)} with Dv <= 128"
+        v = config.variant
+        raise UnsupportedConfigError(
+            f"the plan's SM100 forward variant {v.name!r} (tile {v.tile_m}x{v.tile_n}, q_stage={v.q_stage}, "
+            f"cta_group_size={v.cta_group_size}, head dims ({config.head_dim_qk}, {config.head_dim_v}), "
+            f"pack_gqa={config.pack_gqa}) has no kernel; implemented: "
+            f"{', '.join(repr(n) for n in IMPLEMENTED_VARIANTS)} with Dv <= 128 (a multiple of 32), no "
+            "PackGQA; rebuild the plan for one of them (heuristics.select_fwd_config(variant=...))"
         )
     return config
+
+
+@cached_per_view
+def _prepared_config(view: PlanView) -> Sm100FwdConfig:
+    return require_kernel(config_for_view(view))
 
 
 def run_forward(
@@ -144,6 +157,7 @@ __all__ = [
     "config_for_view",
     "kernel_key",
     "placeholder_arguments",
+    "require_kernel",
     "run_forward",
     "supports",
 ]

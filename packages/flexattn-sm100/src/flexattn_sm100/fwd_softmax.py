@@ -2,11 +2,14 @@
 epilogue. A mixin of :class:`flexattn_sm100.fwd_kernel.Sm100FwdKernel` (it reads the kernel's static
 config from ``self``). Never run on SM100 hardware.
 
-Thread ``t`` (0..127) owns score row ``t`` of the 128-row Q tile: ``tcgen05.ld 32x32b`` puts
-column ``e`` of S in its register ``e`` (:func:`fwd_helpers.score_tmem_load`, the fragment
-:mod:`flexattn_sm100.payload_layout` describes), so the row max and row sum are plain per-thread
-scalars and the packed predicate is the thread's own ``words_per_group`` payload words. Per block::
+Thread ``t`` (0..127) of CTA rank ``r`` (0 without a CTA pair) owns score row ``128 r + t`` of the
+plan block: ``tcgen05.ld 32x32b`` of the CTA's own TMEM puts column ``e`` of S in its register ``e``
+(:func:`fwd_helpers.score_tmem_load`, the fragment :mod:`flexattn_sm100.payload_layout` describes),
+so the row max and row sum are plain per-thread scalars and the packed predicate is the thread's
+own ``words_per_group`` words of payload group ``t`` of subtile ``r``: loaded from GMEM directly
+(1CTA) or from the CTA's SMEM payload ring (2CTA, spec 6.2). Per block::
 
+    [partial] payload words -> registers (ring: wait stage, copy, fence.proxy.async, release)
     wait S[j] ; tcgen05.ld S -> 128 fp32 registers ; release S[j] (the MMA may compute S[j + 2])
     [partial] register e = -inf unless bit e % 32 of word e // 32            (spec 5.1)
     m' = max(m, rowmax) ; P = 2^(S * scale_log2 - m' * scale_log2) ; l = l * 2^((m - m') * scale_log2) + sum P
@@ -32,6 +35,7 @@ from maskplan_kernels.consumer_softmax import LN_2, LOG2_E
 from .fwd_helpers import (
     O_CHUNK,
     load_words,
+    read_staged_words,
     row_chunk_copies,
     score_tmem_load,
     shift_columns,
@@ -68,17 +72,18 @@ class SoftmaxRole:
     def softmax_fragments(self, qk_thr, pv_thr, tmem_ptr, tidx) -> SoftmaxFragments:
         # S stage 0: ((128, tile_n), 1, 1) fp32 in TMEM, and the (m, n) coordinates of its elements
         tStS = tmem_acc(qk_thr, (self.tile_m, self.tile_n), tmem_ptr + self.tmem_s_offset)
+        # (m, n) of the plan block for this CTA's slice (2CTA: rows 128 r + [0, 128))
         tScS = qk_thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         s_load, tLtS, tLcS = score_tmem_load(tStS, tScS, tidx)
         rS = cute.make_rmem_tensor(tLcS.shape, Float32)
-        # P: tile_n 16-bit values per row = tile_n / 2 fp32 columns
+        # P: tile_n 16-bit values per row = tile_n / 2 fp32 columns of the CTA's 128 lanes
         p_cols = self.tile_n * self.dtype.width // 32
         tStP = cute.make_tensor(
             tmem_ptr + self.tmem_p_offset,
-            cute.composition(tStS.layout, cute.make_layout((self.tile_m, p_cols))),
+            cute.composition(tStS.layout, cute.make_layout((self.cta_tile_m, p_cols))),
         )
         tScP = cute.make_tensor(
-            tScS.iterator, cute.composition(tScS.layout, cute.make_layout((self.tile_m, p_cols)))
+            tScS.iterator, cute.composition(tScS.layout, cute.make_layout((self.cta_tile_m, p_cols)))
         )
         p_store = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(32)), Float32), tStP
@@ -92,7 +97,7 @@ class SoftmaxRole:
         o_load, o_store, tLtO, tStO = row_chunk_copies(tOtO, tidx, O_CHUNK)
         cO = pv_thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
         cO_chunk = cute.make_tensor(
-            cO.iterator, cute.composition(cO.layout, cute.make_layout((self.tile_m, O_CHUNK)))
+            cO.iterator, cute.composition(cO.layout, cute.make_layout((self.cta_tile_m, O_CHUNK)))
         )
         tLcO = o_load.get_slice(tidx).partition_D(cO_chunk)
         return SoftmaxFragments(
@@ -102,8 +107,8 @@ class SoftmaxRole:
 
     @cute.jit
     def softmax_role(
-        self, qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, plan, softmax_scale: Float32, pipes,
-        tidx: Int32,
+        self, qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, sMask, plan, softmax_scale: Float32,
+        pipes, tidx: Int32, cta_rank,
     ):  # fmt: skip
         scale_log2 = softmax_scale * Float32(LOG2_E)
         frags = self.softmax_fragments(qk_thr, pv_thr, tmem_ptr, tidx)
@@ -112,18 +117,22 @@ class SoftmaxRole:
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s_stages)
         p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        mask_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, max(1, self.mask_stages)
+        )
 
         valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
         while valid != 0:
             m = -Float32.inf
             l_sum = Float32(0.0)
             for i in cutlass.range(t.partial_cnt, unroll=1):
-                # spec 6.2 direct delivery: this thread's words of payload group tidx, subtile 0
-                load_words(
-                    plan.mask_block_masks,
-                    ((t.partial_off + i) * self.payload_groups + tidx) * self.payload_words,
-                    words,
-                )
+                # this thread's words of payload group tidx, subtile cta_rank (spec 6.2)
+                if const_expr(self.mask_stages > 0):
+                    mask_state = read_staged_words(pipes.mask, mask_state, sMask, tidx, words)
+                else:
+                    plane = self.payload_plane_index(t.partial_off + i, cta_rank)
+                    offset = plane * self.payload_plane + tidx * self.payload_words
+                    load_words(plan.mask_block_masks, offset, words)
                 s_state, p_state, m, l_sum = self.softmax_block(
                     frags, pipes, s_state, p_state, m, l_sum, scale_log2, i > 0, words
                 )
@@ -132,8 +141,9 @@ class SoftmaxRole:
                     frags, pipes, s_state, p_state, m, l_sum, scale_log2, t.partial_cnt + i > 0, None
                 )
             o_state = self.epilogue(
-                frags, pipes, o_state, t, m, l_sum, scale_log2, softmax_scale, mO, mLSE, mMaxLogit, tidx
-            )
+                frags, pipes, o_state, t, m, l_sum, scale_log2, softmax_scale, mO, mLSE, mMaxLogit,
+                cta_rank * self.cta_tile_m + tidx,
+            )  # fmt: skip
             valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
@@ -180,12 +190,11 @@ class SoftmaxRole:
     @cute.jit
     def epilogue(
         self, frags: SoftmaxFragments, pipes, o_state, t, m: Float32, l_sum: Float32, scale_log2: Float32,
-        softmax_scale: Float32, mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, tidx: Int32,
+        softmax_scale: Float32, mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, row_in_tile: Int32,
     ):  # fmt: skip
-        """Store this thread's O row (input dtype) and LSE when the row is < q_valid, and fold its
-        scaled row max into ``mMaxLogit[head]`` (one atomic per warp). Every row of the tile takes
-        part in the TMEM reads (warp-collective); only valid rows write."""
-        row_in_tile = tidx
+        """Store this thread's O row ``row_in_tile`` of the plan block (input dtype) and LSE when the
+        row is < q_valid, and fold its scaled row max into ``mMaxLogit[head]`` (one atomic per warp).
+        Every row of the tile takes part in the TMEM reads (warp-collective); only valid rows write."""
         store = row_in_tile < t.q_valid
         q_row = t.q_offset + t.m_block * self.tile_m + row_in_tile
         num_heads = mO.shape[1]

@@ -4,10 +4,11 @@ Status: compile-verified only, and only in part; never run on SM100 hardware.
 ``tests/test_sm100_cute_crosscheck.py`` checks the forward QK ownership (1CTA M128, and 2CTA M256
 per CTA rank) against CuTe DSL's ``tcgen05.make_tmem_copy(Ld32x32bOp)`` partition at compile time
 (``CUTE_DSL_ARCH=sm_100a``);
-``tests/test_fwd_layout_agreement.py`` checks that the qstage1 + 1CTA forward kernel's own softmax
-fragment tests, in every thread and register, the bit this layout assigns (the only SM100 kernel so
-far; compiled for sm_100a, never run). The backward's two-warpgroup column split below is a design
-choice the future kernel's TMEM copy must follow; nothing has checked it yet.
+``tests/test_fwd_layout_agreement.py`` checks that the qstage1 + 1CTA and qstage1 + 2CTA forward
+kernels' own softmax fragments test, in every CTA rank, thread and register, the bit this layout
+assigns, and read the words of the CTA's own plane (compiled for sm_100a, never run). The
+backward's two-warpgroup column split below is a design choice the future kernel's TMEM copy must
+follow; nothing has checked it yet.
 
 The score accumulator lives in tensor memory (TMEM): accumulator row ``r`` of a 128-row MMA tile is
 TMEM lane ``r``, column ``c`` is TMEM column ``c``. With the 32x32b load shape each thread of a warp
