@@ -30,17 +30,17 @@ The host side (input checks, per-view plan tensors, workspace and the three laun
 :mod:`maskplan_kernels.consumer_launch`, shared with the SM90 backward.
 """
 
-import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float16
 
-from maskplan_core.errors import (
-    UnsupportedConfigError,
-)
+from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
-from maskplan_kernels import compile_cache
-from maskplan_kernels.consumer_bwd_preprocess import BwdPreprocess
-from maskplan_kernels.consumer_launch import backward_io, bwd_placeholders, cached_per_view, launch_backward
+from maskplan_kernels.consumer_launch import (
+    BackwardCompiler,
+    backward_io,
+    cached_per_view,
+    kernel_dims,
+    launch_backward,
+)
 
 from . import view_config
 from .bwd_kernel import HEAD_DIMS, IMPLEMENTED_VARIANTS, Sm100BwdKernel
@@ -73,63 +73,22 @@ def config_for_view(view: PlanView) -> Sm100BwdConfig:
     return config
 
 
-def kernel_keys(config: Sm100BwdConfig, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
-    """Compile keys of the three kernels. GQA ratio, varlen-ness and all sizes are runtime values."""
-    dims = (("head_dim_qk", config.head_dim_qk), ("head_dim_v", config.head_dim_v), ("dtype", config.dtype))
-    return {
-        "pre": ("bwd-pre", dims, config.tile_m, ("dlse", with_dlse)),
-        "main": ("sm100-bwd", config.variant.name, dims, ("deterministic", deterministic)),
-        "post": ("sm100-bwd-post", dims, config.tile_m),
-    }
-
-
 # -- compile --------------------------------------------------------------------------------------
-def _build(kind: str, config: Sm100BwdConfig, *, deterministic: bool, with_dlse: bool):
-    if kind == "pre":
-        return BwdPreprocess(
-            config.head_dim_qk, config.head_dim_v, config.dtype, tile_m=config.tile_m, with_dlse=with_dlse
-        )
-    if kind == "main":
-        return Sm100BwdKernel(config, deterministic=deterministic)
-    return Sm100BwdPostprocess(config.head_dim_qk, config.dtype, tile_m=config.tile_m)
-
-
-def _jit_and_placeholders(
-    kind: str, config: Sm100BwdConfig, *, deterministic: bool, with_dlse: bool
-) -> tuple:
-    kernel = _build(kind, config, deterministic=deterministic, with_dlse=with_dlse)
-    dtype = {"bfloat16": BFloat16, "float16": Float16}[config.dtype]
-    return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
-
-
-def compile_uncached(
-    kind: str,
-    config: Sm100BwdConfig,
-    *,
-    deterministic: bool = False,
-    with_dlse: bool = False,
-    extra_options: str = "",
-):
-    """Trace and compile kernel ``kind`` ("pre", "main", "post") for sm_100a (no GPU needed)."""
-    options = f"--gpu-arch {GPU_ARCH} {extra_options}".strip()
-    return cute.compile(
-        *_jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse),
-        options=options,
-    )
-
-
-def compile_backward(config: Sm100BwdConfig, *, deterministic: bool, with_dlse: bool) -> dict[str, object]:
-    """The three compiled kernels for ``config``, through the project's compile cache."""
-    compiled = {}
-    for kind, key in kernel_keys(config, deterministic=deterministic, with_dlse=with_dlse).items():
-
-        def build(kind=kind):
-            return _jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse)
-
-        compiled[kind] = compile_cache.compile_cached(
-            key, build, options=f"--gpu-arch {GPU_ARCH}", packages=SOURCE_PACKAGES
-        )
-    return compiled
+#: the three kernels' compile keys and compiles (maskplan_kernels.consumer_launch.BackwardCompiler)
+COMPILER = BackwardCompiler(
+    gpu_arch=GPU_ARCH,
+    source_packages=SOURCE_PACKAGES,
+    key_prefixes=("bwd-pre", "sm100-bwd", "sm100-bwd-post"),
+    main_kernel=Sm100BwdKernel,
+    postprocess=lambda config: Sm100BwdPostprocess(config.head_dim_qk, config.dtype, tile_m=config.tile_m),
+    main_key=lambda config: (config.variant.name, kernel_dims(config)),
+)
+#: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
+kernel_keys = COMPILER.kernel_keys
+#: compile_uncached(kind, config, *, deterministic=False, with_dlse=False, extra_options="")
+compile_uncached = COMPILER.compile_uncached
+#: compile_backward(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": compiled}
+compile_backward = COMPILER.compile_backward
 
 
 # -- launch ---------------------------------------------------------------------------------------
@@ -171,6 +130,7 @@ def run_backward(
 
 
 __all__ = [
+    "COMPILER",
     "GPU_ARCH",
     "compile_backward",
     "compile_uncached",

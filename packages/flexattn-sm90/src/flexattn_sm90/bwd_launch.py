@@ -26,15 +26,17 @@ device, the sample of each K row, the first padded Q block of each sample) are b
 by :mod:`maskplan_kernels.consumer_launch` (shared with the SM100 backward).
 """
 
-import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float16
 
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
-from maskplan_kernels import compile_cache
-from maskplan_kernels.consumer_bwd_preprocess import BwdPreprocess
-from maskplan_kernels.consumer_launch import backward_io, bwd_placeholders, cached_per_view, launch_backward
+from maskplan_kernels.consumer_launch import (
+    BackwardCompiler,
+    backward_io,
+    cached_per_view,
+    kernel_dims,
+    launch_backward,
+)
 
 from . import view_config
 from .bwd_kernel import Sm90BwdKernel
@@ -61,71 +63,40 @@ def config_for_view(view: PlanView) -> Sm90BwdConfig:
         )
     return view_config.config_for_view(view, "backward")
 
-def kernel_keys(config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
-    """Compile keys of the three kernels. GQA ratio, varlen-ness and all sizes are runtime values."""
-    dims = (("head_dim_qk", config.head_dim_qk), ("head_dim_v", config.head_dim_v), ("dtype", config.dtype))
+
+# -- compile --------------------------------------------------------------------------------------
+def _main_key(config: Sm90BwdConfig) -> tuple:
     tile = (
         ("tile_m", config.tile_m),
         ("tile_n", config.tile_n),
         ("warpgroups", config.num_consumer_warpgroups),
     )
     stages = (("q_stages", config.q_stages), ("mask_pipeline_stages", config.mask_pipeline_stages))
-    return {
-        "pre": ("sm90-bwd-pre", dims, config.tile_m, ("dlse", with_dlse)),
-        "main": ("sm90-bwd", dims, tile, stages, ("deterministic", deterministic)),
-        "post": ("sm90-bwd-post", dims, config.tile_m, config.num_consumer_warpgroups),
-    }
+    return (kernel_dims(config), tile, stages)
 
 
-# -- compile --------------------------------------------------------------------------------------
-def _build(kind: str, config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool):
-    if kind == "pre":
-        return BwdPreprocess(
-            config.head_dim_qk, config.head_dim_v, config.dtype, tile_m=config.tile_m, with_dlse=with_dlse
-        )
-    if kind == "main":
-        return Sm90BwdKernel(config, deterministic=deterministic)
+def _postprocess(config: Sm90BwdConfig) -> Sm90BwdPostprocess:
     return Sm90BwdPostprocess(
         config.head_dim_qk, config.dtype, tile_m=config.tile_m, num_warpgroups=config.num_consumer_warpgroups
     )
 
 
-def _jit_and_placeholders(kind: str, config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool) -> tuple:
-    kernel = _build(kind, config, deterministic=deterministic, with_dlse=with_dlse)
-    dtype = {"bfloat16": BFloat16, "float16": Float16}[config.dtype]
-    return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
-
-
-def compile_uncached(
-    kind: str,
-    config: Sm90BwdConfig,
-    *,
-    deterministic: bool = False,
-    with_dlse: bool = False,
-    extra_options: str = "",
-):
-    """Trace and compile kernel ``kind`` ("pre", "main", "post") for sm_90a (no GPU needed)."""
-    options = f"--gpu-arch {GPU_ARCH} {extra_options}".strip()
-    return cute.compile(
-        *_jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse),
-        options=options,
-    )
-
-
-def compile_backward(config: Sm90BwdConfig, *, deterministic: bool, with_dlse: bool) -> dict[str, object]:
-    """The three compiled kernels for ``config``: compiled on first use, then served by the
-    project's compile cache (:mod:`maskplan_kernels.compile_cache`, in process and on disk).
-    Thread-safe, one compile per key."""
-    compiled = {}
-    for kind, key in kernel_keys(config, deterministic=deterministic, with_dlse=with_dlse).items():
-
-        def build(kind=kind):
-            return _jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse)
-
-        compiled[kind] = compile_cache.compile_cached(
-            key, build, options=f"--gpu-arch {GPU_ARCH}", packages=SOURCE_PACKAGES
-        )
-    return compiled
+#: the three kernels' compile keys and compiles (maskplan_kernels.consumer_launch.BackwardCompiler)
+COMPILER = BackwardCompiler(
+    gpu_arch=GPU_ARCH,
+    source_packages=SOURCE_PACKAGES,
+    key_prefixes=("sm90-bwd-pre", "sm90-bwd", "sm90-bwd-post"),
+    main_kernel=Sm90BwdKernel,
+    postprocess=_postprocess,
+    main_key=_main_key,
+    post_key=lambda config: (config.num_consumer_warpgroups,),
+)
+#: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
+kernel_keys = COMPILER.kernel_keys
+#: compile_uncached(kind, config, *, deterministic=False, with_dlse=False, extra_options="")
+compile_uncached = COMPILER.compile_uncached
+#: compile_backward(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": compiled}
+compile_backward = COMPILER.compile_backward
 
 
 # -- plan-derived tensors -------------------------------------------------------------------------
@@ -168,6 +139,7 @@ def run_backward(
 
 __all__ = [
     "BWD_HEAD_DIMS",
+    "COMPILER",
     "compile_backward",
     "compile_uncached",
     "config_for_view",

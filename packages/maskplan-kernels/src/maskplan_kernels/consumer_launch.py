@@ -16,15 +16,19 @@ alignment as the real one (it is part of the compiled signature). Here:
   :func:`cached_per_view` (a plan is immutable; entries die with the view);
   :func:`fwd_placeholders` / :func:`bwd_placeholders` stand in for the pointers at compile time;
 * a backward call at once: :func:`backward_io`, then its three launches (preprocess, main,
-  postprocess) on one workspace: :func:`launch_backward`.
+  postprocess) on one workspace: :func:`launch_backward`;
+* the three backward kernels' compile keys and compiles (uncached, or through
+  :mod:`maskplan_kernels.compile_cache`): :class:`BackwardCompiler`, given the consumer's GPU arch,
+  kernel classes and key prefixes.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import cutlass.cute as cute
 import torch
@@ -33,7 +37,9 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 
+from . import compile_cache
 from ._cute_args import torch_stream
+from .consumer_bwd_preprocess import BwdPreprocess
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
 ALIGN = 16
@@ -413,11 +419,97 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
         ptr(dq_accum, Float32), ptr(io.dq), seq_ptr, qbb_ptr, *sizes, Float32(softmax_scale), stream
     )
 
+
+# -- backward compile -----------------------------------------------------------------------------
+def kernel_dims(config) -> tuple:
+    """The head dims and dtype of a consumer config, as compile-key fields."""
+    return (("head_dim_qk", config.head_dim_qk), ("head_dim_v", config.head_dim_v), ("dtype", config.dtype))
+
+
+@dataclass(frozen=True)
+class BackwardCompiler:
+    """One consumer's three backward kernels (``"pre"``, ``"main"``, ``"post"``): their compile keys,
+    the kernels traced against :func:`bwd_placeholders`, and their compile, uncached or through the
+    project's compile cache (:mod:`maskplan_kernels.compile_cache`). The preprocess is the shared
+    :class:`maskplan_kernels.consumer_bwd_preprocess.BwdPreprocess`; the consumer gives the rest.
+
+    ``config`` is the consumer's backward config (``head_dim_qk``, ``head_dim_v``, ``dtype``,
+    ``tile_m`` and whatever its kernels read). GQA ratio, varlen-ness and all sizes are runtime
+    values: no key holds them.
+    """
+
+    gpu_arch: str  # e.g. "sm_90a", passed as --gpu-arch
+    source_packages: tuple[str, ...]  # packages the kernels are built from (on-disk cache key)
+    key_prefixes: tuple[str, str, str]  # first field of the "pre", "main" and "post" keys
+    main_kernel: Callable[..., Any]  # main_kernel(config, deterministic=...) -> kernel with from_pointers
+    postprocess: Callable[[Any], Any]  # postprocess(config) -> kernel with from_pointers
+    main_key: Callable[[Any], tuple]  # static fields of the main kernel's key (before deterministic)
+    post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
+
+    def kernel_keys(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
+        """Compile keys of the three kernels."""
+        dims, (pre, main, post) = kernel_dims(config), self.key_prefixes
+        return {
+            "pre": (pre, dims, config.tile_m, ("dlse", with_dlse)),
+            "main": (main, *self.main_key(config), ("deterministic", deterministic)),
+            "post": (post, dims, config.tile_m, *self.post_key(config)),
+        }
+
+    def build(self, kind: str, config, *, deterministic: bool, with_dlse: bool):
+        """The kernel object of ``kind``."""
+        if kind == "pre":
+            return BwdPreprocess(
+                config.head_dim_qk, config.head_dim_v, config.dtype, tile_m=config.tile_m, with_dlse=with_dlse
+            )
+        if kind == "main":
+            return self.main_kernel(config, deterministic=deterministic)
+        return self.postprocess(config)
+
+    def jit_and_placeholders(self, kind: str, config, *, deterministic: bool, with_dlse: bool) -> tuple:
+        """``(kernel.from_pointers, *placeholder arguments)``: what ``cute.compile`` takes."""
+        kernel = self.build(kind, config, deterministic=deterministic, with_dlse=with_dlse)
+        dtype = cute_dtype(getattr(torch, config.dtype))
+        return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
+
+    def compile_uncached(
+        self,
+        kind: str,
+        config,
+        *,
+        deterministic: bool = False,
+        with_dlse: bool = False,
+        extra_options: str = "",
+    ):
+        """Trace and compile kernel ``kind`` for :attr:`gpu_arch` (no GPU needed)."""
+        options = f"--gpu-arch {self.gpu_arch} {extra_options}".strip()
+        return cute.compile(
+            *self.jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse),
+            options=options,
+        )
+
+    def compile_backward(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, object]:
+        """The three compiled kernels for ``config``: compiled on first use, then served by the
+        project's compile cache (in process and on disk). Thread-safe, one compile per key."""
+        compiled = {}
+        for kind, key in self.kernel_keys(config, deterministic=deterministic, with_dlse=with_dlse).items():
+
+            def build(kind=kind):
+                return self.jit_and_placeholders(
+                    kind, config, deterministic=deterministic, with_dlse=with_dlse
+                )
+
+            compiled[kind] = compile_cache.compile_cached(
+                key, build, options=f"--gpu-arch {self.gpu_arch}", packages=self.source_packages
+            )
+        return compiled
+
+
 __all__ = [
     "ALIGN",
     "FWD_PLAN_TENSORS",
     "MAX_GRID_Y",
     "TINY_SCALE",
+    "BackwardCompiler",
     "BackwardIO",
     "BwdViewArgs",
     "ForwardIO",
@@ -434,6 +526,7 @@ __all__ = [
     "fwd_view_args",
     "gmem_ptr",
     "int32_tensor",
+    "kernel_dims",
     "launch_backward",
     "output",
     "plan_pointers",
