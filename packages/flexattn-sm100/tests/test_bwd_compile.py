@@ -13,8 +13,6 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # the launcher also passes --gpu-arch sm_100a
 
 import re  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -30,6 +28,7 @@ from flexattn_sm100.bwd_kernel import (  # noqa: E402
 from flexattn_sm100.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
 from flexattn_sm100.heuristics import select_bwd_config  # noqa: E402
+from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
@@ -45,27 +44,13 @@ def config(d: int, dtype: str = "bfloat16") -> Sm100BwdConfig:
     return Sm100BwdConfig(head_dim_qk=d, head_dim_v=d, dtype=dtype, variant=BWD_VARIANTS["k2q-1cta"])
 
 
-def _ptxas_report(ptx: str, tmp_path) -> str | None:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return None
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    run = subprocess.run(
-        [ptxas, "-arch=sm_100a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
-    )
-    return run.stderr + run.stdout
-
-
 def _ptx(kind, d, dtype, tmp_path, **kw) -> str:
     compiled = compile_uncached(
         kind, config(d, dtype), extra_options=f"--keep-ptx --dump-dir {tmp_path}", **kw
     )
     ptx = compiled.__ptx__
     assert ".target sm_100a" in ptx
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_100a", tmp_path)
     return ptx
 
 

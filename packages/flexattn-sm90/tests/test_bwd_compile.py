@@ -8,8 +8,6 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # the launcher also passes --gpu-arch sm_90a
 
 import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -17,6 +15,7 @@ pytest.importorskip("cutlass.cute")
 
 from flexattn_sm90.bwd_launch import BWD_HEAD_DIMS, compile_uncached, kernel_keys  # noqa: E402
 from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
+from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 
 def _ptx(kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=False, with_dlse=False) -> str:
@@ -30,22 +29,8 @@ def _ptx(kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=Fals
     return ptx
 
 
-def _ptxas_report(ptx: str, tmp_path) -> str | None:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return None
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    run = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
-    )
-    return run.stderr + run.stdout
-
-
 def _assert_no_spills(ptx: str, tmp_path) -> None:
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_90a", tmp_path)
 
 
 def _wgmma_shapes(ptx: str) -> dict[str, int]:

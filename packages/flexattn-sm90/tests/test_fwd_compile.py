@@ -7,8 +7,6 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # the launcher also passes --gpu-arch sm_90a
 
 import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -16,6 +14,7 @@ pytest.importorskip("cutlass.cute")
 
 from flexattn_sm90.fwd_launch import compile_uncached, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
+from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 
 def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tmp_path=None):
@@ -23,18 +22,6 @@ def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tm
     extra = f"--keep-ptx --dump-dir {tmp_path}" if tmp_path is not None else ""
     compiled = compile_uncached(config, mask_via_smem=smem, with_max_logit=max_logit, extra_options=extra)
     return config, compiled
-
-
-def _ptxas_report(ptx: str, tmp_path) -> str | None:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return None
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    run = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
-    )
-    return run.stderr + run.stdout
 
 
 def _wgmma_shapes(ptx: str) -> dict[str, int]:
@@ -56,9 +43,7 @@ def test_compiles_every_head_dim(dq, dv, tmp_path):
     expect = {qk: 2 * dq // 16}
     expect[pv] = expect.get(pv, 0) + 2 * config.tile_n // 16
     assert shapes == expect
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_90a", tmp_path)
 
 
 @pytest.mark.parametrize("smem", [True, False], ids=["smem-pipeline", "direct-payload"])
@@ -74,9 +59,7 @@ def test_d128_instructions(smem, tmp_path):
     has_bulk = re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx) is not None
     assert has_bulk == smem
     assert ("ld.global.v2.b32" in ptx) == (not smem)
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_90a", tmp_path)
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "pingpong"])
@@ -90,9 +73,7 @@ def test_schedules_compile(schedule, tmp_path):
     # the prologue S_0 plus [O += PV, S_next] in the partial and the full loop: 8 + 2 * (8 + 8)
     assert _wgmma_shapes(ptx) == {"m64n128k16": 40}
     assert ("bar.arrive" in ptx) == (schedule == "pingpong")  # the warpgroups' turns
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_90a", tmp_path)
 
 
 def test_fp16_and_max_logit_compile(tmp_path):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import time
 
 import pytest
@@ -28,6 +27,7 @@ from maskplan_kernels.materialize_q2k import compile_q2k_materialize  # noqa: E4
 from maskplan_kernels.scan_header import ScanConfig, compile_scan_header  # noqa: E402
 from maskplan_kernels.schedule_scatter import ScheduleScatterConfig, compile_schedule_scatter  # noqa: E402
 from maskplan_kernels.schedule_stats import ScheduleStatsConfig, compile_schedule_stats  # noqa: E402
+from maskplan_kernels.testing import ptxas_report  # noqa: E402
 
 MATERIALIZE = [
     MaterializeConfig(tile_m=128, tile_n=128, nfunc=1, words_per_tile=512),  # SM90 fwd / row-major 128x128
@@ -93,15 +93,7 @@ def test_scatter_bins_cover_every_cost():
 def test_stage_ptx_assembles_for_sm90a(name, compile_fn, config, tmp_path):
     """ptxas accepts the PTX, and the launch fits one SM (registers x threads <= 64K, little spilling)."""
     compiled = compile_fn(config, options=f"--keep-ptx --dump-dir {tmp_path}")
-    src = tmp_path / "kernel.ptx"
-    src.write_text(compiled.__ptx__)
-    run = subprocess.run(
-        [shutil.which("ptxas"), "-arch=sm_90a", "-v", str(src), "-o", os.devnull],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = run.stderr + run.stdout
+    report = ptxas_report(compiled.__ptx__, "sm_90a", tmp_path)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report))
     threads = int(re.search(r"\.reqntid (\d+)", compiled.__ptx__).group(1))

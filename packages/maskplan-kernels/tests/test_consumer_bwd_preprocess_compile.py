@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -22,6 +20,7 @@ from cutlass import BFloat16  # noqa: E402
 
 from maskplan_kernels.consumer_bwd_preprocess import BwdPreprocess  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_placeholders  # noqa: E402
+from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 ARCH = os.environ["CUTE_DSL_ARCH"]
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128)]
@@ -38,18 +37,6 @@ def _ptx(dq, dv, tile_m, with_dlse, tmp_path) -> str:
     return ptx
 
 
-def _assert_no_spills(ptx: str, tmp_path) -> None:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    run = subprocess.run(
-        [ptxas, f"-arch={ARCH}", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
-    )
-    assert "0 bytes spill stores, 0 bytes spill loads" in run.stderr + run.stdout
-
-
 @pytest.mark.parametrize("dq,dv", HEAD_DIMS, ids=[f"{a}x{b}" for a, b in HEAD_DIMS])
 @pytest.mark.parametrize("tile_m", [64, 128])
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
@@ -57,7 +44,7 @@ def test_preprocess_compiles(dq, dv, tile_m, with_dlse, tmp_path):
     ptx = _ptx(dq, dv, tile_m, with_dlse, tmp_path)
     # the dQ accumulator is zeroed with 16-byte stores (sm_100a writes them as v2.b64)
     assert re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)
-    _assert_no_spills(ptx, tmp_path)
+    assert_no_spills(ptx, ARCH, tmp_path)
 
 
 def test_head_dims_must_split_into_vectors():
