@@ -76,6 +76,8 @@ from maskplan_kernels.consumer_plan import (
     Task,
     decode_task,
     fetch_task,
+    fwd_io_tensors,
+    fwd_plan_tensors,
     load_payload_plane,
     publish_task,
     select_modes,
@@ -204,39 +206,35 @@ class Sm100FwdKernel(SoftmaxRole):
         """The launch convention of the project's kernels: raw global pointers plus int32 sizes, so
         no plan size, sequence length or head count triggers a recompile; builds row-major
         tensors and calls :meth:`__call__`."""
-        dqk, dv = self.head_dim_qk, self.head_dim_v
-
-        def thd(ptr, total, heads, d):
-            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
-
-        def mat(ptr, rows, cols):
-            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-
-        def vec(ptr, n):
-            return cute.make_tensor(ptr, cute.make_layout(n))
-
+        plan = fwd_plan_tensors(
+            mask_block_cnt,
+            mask_block_offset,
+            mask_block_idx,
+            mask_block_masks,
+            full_block_cnt,
+            full_block_offset,
+            full_block_idx,
+            sequence_desc,
+            fwd_work_desc,
+            mask_heads=mask_heads,
+            q_rows=q_rows,
+            partial_nnz=partial_nnz,
+            full_nnz=full_nnz,
+            batch=batch,
+            num_tasks=num_tasks,
+            plane=self.payload_entry,
+        )
         self.__call__(
-            thd(q, total_q, num_heads_q, dqk),
-            thd(k, total_k, num_heads_kv, dqk),
-            thd(v, total_k, num_heads_kv, dv),
-            thd(o, total_q, num_heads_q, dv),
-            mat(lse, num_heads_q, total_q),
-            vec(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
-            FwdPlanTensors(
-                mat(mask_block_cnt, mask_heads, q_rows),
-                mat(mask_block_offset, mask_heads, q_rows),
-                vec(mask_block_idx, partial_nnz),
-                vec(mask_block_masks, partial_nnz * self.payload_entry),
-                mat(full_block_cnt, mask_heads, q_rows),
-                mat(full_block_offset, mask_heads, q_rows),
-                vec(full_block_idx, full_nnz),
-                mat(sequence_desc, batch, 8),
-                mat(fwd_work_desc, num_tasks, 4),
+            *fwd_io_tensors(
+                q, k, v, o, lse, max_logit,
+                total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
+                head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v,
             ),
+            plan,
             softmax_scale,
             num_tasks,
             stream,
-        )
+        )  # fmt: skip
 
     @cute.jit
     def __call__(

@@ -45,9 +45,12 @@ from maskplan_kernels.consumer_plan import (
     TASK_WORDS,
     FwdPlanTensors,
     decode_task,
+    fwd_io_tensors,
+    fwd_plan_tensors,
     load_payload_plane,
     publish_task,
     select_modes,
+    vector,
 )
 
 from .config import Sm90FwdConfig
@@ -128,38 +131,36 @@ class Sm90FwdKernel(ConsumerMainloop):
         """The launch convention of the project's kernels: raw global pointers plus int32 sizes
         (no tensor descriptor whose compile-time type could drift from the caller's, ~2 us per
         argument); builds row-major tensors and calls :meth:`__call__`."""
-        dqk, dv = self.head_dim_qk, self.head_dim_v
-
-        def thd(ptr, total, heads, d):
-            return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
-
-        def mat(ptr, rows, cols):
-            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-
-        def vec(ptr, n):
-            return cute.make_tensor(ptr, cute.make_layout(n))
-
+        plan = fwd_plan_tensors(
+            mask_block_cnt,
+            mask_block_offset,
+            mask_block_idx,
+            mask_block_masks,
+            full_block_cnt,
+            full_block_offset,
+            full_block_idx,
+            sequence_desc,
+            fwd_work_desc,
+            mask_heads=mask_heads,
+            q_rows=q_rows,
+            partial_nnz=partial_nnz,
+            full_nnz=full_nnz,
+            batch=batch,
+            num_tasks=num_tasks,
+            plane=self.payload_plane,
+        )
         self.__call__(
-            thd(q, total_q, num_heads_q, dqk),
-            thd(k, total_k, num_heads_kv, dqk),
-            thd(v, total_k, num_heads_kv, dv),
-            thd(o, total_q, num_heads_q, dv),
-            mat(lse, num_heads_q, total_q),
-            vec(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
-            mat(mask_block_cnt, mask_heads, q_rows),
-            mat(mask_block_offset, mask_heads, q_rows),
-            vec(mask_block_idx, partial_nnz),
-            vec(mask_block_masks, partial_nnz * self.payload_plane),
-            mat(full_block_cnt, mask_heads, q_rows),
-            mat(full_block_offset, mask_heads, q_rows),
-            vec(full_block_idx, full_nnz),
-            mat(sequence_desc, batch, 8),
-            mat(fwd_work_desc, num_tasks, 4),
-            vec(tile_counter, 1),
+            *fwd_io_tensors(
+                q, k, v, o, lse, max_logit,
+                total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
+                head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v,
+            ),
+            plan,
+            vector(tile_counter, 1),
             softmax_scale,
             num_ctas,
             stream,
-        )
+        )  # fmt: skip
 
     @cute.jit
     def __call__(
@@ -170,15 +171,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         mO: cute.Tensor,  # (total_q, Hq, Dv)
         mLSE: cute.Tensor,  # (Hq, total_q) fp32
         mMaxLogit: cute.Tensor | None,  # (Hq,) fp32, -inf at launch; None: not computed
-        mask_block_cnt: cute.Tensor,
-        mask_block_offset: cute.Tensor,
-        mask_block_idx: cute.Tensor,
-        mask_block_masks: cute.Tensor,
-        full_block_cnt: cute.Tensor,
-        full_block_offset: cute.Tensor,
-        full_block_idx: cute.Tensor,
-        sequence_desc: cute.Tensor,
-        fwd_work_desc: cute.Tensor,
+        plan: FwdPlanTensors,
         tile_counter: cute.Tensor,  # (1,) int32, zero at launch
         softmax_scale: Float32,
         num_ctas: Int32,
@@ -186,17 +179,6 @@ class Sm90FwdKernel(ConsumerMainloop):
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError(f"q/k/v/o must be {self.dtype}")
-        plan = FwdPlanTensors(
-            mask_block_cnt,
-            mask_block_offset,
-            mask_block_idx,
-            mask_block_masks,
-            full_block_cnt,
-            full_block_offset,
-            full_block_idx,
-            sequence_desc,
-            fwd_work_desc,
-        )
         # TMA views: (rows, d, heads)
         mQ_t, mK_t, mV_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV))
         # (tile_m, Dqk) / (tile_n, Dqk, stages) / (tile_n, Dv, stages)

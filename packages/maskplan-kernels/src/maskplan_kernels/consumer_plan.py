@@ -26,7 +26,9 @@ and each step bulk-adds its fp32 dQ into the (q head, Q block) accumulator
 (:func:`bulk_reduce_add_f32`), in deterministic mode in ``dq_write_order`` behind a turnstile
 (:func:`turnstile_wait` / :func:`turnstile_advance`). Both consumers' backward main kernels share
 their host entry, :class:`BwdHostEntry` (raw pointers -> :func:`bwd_plan_tensors` and the row-major
-views :func:`thd_tensor`, :func:`row_major`, :func:`vector`).
+views :func:`thd_tensor`, :func:`row_major`, :func:`vector`). The forward kernels' host entries differ
+(SM90: call-local atomic tile counter and a persistent grid; SM100: a CLC grid of one cluster per
+task) and share only the tensors they build: :func:`fwd_io_tensors` and :func:`fwd_plan_tensors`.
 """
 
 from typing import NamedTuple
@@ -224,6 +226,67 @@ def row_major(ptr: cute.Pointer, rows, cols) -> cute.Tensor:
 def vector(ptr: cute.Pointer, n) -> cute.Tensor:
     """Contiguous ``(n,)``."""
     return cute.make_tensor(ptr, cute.make_layout(n))
+
+
+def fwd_plan_tensors(
+    mask_block_cnt: cute.Pointer,
+    mask_block_offset: cute.Pointer,
+    mask_block_idx: cute.Pointer,
+    mask_block_masks: cute.Pointer,
+    full_block_cnt: cute.Pointer,
+    full_block_offset: cute.Pointer,
+    full_block_idx: cute.Pointer,
+    sequence_desc: cute.Pointer,
+    fwd_work_desc: cute.Pointer,
+    *,
+    mask_heads: Int32,
+    q_rows: Int32,
+    partial_nnz: Int32,
+    full_nnz: Int32,
+    batch: Int32,
+    num_tasks: Int32,
+    plane: int,
+) -> FwdPlanTensors:
+    """:class:`FwdPlanTensors` from the 9 plan pointers (in field order) and the view's int32 sizes;
+    ``plane`` is the int32 words of one partial entry (``PayloadLayout.words_per_tile``)."""
+    return FwdPlanTensors(
+        row_major(mask_block_cnt, mask_heads, q_rows),
+        row_major(mask_block_offset, mask_heads, q_rows),
+        vector(mask_block_idx, partial_nnz),
+        vector(mask_block_masks, partial_nnz * plane),
+        row_major(full_block_cnt, mask_heads, q_rows),
+        row_major(full_block_offset, mask_heads, q_rows),
+        vector(full_block_idx, full_nnz),
+        row_major(sequence_desc, batch, 8),
+        row_major(fwd_work_desc, num_tasks, 4),
+    )
+
+
+def fwd_io_tensors(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    o: cute.Pointer,
+    lse: cute.Pointer,
+    max_logit: cute.Pointer | None,
+    *,
+    total_q: Int32,
+    total_k: Int32,
+    num_heads_q: Int32,
+    num_heads_kv: Int32,
+    head_dim_qk: int,
+    head_dim_v: int,
+) -> tuple:
+    """``(mQ, mK, mV, mO, mLSE, mMaxLogit)`` of a forward kernel's ``__call__``: THD ``q/k/v/o``,
+    fp32 ``lse (Hq, total_q)`` and ``max_logit (Hq,)`` (None when not computed)."""
+    return (
+        thd_tensor(q, total_q, num_heads_q, head_dim_qk),
+        thd_tensor(k, total_k, num_heads_kv, head_dim_qk),
+        thd_tensor(v, total_k, num_heads_kv, head_dim_v),
+        thd_tensor(o, total_q, num_heads_q, head_dim_v),
+        row_major(lse, num_heads_q, total_q),
+        vector(max_logit, num_heads_q) if max_logit is not None else None,
+    )
 
 
 def bwd_plan_tensors(
@@ -489,6 +552,8 @@ __all__ = [
     "decode_work",
     "element_ptr",
     "fetch_task",
+    "fwd_io_tensors",
+    "fwd_plan_tensors",
     "head_range",
     "load_payload_plane",
     "publish_task",
