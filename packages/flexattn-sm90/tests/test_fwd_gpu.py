@@ -23,7 +23,7 @@ from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.fwd_launch import run_forward  # noqa: E402
 from flexattn_sm90.fwd_mainloop import SCHEDULES  # noqa: E402
 from maskplan_core import masks, testing  # noqa: E402
-from maskplan_core.testing import check_forward, reference_plan, resolve_view, varlen_causal  # noqa: E402
+from maskplan_core.testing import ForwardCases, check_forward, reference_plan, resolve_view  # noqa: E402
 
 DEV = torch.device("cuda")
 qkv = functools.partial(testing.qkv, device=DEV)
@@ -44,6 +44,10 @@ def check(mask_func, q, k, v, *, varlen=None, mask_via_smem=True, scale=None, sc
     return plan
 
 
+#: the cases shared with the SM100 suite (maskplan_core.testing), on this consumer's check
+CASES = ForwardCases(check, run_forward, DEV)
+
+
 # -- masks, fixed length --------------------------------------------------------------------------
 DTYPES = [torch.bfloat16, torch.float16]
 
@@ -51,62 +55,41 @@ DTYPES = [torch.bfloat16, torch.float16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mask_via_smem", [True, False], ids=["smem", "direct"])
 def test_causal(dtype, mask_via_smem):
-    B, S, H, D = 2, 1000, 4, 128
-    q, k, v = qkv((B, S, H), (B, S, H), D, D, dtype)
-    check(masks.causal(S, batch=B, device=DEV), q, k, v, mask_via_smem=mask_via_smem)
+    CASES.causal(dtype, mask_via_smem=mask_via_smem)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_sliding_window(dtype):
-    B, S, H, D = 2, 777, 2, 128
-    q, k, v = qkv((B, S, H), (B, S, H), D, D, dtype, seed=1)
-    check(masks.sliding_window(S, window_left=200, batch=B, device=DEV), q, k, v)
+    CASES.sliding_window(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_document(dtype):
-    docs = [[100, 300, 13, 611], [1024]]
-    q, k, v = qkv((2, 1024, 3), (2, 1024, 3), 128, 128, dtype, seed=2)
-    check(masks.document(docs, causal=True, device=DEV), q, k, v)
+    CASES.document(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mask_via_smem", [True, False], ids=["smem", "direct"])
 def test_random_multi_interval_per_head(dtype, mask_via_smem):
-    B, S, H, D = 2, 700, 4, 128
-    q, k, v = qkv((B, S, H), (B, S, H), D, D, dtype, seed=3)
-    ep = random_intervals(H, 5, torch.full((B * S,), S), seed=3)  # Hmask = Hq
-    check(ep, q, k, v, mask_via_smem=mask_via_smem)
+    CASES.random_multi_interval_per_head(dtype, mask_via_smem=mask_via_smem)
 
 
 def test_all_empty_rows():
-    B, S, H, D = 2, 300, 2, 128
-    q, k, v = qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=4)
-    ep = masks.causal(S, batch=B, device=DEV).clone()
-    ep[..., ::3] = 0  # every third row sees nothing
-    ep[..., S : S + 128] = 0  # a whole Q block of sample 1: a task with no block at all
-    check(ep, q, k, v)
-    check(torch.zeros_like(ep), q, k, v)  # nothing visible anywhere
+    CASES.all_empty_rows()
 
 
 def test_all_full():
-    B, S, H, D = 1, 512, 2, 128  # S a multiple of the tile: every block is full
-    q, k, v = qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=5)
-    plan = check(torch.full((1, 1, B * S), S, dtype=torch.int32, device=DEV), q, k, v)
-    assert plan.view("forward").stats()["partial"] == 0
+    CASES.all_full()
 
 
 @pytest.mark.parametrize("sq,sk", [(300, 1000), (1000, 300), (129, 127)])
 def test_sq_ne_sk(sq, sk):
-    q, k, v = qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
-    check(masks.causal(sq, sk, batch=2, device=DEV), q, k, v)
+    CASES.sq_ne_sk(sq, sk)
 
 
 @pytest.mark.parametrize("hq,hkv,hmask", [(8, 2, 1), (8, 2, 8), (6, 1, 1)])
 def test_gqa(hq, hkv, hmask):
-    B, S, D = 2, 600, 128
-    q, k, v = qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=7)
-    check(random_intervals(hmask, 3, torch.full((B * S,), S), seed=7), q, k, v)
+    CASES.gqa(hq, hkv, hmask)
 
 
 # -- varlen ---------------------------------------------------------------------------------------
@@ -114,42 +97,19 @@ def test_gqa(hq, hkv, hmask):
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_varlen_with_empty_samples(dtype, kind):
     # samples: normal, q empty, k empty (rows see nothing), long, tail not a multiple of 128
-    cu_q = torch.tensor([0, 100, 100, 164, 964, 1300], dtype=torch.int32, device=DEV)
-    cu_k = torch.tensor([0, 300, 500, 500, 1400, 1533], dtype=torch.int32, device=DEV)
-    H, Hkv, D = 4, 2, 128
-    q, k, v = qkv((1300, H), (1533, Hkv), D, D, dtype, seed=8)
-    k_len = (cu_k[1:] - cu_k[:-1]).repeat_interleave(cu_q[1:] - cu_q[:-1])
-    ep = varlen_causal(cu_q, cu_k) if kind == "causal" else random_intervals(1, 5, k_len, seed=8)
-    varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 800, "max_seqlen_k": 900}
-    check(ep, q, k, v, varlen=varlen)
+    CASES.varlen_with_empty_samples(dtype, kind)
 
 
 # -- other head dims ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dqk,dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims(dqk, dv, kind):
-    B, S, H = 2, 600, 2
-    q, k, v = qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=9)
-    ep = (
-        masks.causal(S, batch=B, device=DEV)
-        if kind == "causal"
-        else random_intervals(1, 5, torch.full((B * S,), S))
-    )
-    check(ep, q, k, v)
+    CASES.head_dims(dqk, dv, kind)
 
 
 def test_softmax_scale_and_reuse():
     """A plan is reused with new values and another scale; two launches agree bit for bit."""
-    B, S, H, D = 1, 640, 2, 128
-    q, k, v = qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=10)
-    ep = masks.sliding_window(S, window_left=100, batch=B, device=DEV)
-    plan = check(ep, q, k, v, scale=0.3)
-    q2, k2, v2 = qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=11)
-    check(ep, q2, k2, v2, scale=0.05)
-    view = plan.view("forward")
-    a = run_forward(view, q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D), softmax_scale=0.3)
-    b = run_forward(view, q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D), softmax_scale=0.3)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    CASES.softmax_scale_and_reuse(new_value_scales=(0.05,))
 
 
 # -- consumer schedules ---------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Test support shared by the consumers' GPU test suites (and usable by a third party's): problem
-generators and the forward check against the fp32 reference. Torch only; importing it needs no GPU.
+generators, the forward and backward checks against the fp32 reference, and the test cases both
+consumers run (:class:`ForwardCases`, :class:`BackwardCases`: each builds one problem and hands it
+to the suite's own ``check``). Torch only; importing it needs no GPU.
 
 ::
 
@@ -16,14 +18,24 @@ from collections.abc import Callable
 
 import torch
 
+from . import masks
 from .consumer import KERNEL_DTYPE_NAMES, KernelConsumer, ViewConfig, ViewRequest
 from .geometry import PlanGeometry
 from .plan import MaskPlan, PlanView
-from .reference import attention_forward, build_plan
+from .reference import attention_backward, attention_forward, build_plan
 from .validation import validate_plan_inputs
 
 #: max |O - O_ref| of a kernel forward against the fp32 reference on random normal inputs
 FWD_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+#: per gradient of a kernel backward against the fp32 reference: relative L2 error, and max abs
+#: error as a fraction of the reference's max magnitude
+BWD_REL_L2 = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+BWD_MAX_ABS = {torch.bfloat16: 4e-2, torch.float16: 1e-2}
+#: the varlen batch of the test cases: samples normal, q empty, k empty (its rows see nothing),
+#: long, a tail that is not a multiple of 128
+VARLEN_CU_Q = (0, 100, 100, 164, 964, 1300)
+VARLEN_CU_K = (0, 300, 500, 500, 1400, 1533)
+VARLEN_MAX_SEQLEN = (800, 900)
 
 
 # -- problem generators ---------------------------------------------------------------------------
@@ -116,12 +128,340 @@ def check_forward(run: Callable, view: PlanView, q, k, v, *, scale: float | None
     assert torch.allclose(max_logit, ref_max, atol=1e-2, rtol=1e-3, equal_nan=False), (max_logit, ref_max)
 
 
+
+# -- the backward check ---------------------------------------------------------------------------
+def poison_allocator(device, nbytes: int = 256 << 20) -> None:
+    """Hand the CUDA caching allocator a NaN-filled block so the next workspace allocations start as
+    NaN (nothing on a CPU device)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        block = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device=device)
+        del block
+
+
+def _run_backward_poisoned(
+    run: Callable, view: PlanView, q3, k3, v3, out, lse, dout, dlse, scale, deterministic
+):
+    g = view.geometry
+    device = q3.device
+    grads = [
+        torch.full((g.total_q, g.num_heads_q, g.head_dim_qk), float("nan"), dtype=q3.dtype, device=device),
+        torch.full((g.total_k, g.num_heads_kv, g.head_dim_qk), float("nan"), dtype=q3.dtype, device=device),
+        torch.full((g.total_k, g.num_heads_kv, g.head_dim_v), float("nan"), dtype=q3.dtype, device=device),
+    ]
+    poison_allocator(device)
+    dq, dk, dv = run(
+        view, q3, k3, v3, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic,
+        dq=grads[0], dk=grads[1], dv=grads[2],
+    )  # fmt: skip
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return dq, dk, dv
+
+
+def compare_gradient(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """``got`` fully written and within :data:`BWD_REL_L2` / :data:`BWD_MAX_ABS` of ``want`` (exactly 0
+    where the reference is 0 everywhere)."""
+    assert not torch.isnan(got).any(), f"{name}: {int(torch.isnan(got).sum())} elements unwritten or NaN"
+    got, want = got.float(), want.float()
+    scale = want.abs().max().item()
+    if scale == 0:
+        assert (got == 0).all(), f"{name} must be 0"
+        return
+    err = (got - want).abs().max().item()
+    rel = ((got - want).norm() / want.norm()).item()
+    rel_tol, abs_tol = BWD_REL_L2[dtype], BWD_MAX_ABS[dtype]
+    assert rel <= rel_tol, f"{name}: relative L2 error {rel:.3e} > {rel_tol} (max abs {err:.3e})"
+    assert err <= abs_tol * scale, f"{name}: max |err| = {err:.3e} > {abs_tol} * {scale:.3e}"
+
+
+def unseen_keys(plan: MaskPlan) -> torch.Tensor | None:
+    """bool ``[total_k, Hkv]``: keys that no query of any head in their kv group sees (None with
+    per-head masks: a key may be seen by one head of its group only)."""
+    g = plan.geometry
+    if g.mask_heads > 1:
+        return None
+    dense = plan.view("backward").to_dense()  # [Hmask, total_q, Sk]
+    cu_q, cu_k = g.cu_seqlens_q.tolist(), g.cu_seqlens_k.tolist()
+    seen = torch.zeros(g.total_k, dtype=torch.bool, device=dense.device)
+    for b in range(len(cu_q) - 1):
+        k_len = cu_k[b + 1] - cu_k[b]
+        seen[cu_k[b] : cu_k[b + 1]] = dense[0, cu_q[b] : cu_q[b + 1], :k_len].any(0)
+    return (~seen)[:, None].expand(g.total_k, g.num_heads_kv)
+
+
+def check_backward(
+    run: Callable, plan: MaskPlan, q, k, v, *, scale: float | None = None, deterministic: bool = False,
+    with_dlse: bool = False, repeats: int = 1, seed: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Run ``run(view, q, k, v, out, lse, dout, dlse, softmax_scale=, deterministic=, dq=, dk=, dv=)``
+    (a consumer's ``run_backward``) ``repeats`` times on the plan's backward view, with O and LSE
+    from the fp32 reference forward (O rounded to the input dtype) and a random ``dout`` (and
+    ``dlse``), into NaN-poisoned gradients with a NaN-poisoned workspace, and compare with the fp32
+    reference backward: every element written, each gradient within :func:`compare_gradient`'s
+    tolerance, dq = 0 exactly on queries without a visible key, dk = dv = 0 exactly on keys no
+    query sees, and (``repeats > 1``) bit-identical runs. Returns the runs' ``(dq, dk, dv)``."""
+    g = plan.geometry
+    device = q.device
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(g.head_dim_qk) if scale is None else scale
+    ref_out, lse, _ = attention_forward(plan.view("forward"), q3, k3, v3, softmax_scale=scale)
+    out = ref_out.to(q.dtype)
+    gen = torch.Generator(device=device).manual_seed(seed + 1000)
+    dout = torch.randn(out.shape, device=device, dtype=q.dtype, generator=gen)
+    dlse = torch.randn(lse.shape, device=device, dtype=torch.float32, generator=gen) if with_dlse else None
+    view = plan.view("backward")
+    ref = attention_backward(
+        view, q3.float(), k3.float(), v3.float(), out.float(), lse, dout.float(), dlse, softmax_scale=scale
+    )
+    runs = [
+        _run_backward_poisoned(run, view, q3, k3, v3, out, lse, dout, dlse, scale, deterministic)
+        for _ in range(repeats)
+    ]
+    for name, got, want in zip(("dq", "dk", "dv"), runs[0], ref, strict=True):
+        compare_gradient(name, got, want, q.dtype)
+    # exact zeros: queries without a visible key, keys that no query sees
+    empty_q = torch.isinf(lse).transpose(0, 1)  # [total_q, Hq]
+    assert (runs[0][0][empty_q] == 0).all(), "dq of a query without a visible key must be 0"
+    unseen = unseen_keys(plan)
+    if unseen is not None:
+        assert (runs[0][1][unseen] == 0).all() and (runs[0][2][unseen] == 0).all(), "dk/dv of unseen keys"
+    for other in runs[1:]:  # deterministic: bit-identical run to run
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other, strict=True):
+            assert torch.equal(a, b), f"{name} differs between runs ({int((a != b).sum())} elements)"
+    return runs
+
+
+# -- the test cases both consumers run -------------------------------------------------------------
+def varlen_args(device) -> dict:
+    """The varlen keyword arguments of the test cases' varlen batch (:data:`VARLEN_CU_Q`, ...)."""
+    return {
+        "cu_seqlens_q": torch.tensor(VARLEN_CU_Q, dtype=torch.int32, device=device),
+        "cu_seqlens_k": torch.tensor(VARLEN_CU_K, dtype=torch.int32, device=device),
+        "max_seqlen_q": VARLEN_MAX_SEQLEN[0],
+        "max_seqlen_k": VARLEN_MAX_SEQLEN[1],
+    }
+
+
+def varlen_k_len() -> torch.Tensor:
+    """The K length of each query row of the varlen batch (CPU, ``[total_q]``)."""
+    cu_q, cu_k = torch.tensor(VARLEN_CU_Q), torch.tensor(VARLEN_CU_K)
+    return (cu_k[1:] - cu_k[:-1]).repeat_interleave(cu_q[1:] - cu_q[:-1])
+
+
+class _Cases:
+    def __init__(self, check: Callable, device):
+        self.check = check
+        self.device = torch.device(device)
+
+    def qkv(self, *args, **kwargs):
+        return qkv(*args, device=self.device, **kwargs)
+
+    def random_intervals(self, *args, **kwargs):
+        return random_intervals(*args, device=self.device, **kwargs)
+
+    def causal_mask(self, sq, sk=None, *, batch=1):
+        return masks.causal(sq, sk, batch=batch, device=self.device)
+
+    def varlen_mask(self, kind: str, seed: int):
+        """Endpoints on the varlen batch: bottom-right causal, or 5 random endpoints per row."""
+        if kind == "causal":
+            args = varlen_args(self.device)
+            return varlen_causal(args["cu_seqlens_q"], args["cu_seqlens_k"])
+        return self.random_intervals(1, 5, varlen_k_len(), seed=seed)
+
+
+class ForwardCases(_Cases):
+    """The forward test cases of the consumers' GPU suites. ``check(mask_func, q, k, v, *, varlen=None,
+    scale=None, **options)`` builds the suite's plan, runs :func:`check_forward` and returns the plan;
+    ``run`` is the consumer's ``run_forward``. Options a case takes (``**options``) go to ``check``."""
+
+    def __init__(self, check: Callable, run: Callable, device):
+        super().__init__(check, device)
+        self.run = run
+
+    def causal(self, dtype, dims=(128, 128), **options):
+        B, S, H = 2, 1000, 4
+        q, k, v = self.qkv((B, S, H), (B, S, H), *dims, dtype)
+        self.check(self.causal_mask(S, batch=B), q, k, v, **options)
+
+    def sliding_window(self, dtype):
+        B, S, H, D = 2, 777, 2, 128
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, dtype, seed=1)
+        self.check(masks.sliding_window(S, window_left=200, batch=B, device=self.device), q, k, v)
+
+    def document(self, dtype):
+        docs = [[100, 300, 13, 611], [1024]]
+        q, k, v = self.qkv((2, 1024, 3), (2, 1024, 3), 128, 128, dtype, seed=2)
+        self.check(masks.document(docs, causal=True, device=self.device), q, k, v)
+
+    def random_multi_interval_per_head(self, dtype, dims=(128, 128), **options):
+        B, S, H = 2, 700, 4
+        q, k, v = self.qkv((B, S, H), (B, S, H), *dims, dtype, seed=3)
+        ep = self.random_intervals(H, 5, torch.full((B * S,), S), seed=3)  # Hmask = Hq
+        self.check(ep, q, k, v, **options)
+
+    def all_empty_rows(self):
+        B, S, H, D = 2, 300, 2, 128
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=4)
+        ep = self.causal_mask(S, batch=B).clone()
+        ep[..., ::3] = 0  # every third row sees nothing
+        ep[..., S : S + 128] = 0  # a whole Q block of sample 1: a task with no block at all
+        self.check(ep, q, k, v)
+        self.check(torch.zeros_like(ep), q, k, v)  # nothing visible anywhere
+
+    def all_full(self):
+        B, S, H, D = 1, 512, 2, 128  # S a multiple of the tile: every block is full
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=5)
+        plan = self.check(torch.full((1, 1, B * S), S, dtype=torch.int32, device=self.device), q, k, v)
+        assert plan.view("forward").stats()["partial"] == 0
+
+    def sq_ne_sk(self, sq, sk):
+        q, k, v = self.qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
+        self.check(self.causal_mask(sq, sk, batch=2), q, k, v)
+
+    def gqa(self, hq, hkv, hmask):
+        B, S, D = 2, 600, 128
+        q, k, v = self.qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=7)
+        self.check(self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7), q, k, v)
+
+    def varlen_with_empty_samples(self, dtype, kind):
+        H, Hkv, D = 4, 2, 128
+        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, dtype, seed=8)
+        self.check(self.varlen_mask(kind, seed=8), q, k, v, varlen=varlen_args(self.device))
+
+    def head_dims(self, dqk, dv, kind):
+        B, S, H = 2, 600, 2
+        q, k, v = self.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=9)
+        ep = (
+            self.causal_mask(S, batch=B)
+            if kind == "causal"
+            else self.random_intervals(1, 5, torch.full((B * S,), S))
+        )
+        self.check(ep, q, k, v)
+
+    def softmax_scale_and_reuse(self, new_value_scales=(0.05,)):
+        """A plan is reused with new values and other scales; two launches agree bit for bit."""
+        B, S, H, D = 1, 640, 2, 128
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=10)
+        ep = masks.sliding_window(S, window_left=100, batch=B, device=self.device)
+        plan = self.check(ep, q, k, v, scale=0.3)
+        q2, k2, v2 = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=11)
+        for scale in new_value_scales:
+            self.check(ep, q2, k2, v2, scale=scale)
+        view = plan.view("forward")
+        a = self.run(view, q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D), softmax_scale=0.3)
+        b = self.run(view, q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D), softmax_scale=0.3)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+class BackwardCases(_Cases):
+    """The backward test cases of the consumers' GPU suites. ``check(mask_func, q, k, v, *, varlen=None,
+    **options)`` builds the suite's plan (forward and backward views), runs :func:`check_backward`
+    with ``options`` and returns ``(plan, runs)``."""
+
+    def causal(self, dtype, deterministic, d=128):
+        B, S, H = 2, 1000, 4
+        q, k, v = self.qkv((B, S, H), (B, S, H), d, d, dtype)
+        self.check(self.causal_mask(S, batch=B), q, k, v, deterministic=deterministic)
+
+    def random_multi_interval_per_head(self, dtype):
+        B, S, H, D = 2, 700, 4, 128
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, dtype, seed=3)
+        ep = self.random_intervals(H, 5, torch.full((B * S,), S), seed=3)  # Hmask = Hq
+        self.check(ep, q, k, v)
+
+    def all_empty_rows(self, q_block: int):
+        """``q_block``: the backward view's Q block size (a whole Q block of sample 1 sees nothing)."""
+        B, S, H, D = 2, 300, 2, 128
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=4)
+        ep = self.causal_mask(S, batch=B).clone()
+        ep[..., ::3] = 0  # every third row sees nothing
+        ep[..., S : S + q_block] = 0
+        self.check(ep, q, k, v)
+        self.check(ep, q, k, v, deterministic=True, with_dlse=True)
+        _, runs = self.check(torch.zeros_like(ep), q, k, v)  # nothing visible anywhere
+        assert all((g == 0).all() for g in runs[0])
+
+    def all_full(self):
+        B, S, H, D = 1, 512, 2, 128  # S a multiple of both tile sizes: every block is full
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=5)
+        full = torch.full((1, 1, B * S), S, dtype=torch.int32, device=self.device)
+        plan, _ = self.check(full, q, k, v, deterministic=True, repeats=2)
+        assert plan.view("backward").stats()["partial"] == 0
+
+    def sq_ne_sk(self, sq, sk):
+        q, k, v = self.qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
+        self.check(self.causal_mask(sq, sk, batch=2), q, k, v)
+
+    def gqa(self, hq, hkv, hmask, deterministic):
+        B, S, D = 2, 600, 128
+        q, k, v = self.qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=7)
+        ep = self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7)
+        self.check(ep, q, k, v, deterministic=deterministic)
+
+    def dlse_and_scale(self, dtype):
+        """The forward's LSE received a gradient (dlse), with a non-default and a negative scale."""
+        B, S, H, D = 2, 500, 2, 128
+        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, dtype, seed=8)
+        ep = masks.sliding_window(S, window_left=150, batch=B, device=self.device)
+        self.check(ep, q, k, v, with_dlse=True, scale=0.3)
+        self.check(ep, q, k, v, with_dlse=True, scale=-0.05)
+
+    def varlen_with_empty_samples(self, kind, dtype=torch.bfloat16):
+        H, Hkv, D = 4, 2, 128
+        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, dtype, seed=9)
+        self.check(self.varlen_mask(kind, seed=9), q, k, v, varlen=varlen_args(self.device))
+
+    def head_dims(self, d, kind):
+        B, S, H = 2, 600, 2
+        q, k, v = self.qkv((B, S, H), (B, S, H), d, d, torch.bfloat16, seed=10)
+        ep = (
+            self.causal_mask(S, batch=B)
+            if kind == "causal"
+            else self.random_intervals(1, 5, torch.full((B * S,), S), seed=10)
+        )
+        self.check(ep, q, k, v)
+
+    def deterministic_bit_identical(self, dtype):
+        """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,
+        partial and full blocks, a long sample so many K blocks race for each Q block)."""
+        H, Hkv, D = 4, 2, 128
+        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, dtype, seed=11)
+        ep = self.random_intervals(H, 5, varlen_k_len(), seed=11)
+        varlen = varlen_args(self.device)
+        self.check(ep, q, k, v, varlen=varlen, deterministic=True, with_dlse=True, repeats=3)
+        B, S = 1, 4096
+        q, k, v = self.qkv((B, S, H), (B, S, Hkv), D, D, dtype, seed=12)
+        self.check(self.causal_mask(S, batch=B), q, k, v, deterministic=True, repeats=3)
+
+    def small_for_sanitizer(self):
+        """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck``."""
+        B, S, H, D = 1, 200, 2, 128
+        q, k, v = self.qkv((B, S, H), (B, S, 1), D, D, torch.bfloat16, seed=14)
+        ep = self.causal_mask(S, batch=B)
+        self.check(ep, q, k, v)
+        self.check(ep, q, k, v, deterministic=True)
+
 __all__ = [
+    "BWD_MAX_ABS",
+    "BWD_REL_L2",
     "FWD_TOLERANCE",
+    "VARLEN_CU_K",
+    "VARLEN_CU_Q",
+    "VARLEN_MAX_SEQLEN",
+    "BackwardCases",
+    "ForwardCases",
+    "check_backward",
     "check_forward",
+    "compare_gradient",
+    "poison_allocator",
     "qkv",
     "random_intervals",
     "reference_plan",
     "resolve_view",
+    "unseen_keys",
+    "varlen_args",
     "varlen_causal",
+    "varlen_k_len",
 ]
