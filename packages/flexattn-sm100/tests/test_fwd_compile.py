@@ -15,7 +15,6 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # the launcher also passes --gpu-arch sm_100a
 
 import re  # noqa: E402
-import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -36,6 +35,7 @@ from flexattn_sm100.fwd_launch import (  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
 from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
 from maskplan_kernels import compile_cache  # noqa: E402
+from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
@@ -53,18 +53,6 @@ CONFIGS_2CTA = [((128, 128), "bfloat16"), ((192, 128), "float16")]
 
 def config(dims, dtype="bfloat16", variant="qstage1-1cta"):
     return select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype=dtype, variant=variant)
-
-
-def _ptxas_report(ptx: str, tmp_path) -> str | None:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return None
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    run = subprocess.run(
-        [ptxas, "-arch=sm_100a", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
-    )
-    return run.stderr + run.stdout
 
 
 def _count(ptx: str, pattern: str) -> int:
@@ -101,9 +89,7 @@ def test_compiles(dims, dtype, tmp_path):
     assert _count(ptx, r"st\.global\.v4\.b32") == dv // 8
     if max_logit:
         assert "atom.global.max.s32" in ptx or "atom.global.max.f32" in ptx or "red.global.max" in ptx
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_100a", tmp_path)
 
 
 @pytest.mark.parametrize("dims,dtype", CONFIGS_2CTA, ids=[f"{a}x{b}-{t}" for (a, b), t in CONFIGS_2CTA])
@@ -137,9 +123,7 @@ def test_compiles_2cta(dims, dtype, tmp_path):
     assert "fence.proxy.async.shared::cta" in ptx
     assert _count(ptx, r"barrier\.cluster\.wait") == 2  # after barrier init, before exit
     assert _count(ptx, r"st\.global\.v4\.b32") == dv // 8
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert_no_spills(ptx, "sm_100a", tmp_path)
 
 
 def test_smem_fits_one_cta_per_sm():
