@@ -90,6 +90,28 @@ def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
             )
 
 
+INT32_LIMIT = 2**31
+
+
+def require_int32_offsets(g, *, dq_accum_rows: int | None = None) -> None:
+    """Raise :class:`UnsupportedConfigError` when a tensor the kernels index is too large for their
+    32-bit element offsets: THD ``q/k/v/out`` (``total * heads * head_dim``) and, for the backward,
+    the fp32 dQ accumulator (``Hq * dq_accum_rows * head_dim_qk``). Better a clear refusal than a
+    wrapped offset writing elsewhere."""
+    extents = {
+        "q/out": g.total_q * g.num_heads_q * max(g.head_dim_qk, g.head_dim_v),
+        "k/v": g.total_k * g.num_heads_kv * max(g.head_dim_qk, g.head_dim_v),
+    }
+    if dq_accum_rows is not None:
+        extents["the dQ accumulator"] = g.num_heads_q * dq_accum_rows * g.head_dim_qk
+    for name, n in extents.items():
+        if n >= INT32_LIMIT:
+            raise UnsupportedConfigError(
+                f"{name} holds {n} elements; the kernels index with 32-bit offsets (at most "
+                f"{INT32_LIMIT - 1}): split the batch into smaller calls"
+            )
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous (row-major THD, what the kernels' ``from_pointers`` assume) with a 16-byte
     aligned base; copies only when it is not."""
@@ -147,6 +169,7 @@ def forward_io(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logi
     (or check) ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`."""
     check_inputs(view, q=q, k=k, v=v)
     g, device = view.geometry, q.device
+    require_int32_offsets(g)
     q, k, v = aligned(q), aligned(k), aligned(v)
     q, softmax_scale = positive_softmax_scale(q, softmax_scale)
     total_q, num_heads_q = q.shape[0], q.shape[1]
@@ -367,6 +390,7 @@ def backward_io(
     dk = output(dk, "dk", (g.total_k, g.num_heads_kv, g.head_dim_qk), q.dtype, device)
     dv = output(dv, "dv", (g.total_k, g.num_heads_kv, g.head_dim_v), q.dtype, device)
     prep = bwd_view_args(view, device)
+    require_int32_offsets(g, dq_accum_rows=prep.n_qblk * view.signature.topology.tile_m)
     io = BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
     if io.nothing_visible:
         for x in io.grads:
