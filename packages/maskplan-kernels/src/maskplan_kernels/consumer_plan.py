@@ -228,6 +228,35 @@ def vector(ptr: cute.Pointer, n) -> cute.Tensor:
     return cute.make_tensor(ptr, cute.make_layout(n))
 
 
+def csr_tensors(
+    cnt: cute.Pointer,
+    offset: cute.Pointer,
+    idx: cute.Pointer,
+    masks: cute.Pointer,
+    full_cnt: cute.Pointer,
+    full_offset: cute.Pointer,
+    full_idx: cute.Pointer,
+    *,
+    mask_heads: Int32,
+    rows: Int32,
+    partial_nnz: Int32,
+    full_nnz: Int32,
+    plane: int,
+) -> tuple:
+    """The 7 CSR tensors every view has, in plan order: partial ``cnt/offset (Hmask, rows)``,
+    ``idx (nnz,)``, ``masks (nnz * plane,)``, then full ``cnt/offset/idx``. ``rows`` are the view's
+    outer blocks (Q for the forward, K for the backward); ``plane`` the int32 words of one entry."""
+    return (
+        row_major(cnt, mask_heads, rows),
+        row_major(offset, mask_heads, rows),
+        vector(idx, partial_nnz),
+        vector(masks, partial_nnz * plane),
+        row_major(full_cnt, mask_heads, rows),
+        row_major(full_offset, mask_heads, rows),
+        vector(full_idx, full_nnz),
+    )
+
+
 def fwd_plan_tensors(
     mask_block_cnt: cute.Pointer,
     mask_block_offset: cute.Pointer,
@@ -249,17 +278,12 @@ def fwd_plan_tensors(
 ) -> FwdPlanTensors:
     """:class:`FwdPlanTensors` from the 9 plan pointers (in field order) and the view's int32 sizes;
     ``plane`` is the int32 words of one partial entry (``PayloadLayout.words_per_tile``)."""
-    return FwdPlanTensors(
-        row_major(mask_block_cnt, mask_heads, q_rows),
-        row_major(mask_block_offset, mask_heads, q_rows),
-        vector(mask_block_idx, partial_nnz),
-        vector(mask_block_masks, partial_nnz * plane),
-        row_major(full_block_cnt, mask_heads, q_rows),
-        row_major(full_block_offset, mask_heads, q_rows),
-        vector(full_block_idx, full_nnz),
-        row_major(sequence_desc, batch, 8),
-        row_major(fwd_work_desc, num_tasks, 4),
-    )
+    csr = csr_tensors(
+        mask_block_cnt, mask_block_offset, mask_block_idx, mask_block_masks,
+        full_block_cnt, full_block_offset, full_block_idx,
+        mask_heads=mask_heads, rows=q_rows, partial_nnz=partial_nnz, full_nnz=full_nnz, plane=plane,
+    )  # fmt: skip
+    return FwdPlanTensors(*csr, row_major(sequence_desc, batch, 8), row_major(fwd_work_desc, num_tasks, 4))
 
 
 def fwd_io_tensors(
@@ -312,14 +336,13 @@ def bwd_plan_tensors(
 ) -> BwdPlanTensors:
     """:class:`BwdPlanTensors` from the 12 plan pointers (in field order) and the view's int32 sizes;
     ``plane`` is the int32 words of one partial entry (``PayloadLayout.words_per_tile``)."""
+    csr = csr_tensors(
+        mask_block_cnt, mask_block_offset, mask_block_idx, mask_block_masks,
+        full_block_cnt, full_block_offset, full_block_idx,
+        mask_heads=mask_heads, rows=k_rows, partial_nnz=partial_nnz, full_nnz=full_nnz, plane=plane,
+    )  # fmt: skip
     return BwdPlanTensors(
-        row_major(mask_block_cnt, mask_heads, k_rows),
-        row_major(mask_block_offset, mask_heads, k_rows),
-        vector(mask_block_idx, partial_nnz),
-        vector(mask_block_masks, partial_nnz * plane),
-        row_major(full_block_cnt, mask_heads, k_rows),
-        row_major(full_block_offset, mask_heads, k_rows),
-        vector(full_block_idx, full_nnz),
+        *csr,
         vector(dq_write_order, partial_nnz),
         vector(dq_write_order_full, full_nnz),
         row_major(sequence_desc, batch, 8),
