@@ -57,6 +57,19 @@ from .schedule_stats import STATS_COLS, ScheduleStatsConfig, compile_schedule_st
 CNT_PARTIAL, CNT_FULL, OFF_PARTIAL, OFF_FULL = 0, 1, 2, 3
 
 
+def _csr(counts: torch.Tensor, idx_p: torch.Tensor, masks: torch.Tensor, idx_f: torch.Tensor) -> dict:
+    """The CSR tensors of a view (either direction), named as in ``maskplan_core.plan``."""
+    return {
+        "mask_block_cnt": counts[CNT_PARTIAL],
+        "mask_block_offset": counts[OFF_PARTIAL],
+        "mask_block_idx": idx_p,
+        "mask_block_masks": masks,
+        "full_block_cnt": counts[CNT_FULL],
+        "full_block_offset": counts[OFF_FULL],
+        "full_block_idx": idx_f,
+    }
+
+
 def _extent(n: int) -> int:
     """A layout extent for a possibly empty tensor (never indexed when the true size is 0)."""
     return max(int(n), 1)
@@ -372,13 +385,7 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
             build.stream(),
         )
     return {
-        "mask_block_cnt": counts[CNT_PARTIAL],
-        "mask_block_offset": counts[OFF_PARTIAL],
-        "mask_block_idx": idx_p,
-        "mask_block_masks": masks,
-        "full_block_cnt": counts[CNT_FULL],
-        "full_block_offset": counts[OFF_FULL],
-        "full_block_idx": idx_f,
+        **_csr(counts, idx_p, masks, idx_f),
         "sequence_desc": fwd.desc_q[: build.batch],
         "fwd_work_desc": work,
     }
@@ -471,13 +478,7 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
             build.stream(),
         )
     return {
-        "mask_block_cnt": counts[CNT_PARTIAL],
-        "mask_block_offset": counts[OFF_PARTIAL],
-        "mask_block_idx": idx_p,
-        "mask_block_masks": masks,
-        "full_block_cnt": counts[CNT_FULL],
-        "full_block_offset": counts[OFF_FULL],
-        "full_block_idx": idx_f,
+        **_csr(counts, idx_p, masks, idx_f),
         "sequence_desc": bwd.desc_k[: build.batch],
         "dq_write_order": dq_p,
         "dq_write_order_full": dq_f,
