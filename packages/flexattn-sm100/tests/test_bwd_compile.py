@@ -21,13 +21,14 @@ pytest.importorskip("cutlass.cute")
 from flexattn_sm100.bwd_kernel import (  # noqa: E402
     HEAD_DIMS,
     IMPLEMENTED_VARIANTS,
+    LAUNCH_REGS,
     Sm100BwdKernel,
-    check_register_split,
     smem_bytes,
 )
 from flexattn_sm100.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
 from flexattn_sm100.heuristics import select_bwd_config  # noqa: E402
+from maskplan_kernels.consumer_launch import check_register_split  # noqa: E402
 from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -112,7 +113,7 @@ def test_budgets():
         assert smem_bytes(d, d, k.q_stages, k.do_stages) + 4096 <= 227 * 1024
         assert k.tmem_dk + d <= 512 and k.tmem_dq + d <= k.tmem_dv
     with pytest.raises(ValueError, match="does not fit"):
-        check_register_split(448, ((168, 8), (88, 4), (56, 1), (152, 1)))
+        check_register_split(448, ((168, 8), (88, 4), (56, 1), (152, 1)), LAUNCH_REGS)
 
 
 def test_unimplemented_variants_and_head_dims_are_refused():

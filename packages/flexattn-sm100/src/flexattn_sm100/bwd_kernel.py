@@ -63,6 +63,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from maskplan_kernels.consumer_launch import check_register_split
 from maskplan_kernels.consumer_plan import (
     BwdHostEntry,
     BwdPlanTensors,
@@ -87,18 +88,6 @@ HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 _SMEM_LIMIT = 227 * 1024
 #: registers per thread the 448-thread CTA launches with (ptxas -v: "Used 128 registers")
 LAUNCH_REGS = 128
-
-
-def check_register_split(num_threads: int, split: tuple[tuple[int, int], ...]) -> None:
-    """``(registers, warps)`` pairs after setmaxnreg must fit what the launch allocated (and be
-    multiples of 8 in [24, 256]); otherwise an increase never completes."""
-    total = sum(32 * regs * warps for regs, warps in split)
-    if sum(warps for _, warps in split) * 32 != num_threads or total > num_threads * LAUNCH_REGS:
-        raise ValueError(
-            f"register split {split} takes {total} registers; it does not fit {num_threads} x {LAUNCH_REGS}"
-        )
-    if any(regs % 8 or not 24 <= regs <= 256 for regs, _ in split):
-        raise ValueError(f"setmaxnreg counts must be multiples of 8 in [24, 256]: {split}")
 
 
 def set_registers(regs: int) -> None:
@@ -167,6 +156,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         check_register_split(
             self.num_threads,
             ((self.compute_regs, 8), (self.dq_regs, 4), (self.load_regs, 1), (self.mma_regs, 1)),
+            LAUNCH_REGS,
         )
         # named barriers (0 is __syncthreads)
         self.tmem_alloc_barrier_id = 1  # compute + dQ + MMA warps wait for the TMEM address

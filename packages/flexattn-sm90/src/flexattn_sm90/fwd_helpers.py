@@ -14,30 +14,18 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_softmax import LN_2, row_max_of
 
+
 # -- warp specialisation ---------------------------------------------------------------------------
-REGISTERS_PER_SM = 65536
-
-
 def register_split(num_mma_warpgroups: int, producer_regs: int, mma_regs: int) -> tuple[int, int]:
-    """``(producer_regs, mma_regs)`` for ``setmaxnreg``, checked against what the CTA holds.
-
-    A CTA of ``1 + num_mma_warpgroups`` warpgroups launches with the per-thread count ptxas gives
-    one CTA per SM (a multiple of 8: 168 for 384 threads), and ``setmaxnreg.inc`` only draws on
-    registers that ``setmaxnreg.dec`` released inside the same CTA: asking for more never returns
-    (the kernel hangs). So the split must fit the launch allocation, not the SM's 65536::
-
-        128 * (producer + n * mma) <= 128 * (1 + n) * launch        (24 + 2 * 240 = 3 * 168)
-    """
+    """``(producer_regs, mma_regs)`` for ``setmaxnreg`` of one producer and ``num_mma_warpgroups``
+    MMA warpgroups, checked against the launch allocation
+    (:func:`maskplan_kernels.consumer_launch.check_register_split`)."""
     threads = 128 * (1 + num_mma_warpgroups)
-    launch = min(REGISTERS_PER_SM // threads, 255) // 8 * 8
-    need = producer_regs + num_mma_warpgroups * mma_regs
-    if need > (1 + num_mma_warpgroups) * launch or producer_regs % 8 or mma_regs % 8:
-        raise ValueError(
-            f"setmaxnreg split {producer_regs} + {num_mma_warpgroups} x {mma_regs} does not fit "
-            f"{1 + num_mma_warpgroups} x {launch} registers per thread at launch"
-        )
+    split = ((producer_regs, 4), (mma_regs, 4 * num_mma_warpgroups))
+    check_register_split(threads, split, max_launch_registers(threads))
     return producer_regs, mma_regs
 
 

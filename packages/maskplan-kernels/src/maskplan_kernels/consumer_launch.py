@@ -91,6 +91,30 @@ def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
 
 
 INT32_LIMIT = 2**31
+REGISTERS_PER_SM = 65536
+
+
+def max_launch_registers(num_threads: int) -> int:
+    """Registers per thread a CTA of ``num_threads`` can launch with at one CTA per SM (ptxas
+    allocates in multiples of 8, at most 255): 168 for 384 threads."""
+    return min(REGISTERS_PER_SM // num_threads, 255) // 8 * 8
+
+
+def check_register_split(num_threads: int, split: tuple[tuple[int, int], ...], launch_regs: int) -> None:
+    """Raise ValueError unless the ``(registers, warps)`` pairs a warp-specialised kernel sets with
+    ``setmaxnreg`` fit the ``launch_regs`` per thread its CTA launched with (counts multiples of 8
+    in [24, 256]). ``setmaxnreg.inc`` only draws on registers that ``setmaxnreg.dec`` released
+    inside the same CTA, so a split that fits the SM's 65536 but not the launch allocation never
+    returns (the first SM90 backward hung this way: 24 + 2 x 240 fits 3 x 168, 32 + 2 x 240 does not).
+    """
+    total = sum(32 * regs * warps for regs, warps in split)
+    if sum(warps for _, warps in split) * 32 != num_threads or total > num_threads * launch_regs:
+        raise ValueError(
+            f"setmaxnreg split {split} takes {total} registers; it does not fit "
+            f"{num_threads / 128:g} x {launch_regs} registers per thread at launch"
+        )
+    if any(regs % 8 or not 24 <= regs <= 256 for regs, _ in split):
+        raise ValueError(f"setmaxnreg counts must be multiples of 8 in [24, 256]: {split}")
 
 
 def require_int32_offsets(g, *, dq_accum_rows: int | None = None) -> None:
