@@ -1,7 +1,7 @@
 """Attention throughput (forward, or forward + backward), side by side in one run on the same GPU.
 
-    python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192] [--batch 2] [--heads 16]
-                                        [--kv-heads 16] [--dim 128]
+    python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192[,16384,...]]
+                                        [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
                                         [--masks causal,sliding-1024,document,random-5]
                                         [--systems flexattn,cudnn,torch-flex,fa4-causal] [--out DIR]
 
@@ -10,7 +10,8 @@
 TFLOP/s count visible elements only: 4 * D * visible pairs * heads for the forward, 3.5 times
 that for forward + backward; dense causal FA4 is timed on the causal row only, as the ceiling.
 Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
-``<mode>_tflops.png`` to ``--out``.
+``<mode>_tflops.png`` to ``--out``. ``--seqlen`` takes a comma-separated list for a sweep (one table
+row per length and mask).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def systems(args, q, k, v, name, endpoints):
 
         compiled = systems.flex or torch.compile(flex_attention)
         systems.flex = compiled
-        bm = create_block_mask(mask_mod_from_endpoints(endpoints, args.seqlen), args.batch, None,
-                               args.seqlen, args.seqlen, device="cuda")
+        s = q.shape[1]
+        bm = create_block_mask(mask_mod_from_endpoints(endpoints, s), args.batch, None, s, s, device="cuda")
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         gqa = args.kv_heads != args.heads
         fwd["torch-flex"] = lambda: compiled(
@@ -105,7 +106,7 @@ systems.flex = None
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--seqlen", default="8192", help="one length, or a comma-separated sweep")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
@@ -119,17 +120,23 @@ def main() -> None:
     args.kv_heads = args.kv_heads or args.heads
     torch.manual_seed(0)
     train = args.mode == "train"
+    rows = []
+    for seqlen in (int(x) for x in args.seqlen.split(",")):
+        rows += run_length(args, seqlen, train)
+    report(rows, Path(args.out), args.mode)
 
+
+def run_length(args, seqlen: int, train: bool) -> list[dict]:
     def leaf(heads):
-        t = torch.randn(args.batch, args.seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
+        t = torch.randn(args.batch, seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
         return t.requires_grad_(train)
 
     q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
-    print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={args.seqlen} Hq={args.heads} "
+    print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={seqlen} Hq={args.heads} "
           f"Hkv={args.kv_heads} D={args.dim} bf16")
     rows = []
     for name in args.masks.split(","):
-        endpoints = endpoint_mask(name, args.batch, args.seqlen)
+        endpoints = endpoint_mask(name, args.batch, seqlen)
         flops = 4 * args.dim * visible_pairs(endpoints) * args.heads * (3.5 if train else 1.0)
         for system, fn in systems(args, q, k, v, name, endpoints).items():
             try:
@@ -137,17 +144,18 @@ def main() -> None:
             except Exception as e:  # a peer failing must not hide the others' numbers
                 print(f"  {name} {system}: failed: {type(e).__name__}: {e}")
                 continue
-            rows.append({"mask": name, "system": system, "ms": ms, "tflops": flops / ms / 1e9})
-            print(f"  {name:13s} {system:12s} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
-    report(rows, Path(args.out), args.mode)
+            tflops = flops / ms / 1e9
+            rows.append({"seqlen": seqlen, "mask": name, "system": system, "ms": ms, "tflops": tflops})
+            print(f"  {name:13s} {system:12s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s", flush=True)
+    return rows
 
 
 def report(rows: list[dict], out: Path, mode: str) -> None:
-    ours = {r["mask"]: r["tflops"] for r in rows if r["system"] == "flexattn"}
-    print(f"\n{mode}: mask     system        TFLOP/s   flexattn/system")
+    ours = {(r["seqlen"], r["mask"]): r["tflops"] for r in rows if r["system"] == "flexattn"}
+    print(f"\n{mode}:  S     mask           system        TFLOP/s   flexattn/system")
     for r in rows:
-        ratio = ours.get(r["mask"], float("nan")) / r["tflops"]
-        print(f"{r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio:6.2f}x")
+        ratio = ours.get((r["seqlen"], r["mask"]), float("nan")) / r["tflops"]
+        print(f"{r['seqlen']:6d} {r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio:6.2f}x")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"results-{mode}.json").write_text(json.dumps(rows, indent=1))
     try:
@@ -158,11 +166,14 @@ def report(rows: list[dict], out: Path, mode: str) -> None:
     except ImportError:
         print("matplotlib not installed: no chart written")
         return
-    mask_names = list(dict.fromkeys(r["mask"] for r in rows))
+    label = (lambda r: r["mask"]) if len({r["seqlen"] for r in rows}) == 1 else (
+        lambda r: f"{r['mask']}@{r['seqlen'] // 1024}k"
+    )
+    mask_names = list(dict.fromkeys(label(r) for r in rows))
     system_names = list(dict.fromkeys(r["system"] for r in rows))
     width = 0.8 / len(system_names)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    tflops = {(r["mask"], r["system"]): r["tflops"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, len(mask_names)), 4))
+    tflops = {(label(r), r["system"]): r["tflops"] for r in rows}
     for i, s in enumerate(system_names):
         xs = [x for x, m in enumerate(mask_names) if (m, s) in tflops]
         ax.bar([x + i * width for x in xs], [tflops[mask_names[x], s] for x in xs], width, label=s)
