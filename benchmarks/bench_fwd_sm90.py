@@ -6,7 +6,8 @@
                                         [--systems flexattn,cudnn,torch-flex,fa4-causal] [--out DIR]
 
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
-``dout``, plans with backward views) and adds ``flexattn-det`` (``deterministic=True``).
+``dout``, plans with backward views) and adds ``flexattn-det`` (``deterministic=True``). With
+``--kv-heads`` below ``--heads`` (GQA) ``flexattn-pack`` runs a ``pack_gqa=True`` plan.
 TFLOP/s count visible elements only: 4 * D * visible pairs * heads for the forward, 3.5 times
 that for forward + backward; dense causal FA4 is timed on the causal row only, as the ceiling.
 Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
@@ -61,6 +62,11 @@ def systems(args, q, k, v, name, endpoints):
         if train:
             fwd["flexattn-det"] = lambda: flexattn.flex_attn_func(
                 q, k, v, mask_plan=plan, softmax_scale=scale, deterministic=True
+            )
+        if args.kv_heads != args.heads:
+            packed = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train, pack_gqa=True)
+            fwd["flexattn-pack"] = lambda: flexattn.flex_attn_func(
+                q, k, v, mask_plan=packed, softmax_scale=scale
             )
     if "cudnn" in args.systems:
         try:

@@ -92,3 +92,34 @@ def test_kernel_key_ignores_runtime_geometry():
     assert kernel_key(a, **kw) == kernel_key(b, **kw)
     c = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="float16")
     assert kernel_key(a, **kw) != kernel_key(c, **kw)
+
+
+@pytest.mark.parametrize(
+    "dq,dv,group,smem,max_logit",
+    [(128, 128, 4, True, True), (128, 128, 16, False, False), (64, 64, 2, True, False),
+     (256, 256, 8, True, True), (192, 128, 32, False, True), (96, 96, 128, True, False)],
+)  # fmt: skip
+def test_pack_gqa_compiles(dq, dv, group, smem, max_logit, tmp_path):
+    """PackGQA forward: same GEMMs; the payload plane is 2 KB / G, one word per thread row."""
+    config = select_fwd_config(
+        head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=True, qhead_per_kvhead=group
+    )
+    extra = f"--keep-ptx --dump-dir {tmp_path}"
+    compiled = compile_uncached(config, mask_via_smem=smem, with_max_logit=max_logit, extra_options=extra)
+    ptx = compiled.__ptx__
+    (tmp_path / "unpacked").mkdir()
+    unpacked = _compile(dq, dv, smem=smem, max_logit=max_logit, tmp_path=tmp_path / "unpacked")[1]
+    assert _wgmma_shapes(ptx) == _wgmma_shapes(unpacked.__ptx__)
+    has_bulk = re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx) is not None
+    assert has_bulk == smem
+    assert_no_spills(ptx, "sm_90a", tmp_path)
+
+
+def test_pack_gqa_kernel_key_has_the_group():
+    kw = {"mask_via_smem": True, "with_max_logit": False, "schedule": "simple"}
+    keys = {
+        kernel_key(select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", pack_gqa=p,
+                                     qhead_per_kvhead=g), **kw)
+        for p, g in ((False, 2), (False, 4), (True, 2), (True, 4))
+    }  # fmt: skip
+    assert len(keys) == 3  # unpacked: one kernel for every ratio; packed: one per ratio

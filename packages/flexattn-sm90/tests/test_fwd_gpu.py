@@ -30,15 +30,15 @@ qkv = functools.partial(testing.qkv, device=DEV)
 random_intervals = functools.partial(testing.random_intervals, device=DEV)
 
 
-def sm90_plan(mask_func, q, k, v, **varlen):
+def sm90_plan(mask_func, q, k, v, pack_gqa=False, **varlen):
     """A forward-only plan with the SM90 consumer's view (reference planner, CUDA tensors)."""
     consumer = Sm90Consumer()
-    forward = functools.partial(resolve_view, consumer, direction="forward")
+    forward = functools.partial(resolve_view, consumer, direction="forward", pack_gqa=pack_gqa)
     return reference_plan(mask_func, q, k, v, consumer=consumer.name, forward=forward, **varlen)
 
 
-def check(mask_func, q, k, v, *, varlen=None, mask_via_smem=True, scale=None, schedule=None):
-    plan = sm90_plan(mask_func, q, k, v, **(varlen or {}))
+def check(mask_func, q, k, v, *, varlen=None, mask_via_smem=True, scale=None, schedule=None, pack_gqa=False):
+    plan = sm90_plan(mask_func, q, k, v, pack_gqa, **(varlen or {}))
     run = functools.partial(run_forward, mask_via_smem=mask_via_smem, schedule=schedule)
     check_forward(run, plan.view("forward"), q, k, v, scale=scale)
     return plan
@@ -130,3 +130,64 @@ def test_schedules(schedule, mask_via_smem):
     k_len = (cu_k[1:] - cu_k[:-1]).repeat_interleave(cu_q[1:] - cu_q[:-1])
     varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 800, "max_seqlen_k": 900}
     check(random_intervals(1, 5, k_len, seed=13), q, k, v, varlen=varlen, schedule=schedule)
+
+
+# -- PackGQA --------------------------------------------------------------------------------------
+PACK = [(8, 2), (16, 1), (4, 4), (32, 2)]  # G = 4, 16, 1, 16 (Hkv = 2)
+
+
+@pytest.mark.parametrize("hq,hkv", PACK, ids=lambda x: str(x))
+@pytest.mark.parametrize("kind", ["causal", "random", "document"])
+def test_pack_gqa(hq, hkv, kind):
+    """The q heads of a kv head packed into one tile (plan Q blocks of 128 / G positions), against
+    the fp32 reference on the same plan: O, LSE and the per-head max logit of every head."""
+    B, S, D = 2, 700, 128
+    q, k, v = qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=20)
+    ep = {
+        "causal": masks.causal(S, batch=B, device=DEV),
+        "random": random_intervals(1, 5, torch.full((B * S,), S), seed=20),
+        "document": masks.document([[100, 300, 13, 287], [700]], device=DEV),
+    }[kind]
+    plan = check(ep, q, k, v, pack_gqa=True)
+    assert plan.view("forward").signature.topology.tile_m == 128 // (hq // hkv)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_pack_gqa_head_dims(dqk, dv, dtype):
+    B, S, hq, hkv = 1, 900, 8, 1
+    q, k, v = qkv((B, S, hq), (B, S, hkv), dqk, dv, dtype, seed=21)
+    check(random_intervals(1, 3, torch.full((B * S,), S), seed=21), q, k, v, pack_gqa=True)
+
+
+@pytest.mark.parametrize("mask_via_smem", [True, False], ids=["smem", "direct"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pack_gqa_varlen_and_schedules(mask_via_smem, schedule):
+    """Varlen with empty samples and tails that split a packed tile, every schedule and payload
+    delivery; rows with no visible key (O = 0, LSE = -inf)."""
+    cu_q = torch.tensor([0, 100, 100, 164, 964, 1300], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 300, 500, 500, 1400, 1533], dtype=torch.int32, device=DEV)
+    q, k, v = qkv((1300, 8), (1533, 2), 128, 128, torch.float16, seed=22)
+    k_len = (cu_k[1:] - cu_k[:-1]).repeat_interleave(cu_q[1:] - cu_q[:-1])
+    varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 800, "max_seqlen_k": 900}
+    ep = random_intervals(1, 5, k_len, seed=22)
+    ep[..., 400:470] = 0
+    options = dict(varlen=varlen, mask_via_smem=mask_via_smem, schedule=schedule, pack_gqa=True)
+    check(ep, q, k, v, **options)
+    check(testing.varlen_causal(cu_q, cu_k), q, k, v, **options)
+
+
+def test_pack_gqa_equals_unpacked():
+    """Same mask, packed and unpacked plans: the outputs agree to rounding (same math, other tiles)."""
+    B, S, hq, hkv, D = 2, 1000, 8, 2, 128
+    q, k, v = qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=23)
+    ep = masks.sliding_window(S, window_left=300, batch=B, device=DEV)
+    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    outs = []
+    for pack in (False, True):
+        view = sm90_plan(ep, q, k, v, pack).view("forward")
+        outs.append(run_forward(view, q3, k3, v3, softmax_scale=0.1, return_max_logit=True))
+    (o0, l0, m0), (o1, l1, m1) = outs
+    assert (o0.float() - o1.float()).abs().max().item() <= 1e-2
+    assert (l0 - l1).abs().max().item() <= 1e-4
+    assert torch.allclose(m0, m1)

@@ -117,12 +117,43 @@ def test_rejects_dtype(dtype):
         Sm90Consumer().resolve(request(dtype=dtype))
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_rejects_pack_gqa(direction):
-    with pytest.raises(
-        UnsupportedConfigError, match="pack_gqa=True is not supported by flexattn-sm90"
-    ):
-        Sm90Consumer().resolve(request(direction, pack_gqa=True))
+@pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("heads", [(8, 2), (16, 1), (2, 2), (128, 1)])
+def test_pack_gqa_forward_signature(dims, heads):
+    """PackGQA forward views: plan Q blocks of 128 / G positions, the packed layout (one group per
+    position and lane quad member, one word), the same kernel family."""
+    hq, hkv = heads
+    g = hq // hkv
+    packed = request(dims=dims, num_heads_q=hq, num_heads_kv=hkv, pack_gqa=True)
+    sig = Sm90Consumer().resolve(packed).signature
+    tile_n = 64 if dims[0] == 256 else 128
+    assert sig.topology == Topology(tile_m=128 // g, tile_n=tile_n, pack_gqa=True, qhead_per_kvhead=g)
+    assert sig.payload == PayloadLayoutSpec(
+        layout_id=f"sm90-wgmma-packgqa-v1-128x{tile_n}-g{g}",
+        physical_subtiles=1,
+        payload_groups=4 * 128 // g,
+        words_per_group=1,
+    )
+    assert sig.kernel_family == "sm90-fwd-persistent-v1"
+    unpacked = Sm90Consumer().resolve(request(dims=dims, num_heads_q=hq, num_heads_kv=hkv)).signature
+    fields = {d.field for d in unpacked.diff(sig)}
+    assert {"topology.pack_gqa", "payload.layout_id"} <= fields  # never interchangeable
+
+
+def test_pack_gqa_backward_view_is_the_unpacked_one():
+    """The K-major backward visits every q head of its kv head in one CTA: pack_gqa does not change it."""
+    c = Sm90Consumer()
+    assert c.resolve(request("backward", pack_gqa=True)) == c.resolve(request("backward"))
+
+
+def test_pack_gqa_refusals():
+    c = Sm90Consumer()
+    with pytest.raises(UnsupportedConfigError, match="Hmask=8, PackGQA needs Hmask=1"):
+        c.resolve(request(pack_gqa=True, num_heads_q=8, mask_heads=8))
+    with pytest.raises(UnsupportedConfigError, match=r"= 3 q heads .* dividing 128 \(1, 2, 4"):
+        c.resolve(request(pack_gqa=True, num_heads_q=6, num_heads_kv=2))
+    with pytest.raises(UnsupportedConfigError, match="= 256 q heads"):
+        c.resolve(request(pack_gqa=True, num_heads_q=256, num_heads_kv=1))
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,9 @@ from flexattn_sm90.payload_layout import (
     WgmmaAccumulatorLayout,
     WgmmaForward128x64Layout,
     WgmmaForward128x128Layout,
+    WgmmaPackGqaLayout,
     wgmma_layout,
+    wgmma_pack_gqa_layout,
 )
 
 # (tile_m, tile_n, num_warpgroups, transposed, expected layout_id, groups, words, elements per thread)
@@ -204,3 +206,61 @@ def test_named_layouts_and_cache():
 def test_invalid_geometry(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         WgmmaAccumulatorLayout(*args, **kwargs)
+
+
+# -- PackGQA -------------------------------------------------------------------------------------
+PACK_CASES = [(128, 128, 2), (128, 128, 4), (128, 128, 8), (128, 128, 16), (128, 64, 8), (128, 128, 128)]
+PACK_IDS = [f"{r}x{n}-g{g}" for r, n, g in PACK_CASES]
+
+
+@pytest.mark.parametrize("case", PACK_CASES, ids=PACK_IDS)
+def test_pack_gqa_shape(case):
+    rows, tile_n, g = case
+    layout = wgmma_pack_gqa_layout(rows, tile_n, g)
+    assert (layout.tile_m, layout.tile_n) == (rows // g, tile_n)
+    assert (layout.groups, layout.words_per_group, layout.register_words) == (4 * rows // g, 1, 2)
+    assert layout.threads == 256 and layout.elements_per_thread == tile_n // 2
+    assert layout.words_per_tile * 4 % 16 == 0  # one cp.async.bulk plane per stage
+
+
+@pytest.mark.parametrize("case", PACK_CASES, ids=PACK_IDS)
+def test_pack_gqa_kernel_view_of_a_packed_tile(case):
+    """What the kernel does, simulated: every consumer thread loads its registers through
+    ``register_source`` from a plane packed by ``element_coords`` and tests ``register_bit(e)``
+    for its accumulator element e at row R, column n; that must be the mask of position R // G."""
+    rows, tile_n, g = case
+    layout = wgmma_pack_gqa_layout(rows, tile_n, g)
+    gen = torch.Generator().manual_seed(11)
+    tile = torch.rand(1, layout.tile_m, layout.tile_n, generator=gen) < 0.5
+    plane = layout.pack(tile)[0, 0].to(torch.int64) & 0xFFFFFFFF  # [groups, words]
+    row, col = layout._accumulator
+    for t in range(layout.threads):
+        regs = []
+        for slot in range(layout.register_words):
+            group, word = layout.register_source(t, slot)
+            assert 0 <= group < layout.groups and 0 <= word < layout.words_per_group
+            regs.append(int(plane[group, word]))
+        for e in range(layout.elements_per_thread):
+            slot, bit = layout.register_bit(e)
+            r, n = int(row[t, e]), int(col[t, e])
+            assert bool((regs[slot] >> bit) & 1) == bool(tile[0, r // g, n]), (t, e, r, n)
+
+
+def test_pack_gqa_reads_the_rows_of_its_positions():
+    """Golden: G = 4, thread 5 (warp 0, lane 5) holds rows 1 and 9 = positions 0 and 2, lane quad
+    member 1: groups 1 and 9; its element e = 4j + 2*half + c is bit 2j + c of register half."""
+    layout = wgmma_pack_gqa_layout(128, 128, 4)
+    assert [layout.register_source(5, s) for s in (0, 1)] == [(1, 0), (9, 0)]
+    bits = [layout.register_bit(e) for e in (0, 1, 2, 3, 4, 63)]
+    assert bits == [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (1, 31)]
+
+
+def test_pack_gqa_layout_rejects_non_divisors():
+    with pytest.raises(ValueError, match="qhead_per_kvhead=3 must divide"):
+        WgmmaPackGqaLayout(128, 128, 3)
+
+
+def test_unpacked_registers_are_the_thread_words():
+    layout = wgmma_layout(128, 128)
+    assert [layout.register_source(77, s) for s in range(layout.register_words)] == [(77, 0), (77, 1)]
+    assert layout.register_bit(45) == (1, 13)

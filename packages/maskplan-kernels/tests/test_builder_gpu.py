@@ -257,14 +257,21 @@ def test_long_sequence_32k_sm90():
     )
 
 
-def test_sm90_consumer_views():
-    """The views exactly as the SM90 consumer resolves them for the facade."""
+@pytest.mark.parametrize(
+    "hq,hkv,hmask,pack_gqa",
+    [(4, 2, 4, False), (4, 2, 1, True), (8, 1, 1, True), (16, 1, 1, True)],
+    ids=["hmq", "pack-g2", "pack-g8", "pack-g16"],
+)
+def test_sm90_consumer_views(hq, hkv, hmask, pack_gqa):
+    """The views exactly as the SM90 consumer resolves them for the facade (PackGQA: plan Q blocks
+    of 128 / G positions and the packed payload layout)."""
     consumer_mod = pytest.importorskip("flexattn_sm90.consumer")
     from maskplan_core.consumer import ViewRequest
     from maskplan_kernels.builder import build_plan_gpu
 
-    g = make_geometry([2048, 777], [777, 2048], hq=4, hkv=2, hmask=4, nfunc=3, device=DEVICE)
-    mask = make_mask([2048, 777], [777, 2048], 4, 3, seed=1, device=DEVICE)
+    lens_q, lens_k = [2048, 777], [777, 2048]
+    g = make_geometry(lens_q, lens_k, hq=hq, hkv=hkv, hmask=hmask, nfunc=3, device=DEVICE)
+    mask = make_mask(lens_q, lens_k, hmask, 3, seed=1, device=DEVICE)
     consumer = consumer_mod.Sm90Consumer()
 
     def request(direction):
@@ -274,14 +281,16 @@ def test_sm90_consumer_views():
             direction=direction,
             head_dim_qk=128,
             head_dim_v=128,
-            num_heads_q=4,
-            num_heads_kv=2,
-            mask_heads=4,
+            num_heads_q=hq,
+            num_heads_kv=hkv,
+            mask_heads=hmask,
+            pack_gqa=pack_gqa,
             dtype="bfloat16",
             varlen=True,
         )
 
     fwd, bwd = consumer.resolve(request("forward")), consumer.resolve(request("backward"))
+    assert fwd.tile_m == (128 // (hq // hkv) if pack_gqa else 128)
     ref = build_plan(mask, g, fwd, bwd, consumer.name)
     got = build_plan_gpu(mask, g, fwd, bwd, consumer.name)
     assert_plans_equal(ref, got)

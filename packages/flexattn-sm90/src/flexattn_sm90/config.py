@@ -15,7 +15,7 @@ from typing import Literal
 
 from maskplan_core.schema import PlanSignature, Topology
 
-from .payload_layout import WgmmaAccumulatorLayout, wgmma_layout
+from .payload_layout import WgmmaAccumulatorLayout, wgmma_layout, wgmma_pack_gqa_layout
 
 ARCH_FAMILY = "sm90"
 MMA_LAYOUT = "wgmma-m64nNk16-acc"
@@ -38,9 +38,14 @@ class _KernelConfig:
             (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("constexpr")
         )
 
+    @property
+    def plan_tile_m(self) -> int:
+        """The plan's Q block in query positions (the score tile's M)."""
+        return self.tile_m
+
     def topology(self) -> Topology:
         return Topology(
-            tile_m=self.tile_m,
+            tile_m=self.plan_tile_m,
             tile_n=self.tile_n,
             q_stage=1,
             cta_group_size=1,
@@ -74,7 +79,12 @@ class _KernelConfig:
 @dataclass(frozen=True)
 class Sm90FwdConfig(_KernelConfig):
     """Persistent warp-specialised forward: one producer warpgroup, ``num_consumer_warpgroups``
-    MMA/softmax warpgroups, each owning 64 Q rows of the ``tile_m x tile_n`` score tile."""
+    MMA/softmax warpgroups, each owning 64 Q rows of the ``tile_m x tile_n`` score tile.
+
+    ``pack_gqa``: the ``qhead_per_kvhead`` q heads of one kv head share the tile's rows (row ``R`` is
+    position ``R // G`` of head ``R % G``), so the plan's Q block is ``tile_m / G`` positions
+    (:attr:`plan_tile_m`) and each K/V tile is loaded once for the whole group.
+    """
 
     direction = "forward"
     kernel_family = FWD_KERNEL_FAMILY
@@ -101,10 +111,20 @@ class Sm90FwdConfig(_KernelConfig):
                 f"tile_m={self.tile_m} must equal 64 * num_consumer_warpgroups "
                 f"({self.num_consumer_warpgroups}): each consumer warpgroup owns 64 Q rows"
             )
+        if self.pack_gqa and (self.qhead_per_kvhead < 1 or self.tile_m % self.qhead_per_kvhead):
+            raise ValueError(
+                f"pack_gqa needs qhead_per_kvhead ({self.qhead_per_kvhead}) to divide tile_m ({self.tile_m})"
+            )
         self.payload_layout  # noqa: B018 - validates the tile against the wgmma atom
 
     @property
+    def plan_tile_m(self) -> int:
+        return self.tile_m // self.qhead_per_kvhead if self.pack_gqa else self.tile_m
+
+    @property
     def payload_layout(self) -> WgmmaAccumulatorLayout:
+        if self.pack_gqa:
+            return wgmma_pack_gqa_layout(self.tile_m, self.tile_n, self.qhead_per_kvhead)
         return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, False)
 
     @property

@@ -23,6 +23,7 @@ class Sm90Consumer(KernelConsumer):
     compute_capabilities = ((9, 0),)
     supported_dtypes = SUPPORTED_DTYPES
     supported_head_dims = SUPPORTED_HEAD_DIMS
+    pack_gqa_forward = True
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
 

@@ -27,9 +27,17 @@ Pipelines (mbarrier based, all CTA-local)::
                                                                     blocks only)
 
 With ``mask_via_smem=False`` each consumer thread loads its payload words GMEM -> registers
-directly (same ABI, spec 9.10). Physical rows are ``q_offset/k_offset + sample-local position``;
-Q/K/V tiles past the tensor end are zero-filled by TMA, partial payloads carry the K tail
-(bit 0), and output rows past ``q_valid_rows`` are never stored.
+directly (same ABI, spec 9.10). A thread's payload registers come from the plane words the payload
+layout's ``register_source`` names, and guard its scores by ``register_bit``.
+
+PackGQA (``config.pack_gqa``, ``G = Hq / Hkv``): a task's head is a kv head and its 128 tile rows are
+``G`` q heads x ``128 / G`` positions, row ``R`` = (position ``R // G``, q head ``G * kv_head + R % G``).
+Q arrives by one TMA box ``(G, 128 / G, D)`` of the ``((heads, positions), D)`` view of Q; O, LSE
+and the max logit are written per row to that row's head and position.
+
+Physical rows are ``q_offset/k_offset + sample-local position``; Q/K/V tiles past the tensor end
+are zero-filled by TMA, partial payloads carry the K tail (bit 0), and output rows past
+``q_valid_rows`` are never stored.
 """
 
 import cuda.bindings.driver as cuda
@@ -47,6 +55,8 @@ from maskplan_kernels.consumer_plan import (
     decode_task,
     fwd_io_tensors,
     fwd_plan_tensors,
+    group_heads,
+    heads_rows,
     load_payload_plane,
     publish_task,
     select_modes,
@@ -64,14 +74,16 @@ class Sm90FwdKernel(ConsumerMainloop):
     """Static configuration of one compiled forward kernel; see the module docstring."""
 
     def __init__(self, config: Sm90FwdConfig, *, mask_via_smem: bool = True, schedule: str = "simple"):
-        if config.pack_gqa:
-            raise NotImplementedError("PackGQA is not implemented by the SM90 forward kernel yet")
         if config.num_consumer_warpgroups != 2 or config.tile_m != 128:
             raise NotImplementedError("the SM90 forward kernel uses a 128-row tile on 2 consumer warpgroups")
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        # PackGQA: G q heads x (tile_m / G) positions per tile; otherwise G = 1 head per tile
+        self.pack_gqa = config.pack_gqa
+        self.pack_group = config.qhead_per_kvhead if config.pack_gqa else 1
+        self.tile_positions = config.plan_tile_m
         self.kv_stages = config.kv_stages
         self.mask_stages = config.mask_pipeline_stages
         self.mask_via_smem = mask_via_smem
@@ -79,9 +91,10 @@ class Sm90FwdKernel(ConsumerMainloop):
             raise ValueError(f"schedule={schedule!r}; one of {SCHEDULES}")
         self.schedule = schedule
         # payload ABI (payload_layout.py is the one source of truth)
-        layout = config.payload_layout
-        self.payload_groups = layout.groups  # = consumer threads
+        self.payload_layout = layout = config.payload_layout
+        self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
+        self.payload_registers = layout.register_words  # uint32 registers one thread loads
         self.payload_elements = layout.elements_per_thread
         self.payload_plane = layout.words_per_tile  # int32 words of one partial entry
         # warp roles and register budgets (setmaxnreg, fwd_helpers.register_split)
@@ -92,7 +105,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.producer_warp = 0
         self.producer_regs, self.consumer_regs = register_split(self.num_consumer_wg, 24, 240)
         self.sched_stages = 2
-        assert self.payload_groups == self.num_consumer_threads
+        assert layout.threads == self.num_consumer_threads
 
     # -- host entries -----------------------------------------------------------------------------
     @cute.jit
@@ -186,7 +199,17 @@ class Sm90FwdKernel(ConsumerMainloop):
         sK_layout = smem_layout_row_major(self.dtype, self.tile_n, self.head_dim_qk, self.kv_stages)
         sV_layout = smem_layout_row_major(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(load_op, mQ_t, sQ_layout, (self.tile_m, self.head_dim_qk))
+        if const_expr(self.pack_gqa):
+            # one (G, P, D) box of ((heads, positions), D), then mode 2 = kv head: ((G, total_q), D, Hkv)
+            tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+                load_op, heads_rows(mQ), sQ_layout, ((self.pack_group, self.tile_positions), self.head_dim_qk)
+            )
+            tma_mQ = group_heads(tma_mQ, self.pack_group)
+            mO = group_heads(heads_rows(mO), self.pack_group)  # ((G, total_q), Dv, Hkv)
+        else:
+            tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+                load_op, mQ_t, sQ_layout, (self.tile_m, self.head_dim_qk)
+            )
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
             load_op, mK_t, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim_qk)
         )
@@ -404,11 +427,12 @@ class Sm90FwdKernel(ConsumerMainloop):
 
         task = Int32(cute.arch.block_idx()[0])
         while task < num_tasks:
-            t = decode_task(plan, task, qhead_per_kvhead)
+            # PackGQA: the task's head is the kv head
+            t = decode_task(plan, task, 1 if const_expr(self.pack_gqa) else qhead_per_kvhead)
             sched_state = publish_task(pipe_sched, sched_state, sTask, t, Int32(1), lane)
-            # Q tile: (tile_m, Dqk) at physical row q_offset + m_block * tile_m
+            # Q tile: (tile_m, Dqk) from position q_offset + m_block * tile_positions
             gQ = cute.local_tile(
-                cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]),
+                cute.domain_offset(self.row_coord(t.q_offset), mQ[None, None, t.head]),
                 (self.tile_m, self.head_dim_qk),
                 (t.m_block, 0),
             )
@@ -465,6 +489,10 @@ class Sm90FwdKernel(ConsumerMainloop):
             task = self.next_task(tile_counter, lane)
         # tell the consumers there is no more work
         sched_state = publish_task(pipe_sched, sched_state, sTask, None, Int32(0), lane)
+
+    def row_coord(self, position):
+        """Coordinate of ``(position, 0)`` in a Q/O view (its row mode is (head, position) with PackGQA)."""
+        return ((0, position), 0) if const_expr(self.pack_gqa) else (position, 0)
 
     @cute.jit
     def next_task(self, tile_counter: cute.Tensor, lane: Int32) -> Int32:

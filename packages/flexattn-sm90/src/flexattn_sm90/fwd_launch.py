@@ -49,9 +49,12 @@ def config_for_view(view: PlanView) -> Sm90FwdConfig:
     return view_config.config_for_view(view, "forward")
 
 def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bool, schedule: str) -> tuple:
-    """Everything the compiled kernel depends on. GQA ratio and varlen-ness are runtime values."""
+    """Everything the compiled kernel depends on. Varlen-ness, and the GQA ratio unless the tile
+    packs heads (PackGQA), are runtime values."""
     static = ("head_dim_qk", "head_dim_v", "dtype", "tile_m", "tile_n", "num_consumer_warpgroups")
     static += ("pack_gqa", "mask_pipeline_stages", "kv_stages")
+    if config.pack_gqa:  # the heads packed into a tile are compile-time (TMA box, payload layout)
+        static += ("qhead_per_kvhead",)
     return (
         "sm90-fwd",
         tuple((name, getattr(config, name)) for name in static),

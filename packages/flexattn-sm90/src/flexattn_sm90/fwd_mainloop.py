@@ -129,19 +129,26 @@ class ConsumerMainloop:
     # -- packed predicate delivery ----------------------------------------------------------------
     @cute.jit
     def read_payload(self, ops, mask_state, entry: Int32, words: cute.Tensor):
-        """This thread's payload words of partial entry ``entry``: from the SMEM stage (spec 6.2:
-        wait, copy to registers, release) or directly from GMEM."""
+        """This thread's payload registers of partial entry ``entry`` (register ``slot`` = plane word
+        ``payload_layout.register_source(tidx, slot)``): from the SMEM stage (spec 6.2: wait, copy
+        to registers, release) or directly from GMEM."""
         if const_expr(self.mask_via_smem):
             ops.pipe_mask.consumer_wait(mask_state)
-            cute.autovec_copy(ops.sMask[None, ops.tidx, mask_state.index], words)
+            for slot in cutlass.range_constexpr(self.payload_registers):
+                group, word = self.payload_layout.register_source(ops.tidx, slot)
+                words[slot] = ops.sMask[word, group, mask_state.index]
             # generic-proxy reads must complete before cp.async.bulk (async proxy) rewrites the slot
             cute.arch.fence_proxy("async.shared", space="cta")
             ops.pipe_mask.consumer_release(mask_state)
             mask_state.advance()
         else:
-            offset = (entry * self.payload_groups + ops.tidx) * self.payload_words
-            src = element_ptr(ops.masks, offset, 4 * self.payload_words)
-            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.payload_words)), words)
+            plane = cute.make_tensor(
+                element_ptr(ops.masks, entry * self.payload_plane, 16),
+                cute.make_layout((self.payload_words, self.payload_groups)),
+            )
+            for slot in cutlass.range_constexpr(self.payload_registers):
+                group, word = self.payload_layout.register_source(ops.tidx, slot)
+                words[slot] = plane[word, group]
         return mask_state
 
     # -- schedules --------------------------------------------------------------------------------
@@ -149,13 +156,13 @@ class ConsumerMainloop:
     def softmax_to_p(self, ops, acc_s: cute.Tensor, words):
         """[Packed predicate,] online softmax step, P (input dtype) into the PV A-operand registers."""
         if const_expr(words is not None):
-            apply_packed_predicate(acc_s, words, self.payload_elements)
+            apply_packed_predicate(acc_s, words, self.payload_elements, self.payload_layout.register_bit)
         online_softmax_step(acc_s, ops.acc_o, ops.row_max, ops.row_sum, ops.scale_log2)
         ops.tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
     @cute.jit
     def mainloop_simple(self, ops, acc_s_shape, t, kv_state, mask_state):
-        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        words = cute.make_rmem_tensor(self.payload_registers, Int32)
         for i in cutlass.range(t.partial_cnt, unroll=1):
             mask_state = self.read_payload(ops, mask_state, t.partial_off + i, words)
             kv_state = self.simple_step(ops, acc_s_shape, kv_state, words)
@@ -188,7 +195,7 @@ class ConsumerMainloop:
         """GEMM phases ``[S_0], [O += P_0 V_0, S_1], ..., [O += P_{n-1} V_{n-1}]``; with pingpong each
         phase is one turn of this warpgroup."""
         total = t.partial_cnt + t.full_cnt
-        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        words = cute.make_rmem_tensor(self.payload_registers, Int32)
         acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
         if t.partial_cnt > 0:
             mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
@@ -268,31 +275,54 @@ class ConsumerMainloop:
         self, thr_pv, acc_o: cute.Tensor, lse: cute.Tensor, row_max: cute.Tensor, tOcO: cute.Tensor,
         mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, softmax_scale: Float32, t,
     ):  # fmt: skip
-        """Store O rows ``< q_valid`` of the tile (input dtype), their LSE (fp32), and fold their
-        scaled row maxima into ``mMaxLogit[head]`` (one atomic per warp)."""
+        """Store O rows of valid positions (``< q_valid``; input dtype), their LSE (fp32), and fold
+        their scaled row maxima into ``mMaxLogit[head]``. Tile row ``R`` is position
+        ``R // G`` of q head ``G * t.head + R % G`` with PackGQA (``G`` = :attr:`pack_group`),
+        position ``R`` of ``t.head`` otherwise."""
+        g = self.pack_group
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
+        # (tile_m, Dv) of O; mO is ((G, total_q), Dv, Hkv) with PackGQA, (total_q, Hq, Dv) otherwise
+        mO_head = mO[None, None, t.head] if const_expr(self.pack_gqa) else mO[None, t.head, None]
         gO = cute.local_tile(
-            cute.domain_offset((t.q_offset, 0), mO[None, t.head, None]),
+            cute.domain_offset(self.row_coord(t.q_offset), mO_head),
             (self.tile_m, self.head_dim_v),
             (t.m_block, 0),
         )
         tOgO = acc_mn_view(thr_pv.partition_C(gO))
         r_o_mn = acc_mn_view(r_o)
-        row0 = t.m_block * self.tile_m
+        pos0 = t.q_offset + t.m_block * self.tile_positions
         for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
             row = tOcO[r, 0][0]
-            if row < t.q_valid:
+            if row // g < t.q_valid:
                 cute.autovec_copy(r_o_mn[r, None], tOgO[r, None])
                 if tOcO[r, 0][1] == 0:
-                    mLSE[t.head, t.q_offset + row0 + row] = lse[r]
+                    mLSE[t.head * g + row % g, pos0 + row // g] = lse[r]
         if const_expr(mMaxLogit is not None):
-            m = -Float32.inf
-            for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-                if tOcO[r, 0][0] < t.q_valid:
-                    m = cute.arch.fmax(m, row_max[r])
-            # the 4 lanes of a quad hold the same rows: reduce over the 8 quads of the warp
-            for offset in (16, 8, 4):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
-            if cute.arch.lane_idx() == 0 and m != -Float32.inf:
-                cute.arch.atomic_fmax(mMaxLogit.iterator + t.head, m * softmax_scale)
+            if const_expr(self.pack_gqa):
+                self.fold_max_logit_per_row(row_max, tOcO, mMaxLogit, softmax_scale, t)
+            else:
+                self.fold_max_logit(row_max, tOcO, mMaxLogit, softmax_scale, t)
+
+    @cute.jit
+    def fold_max_logit(self, row_max, tOcO, mMaxLogit, softmax_scale: Float32, t):
+        """All rows of the tile are one head: one atomic per warp."""
+        m = -Float32.inf
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            if tOcO[r, 0][0] < t.q_valid:
+                m = cute.arch.fmax(m, row_max[r])
+        # the 4 lanes of a quad hold the same rows: reduce over the 8 quads of the warp
+        for offset in (16, 8, 4):
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
+        if cute.arch.lane_idx() == 0 and m != -Float32.inf:
+            cute.arch.atomic_fmax(mMaxLogit.iterator + t.head, m * softmax_scale)
+
+    @cute.jit
+    def fold_max_logit_per_row(self, row_max, tOcO, mMaxLogit, softmax_scale: Float32, t):
+        """PackGQA: rows belong to different heads; the quad's first lane folds each of its rows."""
+        g = self.pack_group
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            row = tOcO[r, 0][0]
+            if row // g < t.q_valid and tOcO[r, 0][1] == 0 and row_max[r] != -Float32.inf:
+                head = t.head * g + row % g
+                cute.arch.atomic_fmax(mMaxLogit.iterator + head, row_max[r] * softmax_scale)

@@ -1,6 +1,8 @@
 """Config selection for the SM90 kernels: problem -> :class:`Sm90FwdConfig` / :class:`Sm90BwdConfig`.
 
-The tile is chosen by head dims only (so one plan serves every sequence length):
+The tile is chosen by head dims only (so one plan serves every sequence length). With
+``pack_gqa`` the forward tile's 128 rows hold ``G = Hq / Hkv`` heads x ``128 / G`` positions
+(``G`` must divide 128), and the plan's Q block is ``128 / G`` positions:
 
 ==============  ============  ==========================  ====================================
 (Dqk, Dv)       forward tile  backward tile (Q x K)       why
@@ -21,6 +23,7 @@ they split the 64 Q columns (32 each).
 from __future__ import annotations
 
 from maskplan_core.consumer import require_supported
+from maskplan_core.errors import UnsupportedConfigError
 
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
@@ -60,6 +63,13 @@ def select_fwd_config(
 ) -> Sm90FwdConfig:
     check_dtype(dtype)
     tile_m, tile_n = fwd_tile(head_dim_qk, head_dim_v)
+    if pack_gqa and tile_m % qhead_per_kvhead:
+        supported = ", ".join(str(g) for g in range(1, tile_m + 1) if tile_m % g == 0)
+        raise UnsupportedConfigError(
+            f"pack_gqa=True packs num_heads_q / num_heads_kv = {qhead_per_kvhead} q heads into the "
+            f"{tile_m}-row forward tile, which needs a ratio dividing {tile_m} ({supported}); "
+            "use pack_gqa=False"
+        )
     return Sm90FwdConfig(
         head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_v,

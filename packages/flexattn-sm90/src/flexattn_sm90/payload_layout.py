@@ -33,12 +33,15 @@ A CTA tile uses ``num_warpgroups`` consumer warpgroups tiled over the accumulato
 rest along N, warpgroup ``wg = wm + WM * wn`` (column-major, CUTLASS's default). Warpgroup ``wg``
 covers rows ``64 wm ..`` and columns ``wn * acc_cols/WN ..``; consumer thread ``t = 128 wg + 32 w + l``.
 
-Payload address of fragment element ``e`` of consumer thread ``t``::
+Payload address of fragment element ``e`` of consumer thread ``t``: the thread loads
+``register_words`` uint32 registers, register ``slot`` from ``register_source(t, slot)`` =
+``(group, word)`` of the partial entry's plane, and keeps element ``e`` iff bit ``b`` of register
+``s`` is set, ``(s, b) = register_bit(e)``. These two maps are the layout; ``element_coords`` (what
+the packers write) is derived from them through the fragment ownership above. Here::
 
-    subtile = 0        group = t        word = e // 32        bit = e % 32
+    register_source(t, slot) = (t, slot)     register_bit(e) = (e // 32, e % 32)
 
-so a thread loads its own ``words_per_group`` words and selects bit ``e % 32`` of word ``e // 32``
-for its ``e``-th accumulator register. Bits past the fragment are padding (0).
+so a thread loads its own ``words_per_group`` words. Bits past the fragment are padding (0).
 
 =====================  ==========  =======================  ======================================
 tile (score m x n)     warpgroups  elements / thread        payload
@@ -48,6 +51,24 @@ fwd 128x64 (D256)      2 (M)       32                       256 groups x 1 word 
 bwd 64x128, S^T        2 (M)       32                       256 groups x 1 word
 bwd 64x64,  S^T        2 (N)       16 (16 padding bits)     256 groups x 1 word
 =====================  ==========  =======================  ======================================
+
+PackGQA forward (:class:`WgmmaPackGqaLayout`): the ``G = Hq / Hkv`` q heads of one kv head share
+the mask (Hmask = 1) and are packed into the M128 accumulator, row ``R`` = position ``R // G`` of
+head ``R % G``; the plan's Q block is ``128 / G`` positions. The ``G`` rows of one position need
+the same bits, so the payload has one group per (position, lane quad member)::
+
+    group = m * 4 + q        (q = l % 4: the thread's columns 8j + 2q + c)
+    word, bit = divmod(2j + c, 32)           (the thread's k-th column of the row, in register order)
+
+    register_source(t, slot) = (((r0 + 8 * slot) // G) * 4 + l % 4, 0)     (N <= 128: one word a row)
+    register_bit(e)          = (half, 2j + c)
+
+=====================  ==========  ===========================================================
+tile (positions x n)   G           payload
+=====================  ==========  ===========================================================
+fwd (128/G) x 128      2..128      (512 / G) groups x 1 word   (2 KB / G)
+fwd (128/G) x 64       2..128      (512 / G) groups x 1 word, 16 bits used (D256)
+=====================  ==========  ===========================================================
 
 Transposed (backward, K-major): the dK/dV kernel computes ``S^T = K Q^T`` with warpgroups owning
 K rows, so score element ``(m, n)`` (m = Q row, n = K column of the score tile) sits at
@@ -109,47 +130,70 @@ class WgmmaAccumulatorLayout(PayloadLayout):
             )
         self.wg_cols = self.acc_cols // self.wg_n  # the N of each warpgroup's m64nNk16 atom
         self.elements_per_thread = WARPGROUP_ROWS * self.wg_cols // WARPGROUP_THREADS
+        self.threads = WARPGROUP_THREADS * self.num_warpgroups
         self.subtiles = 1
-        self.groups = WARPGROUP_THREADS * self.num_warpgroups
+        self.groups = self.threads
         self.words_per_group = -(-self.elements_per_thread // WORD_BITS)
+        self.register_words = self.words_per_group
         self.layout_id = _layout_id(tile_m, tile_n, self.num_warpgroups, self.wg_m, transposed)
 
-    # -- the one source of truth ------------------------------------------------------------
+    # -- the one source of truth: what a thread loads and which bit guards each register ---------
+    # Plain integer arithmetic: evaluated on torch tensors (CPU proofs), Python ints and the
+    # kernels' Int32 values alike.
+    def register_source(self, t, slot: int):
+        """``(group, word)`` of the plane that consumer thread ``t``'s payload register ``slot`` holds."""
+        return t, slot
+
+    def register_bit(self, e):
+        """``(slot, bit)``: the register and bit guarding the thread's fragment element ``e``."""
+        return e // WORD_BITS, e % WORD_BITS
+
     def fragment_coords(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score coordinates ``(m, n)``, int64 ``[groups, elements_per_thread]``, of every thread's
+        """Score coordinates ``(m, n)``, int64 ``[threads, elements_per_thread]``, of every thread's
         fragment element ``e`` in register order. Row ``t`` is consumer thread ``t``."""
         return self._fragment[0].clone(), self._fragment[1].clone()
 
     @cached_property
-    def _fragment(self) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(self.groups).unsqueeze(1)  # (T, 1)
+    def _accumulator(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accumulator ``(row, col)``, int64 ``[threads, elements_per_thread]`` (the ownership picture)."""
+        t = torch.arange(self.threads).unsqueeze(1)  # (T, 1)
         e = torch.arange(self.elements_per_thread).unsqueeze(0)  # (1, E)
         wg, warp, lane = t // WARPGROUP_THREADS, (t // 32) % 4, t % 32
         wm, wn = wg % self.wg_m, wg // self.wg_m
         j, half, c = e // 4, (e // 2) % 2, e % 2
         row = WARPGROUP_ROWS * wm + 16 * warp + lane // 4 + 8 * half  # (T, E)
         col = self.wg_cols * wn + 8 * j + 2 * (lane % 4) + c
-        m, n = (col, row) if self.transposed else (row, col)
-        return m.contiguous(), n.contiguous()
+        return row.contiguous(), col.contiguous()
+
+    @cached_property
+    def _fragment(self) -> tuple[torch.Tensor, torch.Tensor]:
+        row, col = self._accumulator
+        return (col, row) if self.transposed else (row, col)
 
     # -- derived views ----------------------------------------------------------------------
     def element_coords(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(subtile, group, word, bit)``, int64 ``[tile_m, tile_n]``: the inverse of the fragment map."""
+        """``(subtile, group, word, bit)``, int64 ``[tile_m, tile_n]``: where the registers of every
+        thread holding element ``(m, n)`` take its bit from (all holders agree, checked)."""
         return tuple(x.clone() for x in self._inverse)
 
     @cached_property
     def _inverse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = self._fragment
-        t = torch.arange(self.groups).unsqueeze(1).expand_as(m)
+        t = torch.arange(self.threads).unsqueeze(1).expand_as(m)
         e = torch.arange(self.elements_per_thread).unsqueeze(0).expand_as(m)
-        return _invert(self.tile_m, self.tile_n, m, n, torch.zeros_like(m), t, e, self.layout_id)
+        slot, bit = self.register_bit(e)
+        group, word = self.register_source(t, slot)
+        holders = self.threads * self.elements_per_thread // (self.tile_m * self.tile_n)
+        coords = (torch.zeros_like(m), group.expand_as(m), word.expand_as(m), bit)
+        return _invert(self.tile_m, self.tile_n, m, n, coords, holders, self.layout_id)
 
     def thread_elements(self, thread: int) -> list[tuple[int, int]]:
         """Score elements ``(m, n)`` of consumer thread ``thread``, in fragment (register) order:
-        element ``e`` of the list is guarded by bit ``e % 32`` of word ``e // 32`` of group ``thread``."""
-        if not 0 <= thread < self.groups:
+        element ``e`` of the list is guarded by ``register_bit(e)`` of the registers
+        ``register_source(thread, slot)`` loads."""
+        if not 0 <= thread < self.threads:
             raise IndexError(
-                f"thread={thread} is outside the {self.groups} consumer threads of {self.layout_id}"
+                f"thread={thread} is outside the {self.threads} consumer threads of {self.layout_id}"
             )
         m, n = self._fragment
         return list(zip(m[thread].tolist(), n[thread].tolist(), strict=True))
@@ -162,6 +206,54 @@ class WgmmaAccumulatorLayout(PayloadLayout):
 
     def __hash__(self) -> int:
         return hash(("WgmmaAccumulatorLayout", *self._key()))
+
+
+class WgmmaPackGqaLayout(WgmmaAccumulatorLayout):
+    """Forward PackGQA tile: ``G`` q heads x ``acc_rows / G`` positions in the M of the accumulator
+    (row ``R`` = position ``R // G``, head ``R % G``), one payload row per position (module docstring).
+
+    ``tile_m`` is the plan's Q block in positions, ``acc_rows / G``.
+    """
+
+    def __init__(self, acc_rows: int, tile_n: int, qhead_per_kvhead: int) -> None:
+        super().__init__(acc_rows, tile_n)
+        g = qhead_per_kvhead
+        if g < 1 or acc_rows % g:
+            raise ValueError(
+                f"qhead_per_kvhead={g} must divide the {acc_rows} accumulator rows for PackGQA"
+            )
+        self.qhead_per_kvhead = g
+        self.tile_m = acc_rows // g
+        self.row_bits = self.wg_cols // 4  # columns one thread holds of one row
+        self.groups = self.tile_m * 4
+        self.words_per_group = -(-self.row_bits // WORD_BITS)
+        self.register_words = 2 * self.words_per_group  # the thread's two rows r0, r0 + 8
+        self.layout_id = f"sm90-wgmma-packgqa-{LAYOUT_VERSION}-{acc_rows}x{tile_n}-g{g}"
+
+    def register_source(self, t, slot: int):
+        half, word = slot // self.words_per_group, slot % self.words_per_group
+        wm, warp, lane = (t // WARPGROUP_THREADS) % self.wg_m, (t // 32) % 4, t % 32
+        row = WARPGROUP_ROWS * wm + 16 * warp + lane // 4 + 8 * half
+        return (row // self.qhead_per_kvhead) * 4 + lane % 4, word
+
+    def register_bit(self, e):
+        j, half, c = e // 4, (e // 2) % 2, e % 2
+        k = 2 * j + c  # the element's index among the thread's columns of its row
+        return half * self.words_per_group + k // WORD_BITS, k % WORD_BITS
+
+    @cached_property
+    def _fragment(self) -> tuple[torch.Tensor, torch.Tensor]:
+        row, col = self._accumulator
+        return row // self.qhead_per_kvhead, col
+
+    def _key(self) -> tuple:
+        return (*super()._key(), self.qhead_per_kvhead)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WgmmaPackGqaLayout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(("WgmmaPackGqaLayout", *self._key()))
 
 
 class WgmmaForward128x128Layout(WgmmaAccumulatorLayout):
@@ -186,6 +278,11 @@ def wgmma_layout(
     return WgmmaAccumulatorLayout(tile_m, tile_n, num_warpgroups, transposed=transposed)
 
 
+@cache
+def wgmma_pack_gqa_layout(acc_rows: int, tile_n: int, qhead_per_kvhead: int) -> WgmmaPackGqaLayout:
+    return WgmmaPackGqaLayout(acc_rows, tile_n, qhead_per_kvhead)
+
+
 def _layout_id(tile_m: int, tile_n: int, num_warpgroups: int, wg_m: int, transposed: bool) -> str:
     layout_id = f"sm90-wgmma-acc-{LAYOUT_VERSION}-{tile_m}x{tile_n}"
     if num_warpgroups != wg_m:
@@ -193,16 +290,22 @@ def _layout_id(tile_m: int, tile_n: int, num_warpgroups: int, wg_m: int, transpo
     return layout_id + ("-kq" if transposed else "")
 
 
-def _invert(tile_m, tile_n, m, n, s, g, e, layout_id):
-    """Scatter the (subtile, group, element) -> (m, n) map into [tile_m, tile_n] coordinate tensors,
-    checking that it is a bijection onto the tile."""
+def _invert(tile_m, tile_n, m, n, coords, holders: int, layout_id):
+    """Scatter the per-(thread, element) ``coords`` (subtile, group, word, bit) of score elements
+    ``(m, n)`` into ``[tile_m, tile_n]`` tensors, checking that every element is held by exactly
+    ``holders`` registers and that all of them read the same bit."""
     flat = (m * tile_n + n).reshape(-1)
     hits = torch.bincount(flat, minlength=tile_m * tile_n)
-    if hits.numel() != tile_m * tile_n or not bool((hits == 1).all()):
-        raise AssertionError(f"{layout_id}: fragment map is not a bijection onto the {tile_m}x{tile_n} tile")
+    if hits.numel() != tile_m * tile_n or not bool((hits == holders).all()):
+        raise AssertionError(
+            f"{layout_id}: the fragment does not hold every element of the {tile_m}x{tile_n} tile "
+            f"exactly {holders} time(s)"
+        )
     out = []
-    for value in (s, g, e // WORD_BITS, e % WORD_BITS):
+    for value in coords:
         dense = torch.empty(tile_m * tile_n, dtype=torch.int64)
         dense[flat] = value.reshape(-1)
+        if not bool((dense[flat] == value.reshape(-1)).all()):
+            raise AssertionError(f"{layout_id}: two holders of one element read different bits")
         out.append(dense.reshape(tile_m, tile_n))
     return tuple(out)

@@ -74,6 +74,10 @@ def create_mask_plan(
     the backward (K2Q) view when autograd is enabled and any of q/k/v requires grad.
     ``target`` plans for another architecture family's consumer (e.g. ``"sm90"`` on a laptop, to
     inspect its block map); the default is the consumer of the tensors' device.
+    ``pack_gqa=True`` (GQA with a shared mask, Hmask=1) packs the ``Hq / Hkv`` q heads of each kv
+    head into one forward tile, so every K/V block is loaded once per kv head; the plan's forward
+    Q block is then ``128 / (Hq / Hkv)`` positions. The backward view is the same either way (its
+    kernel visits all q heads of a kv head in one CTA). ``None`` and ``False`` do not pack.
     """
     require_optional_bool("pack_gqa", pack_gqa)
     require_optional_bool("build_backward", build_backward)

@@ -117,13 +117,19 @@ class KernelConsumer(Consumer):
     """A consumer whose views come from tile heuristics: one request check and dispatch for all.
 
     Subclasses name what they support and give the two config selectors; each selector takes
-    ``head_dim_qk, head_dim_v, dtype, qhead_per_kvhead, varlen`` and returns a config with
-    ``plan_signature()`` and ``payload_layout``.
+    ``head_dim_qk, head_dim_v, dtype, qhead_per_kvhead, varlen`` (the forward one also ``pack_gqa``
+    when :attr:`pack_gqa_forward`) and returns a config with ``plan_signature()`` and
+    ``payload_layout``.
+
+    ``pack_gqa`` concerns the forward view only: a K-major backward kernel owns one kv head's K
+    block and visits the Q blocks of all its q heads in one CTA, so its view is the same either way.
     """
 
     compute_capabilities: ClassVar[tuple[tuple[int, int], ...]]
     supported_dtypes: ClassVar[tuple[str, ...]]
     supported_head_dims: ClassVar[tuple[tuple[int, int], ...]]
+    #: the forward kernel packs the q heads of a kv head into one tile on request
+    pack_gqa_forward: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod
@@ -135,14 +141,19 @@ class KernelConsumer(Consumer):
 
     def resolve(self, request: ViewRequest) -> ViewConfig:
         self.check_request(request)
-        select = self.select_forward if request.direction == "forward" else self.select_backward
-        config = select(
+        problem = dict(
             head_dim_qk=request.head_dim_qk,
             head_dim_v=request.head_dim_v,
             dtype=request.dtype,
             qhead_per_kvhead=request.num_heads_q // request.num_heads_kv,
             varlen=request.varlen,
         )
+        if request.direction == "forward":
+            if self.pack_gqa_forward:
+                problem["pack_gqa"] = bool(request.pack_gqa)
+            config = self.select_forward(**problem)
+        else:
+            config = self.select_backward(**problem)
         return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
 
     def check_request(self, request: ViewRequest) -> None:
@@ -158,9 +169,16 @@ class KernelConsumer(Consumer):
                 f"num_heads_q={request.num_heads_q} is not a multiple of num_heads_kv={request.num_heads_kv}"
             )
         if request.pack_gqa:
-            raise UnsupportedConfigError(
-                f"pack_gqa=True is not supported by {self.name} yet; supported pack_gqa values: None, False"
-            )
+            if not self.pack_gqa_forward:
+                raise UnsupportedConfigError(
+                    f"pack_gqa=True is not supported by {self.name} yet; supported pack_gqa values: "
+                    "None, False"
+                )
+            if request.mask_heads != 1:
+                raise UnsupportedConfigError(
+                    f"pack_gqa=True packs the q heads of a kv head into one tile, so they must share "
+                    f"the mask: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1"
+                )
 
 
 # -- view -> kernel config (the check every kernel launcher runs first) ----------------------------

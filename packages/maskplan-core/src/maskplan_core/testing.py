@@ -67,14 +67,16 @@ def varlen_causal(cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows).to(torch.int32).view(1, 1, -1).contiguous()
 
 
-def resolve_view(consumer: KernelConsumer, g: PlanGeometry, direction: str) -> ViewConfig:
+def resolve_view(
+    consumer: KernelConsumer, g: PlanGeometry, direction: str, pack_gqa: bool | None = None
+) -> ViewConfig:
     """``consumer.resolve`` of the request the facade makes for ``g`` on the consumer's first arch
     family and compute capability."""
     request = ViewRequest(
         arch_family=consumer.arch_families[0], compute_capability=consumer.compute_capabilities[0],
         direction=direction, head_dim_qk=g.head_dim_qk, head_dim_v=g.head_dim_v, num_heads_q=g.num_heads_q,
-        num_heads_kv=g.num_heads_kv, mask_heads=g.mask_heads, dtype=KERNEL_DTYPE_NAMES[g.dtype],
-        varlen=g.varlen,
+        num_heads_kv=g.num_heads_kv, mask_heads=g.mask_heads, pack_gqa=pack_gqa,
+        dtype=KERNEL_DTYPE_NAMES[g.dtype], varlen=g.varlen,
     )  # fmt: skip
     return consumer.resolve(request)
 

@@ -142,15 +142,16 @@ def fetch_task(pipe_sched, state, sTask: cute.Tensor):
 
 
 @cute.jit
-def apply_packed_predicate(scores: cute.Tensor, words: cute.Tensor, num_elements: cutlass.Constexpr[int]):
-    """Spec 5.1 on a thread's score registers: element ``e`` keeps its score iff bit ``e % 32`` of
-    ``words[e // 32]`` is 1, else becomes -inf. Compile-time unrolled; padding bits are never read."""
-    for w in cutlass.range_constexpr((num_elements + 31) // 32):
-        word = words[w]
-        for b in cutlass.range_constexpr(min(32, num_elements - 32 * w)):
-            e = 32 * w + b
-            keep = ((word >> b) & 1) != 0
-            scores[e] = scores[e] if keep else -Float32.inf
+def apply_packed_predicate(
+    scores: cute.Tensor, words: cute.Tensor, num_elements: cutlass.Constexpr[int], register_bit=None
+):
+    """Spec 5.1 on a thread's score registers: element ``e`` keeps its score iff bit ``b`` of
+    ``words[s]`` is 1, else becomes -inf, with ``(s, b) = register_bit(e)`` (the consumer payload
+    layout's map; default ``divmod(e, 32)``). Compile-time unrolled; padding bits are never read."""
+    for e in cutlass.range_constexpr(num_elements):
+        s, b = divmod(e, 32) if const_expr(register_bit is None) else register_bit(e)
+        keep = ((words[s] >> b) & 1) != 0
+        scores[e] = scores[e] if keep else -Float32.inf
 
 
 @cute.jit
@@ -186,6 +187,24 @@ def element_ptr(base: cute.Tensor, offset, align: int = 16, dtype=None) -> cute.
 def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
     """``t`` with its modes reordered (e.g. THD ``(rows, heads, d)`` -> ``(rows, d, heads)`` for TMA)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+def heads_rows(t: cute.Tensor) -> cute.Tensor:
+    """THD ``(total, heads, d)`` -> ``((heads, total), d)``: one row mode over (head, position) pairs,
+    head fastest. A PackGQA tile of ``G`` heads x ``P`` positions is one ``((G, P), d)`` box of it."""
+    shape = ((t.shape[1], t.shape[0]), t.shape[2])
+    stride = ((t.stride[1], t.stride[0]), t.stride[2])
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
+
+
+def group_heads(t: cute.Tensor, group: int) -> cute.Tensor:
+    """``((heads, total), d)`` -> ``((group, total), d, heads / group)``: the packed rows of each kv
+    head (its ``group`` consecutive q heads at every position) as mode 0, the kv head as mode 2.
+    Works on memory tensors and on TMA coordinate tensors alike."""
+    (h_stride, t_stride), d_stride = t.stride
+    shape = ((group, t.shape[0][1]), t.shape[1], t.shape[0][0] // group)
+    stride = ((h_stride, t_stride), d_stride, h_stride * group)
+    return cute.make_tensor(t.iterator, cute.make_layout(shape, stride=stride))
 
 
 # -- backward (K2Q) view ----------------------------------------------------------------------------
