@@ -148,10 +148,12 @@ def apply_packed_predicate(
     """Spec 5.1 on a thread's score registers: element ``e`` keeps its score iff bit ``b`` of
     ``words[s]`` is 1, else becomes -inf, with ``(s, b) = register_bit(e)`` (the consumer payload
     layout's map; default ``divmod(e, 32)``). Compile-time unrolled; padding bits are never read."""
-    for e in cutlass.range_constexpr(num_elements):
-        s, b = divmod(e, 32) if const_expr(register_bit is None) else register_bit(e)
-        keep = ((words[s] >> b) & 1) != 0
-        scores[e] = scores[e] if keep else -Float32.inf
+    for chunk in cutlass.range_constexpr((num_elements + 31) // 32):  # unrolled in loops of <= 32
+        for i in cutlass.range_constexpr(min(32, num_elements - 32 * chunk)):
+            e = 32 * chunk + i
+            s, b = divmod(e, 32) if const_expr(register_bit is None) else register_bit(e)
+            keep = ((words[s] >> b) & 1) != 0
+            scores[e] = scores[e] if keep else -Float32.inf
 
 
 @cute.jit
