@@ -10,16 +10,12 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
-from flexattn_sm90.fwd_kernel import Sm90FwdKernel  # noqa: E402
-from flexattn_sm90.fwd_launch import (  # noqa: E402
-    GPU_ARCH,
-    SOURCE_PACKAGES,
-    compile_forward,
-    kernel_key,
-    placeholder_arguments,
-)
+tvm_ffi = pytest.importorskip("tvm_ffi")
+
+from flexattn_sm90.fwd_launch import GPU_ARCH, SOURCE_PACKAGES, compile_forward, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import select_fwd_config  # noqa: E402
 from maskplan_kernels import compile_cache  # noqa: E402
+from maskplan_kernels.compile_cache import CALL_OPTIONS  # noqa: E402
 
 
 def test_forward_kernel_is_cached_on_disk_and_loaded_back(tmp_path, monkeypatch):
@@ -33,7 +29,8 @@ def test_forward_kernel_is_cached_on_disk_and_loaded_back(tmp_path, monkeypatch)
     key = kernel_key(config, mask_via_smem=True, with_max_logit=True, schedule="simple")
     assert key in compile_cache.cached_keys()
     (entry,) = (tmp_path / "kernels").glob("sm90-fwd-*.o")
-    disk_key = compile_cache.make_key(key, options=f"--gpu-arch {GPU_ARCH}", packages=SOURCE_PACKAGES)
+    options = f"--gpu-arch {GPU_ARCH} {CALL_OPTIONS}"
+    disk_key = compile_cache.make_key(key, options=options, packages=SOURCE_PACKAGES)
     assert entry.name == disk_key.filename and disk_key.arch == "sm_90a"
     assert [p[0] for p in disk_key.packages] == ["flexattn_sm90", "maskplan_kernels", "maskplan_core"]
 
@@ -41,7 +38,5 @@ def test_forward_kernel_is_cached_on_disk_and_loaded_back(tmp_path, monkeypatch)
     loaded = compile_forward(config, with_max_logit=True)
     delta = {k: v - before.get(k, 0) for k, v in compile_cache.STATS.items()}
     assert delta["compile"] == 1 and delta["disk_hit"] == 1 and delta["write"] == 1
-    kernel = Sm90FwdKernel(config, mask_via_smem=True, schedule="simple")
-    args = placeholder_arguments(kernel, with_max_logit=True)
-    assert str(loaded.execution_args.signature) == str(compiled.execution_args.signature)
-    assert len(loaded.generate_execution_args(*args)[0]) == len(compiled.generate_execution_args(*args)[0])
+    # both are TVM-FFI functions: the launch convention of run_forward (running them needs a GPU)
+    assert isinstance(loaded, tvm_ffi.Function) and "TVMFFI" in type(compiled).__name__

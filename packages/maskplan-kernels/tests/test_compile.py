@@ -16,7 +16,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # also when this file is run o
 
 import torch  # noqa: E402
 
-from maskplan_kernels._cute_args import int32_ptr  # noqa: E402
+from maskplan_kernels._cute_args import int32_address  # noqa: E402
 from maskplan_kernels.classify import ClassifyConfig, compile_classify  # noqa: E402
 
 # (tile_m, tile_n, nfunc, num_threads, chunk_blocks): the SM90 forward tile, a backward-like tile
@@ -50,12 +50,13 @@ def test_config_rejects_bad_static_parameters():
         ClassifyConfig(tile_m=128, tile_n=128, nfunc=1, chunk_blocks=48)
 
 
-def test_int32_ptr_takes_contiguous_int32_tensors_only():
-    assert int32_ptr(torch.zeros(3, 4, dtype=torch.int32)) is not None
+def test_int32_address_takes_contiguous_int32_tensors_only():
+    t = torch.zeros(3, 4, dtype=torch.int32)
+    assert int32_address(t) == t.data_ptr()
     with pytest.raises(ValueError, match="contiguous"):
-        int32_ptr(torch.zeros(4, 6, dtype=torch.int32)[:, ::2])
+        int32_address(torch.zeros(4, 6, dtype=torch.int32)[:, ::2])
     with pytest.raises(TypeError, match="int32"):
-        int32_ptr(torch.zeros(4, dtype=torch.int64))
+        int32_address(torch.zeros(4, dtype=torch.int64))
 
 
 def test_maskplan_core_does_not_import_cutlass():

@@ -147,7 +147,7 @@ def run_forward(
         return io.out, io.lse, io.max_logit
     prep = fwd_view_args(view, q.device)
     compiled = compile_forward(config, with_max_logit=return_max_logit)
-    compiled(*io.pointers(), *prep.pointers, *prep.sizes, Float32(io.softmax_scale), torch_stream(q.device))
+    compiled(*io.pointers(), *prep.pointers, *prep.sizes, io.softmax_scale, torch_stream(q.device))
     return io.out, io.lse, io.max_logit
 
 

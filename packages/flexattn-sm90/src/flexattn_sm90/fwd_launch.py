@@ -164,10 +164,10 @@ def run_forward(
     compiled(
         *io.pointers(),
         *prep.pointers,
-        gmem_ptr(Int32, counter.data_ptr()),
+        counter.data_ptr(),
         *prep.sizes,
-        Float32(io.softmax_scale),
-        Int32(persistent_ctas(device, prep.num_tasks)),
+        io.softmax_scale,
+        persistent_ctas(device, prep.num_tasks),
         torch_stream(device),
     )
     return io.out, io.lse, io.max_logit

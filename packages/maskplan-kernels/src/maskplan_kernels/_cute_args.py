@@ -1,21 +1,24 @@
-"""The one argument convention of the planner kernels: raw global pointers plus int32 sizes.
+"""The one argument convention of the project's kernels: raw global addresses plus int32 sizes.
 
-A kernel's ``@cute.jit`` host entry takes ``cute.Pointer`` arguments (int32, global memory, 4-byte
-aligned) and the sizes as ``Int32``, and derives every layout itself from the sizes (all planner
-tensors are contiguous and row-major). Compared with passing ``cute.Tensor`` arguments built by
+A kernel's ``@cute.jit`` host entry takes ``cute.Pointer`` arguments (global memory, with the
+alignment the kernel assumes) and the sizes as ``Int32``, and derives every layout itself from the
+sizes (all planner tensors are contiguous and row-major). Every kernel is compiled with TVM-FFI
+(:data:`maskplan_kernels.compile_cache.CALL_OPTIONS`), so a launch passes plain Python values: an
+``int`` device address per pointer (:func:`int32_address`), ``int`` sizes, ``float`` scalars and
+the stream as an ``int`` handle (:func:`torch_stream`). Compared with ``cute.Tensor`` arguments built by
 ``from_dlpack(...).mark_layout_dynamic()``:
 
 * the calling convention cannot drift: a compiled function unpacks tensor descriptors by their
-  compile-time type without checking it, whereas a pointer is a pointer;
-* it is cheap: ``make_ptr`` costs ~2 us per argument on the build machine, ``from_dlpack`` +
-  ``mark_layout_dynamic`` ~20 us (the planner launches several kernels per plan build);
+  compile-time type without checking it, whereas an address is an address;
+* it is cheap: on the H200 host a launch of the 12-argument scan/header kernel took 55 us through
+  the DSL's default executor (``make_ptr`` objects, ~1 us each, plus its argument packing) and
+  13 us through TVM-FFI with ints;
 * compiling needs no tensor at all: :func:`placeholder_ptr` stands in for every pointer, so
   ``cute.compile`` runs in CI without a GPU and without allocating.
 """
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
 from cutlass import Int32
@@ -24,23 +27,25 @@ ALIGN_BYTES = 4
 
 
 def placeholder_ptr() -> cute.Pointer:
-    """A compile-time stand-in for any :func:`int32_ptr` argument (same type, no memory behind it)."""
+    """A compile-time stand-in for any :func:`int32_address` argument (same type, no memory behind it)."""
     return cute.runtime.make_ptr(Int32, 0, cute.AddressSpace.gmem, assumed_align=ALIGN_BYTES)
 
 
-def int32_ptr(t: torch.Tensor) -> cute.Pointer:
-    """The device address of a contiguous int32 tensor, typed like :func:`placeholder_ptr`."""
+def int32_address(t: torch.Tensor) -> int:
+    """The device address of a contiguous int32 tensor: the launch value of a :func:`placeholder_ptr`
+    argument."""
     if t.dtype != torch.int32:
         raise TypeError(f"planner kernels take int32 tensors, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"planner kernels take contiguous tensors, got strides {t.stride()} "
                          f"for shape {tuple(t.shape)}")
-    return cute.runtime.make_ptr(Int32, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=ALIGN_BYTES)
+    return t.data_ptr()
 
 
 def fake_stream():
     return cute.runtime.make_fake_stream()
 
 
-def torch_stream(device: torch.device) -> cuda.CUstream:
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+def torch_stream(device: torch.device) -> int:
+    """The launch value of a stream argument: the handle of ``device``'s current torch stream."""
+    return torch.cuda.current_stream(device).cuda_stream

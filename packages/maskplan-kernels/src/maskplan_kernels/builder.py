@@ -26,7 +26,7 @@ from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 
-from ._cute_args import int32_ptr, torch_stream
+from ._cute_args import int32_address, torch_stream
 from ._launch import StageTimer, arena, no_timer, persistent_ctas
 from ._sections import ScheduleParams
 from ._tile_packer import MaterializeConfig
@@ -246,15 +246,15 @@ def stage_geometry(build: PlanBuild) -> None:
     compiled = compile_geometry(GeometryConfig(has_backward=bwd is not None))
     other = bwd if bwd is not None else fwd  # unused stand-ins when there is no backward view
     compiled(
-        int32_ptr(g.cu_seqlens_q),
-        int32_ptr(g.cu_seqlens_k),
-        int32_ptr(build.header),
-        int32_ptr(fwd.desc_q),
-        int32_ptr(fwd.row_batch_q),
-        int32_ptr(other.desc_q),
-        int32_ptr(other.row_batch_q),
-        int32_ptr(bwd.desc_k if bwd is not None else fwd.desc_q),
-        int32_ptr(bwd.row_batch_k if bwd is not None else fwd.row_batch_q),
+        int32_address(g.cu_seqlens_q),
+        int32_address(g.cu_seqlens_k),
+        int32_address(build.header),
+        int32_address(fwd.desc_q),
+        int32_address(fwd.row_batch_q),
+        int32_address(other.desc_q),
+        int32_address(other.row_batch_q),
+        int32_address(bwd.desc_k if bwd is not None else fwd.desc_q),
+        int32_address(bwd.row_batch_k if bwd is not None else fwd.row_batch_q),
         g.batch,
         g.total_q,
         g.total_k,
@@ -279,14 +279,14 @@ def stage_classify(build: PlanBuild, view: ViewWorkspace) -> None:
         return
     compiled = compile_classify(ClassifyConfig(tile_m=bounds.tile_m, tile_n=bounds.tile_n, nfunc=build.nfunc))
     compiled(
-        int32_ptr(build.mask_func),
-        int32_ptr(view.row_batch_q),
-        int32_ptr(view.desc_q),
-        int32_ptr(view.visible),
-        int32_ptr(view.full),
-        int32_ptr(view.counts[CNT_PARTIAL]),
-        int32_ptr(view.counts[CNT_FULL]),
-        int32_ptr(build.header[HDR_ERROR : HDR_ERROR + 1]),
+        int32_address(build.mask_func),
+        int32_address(view.row_batch_q),
+        int32_address(view.desc_q),
+        int32_address(view.visible),
+        int32_address(view.full),
+        int32_address(view.counts[CNT_PARTIAL]),
+        int32_address(view.counts[CNT_FULL]),
+        int32_address(build.header[HDR_ERROR : HDR_ERROR + 1]),
         build.hmask,
         build.total_q,
         bounds.q_rows,
@@ -302,13 +302,13 @@ def stage_k2q_count(build: PlanBuild) -> None:
         return
     compiled = compile_k2q_count(K2QCountConfig())
     compiled(
-        int32_ptr(bwd.visible),
-        int32_ptr(bwd.full),
-        int32_ptr(bwd.row_batch_k),
-        int32_ptr(bwd.desc_q),
-        int32_ptr(bwd.desc_k),
-        int32_ptr(bwd.k2q_counts[CNT_PARTIAL]),
-        int32_ptr(bwd.k2q_counts[CNT_FULL]),
+        int32_address(bwd.visible),
+        int32_address(bwd.full),
+        int32_address(bwd.row_batch_k),
+        int32_address(bwd.desc_q),
+        int32_address(bwd.desc_k),
+        int32_address(bwd.k2q_counts[CNT_PARTIAL]),
+        int32_address(bwd.k2q_counts[CNT_FULL]),
         build.hmask,
         _extent(bwd.bounds.q_rows),
         bwd.bounds.k_rows,
@@ -323,15 +323,15 @@ def stage_scan_header(build: PlanBuild) -> None:
     k2q = bwd.k2q_counts if bwd is not None else fwd.counts  # stand-ins when there is no backward view
     compiled = compile_scan_header(ScanConfig(num_arrays=4 if bwd is not None else 2))
     compiled(
-        int32_ptr(fwd.counts[CNT_PARTIAL]),
-        int32_ptr(fwd.counts[OFF_PARTIAL]),
-        int32_ptr(fwd.counts[CNT_FULL]),
-        int32_ptr(fwd.counts[OFF_FULL]),
-        int32_ptr(k2q[CNT_PARTIAL]),
-        int32_ptr(k2q[OFF_PARTIAL]),
-        int32_ptr(k2q[CNT_FULL]),
-        int32_ptr(k2q[OFF_FULL]),
-        int32_ptr(build.header),
+        int32_address(fwd.counts[CNT_PARTIAL]),
+        int32_address(fwd.counts[OFF_PARTIAL]),
+        int32_address(fwd.counts[CNT_FULL]),
+        int32_address(fwd.counts[OFF_FULL]),
+        int32_address(k2q[CNT_PARTIAL]),
+        int32_address(k2q[OFF_PARTIAL]),
+        int32_address(k2q[CNT_FULL]),
+        int32_address(k2q[OFF_FULL]),
+        int32_address(build.header),
         build.hmask * fwd.bounds.q_rows,
         build.hmask * bwd.bounds.k_rows if bwd is not None else 0,
         build.stream(),
@@ -361,17 +361,17 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
         config = MaterializeConfig(fwd.bounds.tile_m, fwd.bounds.tile_n, build.nfunc, layout.words_per_tile)
         compiled = compile_q2k_materialize(config)
         compiled(
-            int32_ptr(build.mask_func),
-            int32_ptr(fwd.row_batch_q),
-            int32_ptr(fwd.desc_q),
-            int32_ptr(fwd.visible),
-            int32_ptr(fwd.full),
-            int32_ptr(fwd.counts),
-            int32_ptr(counts),
-            int32_ptr(idx_p),
-            int32_ptr(idx_f),
-            int32_ptr(masks),
-            int32_ptr(device_source_table(layout, build.device)),
+            int32_address(build.mask_func),
+            int32_address(fwd.row_batch_q),
+            int32_address(fwd.desc_q),
+            int32_address(fwd.visible),
+            int32_address(fwd.full),
+            int32_address(fwd.counts),
+            int32_address(counts),
+            int32_address(idx_p),
+            int32_address(idx_f),
+            int32_address(masks),
+            int32_address(device_source_table(layout, build.device)),
             h,
             build.total_q,
             fwd.bounds.q_rows,
@@ -412,14 +412,14 @@ def stage_schedule(build: PlanBuild, header: list[int], work: torch.Tensor) -> N
         params.row_bytes_kv,
         params.budget,
     )
-    counts, desc, stats = int32_ptr(fwd.counts), int32_ptr(fwd.desc_q), int32_ptr(build.stats)
+    counts, desc, stats = int32_address(fwd.counts), int32_address(fwd.desc_q), int32_address(build.stats)
     compile_schedule_stats(ScheduleStatsConfig())(counts, desc, stats, *common, *section_args, build.stream())
     scatter = compile_schedule_scatter(ScheduleScatterConfig.for_max_k_blocks(fwd.bounds.max_k_blocks))
     scatter(
         counts,
         desc,
         stats,
-        int32_ptr(work),
+        int32_address(work),
         *common,
         n_tasks,
         *section_args,
@@ -450,20 +450,20 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
         config = MaterializeConfig(bwd.bounds.tile_m, bwd.bounds.tile_n, build.nfunc, layout.words_per_tile)
         compiled = compile_k2q_materialize(config)
         compiled(
-            int32_ptr(build.mask_func),
-            int32_ptr(bwd.row_batch_k),
-            int32_ptr(bwd.desc_q),
-            int32_ptr(bwd.desc_k),
-            int32_ptr(bwd.visible),
-            int32_ptr(bwd.full),
-            int32_ptr(bwd.k2q_counts),
-            int32_ptr(counts),
-            int32_ptr(idx_p),
-            int32_ptr(idx_f),
-            int32_ptr(dq_p),
-            int32_ptr(dq_f),
-            int32_ptr(masks),
-            int32_ptr(device_source_table(layout, build.device)),
+            int32_address(build.mask_func),
+            int32_address(bwd.row_batch_k),
+            int32_address(bwd.desc_q),
+            int32_address(bwd.desc_k),
+            int32_address(bwd.visible),
+            int32_address(bwd.full),
+            int32_address(bwd.k2q_counts),
+            int32_address(counts),
+            int32_address(idx_p),
+            int32_address(idx_f),
+            int32_address(dq_p),
+            int32_address(dq_f),
+            int32_address(masks),
+            int32_address(device_source_table(layout, build.device)),
             h,
             build.total_q,
             _extent(bwd.bounds.q_rows),

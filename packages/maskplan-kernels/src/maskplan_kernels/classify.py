@@ -52,7 +52,7 @@ from maskplan_core.error_flags import ENDPOINT_ORDER, ENDPOINT_RANGE
 from maskplan_core.reference.block_geometry import WORD_BITS, BlockGeometry
 from maskplan_core.reference.classify import Classification
 
-from ._cute_args import fake_stream, int32_ptr, placeholder_ptr, torch_stream
+from ._cute_args import fake_stream, int32_address, placeholder_ptr, torch_stream
 from ._jit_cache import compile_cached
 
 # sequence_desc[B, 8] columns (BlockGeometry.sequence_desc("q"))
@@ -395,8 +395,8 @@ def classify_gpu(
         seq_desc = geom.sequence_desc("q").to(device).contiguous()
         compiled = compile_classify(config)
         compiled(
-            *map(int32_ptr, (mask_func, row_batch, seq_desc, visible, full, partial_counts, full_counts)),
-            int32_ptr(error_word),
+            *map(int32_address, (mask_func, row_batch, seq_desc, visible, full, partial_counts, full_counts)),
+            int32_address(error_word),
             hmask,
             total_q,
             n_rows,

@@ -68,7 +68,7 @@ from .settings import logger, settings
 T = TypeVar("T")
 
 #: bump when the entry layout or the key fields change
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 MAGIC = b"FLXCC001"
 TRAILER_BYTES = 32 + len(MAGIC)
 #: packages whose sources every planner kernel is built from
@@ -327,6 +327,10 @@ class DiskCache:
 _MEMORY: dict[Hashable, object] = {}
 _KEY_LOCKS: dict[Hashable, threading.Lock] = {}
 _GLOBAL_LOCK = threading.Lock()
+#: compile options of every kernel of the project: TVM-FFI entry points, so a launch passes plain
+#: ints (addresses, sizes, the stream handle) and floats (:mod:`maskplan_kernels._cute_args`)
+CALL_OPTIONS = "--enable-tvm-ffi"
+
 #: loaded binary modules, kept alive with the functions looked up in them
 _MODULES: list[object] = []
 
@@ -336,18 +340,27 @@ def _cute_compile(key: Hashable, build: Callable[[], tuple], options: str):
 
     fn, *args = build()
     start = time.perf_counter()
-    compiled = cute.compile(fn, *args, options=options) if options else cute.compile(fn, *args)
+    compiled = cute.compile(fn, *args, options=options)
     STATS["compile"] += 1
     log.info("compiled %s in %.2f s", canonical(key), time.perf_counter() - start)
     return compiled
+
+
+def _object_bytes(compiled, symbol: str) -> bytes:
+    """The relocatable object of a TVM-FFI compiled function (host entry + cubin), exporting
+    ``__tvm_ffi_<symbol>``."""
+    with tempfile.TemporaryDirectory(prefix="flexattn-export-") as tmp:
+        path = Path(tmp) / f"{symbol}.o"
+        compiled.export_to_c(str(path), function_name=symbol)
+        return path.read_bytes()
 
 
 def _cute_loader(symbol: str):
     def load(path: Path, payload: bytes):
         import cutlass.cute as cute
 
-        module = cute.runtime.load_module(str(path))
-        compiled = module[symbol]
+        module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+        compiled = getattr(module, symbol)
         _MODULES.append(module)
         return compiled
 
@@ -363,6 +376,9 @@ def compile_cached(
 ):
     """The compiled function for ``key``; on a miss ``cute.compile(*build(), options=options)``.
 
+    Every kernel is compiled with :data:`CALL_OPTIONS` (TVM-FFI: a
+    launch passes ints and floats, see :mod:`maskplan_kernels._cute_args`), and loads as such.
+
     ``key`` identifies the kernel and its static configuration (a tuple of plain values and frozen
     dataclasses, by convention ``(kernel name, config, ...)``); ``build`` returns
     ``(jit_callable, *placeholder_args)``; ``packages`` are the import names whose sources the
@@ -370,6 +386,7 @@ def compile_cached(
     compile per key and process; the on-disk cache makes it one compile per key and machine.
     """
     packages = tuple(packages)
+    options = f"{options} {CALL_OPTIONS}".strip()
     memory_key = (key, options, packages)
     compiled = _MEMORY.get(memory_key)
     if compiled is not None:
@@ -394,7 +411,7 @@ def _compile_or_load(key: Hashable, build: Callable[[], tuple], options: str, pa
     return disk.get_or_create(
         cache_key,
         create=lambda: _cute_compile(key, build, options),
-        dump=lambda compiled: compiled.dump_to_object(cache_key.symbol),
+        dump=lambda compiled: _object_bytes(compiled, cache_key.symbol),
         load=_cute_loader(cache_key.symbol),
     )
 
@@ -406,6 +423,7 @@ def cached_keys() -> list[Hashable]:
 
 __all__ = [
     "CACHE_FORMAT",
+    "CALL_OPTIONS",
     "PLANNER_PACKAGES",
     "STATS",
     "CacheKey",

@@ -2,12 +2,13 @@
 every consumer (SM90, SM100; forward and backward) does the same way.
 
 Consumer kernels follow the planner kernels' convention (:mod:`maskplan_kernels._cute_args`): raw
-global pointers plus int32 sizes, layouts derived in the ``@cute.jit`` host entry. What differs is
-alignment: Q/K/V/O and the payload tensor are read by TMA, bulk copies or vector loads, so they
-are 16-byte aligned (:data:`ALIGN`), and a placeholder pointer must carry the same assumed
-alignment as the real one (it is part of the compiled signature). Here:
+global pointers plus int32 sizes, layouts derived in the ``@cute.jit`` host entry, TVM-FFI
+launches with ``int`` addresses, ``int`` sizes and ``float`` scalars. What differs is alignment:
+Q/K/V/O and the payload tensor are read by TMA, bulk copies or vector loads, so the compile-time
+placeholders assume 16 bytes (:data:`ALIGN`) and every address a launch passes is made so
+(:func:`aligned`, :func:`int32_tensor`, fresh allocations). Here:
 
-* pointers and dtypes: :func:`gmem_ptr`, :func:`cute_dtype`;
+* placeholder pointers and dtypes: :func:`gmem_ptr`, :func:`cute_dtype`;
 * the caller's tensors: :func:`check_inputs` (THD shapes against the plan geometry),
   :func:`aligned`, :func:`output`, :func:`positive_softmax_scale`;
 * a forward call at once: :func:`forward_io`;
@@ -50,9 +51,10 @@ _DUMMY: dict[tuple, torch.Tensor] = {}
 
 
 # -- pointers -------------------------------------------------------------------------------------
-def gmem_ptr(dtype, address: int = 0, align: int = 4) -> cute.Pointer:
-    """A global-memory pointer; ``address`` 0 makes it a compile-time placeholder of the same type."""
-    return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+def gmem_ptr(dtype, align: int = 4) -> cute.Pointer:
+    """A compile-time placeholder of a global-memory pointer argument (element type, assumed
+    alignment); a launch passes the tensor's address (``data_ptr()``) in its place."""
+    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
 def cute_dtype(dtype: torch.dtype):
@@ -179,12 +181,11 @@ class ForwardIO(NamedTuple):
     max_logit: torch.Tensor | None  # (Hq,) fp32, -inf
 
     def pointers(self) -> tuple:
-        """q, k, v, o, lse, max_logit (or None): the first arguments of a forward ``from_pointers``."""
-        dt = cute_dtype(self.q.dtype)
+        """Addresses of q, k, v, o, lse, max_logit (or None): the first arguments of a forward
+        ``from_pointers`` launch."""
         return (
-            *(gmem_ptr(dt, x.data_ptr(), ALIGN) for x in (self.q, self.k, self.v, self.out)),
-            gmem_ptr(Float32, self.lse.data_ptr()),
-            None if self.max_logit is None else gmem_ptr(Float32, self.max_logit.data_ptr()),
+            *(x.data_ptr() for x in (self.q, self.k, self.v, self.out, self.lse)),
+            None if self.max_logit is None else self.max_logit.data_ptr(),
         )
 
 
@@ -230,10 +231,10 @@ def int32_tensor(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[in
     return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
-def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[cute.Pointer, ...]:
-    """Int32 pointers of plan tensors in ``from_pointers`` order, where the payload
-    (``mask_block_masks``) comes 4th in every view and is 16-byte aligned (bulk copies)."""
-    return tuple(gmem_ptr(Int32, x.data_ptr(), ALIGN if i == 3 else 4) for i, x in enumerate(tensors))
+def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """Addresses of plan tensors in ``from_pointers`` order (the payload, ``mask_block_masks``,
+    comes 4th in every view; :func:`int32_tensor` made it 16-byte aligned for bulk copies)."""
+    return tuple(x.data_ptr() for x in tensors)
 
 
 #: the forward view's tensors a forward kernel reads, in ``from_pointers`` order, with the shape
@@ -267,8 +268,8 @@ class FwdViewArgs:
     """What a forward launch needs from a view, derived once per (view, device)."""
 
     tensors: tuple  # int32, contiguous, 16-byte aligned (kept alive for the pointers below)
-    pointers: tuple  # cute pointers of the 9 plan tensors, in from_pointers order
-    sizes: tuple  # Int32: total_q, total_k, Hq, Hkv, Hmask, rows, partial_nnz, full_nnz, B, tasks
+    pointers: tuple  # addresses of the 9 plan tensors, in from_pointers order
+    sizes: tuple  # total_q, total_k, Hq, Hkv, Hmask, rows, partial_nnz, full_nnz, B, tasks
     num_tasks: int
     partial_nnz: int
     full_nnz: int
@@ -286,9 +287,7 @@ def fwd_view_args(view: PlanView, device: torch.device) -> FwdViewArgs:
         g.total_q, g.total_k, g.num_heads_q, g.num_heads_kv, cnt.shape[0], cnt.shape[1],
         partial_nnz, full_nnz, t["sequence_desc"].shape[0], num_tasks,
     )  # fmt: skip
-    return FwdViewArgs(
-        tensors, plan_pointers(tensors), tuple(Int32(n) for n in sizes), num_tasks, partial_nnz, full_nnz
-    )
+    return FwdViewArgs(tensors, plan_pointers(tensors), sizes, num_tasks, partial_nnz, full_nnz)
 
 
 # -- backward -------------------------------------------------------------------------------------
@@ -319,7 +318,7 @@ class BwdViewArgs:
     """What the backward launches need from a view, derived once per (view, device)."""
 
     tensors: tuple  # int32 device tensors, kept alive for the pointers below
-    pointers: tuple  # cute pointers of the 12 plan tensors, in the main kernel's from_pointers order
+    pointers: tuple  # addresses of the 12 plan tensors, in the main kernel's from_pointers order
     mask_heads: int
     k_rows: int
     partial_nnz: int
@@ -441,31 +440,22 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
     dsum = torch.empty(hq, rows, dtype=torch.float32, device=device)
     dq_accum = torch.empty(hq, rows * g.head_dim_qk, dtype=torch.float32, device=device)
     dq_semaphore = torch.empty(hq, prep.n_qblk, dtype=torch.int32, device=device)
-    dt = cute_dtype(io.q.dtype)
-
-    def ptr(x, dtype=dt, align=ALIGN):
-        return gmem_ptr(dtype, x.data_ptr(), align)
-
     stream = torch_stream(device)
     seq_ptr, qbb_ptr = prep.pointers[9], prep.pointers[11]
-    sizes = (Int32(g.total_q), Int32(hq), Int32(prep.batch), Int32(prep.n_qblk), Int32(prep.max_q_blocks))
-    dlse = None if io.dlse is None else ptr(io.dlse, Float32, 4)
+    sizes = (g.total_q, hq, prep.batch, prep.n_qblk, prep.max_q_blocks)
+    workspace = tuple(x.data_ptr() for x in (lse_log2, dsum, dq_accum, dq_semaphore))
+    softmax_scale = float(softmax_scale)
+    dlse = None if io.dlse is None else io.dlse.data_ptr()
     compiled["pre"](
-        ptr(io.out), ptr(io.dout), ptr(io.lse, Float32, 4), dlse,
-        ptr(lse_log2, Float32), ptr(dsum, Float32), ptr(dq_accum, Float32), ptr(dq_semaphore, Int32, 4),
-        seq_ptr, qbb_ptr, *sizes, stream,
+        io.out.data_ptr(), io.dout.data_ptr(), io.lse.data_ptr(), dlse,
+        *workspace, seq_ptr, qbb_ptr, *sizes, stream,
     )  # fmt: skip
     compiled["main"](
-        *(ptr(x) for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)),
-        ptr(lse_log2, Float32), ptr(dsum, Float32), ptr(dq_accum, Float32), ptr(dq_semaphore, Int32, 4),
-        *prep.pointers,
-        *(Int32(n) for n in (g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows)),
-        *(Int32(n) for n in (prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk)),
-        Float32(softmax_scale), stream,
+        *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)), *workspace, *prep.pointers,
+        g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
+        prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, softmax_scale, stream,
     )  # fmt: skip
-    compiled["post"](
-        ptr(dq_accum, Float32), ptr(io.dq), seq_ptr, qbb_ptr, *sizes, Float32(softmax_scale), stream
-    )
+    compiled["post"](dq_accum.data_ptr(), io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
 
 
 # -- backward compile -----------------------------------------------------------------------------
