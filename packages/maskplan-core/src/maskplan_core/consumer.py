@@ -140,6 +140,15 @@ class KernelConsumer(Consumer):
     def select_backward(**problem): ...
 
     def resolve(self, request: ViewRequest) -> ViewConfig:
+        """The view config of ``request``, memoised per consumer (requests and configs are
+        immutable; a refused request raises every time)."""
+        resolved = self.__dict__.setdefault("_resolved", {})
+        config = resolved.get(request)
+        if config is None:
+            config = resolved[request] = self._resolve(request)
+        return config
+
+    def _resolve(self, request: ViewRequest) -> ViewConfig:
         self.check_request(request)
         problem = dict(
             head_dim_qk=request.head_dim_qk,
