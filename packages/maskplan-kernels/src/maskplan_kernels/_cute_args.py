@@ -42,6 +42,11 @@ def int32_address(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def int32_addresses(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """:func:`int32_address` of each tensor, in order."""
+    return tuple(int32_address(t) for t in tensors)
+
+
 def fake_stream():
     return cute.runtime.make_fake_stream()
 

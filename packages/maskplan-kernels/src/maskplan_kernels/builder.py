@@ -18,6 +18,7 @@ layout, outside any later build).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,7 +27,7 @@ from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 
-from ._cute_args import int32_address, torch_stream
+from ._cute_args import int32_address, int32_addresses, torch_stream
 from ._launch import StageTimer, arena, no_timer, persistent_ctas
 from ._sections import ScheduleParams
 from ._tile_packer import MaterializeConfig
@@ -119,7 +120,9 @@ class PlanBuild:
     def batch(self) -> int:
         return self.geometry.batch
 
-    def stream(self):
+    @cached_property
+    def stream(self) -> int:
+        """The caller's current stream, read once per build (every stage launches on it)."""
         return torch_stream(self.device)
 
 
@@ -246,15 +249,17 @@ def stage_geometry(build: PlanBuild) -> None:
     compiled = compile_geometry(GeometryConfig(has_backward=bwd is not None))
     other = bwd if bwd is not None else fwd  # unused stand-ins when there is no backward view
     compiled(
-        int32_address(g.cu_seqlens_q),
-        int32_address(g.cu_seqlens_k),
-        int32_address(build.header),
-        int32_address(fwd.desc_q),
-        int32_address(fwd.row_batch_q),
-        int32_address(other.desc_q),
-        int32_address(other.row_batch_q),
-        int32_address(bwd.desc_k if bwd is not None else fwd.desc_q),
-        int32_address(bwd.row_batch_k if bwd is not None else fwd.row_batch_q),
+        *int32_addresses(
+            g.cu_seqlens_q,
+            g.cu_seqlens_k,
+            build.header,
+            fwd.desc_q,
+            fwd.row_batch_q,
+            other.desc_q,
+            other.row_batch_q,
+            bwd.desc_k if bwd is not None else fwd.desc_q,
+            bwd.row_batch_k if bwd is not None else fwd.row_batch_q,
+        ),
         g.batch,
         g.total_q,
         g.total_k,
@@ -268,7 +273,7 @@ def stage_geometry(build: PlanBuild) -> None:
         bwd.bounds.q_rows if bwd is not None else 0,
         bwd.bounds.k_rows if bwd is not None else 0,
         int(g.varlen),
-        build.stream(),
+        build.stream,
     )
 
 
@@ -279,20 +284,22 @@ def stage_classify(build: PlanBuild, view: ViewWorkspace) -> None:
         return
     compiled = compile_classify(ClassifyConfig(tile_m=bounds.tile_m, tile_n=bounds.tile_n, nfunc=build.nfunc))
     compiled(
-        int32_address(build.mask_func),
-        int32_address(view.row_batch_q),
-        int32_address(view.desc_q),
-        int32_address(view.visible),
-        int32_address(view.full),
-        int32_address(view.counts[CNT_PARTIAL]),
-        int32_address(view.counts[CNT_FULL]),
-        int32_address(build.header[HDR_ERROR : HDR_ERROR + 1]),
+        *int32_addresses(
+            build.mask_func,
+            view.row_batch_q,
+            view.desc_q,
+            view.visible,
+            view.full,
+            view.counts[CNT_PARTIAL],
+            view.counts[CNT_FULL],
+            build.header[HDR_ERROR : HDR_ERROR + 1],
+        ),
         build.hmask,
         build.total_q,
         bounds.q_rows,
         bounds.k_words,
         build.batch + 1,
-        build.stream(),
+        build.stream,
     )
 
 
@@ -302,19 +309,21 @@ def stage_k2q_count(build: PlanBuild) -> None:
         return
     compiled = compile_k2q_count(K2QCountConfig())
     compiled(
-        int32_address(bwd.visible),
-        int32_address(bwd.full),
-        int32_address(bwd.row_batch_k),
-        int32_address(bwd.desc_q),
-        int32_address(bwd.desc_k),
-        int32_address(bwd.k2q_counts[CNT_PARTIAL]),
-        int32_address(bwd.k2q_counts[CNT_FULL]),
+        *int32_addresses(
+            bwd.visible,
+            bwd.full,
+            bwd.row_batch_k,
+            bwd.desc_q,
+            bwd.desc_k,
+            bwd.k2q_counts[CNT_PARTIAL],
+            bwd.k2q_counts[CNT_FULL],
+        ),
         build.hmask,
         _extent(bwd.bounds.q_rows),
         bwd.bounds.k_rows,
         bwd.bounds.k_words,
         build.batch + 1,
-        build.stream(),
+        build.stream,
     )
 
 
@@ -323,18 +332,20 @@ def stage_scan_header(build: PlanBuild) -> None:
     k2q = bwd.k2q_counts if bwd is not None else fwd.counts  # stand-ins when there is no backward view
     compiled = compile_scan_header(ScanConfig(num_arrays=4 if bwd is not None else 2))
     compiled(
-        int32_address(fwd.counts[CNT_PARTIAL]),
-        int32_address(fwd.counts[OFF_PARTIAL]),
-        int32_address(fwd.counts[CNT_FULL]),
-        int32_address(fwd.counts[OFF_FULL]),
-        int32_address(k2q[CNT_PARTIAL]),
-        int32_address(k2q[OFF_PARTIAL]),
-        int32_address(k2q[CNT_FULL]),
-        int32_address(k2q[OFF_FULL]),
-        int32_address(build.header),
+        *int32_addresses(
+            fwd.counts[CNT_PARTIAL],
+            fwd.counts[OFF_PARTIAL],
+            fwd.counts[CNT_FULL],
+            fwd.counts[OFF_FULL],
+            k2q[CNT_PARTIAL],
+            k2q[OFF_PARTIAL],
+            k2q[CNT_FULL],
+            k2q[OFF_FULL],
+            build.header,
+        ),
         build.hmask * fwd.bounds.q_rows,
         build.hmask * bwd.bounds.k_rows if bwd is not None else 0,
-        build.stream(),
+        build.stream,
     )
 
 
@@ -361,17 +372,19 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
         config = MaterializeConfig(fwd.bounds.tile_m, fwd.bounds.tile_n, build.nfunc, layout.words_per_tile)
         compiled = compile_q2k_materialize(config)
         compiled(
-            int32_address(build.mask_func),
-            int32_address(fwd.row_batch_q),
-            int32_address(fwd.desc_q),
-            int32_address(fwd.visible),
-            int32_address(fwd.full),
-            int32_address(fwd.counts),
-            int32_address(counts),
-            int32_address(idx_p),
-            int32_address(idx_f),
-            int32_address(masks),
-            int32_address(device_source_table(layout, build.device)),
+            *int32_addresses(
+                build.mask_func,
+                fwd.row_batch_q,
+                fwd.desc_q,
+                fwd.visible,
+                fwd.full,
+                fwd.counts,
+                counts,
+                idx_p,
+                idx_f,
+                masks,
+                device_source_table(layout, build.device),
+            ),
             h,
             build.total_q,
             fwd.bounds.q_rows,
@@ -382,7 +395,7 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
             _extent(nnz_f),
             int(compact),
             persistent_ctas(build.device, h * n_rows),
-            build.stream(),
+            build.stream,
         )
     return {
         **_csr(counts, idx_p, masks, idx_f),
@@ -412,8 +425,8 @@ def stage_schedule(build: PlanBuild, header: list[int], work: torch.Tensor) -> N
         params.row_bytes_kv,
         params.budget,
     )
-    counts, desc, stats = int32_address(fwd.counts), int32_address(fwd.desc_q), int32_address(build.stats)
-    compile_schedule_stats(ScheduleStatsConfig())(counts, desc, stats, *common, *section_args, build.stream())
+    counts, desc, stats = int32_addresses(fwd.counts, fwd.desc_q, build.stats)
+    compile_schedule_stats(ScheduleStatsConfig())(counts, desc, stats, *common, *section_args, build.stream)
     scatter = compile_schedule_scatter(ScheduleScatterConfig.for_max_k_blocks(fwd.bounds.max_k_blocks))
     scatter(
         counts,
@@ -424,7 +437,7 @@ def stage_schedule(build: PlanBuild, header: list[int], work: torch.Tensor) -> N
         n_tasks,
         *section_args,
         fwd.bounds.tile_m,
-        build.stream(),
+        build.stream,
     )
 
 
@@ -450,20 +463,22 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
         config = MaterializeConfig(bwd.bounds.tile_m, bwd.bounds.tile_n, build.nfunc, layout.words_per_tile)
         compiled = compile_k2q_materialize(config)
         compiled(
-            int32_address(build.mask_func),
-            int32_address(bwd.row_batch_k),
-            int32_address(bwd.desc_q),
-            int32_address(bwd.desc_k),
-            int32_address(bwd.visible),
-            int32_address(bwd.full),
-            int32_address(bwd.k2q_counts),
-            int32_address(counts),
-            int32_address(idx_p),
-            int32_address(idx_f),
-            int32_address(dq_p),
-            int32_address(dq_f),
-            int32_address(masks),
-            int32_address(device_source_table(layout, build.device)),
+            *int32_addresses(
+                build.mask_func,
+                bwd.row_batch_k,
+                bwd.desc_q,
+                bwd.desc_k,
+                bwd.visible,
+                bwd.full,
+                bwd.k2q_counts,
+                counts,
+                idx_p,
+                idx_f,
+                dq_p,
+                dq_f,
+                masks,
+                device_source_table(layout, build.device),
+            ),
             h,
             build.total_q,
             _extent(bwd.bounds.q_rows),
@@ -475,7 +490,7 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
             _extent(nnz_f),
             int(compact),
             persistent_ctas(build.device, h * n_k_rows),
-            build.stream(),
+            build.stream,
         )
     return {
         **_csr(counts, idx_p, masks, idx_f),
