@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,44 +17,28 @@ import torch
 ARENA_ALIGN = 32
 
 
-class Arena:
-    """Several int32 tensors carved out of ONE ``torch.empty`` (one allocator call per arena).
+def arena(device: torch.device, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Int32 tensors of ``shapes`` carved out of ONE ``torch.empty`` (one allocator call per arena),
+    each starting :data:`ARENA_ALIGN`-aligned.
 
     The views keep the allocation alive, so an arena holds only tensors that live equally long
     (a build's workspace, or one plan view's tensors).
     """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._shapes: list[tuple[int, ...]] = []
-
-    def add(self, *shape: int) -> int:
-        self._shapes.append(tuple(int(s) for s in shape))
-        return len(self._shapes) - 1
-
-    def allocate(self) -> list[torch.Tensor]:
-        offsets, total = [], 0
-        for shape in self._shapes:
-            offsets.append(total)
-            n = 1
-            for s in shape:
-                n *= s
-            total += -(-n // ARENA_ALIGN) * ARENA_ALIGN
-        buf = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
-        out = []
-        for shape, off in zip(self._shapes, offsets, strict=True):
-            n = 1
-            for s in shape:
-                n *= s
-            out.append(buf[off : off + n].view(shape))
-        return out
+    shapes = tuple(tuple(int(x) for x in shape) for shape in shapes)
+    total, pieces = _arena_pieces(shapes)
+    buf = torch.empty(max(total, 1), dtype=torch.int32, device=device)
+    parts = buf[:total].split(pieces)[::2]  # (tensor, padding) per shape, one call
+    return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
-def arena(device: torch.device, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    a = Arena(device)
+@functools.lru_cache(maxsize=1024)
+def _arena_pieces(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, tuple[int, ...]]:
+    """``(total, sizes)``: each shape's element count followed by its padding to :data:`ARENA_ALIGN`."""
+    pieces = []
     for shape in shapes:
-        a.add(*shape)
-    return a.allocate()
+        n = math.prod(shape)
+        pieces += [n, -n % ARENA_ALIGN]
+    return sum(pieces), tuple(pieces)
 
 
 @functools.cache
