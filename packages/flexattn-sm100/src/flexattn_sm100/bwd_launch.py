@@ -30,16 +30,13 @@ The host side (input checks, per-view plan tensors, workspace and the three laun
 :mod:`maskplan_kernels.consumer_launch`, shared with the SM90 backward.
 """
 
-import torch
 
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels.consumer_launch import (
     BackwardCompiler,
-    backward_io,
     cached_per_view,
     kernel_dims,
-    launch_backward,
 )
 
 from . import view_config
@@ -74,12 +71,18 @@ def config_for_view(view: PlanView) -> Sm100BwdConfig:
 
 
 # -- compile --------------------------------------------------------------------------------------
+@cached_per_view
+def _prepared_config(view: PlanView) -> Sm100BwdConfig:
+    return config_for_view(view)
+
+
 #: the three kernels' compile keys and compiles (maskplan_kernels.consumer_launch.BackwardCompiler)
 COMPILER = BackwardCompiler(
     gpu_arch=GPU_ARCH,
     source_packages=SOURCE_PACKAGES,
     key_prefixes=("bwd-pre", "sm100-bwd", "sm100-bwd-post"),
     main_kernel=Sm100BwdKernel,
+    config_for_view=_prepared_config,
     postprocess=lambda config: Sm100BwdPostprocess(config.head_dim_qk, config.dtype, tile_m=config.tile_m),
     main_key=lambda config: (config.variant.name, kernel_dims(config)),
 )
@@ -89,45 +92,9 @@ kernel_keys = COMPILER.kernel_keys
 compile_uncached = COMPILER.compile_uncached
 #: compile_backward(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": compiled}
 compile_backward = COMPILER.compile_backward
-
-
-# -- launch ---------------------------------------------------------------------------------------
-@cached_per_view
-def _prepared_config(view: PlanView) -> Sm100BwdConfig:
-    return config_for_view(view)
-
-
-def run_backward(
-    view: PlanView,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    *,
-    softmax_scale: float,
-    deterministic: bool = False,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward of ``view`` (an SM100 ``k2q-1cta`` backward view); see the module
-    docstring. Needs a compute-capability 10.x GPU; never run on one so far.
-
-    ``deterministic=True`` applies each Q block's dQ contributions in the plan's ``dq_write_order``
-    (bit-identical results run to run); dK/dV are always deterministic (one CTA owns each K block
-    and kv head). ``dq/dk/dv`` may be given (contiguous, of the output shapes and q's dtype) to be
-    written in place; every element of them is written.
-    """
-    config = _prepared_config(view)
-    io = backward_io(view, q, k, v, out, lse, dout, dlse, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
-    if not io.nothing_visible:
-        compiled = compile_backward(config, deterministic=deterministic, with_dlse=io.dlse is not None)
-        launch_backward(compiled, io, config.tile_m, softmax_scale)
-    return io.grads
-
+#: run_backward(view, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic=False,
+#:              dq=None, dk=None, dv=None) -> (dq, dk, dv)
+run_backward = COMPILER.run_backward
 
 __all__ = [
     "COMPILER",

@@ -23,19 +23,16 @@ compile cache keeps it in process and on disk) and no plan, length or head count
 recompile. Plan-derived tensors (the plan's int32 tensors on the
 device, the sample of each K row, the first padded Q block of each sample) are built once per
 (view, device), the workspace (fp32 LSE2 / D / dQ accumulator, int32 turnstiles) per call, both
-by :mod:`maskplan_kernels.consumer_launch` (shared with the SM100 backward).
+by :mod:`maskplan_kernels.consumer_launch` (shared with the SM100 backward): ``run_backward``
+is :meth:`maskplan_kernels.consumer_launch.BackwardCompiler.run_backward` of :data:`COMPILER`.
 """
-
-import torch
 
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels.consumer_launch import (
     BackwardCompiler,
-    backward_io,
     cached_per_view,
     kernel_dims,
-    launch_backward,
 )
 
 from . import view_config
@@ -81,12 +78,18 @@ def _postprocess(config: Sm90BwdConfig) -> Sm90BwdPostprocess:
     )
 
 
+@cached_per_view
+def _prepared_config(view: PlanView) -> Sm90BwdConfig:
+    return config_for_view(view)
+
+
 #: the three kernels' compile keys and compiles (maskplan_kernels.consumer_launch.BackwardCompiler)
 COMPILER = BackwardCompiler(
     gpu_arch=GPU_ARCH,
     source_packages=SOURCE_PACKAGES,
     key_prefixes=("sm90-bwd-pre", "sm90-bwd", "sm90-bwd-post"),
     main_kernel=Sm90BwdKernel,
+    config_for_view=_prepared_config,
     postprocess=_postprocess,
     main_key=_main_key,
     post_key=lambda config: (config.num_consumer_warpgroups,),
@@ -97,45 +100,9 @@ kernel_keys = COMPILER.kernel_keys
 compile_uncached = COMPILER.compile_uncached
 #: compile_backward(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": compiled}
 compile_backward = COMPILER.compile_backward
-
-
-# -- plan-derived tensors -------------------------------------------------------------------------
-@cached_per_view
-def _prepared_config(view: PlanView) -> Sm90BwdConfig:
-    return config_for_view(view)
-
-
-# -- launch ---------------------------------------------------------------------------------------
-def run_backward(
-    view: PlanView,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    *,
-    softmax_scale: float,
-    deterministic: bool = False,
-    dq: torch.Tensor | None = None,
-    dk: torch.Tensor | None = None,
-    dv: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward of ``view`` (an SM90 backward plan view); see the module docstring.
-
-    ``deterministic=True`` applies each Q block's dQ contributions in the plan's
-    ``dq_write_order`` (bit-identical results run to run); dK/dV are always deterministic
-    (one CTA owns each K block and kv head). ``dq/dk/dv`` may be given (contiguous, of the
-    output shapes and q's dtype) to be written in place; every element of them is written.
-    """
-    config = _prepared_config(view)
-    io = backward_io(view, q, k, v, out, lse, dout, dlse, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
-    if not io.nothing_visible:
-        compiled = compile_backward(config, deterministic=deterministic, with_dlse=io.dlse is not None)
-        launch_backward(compiled, io, config.tile_m, softmax_scale)
-    return io.grads
-
+#: run_backward(view, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic=False,
+#:              dq=None, dk=None, dv=None) -> (dq, dk, dv)
+run_backward = COMPILER.run_backward
 
 __all__ = [
     "BWD_HEAD_DIMS",

@@ -482,6 +482,8 @@ class BackwardCompiler:
     main_kernel: Callable[..., Any]  # main_kernel(config, deterministic=...) -> kernel with from_pointers
     postprocess: Callable[[Any], Any]  # postprocess(config) -> kernel with from_pointers
     main_key: Callable[[Any], tuple]  # static fields of the main kernel's key (before deterministic)
+    #: the backward config a view was planned for (raising for views the consumer cannot run)
+    config_for_view: Callable[[PlanView], Any]
     post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
 
     def kernel_keys(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
@@ -524,6 +526,41 @@ class BackwardCompiler:
             *self.jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse),
             options=options,
         )
+
+    def run_backward(
+        self,
+        view: PlanView,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        *,
+        softmax_scale: float,
+        deterministic: bool = False,
+        dq: torch.Tensor | None = None,
+        dk: torch.Tensor | None = None,
+        dv: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention backward of ``view`` (a backward view of this consumer) on THD tensors:
+        ``(dq, dk, dv)``.
+
+        ``deterministic=True`` applies each Q block's dQ contributions in the plan's
+        ``dq_write_order`` (bit-identical results run to run); dK/dV are always deterministic (one
+        CTA owns each K block and kv head). ``dq/dk/dv`` may be given (contiguous, of the output
+        shapes and q's dtype) to be written in place; every element of them is written.
+        """
+        config = self.config_for_view(view)
+        io = backward_io(
+            view, q, k, v, out, lse, dout, dlse, deterministic=deterministic, dq=dq, dk=dk, dv=dv
+        )
+        if not io.nothing_visible:
+            with_dlse = io.dlse is not None
+            compiled = self.compile_backward(config, deterministic=deterministic, with_dlse=with_dlse)
+            launch_backward(compiled, io, config.tile_m, softmax_scale)
+        return io.grads
 
     def compile_backward(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, object]:
         """The three compiled kernels for ``config``: compiled on first use, then served by the
