@@ -528,24 +528,11 @@ class BackwardCompiler:
         )
 
     def run_backward(
-        self,
-        view: PlanView,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        *,
-        softmax_scale: float,
-        deterministic: bool = False,
-        dq: torch.Tensor | None = None,
-        dk: torch.Tensor | None = None,
-        dv: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention backward of ``view`` (a backward view of this consumer) on THD tensors:
-        ``(dq, dk, dv)``.
+        self, view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax_scale: float,
+        deterministic: bool = False, dq=None, dk=None, dv=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention backward of ``view`` (a backward view of this consumer) on THD tensors
+        (``dlse`` may be None): ``(dq, dk, dv)``.
 
         ``deterministic=True`` applies each Q block's dQ contributions in the plan's
         ``dq_write_order`` (bit-identical results run to run); dK/dV are always deterministic (one
