@@ -39,6 +39,33 @@ def test_plan_for_another_consumer_describes_the_same_mask(target):
         assert torch.equal(other.view(role).to_dense(), reference.view(role).to_dense())
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_pack_gqa_plan_for_sm90_describes_the_same_mask(kv_heads):
+    """A PackGQA forward view (G = H / kv_heads q heads per 128-row tile: Q blocks of 128 / G
+    positions, the packed payload layout) decodes to the same mask; the backward view is unchanged."""
+    mask = masks.sliding_window(S, window_left=70, batch=B)
+    q = torch.randn(B, S, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, kv_heads, D, dtype=torch.bfloat16) for _ in range(2))
+    plain = flexattn.create_mask_plan(mask, q, k, v, build_backward=True, target="sm90")
+    packed = flexattn.create_mask_plan(mask, q, k, v, build_backward=True, target="sm90", pack_gqa=True)
+    g = H // kv_heads
+    topology = packed.view("forward").signature.topology
+    assert (topology.pack_gqa, topology.tile_m, topology.qhead_per_kvhead) == (True, 128 // g, g)
+    assert torch.equal(packed.view("forward").to_dense(), plain.view("forward").to_dense())
+    assert packed.view("backward").signature == plain.view("backward").signature
+    assert packed.view("forward").signature.payload.layout_id == f"sm90-wgmma-packgqa-v1-128x128-g{g}"
+
+
+def test_pack_gqa_refusals_name_the_reason():
+    mask = masks.causal(S, batch=B)
+    q, k, v = qkv()
+    with pytest.raises(flexattn.UnsupportedConfigError, match="Hmask=4, PackGQA needs Hmask=1"):
+        per_head = mask.expand(H, -1, -1).contiguous()
+        flexattn.create_mask_plan(per_head, q, k, v, target="sm90", pack_gqa=True)
+    with pytest.raises(flexattn.UnsupportedConfigError, match="pack_gqa=True is not supported by flexattn-sm1"):
+        flexattn.create_mask_plan(mask, q, k, v, target="sm100", pack_gqa=True)
+
+
 def test_cpu_call_refuses_a_plan_made_for_sm90_naming_the_fields():
     q, k, v = qkv()
     plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, target="sm90")

@@ -48,10 +48,16 @@ def test_forward_matches_cpu_reference(mask, dtype):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("mask", ["causal", "document"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_training_matches_cpu_reference(mask, deterministic):
-    """flex_attn_func trains on CUDA: its gradients (with an LSE gradient) match the CPU reference."""
+@pytest.mark.parametrize(
+    "mask,deterministic,pack_gqa",
+    [("causal", False, None), ("causal", True, None), ("document", False, None), ("document", True, None),
+     ("sliding", False, True), ("prefix", True, True)],
+    ids=["causal-atomic", "causal-deterministic", "document-atomic", "document-deterministic",
+         "sliding-atomic-packgqa", "prefix-deterministic-packgqa"],
+)  # fmt: skip
+def test_training_matches_cpu_reference(mask, deterministic, pack_gqa):
+    """flex_attn_func trains on CUDA: its gradients (with an LSE gradient) match the CPU reference
+    (``pack_gqa=True``: the packed forward view with the backward view, which packing leaves as is)."""
     torch.manual_seed(1)
     dtype = torch.bfloat16
     q = torch.randn(B, S, H, D, dtype=dtype)
@@ -60,7 +66,9 @@ def test_training_matches_cpu_reference(mask, deterministic):
 
     def grads(device, cast):
         leaves = [t.to(device=device, dtype=cast).requires_grad_() for t in (q, k, v)]
-        plan = flexattn.create_mask_plan(MASKS[mask](device), *leaves)
+        pack = pack_gqa if device == "cuda" else None  # the CPU reference consumer does not pack
+        plan = flexattn.create_mask_plan(MASKS[mask](device), *leaves, pack_gqa=pack)
+        assert plan.view("forward").signature.topology.pack_gqa is bool(pack)
         out, lse = flexattn.flex_attn_func(
             *leaves, mask_plan=plan, return_lse=True, deterministic=deterministic
         )
