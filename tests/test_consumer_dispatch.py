@@ -62,7 +62,8 @@ def test_pack_gqa_refusals_name_the_reason():
     with pytest.raises(flexattn.UnsupportedConfigError, match="Hmask=4, PackGQA needs Hmask=1"):
         per_head = mask.expand(H, -1, -1).contiguous()
         flexattn.create_mask_plan(per_head, q, k, v, target="sm90", pack_gqa=True)
-    with pytest.raises(flexattn.UnsupportedConfigError, match="pack_gqa=True is not supported by flexattn-sm1"):
+    refused = "pack_gqa=True is not supported by flexattn-sm100"
+    with pytest.raises(flexattn.UnsupportedConfigError, match=refused):
         flexattn.create_mask_plan(mask, q, k, v, target="sm100", pack_gqa=True)
 
 
