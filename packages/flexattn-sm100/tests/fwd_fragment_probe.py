@@ -1,10 +1,11 @@
 """Script (not a test module): print, as JSON, what the SM100 forward kernel's OWN softmax fragments
-hold, per CTA rank ``r`` of the MMA (one rank for qstage1-1cta, two for qstage1-2cta) and softmax
-thread ``t``: the score coordinates ``(m, n)`` of its registers ``rS[e]`` (the registers the
-packed-predicate bit-select indexes), the ``(row, column)`` of its packed-P registers and of its
-O-chunk registers; and where the kernel reads thread ``t``'s payload words (the plane index of
-``Sm100FwdKernel.payload_plane_index`` and, for the SMEM ring, the offset of word ``w`` of group
-``t`` in a stage of ``Sm100FwdKernel.mask_ring_layout``).
+hold, per payload subtile ``r`` (one for qstage1-1cta; the two CTA ranks of qstage1-2cta; the two q
+stages, i.e. softmax warpgroups, of qstage2-1cta) and softmax thread ``t``: the score coordinates
+``(m, n)`` of its registers ``rS[e]`` (the registers the packed-predicate bit-select indexes), the
+``(row, column)`` of its packed-P registers and of its O-chunk registers; and where the kernel
+reads thread ``t``'s payload words (the plane index of ``Sm100FwdKernel.payload_plane_index`` and,
+for the SMEM ring, the offset of word ``w`` of group ``t`` in a stage of
+``Sm100FwdKernel.mask_ring_layout``).
 
 It calls :meth:`Sm100FwdKernel.softmax_fragments`, the builder the kernel itself uses, with the
 kernel's own MMA slice of each rank inside a ``cute.jit`` trace (compile-time only, no GPU). Run by
@@ -33,19 +34,21 @@ ENTRIES = (0, 1, 7)
 def fragments(head_dim_qk: int, head_dim_v: int, dtype: str, variant: str) -> dict[str, list]:
     config = select_fwd_config(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, variant=variant)
     kernel = Sm100FwdKernel(config)
-    ranks = kernel.cta_group_size
+    # payload subtiles: the CTA ranks of a pair, or the q stages of qstage2 (each its own warpgroup)
+    ranks = kernel.cta_group_size * kernel.q_stages
     result: dict[str, list] = {"s": [[] for _ in range(ranks)], "p": [[] for _ in range(ranks)],
                                "o": [[] for _ in range(ranks)], "ring": []}  # fmt: skip
 
     @cute.jit
     def probe():
-        qk_mma = make_qk_mma(kernel.dtype, kernel.tile_m, kernel.tile_n, kernel.cta_group_size)
-        pv_mma = make_pv_mma(kernel.dtype, kernel.tile_m, kernel.head_dim_v, kernel.cta_group_size)
+        qk_mma = make_qk_mma(kernel.dtype, kernel.mma_tile_m, kernel.tile_n, kernel.cta_group_size)
+        pv_mma = make_pv_mma(kernel.dtype, kernel.mma_tile_m, kernel.head_dim_v, kernel.cta_group_size)
         tmem = cute.make_ptr(cutlass.Float32, 0, mem_space=cute.AddressSpace.tmem, assumed_align=16)
         for r in cutlass.range_constexpr(ranks):
-            qk_thr, pv_thr = qk_mma.get_slice(r), pv_mma.get_slice(r)
-            for t in cutlass.range_constexpr(kernel.num_softmax_threads):
-                frags = kernel.softmax_fragments(qk_thr, pv_thr, tmem, t)
+            rank, q = (0, r) if kernel.q_stages > 1 else (r, 0)
+            qk_thr, pv_thr = qk_mma.get_slice(rank), pv_mma.get_slice(rank)
+            for t in cutlass.range_constexpr(kernel.cta_tile_m):
+                frags = kernel.softmax_fragments(qk_thr, pv_thr, tmem, t, q)
                 for key, coords in (("s", frags.tLcS), ("p", frags.tPcP), ("o", frags.tLcO)):
                     result[key][r].append([coords[e] for e in range(cute.size(coords))])
         if cutlass.const_expr(kernel.mask_stages > 0):

@@ -1,6 +1,6 @@
-"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA and qstage1 + 2CTA): it
-traces and compiles to sm_100a on a machine without a GPU (placeholder pointers, no CUDA
-allocation), its PTX has the instructions the design promises (tcgen05 MMA into TMEM, 32x32b TMEM
+"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA, qstage2 + 1CTA and
+qstage1 + 2CTA): it traces and compiles to sm_100a on a machine without a GPU (placeholder pointers,
+no CUDA allocation), its PTX has the instructions the design promises (tcgen05 MMA into TMEM, 32x32b TMEM
 loads/stores, TMA, the CLC queue; 1CTA: direct payload loads; 2CTA: cta_group::2 MMAs, TMA and TMEM
 allocation, multicast commits and CLC responses, the SMEM payload ring) and, where ptxas is
 installed, no register spills.
@@ -22,7 +22,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("cutlass.cute")
 
-from flexattn_sm100.fwd_kernel import IMPLEMENTED_VARIANTS, Sm100FwdKernel, kv_stages_for  # noqa: E402
+from flexattn_sm100.fwd_kernel import (  # noqa: E402
+    IMPLEMENTED_VARIANTS,
+    QSTAGE2_MAX_HEAD_DIM_QK,
+    Sm100FwdKernel,
+    kv_stages_for,
+)
 from flexattn_sm100.fwd_launch import (  # noqa: E402
     GPU_ARCH,
     SOURCE_PACKAGES,
@@ -35,7 +40,7 @@ from flexattn_sm100.fwd_launch import (  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
 from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
 from maskplan_kernels import compile_cache  # noqa: E402
-from maskplan_kernels.testing import assert_no_spills  # noqa: E402
+from maskplan_kernels.testing import assert_no_spills, ptxas_report  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
@@ -126,26 +131,69 @@ def test_compiles_2cta(dims, dtype, tmp_path):
     assert_no_spills(ptx, "sm_100a", tmp_path)
 
 
+#: the qstage2 + 1CTA configs compiled here (Dqk <= 128: two Q tiles and two K/V stages fit SMEM),
+#: with the spill bytes ptxas may report. The 384-thread CTA launches with 168 registers; setmaxnreg
+#: gives the softmax warpgroups 200 and the MMA/load warpgroup 104 (8 x 200 + 4 x 104 = 12 x 168).
+#: fp16 at D128 wants one register more in the softmax (4 bytes spilled), and no other split fits:
+#: 208 for the softmax leaves 88 for the MMA warp, which then spills 144 bytes at D128.
+CONFIGS_QSTAGE2 = [((64, 64), "bfloat16", 0), ((128, 128), "bfloat16", 0), ((128, 128), "float16", 8)]
+
+
+@pytest.mark.parametrize(
+    "dims,dtype,max_spill", CONFIGS_QSTAGE2, ids=[f"{a}x{b}-{t}" for (a, b), t, _ in CONFIGS_QSTAGE2]
+)
+def test_compiles_qstage2(dims, dtype, max_spill, tmp_path):
+    """qstage2 + 1CTA: two 128-row Q tiles per CTA, each with its own softmax warpgroup, S (P over
+    it), O and pipelines; the MMA warp alternates the stages; setmaxnreg 200 / 104."""
+    dq, dv = dims
+    cfg = config(dims, dtype, "qstage2-1cta")
+    assert supports(cfg) and cfg.mask_smem_bytes_per_cta == 0
+    max_logit = dims == (64, 64)
+    options = f"--keep-ptx --dump-dir {tmp_path}"
+    ptx = compile_uncached(cfg, with_max_logit=max_logit, extra_options=options).__ptx__
+    assert ".target sm_100a" in ptx
+    # S = Q_q K^T at four sites (both stages before the loop and in it), O_q += P_q V at two
+    mma = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
+    assert len(mma) == 4 * dq // 16 + 16
+    assert sum(a.startswith("[") for a in mma) == 16  # both stages' P operands come from TMEM
+    # each stage's warpgroup runs the qstage1 softmax on its own TMEM columns
+    assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32") == 2 * (8 + 3 * dv // 32)
+    assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 2 * (4 + 2 * dv // 32)
+    assert _count(ptx, r"tcgen05\.alloc\.") == 1 and _count(ptx, r"tcgen05\.dealloc\.") == 1
+    assert "setmaxnreg.inc.sync.aligned.u32 \t200" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t104" in ptx
+    assert "clusterlaunchcontrol.try_cancel" in ptx
+    # direct payload loads (one 16-byte load per stage's warpgroup), no SMEM ring
+    assert _count(ptx, r"ld\.global(\.nc)?\.v4\.b32") == 2
+    assert not re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)
+    assert _count(ptx, r"st\.global\.v4\.b32") == 2 * dv // 8
+    report = ptxas_report(ptx, "sm_100a", tmp_path)
+    if report is not None:
+        spilled = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+        assert spilled and max(spilled) <= max_spill, report
+
+
 def test_smem_fits_one_cta_per_sm():
     """Q + kv_stages x (K + V) (+ the 2CTA payload ring) fits 227 KB and exceeds half of it, so a
     second CTA never waits on TMEM (each takes all 512 columns)."""
     for (dq, dv), _ in CONFIGS:
-        for pair in (1, 2):
-            stages = kv_stages_for(dq, dv, cta_group_size=pair)
+        for pair, q_tiles in ((1, 1), (2, 1), (1, 2)):
+            if q_tiles == 2 and dq > QSTAGE2_MAX_HEAD_DIM_QK:
+                continue
+            stages = kv_stages_for(dq, dv, cta_group_size=pair, q_tiles=q_tiles)
             ring = 4096 if pair == 2 else 0
-            smem = 128 * 2 * dq + stages * 128 * 2 * (dq + dv) // pair + ring
-            assert stages >= 2 and 114 * 1024 < smem <= 210 * 1024, (dq, dv, pair, stages, smem)
+            smem = q_tiles * 128 * 2 * dq + stages * 128 * 2 * (dq + dv) // pair + ring
+            assert stages >= 2 and 114 * 1024 < smem <= 210 * 1024, (dq, dv, pair, q_tiles, stages, smem)
 
 
 def test_unimplemented_variants_are_refused():
-    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta", "qstage1-2cta")
-    for name in ("qstage2-1cta",):
-        cfg = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant=name)
-        assert not supports(cfg)
-        with pytest.raises(NotImplementedError, match=name):
-            Sm100FwdKernel(cfg)
-        with pytest.raises(UnsupportedConfigError, match=f"variant '{name}'.*'qstage1-1cta', 'qstage1-2cta'"):
-            require_kernel(cfg)  # what run_forward raises for a view of this variant
+    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
+    # qstage2 with Dqk 192: two Q tiles and two K/V stages exceed SMEM
+    cfg = select_fwd_config(head_dim_qk=192, head_dim_v=128, dtype="bfloat16", variant="qstage2-1cta")
+    assert not supports(cfg)
+    with pytest.raises(NotImplementedError, match="head_dim_qk=192"):
+        Sm100FwdKernel(cfg)
+    with pytest.raises(UnsupportedConfigError, match="variant 'qstage2-1cta'.*Dqk <= 128"):
+        require_kernel(cfg)  # what run_forward raises for a view of this variant
     d256 = select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")
     assert not supports(d256)
     with pytest.raises(UnsupportedConfigError, match="variant 'd256'"):

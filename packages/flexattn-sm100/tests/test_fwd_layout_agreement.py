@@ -2,9 +2,10 @@
 
 ``fwd_fragment_probe.py`` traces the kernel's own softmax-fragment builder
 (:meth:`Sm100FwdKernel.softmax_fragments`, compile-time only, ``CUTE_DSL_ARCH=sm_100a``) with the
-kernel's own MMA slice of every CTA rank ``r`` (qstage1-1cta: rank 0 only; qstage1-2cta: both CTAs of
-the pair) and reports, for every softmax thread ``t`` and register ``e``, the score element ``(m, n)``
-of the plan block that the tcgen05.ld 32x32b copy puts in ``rS[e]``. The kernel keeps ``rS[e]`` iff
+kernel's own MMA slice of every payload subtile ``r`` (qstage1-1cta: rank 0 only; qstage1-2cta: both
+CTAs of the pair; qstage2-1cta: both q stages' softmax warpgroups) and reports, for every softmax
+thread ``t`` and register ``e``, the score element ``(m, n)`` of the plan block that the tcgen05.ld
+32x32b copy puts in ``rS[e]``. The kernel keeps ``rS[e]`` iff
 bit ``e % 32`` of its payload word ``e // 32`` of group ``t`` in plane ``payload_plane_index(entry,
 r)`` is set (``apply_packed_predicate``; 1CTA loads the words from GMEM, 2CTA from a stage of the
 SMEM ring the load warp fills with that plane). So agreement means, for all ``r, t, e``::
@@ -41,7 +42,13 @@ pytestmark = [
 
 PROBE = Path(__file__).with_name("fwd_fragment_probe.py")
 #: (head_dim_qk, head_dim_v, dtype, variant); one probe process for all
-CASES = [(128, 128, "bfloat16", "qstage1-1cta"), (128, 128, "bfloat16", "qstage1-2cta")]
+CASES = [
+    (128, 128, "bfloat16", "qstage1-1cta"),
+    (128, 128, "bfloat16", "qstage1-2cta"),
+    (128, 128, "bfloat16", "qstage2-1cta"),
+]
+#: payload subtiles of each variant: CTA ranks (2CTA) or q stages (qstage2)
+SUBTILES = {"qstage1-1cta": 1, "qstage1-2cta": 2, "qstage2-1cta": 2}
 IDS = [case[3] for case in CASES]
 
 
@@ -64,7 +71,7 @@ def layout_of(case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_bit_tested_is_bit_assigned(case, probed):
     layout = layout_of(case)
-    ranks = 2 if case[3].endswith("2cta") else 1
+    ranks = SUBTILES[case[3]]
     assert (layout.subtiles, layout.groups, layout.words_per_group) == (ranks, 128, 4)
     subtile, group, word, bit = layout.element_coords()
     per_rank = torch.tensor(probed[case[3]]["s"])  # [rank, thread, register, (m, n)]

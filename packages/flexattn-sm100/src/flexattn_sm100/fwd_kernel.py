@@ -1,7 +1,7 @@
 """SM100 (Blackwell) attention forward that consumes a MaskPlan's forward view (spec 6.1, 6.2): the
-generic qstage1 + 1CTA and qstage1 + 2CTA variants, one class configured by the variant (CTA group
-size and payload delivery are constructor facts). Compile-verified for sm_100a only: it has NEVER
-run on SM100 hardware.
+generic qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA variants, one class configured by the
+variant (q stages, CTA group size and payload delivery are constructor facts). Compile-verified for
+sm_100a only: it has NEVER run on SM100 hardware.
 
 ``qstage1-1cta``: one CTA = one 128 x 128 plan block. ``qstage1-2cta``: a cluster of two CTAs = one
 256 x 128 plan block computed by tcgen05 ``cta_group::2`` MMAs (M = 256) that the leader CTA (rank
@@ -24,10 +24,19 @@ TMEM; payload subtile r is CTA r's plane (payload_layout.py). Each CTA has six w
                             the leader's barriers), 2CTA: bulk copy of the CTA's payload plane of
                             each partial block into the SMEM ring
 
+``qstage2-1cta``: one CTA = one 256 x 128 plan block as two 128-row Q tiles (q stages 0 and 1),
+payload subtile q = q stage q, direct payload loads. Twelve warps, 384 threads: warps 0-3 and 4-7 are
+the softmax warpgroups of q stages 0 and 1 (thread t of stage q owns row 128 q + t, as above), warp 8
+the MMA warp, warp 9 the load warp (both Q tiles on the one Q barrier), warps 10-11 idle; setmaxnreg
+gives the softmax warpgroups 200 registers and the rest 104. Per K block the MMA warp alternates
+the stages, so one stage's softmax overlaps the other stage's GEMMs (``mma_role_qstage2``).
+
 TMEM (512 columns, fp32)::
 
-    S stage 0: cols   0..127   S stage 1: cols 128..255   (QK_{j+1} overlaps softmax j)
-    O        : cols 256..256+Dv-1                          P: cols 384..447 (128 x 16-bit packed)
+    qstage1   S stage 0: cols   0..127   S stage 1: cols 128..255   (QK_{j+1} overlaps softmax j)
+              O        : cols 256..256+Dv-1                          P: cols 384..447 (16-bit packed)
+    qstage2   S_0 (P_0 over its first 64 columns): cols 0..127    O_0: cols 256..256+Dv-1
+              S_1 (P_1 over its first 64 columns): cols 128..255  O_1: cols 256+Dv..256+2Dv-1
 
 Per task ``(m_block, head, batch, q_valid_rows)`` (the walk of flexattn_sm90, spec 6.1)::
 
@@ -46,9 +55,11 @@ multicasts to both CTAs)::
     Q      1 stage    TMA -> MMA                               released by tcgen05.commit
     K, V   kv_stages  TMA -> MMA                               released by tcgen05.commit
     S      2 stages   MMA (commit) -> softmax WG(s)            released after tcgen05.ld
+           (qstage2: 1 stage per q stage; S_{j+1} is issued after the P V that reads P_j there)
     P      1 stage    softmax WG(s) -> MMA                     released by the commit of P V, so
                                                                acquiring P = "O is stable"
     O      1 stage    MMA (commit after the last P V) -> softmax WG(s) epilogue
+           (S, P and O: one pipeline per q stage)
     mask   2 stages   cp.async.bulk -> softmax WG              2CTA only, CTA-local (spec 6.2):
                                                                advances once per partial block;
                                                                full blocks never touch it
@@ -70,6 +81,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
     TASK_WORDS,
     FwdPlanTensors,
@@ -88,23 +100,34 @@ from .fwd_helpers import cta_group_of, make_pv_mma, make_qk_mma, tcgen05_fence_a
 from .fwd_softmax import SoftmaxRole
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: the variants this kernel implements (qstage2 / D256 are specified but not written)
-IMPLEMENTED_VARIANTS = ("qstage1-1cta", "qstage1-2cta")
+#: the variants this kernel implements (D256 is specified but not written)
+IMPLEMENTED_VARIANTS = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
 #: SMEM the Q/K/V stages may take (the rest: barriers, task records, CLC response, payload ring)
 _SMEM_BUDGET = 200 * 1024
 _MAX_KV_STAGES = 4
 #: half of an SM's 227 KB of SMEM: a CTA above it never shares its SM
 _HALF_SM_SMEM = 114 * 1024
+#: qstage2 setmaxnreg split: the two softmax warpgroups, and the MMA/load warpgroup (8 x 200 + 4 x 104
+#: = 12 x 168, the launch's registers). ptxas: no spills but 4 bytes for fp16 at D128; 224/56 and
+#: 208/88 spill in the MMA/load warps, 168 for all spills in the softmax)
+_QSTAGE2_SOFTMAX_REGS, _QSTAGE2_OTHER_REGS = 200, 104
+#: qstage2 keeps two Q tiles and two K/V stages in SMEM: Dqk 192 does not fit 227 KB
+QSTAGE2_MAX_HEAD_DIM_QK = 128
 
 
 def kv_stages_for(
-    head_dim_qk: int, head_dim_v: int, element_bytes: int = 2, tile: int = 128, cta_group_size: int = 1
+    head_dim_qk: int,
+    head_dim_v: int,
+    element_bytes: int = 2,
+    tile: int = 128,
+    cta_group_size: int = 1,
+    q_tiles: int = 1,
 ) -> int:
-    """K/V pipeline depth: up to 4 stages that fit next to Q in :data:`_SMEM_BUDGET`, or more when 4
-    leave the CTA under half an SM's SMEM. Each CTA allocates all 512 TMEM columns, so a second
-    CTA on the SM would only wait for them (and a CTA pair waiting on two SMs could deadlock). With
-    a CTA pair each CTA holds half of every K and V tile."""
-    q_bytes = tile * head_dim_qk * element_bytes
+    """K/V pipeline depth: up to 4 stages that fit next to the ``q_tiles`` Q tiles in
+    :data:`_SMEM_BUDGET`, or more when 4 leave the CTA under half an SM's SMEM. Each CTA allocates
+    all 512 TMEM columns, so a second CTA on the SM would only wait for them (and a CTA pair waiting
+    on two SMs could deadlock). With a CTA pair each CTA holds half of every K and V tile."""
+    q_bytes = q_tiles * tile * head_dim_qk * element_bytes
     kv_bytes = tile * (head_dim_qk + head_dim_v) * element_bytes // cta_group_size
     fit = (_SMEM_BUDGET - q_bytes) // kv_bytes
     above_half = -(-(_HALF_SM_SMEM + 1 - q_bytes) // kv_bytes)
@@ -122,6 +145,11 @@ class Sm100FwdKernel(SoftmaxRole):
             )
         if config.pack_gqa:
             raise NotImplementedError("PackGQA is not implemented by the SM100 forward kernel")
+        if config.variant.q_stage == 2 and config.head_dim_qk > QSTAGE2_MAX_HEAD_DIM_QK:
+            raise NotImplementedError(
+                f"head_dim_qk={config.head_dim_qk}: qstage2 keeps two Q tiles and two K/V stages in SMEM, "
+                f"which fits for head_dim_qk <= {QSTAGE2_MAX_HEAD_DIM_QK} only"
+            )
         if config.head_dim_v > 128 or config.head_dim_qk % 16 or config.head_dim_v % 32:
             raise NotImplementedError(
                 f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the qstage1 "
@@ -131,45 +159,68 @@ class Sm100FwdKernel(SoftmaxRole):
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
-        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # the plan block = the MMA tile
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # the plan block
         # CTA pair: cluster (2, 1, 1) along M, cta_group::2 MMAs issued by the leader (rank 0)
         self.cta_group_size = variant.cta_group_size
         self.cluster_shape = (self.cta_group_size, 1, 1)
-        self.cta_tile_m = self.tile_m // self.cta_group_size  # Q rows = TMEM lanes of one CTA
+        # qstage2: two Q tiles (q stages) of the plan block per CTA, one softmax warpgroup each
+        self.q_stages = variant.q_stage
+        self.mma_tile_m = self.tile_m // self.q_stages  # the M of one S = Q K^T MMA
+        self.cta_tile_m = self.mma_tile_m // self.cta_group_size  # Q rows = TMEM lanes of one CTA
         assert (self.cta_tile_m, self.tile_n) == (128, 128) and self.cta_group_size in (1, 2)
-        self.kv_stages = kv_stages_for(self.head_dim_qk, self.head_dim_v, cta_group_size=self.cta_group_size)
+        assert self.q_stages in (1, 2) and self.q_stages * self.cta_group_size <= 2
+        self.kv_stages = kv_stages_for(
+            self.head_dim_qk, self.head_dim_v, cta_group_size=self.cta_group_size, q_tiles=self.q_stages
+        )
         self.sched_stages = 2
-        self.s_stages = 2
+        # qstage1: S double-buffered (S_{j+1} overlaps softmax j); qstage2: one S per q stage (the
+        # other stage's S overlaps), with P written over it
+        self.s_stages = 2 if self.q_stages == 1 else 1
         # payload delivery (spec 6.2): 0 = direct GMEM -> registers, else the SMEM ring's depth
         self.mask_stages = variant.mask_pipeline_stages
-        # payload ABI (payload_layout.py is the one source of truth): subtile = CTA rank
+        # payload ABI (payload_layout.py is the one source of truth): subtile = CTA rank or q stage
         layout = config.payload_layout
-        assert layout.subtiles == self.cta_group_size
+        assert layout.subtiles == self.cta_group_size * self.q_stages
         self.payload_subtiles = layout.subtiles
-        self.payload_groups = layout.groups  # = softmax threads of one CTA
+        self.payload_groups = layout.groups  # = threads of one softmax warpgroup
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread
         self.payload_plane = layout.groups * layout.words_per_group  # int32 words of one CTA's subtile
         self.payload_entry = layout.words_per_tile  # int32 words of one partial entry (all subtiles)
         assert self.payload_entry == self.payload_subtiles * self.payload_plane
-        # warp roles
-        self.softmax_warps = (0, 1, 2, 3)
-        self.mma_warp = 4
-        self.load_warp = 5
+        # warp roles: one softmax warpgroup per q stage, then the MMA and the load warp
+        self.softmax_warps = tuple(range(4 * self.q_stages))
+        self.mma_warp = len(self.softmax_warps)
+        self.load_warp = self.mma_warp + 1
         self.num_softmax_threads = 32 * len(self.softmax_warps)
-        self.num_threads = 32 * (len(self.softmax_warps) + 2)
-        assert self.payload_groups == self.num_softmax_threads
+        # qstage2: 256 softmax threads need more registers than 320 threads launch with; setmaxnreg
+        # moves them there, per warpgroup, so two idle warps complete the MMA/load warpgroup
+        idle_warps = 2 if self.q_stages == 2 else 0
+        self.num_threads = 32 * (len(self.softmax_warps) + 2 + idle_warps)
+        self.register_split = None
+        if self.q_stages == 2:
+            self.register_split = (_QSTAGE2_SOFTMAX_REGS, _QSTAGE2_OTHER_REGS)
+            check_register_split(
+                self.num_threads,
+                ((_QSTAGE2_SOFTMAX_REGS, len(self.softmax_warps)), (_QSTAGE2_OTHER_REGS, 2 + idle_warps)),
+                max_launch_registers(self.num_threads),
+            )
+        assert self.payload_groups == self.cta_tile_m == 128
         # named barriers (0 is __syncthreads), CTA-local
         self.tmem_alloc_barrier_id = 1  # softmax WG + MMA warp wait for the TMEM address
         self.tmem_free_barrier_id = 2  # softmax WG done with TMEM before warp 0 frees it
-        # TMEM columns (32-bit), see the module docstring
+        # TMEM columns (32-bit) per q stage, see the module docstring
         self.tmem_cols = 512
-        self.tmem_s_offset = 0
-        self.tmem_s_stride = self.tile_n
-        self.tmem_o_offset = 2 * self.tile_n
-        self.tmem_p_offset = 3 * self.tile_n
-        assert self.tmem_o_offset + self.head_dim_v <= self.tmem_p_offset
-        assert self.tmem_p_offset + self.tile_n // 2 <= self.tmem_cols
+        self.tmem_s_stride = self.tile_n  # between the S stages of one q stage (qstage1)
+        if self.q_stages == 1:
+            self.tmem_s_offsets, self.tmem_o_offsets, self.tmem_p_offsets = (0,), (256,), (384,)
+            assert 256 + self.head_dim_v <= 384
+        else:  # P_s is written over S_s once the softmax has read it
+            self.tmem_s_offsets = (0, self.tile_n)
+            self.tmem_o_offsets = (256, 256 + self.head_dim_v)
+            self.tmem_p_offsets = self.tmem_s_offsets
+        assert self.tmem_o_offsets[-1] + self.head_dim_v <= self.tmem_cols
+        assert self.tmem_p_offsets[-1] + self.tile_n // 2 <= self.tmem_cols
 
     # -- host entries -----------------------------------------------------------------------------
     @cute.jit
@@ -252,12 +303,15 @@ class Sm100FwdKernel(SoftmaxRole):
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError(f"q/k/v/o must be {self.dtype}")
-        qk_mma = make_qk_mma(self.dtype, self.tile_m, self.tile_n, self.cta_group_size)
-        pv_mma = make_pv_mma(self.dtype, self.tile_m, self.head_dim_v, self.cta_group_size)
-        qk_tiler = (self.tile_m, self.tile_n, self.head_dim_qk)  # (M, N, K) of S = Q K^T
-        pv_tiler = (self.tile_m, self.head_dim_v, self.tile_n)  # (M, N, K) of O = P V
+        qk_mma = make_qk_mma(self.dtype, self.mma_tile_m, self.tile_n, self.cta_group_size)
+        # qstage2: q stage 1 issues S through its own tiled MMA (see mma_role_qstage2)
+        qk_mma_1 = make_qk_mma(self.dtype, self.mma_tile_m, self.tile_n, self.cta_group_size)
+        pv_mma = make_pv_mma(self.dtype, self.mma_tile_m, self.head_dim_v, self.cta_group_size)
+        qk_tiler = (self.mma_tile_m, self.tile_n, self.head_dim_qk)  # (M, N, K) of S = Q K^T
+        pv_tiler = (self.mma_tile_m, self.head_dim_v, self.tile_n)  # (M, N, K) of O = P V
         # ((MMA), MMA_M, MMA_K, stages) UMMA-canonical SMEM layouts, one CTA's share of each tile
-        sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, qk_tiler, self.dtype, 1)
+        # (Q: one stage per q stage)
+        sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, qk_tiler, self.dtype, self.q_stages)
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, qk_tiler, self.dtype, self.kv_stages)
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, pv_tiler, self.dtype, self.kv_stages)
         # the P operand (K-major A of P V) as it lies in TMEM
@@ -281,14 +335,16 @@ class Sm100FwdKernel(SoftmaxRole):
         tma_v, tma_mV = cute.nvgpu.make_tiled_tma_atom_B(
             load_op, mV_t, cute.select(sV_layout, mode=one), pv_tiler, pv_mma, cluster_vmnk
         )
-        # bytes landing on one (the leader's) full barrier: every CTA's share of the tile
+        # bytes landing on one (the leader's) full barrier: every CTA's share of the tile (Q: of
+        # every q stage's tile)
         self.bytes_q, self.bytes_k, self.bytes_v = (
-            cute.size_in_bytes(self.dtype, cute.select(layout, mode=one)) * self.cta_group_size
-            for layout in (sQ_layout, sK_layout, sV_layout)
+            cute.size_in_bytes(self.dtype, cute.select(layout, mode=one)) * self.cta_group_size * copies
+            for layout, copies in ((sQ_layout, self.q_stages), (sK_layout, 1), (sV_layout, 1))
         )
         self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
         self.kernel(
             qk_mma,
+            qk_mma_1,
             pv_mma,
             tma_q,
             tma_mQ,
@@ -341,9 +397,9 @@ class Sm100FwdKernel(SoftmaxRole):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
-            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * self.s_stages]
-            mbar_p: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_o: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 2 * self.s_stages * self.q_stages]
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * mask_stages]
             mbar_clc: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_clc_read: cute.struct.MemRange[cutlass.Int64, 1]  # 2CTA: both CTAs read the response
@@ -364,6 +420,7 @@ class Sm100FwdKernel(SoftmaxRole):
     def kernel(
         self,
         qk_mma: cute.TiledMma,
+        qk_mma_1: cute.TiledMma,
         pv_mma: cute.TiledMma,
         tma_q: cute.CopyAtom,
         mQ: cute.Tensor,
@@ -429,37 +486,60 @@ class Sm100FwdKernel(SoftmaxRole):
 
         qk_thr, pv_thr = qk_mma.get_slice(cta_rank), pv_mma.get_slice(cta_rank)
         if warp_idx == self.load_warp:
+            self.set_registers(softmax=False)
             self.load_role(
                 qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan, pipes, clc,
                 cta_rank,
             )  # fmt: skip
         elif warp_idx < self.mma_warp:
+            self.set_registers(softmax=True)
             tmem.allocate(self.tmem_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.softmax_role(
-                qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, sMask, plan, softmax_scale, pipes, tidx,
-                cta_rank,
-            )  # fmt: skip
+            # warpgroup w = q stage w; its payload subtile is the q stage, or the CTA rank of a pair
+            thread = tidx % self.cta_tile_m
+            args = (qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, sMask, plan, softmax_scale)
+            args = (*args, pipes, thread)
+            if const_expr(self.q_stages == 1):
+                self.softmax_role(*args, 0, cta_rank)
+            elif warp_idx < 4:
+                self.softmax_role(*args, 0, 0)
+            else:
+                self.softmax_role(*args, 1, 1)
             # every MMA completed before the last epilogue read O; all softmax threads are done
             pipeline.NamedBarrier(self.tmem_free_barrier_id, self.num_softmax_threads).arrive_and_wait()
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr, self.tmem_cols)  # 2CTA: after the peer is done with its TMEM too
-        else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
+        elif warp_idx == self.mma_warp:  # traced last: its tcgen05 MMA set() calls rebind the MMAs' atoms
+            self.set_registers(softmax=False)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            if cta_rank == 0:
-                self.mma_role(qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes)
+            operands = (qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes)
+            if const_expr(self.q_stages == 2):
+                self.mma_role_qstage2(operands[0], qk_mma_1, *operands[1:])
+            elif cta_rank == 0:
+                self.mma_role(*operands)
             else:  # the peer's MMA warp issues nothing; it consumes its task records
                 self.skip_tasks(sTask, pipes)
+        else:  # qstage2's idle warps: their registers go to the softmax warpgroups
+            self.set_registers(softmax=False)
         if const_expr(pair):  # no CTA leaves while its peer may still signal its barriers
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
+    def set_registers(self, softmax: bool) -> None:
+        """qstage2: setmaxnreg of the calling warp's role (softmax warpgroups up, the rest down)."""
+        if const_expr(self.register_split is not None):
+            if const_expr(softmax):
+                cute.arch.setmaxregister_increase(self.register_split[0])
+            else:
+                cute.arch.setmaxregister_decrease(self.register_split[1])
+
     def _make_pipelines(self, storage, cta_layout_vmnk):
         """CTA-local pipelines, and the UMMA-bridging ones over the CTA pair (``cta_layout_vmnk``):
-        with two CTAs their MMA-side barriers are the leader's, so every non-MMA count doubles."""
-        pair_threads = self.num_softmax_threads * self.cta_group_size
+        with two CTAs their MMA-side barriers are the leader's, so every non-MMA count doubles. S, P
+        and O have one pipeline per q stage, between the MMA warp and that stage's warpgroup."""
+        pair_threads = self.cta_tile_m * self.cta_group_size  # one softmax warpgroup per CTA of the MMA
 
         def group(threads: int):
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
@@ -475,9 +555,9 @@ class Sm100FwdKernel(SoftmaxRole):
                 defer_sync=True,
             )
 
-        def umma_async(mbar, stages):
+        def umma_async(barriers, stages):
             return pipeline.PipelineUmmaAsync.create(
-                barrier_storage=mbar.data_ptr(),
+                barrier_storage=barriers,
                 num_stages=stages,
                 producer_group=group(1),
                 consumer_group=group(pair_threads),
@@ -509,16 +589,22 @@ class Sm100FwdKernel(SoftmaxRole):
             q=tma_umma(storage.mbar_q, 1, self.bytes_q),
             k=tma_umma(storage.mbar_k, self.kv_stages, self.bytes_k),
             v=tma_umma(storage.mbar_v, self.kv_stages, self.bytes_v),
-            s=umma_async(storage.mbar_s, self.s_stages),
-            p=pipeline.PipelineAsyncUmma.create(
-                barrier_storage=storage.mbar_p.data_ptr(),
-                num_stages=1,
-                producer_group=group(pair_threads),
-                consumer_group=group(1),
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
+            s=tuple(
+                umma_async(storage.mbar_s.data_ptr() + 2 * self.s_stages * q, self.s_stages)
+                for q in range(self.q_stages)
             ),
-            o=umma_async(storage.mbar_o, 1),
+            p=tuple(
+                pipeline.PipelineAsyncUmma.create(
+                    barrier_storage=storage.mbar_p.data_ptr() + 2 * q,
+                    num_stages=1,
+                    producer_group=group(pair_threads),
+                    consumer_group=group(1),
+                    cta_layout_vmnk=cta_layout_vmnk,
+                    defer_sync=True,
+                )
+                for q in range(self.q_stages)
+            ),
+            o=tuple(umma_async(storage.mbar_o.data_ptr() + 2 * q, 1) for q in range(self.q_stages)),
             mask=mask,
         )
 
@@ -589,10 +675,11 @@ class Sm100FwdKernel(SoftmaxRole):
         plan: FwdPlanTensors, pipes, q_state, kv_state, mask_state, cta_rank,
     ):  # fmt: skip
         no_mcast = cute.make_layout(1)
-        # Q: (tile_m, Dqk) tiles of this sample and head -> (MMA, MMA_M, MMA_K, m_blocks, 1); the
-        # MMA slice of CTA rank r takes rows 128 r .. 128 r + 127 of each tile
+        # Q: (mma_tile_m, Dqk) tiles of this sample and head -> (MMA, MMA_M, MMA_K, m_tiles, 1); the
+        # MMA slice of CTA rank r takes rows 128 r .. 128 r + 127 of each tile; plan block m_block is
+        # tiles q_stages * m_block + [0, q_stages)
         gQ = cute.flat_divide(
-            cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]), (self.tile_m, self.head_dim_qk)
+            cute.domain_offset((t.q_offset, 0), mQ[None, None, t.head]), (self.mma_tile_m, self.head_dim_qk)
         )
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_q, 0, no_mcast, cute.group_modes(sQ, 0, 3), cute.group_modes(qk_thr.partition_A(gQ), 0, 3)
@@ -612,9 +699,13 @@ class Sm100FwdKernel(SoftmaxRole):
             tma_v, 0, no_mcast, cute.group_modes(sV, 0, 3), cute.group_modes(pv_thr.partition_B(gV), 0, 3)
         )
         pipes.q.producer_acquire(q_state)
-        cute.copy(
-            tma_q, tQgQ[None, t.m_block, 0], tQsQ[None, 0], tma_bar_ptr=pipes.q.producer_get_barrier(q_state)
-        )
+        for q in cutlass.range_constexpr(self.q_stages):  # every q stage's tile on the one Q barrier
+            cute.copy(
+                tma_q,
+                tQgQ[None, t.m_block * self.q_stages + q, 0],
+                tQsQ[None, q],
+                tma_bar_ptr=pipes.q.producer_get_barrier(q_state),
+            )
         q_state.advance()
         # partial blocks, then full blocks: the consumers walk the same order
         bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
@@ -661,17 +752,28 @@ class Sm100FwdKernel(SoftmaxRole):
             valid, _, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
-    def mma_role(self, qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes):
-        tSrQ = qk_thr.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, 1) SMEM descriptors
+    def mma_operands(self, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, q: int):
+        """The SMEM descriptors and, for q stage ``q``, the TMEM S (stage 0 of its S stages), O and
+        P operands the MMA warp issues with."""
+        tSrQ = qk_thr.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, q_stages) SMEM descriptors
         tSrK = qk_thr.make_fragment_B(sK)  # (MMA, MMA_N, MMA_K, kv_stages)
         tOrV = pv_thr.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, kv_stages)
-        # S stage 0 (stage s is shifted s * tmem_s_stride columns), O, and the P operand in TMEM
-        tStS = tmem_acc(qk_thr, (self.tile_m, self.tile_n), tmem_ptr + self.tmem_s_offset)
-        tOtO = tmem_acc(pv_thr, (self.tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offset)
+        tStS = tmem_acc(qk_thr, (self.mma_tile_m, self.tile_n), tmem_ptr + self.tmem_s_offsets[q])
+        tOtO = tmem_acc(pv_thr, (self.mma_tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offsets[q])
         tOrP_proto = pv_thr.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0]
         tOrP = cute.make_tensor(
-            cute.recast_ptr(tmem_ptr + self.tmem_p_offset, dtype=tOrP_proto.element_type), tOrP_proto.layout
+            cute.recast_ptr(tmem_ptr + self.tmem_p_offsets[q], dtype=tOrP_proto.element_type),
+            tOrP_proto.layout,
         )
+        return tSrQ, tSrK, tOrV, tStS, tOtO, tOrP
+
+    @cute.jit
+    def mma_role(self, qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes):
+        """qstage1: S double-buffered in TMEM, so S_{j+1} is computed while the softmax works on S_j."""
+        tSrQ, tSrK, tOrV, tStS, tOtO, tOrP = self.mma_operands(
+            qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 0
+        )
+        s_pipe, p_pipe, o_pipe = pipes.s[0], pipes.p[0], pipes.o[0]
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
@@ -685,25 +787,108 @@ class Sm100FwdKernel(SoftmaxRole):
             if n > 0:
                 pipes.q.consumer_wait(q_state)
                 k_state = kv_state.clone()
-                s_state, k_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, pipes, s_state, k_state)
+                pipes.k.consumer_wait(k_state)
+                s_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, s_pipe, s_state, k_state, 0)
+                k_state = self.release_k(pipes, k_state)
                 for j in cutlass.range(n, unroll=1):
                     if j + 1 < n:  # S_{j+1} overlaps the softmax of block j
-                        s_state, k_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, pipes, s_state, k_state)
-                    pipes.p.consumer_wait(p_state)
+                        pipes.k.consumer_wait(k_state)
+                        s_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, s_pipe, s_state, k_state, 0)
+                        k_state = self.release_k(pipes, k_state)
+                    p_pipe.consumer_wait(p_state)
                     pipes.v.consumer_wait(kv_state)
                     if j == 0:
-                        pipes.o.producer_acquire(o_state)  # the previous epilogue has read O
+                        o_pipe.producer_acquire(o_state)  # the previous epilogue has read O
                     tcgen05_fence_after()
                     self.issue_pv(pv_mma, tOtO, tOrP, tOrV, kv_state.index, j > 0)
-                    pipes.p.consumer_release(p_state)  # fires when P V completes: O stable, P free
+                    p_pipe.consumer_release(p_state)  # fires when P V completes: O stable, P free
                     p_state.advance()
                     pipes.v.consumer_release(kv_state)
                     kv_state.advance()
-                pipes.o.producer_commit(o_state)
+                o_pipe.producer_commit(o_state)
                 o_state.advance()
                 pipes.q.consumer_release(q_state)
                 q_state.advance()
             valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
+
+    @cute.jit
+    def mma_role_qstage2(
+        self, qk_mma, qk_mma_1, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes
+    ):
+        """qstage2: per K block ``j`` the two q stages alternate on the tensor cores, so one stage's
+        softmax overlaps the other stage's GEMMs::
+
+            S0 = Q0 K_0^T ; S1 = Q1 K_0^T
+            for j: wait P0 ; O0 += P0 V_j ; S0 = Q0 K_{j+1}^T     (P0 lies in S0's columns: the
+                   wait P1 ; O1 += P1 V_j ; S1 = Q1 K_{j+1}^T      MMAs of one thread run in order)
+        """
+        tSrQ, tSrK, tOrV, tStS0, tOtO0, tOrP0 = self.mma_operands(
+            qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 0
+        )
+        _, _, _, tStS1, tOtO1, tOrP1 = self.mma_operands(qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 1)
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        s0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        s1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        p0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        p1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        o0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        o1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+
+        valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
+        while valid != 0:
+            n = t.partial_cnt + t.full_cnt
+            if n > 0:
+                pipes.q.consumer_wait(q_state)
+                k_state = kv_state.clone()
+                pipes.k.consumer_wait(k_state)
+                s0 = self.issue_qk(qk_mma, tSrQ, tSrK, tStS0, pipes.s[0], s0, k_state, 0)
+                s1 = self.issue_qk(qk_mma_1, tSrQ, tSrK, tStS1, pipes.s[1], s1, k_state, 1)
+                k_state = self.release_k(pipes, k_state)
+                for j in cutlass.range(n, unroll=1):
+                    has_next = j + 1 < n
+                    pipes.v.consumer_wait(kv_state)
+                    if has_next:
+                        pipes.k.consumer_wait(k_state)
+                    p0, o0, s0 = self.stage_step(
+                        qk_mma, pv_mma, tSrQ, tSrK, tOrV, tStS0, tOtO0, tOrP0, pipes, 0, p0, o0, s0,
+                        kv_state, k_state, j, has_next,
+                    )  # fmt: skip
+                    p1, o1, s1 = self.stage_step(
+                        qk_mma_1, pv_mma, tSrQ, tSrK, tOrV, tStS1, tOtO1, tOrP1, pipes, 1, p1, o1, s1,
+                        kv_state, k_state, j, has_next,
+                    )  # fmt: skip
+                    if has_next:
+                        k_state = self.release_k(pipes, k_state)
+                    pipes.v.consumer_release(kv_state)
+                    kv_state.advance()
+                pipes.o[0].producer_commit(o0)
+                o0.advance()
+                pipes.o[1].producer_commit(o1)
+                o1.advance()
+                pipes.q.consumer_release(q_state)
+                q_state.advance()
+            valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
+
+    @cute.jit
+    def stage_step(
+        self, qk_mma, pv_mma, tSrQ, tSrK, tOrV, tStS, tOtO, tOrP, pipes, q: cutlass.Constexpr[int], p_state,
+        o_state, s_state, kv_state, k_state, j, has_next,
+    ):  # fmt: skip
+        """qstage2, q stage ``q``, K block ``j``: O_q (+)= P_q V_j, then S_q = Q_q K_{j+1}^T unless
+        ``j`` is the last block. ``qk_mma`` is the stage's own tiled MMA: its ACCUMULATE field is set
+        under this runtime branch, and the other stage's branch must not depend on that value."""
+        pipes.p[q].consumer_wait(p_state)
+        if j == 0:
+            pipes.o[q].producer_acquire(o_state)  # the previous epilogue of this stage has read O_q
+        tcgen05_fence_after()
+        self.issue_pv(pv_mma, tOtO, tOrP, tOrV, kv_state.index, j > 0)
+        pipes.p[q].consumer_release(p_state)  # fires when P V completes: O_q stable
+        p_state.advance()
+        if has_next:  # issued after the P V that reads P_q from these columns
+            s_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, pipes.s[q], s_state, k_state, q)
+        return p_state, o_state, s_state
 
     @cute.jit
     def issue_pv(self, pv_mma, tOtO, tOrP, tOrV, v_stage: Int32, accumulate):
@@ -716,20 +901,24 @@ class Sm100FwdKernel(SoftmaxRole):
             cute.gemm(pv_mma, tOtO, tOrP[None, None, kb], tOrV[None, None, kb, v_stage], tOtO)
 
     @cute.jit
-    def issue_qk(self, qk_mma, tSrQ, tSrK, tStS, pipes, s_state, k_state):
-        """S[stage] = Q K^T for the next K tile; the K stage is released when the MMA completes."""
-        pipes.s.producer_acquire(s_state)  # the softmax has read this S stage
-        pipes.k.consumer_wait(k_state)
+    def issue_qk(self, qk_mma, tSrQ, tSrK, tStS, s_pipe, s_state, k_state, q: cutlass.Constexpr[int]):
+        """S[stage] = Q_q K^T for the K tile in ``k_state`` (waited for by the caller)."""
+        s_pipe.producer_acquire(s_state)  # the softmax has read this S stage
         tcgen05_fence_after()
         tStS_s = cute.make_tensor(tStS.iterator + s_state.index * self.tmem_s_stride, tStS.layout)
         for kb in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             qk_mma.set(tcgen05.Field.ACCUMULATE, kb != 0)
-            cute.gemm(qk_mma, tStS_s, tSrQ[None, None, kb, 0], tSrK[None, None, kb, k_state.index], tStS_s)
-        pipes.s.producer_commit(s_state)
+            cute.gemm(qk_mma, tStS_s, tSrQ[None, None, kb, q], tSrK[None, None, kb, k_state.index], tStS_s)
+        s_pipe.producer_commit(s_state)
         s_state.advance()
+        return s_state
+
+    @cute.jit
+    def release_k(self, pipes, k_state):
+        """The K stage is released when the MMAs issued so far complete."""
         pipes.k.consumer_release(k_state)
         k_state.advance()
-        return s_state, k_state
+        return k_state
 
 
 @dataclass(frozen=True)
@@ -740,9 +929,9 @@ class Pipes:
     q: object
     k: object
     v: object
-    s: object
-    p: object
-    o: object
+    s: tuple  # per q stage
+    p: tuple  # per q stage
+    o: tuple  # per q stage
     mask: object  # the payload ring (spec 6.2 SMEM delivery), None with direct delivery
 
 

@@ -2,9 +2,11 @@
 
 Compile-verified for sm_100a; NEVER run on SM100 hardware (there is none where it was written).
 The view's variant picks the kernel: ``qstage1-1cta`` (one CTA per 128 x 128 block, direct payload
-loads) or ``qstage1-2cta`` (a CTA pair per 256 x 128 block, tcgen05 cta_group::2, SMEM payload
-ring), both :class:`Sm100FwdKernel` configured by the variant; a view of a variant without a kernel
-(``qstage2-1cta``, ``d256``) is refused with :class:`UnsupportedConfigError` naming it.
+loads), ``qstage2-1cta`` (one CTA per 256 x 128 block as two q stages, direct payload loads;
+Dqk <= 128) or ``qstage1-2cta`` (a CTA pair per 256 x 128 block, tcgen05 cta_group::2, SMEM payload
+ring), all :class:`Sm100FwdKernel` configured by the variant; a view of a variant or head dims
+without a kernel (``d256``; qstage2 with Dqk 192) is refused with :class:`UnsupportedConfigError`
+naming it.
 
 ::
 
@@ -34,7 +36,7 @@ from maskplan_kernels.consumer_launch import cached_per_view, forward_io, fwd_pl
 
 from . import view_config
 from .config import Sm100FwdConfig
-from .fwd_kernel import IMPLEMENTED_VARIANTS, Sm100FwdKernel
+from .fwd_kernel import IMPLEMENTED_VARIANTS, QSTAGE2_MAX_HEAD_DIM_QK, Sm100FwdKernel
 
 GPU_ARCH = "sm_100a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
@@ -66,6 +68,7 @@ def supports(config: Sm100FwdConfig) -> bool:
         and not config.pack_gqa
         and config.head_dim_v <= 128
         and config.head_dim_v % 32 == 0
+        and (config.variant.q_stage == 1 or config.head_dim_qk <= QSTAGE2_MAX_HEAD_DIM_QK)
     )
 
 
@@ -111,8 +114,9 @@ def require_kernel(config: Sm100FwdConfig) -> Sm100FwdConfig:
             f"the plan's SM100 forward variant {v.name!r} (tile {v.tile_m}x{v.tile_n}, q_stage={v.q_stage}, "
             f"cta_group_size={v.cta_group_size}, head dims ({config.head_dim_qk}, {config.head_dim_v}), "
             f"pack_gqa={config.pack_gqa}) has no kernel; implemented: "
-            f"{', '.join(repr(n) for n in IMPLEMENTED_VARIANTS)} with Dv <= 128 (a multiple of 32), no "
-            "PackGQA; rebuild the plan for one of them (heuristics.select_fwd_config(variant=...))"
+            f"{', '.join(repr(n) for n in IMPLEMENTED_VARIANTS)} with Dv <= 128 (a multiple of 32), "
+            f"qstage2 with Dqk <= {QSTAGE2_MAX_HEAD_DIM_QK}, no PackGQA; rebuild the plan for one of them "
+            "(heuristics.select_fwd_config(variant=...))"
         )
     return config
 

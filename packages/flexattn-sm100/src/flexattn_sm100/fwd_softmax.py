@@ -2,12 +2,14 @@
 epilogue. A mixin of :class:`flexattn_sm100.fwd_kernel.Sm100FwdKernel` (it reads the kernel's static
 config from ``self``). Never run on SM100 hardware.
 
-Thread ``t`` (0..127) of CTA rank ``r`` (0 without a CTA pair) owns score row ``128 r + t`` of the
-plan block: ``tcgen05.ld 32x32b`` of the CTA's own TMEM puts column ``e`` of S in its register ``e``
-(:func:`fwd_helpers.score_tmem_load`, the fragment :mod:`flexattn_sm100.payload_layout` describes),
-so the row max and row sum are plain per-thread scalars and the packed predicate is the thread's
-own ``words_per_group`` words of payload group ``t`` of subtile ``r``: loaded from GMEM directly
-(1CTA) or from the CTA's SMEM payload ring (2CTA, spec 6.2). Per block::
+Thread ``t`` (0..127) of the warpgroup of payload subtile ``r`` (the CTA rank of a pair, the q stage
+with qstage2, else 0) owns score row ``128 r + t`` of the plan block: ``tcgen05.ld 32x32b`` of the
+subtile's S in TMEM puts column ``e`` in its register ``e`` (:func:`fwd_helpers.score_tmem_load`,
+the fragment :mod:`flexattn_sm100.payload_layout` describes), so the row max and row sum are plain
+per-thread scalars and the packed predicate is the thread's own ``words_per_group`` words of payload
+group ``t`` of subtile ``r``: loaded from GMEM directly (1CTA, qstage2) or from the CTA's SMEM
+payload ring (2CTA, spec 6.2). With qstage2 each q stage has its own warpgroup, S, P and O (P over
+S's columns) and S/P/O pipelines. Per block::
 
     [partial] payload words -> registers (ring: wait stage, copy, fence.proxy.async, release)
     wait S[j] ; tcgen05.ld S -> 128 fp32 registers ; release S[j] (the MMA may compute S[j + 2])
@@ -69,17 +71,20 @@ class SoftmaxFragments(NamedTuple):
 class SoftmaxRole:
     """Softmax-warpgroup methods (mixin)."""
 
-    def softmax_fragments(self, qk_thr, pv_thr, tmem_ptr, tidx) -> SoftmaxFragments:
+    def softmax_fragments(self, qk_thr, pv_thr, tmem_ptr, tidx, q: int = 0) -> SoftmaxFragments:
+        """Fragments of thread ``tidx`` of q stage ``q``'s warpgroup."""
         # S stage 0: ((128, tile_n), 1, 1) fp32 in TMEM, and the (m, n) coordinates of its elements
-        tStS = tmem_acc(qk_thr, (self.tile_m, self.tile_n), tmem_ptr + self.tmem_s_offset)
-        # (m, n) of the plan block for this CTA's slice (2CTA: rows 128 r + [0, 128))
-        tScS = qk_thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tStS = tmem_acc(qk_thr, (self.mma_tile_m, self.tile_n), tmem_ptr + self.tmem_s_offsets[q])
+        # (m, n) of the plan block for this CTA's slice of q stage q's tile (2CTA: rows 128 r + [0,
+        # 128); qstage2: rows 128 q + [0, 128))
+        block = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = qk_thr.partition_C(cute.local_tile(block, (self.mma_tile_m, self.tile_n), (q, 0)))
         s_load, tLtS, tLcS = score_tmem_load(tStS, tScS, tidx)
         rS = cute.make_rmem_tensor(tLcS.shape, Float32)
         # P: tile_n 16-bit values per row = tile_n / 2 fp32 columns of the CTA's 128 lanes
         p_cols = self.tile_n * self.dtype.width // 32
         tStP = cute.make_tensor(
-            tmem_ptr + self.tmem_p_offset,
+            tmem_ptr + self.tmem_p_offsets[q],
             cute.composition(tStS.layout, cute.make_layout((self.cta_tile_m, p_cols))),
         )
         tScP = cute.make_tensor(
@@ -93,9 +98,10 @@ class SoftmaxRole:
         rP32 = cute.make_rmem_tensor(tPcP.shape, Float32)
         rP = cute.make_tensor(cute.recast_ptr(rP32.iterator, dtype=self.dtype), rS.layout)
         # O: ((128, Dv), 1, 1) fp32 in TMEM, visited O_CHUNK columns at a time
-        tOtO = tmem_acc(pv_thr, (self.tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offset)
+        tOtO = tmem_acc(pv_thr, (self.mma_tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offsets[q])
         o_load, o_store, tLtO, tStO = row_chunk_copies(tOtO, tidx, O_CHUNK)
-        cO = pv_thr.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
+        o_block = cute.make_identity_tensor((self.tile_m, self.head_dim_v))
+        cO = pv_thr.partition_C(cute.local_tile(o_block, (self.mma_tile_m, self.head_dim_v), (q, 0)))
         cO_chunk = cute.make_tensor(
             cO.iterator, cute.composition(cO.layout, cute.make_layout((self.cta_tile_m, O_CHUNK)))
         )
@@ -108,10 +114,12 @@ class SoftmaxRole:
     @cute.jit
     def softmax_role(
         self, qk_thr, pv_thr, tmem_ptr, mO, mLSE, mMaxLogit, sTask, sMask, plan, softmax_scale: Float32,
-        pipes, tidx: Int32, cta_rank,
+        pipes, tidx: Int32, q: cutlass.Constexpr[int], subtile,
     ):  # fmt: skip
+        """Thread ``tidx`` of the warpgroup of q stage ``q`` (payload ``subtile``)."""
         scale_log2 = softmax_scale * Float32(LOG2_E)
-        frags = self.softmax_fragments(qk_thr, pv_thr, tmem_ptr, tidx)
+        frags = self.softmax_fragments(qk_thr, pv_thr, tmem_ptr, tidx, q)
+        stage_pipes = (pipes.s[q], pipes.p[q], pipes.o[q])
         words = cute.make_rmem_tensor(self.payload_words, Int32)
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s_stages)
@@ -126,45 +134,47 @@ class SoftmaxRole:
             m = -Float32.inf
             l_sum = Float32(0.0)
             for i in cutlass.range(t.partial_cnt, unroll=1):
-                # this thread's words of payload group tidx, subtile cta_rank (spec 6.2)
+                # this thread's words of payload group tidx, subtile ``subtile`` (spec 6.2)
                 if const_expr(self.mask_stages > 0):
                     mask_state = read_staged_words(pipes.mask, mask_state, sMask, tidx, words)
                 else:
-                    plane = self.payload_plane_index(t.partial_off + i, cta_rank)
+                    plane = self.payload_plane_index(t.partial_off + i, subtile)
                     offset = plane * self.payload_plane + tidx * self.payload_words
                     load_words(plan.mask_block_masks, offset, words)
                 s_state, p_state, m, l_sum = self.softmax_block(
-                    frags, pipes, s_state, p_state, m, l_sum, scale_log2, i > 0, words
+                    frags, stage_pipes, s_state, p_state, m, l_sum, scale_log2, i > 0, words
                 )
             for i in cutlass.range(t.full_cnt, unroll=1):
                 s_state, p_state, m, l_sum = self.softmax_block(
-                    frags, pipes, s_state, p_state, m, l_sum, scale_log2, t.partial_cnt + i > 0, None
+                    frags, stage_pipes, s_state, p_state, m, l_sum, scale_log2, t.partial_cnt + i > 0, None
                 )
             o_state = self.epilogue(
-                frags, pipes, o_state, t, m, l_sum, scale_log2, softmax_scale, mO, mLSE, mMaxLogit,
-                cta_rank * self.cta_tile_m + tidx,
+                frags, stage_pipes[2], o_state, t, m, l_sum, scale_log2, softmax_scale, mO, mLSE, mMaxLogit,
+                subtile * self.cta_tile_m + tidx,
             )  # fmt: skip
             valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
     def softmax_block(
-        self, frags: SoftmaxFragments, pipes, s_state, p_state, m: Float32, l_sum: Float32,
+        self, frags: SoftmaxFragments, stage_pipes, s_state, p_state, m: Float32, l_sum: Float32,
         scale_log2: Float32, has_o, words,
     ):  # fmt: skip
-        """One K block of this thread's row; see the module docstring."""
+        """One K block of this thread's row; see the module docstring. ``stage_pipes``: the q stage's
+        (S, P, O) pipelines."""
+        s_pipe, p_pipe, _ = stage_pipes
         rS = frags.rS
-        pipes.s.consumer_wait(s_state)
+        s_pipe.consumer_wait(s_state)
         tcgen05_fence_after()
         cute.copy(frags.s_load, shift_columns(frags.tLtS, s_state.index * self.tmem_s_stride), rS)
         cute.arch.fence_view_async_tmem_load()
         tcgen05_fence_before()
-        pipes.s.consumer_release(s_state)
+        s_pipe.consumer_release(s_state)
         s_state.advance()
         if const_expr(words is not None):
             apply_packed_predicate(rS, words, self.payload_elements)
         m, l_sum, correction = softmax_update(rS, m, l_sum, scale_log2)
         frags.rP.store(rS.load().to(self.dtype))
-        pipes.p.producer_acquire(p_state)  # P V of the previous block completed
+        p_pipe.producer_acquire(p_state)  # P V of the previous block completed
         tcgen05_fence_after()
         if has_o:
             if cute.arch.vote_any_sync(correction != Float32(1.0)):  # warp-uniform: tcgen05.ld/st are
@@ -172,7 +182,7 @@ class SoftmaxRole:
         cute.copy(frags.p_store, frags.rP32, frags.tPtP)
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before()
-        pipes.p.producer_commit(p_state)
+        p_pipe.producer_commit(p_state)
         p_state.advance()
         return s_state, p_state, m, l_sum
 
@@ -189,7 +199,7 @@ class SoftmaxRole:
 
     @cute.jit
     def epilogue(
-        self, frags: SoftmaxFragments, pipes, o_state, t, m: Float32, l_sum: Float32, scale_log2: Float32,
+        self, frags: SoftmaxFragments, o_pipe, o_state, t, m: Float32, l_sum: Float32, scale_log2: Float32,
         softmax_scale: Float32, mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, row_in_tile: Int32,
     ):  # fmt: skip
         """Store this thread's O row ``row_in_tile`` of the plan block (input dtype) and LSE when the
@@ -214,7 +224,7 @@ class SoftmaxRole:
         out = cute.make_rmem_tensor(cute.make_layout(O_CHUNK), self.dtype)
         has_blocks = t.partial_cnt + t.full_cnt > 0
         if has_blocks:
-            pipes.o.consumer_wait(o_state)
+            o_pipe.consumer_wait(o_state)
             tcgen05_fence_after()
         for c in cutlass.range_constexpr(self.head_dim_v // O_CHUNK):
             if has_blocks:
@@ -229,7 +239,7 @@ class SoftmaxRole:
                 cute.autovec_copy(out, cute.local_tile(gO_row, (O_CHUNK,), (c,)))
         if has_blocks:
             tcgen05_fence_before()
-            pipes.o.consumer_release(o_state)
+            o_pipe.consumer_release(o_state)
             o_state.advance()
         if store:
             mLSE[t.head, q_row] = lse

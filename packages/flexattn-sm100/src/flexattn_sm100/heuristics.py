@@ -7,9 +7,9 @@ kernel (compiled for sm_100a, never run), so a default plan on an SM100 device c
 * backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128).
 
 The forward ``qstage1-2cta`` variant (the spec's generic one: a CTA pair, cta_group::2 MMAs, SMEM
-payload ring) has a kernel too (``fwd_kernel.py``, same pairs) but is selected only with
-``variant="qstage1-2cta"``: which of the two is faster is unmeasured without hardware. The other
-variants (forward ``qstage2-1cta``, ``d256``; backward ``k2q-2cta``, ``d256``) keep their configs and
+payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kernels too
+(``fwd_kernel.py``) but are selected only with ``variant=``: which is fastest is unmeasured without
+hardware. The other variants (forward ``d256``; backward ``k2q-2cta``, ``d256``) keep their configs and
 payload layouts defined and tested (``config.py``, ``payload_layout.py``) but are not selected by
 default; the generic forward variants can still be forced with ``variant=``. Pairs with no kernel
 in a direction still resolve a view (plans are inspectable anywhere); ``fwd_launch.run_forward`` /
