@@ -767,6 +767,37 @@ class Sm100FwdKernel(SoftmaxRole):
         )
         return tSrQ, tSrK, tOrV, tStS, tOtO, tOrP
 
+    def mma_input_states(self):
+        """The MMA warp's consumer states of the task records, Q and K/V."""
+        consumer = pipeline.PipelineUserType.Consumer
+        return (
+            pipeline.make_pipeline_state(consumer, self.sched_stages),
+            pipeline.make_pipeline_state(consumer, 1),
+            pipeline.make_pipeline_state(consumer, self.kv_stages),
+        )
+
+    def mma_stage_states(self) -> tuple:
+        """The MMA warp's states of S (producer), P (consumer) and O (producer), q stage after q stage
+        (flat: the DSL threads plainly unpacked locals through its loops)."""
+        producer, consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
+        states = []
+        for _ in range(self.q_stages):
+            states += [
+                pipeline.make_pipeline_state(producer, self.s_stages),
+                pipeline.make_pipeline_state(consumer, 1),
+                pipeline.make_pipeline_state(producer, 1),
+            ]
+        return tuple(states)
+
+    @cute.jit
+    def begin_task(self, pipes, q_state, kv_state):
+        """Wait for the task's Q and its first K tile; returns the K walk's state (the V walk keeps
+        ``kv_state``: K_j and V_j share a stage)."""
+        pipes.q.consumer_wait(q_state)
+        k_state = kv_state.clone()
+        pipes.k.consumer_wait(k_state)
+        return k_state
+
     @cute.jit
     def mma_role(self, qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes):
         """qstage1: S double-buffered in TMEM, so S_{j+1} is computed while the softmax works on S_j."""
@@ -774,20 +805,13 @@ class Sm100FwdKernel(SoftmaxRole):
             qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 0
         )
         s_pipe, p_pipe, o_pipe = pipes.s[0], pipes.p[0], pipes.o[0]
-        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.s_stages)
-        p_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-
+        sched_state, q_state, kv_state = self.mma_input_states()
+        s_state, p_state, o_state = self.mma_stage_states()
         valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
         while valid != 0:
             n = t.partial_cnt + t.full_cnt
             if n > 0:
-                pipes.q.consumer_wait(q_state)
-                k_state = kv_state.clone()
-                pipes.k.consumer_wait(k_state)
+                k_state = self.begin_task(pipes, q_state, kv_state)
                 s_state = self.issue_qk(qk_mma, tSrQ, tSrK, tStS, s_pipe, s_state, k_state, 0)
                 k_state = self.release_k(pipes, k_state)
                 for j in cutlass.range(n, unroll=1):
@@ -805,10 +829,8 @@ class Sm100FwdKernel(SoftmaxRole):
                     p_state.advance()
                     pipes.v.consumer_release(kv_state)
                     kv_state.advance()
-                o_pipe.producer_commit(o_state)
-                o_state.advance()
-                pipes.q.consumer_release(q_state)
-                q_state.advance()
+                o_state = self.commit_o(o_pipe, o_state)
+                q_state = self.release_q(pipes, q_state)
             valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
@@ -826,23 +848,13 @@ class Sm100FwdKernel(SoftmaxRole):
             qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 0
         )
         _, _, _, tStS1, tOtO1, tOrP1 = self.mma_operands(qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 1)
-        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        s0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        s1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        p0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        p1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        o0 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        o1 = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-
+        sched_state, q_state, kv_state = self.mma_input_states()
+        s0, p0, o0, s1, p1, o1 = self.mma_stage_states()
         valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
         while valid != 0:
             n = t.partial_cnt + t.full_cnt
             if n > 0:
-                pipes.q.consumer_wait(q_state)
-                k_state = kv_state.clone()
-                pipes.k.consumer_wait(k_state)
+                k_state = self.begin_task(pipes, q_state, kv_state)
                 s0 = self.issue_qk(qk_mma, tSrQ, tSrK, tStS0, pipes.s[0], s0, k_state, 0)
                 s1 = self.issue_qk(qk_mma_1, tSrQ, tSrK, tStS1, pipes.s[1], s1, k_state, 1)
                 k_state = self.release_k(pipes, k_state)
@@ -863,12 +875,9 @@ class Sm100FwdKernel(SoftmaxRole):
                         k_state = self.release_k(pipes, k_state)
                     pipes.v.consumer_release(kv_state)
                     kv_state.advance()
-                pipes.o[0].producer_commit(o0)
-                o0.advance()
-                pipes.o[1].producer_commit(o1)
-                o1.advance()
-                pipes.q.consumer_release(q_state)
-                q_state.advance()
+                o0 = self.commit_o(pipes.o[0], o0)
+                o1 = self.commit_o(pipes.o[1], o1)
+                q_state = self.release_q(pipes, q_state)
             valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
@@ -912,6 +921,20 @@ class Sm100FwdKernel(SoftmaxRole):
         s_pipe.producer_commit(s_state)
         s_state.advance()
         return s_state
+
+    @cute.jit
+    def commit_o(self, o_pipe, o_state):
+        """O is final once the MMAs issued so far complete (the task's last P V)."""
+        o_pipe.producer_commit(o_state)
+        o_state.advance()
+        return o_state
+
+    @cute.jit
+    def release_q(self, pipes, q_state):
+        """The task's Q tiles are free once the MMAs issued so far complete."""
+        pipes.q.consumer_release(q_state)
+        q_state.advance()
+        return q_state
 
     @cute.jit
     def release_k(self, pipes, k_state):
