@@ -234,3 +234,12 @@ def test_view_config_accepts_its_own_views_and_refuses_others():
     with pytest.raises(PlanSignatureMismatch, match="arch_family") as info:
         config_for_view(reference.view("forward"), "forward")
     assert "rebuild the plan with create_mask_plan on an SM90 device" in str(info.value)
+
+
+def test_resolve_is_memoised_and_refusals_repeat():
+    c = Sm90Consumer()
+    assert c.resolve(request()) is c.resolve(request())  # equal requests share the view config
+    assert c.resolve(request(pack_gqa=True)) is not c.resolve(request())
+    for _ in range(2):  # a refused request is never cached
+        with pytest.raises(UnsupportedConfigError, match="Hmask=8"):
+            c.resolve(request(pack_gqa=True, mask_heads=8))
