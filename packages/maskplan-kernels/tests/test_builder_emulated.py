@@ -27,6 +27,7 @@ def twins(monkeypatch):
     for name, twin in TWINS.items():
         monkeypatch.setattr(builder, name, lambda config, twin=twin: twin(config))
     monkeypatch.setattr(builder, "int32_address", FakePtr.of)
+    monkeypatch.setattr(builder, "int32_addresses", lambda *tensors: tuple(map(FakePtr.of, tensors)))
     monkeypatch.setattr(builder, "torch_stream", lambda device: None)
     monkeypatch.setattr(builder, "persistent_ctas", lambda device, items, ctas_per_sm=1: 1)
     monkeypatch.setattr(builder, "device_source_table", lambda layout, device: payload_source_table(layout))
