@@ -20,10 +20,11 @@ kernel is the same for every layout of the same (tile, words_per_tile).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32, Int64, const_expr
 
 from ._primitives import WARP, range_bits
 from .payload_table import bitmap_row_stride, bitmap_words, row_words, zero_address
@@ -68,6 +69,23 @@ class MaterializeConfig:
         return -(-self.words_per_tile // (WARP * self.num_warps))
 
 
+class MaterializeViews(NamedTuple):
+    """The tensors both materialisers' host entries build alike from their raw pointers."""
+
+    mask: cute.Tensor  # (Hmask, nfunc, total_q) endpoints
+    visible: cute.Tensor  # (Hmask, uq, k_words) Q2K bitsets of the view's geometry
+    full: cute.Tensor  # (Hmask, uq, k_words)
+    counts_ws: cute.Tensor  # (4, Hmask, ws_rows): partial cnt, full cnt, partial off, full off
+    counts_out: cute.Tensor  # (4, Hmask, max(out_rows, 1)): the compact copy
+    masks: cute.Tensor  # (max(nnz_p, 1), words_per_tile) payloads, written
+    table: cute.Tensor  # (words_per_tile * 32,) payload source table
+
+
+def index_vector(ptr: cute.Pointer, n) -> cute.Tensor:
+    """A ``(max(n, 1),)`` int32 list (an empty one is never indexed)."""
+    return cute.make_tensor(ptr, cute.make_layout(cutlass.max(n, 1)))
+
+
 class TilePacker:
     """Constexpr tile geometry + the three device steps of the module docstring."""
 
@@ -85,6 +103,36 @@ class TilePacker:
         self.bitmap_words = bitmap_words(config.tile_m, config.tile_n)
         self.zero_word = config.tile_m * self.row_stride
         self.zero_address = zero_address(config.tile_m, config.tile_n)
+
+    def host_views(
+        self, mask_func, visible_bits, full_bits, counts_ws, counts_out, masks, table, *,
+        hmask, total_q, uq, k_words, ws_rows, out_rows, nnz_p,
+    ) -> MaterializeViews:  # fmt: skip
+        """Row-major views of the pointers both host entries share (traced inline); 64-bit strides
+        where a product of sizes may pass 2^31."""
+        nfunc, words = self.nfunc, self.words_per_tile
+        bits = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
+        rows_out = cutlass.max(out_rows, 1)
+        return MaterializeViews(
+            mask=cute.make_tensor(
+                mask_func,
+                cute.make_layout((hmask, nfunc, total_q), stride=(Int64(total_q) * nfunc, Int64(total_q), 1)),
+            ),
+            visible=cute.make_tensor(visible_bits, bits),
+            full=cute.make_tensor(full_bits, bits),
+            counts_ws=cute.make_tensor(
+                counts_ws,
+                cute.make_layout((4, hmask, ws_rows), stride=(Int64(hmask) * ws_rows, Int64(ws_rows), 1)),
+            ),
+            counts_out=cute.make_tensor(
+                counts_out,
+                cute.make_layout((4, hmask, rows_out), stride=(Int64(hmask) * rows_out, Int64(rows_out), 1)),
+            ),
+            masks=cute.make_tensor(
+                masks, cute.make_layout((cutlass.max(nnz_p, 1), words), stride=(Int64(words), 1))
+            ),
+            table=cute.make_tensor(table, cute.make_layout(words * WARP)),
+        )
 
     def allocate(self, smem):
         """(sEnd (nfunc, tile_m), sBitmap (bitmap_words,)) in shared memory."""

@@ -32,12 +32,12 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
-from ._tile_packer import MaterializeConfig, TilePacker
+from ._tile_packer import MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
 _HALF = 16  # the packed scan keeps the partial rank in bits 0..15 and the full rank in 16..31
@@ -86,57 +86,19 @@ class K2QMaterialize:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        nfunc = self.config.nfunc
-        # (Hmask, nfunc, total_q)
-        mMask = cute.make_tensor(
-            mask_func,
-            cute.make_layout((hmask, nfunc, total_q), stride=(Int64(total_q) * nfunc, Int64(total_q), 1)),
-        )
+        v = self.packer.host_views(
+            mask_func, visible_bits, full_bits, counts_ws, counts_out, masks, table,
+            hmask=hmask, total_q=total_q, uq=uq, k_words=k_words, ws_rows=uk, out_rows=n_k_rows, nnz_p=nnz_p,
+        )  # fmt: skip
         mRowBatchK = cute.make_tensor(row_batch_k, cute.make_layout(uk))  # (uk,)
         desc_layout = cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))  # (B+1, 8)
-        mDescQ = cute.make_tensor(desc_q, desc_layout)
-        mDescK = cute.make_tensor(desc_k, desc_layout)
-        # (Hmask, uq, k_words)
-        bits_layout = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
-        mVisible = cute.make_tensor(visible_bits, bits_layout)
-        mFull = cute.make_tensor(full_bits, bits_layout)
-        # (4, Hmask, rows)
-        mCountsWs = cute.make_tensor(
-            counts_ws, cute.make_layout((4, hmask, uk), stride=(Int64(hmask) * uk, Int64(uk), 1))
-        )
-        rows_out = cutlass.max(n_k_rows, 1)
-        mCountsOut = cute.make_tensor(
-            counts_out,
-            cute.make_layout((4, hmask, rows_out), stride=(Int64(hmask) * rows_out, Int64(rows_out), 1)),
-        )
-        lp = cute.make_layout(cutlass.max(nnz_p, 1))  # (nnz_p,)
-        lf = cute.make_layout(cutlass.max(nnz_f, 1))  # (nnz_f,)
-        # (nnz_p, words_per_tile)
-        mMasks = cute.make_tensor(
-            masks,
-            cute.make_layout(
-                (cutlass.max(nnz_p, 1), self.words_per_tile), stride=(Int64(self.words_per_tile), 1)
-            ),
-        )
-        mTable = cute.make_tensor(table, cute.make_layout(self.words_per_tile * WARP))  # (words * 32,)
         self.kernel(
-            mMask,
-            mRowBatchK,
-            mDescQ,
-            mDescK,
-            mVisible,
-            mFull,
-            mCountsWs,
-            mCountsOut,
-            cute.make_tensor(partial_idx, lp),
-            cute.make_tensor(full_idx, lf),
-            cute.make_tensor(dq_order, lp),
-            cute.make_tensor(dq_order_full, lf),
-            mMasks,
-            mTable,
-            n_k_rows,
-            write_compact,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+            v.mask, mRowBatchK, cute.make_tensor(desc_q, desc_layout), cute.make_tensor(desc_k, desc_layout),
+            v.visible, v.full, v.counts_ws, v.counts_out,
+            index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f),
+            index_vector(dq_order, nnz_p), index_vector(dq_order_full, nnz_f), v.masks, v.table,
+            n_k_rows, write_compact,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(

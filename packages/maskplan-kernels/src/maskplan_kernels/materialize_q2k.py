@@ -31,12 +31,12 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
 from ._primitives import WARP, lowest_bit_index, warp_broadcast, warp_inclusive_sum
-from ._tile_packer import MaterializeConfig, TilePacker
+from ._tile_packer import MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 LIST_CAPACITY = WARP * WARP  # partial blocks of one chunk of 32 words
@@ -78,54 +78,19 @@ class Q2KMaterialize:
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        nfunc = self.config.nfunc
-        # (Hmask, nfunc, total_q)
-        mMask = cute.make_tensor(
-            mask_func,
-            cute.make_layout((hmask, nfunc, total_q), stride=(Int64(total_q) * nfunc, Int64(total_q), 1)),
-        )
+        v = self.packer.host_views(
+            mask_func, visible_bits, full_bits, counts_ws, counts_out, masks, table,
+            hmask=hmask, total_q=total_q, uq=uq, k_words=k_words, ws_rows=uq, out_rows=n_rows, nnz_p=nnz_p,
+        )  # fmt: skip
         mRowBatch = cute.make_tensor(row_batch, cute.make_layout(uq))  # (uq,)
         mDesc = cute.make_tensor(
             sequence_desc, cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))
         )
-        # (Hmask, uq, k_words)
-        bits_layout = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
-        mVisible = cute.make_tensor(visible_bits, bits_layout)
-        mFull = cute.make_tensor(full_bits, bits_layout)
-        # (4, Hmask, rows)
-        mCountsWs = cute.make_tensor(
-            counts_ws, cute.make_layout((4, hmask, uq), stride=(Int64(hmask) * uq, Int64(uq), 1))
-        )
-        rows_out = cutlass.max(n_rows, 1)
-        mCountsOut = cute.make_tensor(
-            counts_out,
-            cute.make_layout((4, hmask, rows_out), stride=(Int64(hmask) * rows_out, Int64(rows_out), 1)),
-        )
-        mPartialIdx = cute.make_tensor(partial_idx, cute.make_layout(cutlass.max(nnz_p, 1)))  # (nnz_p,)
-        mFullIdx = cute.make_tensor(full_idx, cute.make_layout(cutlass.max(nnz_f, 1)))  # (nnz_f,)
-        # (nnz_p, words_per_tile)
-        mMasks = cute.make_tensor(
-            masks,
-            cute.make_layout(
-                (cutlass.max(nnz_p, 1), self.words_per_tile), stride=(Int64(self.words_per_tile), 1)
-            ),
-        )
-        mTable = cute.make_tensor(table, cute.make_layout(self.words_per_tile * WARP))  # (words * 32,)
         self.kernel(
-            mMask,
-            mRowBatch,
-            mDesc,
-            mVisible,
-            mFull,
-            mCountsWs,
-            mCountsOut,
-            mPartialIdx,
-            mFullIdx,
-            mMasks,
-            mTable,
-            n_rows,
-            write_compact,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+            v.mask, mRowBatch, mDesc, v.visible, v.full, v.counts_ws, v.counts_out,
+            index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f), v.masks, v.table,
+            n_rows, write_compact,
+        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(
