@@ -16,6 +16,22 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 WARP = 32
+
+
+class WarpsPerCta:
+    """Mixin of the planner kernels' frozen config dataclasses that have a ``num_warps`` field: its
+    check (run by the dataclass ``__init__``; a config with more checks calls it first) and the CTA
+    size it gives."""
+
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_warps <= 32:
+            raise ValueError(f"num_warps must be in [1, 32], got {self.num_warps}")
+
+    @property
+    def num_threads(self) -> int:
+        return WARP * self.num_warps
 FULL_MASK = 0xFFFFFFFF
 #: Int32 slots a CTA scan needs in shared memory: one per warp (at most 32) plus the total.
 SCAN_SCRATCH = WARP + 1

@@ -26,12 +26,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from ._primitives import WARP, range_bits
+from ._primitives import WARP, WarpsPerCta, range_bits
 from .payload_table import bitmap_row_stride, bitmap_words, row_words, zero_address
 
 
 @dataclass(frozen=True)
-class MaterializeConfig:
+class MaterializeConfig(WarpsPerCta):
     """Static configuration of a materialiser (every field is compile-time).
 
     ``words_per_tile`` is ``layout.words_per_tile`` of the consumer's layout; the layout's bit map
@@ -45,12 +45,11 @@ class MaterializeConfig:
     num_warps: int = 16
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.tile_m < 1 or self.tile_n < 1:
             raise ValueError(f"tile sizes must be positive, got {self.tile_m}x{self.tile_n}")
         if self.nfunc < 1 or self.nfunc % 2 == 0:
             raise ValueError(f"nfunc must be a positive odd integer, got {self.nfunc}")
-        if not 1 <= self.num_warps <= 32:
-            raise ValueError(f"num_warps must be in [1, 32], got {self.num_warps}")
         if self.words_per_tile < 1:
             raise ValueError(f"words_per_tile must be positive, got {self.words_per_tile}")
         if self.table_groups > 4:
@@ -58,10 +57,6 @@ class MaterializeConfig:
                 f"{self.words_per_tile} payload words over {self.num_warps} warps need "
                 f"{self.table_groups * WARP} table registers per thread (max 128): raise num_warps"
             )
-
-    @property
-    def num_threads(self) -> int:
-        return WARP * self.num_warps
 
     @property
     def table_groups(self) -> int:

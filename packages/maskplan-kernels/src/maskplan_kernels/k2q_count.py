@@ -33,19 +33,15 @@ from cutlass import Int32, Int64
 
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
-from ._primitives import WARP
+from ._primitives import WARP, WarpsPerCta
 from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
 
 @dataclass(frozen=True)
-class K2QCountConfig:
+class K2QCountConfig(WarpsPerCta):
     """Static configuration of the K2Q count kernel (every field is compile-time)."""
 
     num_warps: int = 8
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_warps <= 32:
-            raise ValueError(f"num_warps must be in [1, 32], got {self.num_warps}")
 
 
 class K2QCount:
@@ -54,7 +50,7 @@ class K2QCount:
     def __init__(self, config: K2QCountConfig):
         self.config = config
         self.num_warps = config.num_warps
-        self.num_threads = WARP * config.num_warps
+        self.num_threads = config.num_threads
 
     @cute.jit
     def __call__(

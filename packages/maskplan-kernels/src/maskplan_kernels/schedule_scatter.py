@@ -37,7 +37,15 @@ from cutlass import Int32, Int64
 
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
-from ._primitives import FULL_MASK, SCAN_SCRATCH, WARP, block_sum, warp_broadcast, warp_inclusive_sum
+from ._primitives import (
+    FULL_MASK,
+    SCAN_SCRATCH,
+    WARP,
+    WarpsPerCta,
+    block_sum,
+    warp_broadcast,
+    warp_inclusive_sum,
+)
 from ._sections import section_heads, task_cost
 from .geometry import DESC_COLS, DESC_INNER_BLOCKS, DESC_Q_LEN, DESC_ROW_BEGIN, DESC_ROW_COUNT
 from .schedule_stats import STATS_COLS
@@ -48,15 +56,14 @@ PREFERRED_SMEM_BINS = 11 * 1024  # 44 KiB
 
 
 @dataclass(frozen=True)
-class ScheduleScatterConfig:
+class ScheduleScatterConfig(WarpsPerCta):
     """Static configuration of the scatter kernel (every field is compile-time)."""
 
     bins: int  # >= max K blocks of a sample + 1 (a task's cost is at most its sample's K blocks)
     num_warps: int = 8
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_warps <= 32:
-            raise ValueError(f"num_warps must be in [1, 32], got {self.num_warps}")
+        super().__post_init__()
         if self.bins < 1 or (self.num_warps + 1) * self.bins > MAX_SMEM_BINS:
             raise ValueError(
                 f"bins={self.bins} with num_warps={self.num_warps} needs {(self.num_warps + 1) * self.bins} "
@@ -81,7 +88,7 @@ class ScheduleScatter:
         self.config = config
         self.bins = config.bins
         self.num_warps = config.num_warps
-        self.num_threads = WARP * config.num_warps
+        self.num_threads = config.num_threads
 
     @cute.jit
     def __call__(

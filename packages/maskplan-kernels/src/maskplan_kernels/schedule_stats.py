@@ -29,7 +29,7 @@ from cutlass import Int32, Int64
 
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
-from ._primitives import WARP, warp_sum
+from ._primitives import WARP, WarpsPerCta, warp_sum
 from ._sections import section_heads, task_cost
 from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
@@ -37,14 +37,10 @@ STATS_COLS = 4
 
 
 @dataclass(frozen=True)
-class ScheduleStatsConfig:
+class ScheduleStatsConfig(WarpsPerCta):
     """Static configuration of the section-stats kernel (every field is compile-time)."""
 
     num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_warps <= 32:
-            raise ValueError(f"num_warps must be in [1, 32], got {self.num_warps}")
 
 
 class ScheduleStats:
@@ -53,7 +49,7 @@ class ScheduleStats:
     def __init__(self, config: ScheduleStatsConfig):
         self.config = config
         self.num_warps = config.num_warps
-        self.num_threads = WARP * config.num_warps
+        self.num_threads = config.num_threads
 
     @cute.jit
     def __call__(
