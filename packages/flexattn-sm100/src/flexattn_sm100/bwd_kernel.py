@@ -77,7 +77,7 @@ from maskplan_kernels.consumer_softmax import LOG2_E
 from .bwd_compute import ComputeRoles
 from .bwd_helpers import make_mmas, mma_tilers, smem_views
 from .config import Sm100BwdConfig
-from .fwd_helpers import tcgen05_fence_after, tmem_acc
+from .fwd_helpers import set_max_registers, tcgen05_fence_after, thread_group, tma_umma_pipeline, tmem_acc
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: the backward variants this kernel implements (k2q-2cta and d256 are specified, not written;
@@ -89,14 +89,6 @@ _SMEM_LIMIT = 227 * 1024
 #: registers per thread the 448-thread CTA launches with (ptxas -v: "Used 128 registers")
 LAUNCH_REGS = 128
 
-
-def set_registers(regs: int) -> None:
-    """setmaxnreg from the launch's LAUNCH_REGS to ``regs`` (an increase waits for the registers
-    the decreasing warps release)."""
-    if regs > LAUNCH_REGS:
-        cute.arch.setmaxregister_increase(regs)
-    elif regs < LAUNCH_REGS:
-        cute.arch.setmaxregister_decrease(regs)
 
 
 def smem_bytes(head_dim_qk: int, head_dim_v: int, q_stages: int, do_stages: int, tile: int = 128) -> int:
@@ -372,12 +364,12 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         )
 
         if warp_idx == self.load_warp:
-            set_registers(self.load_regs)
+            set_max_registers(self.load_regs, LAUNCH_REGS)
             self.load_role(
                 thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes
             )
         elif warp_idx < len(self.compute_warps):
-            set_registers(self.compute_regs)
+            set_max_registers(self.compute_regs, LAUNCH_REGS)
             tmem.allocate(self.tmem_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -388,7 +380,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr, self.tmem_cols)
         elif warp_idx < self.mma_warp:
-            set_registers(self.dq_regs)
+            set_max_registers(self.dq_regs, LAUNCH_REGS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.dq_role(
@@ -396,7 +388,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             )
             free.arrive()
         else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
-            set_registers(self.mma_regs)
+            set_max_registers(self.mma_regs, LAUNCH_REGS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.mma_role(
@@ -404,30 +396,17 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             )
 
     def _make_pipelines(self, storage):
-        def group(threads: int):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
-
-        def tma_umma(mbar, stages, nbytes):
-            return pipeline.PipelineTmaUmma.create(
-                barrier_storage=mbar.data_ptr(),
-                num_stages=stages,
-                producer_group=group(1),
-                consumer_group=group(1),
-                tx_count=nbytes,
-                defer_sync=True,
-            )
-
         return Pipes(
-            kv=tma_umma(storage.mbar_kv, 1, self.bytes_kv),
-            q=tma_umma(storage.mbar_q, self.q_stages, self.bytes_q),
-            do=tma_umma(storage.mbar_do, self.do_stages, self.bytes_do),
+            kv=tma_umma_pipeline(storage.mbar_kv.data_ptr(), 1, self.bytes_kv),
+            q=tma_umma_pipeline(storage.mbar_q.data_ptr(), self.q_stages, self.bytes_q),
+            do=tma_umma_pipeline(storage.mbar_do.data_ptr(), self.do_stages, self.bytes_do),
             # LSE2 + D: read by generic loads of every compute thread, so every thread releases
             # the stage itself after its reads (tidx=0: each thread is a signalling thread)
             stats=pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar_stats.data_ptr(),
                 num_stages=self.q_stages,
-                producer_group=group(1),
-                consumer_group=group(self.num_compute_threads),
+                producer_group=thread_group(1),
+                consumer_group=thread_group(self.num_compute_threads),
                 tx_count=self.bytes_stats,
                 tidx=Int32(0),
                 defer_sync=True,

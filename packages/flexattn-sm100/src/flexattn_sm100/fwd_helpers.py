@@ -15,6 +15,7 @@ max and the row sum are per-thread scalars.
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import nvvm
@@ -26,6 +27,36 @@ from maskplan_kernels.consumer_softmax import row_max_of
 
 #: registers (32-bit TMEM columns) per tcgen05.ld/st of the O accumulator (rescale and epilogue)
 O_CHUNK = 32
+
+
+# -- warp roles and pipelines (both SM100 kernels) ---------------------------------------------------
+def set_max_registers(regs: int, launch_regs: int) -> None:
+    """``setmaxnreg`` from the ``launch_regs`` a thread started with to ``regs`` (an increase waits
+    for the registers the decreasing warpgroups release; equal: nothing)."""
+    if regs > launch_regs:
+        cute.arch.setmaxregister_increase(regs)
+    elif regs < launch_regs:
+        cute.arch.setmaxregister_decrease(regs)
+
+
+def thread_group(threads: int) -> pipeline.CooperativeGroup:
+    """A pipeline participant group of ``threads`` threads."""
+    return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
+
+
+def tma_umma_pipeline(barriers, stages: int, nbytes: int, cta_layout_vmnk=None):
+    """TMA (one producer thread, ``nbytes`` a stage) -> tcgen05 MMA (released by its commit), over
+    the CTAs of ``cta_layout_vmnk`` when given; barriers initialised before the kernel's first sync."""
+    pair = {} if cta_layout_vmnk is None else {"cta_layout_vmnk": cta_layout_vmnk}
+    return pipeline.PipelineTmaUmma.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=thread_group(1),
+        consumer_group=thread_group(1),
+        tx_count=nbytes,
+        defer_sync=True,
+        **pair,
+    )
 
 
 # -- MMA builders ---------------------------------------------------------------------------------

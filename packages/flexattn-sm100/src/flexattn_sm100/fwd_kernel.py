@@ -96,7 +96,16 @@ from maskplan_kernels.consumer_plan import (
 )
 
 from .config import Sm100FwdConfig
-from .fwd_helpers import cta_group_of, make_pv_mma, make_qk_mma, tcgen05_fence_after, tmem_acc
+from .fwd_helpers import (
+    cta_group_of,
+    make_pv_mma,
+    make_qk_mma,
+    set_max_registers,
+    tcgen05_fence_after,
+    thread_group,
+    tma_umma_pipeline,
+    tmem_acc,
+)
 from .fwd_softmax import SoftmaxRole
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -530,10 +539,8 @@ class Sm100FwdKernel(SoftmaxRole):
     def set_registers(self, softmax: bool) -> None:
         """qstage2: setmaxnreg of the calling warp's role (softmax warpgroups up, the rest down)."""
         if const_expr(self.register_split is not None):
-            if const_expr(softmax):
-                cute.arch.setmaxregister_increase(self.register_split[0])
-            else:
-                cute.arch.setmaxregister_decrease(self.register_split[1])
+            regs = self.register_split[0] if softmax else self.register_split[1]
+            set_max_registers(regs, max_launch_registers(self.num_threads))
 
     def _make_pipelines(self, storage, cta_layout_vmnk):
         """CTA-local pipelines, and the UMMA-bridging ones over the CTA pair (``cta_layout_vmnk``):
@@ -541,26 +548,15 @@ class Sm100FwdKernel(SoftmaxRole):
         and O have one pipeline per q stage, between the MMA warp and that stage's warpgroup."""
         pair_threads = self.cta_tile_m * self.cta_group_size  # one softmax warpgroup per CTA of the MMA
 
-        def group(threads: int):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
-
         def tma_umma(mbar, stages, nbytes):
-            return pipeline.PipelineTmaUmma.create(
-                barrier_storage=mbar.data_ptr(),
-                num_stages=stages,
-                producer_group=group(1),
-                consumer_group=group(1),
-                tx_count=nbytes,
-                cta_layout_vmnk=cta_layout_vmnk,
-                defer_sync=True,
-            )
+            return tma_umma_pipeline(mbar.data_ptr(), stages, nbytes, cta_layout_vmnk)
 
         def umma_async(barriers, stages):
             return pipeline.PipelineUmmaAsync.create(
                 barrier_storage=barriers,
                 num_stages=stages,
-                producer_group=group(1),
-                consumer_group=group(pair_threads),
+                producer_group=thread_group(1),
+                consumer_group=thread_group(pair_threads),
                 cta_layout_vmnk=cta_layout_vmnk,
                 defer_sync=True,
             )
@@ -572,8 +568,8 @@ class Sm100FwdKernel(SoftmaxRole):
             mask = pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar_mask.data_ptr(),
                 num_stages=self.mask_stages,
-                producer_group=group(1),
-                consumer_group=group(self.num_softmax_threads),
+                producer_group=thread_group(1),
+                consumer_group=thread_group(self.num_softmax_threads),
                 tx_count=self.payload_plane * 4,
                 tidx=Int32(0),
                 defer_sync=True,
@@ -582,8 +578,8 @@ class Sm100FwdKernel(SoftmaxRole):
             sched=pipeline.PipelineAsync.create(
                 barrier_storage=storage.mbar_sched.data_ptr(),
                 num_stages=self.sched_stages,
-                producer_group=group(1),
-                consumer_group=group(self.num_softmax_threads + 32),
+                producer_group=thread_group(1),
+                consumer_group=thread_group(self.num_softmax_threads + 32),
                 defer_sync=True,
             ),
             q=tma_umma(storage.mbar_q, 1, self.bytes_q),
@@ -597,8 +593,8 @@ class Sm100FwdKernel(SoftmaxRole):
                 pipeline.PipelineAsyncUmma.create(
                     barrier_storage=storage.mbar_p.data_ptr() + 2 * q,
                     num_stages=1,
-                    producer_group=group(pair_threads),
-                    consumer_group=group(1),
+                    producer_group=thread_group(pair_threads),
+                    consumer_group=thread_group(1),
                     cta_layout_vmnk=cta_layout_vmnk,
                     defer_sync=True,
                 )
