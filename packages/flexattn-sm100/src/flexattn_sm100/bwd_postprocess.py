@@ -15,7 +15,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from maskplan_kernels.consumer_plan import element_ptr
+from maskplan_kernels.consumer_plan import dq_postprocess_tensors, element_ptr
 
 from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
 
@@ -49,16 +49,13 @@ class Sm100BwdPostprocess:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
-        d, tm = self.head_dim, self.tile_m
-        self.kernel(
-            cute.make_tensor(
-                dq_accum, cute.make_layout((num_heads_q, n_qblk * tm * d), stride=(n_qblk * tm * d, 1))
-            ),
-            cute.make_tensor(dq, cute.make_layout((total_q, num_heads_q, d), stride=(num_heads_q * d, d, 1))),
-            cute.make_tensor(sequence_desc, cute.make_layout((batch, 8), stride=(8, 1))),
-            cute.make_tensor(q_block_begin, cute.make_layout(batch)),
-            softmax_scale,
-        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
+        tensors = dq_postprocess_tensors(
+            dq_accum, dq, sequence_desc, q_block_begin, total_q=total_q, num_heads_q=num_heads_q,
+            batch=batch, n_qblk=n_qblk, tile_m=self.tile_m, head_dim=self.head_dim,
+        )  # fmt: skip
+        self.kernel(*tensors, softmax_scale).launch(
+            grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(

@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from maskplan_kernels.consumer_plan import element_ptr
+from maskplan_kernels.consumer_plan import dq_postprocess_tensors, element_ptr
 
 from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma
 from .fwd_helpers import acc_mn_view
@@ -46,20 +46,12 @@ class Sm90BwdPostprocess:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
-        d, tm = self.head_dim, self.tile_m
-        mdQaccum = cute.make_tensor(
-            dq_accum, cute.make_layout((num_heads_q, n_qblk * tm * d), stride=(n_qblk * tm * d, 1))
-        )
-        mdQ = cute.make_tensor(
-            dq, cute.make_layout((total_q, num_heads_q, d), stride=(num_heads_q * d, d, 1))
-        )
+        tensors = dq_postprocess_tensors(
+            dq_accum, dq, sequence_desc, q_block_begin, total_q=total_q, num_heads_q=num_heads_q,
+            batch=batch, n_qblk=n_qblk, tile_m=self.tile_m, head_dim=self.head_dim,
+        )  # fmt: skip
         self.kernel(
-            mdQaccum,
-            mdQ,
-            cute.make_tensor(sequence_desc, cute.make_layout((batch, 8), stride=(8, 1))),
-            cute.make_tensor(q_block_begin, cute.make_layout(batch)),
-            make_dq_tiled_mma(self.dtype, d, tm, self.num_wg),
-            softmax_scale,
+            *tensors, make_dq_tiled_mma(self.dtype, self.head_dim, self.tile_m, self.num_wg), softmax_scale
         ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel

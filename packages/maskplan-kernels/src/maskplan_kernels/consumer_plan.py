@@ -372,6 +372,31 @@ def bwd_plan_tensors(
     )
 
 
+def dq_postprocess_tensors(
+    dq_accum: cute.Pointer,
+    dq: cute.Pointer,
+    sequence_desc: cute.Pointer,
+    q_block_begin: cute.Pointer,
+    *,
+    total_q: Int32,
+    num_heads_q: Int32,
+    batch: Int32,
+    n_qblk: Int32,
+    tile_m: int,
+    head_dim: int,
+) -> tuple:
+    """``(mdQaccum, mdQ, sequence_desc, q_block_begin)`` of a backward postprocess: the fp32 dQ
+    accumulator ``(Hq, n_qblk * tile_m * head_dim)`` (each consumer's own order inside a Q block),
+    THD ``dq``, the ``(B, 8)`` descriptors and the ``(B,)`` first padded Q block of each sample."""
+    block = n_qblk * tile_m * head_dim
+    return (
+        row_major(dq_accum, num_heads_q, block),
+        thd_tensor(dq, total_q, num_heads_q, head_dim),
+        row_major(sequence_desc, batch, 8),
+        vector(q_block_begin, batch),
+    )
+
+
 class BwdHostEntry:
     """The host entry of a backward (K2Q) main kernel, the same for every consumer: raw global pointers
     plus int32 sizes (the project's launch convention, no size triggers a recompile; the arguments
@@ -592,6 +617,7 @@ __all__ = [
     "apply_packed_predicate",
     "bulk_reduce_add_f32",
     "bwd_plan_tensors",
+    "dq_postprocess_tensors",
     "decode_task",
     "decode_work",
     "element_ptr",
