@@ -104,7 +104,7 @@ def test_varlen_with_empty_samples(kind):
 
 
 def test_head_dim_96():
-    CASES.head_dims(96, "random")
+    CASES.head_dims(96, 96, "random")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
-from flexattn_sm90.bwd_launch import BWD_HEAD_DIMS, compile_uncached, kernel_keys  # noqa: E402
-from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
+from flexattn_sm90.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
+from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # noqa: E402
 from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
 
@@ -40,24 +40,29 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
     return shapes
 
 
-def _expected_wgmma(d: int, tile_m: int = 64, tile_n: int = 128) -> dict[str, int]:
-    """Per step: S^T and dP^T (m64n{tile_m}, d/16 k-blocks each), dV and dK (m64n{d}, tile_m/16),
-    dQ (m64n{d/2}, tile_n/16); the partial and the full loop each hold one step."""
+def _expected_wgmma(dq: int, dv: int, dtype: str = "bfloat16") -> dict[str, int]:
+    """Per step: S^T and dP^T (each warpgroup's m64nN slab of the payload layout, dq/16 and dv/16
+    k-blocks), dK and dV (tile_m/16 k-blocks; N = D, or D/2 where the warpgroups split the head dim),
+    dQ (m64n{dq/2}, tile_n/16); the partial and the full loop each hold one step."""
+    config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
+    layout, tm, tn = config.payload_layout, config.tile_m, config.tile_n
+    dkv_split = layout.wg_n  # 1: the warpgroups split S^T's K rows; 2: its Q columns and dK / dV's D
     expect: dict[str, int] = {}
     for shape, count in (
-        (f"m64n{tile_m}k16", 2 * d // 16),
-        (f"m64n{d}k16", 2 * tile_m // 16),
-        (f"m64n{d // 2}k16", tile_n // 16),
+        (f"m64n{layout.wg_cols}k16", (dq + dv) // 16),
+        (f"m64n{dq // dkv_split}k16", tm // 16),
+        (f"m64n{dv // dkv_split}k16", tm // 16),
+        (f"m64n{dq // 2}k16", tn // 16),
     ):
         expect[shape] = expect.get(shape, 0) + 2 * count
     return expect
 
 
-@pytest.mark.parametrize("dq,dv", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     ptx = _ptx("main", dq, dv, dtype, tmp_path=tmp_path)
-    assert _wgmma_shapes(ptx) == _expected_wgmma(dq)
+    assert _wgmma_shapes(ptx) == _expected_wgmma(dq, dv, dtype)
     assert (".f32.bf16.bf16" in ptx) == (dtype == "bfloat16")
     _assert_no_spills(ptx, tmp_path)
 
@@ -85,20 +90,24 @@ def test_preprocess_is_the_shared_one(tmp_path):
     assert "st.global.v4" in ptx
 
 
-@pytest.mark.parametrize("dq,dv", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_postprocess_compiles(dq, dv, dtype, tmp_path):
     ptx = _ptx("post", dq, dv, dtype, tmp_path=tmp_path)
     _assert_no_spills(ptx, tmp_path)
 
 
-def test_unsupported_head_dims_refused():
+def test_unsupported_tiles_refused():
+    """Configs the heuristics never select are refused by the kernel with the reason."""
     from flexattn_sm90.bwd_kernel import Sm90BwdKernel
+    from flexattn_sm90.config import Sm90BwdConfig
 
-    for dq, dv in ((192, 128), (256, 256)):
-        config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
-        with pytest.raises(NotImplementedError, match="no SM90 backward kernel yet"):
-            Sm90BwdKernel(config)
+    with pytest.raises(NotImplementedError, match="64-row Q blocks on 2 warpgroups"):
+        Sm90BwdKernel(Sm90BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", tile_m=128))
+    with pytest.raises(NotImplementedError, match=r"equal \(64, 96, 128\)"):
+        Sm90BwdKernel(Sm90BwdConfig(head_dim_qk=128, head_dim_v=64, dtype="bfloat16"))
+    with pytest.raises(NotImplementedError, match="multiples of 64"):
+        Sm90BwdKernel(Sm90BwdConfig(head_dim_qk=160, head_dim_v=160, dtype="bfloat16", tile_n=64))
 
 
 def test_kernel_keys_ignore_runtime_geometry():

@@ -126,10 +126,31 @@ def test_varlen_with_empty_samples(dtype, kind):
 
 
 # -- other head dims ------------------------------------------------------------------------------
-@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
 @pytest.mark.parametrize("kind", ["causal", "random"])
-def test_head_dims(d, kind):
-    CASES.head_dims(d, kind)
+def test_head_dims(dqk, dv, kind):
+    CASES.head_dims(dqk, dv, kind)
+
+
+#: the 64 x 64 tile: the warpgroups split S^T's Q columns and dK / dV's head dim
+WIDE_HEADS = [(192, 128), (256, 256)]
+
+
+@pytest.mark.parametrize("dqk,dv", WIDE_HEADS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_wide_heads_fp16_and_deterministic(dqk, dv, deterministic):
+    CASES.head_dims(dqk, dv, "random", torch.float16, deterministic=deterministic, with_dlse=True)
+
+
+@pytest.mark.parametrize("dqk,dv", WIDE_HEADS)
+def test_wide_heads_gqa_per_head_masks(dqk, dv):
+    CASES.gqa(8, 2, 8, deterministic=False, dims=(dqk, dv))
+
+
+@pytest.mark.parametrize("dqk,dv", WIDE_HEADS)
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_wide_heads_varlen_with_empty_samples(dqk, dv, kind):
+    CASES.varlen_with_empty_samples(kind, dims=(dqk, dv))
 
 
 # -- deterministic mode ---------------------------------------------------------------------------

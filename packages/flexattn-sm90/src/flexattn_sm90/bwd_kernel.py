@@ -9,16 +9,25 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first
     warps 2-3         idle (give their registers back and exit)
-    WG1, WG2          MMA warpgroups, 64 K rows each (bwd_mainloop.py):
-                        S^T = K Q^T, dP^T = V dO^T        (SS, 128 x tile_m, K rows on WGMMA M)
+    WG1, WG2          MMA warpgroups (bwd_mainloop.py):
+                        S^T = K Q^T, dP^T = V dO^T        (SS, tile_n x tile_m, K rows on WGMMA M)
                         P^T = exp2(S^T scale log2e - LSE log2e)  [packed predicate: bit 0 -> P = 0]
                         dS^T = P^T (dP^T - D)             (D = rowsum(dO O) - dlse, preprocess)
-                        dV += P^T dO, dK += dS^T Q        (RS: P^T / dS^T straight from registers)
+                        dV += P^T dO, dK += dS^T Q
                         dQ = dS K                         (dS^T stored transposed to SMEM, SS)
 
+Two tiles (heuristics.bwd_tile), both of 64 Q rows::
+
+    64 x 128 (D <= 128)      each warpgroup: 64 K rows of S^T, of dK and of dV; dK / dV are RS
+                             (P^T / dS^T straight from its registers)
+    64 x 64  (192/128, 256)  each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
+                             accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
+                             dS^T meet in SMEM and dK / dV are SS. Q / dO single-staged at 256.
+
 The score tile is computed transposed, so the accumulator rows are K rows: exactly the ownership
-``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes,
-and the packed predicate's bit ``e`` guards accumulator register ``e`` of each thread.
+``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes (its
+warpgroup tiling is the S^T MMA's), and the packed predicate's bit ``e`` guards accumulator
+register ``e`` of each thread.
 
 Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_begin``::
 
@@ -71,6 +80,8 @@ from .config import Sm90BwdConfig
 from .fwd_helpers import register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+#: dynamic SMEM one SM90 CTA may use
+SMEM_LIMIT = 227 * 1024
 
 
 class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
@@ -83,28 +94,36 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_DQ_EMPTY = 4  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
-        if config.tile_n != 128 or config.tile_m != 64 or config.num_consumer_warpgroups != 2:
+        layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
+        if config.tile_m != 64 or config.num_consumer_warpgroups != 2 or layout.wg_m * layout.wg_n != 2:
             raise NotImplementedError(
-                f"the SM90 backward kernel implements the 64x128 (Q x K) tile on 2 warpgroups; "
+                f"the SM90 backward kernel implements 64-row Q blocks on 2 warpgroups; "
                 f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}) selects "
-                f"{config.tile_m}x{config.tile_n}, which has no SM90 backward kernel yet"
+                f"{config.tile_m}x{config.tile_n} on {config.num_consumer_warpgroups}, which has no SM90 "
+                "backward kernel"
             )
-        if config.head_dim_qk != config.head_dim_v or config.head_dim_qk % 32:
+        # 64 x 128: the warpgroups split S^T's K rows and keep P^T / dS^T in registers for dK / dV.
+        # 64 x 64: they split S^T's Q columns, so dK / dV (SS, the warpgroups split the head dim)
+        # read P^T and dS^T back from SMEM, where both warpgroups' halves meet.
+        self.pds_in_smem = layout.wg_n > 1
+        head_dims = (config.head_dim_qk, config.head_dim_v)
+        if any(d % (16 * layout.wg_n * 2) for d in head_dims) or (
+            not self.pds_in_smem and head_dims[0] != head_dims[1]
+        ):
             raise NotImplementedError(
                 f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the SM90 backward "
-                "kernel takes equal head dims that are multiples of 32 (64, 96, 128)"
+                f"kernel's {config.tile_m}x{config.tile_n} tile takes head dims that are multiples of "
+                f"{32 * layout.wg_n}" + ("" if self.pds_in_smem else ", equal (64, 96, 128)")
             )
         self.config = config
         self.deterministic = deterministic
         self.dtype = _DTYPES[config.dtype]
-        self.head_dim = config.head_dim_qk
-        self.head_dim_qk = self.head_dim_v = self.head_dim  # equal (checked above)
+        self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         self.q_stages = config.q_stages
         self.mask_stages = config.mask_pipeline_stages
-        # payload ABI (payload_layout.py is the one source of truth)
-        layout = config.payload_layout
-        assert layout.transposed and layout.wg_n == 1
+        assert layout.transposed
+        self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread
@@ -116,13 +135,13 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.num_threads = self.threads_per_wg * (1 + self.num_mma_wg)
         self.producer_warp, self.dq_warp = 0, 1
         # D = 64: the producer's TMA bookkeeping spills at 24 and the MMA warpgroups fit in 232
-        split = (40, 232) if self.head_dim <= 64 else (24, 240)
+        split = (40, 232) if max(head_dims) <= 64 else (24, 240)
         self.producer_regs, self.mma_regs = register_split(self.num_mma_wg, *split)
         # dQ = dS K: the two MMA warpgroups split the head dim; each owns one contiguous chunk
-        self.dq_cols = self.head_dim // self.num_mma_wg
+        self.dq_cols = self.head_dim_qk // self.num_mma_wg
         self.dq_elements = self.tile_m * self.dq_cols // self.threads_per_wg  # per thread
         self.dq_chunk = self.tile_m * self.dq_cols  # fp32 values of one warpgroup's chunk
-        self.dq_block = self.tile_m * self.head_dim  # fp32 values of one Q block
+        self.dq_block = self.tile_m * self.head_dim_qk  # fp32 values of one Q block
         assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
 
     # -- host entry: BwdHostEntry.from_pointers, then ------------------------------------------------
@@ -145,31 +164,40 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError(f"q/k/v/dout/dk/dv must be {self.dtype}")
-        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        dqk, dv, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
         # TMA views: (rows, d, heads)
         mQ_t, mK_t, mV_t, mdO_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO))
-        # (tile_m, D, q_stages): B of S^T (K-major) and of dK (MN-major, all D columns)
-        sQ_layout = smem_layout(self.dtype, tm, d, self.q_stages)
-        sdO_layout = smem_layout(self.dtype, tm, d, self.q_stages)
+        # B of dK / dV (MN-major): all D columns per warpgroup, or D / 2 when they split the head dim
+        dkv_cols = self.num_mma_wg if self.pds_in_smem else 1
+        # (tile_m, D, q_stages): B of S^T / dP^T (K-major) and of dK / dV
+        sQ_layout = smem_layout(self.dtype, tm, dqk, self.q_stages, major=common_major(dqk, dqk // dkv_cols))
+        sdO_layout = smem_layout(self.dtype, tm, dv, self.q_stages, major=common_major(dv, dv // dkv_cols))
         # (tile_n, D): A of S^T (K-major) and B of dQ (MN-major, D / 2 columns per warpgroup)
-        sK_layout = smem_layout(self.dtype, tn, d, major=common_major(d, self.dq_cols))
-        sV_layout = smem_layout(self.dtype, tn, d)
-        # (tile_m, tile_n, q_stages): dS, A of dQ (K-major)
+        sK_layout = smem_layout(self.dtype, tn, dqk, major=common_major(dqk, self.dq_cols))
+        sV_layout = smem_layout(self.dtype, tn, dv)
+        # (tile_m, tile_n, q_stages): dS, A of dQ (K-major) [and, as dS^T, of dK (MN-major)]; P likewise
+        # for dV when P^T / dS^T go through SMEM
         sdS_layout = smem_layout(self.dtype, tm, tn, self.q_stages)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
-            load_op, mQ_t, cute.select(sQ_layout, mode=[0, 1]), (tm, d)
+            load_op, mQ_t, cute.select(sQ_layout, mode=[0, 1]), (tm, dqk)
         )
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
-            load_op, mdO_t, cute.select(sdO_layout, mode=[0, 1]), (tm, d)
+            load_op, mdO_t, cute.select(sdO_layout, mode=[0, 1]), (tm, dv)
         )
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK_t, sK_layout, (tn, d))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV_t, sV_layout, (tn, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(load_op, mK_t, sK_layout, (tn, dqk))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(load_op, mV_t, sV_layout, (tn, dv))
         self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
-        self.bytes_kv = 2 * cute.size_in_bytes(self.dtype, sK_layout)
+        self.bytes_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
+        self.bytes_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
         self.bytes_row_stats = tm * 4  # LSE or D of one Q block
         mmas = self._tiled_mmas()
         self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
+        if const_expr(self.shared_storage.size_in_bytes() > SMEM_LIMIT):
+            raise ValueError(
+                f"the backward's SMEM ({self.shared_storage.size_in_bytes()} bytes at "
+                f"q_stages={self.q_stages}) exceeds the {SMEM_LIMIT} bytes of an SM90 CTA"
+            )
         self.kernel(
             tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, plan,
@@ -187,20 +215,30 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         return [kv_heads, k_rows, 1] if self.deterministic else [k_rows, kv_heads, 1]
 
     def _tiled_mmas(self):
-        """``(sdp, dkv, dq)``: S^T / dP^T (tile_n x tile_m), dK / dV (tile_n x D, A from registers),
-        dQ (tile_m x D, the warpgroups split D)."""
+        """``(sdp, dk, dv, dq)``: S^T / dP^T (tile_n x tile_m, the payload layout's warpgroup tiling),
+        dK / dV (tile_n x D: A from registers with the warpgroups on K rows, or from SMEM with the
+        warpgroups on D), dQ (tile_m x D, the warpgroups split D)."""
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        dt, wg = self.dtype, self.num_mma_wg
-        sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (wg, 1, 1), (64, self.tile_m))
-        dkv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, K, MN, Float32, (wg, 1, 1), (64, self.head_dim), warpgroup.OperandSource.RMEM
+        dt, wg, lay = self.dtype, self.num_mma_wg, self.payload_layout
+        sdp = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K, K, Float32, (lay.wg_m, lay.wg_n, 1), (64, lay.wg_cols)
         )
-        dq = make_dq_tiled_mma(dt, self.head_dim, self.tile_m, wg)
-        assert sdp.size == dkv.size == dq.size == self.num_mma_threads
-        return sdp, dkv, dq
+
+        def dkv(d):
+            if const_expr(self.pds_in_smem):
+                return sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (1, wg, 1), (64, d // wg))
+            return sm90_utils.make_trivial_tiled_mma(
+                dt, dt, K, MN, Float32, (wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM
+            )
+
+        dq = make_dq_tiled_mma(dt, self.head_dim_qk, self.tile_m, wg)
+        mmas = (sdp, dkv(self.head_dim_qk), dkv(self.head_dim_v), dq)
+        assert all(m.size == self.num_mma_threads for m in mmas)
+        return mmas
 
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout):
         stats = self.tile_m * self.q_stages
+        p_elems = cute.cosize(sdS_layout) if self.pds_in_smem else 0
 
         @cute.struct
         class SharedStorage:
@@ -216,6 +254,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_block], 1024]
 
         return SharedStorage
@@ -266,6 +305,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sK": storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             "sV": storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner),
             "sdS": storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+            "sP": storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+            if self.pds_in_smem
+            else None,
             # (tile_m, q_stages): LSE (log2) / D of the staged Q block
             "sLSE": storage.lse.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
             "sDsum": storage.dsum.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
@@ -307,11 +349,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 defer_sync=True,
             )
 
-        stage_bytes = self.bytes_q + self.bytes_row_stats
         return (
             tma_pipe(storage.mbar_kv, 1, self.bytes_kv),
-            tma_pipe(storage.mbar_q, self.q_stages, stage_bytes, every_thread=True),
-            tma_pipe(storage.mbar_do, self.q_stages, stage_bytes, every_thread=True),
+            tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + self.bytes_row_stats, every_thread=True),
+            tma_pipe(storage.mbar_do, self.q_stages, self.bytes_do + self.bytes_row_stats, every_thread=True),
             tma_pipe(storage.mbar_mask, self.mask_stages, self.payload_plane * 4, every_thread=True),
         )
 
@@ -319,7 +360,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     @cute.jit
     def producer(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes):
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
-        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        tm, tn = self.tile_m, self.tile_n
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
         bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
@@ -328,7 +369,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             # K and V of this block, once
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             pipe_kv.producer_acquire(kv_state)
-            for atom, m_x, s_x in ((tma_k, mK, s["sK"]), (tma_v, mV, s["sV"])):
+            for atom, m_x, s_x, d in (
+                (tma_k, mK, s["sK"], self.head_dim_qk),
+                (tma_v, mV, s["sV"], self.head_dim_v),
+            ):
                 g_x = cute.local_tile(
                     cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]),
                     (tn, d),
@@ -342,7 +386,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             hr = head_range(plan, work, g)
             # (tile_m, D, n_q_blocks) of this sample and head
             tiles = []
-            for atom, m_x, s_x in ((tma_q, mQ, s["sQ"]), (tma_do, mdO, s["sdO"])):
+            for atom, m_x, s_x, d in (
+                (tma_q, mQ, s["sQ"], self.head_dim_qk),
+                (tma_do, mdO, s["sdO"], self.head_dim_v),
+            ):
                 g_x = cute.local_tile(
                     cute.domain_offset((work.q_offset, 0), m_x[None, None, hr.q_head]), (tm, d), (None, 0)
                 )

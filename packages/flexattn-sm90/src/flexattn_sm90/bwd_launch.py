@@ -27,7 +27,6 @@ by :mod:`maskplan_kernels.consumer_launch` (shared with the SM100 backward): ``r
 is :meth:`maskplan_kernels.consumer_launch.BackwardCompiler.run_backward` of :data:`COMPILER`.
 """
 
-from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels.consumer_launch import (
     BackwardCompiler,
@@ -41,23 +40,14 @@ from .bwd_postprocess import Sm90BwdPostprocess
 from .config import Sm90BwdConfig
 
 GPU_ARCH = "sm_90a"
-#: (head_dim_qk, head_dim_v) the backward kernel implements: the 64 x 128 backward tile. (192, 128)
-#: and (256, 256) select the 64 x 64 tile (heuristics.bwd_tile), which has no kernel yet.
-BWD_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128))
 #: packages whose sources the backward kernels are built from (part of their on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
 
 
 # -- configuration --------------------------------------------------------------------------------
 def config_for_view(view: PlanView) -> Sm90BwdConfig:
-    """The backward config a view was planned for; raises unless it is an SM90 backward view of
-    head dims the backward kernel has."""
-    g = view.geometry
-    if (g.head_dim_qk, g.head_dim_v) not in BWD_HEAD_DIMS:
-        raise UnsupportedConfigError(
-            f"(head_dim_qk, head_dim_v)=({g.head_dim_qk}, {g.head_dim_v}) has no SM90 backward kernel yet; "
-            f"supported (head_dim_qk, head_dim_v) pairs: {', '.join(map(str, BWD_HEAD_DIMS))}"
-        )
+    """The backward config a view was planned for; raises unless it is an SM90 backward view (every
+    head-dim pair the SM90 consumer plans for has a backward kernel: heuristics.SUPPORTED_HEAD_DIMS)."""
     return view_config.config_for_view(view, "backward")
 
 
@@ -105,7 +95,6 @@ compile_backward = COMPILER.compile_backward
 run_backward = COMPILER.run_backward
 
 __all__ = [
-    "BWD_HEAD_DIMS",
     "COMPILER",
     "compile_backward",
     "compile_uncached",

@@ -1,17 +1,20 @@
 """MMA warpgroups of the SM90 backward kernel: the per-Q-block step and the dK/dV epilogue.
 
 A mixin of :class:`flexattn_sm90.bwd_kernel.Sm90BwdKernel` (it reads the static config from
-``self``). Each of the two warpgroups owns 64 K rows of the CTA's ``tile_n``-key block. One step
-(one K2Q entry, Q block ``m`` of head ``hq``), in issue order::
+``self``). The two warpgroups split S^T as the payload layout says: 64 x 128 tile, 64 K rows each
+(P^T and dS^T stay in registers as the A of dK / dV); 64 x 64 tile (head dims 192 / 256), 32 Q
+columns each (P^T and dS^T meet in SMEM and dK / dV split the head dim). One step (one K2Q entry,
+Q block ``m`` of head ``hq``), in issue order::
 
     wait Q          S^T  = K Q^T                  (async)
     wait dO         dP^T = V dO^T                 (async; S^T done)
     [wait payload]  P^T  = exp2(S^T * scale*log2e - LSE2[q])  [bit e == 0 -> P^T[e] = 0]
                     dP^T done;  dS^T = P^T (dP^T - D[q])
-                    dS^T -> SMEM as dS (tile_m x tile_n)       (both warpgroups, then barrier)
-                    dV  += P^T dO   (RS)          (async)
+                    dS^T -> SMEM as dS (tile_m x tile_n)      [P^T -> SMEM as P likewise]
+                    dV  += P^T dO   (RS)          (async)     [after the barrier, SS]
+                    barrier of both warpgroups: dS [and P] complete in SMEM
                     dQ   = dS K     (SS)          (async; dV done -> release dO)
-                    dK  += dS^T Q   (RS)          (async; dQ done)
+                    dK  += dS^T Q   (RS or SS)    (async; dQ done)
                     dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
 
 Partial entries apply the packed predicate to P^T after the exponential, so a masked element is
@@ -44,8 +47,8 @@ class StepOperands(NamedTuple):
     tKrQ: cute.Tensor  # B of dK: Q^T, MN-major (stages)
     tQrdS: cute.Tensor  # A of dQ: dS (stages)
     tQrK: cute.Tensor  # B of dQ: K^T, MN-major
-    rP: cute.Tensor  # A of dV: P^T in the input dtype
-    rdS: cute.Tensor  # A of dK: dS^T in the input dtype
+    tVrP: cute.Tensor  # A of dV: P^T in the input dtype (registers, or SMEM with stages)
+    tKrdS: cute.Tensor  # A of dK: dS^T in the input dtype (registers, or SMEM with stages)
     acc_dk: cute.Tensor
     acc_dv: cute.Tensor
     pipe_q: object
@@ -60,27 +63,33 @@ class BwdMainloop:
     def mma_warpgroups(
         self, mmas, mdK, mdV, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes, tidx: Int32
     ):
-        mma_sdp, mma_dkv, mma_dq = mmas
+        mma_sdp, mma_dk, mma_dv, mma_dq = mmas
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
         wg = tidx // self.threads_per_wg
-        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
-        wg_sdp, thr_sdp = mma_sdp.get_slice(wg * self.threads_per_wg), mma_sdp.get_slice(tidx)
-        wg_dkv, thr_dkv = mma_dkv.get_slice(wg * self.threads_per_wg), mma_dkv.get_slice(tidx)
-        wg_dq, thr_dq = mma_dq.get_slice(wg * self.threads_per_wg), mma_dq.get_slice(tidx)
+        tm, tn = self.tile_m, self.tile_n
+        slices = [(m.get_slice(wg * self.threads_per_wg), m.get_slice(tidx)) for m in mmas]
+        (wg_sdp, thr_sdp), (wg_dk, thr_dk), (wg_dv, thr_dv), (wg_dq, thr_dq) = slices
         sQ, sdO, sK, sV, sdS = s["sQ"], s["sdO"], s["sK"], s["sV"], s["sdS"]
+        if const_expr(self.pds_in_smem):
+            # dS^T / P^T as the MN-major A of dK / dV: (tile_n, tile_m, stages) views of dS / P
+            tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(transpose_view(s["sP"])))
+            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(transpose_view(sdS)))
+        else:
+            tVrP = thr_dv.make_fragment_A(thr_dv.partition_shape_A((tn, tm)))
+            tKrdS = thr_dk.make_fragment_A(thr_dk.partition_shape_A((tn, tm)))
         ops = StepOperands(
             tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
             tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
             tPrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
             tPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
-            tVrdO=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO))),
-            tKrQ=wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ))),
+            tVrdO=wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO))),
+            tKrQ=wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ))),
             tQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(sdS)),
             tQrK=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK))),
-            rP=thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((tn, tm))),
-            rdS=thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((tn, tm))),
-            acc_dk=cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32),
-            acc_dv=cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32),
+            tVrP=tVrP,
+            tKrdS=tKrdS,
+            acc_dk=cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, self.head_dim_qk)), Float32),
+            acc_dv=cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, self.head_dim_v)), Float32),
             pipe_q=pipe_q,
             pipe_do=pipe_do,
             pipe_mask=pipe_mask,
@@ -88,7 +97,7 @@ class BwdMainloop:
         ops.acc_dk.fill(0.0)
         ops.acc_dv.fill(0.0)
         acc_s_shape = thr_sdp.partition_shape_C((tn, tm))
-        acc_dq_shape = thr_dq.partition_shape_C((tm, d))
+        acc_dq_shape = thr_dq.partition_shape_C((tm, self.head_dim_qk))
         # this thread's slot of its warpgroup's dQ chunk, in fragment order: (4, elements / 4)
         chunk = cute.make_tensor(s["sdQ"].iterator + wg * self.dq_chunk, dq_chunk_layout(self.dq_elements))
         tdQsdQ = chunk[tidx % self.threads_per_wg, None]
@@ -99,19 +108,21 @@ class BwdMainloop:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         words = cute.make_rmem_tensor(self.payload_words, Int32)
+        mma = (mma_sdp, mma_dk, mma_dv, mma_dq)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             for _ in cutlass.range(hr.partial_cnt, unroll=1):
                 q_state, mask_state = self.step(
-                    ops, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                    ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
                     q_state, mask_state, words, tidx, wg, True,
                 )  # fmt: skip
             for _ in cutlass.range(hr.full_cnt, unroll=1):
                 q_state, mask_state = self.step(
-                    ops, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                    ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
                     q_state, mask_state, words, tidx, wg, False,
                 )  # fmt: skip
-        self.epilogue(thr_dkv, ops.acc_dk, ops.acc_dv, mdK, mdV, work, softmax_scale)
+        self.epilogue(thr_dk, ops.acc_dk, mdK, self.head_dim_qk, work, softmax_scale)
+        self.epilogue(thr_dv, ops.acc_dv, mdV, self.head_dim_v, work, None)
 
     @cute.jit
     def stat_columns(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
@@ -127,10 +138,10 @@ class BwdMainloop:
 
     @cute.jit
     def step(
-        self, ops: StepOperands, mma_sdp, mma_dkv, mma_dq, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s,
-        scale_log2: Float32, q_state, mask_state, words, tidx: Int32, wg: Int32,
-        partial: cutlass.Constexpr[bool],
+        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2: Float32,
+        q_state, mask_state, words, tidx: Int32, wg: Int32, partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
+        mma_sdp, mma_dk, mma_dv, mma_dq = mma
         stage = q_state.index
         acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
         acc_dp = cute.make_rmem_tensor(acc_s_shape, Float32)
@@ -159,7 +170,10 @@ class BwdMainloop:
                 for b in cutlass.range_constexpr(min(32, self.payload_elements - 32 * w)):
                     e = 32 * w + b
                     acc_s[e] = acc_s[e] if ((words[w] >> b) & 1) != 0 else Float32(0.0)
-        ops.rP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+        if const_expr(self.pds_in_smem):
+            self.store_transposed(thr_sdp, acc_s, s["sP"], stage)
+        else:
+            ops.tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         # dS^T = P^T (dP^T - D[q])
         self.stat_columns(thr_sdp, s["sDsum"], stage, stat)
         # the generic-proxy reads of LSE / D complete before the bulk copies refill their stage
@@ -168,23 +182,24 @@ class BwdMainloop:
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - stat[c])
-        rdS_acc = cute.make_rmem_tensor(acc_s_shape, self.dtype)
-        rdS_acc.store(acc_dp.load().to(self.dtype))
-        ops.rdS.store(acc_as_operand_a(rdS_acc).load())
-        # dS^T -> SMEM as dS (tile_m x tile_n): the element (k, q) of the fragment is dS[q, k]
-        tdSsdS = thr_sdp.partition_C(transpose_view(s["sdS"])[None, None, stage])
-        for i in cutlass.range_constexpr(cute.size(rdS_acc)):
-            tdSsdS[i] = rdS_acc[i]
-        # dV += P^T dO
-        wgmma(mma_dkv, ops.acc_dv, ops.rP, ops.tVrdO[None, None, None, stage], zero_init=False, wait=-1)
+        rdS = self.store_transposed(thr_sdp, acc_dp, s["sdS"], stage)
+        if const_expr(self.pds_in_smem):
+            tVrP, tKrdS = ops.tVrP[None, None, None, stage], ops.tKrdS[None, None, None, stage]
+        else:
+            tVrP, tKrdS = ops.tVrP, ops.tKrdS
+            tKrdS.store(acc_as_operand_a(rdS).load())
+            # dV += P^T dO (its A is this warpgroup's own registers: no need to wait for the other)
+            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, stage], zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
+        if const_expr(self.pds_in_smem):
+            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, stage], zero_init=False, wait=-1)
         # dQ = dS K
         acc_dq = cute.make_rmem_tensor(acc_dq_shape, Float32)
         wgmma(mma_dq, acc_dq, ops.tQrdS[None, None, None, stage], ops.tQrK, zero_init=True, wait=1)
         ops.pipe_do.consumer_release(q_state)  # dV has read dO
         # dK += dS^T Q
-        wgmma(mma_dkv, ops.acc_dk, ops.rdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
+        wgmma(mma_dk, ops.acc_dk, tKrdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
         # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it
         pair = self.threads_per_wg + 32
         cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
@@ -197,27 +212,36 @@ class BwdMainloop:
         return q_state, mask_state
 
     @cute.jit
+    def store_transposed(self, thr_sdp, acc: cute.Tensor, s_x: cute.Tensor, stage: Int32) -> cute.Tensor:
+        """The S^T-shaped fp32 fragment ``acc`` in the input dtype (returned) -> stage ``stage`` of the
+        (tile_m, tile_n) SMEM tile ``s_x``: fragment element (k, q) is element (q, k) of the tile."""
+        r_x = cute.make_rmem_tensor(acc.shape, self.dtype)
+        r_x.store(acc.load().to(self.dtype))
+        t_s = thr_sdp.partition_C(transpose_view(s_x)[None, None, stage])
+        for i in cutlass.range_constexpr(cute.size(r_x)):
+            t_s[i] = r_x[i]
+        return r_x
+
+    @cute.jit
     def epilogue(
-        self, thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, work,
-        softmax_scale: Float32,
+        self, thr_mma, acc: cute.Tensor, m_x: cute.Tensor, d: int, work, scale: Float32 | None
     ):  # fmt: skip
-        """Store dK (times the softmax scale) and dV rows ``< k_valid`` of the block (input dtype)."""
-        d, tn = self.head_dim, self.tile_n
-        tcoord = acc_mn_view(thr_dkv.partition_C(cute.make_identity_tensor((tn, d))))
-        for acc, m_x, scale in ((acc_dk, mdK, softmax_scale), (acc_dv, mdV, None)):
-            r_x = cute.make_rmem_tensor_like(acc, self.dtype)
-            if const_expr(scale is None):
-                r_x.store(acc.load().to(self.dtype))
-            else:
-                r_x.store((acc.load() * scale).to(self.dtype))
-            # (tile_n, D) rows of this block and kv head; a row starts 16-byte aligned
-            heads = m_x.shape[1]
-            g_x = cute.make_tensor(
-                element_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
-                cute.make_layout((tn, d), stride=(heads * d, 1)),
-            )
-            t_g = acc_mn_view(thr_dkv.partition_C(g_x))
-            r_mn = acc_mn_view(r_x)
-            for r in cutlass.range_constexpr(cute.size(tcoord, mode=[0])):
-                if tcoord[r, 0][0] < work.k_valid:
-                    cute.autovec_copy(r_mn[r, None], t_g[r, None])
+        """Store dK (times the softmax scale) or dV: rows ``< k_valid`` of the block, input dtype."""
+        tn = self.tile_n
+        tcoord = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((tn, d))))
+        r_x = cute.make_rmem_tensor_like(acc, self.dtype)
+        if const_expr(scale is None):
+            r_x.store(acc.load().to(self.dtype))
+        else:
+            r_x.store((acc.load() * scale).to(self.dtype))
+        # (tile_n, D) rows of this block and kv head; a row starts 16-byte aligned
+        heads = m_x.shape[1]
+        g_x = cute.make_tensor(
+            element_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
+            cute.make_layout((tn, d), stride=(heads * d, 1)),
+        )
+        t_g = acc_mn_view(thr_mma.partition_C(g_x))
+        r_mn = acc_mn_view(r_x)
+        for r in cutlass.range_constexpr(cute.size(tcoord, mode=[0])):
+            if tcoord[r, 0][0] < work.k_valid:
+                cute.autovec_copy(r_mn[r, None], t_g[r, None])

@@ -17,7 +17,7 @@ The tile is chosen by head dims only (so one plan serves every sequence length).
 
 Backward: the tile is ``tile_m`` Q rows x ``tile_n`` K columns; the kernel's two consumer
 warpgroups compute ``S^T`` (K rows x Q columns): for 64x128 each takes 64 K rows, for 64x64
-they split the 64 Q columns (32 each).
+they split the 64 Q columns (32 each) and dK / dV's head dim (``bwd_kernel.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     """Backward ``(tile_m, tile_n)`` = (Q rows, K columns) of the score tile."""
     check_head_dims(head_dim_qk, head_dim_v)
     return (64, 128) if max(head_dim_qk, head_dim_v) <= 128 else (64, 64)
+
+
+def bwd_q_stages(head_dim_qk: int, head_dim_v: int) -> int:
+    """Q / dO stages of the backward: one at (256, 256), where two stages of Q and dO (128 KB) next to
+    K, V, P, dS and the 64 KB dQ chunk exceed the 227 KB of SMEM."""
+    return 1 if head_dim_qk + head_dim_v > 384 else 2
 
 
 def select_fwd_config(
@@ -97,4 +103,5 @@ def select_bwd_config(
         num_consumer_warpgroups=2,
         qhead_per_kvhead=qhead_per_kvhead,
         varlen=varlen,
+        q_stages=bwd_q_stages(head_dim_qk, head_dim_v),
     )

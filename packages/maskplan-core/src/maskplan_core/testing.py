@@ -396,9 +396,9 @@ class BackwardCases(_Cases):
         q, k, v = self.qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
         self.check(self.causal_mask(sq, sk, batch=2), q, k, v)
 
-    def gqa(self, hq, hkv, hmask, deterministic):
-        B, S, D = 2, 600, 128
-        q, k, v = self.qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=7)
+    def gqa(self, hq, hkv, hmask, deterministic, dims=(128, 128)):
+        B, S = 2, 600
+        q, k, v = self.qkv((B, S, hq), (B, S, hkv), *dims, torch.bfloat16, seed=7)
         ep = self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7)
         self.check(ep, q, k, v, deterministic=deterministic)
 
@@ -410,20 +410,20 @@ class BackwardCases(_Cases):
         self.check(ep, q, k, v, with_dlse=True, scale=0.3)
         self.check(ep, q, k, v, with_dlse=True, scale=-0.05)
 
-    def varlen_with_empty_samples(self, kind, dtype=torch.bfloat16):
-        H, Hkv, D = 4, 2, 128
-        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, dtype, seed=9)
+    def varlen_with_empty_samples(self, kind, dtype=torch.bfloat16, dims=(128, 128)):
+        H, Hkv = 4, 2
+        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), *dims, dtype, seed=9)
         self.check(self.varlen_mask(kind, seed=9), q, k, v, varlen=varlen_args(self.device))
 
-    def head_dims(self, d, kind):
+    def head_dims(self, dqk, dv, kind, dtype=torch.bfloat16, **options):
         B, S, H = 2, 600, 2
-        q, k, v = self.qkv((B, S, H), (B, S, H), d, d, torch.bfloat16, seed=10)
+        q, k, v = self.qkv((B, S, H), (B, S, H), dqk, dv, dtype, seed=10)
         ep = (
             self.causal_mask(S, batch=B)
             if kind == "causal"
             else self.random_intervals(1, 5, torch.full((B * S,), S), seed=10)
         )
-        self.check(ep, q, k, v)
+        self.check(ep, q, k, v, **options)
 
     def deterministic_bit_identical(self, dtype):
         """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,
