@@ -91,7 +91,7 @@ def expected(direction: str, dims: tuple[int, int], row: tuple | None = None) ->
             words_per_group=w,
         ),
         scheduler_layout="plan-clc-persistent-v1" if direction == "forward" else "k-major-grid-v1",
-        dq_order_format="none" if direction == "forward" else "rank_int32_k_desc",
+        dq_order_format="none" if direction == "forward" else "rank_int32",
     )
 
 

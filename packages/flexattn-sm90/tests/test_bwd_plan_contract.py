@@ -4,11 +4,10 @@ twin of the kernels' indexing (no GPU, no compile).
 * The launcher's plan-derived tensors (sample of each K plan row, first padded Q block of each
   sample) match the view's ``sequence_desc``.
 * ``dq_write_order`` is a complete turnstile: for every (mask head, Q block) the ranks of its
-  writers are 0..n-1 in descending K-block order, so deterministic mode (K rows launched highest
-  first) neither deadlocks (a writer only waits on higher K blocks, i.e. lower CTA indices) nor
-  skips a rank.
-* :func:`emulate_backward` walks CTAs in deterministic mode's launch order, Q heads, partial then
-  full entries exactly as ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks, per-(head, block) dQ
+  writers are 0..n-1 in ascending K-block order, so deterministic mode neither deadlocks (a
+  writer only waits on lower K blocks, i.e. lower CTA indices) nor skips a rank.
+* :func:`emulate_backward` walks CTAs, Q heads, partial then full entries exactly as
+  ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks, per-(head, block) dQ
   accumulation in rank order, the packed predicate applied after the exponential) and must
   agree with ``attention_backward``.
 """
@@ -114,14 +113,12 @@ def test_dq_write_order_is_a_complete_turnstile(problem):
             writers.setdefault((int(h), int(b), int(m)), []).append((int(n), int(rank)))
     assert writers
     for key, ws in writers.items():
-        ranks = [rank for _, rank in sorted(ws, reverse=True)]
+        ranks = [rank for _, rank in sorted(ws)]
         assert ranks == list(range(len(ws))), f"(head, sample, Q block) {key}: ranks by K block {ranks}"
 
 
 def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
-    """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess. CTAs run
-    one after another in deterministic mode's launch order (K rows backwards), and every dQ add
-    must find its turnstile at its rank: serial in-order execution never waits."""
+    """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess."""
     g, prep = view.geometry, bwd_view_args(view, CPU)
     tm, tn = view.block_size
     desc = view.sequence_desc.to(torch.int64)
@@ -145,7 +142,7 @@ def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
         torch.full_like(v, math.nan, dtype=torch.float32),
     )
     unpack = view.layout.unpack
-    for r in reversed(range(prep.k_rows)):
+    for r in range(prep.k_rows):
         b = int(k_row_batch[r])
         n = r - int(desc[b, 4])
         q_off, k_off, q_len, k_len = (int(x) for x in desc[b, :4])

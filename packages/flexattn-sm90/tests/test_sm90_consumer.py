@@ -40,7 +40,7 @@ def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
     else:
         tile, layout_id = ((64, 128), "sm90-wgmma-acc-v1-64x128-kq") if max(dims) <= 128 else (
             (64, 64), "sm90-wgmma-acc-v1-64x64-wg1x2-kq")  # fmt: skip
-        words, kernel, scheduler, dq = 1, "sm90-bwd-k2q-v1", "k-major-grid-v1", "rank_int32_k_desc"
+        words, kernel, scheduler, dq = 1, "sm90-bwd-k2q-v1", "k-major-grid-v1", "rank_int32"
     return PlanSignature(
         arch_family="sm90",
         direction=direction,

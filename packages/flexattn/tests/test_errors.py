@@ -277,7 +277,7 @@ def test_signature_mismatch_names_the_fields():
             arch_family="reference", direction=direction, kernel_family="reference-torch-v1",
             topology=Topology(tile_m=64, tile_n=64), mma_layout="none", payload=layout.spec,
             scheduler_layout="k-major" if direction == "backward" else "plan-fwd-work-desc-v1",
-            dq_order_format="rank_int32_k_desc" if direction == "backward" else "none",
+            dq_order_format="rank_int32" if direction == "backward" else "none",
         )
         return ViewConfig(sig, layout)
 

@@ -176,7 +176,7 @@ def small_config(direction: str, tile: tuple[int, int]) -> ViewConfig:
         mma_layout="none",
         payload=layout.spec,
         scheduler_layout="k-major" if direction == "backward" else "plan-fwd-work-desc-v1",
-        dq_order_format="rank_int32_k_desc" if direction == "backward" else "none",
+        dq_order_format="rank_int32" if direction == "backward" else "none",
     )
     return ViewConfig(signature, layout)
 
@@ -358,7 +358,7 @@ def check_header(plan, p: Problem) -> None:
 
 def check_dq_write_order(view, p: Problem) -> None:
     """For every (head, Q block), the ranks over all contributing K blocks (partial + full) are
-    0..n-1, each exactly once, descending in K block; the rank arrays parallel the index arrays."""
+    0..n-1, each exactly once, ascending in K block; the rank arrays parallel the index arrays."""
     assert view.dq_write_order.dtype == view.dq_write_order_full.dtype == torch.int32
     assert view.dq_write_order.numel() == view.mask_block_idx.numel()
     assert view.dq_write_order_full.numel() == view.full_block_idx.numel()
@@ -368,7 +368,7 @@ def check_dq_write_order(view, p: Problem) -> None:
         for h, b, qb, kb, e in decode_csr(view, p, kind):
             by_q_block.setdefault((h, b, qb), []).append((kb, ranks[kind][e]))
     for key, contributions in by_q_block.items():
-        contributions.sort(reverse=True)
+        contributions.sort()
         assert [r for _, r in contributions] == list(range(len(contributions))), f"dq ranks of Q block {key}"
 
 

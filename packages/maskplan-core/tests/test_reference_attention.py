@@ -386,7 +386,7 @@ def small_config(direction: str, tm: int, tn: int) -> ViewConfig:
     signature = PlanSignature(
         arch_family="reference", direction=direction, kernel_family="test-small-tiles",
         topology=Topology(tile_m=tm, tile_n=tn), mma_layout="none", payload=layout.spec,
-        scheduler_layout="test", dq_order_format="rank_int32_k_desc" if direction == "backward" else "none",
+        scheduler_layout="test", dq_order_format="rank_int32" if direction == "backward" else "none",
     )
     return ViewConfig(signature, layout)
 

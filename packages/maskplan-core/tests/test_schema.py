@@ -49,7 +49,7 @@ def signature(**overrides) -> PlanSignature:
 
 
 def test_signature_json_round_trip():
-    sig = signature(dq_order_format="rank_int32_k_desc", direction="backward")
+    sig = signature(dq_order_format="rank_int32", direction="backward")
     text = sig.model_dump_json()
     assert PlanSignature.model_validate_json(text) == sig
     data = json.loads(text)

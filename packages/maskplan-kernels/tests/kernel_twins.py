@@ -405,9 +405,8 @@ def k2q_materialize_twin(config):
                 f = int(full[h, r, j // 32]) & 0xFFFFFFFF
                 if not (v >> (j % 32)) & 1:
                     continue
-                # visible K blocks above j: the kernel's word-local mask, then the words after j's
-                rank = bin(v & (0xFFFFFFFF << (j % 32 + 1)) & 0xFFFFFFFF).count("1")
-                rank += sum(bin(int(vis[h, r, w]) & 0xFFFFFFFF).count("1") for w in range(j // 32 + 1, kw))
+                rank = bin(v & ((1 << (j % 32)) - 1)).count("1")
+                rank += sum(bin(int(vis[h, r, w]) & 0xFFFFFFFF).count("1") for w in range(j // 32))
                 if (f >> (j % 32)) & 1:
                     idx_f[pos_f], dq_f[pos_f] = m, rank
                     pos_f += 1

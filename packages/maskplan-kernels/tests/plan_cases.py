@@ -111,7 +111,7 @@ def view_config(layout: PayloadLayout, direction: str, *, pack_gqa: bool = False
         mma_layout="none",
         payload=layout.spec,
         scheduler_layout="k-major" if direction == "backward" else "plan-fwd-work-desc-v1",
-        dq_order_format="rank_int32_k_desc" if direction == "backward" else "none",
+        dq_order_format="rank_int32" if direction == "backward" else "none",
     )
     return ViewConfig(signature, layout)
 

@@ -169,7 +169,7 @@ class Sm100FwdConfig(_KernelConfig):
 class Sm100BwdConfig(_KernelConfig):
     direction = "backward"
     scheduler_layout = BWD_SCHEDULER_LAYOUT
-    dq_order_format = "rank_int32_k_desc"
+    dq_order_format = "rank_int32"
 
     head_dim_qk: int = field(metadata=CONSTEXPR)
     head_dim_v: int = field(metadata=CONSTEXPR)

@@ -43,13 +43,11 @@ dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sam
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
 (P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
 whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds, waits for the add
-to complete and increments it: every run adds the contributions in ``dq_write_order``, which
-ranks a Q block's writers by descending K block. Deterministic mode runs the K rows backwards
-(``consumer_plan.decode_work``), so a CTA waits only on higher K blocks of its (sample, kv head),
-i.e. on lower CTA indices: it cannot deadlock as long as CTAs start in index order. A CTA visits
-its Q blocks ascending, the CTA above it (started earlier) is already past each of them on
-causal, sliding-window and document masks, so the turnstile rarely waits. The kv head is on
-grid x: the resident CTAs form many short chains (one per head), not one long one.
+to complete and increments it: every run adds the contributions in ``dq_write_order``.
+Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices, it
+cannot deadlock as long as CTAs start in index order. Each K block's CTA trails the one before it
+by a few steps, so deterministic mode puts the kv head on grid x: the resident CTAs then form
+many short chains (one per head) instead of one long chain of consecutive K blocks.
 """
 
 import cuda.bindings.driver as cuda

@@ -146,7 +146,7 @@ class Sm90BwdConfig(_KernelConfig):
     direction = "backward"
     kernel_family = BWD_KERNEL_FAMILY
     scheduler_layout = BWD_SCHEDULER_LAYOUT
-    dq_order_format = "rank_int32_k_desc"
+    dq_order_format = "rank_int32"
 
     head_dim_qk: int = field(metadata=CONSTEXPR)
     head_dim_v: int = field(metadata=CONSTEXPR)

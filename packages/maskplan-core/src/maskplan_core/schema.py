@@ -72,7 +72,7 @@ class PlanSignature(_Frozen):
     mma_layout: str
     payload: PayloadLayoutSpec
     scheduler_layout: str
-    dq_order_format: Literal["none", "rank_int32_k_desc"] = "none"
+    dq_order_format: Literal["none", "rank_int32"] = "none"
 
     def diff(self, actual: PlanSignature) -> list[SignatureDiff]:
         """Fields (dotted for nested models) where ``actual`` differs from ``self``."""

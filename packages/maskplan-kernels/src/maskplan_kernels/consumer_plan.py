@@ -517,11 +517,9 @@ def decode_work(
     heads_major: cutlass.Constexpr[bool],
 ) -> Work:
     """The CTA's K block from its block index: grid ``(K rows, Hkv)``, or ``(Hkv, K rows)`` with
-    ``heads_major`` (deterministic mode). There the K rows run backwards, highest K block of the
-    last sample first: ``dq_write_order`` ranks a Q block's writers by descending K block, so every
-    writer a CTA waits for has a lower block index and started before it (no deadlock)."""
+    ``heads_major`` (deterministic mode, so the writers of a Q block run in ``dq_write_order``)."""
     x, y, _ = cute.arch.block_idx()
-    row, kv_head = (cute.size(plan.k_row_batch) - 1 - y, x) if const_expr(heads_major) else (x, y)
+    row, kv_head = (y, x) if const_expr(heads_major) else (x, y)
     b = plan.k_row_batch[row]
     n_block = row - plan.sequence_desc[b, 4]
     k_len = plan.sequence_desc[b, 3]

@@ -10,9 +10,8 @@ in ascending order (Q block ``m = r - row_begin[b]``):
     full    (bit j of full):             full_block_idx[off_f + i] = m,
                                          dq_write_order_full[off_f + i] = rank of j in row r
 
-where ``rank of j in row r`` = number of visible K blocks of Q row ``r`` above ``j`` (format
-``rank_int32_k_desc``: popcount of the row's visible words after word ``j // 32`` plus the masked
-word itself).
+where ``rank of j in row r`` = number of visible K blocks of Q row ``r`` below ``j`` (popcount of
+the row's visible words before word ``j // 32`` plus the masked word itself).
 
 Work decomposition (persistent CTAs over the ``Hmask * k_rows`` work items, item = (h, kr))::
 
@@ -159,7 +158,7 @@ class K2QMaterialize:
             if cnt_p + cnt_f > 0:
                 word = j // WARP
                 shift = j - word * WARP
-                above = (Int32(-1) << shift) ^ (Int32(1) << shift)  # K blocks j' > j in word j // 32
+                below = ~(Int32(-1) << shift)  # bits of K blocks j' < j inside word j // 32
                 carry_p = Int32(0)
                 carry_f = Int32(0)
                 for c0 in cutlass.range(0, q_count, self.num_threads, unroll=1):
@@ -178,8 +177,8 @@ class K2QMaterialize:
                     rank_f = ex >> _HALF
                     n_list = tot & 0xFFFF
                     if is_vis != 0:
-                        dq_rank = cute.arch.popc(vis & above)
-                        for w in cutlass.range(word + 1, mVisible.shape[2], 1, unroll=1):
+                        dq_rank = cute.arch.popc(vis & below)
+                        for w in cutlass.range(0, word, 1, unroll=1):
                             dq_rank = dq_rank + cute.arch.popc(mVisible[head, r, w])
                         if is_part != 0:
                             pos = off_p + carry_p + rank_p

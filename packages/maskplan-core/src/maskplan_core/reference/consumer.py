@@ -34,7 +34,7 @@ class ReferenceConsumer(Consumer):
             mma_layout="none",
             payload=RowMajorLayout(TILE, TILE).spec,
             scheduler_layout="k-major" if backward else "plan-fwd-work-desc-v1",
-            dq_order_format="rank_int32_k_desc" if backward else "none",
+            dq_order_format="rank_int32" if backward else "none",
         )
         return ViewConfig(signature, RowMajorLayout(TILE, TILE))
 

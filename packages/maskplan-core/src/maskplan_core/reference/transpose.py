@@ -43,16 +43,11 @@ def materialize_k2q(
     """Write half: K-major partial/full CSRs (Q blocks ascending), payloads, dQ write ranks.
 
     ``dq_write_order`` of an entry (K block j -> Q block i) is j's rank among all K blocks
-    (partial or full) that contribute to Q block i, DESCENDING in j (format
-    ``rank_int32_k_desc``): the fixed order in which deterministic dQ accumulation applies the
-    contributions. Descending, because a K block's CTA visits its Q blocks ascending: with the
-    highest K block first, each writer of a (causal, sliding-window, document) Q block's dQ finds
-    the writers above it already past that Q block, instead of waiting for the lowest K block's CTA
-    to walk there.
+    (partial or full) that contribute to Q block i, ascending in j: a fixed order in which
+    deterministic dQ accumulation applies the contributions.
     """
     visible = unpack_bits(cls.visible_bits, geom.max_k_blocks)
-    # visible K blocks above j in the row: the suffix count minus j itself
-    rank = visible.to(torch.int32).flip(-1).cumsum(-1, dtype=torch.int32).flip(-1) - 1  # [H, R, K]
+    rank = visible.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1  # [H, R, K]
     lists = []
     for flags, cnt in zip(block_flags(cls, geom), counts, strict=False):
         key, h, r, j, m = _k2q_keys(flags, geom)
