@@ -6,10 +6,10 @@ twin of the kernels' indexing (no GPU, no compile).
 * ``dq_write_order`` is a complete turnstile: for every (mask head, Q block) the ranks of its
   writers are 0..n-1 in ascending K-block order, so deterministic mode neither deadlocks (a
   writer only waits on lower K blocks, i.e. lower CTA indices) nor skips a rank.
-* :func:`emulate_backward` walks CTAs, Q heads, partial then full entries exactly as
-  ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks, per-(head, block) dQ
-  accumulation in rank order, the packed predicate applied after the exponential) and must
-  agree with ``attention_backward``.
+* :func:`emulate_backward` walks CTAs, Q heads and each K row's partial and full entries merged
+  by descending Q block exactly as ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks,
+  per-(head, block) dQ accumulation in rank order, the packed predicate applied after the
+  exponential) and must agree with ``attention_backward``.
 """
 
 import math
@@ -117,6 +117,16 @@ def test_dq_write_order_is_a_complete_turnstile(problem):
         assert ranks == list(range(len(ws))), f"(head, sample, Q block) {key}: ranks by K block {ranks}"
 
 
+def walk_descending(view, h: int, r: int) -> list[tuple[str, int]]:
+    """``(kind, entry)`` of K row ``r`` (mask head ``h``) in the kernel's order: the partial and full
+    entries merged by descending Q block (``maskplan_kernels.consumer_plan.walk_descending``)."""
+    steps = []
+    for kind, pre in (("partial", "mask_block"), ("full", "full_block")):
+        cnt, off = int(view.tensors[f"{pre}_cnt"][h, r]), int(view.tensors[f"{pre}_offset"][h, r])
+        steps += [(int(view.tensors[f"{pre}_idx"][e]), kind, e) for e in range(off, off + cnt)]
+    return [(kind, e) for _, kind, e in sorted(steps, reverse=True)]
+
+
 def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
     """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess."""
     g, prep = view.geometry, bwd_view_args(view, CPU)
@@ -155,14 +165,12 @@ def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
             for gi in range(group):
                 hq = hk * group + gi
                 h = min(hq, g.mask_heads - 1)
-                for kind in ("partial", "full"):
-                    pre = "mask_block" if kind == "partial" else "full_block"
-                    cnt, off = int(view.tensors[f"{pre}_cnt"][h, r]), int(view.tensors[f"{pre}_offset"][h, r])
-                    for e in range(off, off + cnt):
+                for kind, e in walk_descending(view, h, r):
+                        pre = "mask_block" if kind == "partial" else "full_block"
                         m = int(view.tensors[f"{pre}_idx"][e])
                         blk = int(q_block_begin[b]) + m
                         rank = int(
-                            (view.dq_write_order if kind == "partial" else view.dq_write_order_full)[e]
+                        (view.dq_write_order if kind == "partial" else view.dq_write_order_full)[e]
                         )
                         q_tok = torch.arange(q_off + m * tm, q_off + m * tm + tm).clamp(max=g.total_q - 1)
                         qt, dot = q[q_tok, hq].float(), dout[q_tok, hq].float()

@@ -33,21 +33,23 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_
 
     for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv
         h = hq if Hmask > 1 else 0
-        for e in mask_block_offset[h, r] + [0, mask_block_cnt[h, r]):   # partial Q blocks
-            m = mask_block_idx[e]; step(m, payload = mask_block_masks[e], rank = dq_write_order[e])
-        for e in full_block_offset[h, r] + [0, full_block_cnt[h, r]):   # full Q blocks
-            m = full_block_idx[e]; step(m, no payload, rank = dq_write_order_full[e])
+        # the partial and the full list of (h, r), merged by DESCENDING Q block (walk_descending)
+        for e in partial entries:  m = mask_block_idx[e]
+                                   step(m, payload = mask_block_masks[e], rank = dq_write_order[e])
+        for e in full entries:     m = full_block_idx[e]
+                                   step(m, no payload, rank = dq_write_order_full[e])
     dK = scale * dK, dV stored (rows < k_len of the sample); a K block without any entry stores 0
 
 dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sample ``b`` is
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
 (P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
 whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds, waits for the add
-to complete and increments it: every run adds the contributions in ``dq_write_order``.
-Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices, it
-cannot deadlock as long as CTAs start in index order. Each K block's CTA trails the one before it
-by a few steps, so deterministic mode puts the kv head on grid x: the resident CTAs then form
-many short chains (one per head) instead of one long chain of consecutive K blocks.
+to complete and increments it: every run adds the contributions in ``dq_write_order`` (ascending
+K block). Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices,
+it cannot deadlock as long as CTAs start in index order. Walking its Q blocks downwards, a CTA
+reaches each one no earlier than the CTA of the K block below it on causal, sliding-window and
+document masks (``consumer_plan.walk_descending``), so the turnstile rarely waits; deterministic
+mode also puts the kv head on grid x, so the resident CTAs form many short chains (one per head).
 """
 
 import cuda.bindings.driver as cuda
@@ -71,6 +73,7 @@ from maskplan_kernels.consumer_plan import (
     total_steps,
     turnstile_advance,
     turnstile_wait,
+    walk_descending,
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
 
@@ -399,21 +402,19 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             tQsQ, tQgQ = tiles[0]
             tdOsdO, tdOgdO = tiles[1]
             stats_row = hr.q_head * mLSE.shape[1]
-            for i in cutlass.range(hr.partial_cnt, unroll=1):
-                entry = hr.partial_off + i
-                mask_state = load_payload_plane(
-                    pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], entry,
-                    self.payload_plane,
-                )  # fmt: skip
+            left_p, left_f = hr.partial_cnt, hr.full_cnt
+            for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
+                nxt = walk_descending(plan, hr, left_p, left_f)
+                if nxt.partial != 0:
+                    mask_state = load_payload_plane(
+                        pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], nxt.entry,
+                        self.payload_plane,
+                    )  # fmt: skip
                 q_state = self.load_q_block(
-                    plan.mask_block_idx[entry], work, stats_row, pipe_q, pipe_do, q_state, tma_q, tQgQ, tQsQ,
+                    nxt.q_block, work, stats_row, pipe_q, pipe_do, q_state, tma_q, tQgQ, tQsQ,
                     tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
                 )  # fmt: skip
-            for i in cutlass.range(hr.full_cnt, unroll=1):
-                q_state = self.load_q_block(
-                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipe_q, pipe_do, q_state, tma_q,
-                    tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
-                )  # fmt: skip
+                left_p, left_f = nxt.partial_left, nxt.full_left
 
     @cute.jit
     def load_q_block(
@@ -447,18 +448,18 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         lane = cute.arch.lane_idx()
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
-            for i in cutlass.range(hr.partial_cnt, unroll=1):
-                entry = hr.partial_off + i
+            left_p, left_f = hr.partial_cnt, hr.full_cnt
+            for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
+                nxt = walk_descending(plan, hr, left_p, left_f)
+                rank = Int32(0)
+                if nxt.partial != 0:
+                    rank = plan.dq_write_order[nxt.entry]
+                else:
+                    rank = plan.dq_write_order_full[nxt.entry]
                 self.write_dq_block(
-                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + plan.mask_block_idx[entry],
-                    plan.dq_write_order[entry], lane,
+                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + nxt.q_block, rank, lane
                 )  # fmt: skip
-            for i in cutlass.range(hr.full_cnt, unroll=1):
-                entry = hr.full_off + i
-                self.write_dq_block(
-                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + plan.full_block_idx[entry],
-                    plan.dq_write_order_full[entry], lane,
-                )  # fmt: skip
+                left_p, left_f = nxt.partial_left, nxt.full_left
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit

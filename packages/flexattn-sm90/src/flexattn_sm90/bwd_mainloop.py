@@ -17,7 +17,9 @@ Q block ``m`` of head ``hq``), in issue order::
                     dK  += dS^T Q   (RS or SS)    (async; dQ done)
                     dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
 
-Partial entries apply the packed predicate to P^T after the exponential, so a masked element is
+Steps follow the merged descending walk of the K row's partial and full lists
+(``consumer_plan.walk_descending``), each specialised at compile time for its kind. Partial
+entries apply the packed predicate to P^T after the exponential, so a masked element is
 exactly 0 whatever its score (tail rows of another sample, rows without a visible key). Full
 entries never touch the mask pipeline.
 """
@@ -30,7 +32,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps
+from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
 
 from .bwd_helpers import dq_chunk_layout
 from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
@@ -111,16 +113,20 @@ class BwdMainloop:
         mma = (mma_sdp, mma_dk, mma_dv, mma_dq)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
-            for _ in cutlass.range(hr.partial_cnt, unroll=1):
-                q_state, mask_state = self.step(
-                    ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                    q_state, mask_state, words, tidx, wg, True,
-                )  # fmt: skip
-            for _ in cutlass.range(hr.full_cnt, unroll=1):
-                q_state, mask_state = self.step(
-                    ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                    q_state, mask_state, words, tidx, wg, False,
-                )  # fmt: skip
+            left_p, left_f = hr.partial_cnt, hr.full_cnt
+            for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
+                nxt = walk_descending(plan, hr, left_p, left_f)
+                if nxt.partial != 0:
+                    q_state, mask_state = self.step(
+                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                        q_state, mask_state, words, tidx, wg, True,
+                    )  # fmt: skip
+                else:
+                    q_state, mask_state = self.step(
+                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                        q_state, mask_state, words, tidx, wg, False,
+                    )  # fmt: skip
+                left_p, left_f = nxt.partial_left, nxt.full_left
         self.epilogue(thr_dk, ops.acc_dk, mdK, self.head_dim_qk, work, softmax_scale)
         self.epilogue(thr_dv, ops.acc_dv, mdV, self.head_dim_v, work, None)
 

@@ -550,6 +550,44 @@ def head_range(plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
     )
 
 
+class WalkStep(NamedTuple):
+    """One entry of :func:`walk_descending` (runtime Int32 values)."""
+
+    partial: Int32  # 1: a partial entry (payload, dq_write_order); 0: a full one
+    entry: Int32  # index into the partial or the full arrays
+    q_block: Int32  # sample-local Q block
+    partial_left: Int32  # entries of each list still to walk after this one
+    full_left: Int32
+
+
+@cute.jit
+def walk_descending(plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, full_left: Int32) -> WalkStep:
+    """The next entry of the merged walk over a K row's partial and full lists by DESCENDING Q block
+    (start with ``partial_left, full_left = hr.partial_cnt, hr.full_cnt``; each list is ascending, so
+    the next entry is the larger of the two lists' last unwalked ones; a Q block is in one list).
+
+    Why descending: every K block of a causal, sliding-window or document mask sees its sample's
+    Q blocks up to the same or a later last one than the K block below it, so walking down from the
+    last, a CTA reaches each Q block no earlier than the lower K block's CTA (started before it)
+    does. Deterministic mode adds a Q block's dQ contributions by ascending K block
+    (``dq_write_order``), so its turnstiles then rarely wait; partial-then-full visits a sliding
+    window's trailing-edge blocks first and waits for a whole chain of CTAs."""
+    m_p = Int32(-1)
+    m_f = Int32(-1)
+    if partial_left > 0:
+        m_p = plan.mask_block_idx[hr.partial_off + partial_left - 1]
+    if full_left > 0:
+        m_f = plan.full_block_idx[hr.full_off + full_left - 1]
+    take_p = Int32(m_p > m_f)
+    return WalkStep(
+        take_p,
+        take_p * (hr.partial_off + partial_left - 1) + (1 - take_p) * (hr.full_off + full_left - 1),
+        cutlass.max(m_p, m_f),
+        partial_left - take_p,
+        full_left - (1 - take_p),
+    )
+
+
 @cute.jit
 def total_steps(plan: BwdPlanTensors, work: Work) -> Int32:
     """Q blocks (partial + full, all q heads of the kv head) the CTA's K block visits."""
@@ -634,4 +672,6 @@ __all__ = [
     "turnstile_advance",
     "turnstile_wait",
     "vector",
+    "walk_descending",
+    "WalkStep",
 ]
