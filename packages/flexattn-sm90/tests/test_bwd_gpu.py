@@ -170,6 +170,8 @@ def test_gpu_planner_plan():
     check(ep, q, k, v, varlen=varlen_args(DEV), gpu_planner=True, deterministic=True, repeats=2)
 
 
-def test_small_for_sanitizer():
-    """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)."""
-    CASES.small_for_sanitizer()
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (256, 256)])
+def test_small_for_sanitizer(dqk, dv):
+    """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)
+    on each backward tile (64 x 128, and 64 x 64 with P^T / dS^T through SMEM)."""
+    CASES.small_for_sanitizer((dqk, dv))

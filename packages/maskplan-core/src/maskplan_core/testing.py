@@ -437,10 +437,10 @@ class BackwardCases(_Cases):
         q, k, v = self.qkv((B, S, H), (B, S, Hkv), D, D, dtype, seed=12)
         self.check(self.causal_mask(S, batch=B), q, k, v, deterministic=True, repeats=3)
 
-    def small_for_sanitizer(self):
+    def small_for_sanitizer(self, dims=(128, 128)):
         """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck``."""
-        B, S, H, D = 1, 200, 2, 128
-        q, k, v = self.qkv((B, S, H), (B, S, 1), D, D, torch.bfloat16, seed=14)
+        B, S, H = 1, 200, 2
+        q, k, v = self.qkv((B, S, H), (B, S, 1), *dims, torch.bfloat16, seed=14)
         ep = self.causal_mask(S, batch=B)
         self.check(ep, q, k, v)
         self.check(ep, q, k, v, deterministic=True)
