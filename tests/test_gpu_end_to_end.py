@@ -49,20 +49,24 @@ def test_forward_matches_cpu_reference(mask, dtype):
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize(
-    "mask,deterministic,pack_gqa",
-    [("causal", False, None), ("causal", True, None), ("document", False, None), ("document", True, None),
-     ("sliding", False, True), ("prefix", True, True)],
+    "mask,deterministic,pack_gqa,dims",
+    [("causal", False, None, (D, D)), ("causal", True, None, (D, D)), ("document", False, None, (D, D)),
+     ("document", True, None, (D, D)), ("sliding", False, True, (D, D)), ("prefix", True, True, (D, D)),
+     ("causal", False, None, (192, 128)), ("sliding", True, None, (256, 256))],
     ids=["causal-atomic", "causal-deterministic", "document-atomic", "document-deterministic",
-         "sliding-atomic-packgqa", "prefix-deterministic-packgqa"],
+         "sliding-atomic-packgqa", "prefix-deterministic-packgqa", "causal-atomic-d192",
+         "sliding-deterministic-d256"],
 )  # fmt: skip
-def test_training_matches_cpu_reference(mask, deterministic, pack_gqa):
+def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
     """flex_attn_func trains on CUDA: its gradients (with an LSE gradient) match the CPU reference
-    (``pack_gqa=True``: the packed forward view with the backward view, which packing leaves as is)."""
+    (``pack_gqa=True``: the packed forward view with the backward view, which packing leaves as is;
+    head dims 192/128 and 256: the backward's 64 x 64 tile)."""
     torch.manual_seed(1)
     dtype = torch.bfloat16
-    q = torch.randn(B, S, H, D, dtype=dtype)
-    k, v = (torch.randn(B, S, HKV, D, dtype=dtype) for _ in range(2))
-    dout, dlse = torch.randn(B, S, H, D, dtype=dtype), torch.randn(B, H, S)
+    dqk, dv = dims
+    q = torch.randn(B, S, H, dqk, dtype=dtype)
+    k, v = torch.randn(B, S, HKV, dqk, dtype=dtype), torch.randn(B, S, HKV, dv, dtype=dtype)
+    dout, dlse = torch.randn(B, S, H, dv, dtype=dtype), torch.randn(B, H, S)
 
     def grads(device, cast):
         leaves = [t.to(device=device, dtype=cast).requires_grad_() for t in (q, k, v)]
