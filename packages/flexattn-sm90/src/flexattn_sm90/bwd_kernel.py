@@ -123,7 +123,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
-        self.q_stages = config.q_stages
+        # dQ: each MMA thread reduces its fragment straight into the accumulator (red.global.add.v4,
+        # atomic mode of the 64 x 64 tile: no SMEM for dQ, which buys Q its second stage at 256), or
+        # SMEM chunks that the dQ writer bulk-adds (the 64 x 128 tile; deterministic mode's ordered adds)
+        self.dq_in_registers = self.pds_in_smem and not deterministic
+        self.do_stages = config.do_stages
+        self.q_stages = config.q_stages if self.dq_in_registers or not self.pds_in_smem else config.do_stages
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -174,7 +179,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         dkv_cols = self.num_mma_wg if self.pds_in_smem else 1
         # (tile_m, D, q_stages): B of S^T / dP^T (K-major) and of dK / dV
         sQ_layout = smem_layout(self.dtype, tm, dqk, self.q_stages, major=common_major(dqk, dqk // dkv_cols))
-        sdO_layout = smem_layout(self.dtype, tm, dv, self.q_stages, major=common_major(dv, dv // dkv_cols))
+        sdO_layout = smem_layout(self.dtype, tm, dv, self.do_stages, major=common_major(dv, dv // dkv_cols))
         # (tile_n, D): A of S^T (K-major) and B of dQ (MN-major, D / 2 columns per warpgroup)
         sK_layout = smem_layout(self.dtype, tn, dqk, major=common_major(dqk, self.dq_cols))
         sV_layout = smem_layout(self.dtype, tn, dv)
@@ -240,17 +245,18 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         return mmas
 
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout):
-        stats = self.tile_m * self.q_stages
+        q_stats, do_stats = self.tile_m * self.q_stages, self.tile_m * self.do_stages
+        dq_smem = 0 if self.dq_in_registers else self.dq_block
         p_elems = cute.cosize(sdS_layout) if self.pds_in_smem else 0
 
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
             mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
-            lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
-            dsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
+            lse: cute.struct.Align[cute.struct.MemRange[Float32, q_stats], 128]
+            dsum: cute.struct.Align[cute.struct.MemRange[Float32, do_stats], 128]
             mask: cute.struct.Align[cute.struct.MemRange[Int32, self.mask_stages * self.payload_plane], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
@@ -258,7 +264,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, p_elems], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.dq_block], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_smem], 1024]
 
         return SharedStorage
 
@@ -311,15 +317,15 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sP": storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             if self.pds_in_smem
             else None,
-            # (tile_m, q_stages): LSE (log2) / D of the staged Q block
+            # (tile_m, q_stages / do_stages): LSE (log2) / D of the staged Q / dO block
             "sLSE": storage.lse.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
-            "sDsum": storage.dsum.get_tensor(cute.make_layout((self.tile_m, self.q_stages))),
+            "sDsum": storage.dsum.get_tensor(cute.make_layout((self.tile_m, self.do_stages))),
             # (words, groups, stages): one payload plane per stage
             "sMask": storage.mask.get_tensor(
                 cute.make_layout((self.payload_words, self.payload_groups, self.mask_stages))
             ),
-            # (dq_block,): two fragment-ordered warpgroup chunks
-            "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_block)),
+            # (dq_block,): two fragment-ordered warpgroup chunks (none with dQ in registers)
+            "sdQ": None if self.dq_in_registers else storage.sdQ.get_tensor(cute.make_layout(self.dq_block)),
         }
         work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
 
@@ -327,11 +333,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
                 self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes)
-            if warp_idx == self.dq_warp:
-                self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
+            if const_expr(not self.dq_in_registers):
+                if warp_idx == self.dq_warp:
+                    self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma_warpgroups(mmas, mdK, mdV, s, plan, work, scale_log2, softmax_scale, pipes,
+            self.mma_warpgroups(mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2, softmax_scale, pipes,
                                 tidx - self.threads_per_wg)  # fmt: skip
 
     def _make_pipelines(self, storage):
@@ -352,10 +359,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 defer_sync=True,
             )
 
+        stats = self.bytes_row_stats
         return (
             tma_pipe(storage.mbar_kv, 1, self.bytes_kv),
-            tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + self.bytes_row_stats, every_thread=True),
-            tma_pipe(storage.mbar_do, self.q_stages, self.bytes_do + self.bytes_row_stats, every_thread=True),
+            tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + stats, every_thread=True),
+            tma_pipe(storage.mbar_do, self.do_stages, self.bytes_do + stats, every_thread=True),
             tma_pipe(storage.mbar_mask, self.mask_stages, self.payload_plane * 4, every_thread=True),
         )
 
@@ -365,6 +373,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
         tm, tn = self.tile_m, self.tile_n
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
         bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
         bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
@@ -410,23 +419,23 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                         pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], nxt.entry,
                         self.payload_plane,
                     )  # fmt: skip
-                q_state = self.load_q_block(
-                    nxt.q_block, work, stats_row, pipe_q, pipe_do, q_state, tma_q, tQgQ, tQsQ,
+                q_state, do_state = self.load_q_block(
+                    nxt.q_block, work, stats_row, pipe_q, pipe_do, q_state, do_state, tma_q, tQgQ, tQsQ,
                     tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
                 )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
 
     @cute.jit
     def load_q_block(
-        self, m_block, work, stats_row, pipe_q, pipe_do, state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
-        bulk_f32, mLSE, mDsum, s,
+        self, m_block, work, stats_row, pipe_q, pipe_do, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do,
+        tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
     ):  # fmt: skip
-        """Q + its LSE into one stage of the Q pipeline, dO + its D into the same stage of dO's."""
+        """Q + its LSE into a stage of the Q pipeline, dO + its D into a stage of dO's."""
         stats = cute.make_layout(self.tile_m)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
-        for pipe, atom, t_g, t_s, m_stat, s_stat in (
-            (pipe_q, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"]),
-            (pipe_do, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"]),
+        for pipe, state, atom, t_g, t_s, m_stat, s_stat in (
+            (pipe_q, q_state, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"]),
+            (pipe_do, do_state, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"]),
         ):
             pipe.producer_acquire(state)
             bar = pipe.producer_get_barrier(state)
@@ -435,8 +444,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             dst = cute.make_tensor(s_stat[None, state.index].iterator, stats)
             with cute.arch.elect_one():
                 cute.copy(bulk_f32, src, dst, mbar_ptr=bar)
-        state.advance()
-        return state
+            state.advance()
+        return q_state, do_state
 
     # -- dQ writer warp -----------------------------------------------------------------------------
     @cute.jit

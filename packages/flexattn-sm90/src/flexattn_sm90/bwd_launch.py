@@ -58,7 +58,11 @@ def _main_key(config: Sm90BwdConfig) -> tuple:
         ("tile_n", config.tile_n),
         ("warpgroups", config.num_consumer_warpgroups),
     )
-    stages = (("q_stages", config.q_stages), ("mask_pipeline_stages", config.mask_pipeline_stages))
+    stages = (
+        ("q_stages", config.q_stages),
+        ("do_stages", config.do_stages),
+        ("mask_pipeline_stages", config.mask_pipeline_stages),
+    )
     return (kernel_dims(config), tile, stages)
 
 

@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
 
-from .bwd_helpers import dq_chunk_layout
+from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32
 from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
 
 
@@ -63,8 +63,9 @@ class BwdMainloop:
 
     @cute.jit
     def mma_warpgroups(
-        self, mmas, mdK, mdV, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes, tidx: Int32
-    ):
+        self, mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes,
+        tidx: Int32,
+    ):  # fmt: skip
         mma_sdp, mma_dk, mma_dv, mma_dq = mmas
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
         wg = tidx // self.threads_per_wg
@@ -101,10 +102,14 @@ class BwdMainloop:
         acc_s_shape = thr_sdp.partition_shape_C((tn, tm))
         acc_dq_shape = thr_dq.partition_shape_C((tm, self.head_dim_qk))
         # this thread's slot of its warpgroup's dQ chunk, in fragment order: (4, elements / 4)
-        chunk = cute.make_tensor(s["sdQ"].iterator + wg * self.dq_chunk, dq_chunk_layout(self.dq_elements))
-        tdQsdQ = chunk[tidx % self.threads_per_wg, None]
+        tdQsdQ = None
+        if const_expr(not self.dq_in_registers):
+            chunk_layout = dq_chunk_layout(self.dq_elements)
+            chunk = cute.make_tensor(s["sdQ"].iterator + wg * self.dq_chunk, chunk_layout)
+            tdQsdQ = chunk[tidx % self.threads_per_wg, None]
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
         if total_steps(plan, work) > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -116,15 +121,18 @@ class BwdMainloop:
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
+                # this warpgroup's chunk of the Q block's dQ accumulator (dq_in_registers)
+                dq_chunk = hr.q_head * mdQaccum.shape[1] + (work.qblk_base + nxt.q_block) * self.dq_block
+                dq_dst = element_ptr(mdQaccum, dq_chunk + wg * self.dq_chunk)
                 if nxt.partial != 0:
-                    q_state, mask_state = self.step(
-                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                        q_state, mask_state, words, tidx, wg, True,
+                    q_state, do_state, mask_state = self.step(
+                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
+                        q_state, do_state, mask_state, words, tidx, wg, True,
                     )  # fmt: skip
                 else:
-                    q_state, mask_state = self.step(
-                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                        q_state, mask_state, words, tidx, wg, False,
+                    q_state, do_state, mask_state = self.step(
+                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
+                        q_state, do_state, mask_state, words, tidx, wg, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
         self.epilogue(thr_dk, ops.acc_dk, mdK, self.head_dim_qk, work, softmax_scale)
@@ -144,11 +152,12 @@ class BwdMainloop:
 
     @cute.jit
     def step(
-        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2: Float32,
-        q_state, mask_state, words, tidx: Int32, wg: Int32, partial: cutlass.Constexpr[bool],
+        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s,
+        scale_log2: Float32, q_state, do_state, mask_state, words, tidx: Int32, wg: Int32,
+        partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
         mma_sdp, mma_dk, mma_dv, mma_dq = mma
-        stage = q_state.index
+        stage, do_stage = q_state.index, do_state.index
         acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
         acc_dp = cute.make_rmem_tensor(acc_s_shape, Float32)
         s_mn, dp_mn = acc_mn_view(acc_s), acc_mn_view(acc_dp)
@@ -157,8 +166,8 @@ class BwdMainloop:
 
         ops.pipe_q.consumer_wait(q_state)
         wgmma(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
-        ops.pipe_do.consumer_wait(q_state)
-        wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, stage], zero_init=True, wait=1)
+        ops.pipe_do.consumer_wait(do_state)
+        wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, do_stage], zero_init=True, wait=1)
         if const_expr(partial):
             ops.pipe_mask.consumer_wait(mask_state)
             cute.autovec_copy(s["sMask"][None, tidx, mask_state.index], words)
@@ -181,7 +190,7 @@ class BwdMainloop:
         else:
             ops.tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         # dS^T = P^T (dP^T - D[q])
-        self.stat_columns(thr_sdp, s["sDsum"], stage, stat)
+        self.stat_columns(thr_sdp, s["sDsum"], do_stage, stat)
         # the generic-proxy reads of LSE / D complete before the bulk copies refill their stage
         cute.arch.fence_proxy("async.shared", space="cta")
         warpgroup.wait_group(0)
@@ -195,27 +204,38 @@ class BwdMainloop:
             tVrP, tKrdS = ops.tVrP, ops.tKrdS
             tKrdS.store(acc_as_operand_a(rdS).load())
             # dV += P^T dO (its A is this warpgroup's own registers: no need to wait for the other)
-            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, stage], zero_init=False, wait=-1)
+            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, do_stage], zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         if const_expr(self.pds_in_smem):
-            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, stage], zero_init=False, wait=-1)
+            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, do_stage], zero_init=False, wait=-1)
         # dQ = dS K
         acc_dq = cute.make_rmem_tensor(acc_dq_shape, Float32)
         wgmma(mma_dq, acc_dq, ops.tQrdS[None, None, None, stage], ops.tQrK, zero_init=True, wait=1)
-        ops.pipe_do.consumer_release(q_state)  # dV has read dO
+        ops.pipe_do.consumer_release(do_state)  # dV has read dO
+        do_state.advance()
         # dK += dS^T Q
         wgmma(mma_dk, ops.acc_dk, tKrdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
-        # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it
-        pair = self.threads_per_wg + 32
-        cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
-        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
+        if const_expr(self.dq_in_registers):
+            # dQ -> the accumulator: vector e // 4 of this thread's fragment at its chunk slot
+            # ((e // 4) * 128 + t) * 4 (bwd_helpers.dq_chunk_layout, what the postprocess reads)
+            t = tidx % self.threads_per_wg
+            for j in cutlass.range_constexpr(self.dq_elements // DQ_FRAGMENT_VECTOR):
+                red_add_v4_f32(
+                    dq_dst + (j * self.threads_per_wg + t) * DQ_FRAGMENT_VECTOR,
+                    [acc_dq[DQ_FRAGMENT_VECTOR * j + i] for i in range(DQ_FRAGMENT_VECTOR)],
+                )
+        else:
+            # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it
+            pair = self.threads_per_wg + 32
+            cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
         warpgroup.wait_group(0)
         ops.pipe_q.consumer_release(q_state)
         q_state.advance()
-        return q_state, mask_state
+        return q_state, do_state, mask_state
 
     @cute.jit
     def store_transposed(self, thr_sdp, acc: cute.Tensor, s_x: cute.Tensor, stage: Int32) -> cute.Tensor:

@@ -157,7 +157,10 @@ class Sm90BwdConfig(_KernelConfig):
     qhead_per_kvhead: int = field(default=1, metadata=CONSTEXPR)
     varlen: bool = field(default=False, metadata=CONSTEXPR)
     mask_pipeline_stages: int = field(default=2, metadata=CONSTEXPR)
+    #: stages of Q (+ LSE) and of dO (+ D); Q is held for a whole step (S^T and dK), dO is released
+    #: after dV, so its next load already overlaps the step's second half
     q_stages: int = field(default=2, metadata=CONSTEXPR)
+    do_stages: int = field(default=2, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()

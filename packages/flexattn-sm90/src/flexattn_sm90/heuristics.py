@@ -52,10 +52,11 @@ def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     return (64, 128) if max(head_dim_qk, head_dim_v) <= 128 else (64, 64)
 
 
-def bwd_q_stages(head_dim_qk: int, head_dim_v: int) -> int:
-    """Q / dO stages of the backward: one at (256, 256), where two stages of Q and dO (128 KB) next to
-    K, V, P, dS and the 64 KB dQ chunk exceed the 227 KB of SMEM."""
-    return 1 if head_dim_qk + head_dim_v > 384 else 2
+def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """``(q_stages, do_stages)`` of the backward: at (256, 256) two Q stages and one dO stage
+    (64 + 32 KB) next to K, V and two stages of P and dS fill the 227 KB of SMEM; two dO stages do
+    not fit. The kernel keeps Q at ``do_stages`` where it also stages dQ in SMEM (bwd_kernel.py)."""
+    return (2, 1) if head_dim_qk + head_dim_v > 384 else (2, 2)
 
 
 def select_fwd_config(
@@ -94,6 +95,7 @@ def select_bwd_config(
 ) -> Sm90BwdConfig:
     check_dtype(dtype)
     tile_m, tile_n = bwd_tile(head_dim_qk, head_dim_v)
+    q_stages, do_stages = bwd_stages(head_dim_qk, head_dim_v)
     return Sm90BwdConfig(
         head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_v,
@@ -103,5 +105,6 @@ def select_bwd_config(
         num_consumer_warpgroups=2,
         qhead_per_kvhead=qhead_per_kvhead,
         varlen=varlen,
-        q_stages=bwd_q_stages(head_dim_qk, head_dim_v),
+        q_stages=q_stages,
+        do_stages=do_stages,
     )
