@@ -49,10 +49,11 @@ global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows 
 threads) of the CTA whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds,
 makes the adds visible and increments it (release): every run adds the contributions in
 ``dq_write_order`` (ascending K block). Waiting only on lower K blocks of the same (sample, kv
-head), i.e. on lower CTA indices, it cannot deadlock as long as CTAs start in index order. Walking its Q blocks downwards, a CTA
-reaches each one no earlier than the CTA of the K block below it on causal, sliding-window and
-document masks (``consumer_plan.walk_descending``), so the turnstile rarely waits; deterministic
-mode also puts the kv head on grid x, so the resident CTAs form many short chains (one per head).
+head), i.e. on lower CTA indices, it cannot deadlock as long as CTAs start in index order.
+Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block below
+it on causal, sliding-window and document masks (``consumer_plan.walk_descending``), so the
+turnstile rarely waits; deterministic mode also puts the kv head on grid x, so the resident CTAs
+form many short chains (one per head).
 """
 
 import cuda.bindings.driver as cuda
