@@ -5,12 +5,12 @@ accumulates dK/dV in registers over every Q head of its kv head (GQA needs no la
 while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. 384 threads::
 
     warp 0 (WG0)      producer: TMA loads of K, V (once), Q + LSE and dO + D (per Q block; 2
-                      stages each, dO 1 at D256), bulk copy of the partial payloads (2-stage SMEM
-                      mask pipeline)
-    warp 1 (WG0)      dQ writer (64 x 128 tile): bulk fp32 reduce-add (cp.reduce.async.bulk) of
-                      each Q block's dQ from SMEM into the accumulator; deterministic mode takes a
-                      turnstile first. The 64 x 64 tile's MMA threads reduce dQ from registers
-                      (red.global.add.v4.f32) and take the turnstile themselves; warp 1 idles
+                      stages each, dO 1 at D256, Q too in deterministic mode), bulk copy of the
+                      partial payloads (2-stage SMEM mask pipeline)
+    warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
+                      from SMEM into the accumulator; deterministic mode takes a turnstile first.
+                      Atomic mode of the 64 x 64 tile: the MMA threads reduce dQ from registers
+                      (red.global.add.v4.f32) and warp 1 idles
     warps 2-3         idle (give their registers back and exit)
     WG1, WG2          MMA warpgroups (bwd_mainloop.py):
                         S^T = K Q^T, dP^T = V dO^T        (SS, tile_n x tile_m, K rows on WGMMA M)
@@ -45,15 +45,14 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_
 
 dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sample ``b`` is
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
-(P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer (or the MMA
-threads) of the CTA whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds,
-makes the adds visible and increments it (release): every run adds the contributions in
-``dq_write_order`` (ascending K block). Waiting only on lower K blocks of the same (sample, kv
-head), i.e. on lower CTA indices, it cannot deadlock as long as CTAs start in index order.
-Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block below
-it on causal, sliding-window and document masks (``consumer_plan.walk_descending``), so the
-turnstile rarely waits; deterministic mode also puts the kv head on grid x, so the resident CTAs
-form many short chains (one per head).
+(P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
+whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds, waits for the add
+to complete and increments it: every run adds the contributions in ``dq_write_order`` (ascending
+K block). Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices,
+it cannot deadlock as long as CTAs start in index order. Walking its Q blocks downwards, a CTA
+reaches each one no earlier than the CTA of the K block below it on causal, sliding-window and
+document masks (``consumer_plan.walk_descending``), so the turnstile rarely waits; deterministic
+mode also puts the kv head on grid x, so the resident CTAs form many short chains (one per head).
 """
 
 import cuda.bindings.driver as cuda
@@ -78,7 +77,6 @@ from maskplan_kernels.consumer_plan import (
     turnstile_advance,
     turnstile_wait,
     walk_descending,
-    walk_rank,
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
 
@@ -100,7 +98,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM
     BAR_DQ_FULL = 2  # + wg: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
     BAR_DQ_EMPTY = 4  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
-    BAR_DQ_TURN = 6  # both MMA warpgroups, dQ from registers, deterministic: the turn was taken / used
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -129,12 +126,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
-        # dQ: the 64 x 64 tile's MMA threads reduce their fragments straight into the accumulator
-        # (red.global.add.v4; deterministic mode takes the turnstile around them), so no SMEM holds
-        # dQ, which buys Q its second stage at 256; the 64 x 128 tile stages dQ chunks in SMEM for the
-        # dQ writer's bulk adds
-        self.dq_in_registers = self.pds_in_smem
-        self.q_stages, self.do_stages = config.q_stages, config.do_stages
+        # dQ: each MMA thread reduces its fragment straight into the accumulator (red.global.add.v4,
+        # atomic mode of the 64 x 64 tile: no SMEM for dQ, which buys Q its second stage at 256), or
+        # SMEM chunks that the dQ writer bulk-adds (the 64 x 128 tile; deterministic mode's ordered adds)
+        self.dq_in_registers = self.pds_in_smem and not deterministic
+        self.do_stages = config.do_stages
+        self.q_stages = config.q_stages if self.dq_in_registers or not self.pds_in_smem else config.do_stages
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -344,8 +341,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                     self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma_warpgroups(mmas, mdK, mdV, mdQaccum, mdQsem, s, plan, work, scale_log2, softmax_scale,
-                                pipes, tidx - self.threads_per_wg)  # fmt: skip
+            self.mma_warpgroups(mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2, softmax_scale, pipes,
+                                tidx - self.threads_per_wg)  # fmt: skip
 
     def _make_pipelines(self, storage):
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -466,8 +463,13 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
+                rank = Int32(0)
+                if nxt.partial != 0:
+                    rank = plan.dq_write_order[nxt.entry]
+                else:
+                    rank = plan.dq_write_order_full[nxt.entry]
                 self.write_dq_block(
-                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + nxt.q_block, walk_rank(plan, nxt), lane
+                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + nxt.q_block, rank, lane
                 )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
         cute.arch.cp_async_bulk_wait_group(0, read=False)

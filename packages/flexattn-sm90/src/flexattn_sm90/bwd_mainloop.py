@@ -32,15 +32,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import (
-    element_ptr,
-    head_range,
-    total_steps,
-    turnstile_advance,
-    turnstile_wait,
-    walk_descending,
-    walk_rank,
-)
+from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
 
 from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32
 from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
@@ -71,8 +63,8 @@ class BwdMainloop:
 
     @cute.jit
     def mma_warpgroups(
-        self, mmas, mdK, mdV, mdQaccum, mdQsem, s, plan, work, scale_log2: Float32, softmax_scale: Float32,
-        pipes, tidx: Int32,
+        self, mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes,
+        tidx: Int32,
     ):  # fmt: skip
         mma_sdp, mma_dk, mma_dv, mma_dq = mmas
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
@@ -129,23 +121,17 @@ class BwdMainloop:
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                # dq_in_registers: this warpgroup's chunk of the Q block's dQ accumulator [and the
-                # block's turnstile with this entry's turn]
-                q_block = work.qblk_base + nxt.q_block
-                dq_dst = element_ptr(mdQaccum, hr.q_head * mdQaccum.shape[1] + q_block * self.dq_block)
-                dq_dst = dq_dst + wg * self.dq_chunk
-                turn = None
-                if const_expr(self.dq_in_registers and self.deterministic):
-                    counter = element_ptr(mdQsem, hr.q_head * mdQsem.shape[1] + q_block, 4)
-                    turn = (counter, walk_rank(plan, nxt))
+                # this warpgroup's chunk of the Q block's dQ accumulator (dq_in_registers)
+                dq_chunk = hr.q_head * mdQaccum.shape[1] + (work.qblk_base + nxt.q_block) * self.dq_block
+                dq_dst = element_ptr(mdQaccum, dq_chunk + wg * self.dq_chunk)
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
-                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, turn, s, scale_log2,
+                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
                         q_state, do_state, mask_state, words, tidx, wg, True,
                     )  # fmt: skip
                 else:
                     q_state, do_state, mask_state = self.step(
-                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, turn, s, scale_log2,
+                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
                         q_state, do_state, mask_state, words, tidx, wg, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
@@ -166,7 +152,7 @@ class BwdMainloop:
 
     @cute.jit
     def step(
-        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, turn, s,
+        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s,
         scale_log2: Float32, q_state, do_state, mask_state, words, tidx: Int32, wg: Int32,
         partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
@@ -232,22 +218,13 @@ class BwdMainloop:
         wgmma(mma_dk, ops.acc_dk, tKrdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
         if const_expr(self.dq_in_registers):
             # dQ -> the accumulator: vector e // 4 of this thread's fragment at its chunk slot
-            # ((e // 4) * 128 + t) * 4 (bwd_helpers.dq_chunk_layout, what the postprocess reads);
-            # deterministic: after this entry's turn came (thread 0 spins, both warpgroups meet), and
-            # the turn passes on once every thread's reductions are issued (barrier, then thread 0's
-            # release orders them before the next writer's acquire)
-            if const_expr(turn is not None):
-                turnstile_wait(turn[0], turn[1], tidx)
-                cute.arch.barrier(barrier_id=self.BAR_DQ_TURN, number_of_threads=self.num_mma_threads)
+            # ((e // 4) * 128 + t) * 4 (bwd_helpers.dq_chunk_layout, what the postprocess reads)
             t = tidx % self.threads_per_wg
             for j in cutlass.range_constexpr(self.dq_elements // DQ_FRAGMENT_VECTOR):
                 red_add_v4_f32(
                     dq_dst + (j * self.threads_per_wg + t) * DQ_FRAGMENT_VECTOR,
                     [acc_dq[DQ_FRAGMENT_VECTOR * j + i] for i in range(DQ_FRAGMENT_VECTOR)],
                 )
-            if const_expr(turn is not None):
-                cute.arch.barrier(barrier_id=self.BAR_DQ_TURN, number_of_threads=self.num_mma_threads)
-                turnstile_advance(turn[0], tidx)
         else:
             # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it
             pair = self.threads_per_wg + 32

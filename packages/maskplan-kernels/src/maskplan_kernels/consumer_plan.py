@@ -589,17 +589,6 @@ def walk_descending(plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, fu
 
 
 @cute.jit
-def walk_rank(plan: BwdPlanTensors, nxt: WalkStep) -> Int32:
-    """The ``dq_write_order`` rank of a :func:`walk_descending` entry (its turn at its Q block)."""
-    rank = Int32(0)
-    if nxt.partial != 0:
-        rank = plan.dq_write_order[nxt.entry]
-    else:
-        rank = plan.dq_write_order_full[nxt.entry]
-    return rank
-
-
-@cute.jit
 def total_steps(plan: BwdPlanTensors, work: Work) -> Int32:
     """Q blocks (partial + full, all q heads of the kv head) the CTA's K block visits."""
     n = Int32(0)
@@ -684,6 +673,5 @@ __all__ = [
     "turnstile_wait",
     "vector",
     "walk_descending",
-    "walk_rank",
     "WalkStep",
 ]
