@@ -19,26 +19,29 @@ ARENA_ALIGN = 32
 
 def arena(device: torch.device, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """Int32 tensors of ``shapes`` carved out of ONE ``torch.empty`` (one allocator call per arena),
-    each starting :data:`ARENA_ALIGN`-aligned.
+    each contiguous and starting :data:`ARENA_ALIGN`-aligned.
 
     The views keep the allocation alive, so an arena holds only tensors that live equally long
-    (a build's workspace, or one plan view's tensors).
+    (a build's workspace, or one plan view's tensors). Built with one ``as_strided`` per shape from
+    a cached layout: a build carves several arenas, and this is host time of every plan build.
     """
-    shapes = tuple(tuple(int(x) for x in shape) for shape in shapes)
-    total, pieces = _arena_pieces(shapes)
-    buf = torch.empty(max(total, 1), dtype=torch.int32, device=device)
-    parts = buf[:total].split(pieces)[::2]  # (tensor, padding) per shape, one call
-    return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+    total, views = _arena_layout(tuple(shapes))
+    buf = torch.empty(total, dtype=torch.int32, device=device)
+    return [buf.as_strided(shape, stride, offset) for shape, stride, offset in views]
 
 
 @functools.lru_cache(maxsize=1024)
-def _arena_pieces(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, tuple[int, ...]]:
-    """``(total, sizes)``: each shape's element count followed by its padding to :data:`ARENA_ALIGN`."""
-    pieces = []
+def _arena_layout(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, tuple]:
+    """``(elements to allocate, ((shape, row-major strides, offset), ...))``; every offset is a
+    multiple of :data:`ARENA_ALIGN`."""
+    views, offset = [], 0
     for shape in shapes:
+        shape = tuple(int(x) for x in shape)
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        views.append((shape, strides, offset))
         n = math.prod(shape)
-        pieces += [n, -n % ARENA_ALIGN]
-    return sum(pieces), tuple(pieces)
+        offset += n + (-n % ARENA_ALIGN)
+    return max(offset, 1), tuple(views)
 
 
 @functools.cache
