@@ -16,6 +16,7 @@ Q block ``m`` of head ``hq``), in issue order::
                     dQ   = dS K     (SS)          (async; dV done -> release dO)
                     dK  += dS^T Q   (RS or SS)    (async; dQ done)
                     dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
+                          [64 x 64 tile, atomic mode: red.global.add.v4 from registers]
 
 Steps follow the merged descending walk of the K row's partial and full lists
 (``consumer_plan.walk_descending``), each specialised at compile time for its kind. Partial
@@ -66,7 +67,6 @@ class BwdMainloop:
         self, mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes,
         tidx: Int32,
     ):  # fmt: skip
-        mma_sdp, mma_dk, mma_dv, mma_dq = mmas
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
         wg = tidx // self.threads_per_wg
         tm, tn = self.tile_m, self.tile_n
@@ -115,7 +115,6 @@ class BwdMainloop:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         words = cute.make_rmem_tensor(self.payload_words, Int32)
-        mma = (mma_sdp, mma_dk, mma_dv, mma_dq)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             left_p, left_f = hr.partial_cnt, hr.full_cnt
@@ -126,12 +125,12 @@ class BwdMainloop:
                 dq_dst = element_ptr(mdQaccum, dq_chunk + wg * self.dq_chunk)
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
-                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
+                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
                         q_state, do_state, mask_state, words, tidx, wg, True,
                     )  # fmt: skip
                 else:
                     q_state, do_state, mask_state = self.step(
-                        ops, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
+                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
                         q_state, do_state, mask_state, words, tidx, wg, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
