@@ -25,7 +25,8 @@ Two tiles (heuristics.bwd_tile), both of 64 Q rows::
                              (P^T / dS^T straight from its registers)
     64 x 64  (192/128, 256)  each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
                              accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
-                             dS^T meet in SMEM and dK / dV are SS. Q / dO single-staged at 256.
+                             dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages,
+                             1 / 1 in deterministic mode (its SMEM holds the dQ chunks).
 
 The score tile is computed transposed, so the accumulator rows are K rows: exactly the ownership
 ``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes (its
