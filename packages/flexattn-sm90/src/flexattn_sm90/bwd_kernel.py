@@ -128,11 +128,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         # dQ: each MMA thread reduces its fragment straight into the accumulator (red.global.add.v4,
-        # atomic mode of the 64 x 64 tile: no SMEM for dQ, which buys Q its second stage at 256), or
-        # SMEM chunks that the dQ writer bulk-adds (the 64 x 128 tile; deterministic mode's ordered adds)
-        self.dq_in_registers = self.pds_in_smem and not deterministic
+        # atomic mode with config.dq_from_registers: no SMEM for dQ), or SMEM chunks that the dQ writer
+        # bulk-adds (deterministic mode's ordered adds always)
+        self.dq_in_registers = config.dq_from_registers and not deterministic
         self.do_stages = config.do_stages
-        self.q_stages = config.q_stages if self.dq_in_registers or not self.pds_in_smem else config.do_stages
+        keeps_q = self.dq_in_registers or not config.dq_from_registers
+        self.q_stages = config.q_stages if keeps_q else config.do_stages
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout

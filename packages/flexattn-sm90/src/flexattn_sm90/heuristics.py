@@ -107,4 +107,5 @@ def select_bwd_config(
         varlen=varlen,
         q_stages=q_stages,
         do_stages=do_stages,
+        dq_from_registers=(tile_m, tile_n) == (64, 64),
     )
