@@ -132,8 +132,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # bulk-adds (deterministic mode's ordered adds always)
         self.dq_in_registers = config.dq_from_registers and not deterministic
         self.do_stages = config.do_stages
-        keeps_q = self.dq_in_registers or not config.dq_from_registers
-        self.q_stages = config.q_stages if keeps_q else config.do_stages
+        # config.q_stages counts on the SMEM register dQ saves; the dQ writer's chunks take it back
+        self.q_stages = config.do_stages if config.dq_from_registers and deterministic else config.q_stages
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout

@@ -120,9 +120,10 @@ class BwdMainloop:
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                # this warpgroup's chunk of the Q block's dQ accumulator (dq_in_registers)
-                dq_chunk = hr.q_head * mdQaccum.shape[1] + (work.qblk_base + nxt.q_block) * self.dq_block
-                dq_dst = element_ptr(mdQaccum, dq_chunk + wg * self.dq_chunk)
+                dq_dst = None  # dq_in_registers: this warpgroup's chunk of the Q block's dQ accumulator
+                if const_expr(self.dq_in_registers):
+                    block = hr.q_head * mdQaccum.shape[1] + (work.qblk_base + nxt.q_block) * self.dq_block
+                    dq_dst = element_ptr(mdQaccum, block + wg * self.dq_chunk)
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
                         ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
