@@ -16,6 +16,9 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 WARP = 32
+FULL_MASK = 0xFFFFFFFF
+#: Int32 slots a CTA scan needs in shared memory: one per warp (at most 32) plus the total.
+SCAN_SCRATCH = WARP + 1
 
 
 class WarpsPerCta:
@@ -32,9 +35,6 @@ class WarpsPerCta:
     @property
     def num_threads(self) -> int:
         return WARP * self.num_warps
-FULL_MASK = 0xFFFFFFFF
-#: Int32 slots a CTA scan needs in shared memory: one per warp (at most 32) plus the total.
-SCAN_SCRATCH = WARP + 1
 
 
 @cute.jit
