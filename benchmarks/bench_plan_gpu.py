@@ -10,9 +10,9 @@ endpoints per row, fixed seed); each planned forward-only and with the backward 
 
 Columns, all synchronised wall time of a warm build (median of ``--repeats``, after ``--warmup``):
 
-* ``ours``: validate_plan_inputs + consumer view resolution + ``build_plan_gpu`` (what a
-  ``create_mask_plan`` call costs), with the SM90 consumer's views when ``flexattn_sm90`` is
-  installed (else the reference consumer's 128x128 row-major views);
+* ``ours``: validate_plan_inputs + consumer view resolution (memoised, as in ``create_mask_plan``)
+  + ``build_plan_gpu`` (what a ``create_mask_plan`` call costs), with the SM90 consumer's views
+  when ``flexattn_sm90`` is installed (else the reference consumer's 128x128 row-major views);
 * ``cudnn``: ``cudnn.flex_attention.create_mask_plan(mask_func, q, k, v, build_backward=...)``
   (skipped when cudnn is not importable);
 * ``torch``: ``torch.nn.attention.flex_attention.create_block_mask`` for the equivalent mask_mod
@@ -115,6 +115,7 @@ class Ours:
         from maskplan_kernels.builder import build_plan_gpu
 
         self._validate, self._build = validate_plan_inputs, build_plan_gpu
+        self._resolved = {}
         try:
             from flexattn_sm90.consumer import Sm90Consumer
 
@@ -142,9 +143,18 @@ class Ours:
 
     def plan(self, mask, q, k, v, backward: bool, stage_timer=None):
         g = self._validate(mask, q, k, v)
-        fwd = self.consumer.resolve(self._request(g, "forward"))
-        bwd = self.consumer.resolve(self._request(g, "backward")) if backward else None
+        fwd, bwd = self._views(g, backward)
         return self._build(mask, g, fwd, bwd, self.consumer.name, stage_timer=stage_timer)
+
+    def _views(self, g, backward: bool):
+        """The consumer's views, memoised per problem shape as ``create_mask_plan`` memoises them."""
+        key = (g.head_dim_qk, g.head_dim_v, g.num_heads_q, g.num_heads_kv, g.mask_heads, g.varlen, backward)
+        views = self._resolved.get(key)
+        if views is None:
+            fwd = self.consumer.resolve(self._request(g, "forward"))
+            bwd = self.consumer.resolve(self._request(g, "backward")) if backward else None
+            views = self._resolved[key] = (fwd, bwd)
+        return views
 
     @staticmethod
     def nbytes(plan) -> int:
@@ -391,8 +401,8 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="store_true", help="also time causal plans for S = 1k .. 128k")
     p.add_argument("--sweep-lengths", type=int, nargs="+", default=[1 << i for i in range(10, 18)])

@@ -21,13 +21,16 @@ from maskplan_core.reference import build_plan
 @pytest.fixture
 def twins(monkeypatch):
     """Run build_plan_gpu on CPU tensors with the kernel twins; counts header reads."""
+    import maskplan_kernels._launch as launch
     import maskplan_kernels.builder as builder
     from maskplan_kernels.payload_table import payload_source_table
 
     for name, twin in TWINS.items():
         monkeypatch.setattr(builder, name, lambda config, twin=twin: twin(config))
+    monkeypatch.setattr(builder, "_PROGRAMS", type(builder._PROGRAMS)())  # programs hold compiled twins
     monkeypatch.setattr(builder, "int32_address", FakePtr.of)
-    monkeypatch.setattr(builder, "int32_addresses", lambda *tensors: tuple(map(FakePtr.of, tensors)))
+    for module in (builder, launch):  # FakePtr arithmetic counts elements
+        monkeypatch.setattr(module, "advance", lambda ptr, elements: ptr + elements)
     monkeypatch.setattr(builder, "torch_stream", lambda device: None)
     monkeypatch.setattr(builder, "persistent_ctas", lambda device, items, ctas_per_sm=1: 1)
     monkeypatch.setattr(builder, "device_source_table", lambda layout, device: payload_source_table(layout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -28,26 +29,40 @@ _DTYPE_NAMES = {
 }
 
 
-def view_request(g: PlanGeometry, family: str, cc, direction: str, pack_gqa: bool | None) -> ViewRequest:
-    return ViewRequest(
-        arch_family=family,
-        compute_capability=cc,
-        direction=direction,
-        head_dim_qk=g.head_dim_qk,
-        head_dim_v=g.head_dim_v,
-        num_heads_q=g.num_heads_q,
-        num_heads_kv=g.num_heads_kv,
-        mask_heads=g.mask_heads,
-        pack_gqa=pack_gqa,
-        dtype=_DTYPE_NAMES[g.dtype],
-        varlen=g.varlen,
+def resolve_views(g: PlanGeometry, family: str, cc, pack_gqa, build_backward: bool):
+    """``(consumer, forward view, backward view or None)`` for this problem; memoised, since every
+    plan build of a training step asks the same question (a refused request raises every time)."""
+    return _resolve_views(
+        family,
+        None if cc is None else tuple(cc),
+        pack_gqa,
+        build_backward,
+        (g.head_dim_qk, g.head_dim_v, g.num_heads_q, g.num_heads_kv, g.mask_heads, g.dtype, g.varlen),
     )
 
 
-def resolve_views(g: PlanGeometry, family: str, cc, pack_gqa, build_backward: bool):
+@functools.lru_cache(maxsize=256)
+def _resolve_views(family: str, cc, pack_gqa, build_backward: bool, problem: tuple):
+    head_dim_qk, head_dim_v, num_heads_q, num_heads_kv, mask_heads, dtype, varlen = problem
     consumer = consumer_for(family)
-    fwd: ViewConfig = consumer.resolve(view_request(g, family, cc, "forward", pack_gqa))
-    bwd = consumer.resolve(view_request(g, family, cc, "backward", pack_gqa)) if build_backward else None
+
+    def request(direction: str) -> ViewRequest:
+        return ViewRequest(
+            arch_family=family,
+            compute_capability=cc,
+            direction=direction,
+            head_dim_qk=head_dim_qk,
+            head_dim_v=head_dim_v,
+            num_heads_q=num_heads_q,
+            num_heads_kv=num_heads_kv,
+            mask_heads=mask_heads,
+            pack_gqa=pack_gqa,
+            dtype=_DTYPE_NAMES[dtype],
+            varlen=varlen,
+        )
+
+    fwd: ViewConfig = consumer.resolve(request("forward"))
+    bwd = consumer.resolve(request("backward")) if build_backward else None
     return consumer, fwd, bwd
 
 
@@ -101,5 +116,6 @@ def create_mask_plan(
             )
         family, cc = target, None
     consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
-    log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
     return consumer.build_plan(mask_func, geometry, fwd, bwd)

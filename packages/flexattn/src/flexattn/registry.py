@@ -22,13 +22,18 @@ _ARCH_BY_MAJOR = {9: "sm90", 10: "sm100"}
 _INSTALL_HINT = {"sm90": "pip install 'flexattn[sm90]'", "sm100": "pip install 'flexattn[sm100]'"}
 
 
+@cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def arch_family(device: torch.device) -> tuple[str, tuple[int, int] | None]:
     """Architecture family and compute capability of the device tensors live on."""
     if device.type == "cpu":
         return "reference", None
     if device.type != "cuda":
         raise ConsumerNotFoundError(f"flexattn runs on CPU (reference) or CUDA tensors, not on {device.type}")
-    cc = torch.cuda.get_device_capability(device)
+    cc = _capability(device)
     family = _ARCH_BY_MAJOR.get(cc[0])
     if family is None:
         raise ConsumerNotFoundError(

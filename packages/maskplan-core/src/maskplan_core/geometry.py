@@ -11,9 +11,10 @@ import torch
 class PlanGeometry:
     """Everything a plan is bound to except tensor identity.
 
-    For fixed-length input ``cu_seqlens_q/k`` are synthesised (``arange(B+1) * S``) so every
-    later stage sees one sample partition; ``varlen`` says which layout Q/K/V use.
-    The prefixes are owned clones: later in-place edits of the caller's tensors change nothing.
+    For fixed-length input ``cu_seqlens_q/k`` are synthesised (``arange(B+1) * S``, one pair per
+    shape and device, shared by its plans and never written) so every later stage sees one sample
+    partition; ``varlen`` says which layout Q/K/V use. Varlen prefixes are owned clones: later
+    in-place edits of the caller's tensors change nothing.
     """
 
     batch: int

@@ -191,11 +191,12 @@ class MaskPlan:
     def __init__(
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
     ):
-        self._geometry = geometry
-        self._views = dict(views)
-        self._header = tuple(header)
-        self._handle = next(_NEXT_HANDLE)
-        self._consumer = consumer  # set last: from here on the plan is read-only
+        init = object.__setattr__  # __setattr__ refuses every write once _consumer is set
+        init(self, "_geometry", geometry)
+        init(self, "_views", dict(views))
+        init(self, "_header", tuple(header))
+        init(self, "_handle", next(_NEXT_HANDLE))
+        init(self, "_consumer", consumer)
         _LIVE_PLANS[self._handle] = self
 
     def __setattr__(self, name, value):

@@ -9,25 +9,48 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
+
+from ._cute_args import advance
 
 #: Int32 elements each arena slice is aligned to (128 bytes: bulk copies of payloads need >= 16).
 ARENA_ALIGN = 32
 
 
-def arena(device: torch.device, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Int32 tensors of ``shapes`` carved out of ONE ``torch.empty`` (one allocator call per arena),
-    each contiguous and starting :data:`ARENA_ALIGN`-aligned.
+class ArenaLayout:
+    """Named int32 tensors carved out of ONE ``torch.empty`` (one allocator call per arena), each
+    contiguous and starting :data:`ARENA_ALIGN`-aligned.
 
-    The views keep the allocation alive, so an arena holds only tensors that live equally long
-    (a build's workspace, or one plan view's tensors). Built with one ``as_strided`` per shape from
-    a cached layout: a build carves several arenas, and this is host time of every plan build.
+    A build launches with addresses (``base + offset``, :meth:`addresses`) and makes tensor views
+    only of what a plan keeps (:meth:`view`): every view and every ``data_ptr`` call is host time of
+    every plan build. The views keep the allocation alive, so an arena holds only tensors that live
+    equally long (a build's workspace, or the tensors of one plan).
     """
-    total, views = _arena_layout(tuple(shapes))
-    buf = torch.empty(total, dtype=torch.int32, device=device)
-    return [buf.as_strided(shape, stride, offset) for shape, stride, offset in views]
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]):
+        self.total, views = _arena_layout(tuple(tuple(s) for s in shapes.values()))
+        self._views = dict(zip(shapes, views, strict=True))
+        self._offsets = tuple((name, view[2]) for name, view in self._views.items())
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(items: tuple[tuple[str, tuple[int, ...]], ...]) -> ArenaLayout:
+        """The layout of ``(name, shape)`` items, cached (a build's exact-size arenas repeat as
+        long as the mask does)."""
+        return ArenaLayout(dict(items))
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.total, dtype=torch.int32, device=device)
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        shape, stride, offset = self._views[name]
+        return buf.as_strided(shape, stride, offset)
+
+    def addresses(self, base) -> dict[str, object]:
+        """``name -> advance(base, offset)``; ``base`` is the buffer's :func:`int32_address`."""
+        return {name: advance(base, offset) for name, offset in self._offsets}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -13,12 +13,19 @@ belong to an all-empty dummy sample, so they contribute zeros. After the read th
 their exact sizes. Everything runs on the caller's current CUDA stream; there is no other host
 read and no host synchronisation (the payload layout table is uploaded once per process and
 layout, outside any later build).
+
+A warm build is host-bound (each kernel runs for microseconds), so the host path is kept short:
+what depends only on the views and the problem's shape (compiled stages, payload tables, bounds,
+arena layouts, schedule parameters) is a cached :class:`BuildProgram`; a build allocates one
+workspace arena, one arena of kept descriptors/counts and one arena per view after the header,
+and launches with addresses computed from each arena's base (no tensor views on the launch path).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +34,8 @@ from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 
-from ._cute_args import int32_address, int32_addresses, torch_stream
-from ._launch import StageTimer, arena, no_timer, persistent_ctas
+from ._cute_args import advance, int32_address, torch_stream
+from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
 from ._sections import ScheduleParams
 from ._tile_packer import MaterializeConfig
 from .classify import ClassifyConfig, compile_classify
@@ -57,18 +64,9 @@ from .schedule_stats import STATS_COLS, ScheduleStatsConfig, compile_schedule_st
 # counts planes of the (4, Hmask, rows) count tensors
 CNT_PARTIAL, CNT_FULL, OFF_PARTIAL, OFF_FULL = 0, 1, 2, 3
 
-
-def _csr(counts: torch.Tensor, idx_p: torch.Tensor, masks: torch.Tensor, idx_f: torch.Tensor) -> dict:
-    """The CSR tensors of a view (either direction), named as in ``maskplan_core.plan``."""
-    return {
-        "mask_block_cnt": counts[CNT_PARTIAL],
-        "mask_block_offset": counts[OFF_PARTIAL],
-        "mask_block_idx": idx_p,
-        "mask_block_masks": masks,
-        "full_block_cnt": counts[CNT_FULL],
-        "full_block_offset": counts[OFF_FULL],
-        "full_block_idx": idx_f,
-    }
+#: programs kept per process (a training run uses a handful of view/shape combinations)
+PROGRAM_CACHE_SIZE = 64
+SIZES_CACHE_SIZE = 64
 
 
 def _extent(n: int) -> int:
@@ -76,54 +74,191 @@ def _extent(n: int) -> int:
     return max(int(n), 1)
 
 
-@dataclass
-class ViewWorkspace:
-    """Pre-header tensors of one view geometry (upper-bound sized)."""
+def _csr(counts: torch.Tensor, idx_p: torch.Tensor, masks: torch.Tensor, idx_f: torch.Tensor) -> dict:
+    """The CSR tensors of a view (either direction), named as in ``maskplan_core.plan``."""
+    cnt_p, cnt_f, off_p, off_f = counts.unbind(0)
+    return {
+        "mask_block_cnt": cnt_p,
+        "mask_block_offset": off_p,
+        "mask_block_idx": idx_p,
+        "mask_block_masks": masks,
+        "full_block_cnt": cnt_f,
+        "full_block_offset": off_f,
+        "full_block_idx": idx_f,
+    }
 
-    config: ViewConfig
-    bounds: ViewBounds
-    desc_q: torch.Tensor  # (B+1, 8) "q" descriptor (+ dummy row); the forward view keeps it
-    row_batch_q: torch.Tensor  # (uq,)
-    visible: torch.Tensor  # (Hmask, uq, k_words)
-    full: torch.Tensor  # (Hmask, uq, k_words)
-    counts: torch.Tensor  # (4 or 2, Hmask, uq): partial/full counts (+ offsets for the forward view)
-    desc_k: torch.Tensor | None = None  # backward: (B+1, 8) "k" descriptor, kept by the view
-    row_batch_k: torch.Tensor | None = None  # backward: (uk,)
-    k2q_counts: torch.Tensor | None = None  # backward: (4, Hmask, uk)
+
+# ------------------------------------------------------------------------------------------------
+# what builds share
+
+
+@dataclass(frozen=True)
+class BuildSizes:
+    """The size-dependent part of a program: bounds, arena layouts, the size-specialised stages.
+
+    Workspace arena (freed when the build returns)::
+
+        header | stats | rb_f | vis_f | full_f [| desc_bq | rb_bq | rb_bk | vis_b | full_b | counts_b]
+
+    Kept arena (the plan's storage: descriptors and bound-sized counts)::
+
+        desc_f | counts_f [| desc_bk | k2q_counts]
+
+    Varlen views whose exact row count is below the bound get compact counts after the header;
+    their bound-sized counts then stay in the kept arena unused (at most a few rows per sample).
+    """
+
+    fb: ViewBounds
+    bb: ViewBounds | None
+    workspace: ArenaLayout
+    kept: ArenaLayout
+    schedule: ScheduleParams
+    scatter: object  # compiled schedule scatter (specialised on the K block bound)
+
+
+@dataclass(frozen=True, eq=False)
+class BuildProgram:
+    """What every build for one pair of views and one problem shape shares: the compiled stages
+    and the payload tables (addresses included). Sizes change from batch to batch with varlen
+    input, so they are a second cache level (:meth:`sizes`)."""
+
+    forward: ViewConfig
+    backward: ViewConfig | None
+    geometry: object
+    classify_fwd: object
+    classify_bwd: object | None
+    k2q_count: object | None
+    scan_header: object
+    materialize_q2k: object
+    schedule_stats: object
+    materialize_k2q: object | None
+    fwd_table: torch.Tensor
+    bwd_table: torch.Tensor | None
+    fwd_table_address: object
+    bwd_table_address: object
+    _sizes: OrderedDict = field(default_factory=OrderedDict, repr=False)
+
+    @classmethod
+    def compile(cls, forward: ViewConfig, backward: ViewConfig | None, nfunc: int, device) -> BuildProgram:
+        fwd_table = device_source_table(forward.layout, device)
+        has_bwd = backward is not None
+        bwd_table = device_source_table(backward.layout, device) if has_bwd else None
+        return cls(
+            forward=forward,
+            backward=backward,
+            geometry=compile_geometry(GeometryConfig(has_backward=backward is not None)),
+            classify_fwd=_classify_stage(forward, nfunc),
+            classify_bwd=_classify_stage(backward, nfunc) if has_bwd else None,
+            k2q_count=compile_k2q_count(K2QCountConfig()) if has_bwd else None,
+            scan_header=compile_scan_header(ScanConfig(num_arrays=4 if has_bwd else 2)),
+            materialize_q2k=compile_q2k_materialize(_materialize_config(forward, nfunc)),
+            schedule_stats=compile_schedule_stats(ScheduleStatsConfig()),
+            materialize_k2q=(
+                compile_k2q_materialize(_materialize_config(backward, nfunc)) if has_bwd else None
+            ),
+            fwd_table=fwd_table,
+            bwd_table=bwd_table,
+            fwd_table_address=int32_address(fwd_table),
+            bwd_table_address=int32_address(bwd_table) if has_bwd else None,
+        )
+
+    def sizes(self, g: PlanGeometry) -> BuildSizes:
+        key = (g.batch, g.max_seqlen_q, g.max_seqlen_k, g.total_q, g.total_k)
+        sizes = self._sizes.get(key)
+        if sizes is None:
+            sizes = self._sizes[key] = self._make_sizes(g)
+            if len(self._sizes) > SIZES_CACHE_SIZE:
+                self._sizes.popitem(last=False)
+        return sizes
+
+    def _make_sizes(self, g: PlanGeometry) -> BuildSizes:
+        h, b = g.mask_heads, g.batch
+        fb = ViewBounds.of(g, self.forward.tile_m, self.forward.tile_n)
+        workspace = {
+            "header": (HEADER_LEN,),
+            "stats": (b * g.num_heads_kv, STATS_COLS),
+            "rb_f": (fb.q_rows,),
+            "vis_f": (h, fb.q_rows, fb.k_words),
+            "full_f": (h, fb.q_rows, fb.k_words),
+        }
+        kept = {"desc_f": (b + 1, DESC_COLS), "counts_f": (4, h, fb.q_rows)}
+        bb = None
+        if self.backward is not None:
+            bb = ViewBounds.of(g, self.backward.tile_m, self.backward.tile_n)
+            workspace |= {
+                "desc_bq": (b + 1, DESC_COLS),
+                "rb_bq": (bb.q_rows,),
+                "rb_bk": (bb.k_rows,),
+                "vis_b": (h, bb.q_rows, bb.k_words),
+                "full_b": (h, bb.q_rows, bb.k_words),
+                "counts_b": (2, h, bb.q_rows),
+            }
+            kept |= {"desc_bk": (b + 1, DESC_COLS), "k2q_counts": (4, h, bb.k_rows)}
+        return BuildSizes(
+            fb=fb,
+            bb=bb,
+            workspace=ArenaLayout(workspace),
+            kept=ArenaLayout(kept),
+            schedule=ScheduleParams.of(g, self.forward.signature.topology.pack_gqa),
+            scatter=compile_schedule_scatter(ScheduleScatterConfig.for_max_k_blocks(fb.max_k_blocks)),
+        )
+
+
+def _classify_stage(view: ViewConfig, nfunc: int):
+    return compile_classify(ClassifyConfig(tile_m=view.tile_m, tile_n=view.tile_n, nfunc=nfunc))
+
+
+def _materialize_config(view: ViewConfig, nfunc: int) -> MaterializeConfig:
+    return MaterializeConfig(view.tile_m, view.tile_n, nfunc, view.layout.words_per_tile)
+
+
+_PROGRAMS: OrderedDict = OrderedDict()
+_PROGRAMS_LOCK = threading.Lock()
+
+
+def program_for(mask_func: torch.Tensor, g: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None):
+    """The cached :class:`BuildProgram` of these views (kept alive by the cache, so their ids name
+    them) and this problem shape."""
+    key = (id(forward), id(backward), mask_func.shape[0], mask_func.shape[1], g.num_heads_q,
+           g.num_heads_kv, g.head_dim_qk, g.head_dim_v, g.dtype, g.varlen, mask_func.device)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        with _PROGRAMS_LOCK:
+            program = _PROGRAMS.get(key)
+            if program is None:
+                program = _PROGRAMS[key] = BuildProgram.compile(forward, backward, g.nfunc, mask_func.device)
+                if len(_PROGRAMS) > PROGRAM_CACHE_SIZE:
+                    _PROGRAMS.popitem(last=False)
+    return program
 
 
 @dataclass
 class PlanBuild:
-    """Everything one build passes between stages."""
+    """Everything one build passes between stages: its arenas and every launch address."""
 
     mask_func: torch.Tensor
     geometry: PlanGeometry
-    device: torch.device
-    header: torch.Tensor  # (8,)
-    stats: torch.Tensor  # (B * Hkv, 4) forward schedule section stats
-    fwd: ViewWorkspace
-    bwd: ViewWorkspace | None
+    program: BuildProgram
+    sizes: BuildSizes
+    workspace: torch.Tensor
+    kept: torch.Tensor
+    addr: dict
+    stream: int
+    hmask: int
+    total_q: int
+    batch: int
 
     @property
-    def hmask(self) -> int:
-        return self.mask_func.shape[0]
+    def device(self) -> torch.device:
+        return self.mask_func.device
 
     @property
-    def nfunc(self) -> int:
-        return self.mask_func.shape[1]
+    def header(self) -> torch.Tensor:
+        return self.sizes.workspace.view(self.workspace, "header")
 
-    @property
-    def total_q(self) -> int:
-        return self.mask_func.shape[2]
-
-    @property
-    def batch(self) -> int:
-        return self.geometry.batch
-
-    @cached_property
-    def stream(self) -> int:
-        """The caller's current stream, read once per build (every stage launches on it)."""
-        return torch_stream(self.device)
+    def plane(self, name: str, plane: int, rows: int) -> object:
+        """Address of plane ``plane`` of a ``(planes, Hmask, rows)`` counts tensor."""
+        return advance(self.addr[name], plane * self.hmask * rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,10 +287,10 @@ def build_plan_gpu(
     with timer("geometry"):
         stage_geometry(build)
     with timer("classify_fwd"):
-        stage_classify(build, build.fwd)
-    if build.bwd is not None:
+        stage_classify(build, backward=False)
+    if backward is not None:
         with timer("classify_bwd"):
-            stage_classify(build, build.bwd)
+            stage_classify(build, backward=True)
         with timer("k2q_count"):
             stage_k2q_count(build)
     with timer("scan_header"):
@@ -166,9 +301,9 @@ def build_plan_gpu(
     with timer("materialize_q2k"):
         fwd_tensors = stage_materialize_q2k(build, header)
     with timer("schedule"):
-        stage_schedule(build, header, fwd_tensors["fwd_work_desc"])
+        stage_schedule(build, fwd_tensors["fwd_work_desc"].shape[0])
     views = {"forward": PlanView("forward", forward.signature, forward.layout, geometry, fwd_tensors)}
-    if build.bwd is not None:
+    if backward is not None:
         with timer("materialize_k2q"):
             bwd_tensors = stage_materialize_k2q(build, header)
         views["backward"] = PlanView("backward", backward.signature, backward.layout, geometry, bwd_tensors)
@@ -192,8 +327,9 @@ def _check_inputs(
             f"mask_func must be a contiguous int32 [Hmask, nfunc, total_q] tensor, got "
             f"{mask_func.dtype} {tuple(mask_func.shape)}"
         )
-    # torch.device("cuda") names the current device; tensors always carry an index
-    same_device = mask_func.device == torch.empty(0, device=geometry.device).device
+    device = geometry.device
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" = current
+    same_device = device.type == "cuda" and mask_func.device.index == index
     if not same_device or mask_func.shape[2] != geometry.total_q:
         raise ValueError(
             f"mask_func {tuple(mask_func.shape)} on {mask_func.device} does not match the geometry "
@@ -208,92 +344,73 @@ def _check_inputs(
 
 
 def prepare(mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None) -> PlanBuild:
-    """Allocate the pre-header workspace (one arena) and the descriptors/counts a view may keep."""
-    device, h, b = mask_func.device, mask_func.shape[0], geometry.batch
-    fb = ViewBounds.of(geometry, forward.tile_m, forward.tile_n)
-    bb = ViewBounds.of(geometry, backward.tile_m, backward.tile_n) if backward is not None else None
-    shapes = [
-        (HEADER_LEN,),
-        (b * geometry.num_heads_kv, STATS_COLS),
-        (fb.q_rows,),
-        (h, fb.q_rows, fb.k_words),
-        (h, fb.q_rows, fb.k_words),
-    ]
-    if bb is not None:
-        shapes += [
-            (b + 1, DESC_COLS),
-            (bb.q_rows,),
-            (bb.k_rows,),
-            (h, bb.q_rows, bb.k_words),
-            (h, bb.q_rows, bb.k_words),
-            (2, h, bb.q_rows),
-        ]
-    ws = arena(device, shapes)
-    header, stats, rb_f, vis_f, full_f = ws[:5]
-    # kept by the plan when the bound is exact (fixed length), so not in the workspace arena
-    desc_f = torch.empty(b + 1, DESC_COLS, dtype=torch.int32, device=device)
-    counts_f = torch.empty(4, h, fb.q_rows, dtype=torch.int32, device=device)
-    fwd = ViewWorkspace(forward, fb, desc_f, rb_f, vis_f, full_f, counts_f)
-    bwd = None
-    if bb is not None:
-        desc_bq, rb_bq, rb_bk, vis_b, full_b, counts_b = ws[5:]
-        desc_bk = torch.empty(b + 1, DESC_COLS, dtype=torch.int32, device=device)
-        k2q_counts = torch.empty(4, h, bb.k_rows, dtype=torch.int32, device=device)
-        bwd = ViewWorkspace(backward, bb, desc_bq, rb_bq, vis_b, full_b, counts_b, desc_bk, rb_bk, k2q_counts)
-    return PlanBuild(mask_func, geometry, device, header, stats, fwd, bwd)
+    """The build's program and sizes, its two pre-header arenas and their addresses."""
+    program = program_for(mask_func, geometry, forward, backward)
+    sizes = program.sizes(geometry)
+    device = mask_func.device
+    workspace, kept = sizes.workspace.allocate(device), sizes.kept.allocate(device)
+    addr = sizes.workspace.addresses(int32_address(workspace)) | sizes.kept.addresses(int32_address(kept))
+    hmask, _, total_q = mask_func.shape
+    return PlanBuild(
+        mask_func, geometry, program, sizes, workspace, kept, addr, torch_stream(device), hmask, total_q,
+        geometry.batch,
+    )
 
 
 def stage_geometry(build: PlanBuild) -> None:
     """Compact row prefixes, descriptors, row ownership, prefix validation, header rows."""
-    g, fwd, bwd = build.geometry, build.fwd, build.bwd
-    compiled = compile_geometry(GeometryConfig(has_backward=bwd is not None))
-    other = bwd if bwd is not None else fwd  # unused stand-ins when there is no backward view
-    compiled(
-        *int32_addresses(
-            g.cu_seqlens_q,
-            g.cu_seqlens_k,
-            build.header,
-            fwd.desc_q,
-            fwd.row_batch_q,
-            other.desc_q,
-            other.row_batch_q,
-            bwd.desc_k if bwd is not None else fwd.desc_q,
-            bwd.row_batch_k if bwd is not None else fwd.row_batch_q,
-        ),
+    g, a, fb, bb = build.geometry, build.addr, build.sizes.fb, build.sizes.bb
+    has_bwd = bb is not None
+    other = bb if has_bwd else fb  # the backward view's Q geometry; stand-ins without one
+    build.program.geometry(
+        int32_address(g.cu_seqlens_q),
+        int32_address(g.cu_seqlens_k),
+        a["header"],
+        a["desc_f"],
+        a["rb_f"],
+        a["desc_bq"] if has_bwd else a["desc_f"],
+        a["rb_bq"] if has_bwd else a["rb_f"],
+        a["desc_bk"] if has_bwd else a["desc_f"],
+        a["rb_bk"] if has_bwd else a["rb_f"],
         g.batch,
         g.total_q,
         g.total_k,
         g.max_seqlen_q,
         g.max_seqlen_k,
-        fwd.bounds.tile_m,
-        fwd.bounds.tile_n,
-        other.bounds.tile_m,
-        other.bounds.tile_n,
-        fwd.bounds.q_rows,
-        bwd.bounds.q_rows if bwd is not None else 0,
-        bwd.bounds.k_rows if bwd is not None else 0,
+        fb.tile_m,
+        fb.tile_n,
+        other.tile_m,
+        other.tile_n,
+        fb.q_rows,
+        bb.q_rows if has_bwd else 0,
+        bb.k_rows if has_bwd else 0,
         int(g.varlen),
         build.stream,
     )
 
 
-def stage_classify(build: PlanBuild, view: ViewWorkspace) -> None:
+#: workspace names of one view's Q-major classification: descriptor, row batch, bitsets, counts
+_CLASSIFY_NAMES = {False: ("desc_f", "rb_f", "vis_f", "full_f", "counts_f"),
+                   True: ("desc_bq", "rb_bq", "vis_b", "full_b", "counts_b")}
+
+
+def stage_classify(build: PlanBuild, *, backward: bool) -> None:
     """Q2K classification at the view's tile (the existing, hardware-verified kernel)."""
-    bounds = view.bounds
+    bounds = build.sizes.bb if backward else build.sizes.fb
     if build.hmask == 0 or bounds.q_rows == 0:
         return
-    compiled = compile_classify(ClassifyConfig(tile_m=bounds.tile_m, tile_n=bounds.tile_n, nfunc=build.nfunc))
-    compiled(
-        *int32_addresses(
-            build.mask_func,
-            view.row_batch_q,
-            view.desc_q,
-            view.visible,
-            view.full,
-            view.counts[CNT_PARTIAL],
-            view.counts[CNT_FULL],
-            build.header[HDR_ERROR : HDR_ERROR + 1],
-        ),
+    a = build.addr
+    desc, rows, visible, full, counts = _CLASSIFY_NAMES[backward]
+    classify = build.program.classify_bwd if backward else build.program.classify_fwd
+    classify(
+        int32_address(build.mask_func),
+        a[rows],
+        a[desc],
+        a[visible],
+        a[full],
+        build.plane(counts, CNT_PARTIAL, bounds.q_rows),
+        build.plane(counts, CNT_FULL, bounds.q_rows),
+        advance(a["header"], HDR_ERROR),
         build.hmask,
         build.total_q,
         bounds.q_rows,
@@ -304,91 +421,95 @@ def stage_classify(build: PlanBuild, view: ViewWorkspace) -> None:
 
 
 def stage_k2q_count(build: PlanBuild) -> None:
-    bwd = build.bwd
-    if build.hmask == 0 or bwd.bounds.k_rows == 0:
+    bb, a = build.sizes.bb, build.addr
+    if build.hmask == 0 or bb.k_rows == 0:
         return
-    compiled = compile_k2q_count(K2QCountConfig())
-    compiled(
-        *int32_addresses(
-            bwd.visible,
-            bwd.full,
-            bwd.row_batch_k,
-            bwd.desc_q,
-            bwd.desc_k,
-            bwd.k2q_counts[CNT_PARTIAL],
-            bwd.k2q_counts[CNT_FULL],
-        ),
+    build.program.k2q_count(
+        a["vis_b"],
+        a["full_b"],
+        a["rb_bk"],
+        a["desc_bq"],
+        a["desc_bk"],
+        build.plane("k2q_counts", CNT_PARTIAL, bb.k_rows),
+        build.plane("k2q_counts", CNT_FULL, bb.k_rows),
         build.hmask,
-        _extent(bwd.bounds.q_rows),
-        bwd.bounds.k_rows,
-        bwd.bounds.k_words,
+        _extent(bb.q_rows),
+        bb.k_rows,
+        bb.k_words,
         build.batch + 1,
         build.stream,
     )
 
 
 def stage_scan_header(build: PlanBuild) -> None:
-    fwd, bwd = build.fwd, build.bwd
-    k2q = bwd.k2q_counts if bwd is not None else fwd.counts  # stand-ins when there is no backward view
-    compiled = compile_scan_header(ScanConfig(num_arrays=4 if bwd is not None else 2))
-    compiled(
-        *int32_addresses(
-            fwd.counts[CNT_PARTIAL],
-            fwd.counts[OFF_PARTIAL],
-            fwd.counts[CNT_FULL],
-            fwd.counts[OFF_FULL],
-            k2q[CNT_PARTIAL],
-            k2q[OFF_PARTIAL],
-            k2q[CNT_FULL],
-            k2q[OFF_FULL],
-            build.header,
-        ),
-        build.hmask * fwd.bounds.q_rows,
-        build.hmask * bwd.bounds.k_rows if bwd is not None else 0,
+    fb, bb = build.sizes.fb, build.sizes.bb
+    f_rows = fb.q_rows
+    # stand-ins when there is no backward view
+    k2q, k_rows = ("k2q_counts", bb.k_rows) if bb is not None else ("counts_f", f_rows)
+    build.program.scan_header(
+        build.plane("counts_f", CNT_PARTIAL, f_rows),
+        build.plane("counts_f", OFF_PARTIAL, f_rows),
+        build.plane("counts_f", CNT_FULL, f_rows),
+        build.plane("counts_f", OFF_FULL, f_rows),
+        build.plane(k2q, CNT_PARTIAL, k_rows),
+        build.plane(k2q, OFF_PARTIAL, k_rows),
+        build.plane(k2q, CNT_FULL, k_rows),
+        build.plane(k2q, OFF_FULL, k_rows),
+        build.addr["header"],
+        build.hmask * f_rows,
+        build.hmask * bb.k_rows if bb is not None else 0,
         build.stream,
     )
 
 
+def _view_arena(build: PlanBuild, shapes: dict, counts_shape: tuple[int, ...], compact: bool):
+    """The exact-size tensors of one view: one arena, its addresses, its tensors by name."""
+    if compact:
+        shapes = shapes | {"counts": counts_shape}
+    layout = ArenaLayout.of(tuple(shapes.items()))
+    buf = layout.allocate(build.device)
+    build.addr.update(layout.addresses(int32_address(buf)))
+    return {name: layout.view(buf, name) for name in shapes}
+
+
 def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torch.Tensor]:
     """Exact-size forward CSRs and payloads; also allocates ``fwd_work_desc`` (filled by the schedule)."""
-    fwd, g, h = build.fwd, build.geometry, build.hmask
-    layout = fwd.config.layout
+    fb, g, h, program = build.sizes.fb, build.geometry, build.hmask, build.program
+    layout = program.forward.layout
     n_rows, nnz_p, nnz_f = header[HDR_FWD_Q_ROWS], header[HDR_FWD_PARTIAL], header[HDR_FWD_FULL]
-    pack = fwd.config.signature.topology.pack_gqa
+    pack = program.forward.signature.topology.pack_gqa
     n_tasks = (g.num_heads_kv if pack else g.num_heads_q) * n_rows
-    shapes = [
-        (nnz_p,),
-        (nnz_f,),
-        (nnz_p, layout.subtiles, layout.groups, layout.words_per_group),
-        (n_tasks, WORK_COLS),
-    ]
-    compact = fwd.bounds.q_rows != n_rows
-    if compact:
-        shapes.append((4, h, n_rows))
-    out = arena(build.device, shapes)
-    idx_p, idx_f, masks, work = out[:4]
-    counts = out[4] if compact else fwd.counts
+    compact = fb.q_rows != n_rows
+    out = _view_arena(
+        build,
+        {
+            "idx_p": (nnz_p,),
+            "idx_f": (nnz_f,),
+            "masks": (nnz_p, layout.subtiles, layout.groups, layout.words_per_group),
+            "fwd_work_desc": (n_tasks, WORK_COLS),
+        },
+        (4, h, n_rows),
+        compact,
+    )
+    a = build.addr
+    counts_out = "counts" if compact else "counts_f"
     if h * n_rows > 0:
-        config = MaterializeConfig(fwd.bounds.tile_m, fwd.bounds.tile_n, build.nfunc, layout.words_per_tile)
-        compiled = compile_q2k_materialize(config)
-        compiled(
-            *int32_addresses(
-                build.mask_func,
-                fwd.row_batch_q,
-                fwd.desc_q,
-                fwd.visible,
-                fwd.full,
-                fwd.counts,
-                counts,
-                idx_p,
-                idx_f,
-                masks,
-                device_source_table(layout, build.device),
-            ),
+        program.materialize_q2k(
+            int32_address(build.mask_func),
+            a["rb_f"],
+            a["desc_f"],
+            a["vis_f"],
+            a["full_f"],
+            a["counts_f"],
+            a[counts_out],
+            a["idx_p"],
+            a["idx_f"],
+            a["masks"],
+            program.fwd_table_address,
             h,
             build.total_q,
-            fwd.bounds.q_rows,
-            fwd.bounds.k_words,
+            fb.q_rows,
+            fb.k_words,
             n_rows,
             build.batch + 1,
             _extent(nnz_p),
@@ -397,26 +518,21 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
             persistent_ctas(build.device, h * n_rows),
             build.stream,
         )
+    kept = build.sizes.kept
+    counts = out["counts"] if compact else kept.view(build.kept, "counts_f")
     return {
-        **_csr(counts, idx_p, masks, idx_f),
-        "sequence_desc": fwd.desc_q[: build.batch],
-        "fwd_work_desc": work,
+        **_csr(counts, out["idx_p"], out["masks"], out["idx_f"]),
+        "sequence_desc": kept.view(build.kept, "desc_f")[: build.batch],
+        "fwd_work_desc": out["fwd_work_desc"],
     }
 
 
-def stage_schedule(build: PlanBuild, header: list[int], work: torch.Tensor) -> None:
+def stage_schedule(build: PlanBuild, n_tasks: int) -> None:
     """``fwd_work_desc`` (spec 4.8): section stats, then rank/histogram/scatter per section."""
-    fwd, g = build.fwd, build.geometry
-    n_tasks = work.shape[0]
     if n_tasks == 0:
         return
-    params = ScheduleParams.of(g, fwd.config.signature.topology.pack_gqa)
-    common = (
-        build.hmask,
-        fwd.bounds.q_rows,
-        build.batch + 1,
-        params.num_sections,
-    )
+    fb, params, a = build.sizes.fb, build.sizes.schedule, build.addr
+    common = (build.hmask, fb.q_rows, build.batch + 1, params.num_sections)
     section_args = (
         params.num_heads_kv,
         params.qhead_per_kvhead,
@@ -425,65 +541,62 @@ def stage_schedule(build: PlanBuild, header: list[int], work: torch.Tensor) -> N
         params.row_bytes_kv,
         params.budget,
     )
-    counts, desc, stats = int32_addresses(fwd.counts, fwd.desc_q, build.stats)
-    compile_schedule_stats(ScheduleStatsConfig())(counts, desc, stats, *common, *section_args, build.stream)
-    scatter = compile_schedule_scatter(ScheduleScatterConfig.for_max_k_blocks(fwd.bounds.max_k_blocks))
-    scatter(
+    # the schedule reads the bound-sized counts (compaction does not change a row's counts)
+    counts, desc, stats = a["counts_f"], a["desc_f"], a["stats"]
+    build.program.schedule_stats(counts, desc, stats, *common, *section_args, build.stream)
+    build.sizes.scatter(
         counts,
         desc,
         stats,
-        int32_address(work),
+        a["fwd_work_desc"],
         *common,
         n_tasks,
         *section_args,
-        fwd.bounds.tile_m,
+        fb.tile_m,
         build.stream,
     )
 
 
 def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torch.Tensor]:
     """Exact-size K2Q CSRs, backward payloads and dQ write order."""
-    bwd, h = build.bwd, build.hmask
-    layout = bwd.config.layout
+    bb, h, program = build.sizes.bb, build.hmask, build.program
+    layout = program.backward.layout
     n_k_rows, nnz_p, nnz_f = header[HDR_BWD_K_ROWS], header[HDR_BWD_PARTIAL], header[HDR_BWD_FULL]
-    shapes = [
-        (nnz_p,),
-        (nnz_f,),
-        (nnz_p,),
-        (nnz_f,),
-        (nnz_p, layout.subtiles, layout.groups, layout.words_per_group),
-    ]
-    compact = bwd.bounds.k_rows != n_k_rows
-    if compact:
-        shapes.append((4, h, n_k_rows))
-    out = arena(build.device, shapes)
-    idx_p, idx_f, dq_p, dq_f, masks = out[:5]
-    counts = out[5] if compact else bwd.k2q_counts
+    compact = bb.k_rows != n_k_rows
+    out = _view_arena(
+        build,
+        {
+            "idx_p": (nnz_p,),
+            "idx_f": (nnz_f,),
+            "dq_write_order": (nnz_p,),
+            "dq_write_order_full": (nnz_f,),
+            "masks": (nnz_p, layout.subtiles, layout.groups, layout.words_per_group),
+        },
+        (4, h, n_k_rows),
+        compact,
+    )
+    a = build.addr
     if h * n_k_rows > 0:
-        config = MaterializeConfig(bwd.bounds.tile_m, bwd.bounds.tile_n, build.nfunc, layout.words_per_tile)
-        compiled = compile_k2q_materialize(config)
-        compiled(
-            *int32_addresses(
-                build.mask_func,
-                bwd.row_batch_k,
-                bwd.desc_q,
-                bwd.desc_k,
-                bwd.visible,
-                bwd.full,
-                bwd.k2q_counts,
-                counts,
-                idx_p,
-                idx_f,
-                dq_p,
-                dq_f,
-                masks,
-                device_source_table(layout, build.device),
-            ),
+        program.materialize_k2q(
+            int32_address(build.mask_func),
+            a["rb_bk"],
+            a["desc_bq"],
+            a["desc_bk"],
+            a["vis_b"],
+            a["full_b"],
+            a["k2q_counts"],
+            a["counts" if compact else "k2q_counts"],
+            a["idx_p"],
+            a["idx_f"],
+            a["dq_write_order"],
+            a["dq_write_order_full"],
+            a["masks"],
+            program.bwd_table_address,
             h,
             build.total_q,
-            _extent(bwd.bounds.q_rows),
-            bwd.bounds.k_rows,
-            bwd.bounds.k_words,
+            _extent(bb.q_rows),
+            bb.k_rows,
+            bb.k_words,
             n_k_rows,
             build.batch + 1,
             _extent(nnz_p),
@@ -492,9 +605,11 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
             persistent_ctas(build.device, h * n_k_rows),
             build.stream,
         )
+    kept = build.sizes.kept
+    counts = out["counts"] if compact else kept.view(build.kept, "k2q_counts")
     return {
-        **_csr(counts, idx_p, masks, idx_f),
-        "sequence_desc": bwd.desc_k[: build.batch],
-        "dq_write_order": dq_p,
-        "dq_write_order_full": dq_f,
+        **_csr(counts, out["idx_p"], out["masks"], out["idx_f"]),
+        "sequence_desc": kept.view(build.kept, "desc_bk")[: build.batch],
+        "dq_write_order": out["dq_write_order"],
+        "dq_write_order_full": out["dq_write_order_full"],
     }
