@@ -111,6 +111,15 @@ def test_valid_inputs_pass():
     plan(causal(hmask=HQ, nfunc=5), *fixed_qkv())
 
 
+def test_fixed_length_prefixes_are_made_once_per_shape():
+    a = validate_plan_inputs(causal(), *fixed_qkv())
+    b = validate_plan_inputs(causal(), *fixed_qkv())
+    assert a.cu_seqlens_q is b.cu_seqlens_q and a.cu_seqlens_k is b.cu_seqlens_k
+    q, k, v = (t[:1] for t in fixed_qkv())  # batch 1: other prefixes
+    c = validate_plan_inputs(causal()[:, :, :SQ].contiguous(), q, k, v)
+    assert c.cu_seqlens_q.tolist() == [0, SQ] and c.cu_seqlens_k.tolist() == [0, SK]
+
+
 def test_error_hierarchy():
     for cls in (EndpointError, SeqlenError):
         assert issubclass(cls, InputValueError) and issubclass(cls, ValueError)

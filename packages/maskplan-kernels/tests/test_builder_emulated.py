@@ -114,6 +114,31 @@ def test_schedule_sections_split_heads(twins, monkeypatch):
     assert int(got.view("forward").fwd_work_desc[:, 2].ne(0).sum()) > 0
 
 
+def test_program_is_shared_and_plans_own_their_storage(twins):
+    """Builds of one pair of views share a compiled program (new varlen sizes add a sizes entry,
+    not a program); each plan still owns its own tensors, so two plans never alias."""
+    import maskplan_kernels.builder as builder
+    from maskplan_kernels.builder import build_plan_gpu
+
+    fwd = view_config(row_major(32, 16), "forward")
+    bwd = view_config(row_major(16, 32), "backward")
+    plans = []
+    for q_lens, k_lens, seed in (([70, 33], [50, 90], 1), ([70, 33], [50, 90], 2), ([20, 90], [64, 30], 3)):
+        g = make_geometry(q_lens, k_lens, hq=2, hkv=1, hmask=1, nfunc=3, varlen=True)
+        mask = make_mask(q_lens, k_lens, 1, 3, seed=seed)
+        got = build_plan_gpu(mask, g, fwd, bwd, "test")
+        assert_plans_equal(build_plan(mask, g, fwd, bwd, "test"), got)
+        plans.append(got)
+    assert len(builder._PROGRAMS) == 1
+    (program,) = builder._PROGRAMS.values()
+    assert len(program._sizes) == 2  # the first two builds share their sizes
+    storages = [
+        {t.untyped_storage().data_ptr() for role in p.roles for t in p.view(role).tensors.values()}
+        for p in plans
+    ]
+    assert not storages[0] & storages[1] and not storages[1] & storages[2]
+
+
 def test_malformed_endpoints_raise_like_the_reference(twins):
     q_lens, k_lens = [40, 30], [50, 0]
     g = make_geometry(q_lens, k_lens, hq=1, hkv=1, hmask=1, nfunc=3)

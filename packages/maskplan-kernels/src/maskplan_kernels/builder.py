@@ -64,7 +64,8 @@ from .schedule_stats import STATS_COLS, ScheduleStatsConfig, compile_schedule_st
 # counts planes of the (4, Hmask, rows) count tensors
 CNT_PARTIAL, CNT_FULL, OFF_PARTIAL, OFF_FULL = 0, 1, 2, 3
 
-#: programs kept per process (a training run uses a handful of view/shape combinations)
+#: programs kept per process, and sizes per program (a training run uses a handful of view/shape
+#: combinations; varlen batches bring new sizes every step); past them the oldest entry goes
 PROGRAM_CACHE_SIZE = 64
 SIZES_CACHE_SIZE = 64
 
@@ -166,9 +167,11 @@ class BuildProgram:
         key = (g.batch, g.max_seqlen_q, g.max_seqlen_k, g.total_q, g.total_k)
         sizes = self._sizes.get(key)
         if sizes is None:
-            sizes = self._sizes[key] = self._make_sizes(g)
-            if len(self._sizes) > SIZES_CACHE_SIZE:
-                self._sizes.popitem(last=False)
+            sizes = self._make_sizes(g)
+            with _PROGRAMS_LOCK:
+                self._sizes[key] = sizes
+                if len(self._sizes) > SIZES_CACHE_SIZE:
+                    self._sizes.popitem(last=False)
         return sizes
 
     def _make_sizes(self, g: PlanGeometry) -> BuildSizes:
