@@ -49,11 +49,6 @@ def advance(address: int, elements: int) -> int:
     return address + INT32_BYTES * elements
 
 
-def int32_addresses(*tensors: torch.Tensor) -> tuple[int, ...]:
-    """:func:`int32_address` of each tensor, in order."""
-    return tuple(int32_address(t) for t in tensors)
-
-
 def fake_stream():
     return cute.runtime.make_fake_stream()
 
@@ -63,8 +58,12 @@ def torch_stream(device: torch.device) -> int:
 
     Read through the raw-handle accessor torch's own compiled code uses (no ``Stream`` object:
     ~0.3 instead of ~5 us, and every plan build and attention call reads it)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _current_raw_stream(index)
+    return _current_raw_stream(cuda_index(device))
+
+
+def cuda_index(device: torch.device) -> int:
+    """The ordinal of a CUDA device (``torch.device("cuda")`` names the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _stream_handle(index: int) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ._cute_args import advance
+from ._cute_args import advance, cuda_index
 
 #: Int32 elements each arena slice is aligned to (128 bytes: bulk copies of payloads need >= 16).
 ARENA_ALIGN = 32
@@ -30,8 +30,14 @@ class ArenaLayout:
     """
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]]):
-        self.total, views = _arena_layout(tuple(tuple(s) for s in shapes.values()))
-        self._views = dict(zip(shapes, views, strict=True))
+        self._views, offset = {}, 0  # name -> (shape, row-major strides, offset)
+        for name, shape in shapes.items():
+            shape = tuple(int(x) for x in shape)
+            strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+            self._views[name] = (shape, strides, offset)
+            n = math.prod(shape)
+            offset += n + (-n % ARENA_ALIGN)
+        self.total = max(offset, 1)
         self._offsets = tuple((name, view[2]) for name, view in self._views.items())
 
     @staticmethod
@@ -53,20 +59,6 @@ class ArenaLayout:
         return {name: advance(base, offset) for name, offset in self._offsets}
 
 
-@functools.lru_cache(maxsize=1024)
-def _arena_layout(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, tuple]:
-    """``(elements to allocate, ((shape, row-major strides, offset), ...))``; every offset is a
-    multiple of :data:`ARENA_ALIGN`."""
-    views, offset = [], 0
-    for shape in shapes:
-        shape = tuple(int(x) for x in shape)
-        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        views.append((shape, strides, offset))
-        n = math.prod(shape)
-        offset += n + (-n % ARENA_ALIGN)
-    return max(offset, 1), tuple(views)
-
-
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -74,8 +66,7 @@ def sm_count(device_index: int) -> int:
 
 def persistent_ctas(device: torch.device, items: int, ctas_per_sm: int = 1) -> int:
     """Grid of a persistent kernel: never more CTAs than can be resident (static item striding)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(items, sm_count(index) * ctas_per_sm))
+    return max(1, min(items, sm_count(cuda_index(device)) * ctas_per_sm))
 
 
 StageTimer = Callable[[str], contextlib.AbstractContextManager]

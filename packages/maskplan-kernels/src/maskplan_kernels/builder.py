@@ -34,7 +34,7 @@ from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 
-from ._cute_args import advance, int32_address, torch_stream
+from ._cute_args import advance, cuda_index, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
 from ._sections import ScheduleParams
 from ._tile_packer import MaterializeConfig
@@ -147,7 +147,7 @@ class BuildProgram:
         return cls(
             forward=forward,
             backward=backward,
-            geometry=compile_geometry(GeometryConfig(has_backward=backward is not None)),
+            geometry=compile_geometry(GeometryConfig(has_backward=has_bwd)),
             classify_fwd=_classify_stage(forward, nfunc),
             classify_bwd=_classify_stage(backward, nfunc) if has_bwd else None,
             k2q_count=compile_k2q_count(K2QCountConfig()) if has_bwd else None,
@@ -247,9 +247,12 @@ class PlanBuild:
     kept: torch.Tensor
     addr: dict
     stream: int
-    hmask: int
+    hmask: int  # mask_func's sizes as ints (a tensor's shape is slower to read, and read often)
     total_q: int
-    batch: int
+
+    @property
+    def batch(self) -> int:
+        return self.geometry.batch
 
     @property
     def device(self) -> torch.device:
@@ -331,8 +334,7 @@ def _check_inputs(
             f"{mask_func.dtype} {tuple(mask_func.shape)}"
         )
     device = geometry.device
-    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" = current
-    same_device = device.type == "cuda" and mask_func.device.index == index
+    same_device = device.type == "cuda" and mask_func.device.index == cuda_index(device)
     if not same_device or mask_func.shape[2] != geometry.total_q:
         raise ValueError(
             f"mask_func {tuple(mask_func.shape)} on {mask_func.device} does not match the geometry "
@@ -355,8 +357,7 @@ def prepare(mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: Vi
     addr = sizes.workspace.addresses(int32_address(workspace)) | sizes.kept.addresses(int32_address(kept))
     hmask, _, total_q = mask_func.shape
     return PlanBuild(
-        mask_func, geometry, program, sizes, workspace, kept, addr, torch_stream(device), hmask, total_q,
-        geometry.batch,
+        mask_func, geometry, program, sizes, workspace, kept, addr, torch_stream(device), hmask, total_q
     )
 
 
