@@ -8,7 +8,8 @@ Masks (Hmask = 1, as the peers share one mask across heads): causal, sliding win
 packed documents (random lengths, fixed seed), random 5-endpoint (nfunc = 5, sorted random
 endpoints per row, fixed seed); each planned forward-only and with the backward (K2Q) view.
 
-Columns, all synchronised wall time of a warm build (median of ``--repeats``, after ``--warmup``):
+Columns, all synchronised wall time of a warm build (median of ``--repeats``, after ``--warmup``;
+ours and cuDNN take turns in five rounds, so drift during the run reaches both alike):
 
 * ``ours``: validate_plan_inputs + consumer view resolution (memoised, as in ``create_mask_plan``)
   + ``build_plan_gpu`` (what a ``create_mask_plan`` call costs), with the SM90 consumer's views
@@ -227,20 +228,48 @@ def _tensor_bytes(obj, depth: int = 0, seen=None) -> int | None:
 
 def timed(fn, repeats: int, warmup: int) -> tuple[float, object]:
     """Median synchronised wall milliseconds of ``fn()`` and its last result."""
+    (t,), (out,) = timed_together([fn], repeats, warmup)
+    return t, out
+
+
+def timed_together(fns, repeats: int, warmup: int, rounds: int = 5) -> tuple[list[float], list]:
+    """Median synchronised wall milliseconds of each of ``fns`` and their last results. The systems
+    take turns, ``rounds`` blocks of ``repeats / rounds`` calls each, so a drift of the host or GPU
+    clocks during the measurement reaches every system alike instead of the one timed first."""
     import torch
 
-    out = None
-    for _ in range(warmup):
-        out = fn()
+    outs = [None] * len(fns)
+    for i, fn in enumerate(fns):
+        for _ in range(warmup):
+            outs[i] = fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples), out
+    samples = [[] for _ in fns]
+    per_round = max(1, repeats // rounds)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            for _ in range(per_round):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                outs[i] = fn()
+                torch.cuda.synchronize()
+                samples[i].append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(x) for x in samples], outs
+
+
+def time_ours_and_cudnn(ours: Ours, peers: dict, mask, q, k, v, backward: bool, args):
+    """(ours ms, ours plan, cudnn ms or None, cudnn plan or None), timed in turns."""
+    fns = [functools.partial(ours.plan, mask, q, k, v, backward)]
+    if "cudnn" in peers:
+        fns.append(functools.partial(peers["cudnn"].plan, mask, q, k, v, backward))
+    try:
+        times, plans = timed_together(fns, args.repeats, args.warmup)
+    except Exception as exc:  # noqa: BLE001 - report, then time ours alone
+        print(f"  cudnn create_mask_plan failed: {type(exc).__name__}: {exc}")
+        t, plan = timed(fns[0], args.repeats, args.warmup)
+        return t, plan, None, None
+    if len(fns) == 1:
+        return times[0], plans[0], None, None
+    return times[0], plans[0], times[1], plans[1]
 
 
 def stage_split(ours: Ours, mask, q, k, v, backward: bool, repeats: int) -> dict[str, dict[str, float]]:
@@ -330,16 +359,7 @@ def run(args) -> dict:
             except Exception as exc:  # noqa: BLE001
                 print(f"  torch create_block_mask failed for {mask_name}: {type(exc).__name__}: {exc}")
         for backward in (False, True):
-            t_ours, plan = timed(
-                functools.partial(ours.plan, mask, q, k, v, backward), args.repeats, args.warmup
-            )
-            t_cudnn, cplan = None, None
-            if "cudnn" in peers:
-                try:
-                    build = functools.partial(peers["cudnn"].plan, mask, q, k, v, backward)
-                    t_cudnn, cplan = timed(build, args.repeats, args.warmup)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  cudnn create_mask_plan failed for {mask_name}: {type(exc).__name__}: {exc}")
+            t_ours, plan, t_cudnn, cplan = time_ours_and_cudnn(ours, peers, mask, q, k, v, backward, args)
             ours_bytes = Ours.nbytes(plan)
             cudnn_bytes = Cudnn.nbytes(cplan) if cplan is not None else None
             split = stage_split(ours, mask, q, k, v, backward, max(3, args.repeats // 4))
@@ -391,16 +411,7 @@ def run_sweep(args, ours: Ours, peers: dict) -> list[dict]:
                 functools.partial(peers["torch"].plan, mm, args.batch, s), max(3, args.repeats // 4), 1
             )
         for backward in (False, True):
-            t_ours, _ = timed(
-                functools.partial(ours.plan, mask, q, k, v, backward), args.repeats, args.warmup
-            )
-            t_cudnn = None
-            if "cudnn" in peers:
-                try:
-                    build = functools.partial(peers["cudnn"].plan, mask, q, k, v, backward)
-                    t_cudnn, _ = timed(build, args.repeats, args.warmup)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"  cudnn failed at S={s}: {type(exc).__name__}: {exc}")
+            t_ours, _, t_cudnn, _ = time_ours_and_cudnn(ours, peers, mask, q, k, v, backward, args)
             views = "fwd+bwd" if backward else "fwd"
             print(
                 f"{s:>7} {views:<8} {fmt(t_ours)} {fmt(t_cudnn)} {fmt(t_torch if not backward else None)} "

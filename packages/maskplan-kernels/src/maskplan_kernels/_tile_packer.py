@@ -1,17 +1,24 @@
 """Device half of the packed predicate payload (spec 5), shared by the Q2K and K2Q materialisers.
 
 One tile = ``tile_m`` query rows x ``tile_n`` keys of one (mask head, sample, Q block, K block).
-Three CTA-wide steps, all threads participating::
+A CTA packs up to ``slots`` tiles of one (mask head, Q row) or (mask head, K row) per pass, so the
+global round trip of the endpoints and the CTA barriers are paid once per pass, not per tile.
+The materialiser lists the pass's blocks in shared memory: K blocks for a Q2K row (the tiles share
+their rows: one ``sEnd`` slot), Q blocks for a K2Q row (one ``sEnd`` slot per tile)::
 
-    load_rows     sEnd[f, t] = endpoint f of tile row t           (0 for rows past q_len: no interval)
-    build_bitmap  sBitmap[m * row_stride + c] = visibility of keys j*tn + 32c .. +31 of row m
+    load_rows     sEnd[f, slot rows + t] = endpoint f of tile row t   (0 for rows past q_len: no interval)
+    build_bitmap  sBitmap[slot words + m * row_stride + c] = visibility of keys j*tn + 32c .. +31 of row m
                   = OR over intervals [G(2i), G(2i+1)) of G = [0, F0, F1, ...] of the clipped bit range
                   (clipped to the tile's columns and to k_len: exactly the reference tile predicate
                   "odd number of G values <= key", row < q_len, key < k_len, for sorted endpoints)
-    pack          warp w owns payload words 32g .. 32g+31 for g = w, w + W, ...; for word 32g + i
-                  lane b reads its table entry (held in registers for the whole kernel), tests
-                  that bitmap bit, and the ballot is the word; lane i keeps word i and the warp
-                  stores its 32 words with one coalesced 128-byte store.
+    pack          the tile's payload words form B = ceil(words / 32) blocks of 32; with W warps,
+                  warp w packs block w % min(B, W) (+ g W for g < ceil(B / W)) of the slots
+                  s = w // min(B, W) (+ W // min(B, W) each step), so no warp idles when B < W;
+                  for word 32 b + i lane l reads its table entry (held in registers for the whole
+                  kernel), tests that bitmap bit of the slot, and the ballot is the word; lane i
+                  keeps word i and the warp stores its 32 words with one coalesced 128-byte store.
+
+    sBitmap:  | slot 0: rows, zero word | slot 1: rows, zero word | ...   (bitmap_words each)
 
 The table is the consumer layout's bit map as data (:mod:`maskplan_kernels.payload_table`); the
 kernel is the same for every layout of the same (tile, words_per_tile).
@@ -81,10 +88,22 @@ def index_vector(ptr: cute.Pointer, n) -> cute.Tensor:
     return cute.make_tensor(ptr, cute.make_layout(cutlass.max(n, 1)))
 
 
-class TilePacker:
-    """Constexpr tile geometry + the three device steps of the module docstring."""
+#: shared memory the packer's slots may take (endpoints + bitmaps); the rest stays free for
+#: the materialisers' lists and scan scratch
+SLOT_SMEM_BYTES = 40 * 1024
 
-    def __init__(self, config: MaterializeConfig):
+
+class TilePacker:
+    """Constexpr tile geometry + the three device steps of the module docstring.
+
+    ``listed`` is what the materialiser's per-pass list holds: ``"k"`` (Q2K: K blocks of one Q row,
+    the tiles share their rows) or ``"q"`` (K2Q: Q blocks of one K row, rows per tile).
+    """
+
+    def __init__(self, config: MaterializeConfig, listed: str):
+        if listed not in ("q", "k"):
+            raise ValueError(f"listed must be 'q' or 'k', got {listed!r}")
+        self.listed = listed
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.nfunc = config.nfunc
@@ -98,6 +117,16 @@ class TilePacker:
         self.bitmap_words = bitmap_words(config.tile_m, config.tile_n)
         self.zero_word = config.tile_m * self.row_stride
         self.zero_address = zero_address(config.tile_m, config.tile_n)
+        # pack: 32-word blocks of a tile, warps per slot, slots packed side by side
+        blocks = -(-self.words_per_tile // WARP)
+        self.block_warps = min(blocks, self.num_warps)
+        self.slot_phases = self.num_warps // self.block_warps
+        # tiles per pass: at most one row per thread (one load round trip), within the SMEM budget
+        row_bytes = 4 * self.nfunc * self.tile_m
+        per_slot = 4 * self.bitmap_words + (row_bytes if listed == "q" else 0)
+        fixed = row_bytes if listed == "k" else 0
+        self.slots = max(1, min(self.num_threads // self.tile_m, (SLOT_SMEM_BYTES - fixed) // per_slot))
+        self.end_slots = self.slots if listed == "q" else 1
 
     def host_views(
         self, mask_func, visible_bits, full_bits, counts_ws, counts_out, masks, table, *,
@@ -130,25 +159,28 @@ class TilePacker:
         )
 
     def allocate(self, smem):
-        """(sEnd (nfunc, tile_m), sBitmap (bitmap_words,)) in shared memory."""
-        sEnd = smem.allocate_tensor(
-            Int32, cute.make_layout((self.nfunc, self.tile_m), stride=(self.tile_m, 1)), byte_alignment=16
-        )
-        sBitmap = smem.allocate_tensor(Int32, cute.make_layout(self.bitmap_words), byte_alignment=16)
+        """(sEnd (nfunc, end_slots * tile_m), sBitmap (slots * bitmap_words,)) in shared memory."""
+        rows = self.end_slots * self.tile_m
+        ends = cute.make_layout((self.nfunc, rows), stride=(rows, 1))
+        sEnd = smem.allocate_tensor(Int32, ends, byte_alignment=16)
+        bitmaps = cute.make_layout(self.slots * self.bitmap_words)
+        sBitmap = smem.allocate_tensor(Int32, bitmaps, byte_alignment=16)
         return sEnd, sBitmap
 
     @cute.jit
     def init(self, sBitmap: cute.Tensor, tidx: Int32):
-        """Zero the padding target word (never written again). Visible after the caller's next barrier."""
-        if tidx == 0:
-            sBitmap[self.zero_word] = Int32(0)
+        """Zero each slot's padding target word (never written again). Visible after the caller's
+        next barrier."""
+        if tidx < self.slots:
+            sBitmap[tidx * self.bitmap_words + self.zero_word] = Int32(0)
 
     @cute.jit
     def load_table(self, mTable: cute.Tensor, warp: Int32, lane: Int32):
-        """This lane's table entries: ``regs[g][i]`` feeds bit ``lane`` of word ``32 (g W + warp) + i``."""
+        """This lane's table entries: ``regs[g][i]`` feeds bit ``lane`` of word ``32 block(g) + i``
+        (``block(g) = g W + warp % min(B, W)``, module docstring)."""
         regs = []
         for g in cutlass.range_constexpr(self.groups):
-            base = (g * self.num_warps + warp) * WARP
+            base = (g * self.num_warps + warp % self.block_warps) * WARP
             row = []
             for i in cutlass.range_constexpr(WARP):
                 a = Int32(self.zero_address)
@@ -165,56 +197,97 @@ class TilePacker:
         sEnd: cute.Tensor,
         head: Int32,
         q_offset: Int32,
-        first_local: Int32,
         q_len: Int32,
+        first_local: Int32,
+        sList: cute.Tensor,
+        e0: Int32,
+        n: Int32,
         tidx: Int32,
     ):
-        """Endpoints of the tile's rows into ``sEnd`` (coalesced over rows); rows outside the sample get
-        all-zero endpoints, i.e. no visible key. Visible after the caller's next barrier."""
+        """Endpoints of the pass's rows into ``sEnd`` (coalesced over rows): ``listed == "k"``: the
+        tile rows from sample-local row ``first_local``; ``"q"``: slot ``s < n``'s rows from local
+        row ``sList[e0 + s] * tile_m``. Rows outside the sample get all-zero endpoints, i.e. no
+        visible key. Visible after the caller's next barrier."""
         total_q = mMask.shape[2]
-        for t in cutlass.range(tidx, self.tile_m, self.num_threads, unroll=1):
+        rows = self.tile_m
+        if const_expr(self.listed == "q"):
+            rows = n * self.tile_m
+        for r in cutlass.range(tidx, rows, self.num_threads, unroll=1):
+            slot = r // self.tile_m
+            t = r - slot * self.tile_m
             local = first_local + t
+            if const_expr(self.listed == "q"):
+                local = sList[e0 + slot] * self.tile_m + t
             token = q_offset + local
             ok = (local < q_len) & (token >= 0) & (token < total_q)
             for f in cutlass.range_constexpr(self.nfunc):
                 v = Int32(0)
                 if ok:
                     v = mMask[head, f, token]
-                sEnd[f, t] = v
+                sEnd[f, r] = v
 
     @cute.jit
     def build_bitmap(
-        self, sEnd: cute.Tensor, sBitmap: cute.Tensor, n_block: Int32, k_len: Int32, tidx: Int32
+        self,
+        sEnd: cute.Tensor,
+        sBitmap: cute.Tensor,
+        sList: cute.Tensor,
+        e0: Int32,
+        n: Int32,
+        n_block: Int32,
+        k_len: Int32,
+        tidx: Int32,
     ):
-        """Row-major predicate bitmap of K block ``n_block``. Visible after the caller's next barrier."""
+        """Row-major predicate bitmaps of the pass's ``n`` tiles: slot ``s`` covers K block
+        ``sList[e0 + s]`` (``listed == "k"``) or ``n_block`` with its own rows (``"q"``). Visible
+        after the caller's next barrier."""
         tn = self.tile_n
-        for idx in cutlass.range(tidx, self.tile_m * self.row_words, self.num_threads, unroll=1):
-            m = idx // self.row_words
-            c = idx - m * self.row_words
-            x0 = n_block * tn + c * WARP  # key of bit 0 of this word
+        slot_items = self.tile_m * self.row_words
+        for idx in cutlass.range(tidx, n * slot_items, self.num_threads, unroll=1):
+            slot = idx // slot_items
+            rest = idx - slot * slot_items
+            m = rest // self.row_words
+            c = rest - m * self.row_words
+            block = n_block
+            row = m
+            if const_expr(self.listed == "k"):
+                block = sList[e0 + slot]
+            else:
+                row = slot * self.tile_m + m
+            x0 = block * tn + c * WARP  # key of bit 0 of this word
             lim = cutlass.min(cutlass.min(tn - c * WARP, WARP), k_len - x0)
             lim = cutlass.max(lim, 0)  # bits [0, lim) are inside the tile and the sample
             word = Int32(0)
             for i in cutlass.range_constexpr(self.num_intervals):
                 start = Int32(0)
                 if const_expr(i > 0):
-                    start = sEnd[2 * i - 1, m]
-                end = sEnd[2 * i, m]
+                    start = sEnd[2 * i - 1, row]
+                end = sEnd[2 * i, row]
                 lo = cutlass.min(cutlass.max(start - x0, 0), lim)
                 hi = cutlass.min(cutlass.max(end - x0, 0), lim)
                 word = word | range_bits(lo, hi)
-            sBitmap[m * self.row_stride + c] = word
+            sBitmap[slot * self.bitmap_words + m * self.row_stride + c] = word
 
     @cute.jit
-    def pack(self, sBitmap: cute.Tensor, regs, mMasks: cute.Tensor, entry: Int32, warp: Int32, lane: Int32):
-        """Payload words of one tile -> ``mMasks[entry, :]`` (reads only ``sBitmap``)."""
-        for g in cutlass.range_constexpr(self.groups):
-            base = (g * self.num_warps + warp) * WARP
-            mine = Int32(0)
-            for i in cutlass.range_constexpr(WARP):
-                a = regs[g][i]
-                bit = (sBitmap[a >> 5] >> (a & 31)) & 1
-                word = cute.arch.vote_ballot_sync(bit != 0)
-                mine = cutlass.select_(lane == i, Int32(word), mine)
-            if base + lane < self.words_per_tile:
-                mMasks[entry, base + lane] = mine
+    def pack(
+        self, sBitmap: cute.Tensor, regs, mMasks: cute.Tensor, entry0: Int32, n: Int32, warp: Int32,
+        lane: Int32,
+    ):  # fmt: skip
+        """Payload words of the pass's ``n`` tiles -> ``mMasks[entry0 + s, :]`` (reads only ``sBitmap``).
+
+        The slot loop stays a runtime loop: unrolling it (to overlap the slots' loads) made ptxas
+        spill and ran 3.5x slower on the H200."""
+        phase = warp // self.block_warps
+        if phase < self.slot_phases:
+            for s in cutlass.range(phase, n, self.slot_phases, unroll=1):
+                slot_bits = s * (self.bitmap_words * WARP)
+                for g in cutlass.range_constexpr(self.groups):
+                    base = (g * self.num_warps + warp % self.block_warps) * WARP
+                    mine = Int32(0)
+                    for i in cutlass.range_constexpr(WARP):
+                        a = regs[g][i] + slot_bits
+                        bit = (sBitmap[a >> 5] >> (a & 31)) & 1
+                        word = cute.arch.vote_ballot_sync(bit != 0)
+                        mine = cutlass.select_(lane == i, Int32(word), mine)
+                    if base + lane < self.words_per_tile:
+                        mMasks[entry0 + s, base + lane] = mine

@@ -22,7 +22,8 @@ Work decomposition (persistent CTAs over the ``Hmask * k_rows`` work items, item
                      bit j of the row's visible/full word -> partial/full flag
                      ONE CTA exclusive scan of (partial | full << 16) -> both ranks at once
                      write idx + dq rank, list partial Q blocks in shared memory
-                     per listed Q block: endpoints of its rows -> bitmap of block j -> pack, store
+                     per pass of up to `slots` listed Q blocks (TilePacker): endpoints of their
+                     rows -> bitmaps of block j -> pack, store
 
 Compile-time (``Constexpr``): ``MaterializeConfig``. Runtime: sizes, bounds, nnz, ``write_compact``.
 """
@@ -50,7 +51,7 @@ class K2QMaterialize:
         if config.num_threads >= 1 << _HALF:
             raise ValueError("the packed rank scan needs fewer than 65536 threads")
         self.config = config
-        self.packer = TilePacker(config)
+        self.packer = TilePacker(config, "q")
         self.tile_m = config.tile_m
         self.num_threads = config.num_threads
         self.num_warps = config.num_warps
@@ -190,15 +191,17 @@ class K2QMaterialize:
                             mFullIdx[pos] = m
                             mDqOrderFull[pos] = dq_rank
                     cute.arch.sync_threads()  # sList visible
-                    for e in cutlass.range(0, n_list, 1, unroll=1):
+                    # passes of `slots` tiles; the next pass's rows and bitmaps are written only
+                    # after a barrier every thread passes once done with this pass's reads
+                    for e0 in cutlass.range(0, n_list, self.packer.slots, unroll=1):
+                        n = cutlass.min(n_list - e0, self.packer.slots)
                         self.packer.load_rows(
-                            mMask, sEnd, head, q_offset, sList[e] * self.tile_m, q_len, tidx
+                            mMask, sEnd, head, q_offset, q_len, Int32(0), sList, e0, n, tidx
                         )
                         cute.arch.sync_threads()
-                        self.packer.build_bitmap(sEnd, sBitmap, j, k_len, tidx)
+                        self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, j, k_len, tidx)
                         cute.arch.sync_threads()
-                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e, warp, lane)
-                        cute.arch.sync_threads()
+                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
                     carry_p = carry_p + n_list
                     carry_f = carry_f + (tot >> _HALF)
 

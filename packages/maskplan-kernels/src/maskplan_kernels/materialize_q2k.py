@@ -20,7 +20,8 @@ Work decomposition (persistent CTAs over the ``Hmask * rows`` work items, item =
                      warp 0, lane = word: popcounts, warp exclusive scans -> ranks; writes the
                        full and partial indices (lowest bit first) and the partial blocks to a
                        shared list
-                     all warps, per listed partial block: build the tile bitmap, pack, store
+                     all warps, per pass of up to `slots` listed partial blocks (TilePacker):
+                       build their tile bitmaps, pack, store
 
 Compile-time (``Constexpr``): ``MaterializeConfig`` (tile, nfunc, words_per_tile, num_warps).
 Runtime: sizes, bounds, nnz, ``write_compact``; the layout table is a pointer.
@@ -47,7 +48,7 @@ class Q2KMaterialize:
 
     def __init__(self, config: MaterializeConfig):
         self.config = config
-        self.packer = TilePacker(config)
+        self.packer = TilePacker(config, "k")
         self.tile_m = config.tile_m
         self.num_threads = config.num_threads
         self.words_per_tile = config.words_per_tile
@@ -144,7 +145,7 @@ class Q2KMaterialize:
                     mCountsOut[2, head, row] = off_p
                     mCountsOut[3, head, row] = off_f
             if cnt_p > 0:
-                self.packer.load_rows(mMask, sEnd, head, q_offset, first_local, q_len, tidx)
+                self.packer.load_rows(mMask, sEnd, head, q_offset, q_len, first_local, sList, 0, 1, tidx)
             if cnt_p + cnt_f > 0:
                 carry_p = Int32(0)
                 carry_f = Int32(0)
@@ -168,11 +169,12 @@ class Q2KMaterialize:
                     cute.arch.sync_threads()  # sList, sMeta (and the row endpoints) visible
                     n_list = sMeta[0]
                     n_full = sMeta[1]
-                    for e in cutlass.range(0, n_list, 1, unroll=1):
-                        self.packer.build_bitmap(sEnd, sBitmap, sList[e], k_len, tidx)
+                    for e0 in cutlass.range(0, n_list, self.packer.slots, unroll=1):
+                        n = cutlass.min(n_list - e0, self.packer.slots)
+                        self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, 0, k_len, tidx)
                         cute.arch.sync_threads()
-                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e, warp, lane)
-                        cute.arch.sync_threads()
+                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
+                        cute.arch.sync_threads()  # the next pass rewrites the bitmaps
                     carry_p = carry_p + n_list
                     carry_f = carry_f + n_full
                     cute.arch.sync_threads()  # sList / sMeta / sEnd are free again
