@@ -23,6 +23,10 @@ CONFIGS = [
 ]
 
 
+def config_id(c: MaterializeConfig) -> str:
+    return f"{c.tile_m}x{c.tile_n}-w{c.words_per_tile}-f{c.nfunc}"
+
+
 def packed_words(p: TilePacker, n: int) -> list[tuple[int, int]]:
     """(slot, word) pairs the warps store for a pass of ``n`` tiles, following ``TilePacker.pack``."""
     out = []
@@ -37,7 +41,7 @@ def packed_words(p: TilePacker, n: int) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}-w{c.words_per_tile}-f{c.nfunc}")
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("listed", ["q", "k"])
 def test_every_word_of_every_slot_is_packed_once(config, listed):
     p = TilePacker(config, listed)
@@ -47,7 +51,7 @@ def test_every_word_of_every_slot_is_packed_once(config, listed):
         assert sorted(words) == [(s, w) for s in range(n) for w in range(config.words_per_tile)]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.tile_m}x{c.tile_n}-w{c.words_per_tile}-f{c.nfunc}")
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("listed", ["q", "k"])
 def test_pass_shared_memory_within_budget(config, listed):
     p = TilePacker(config, listed)

@@ -88,6 +88,13 @@ def index_vector(ptr: cute.Pointer, n) -> cute.Tensor:
     return cute.make_tensor(ptr, cute.make_layout(cutlass.max(n, 1)))
 
 
+#: CTAs per materialiser work row (each packs every ROW_PARTS-th pass of the row; part 0 also writes
+#: the row's indices and counts) and the launch's residency: two CTAs per SM (64 registers), so
+#: one CTA's endpoint loads and barriers overlap the other's packing
+ROW_PARTS = 2
+CTAS_PER_SM = 2
+RESIDENCY = {"min_blocks_per_mp": CTAS_PER_SM, "preferred_smem_carveout": 100}
+
 #: shared memory the packer's slots may take (endpoints + bitmaps); the rest stays free for
 #: the materialisers' lists and scan scratch
 SLOT_SMEM_BYTES = 40 * 1024

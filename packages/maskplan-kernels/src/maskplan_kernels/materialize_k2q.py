@@ -13,7 +13,9 @@ in ascending order (Q block ``m = r - row_begin[b]``):
 where ``rank of j in row r`` = number of visible K blocks of Q row ``r`` below ``j`` (popcount of
 the row's visible words before word ``j // 32`` plus the masked word itself).
 
-Work decomposition (persistent CTAs over the ``Hmask * k_rows`` work items, item = (h, kr))::
+Work decomposition (persistent CTAs, two resident per SM, over the ``Hmask * k_rows * ROW_PARTS``
+work items, item = (h, kr, part); the parts of a row split its packing passes, part 0 alone writes
+its indices, dq ranks and counts)::
 
     grid = (num_ctas, 1, 1)        block = (32 * num_warps, 1, 1)
 
@@ -38,7 +40,7 @@ from cutlass import Int32
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
-from ._tile_packer import MaterializeConfig, TilePacker, index_vector
+from ._tile_packer import RESIDENCY, ROW_PARTS, MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
 _HALF = 16  # the packed scan keeps the partial rank in bits 0..15 and the full rank in 16..31
@@ -99,7 +101,9 @@ class K2QMaterialize:
             index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f),
             index_vector(dq_order, nnz_p), index_vector(dq_order_full, nnz_f), v.masks, v.table,
             n_k_rows, write_compact,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
+        ).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, **RESIDENCY
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -136,9 +140,10 @@ class K2QMaterialize:
         regs = self.packer.load_table(mTable, warp, lane)
         hmask = mVisible.shape[0]
 
-        for item in cutlass.range(bidx, hmask * n_k_rows, num_ctas, unroll=1):
-            head = item // n_k_rows
-            k_row = item - head * n_k_rows
+        for item in cutlass.range(bidx, hmask * n_k_rows * ROW_PARTS, num_ctas, unroll=1):
+            part = item % ROW_PARTS  # packs passes part, part + ROW_PARTS, ...; part 0 writes the rest
+            head = item // (n_k_rows * ROW_PARTS)
+            k_row = item // ROW_PARTS - head * n_k_rows
             batch = mRowBatchK[k_row]
             j = k_row - mDescK[batch, DESC_ROW_BEGIN]  # sample-local K block
             q_begin = mDescQ[batch, DESC_ROW_BEGIN]
@@ -151,7 +156,7 @@ class K2QMaterialize:
             off_p = mCountsWs[2, head, k_row]
             off_f = mCountsWs[3, head, k_row]
             if write_compact != 0:
-                if tidx == 0:
+                if (tidx == 0) & (part == 0):
                     mCountsOut[0, head, k_row] = cnt_p
                     mCountsOut[1, head, k_row] = cnt_f
                     mCountsOut[2, head, k_row] = off_p
@@ -177,7 +182,9 @@ class K2QMaterialize:
                     rank_p = ex & 0xFFFF
                     rank_f = ex >> _HALF
                     n_list = tot & 0xFFFF
-                    if is_vis != 0:
+                    if is_part != 0:
+                        sList[rank_p] = m
+                    if (is_vis != 0) & (part == 0):
                         dq_rank = cute.arch.popc(vis & below)
                         for w in cutlass.range(0, word, 1, unroll=1):
                             dq_rank = dq_rank + cute.arch.popc(mVisible[head, r, w])
@@ -185,7 +192,6 @@ class K2QMaterialize:
                             pos = off_p + carry_p + rank_p
                             mPartialIdx[pos] = m
                             mDqOrder[pos] = dq_rank
-                            sList[rank_p] = m
                         else:
                             pos = off_f + carry_f + rank_f
                             mFullIdx[pos] = m
@@ -193,8 +199,9 @@ class K2QMaterialize:
                     cute.arch.sync_threads()  # sList visible
                     # passes of `slots` tiles; the next pass's rows and bitmaps are written only
                     # after a barrier every thread passes once done with this pass's reads
-                    for e0 in cutlass.range(0, n_list, self.packer.slots, unroll=1):
-                        n = cutlass.min(n_list - e0, self.packer.slots)
+                    slots = self.packer.slots
+                    for e0 in cutlass.range(part * slots, n_list, ROW_PARTS * slots, unroll=1):
+                        n = cutlass.min(n_list - e0, slots)
                         self.packer.load_rows(
                             mMask, sEnd, head, q_offset, q_len, Int32(0), sList, e0, n, tidx
                         )

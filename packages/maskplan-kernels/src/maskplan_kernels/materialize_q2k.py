@@ -10,7 +10,9 @@ Q plan row ``r`` (in ``(h, r)`` order, the CSR order):
 and, for varlen plans whose row bound exceeded the exact row count, the compact copies of the
 counts and offsets (``write_compact``; fixed-length plans keep the scan's tensors as they are).
 
-Work decomposition (persistent CTAs over the ``Hmask * rows`` work items, item = (h, r))::
+Work decomposition (persistent CTAs, two resident per SM, over the ``Hmask * rows * ROW_PARTS``
+work items, item = (h, r, part); the parts of a row split its packing passes, part 0 alone writes
+its indices and counts)::
 
     grid = (num_ctas, 1, 1)        block = (32 * num_warps, 1, 1)
 
@@ -37,7 +39,7 @@ from cutlass import Int32
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
 from ._primitives import WARP, lowest_bit_index, warp_broadcast, warp_inclusive_sum
-from ._tile_packer import MaterializeConfig, TilePacker, index_vector
+from ._tile_packer import RESIDENCY, ROW_PARTS, MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 LIST_CAPACITY = WARP * WARP  # partial blocks of one chunk of 32 words
@@ -91,7 +93,9 @@ class Q2KMaterialize:
             v.mask, mRowBatch, mDesc, v.visible, v.full, v.counts_ws, v.counts_out,
             index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f), v.masks, v.table,
             n_rows, write_compact,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
+        ).launch(
+            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, **RESIDENCY
+        )  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -126,9 +130,10 @@ class Q2KMaterialize:
         hmask = mVisible.shape[0]
         k_words = mVisible.shape[2]
 
-        for item in cutlass.range(bidx, hmask * n_rows, num_ctas, unroll=1):
-            head = item // n_rows
-            row = item - head * n_rows
+        for item in cutlass.range(bidx, hmask * n_rows * ROW_PARTS, num_ctas, unroll=1):
+            part = item % ROW_PARTS  # packs passes part, part + ROW_PARTS, ...; part 0 writes the rest
+            head = item // (n_rows * ROW_PARTS)
+            row = item // ROW_PARTS - head * n_rows
             batch = mRowBatch[row]
             q_offset = mDesc[batch, DESC_Q_OFFSET]
             q_len = mDesc[batch, DESC_Q_LEN]
@@ -139,7 +144,7 @@ class Q2KMaterialize:
             off_p = mCountsWs[2, head, row]
             off_f = mCountsWs[3, head, row]
             if write_compact != 0:
-                if tidx == 0:
+                if (tidx == 0) & (part == 0):
                     mCountsOut[0, head, row] = cnt_p
                     mCountsOut[1, head, row] = cnt_f
                     mCountsOut[2, head, row] = off_p
@@ -164,13 +169,15 @@ class Q2KMaterialize:
                             k_words,
                             off_p + carry_p,
                             off_f + carry_f,
+                            part == 0,
                             lane,
                         )
                     cute.arch.sync_threads()  # sList, sMeta (and the row endpoints) visible
                     n_list = sMeta[0]
                     n_full = sMeta[1]
-                    for e0 in cutlass.range(0, n_list, self.packer.slots, unroll=1):
-                        n = cutlass.min(n_list - e0, self.packer.slots)
+                    slots = self.packer.slots
+                    for e0 in cutlass.range(part * slots, n_list, ROW_PARTS * slots, unroll=1):
+                        n = cutlass.min(n_list - e0, slots)
                         self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, 0, k_len, tidx)
                         cute.arch.sync_threads()
                         self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
@@ -194,11 +201,13 @@ class Q2KMaterialize:
         k_words: Int32,
         pos_p0: Int32,
         pos_f0: Int32,
+        write_indices,
         lane: Int32,
     ):
         """Warp 0: indices of the chunk's 32 words (lane = word) in ascending K order.
 
-        Writes ``sMeta[0]`` = partial blocks in the chunk (listed in ``sList``), ``sMeta[1]`` = full.
+        Writes ``sMeta[0]`` = partial blocks in the chunk (listed in ``sList``), ``sMeta[1]`` = full;
+        the global indices only where ``write_indices`` (the row's part 0).
         """
         w = c0 + lane
         vis = Int32(0)
@@ -214,14 +223,16 @@ class Q2KMaterialize:
         slot = incl_p - n_p  # chunk-local rank of this word's first partial block
         pos_f = pos_f0 + incl_f - n_f
         x = full
-        while x != 0:
-            mFullIdx[pos_f] = w * WARP + lowest_bit_index(x)
-            pos_f = pos_f + 1
-            x = x & (x - 1)
+        if write_indices:
+            while x != 0:
+                mFullIdx[pos_f] = w * WARP + lowest_bit_index(x)
+                pos_f = pos_f + 1
+                x = x & (x - 1)
         x = part
         while x != 0:
             block = w * WARP + lowest_bit_index(x)
-            mPartialIdx[pos_p0 + slot] = block
+            if write_indices:
+                mPartialIdx[pos_p0 + slot] = block
             sList[slot] = block
             slot = slot + 1
             x = x & (x - 1)
