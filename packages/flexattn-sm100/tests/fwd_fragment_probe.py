@@ -1,6 +1,6 @@
 """Script (not a test module): print, as JSON, what the SM100 forward kernel's OWN softmax fragments
-hold, per payload subtile ``r`` (one for qstage1-1cta; the two CTA ranks of qstage1-2cta; the two q
-stages, i.e. softmax warpgroups, of qstage2-1cta) and softmax thread ``t``: the score coordinates
+hold, per payload subtile ``r`` (one for qstage1-1cta and d256; the two CTA ranks of qstage1-2cta; the
+two q stages, i.e. softmax warpgroups, of qstage2-1cta) and softmax thread ``t``: the score coordinates
 ``(m, n)`` of its registers ``rS[e]`` (the registers the packed-predicate bit-select indexes), the
 ``(row, column)`` of its packed-P registers and of its O-chunk registers; and where the kernel
 reads thread ``t``'s payload words (the plane index of ``Sm100FwdKernel.payload_plane_index`` and,

@@ -1,9 +1,9 @@
-"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA, qstage2 + 1CTA and
-qstage1 + 2CTA): it traces and compiles to sm_100a on a machine without a GPU (placeholder pointers,
-no CUDA allocation), its PTX has the instructions the design promises (tcgen05 MMA into TMEM, 32x32b TMEM
-loads/stores, TMA, the CLC queue; 1CTA: direct payload loads; 2CTA: cta_group::2 MMAs, TMA and TMEM
-allocation, multicast commits and CLC responses, the SMEM payload ring) and, where ptxas is
-installed, no register spills.
+"""Compile-only tests of the SM100 forward kernel (generic qstage1 + 1CTA, qstage2 + 1CTA,
+qstage1 + 2CTA, and D256: the qstage1 + 1CTA kernel at (256, 256)): it traces and compiles to sm_100a
+on a machine without a GPU (placeholder pointers, no CUDA allocation), its PTX has the instructions
+the design promises (tcgen05 MMA into TMEM, 32x32b TMEM loads/stores, TMA, the CLC queue; 1CTA:
+direct payload loads; 2CTA: cta_group::2 MMAs, TMA and TMEM allocation, multicast commits and CLC
+responses, the SMEM payload ring) and, where ptxas is installed, no register spills.
 
 Compiling is the ONLY verification this kernel has had: no SM100 hardware was available, and it has
 never run. Run with ``CUTE_DSL_ARCH=sm_100a`` (the nox session sets it); the DSL fixes its target
@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("cutlass.cute")
 
+from flexattn_sm100.config import FWD_VARIANTS, Sm100FwdConfig  # noqa: E402
 from flexattn_sm100.fwd_kernel import (  # noqa: E402
     IMPLEMENTED_VARIANTS,
     QSTAGE2_MAX_HEAD_DIM_QK,
@@ -47,16 +48,18 @@ pytestmark = pytest.mark.skipif(
     reason="the CuTe DSL target is fixed per process; run with CUTE_DSL_ARCH=sm_100a",
 )
 
-#: every (head dims, dtype) the qstage1 + 1CTA kernel supports, compiled once each (~2-4 s)
+#: every (head dims, dtype) the qstage1 + 1CTA kernel is the default for, and the d256 variant (the
+#: same kernel at (256, 256): O over TMEM columns 256..511, one K/V stage), compiled once each (~2-10 s)
 CONFIGS = [((64, 64), "bfloat16"), ((128, 128), "bfloat16"), ((128, 128), "float16"), ((96, 96), "bfloat16"),
-           ((192, 128), "bfloat16")]  # fmt: skip
+           ((192, 128), "bfloat16"), ((256, 256), "bfloat16"), ((256, 256), "float16")]  # fmt: skip
 
 
 #: the qstage1 + 2CTA configs compiled here (all five compile; two keep the suite short)
 CONFIGS_2CTA = [((128, 128), "bfloat16"), ((192, 128), "float16")]
 
 
-def config(dims, dtype="bfloat16", variant="qstage1-1cta"):
+def config(dims, dtype="bfloat16", variant=None):
+    """The config of ``variant``, by default the heuristics' one (d256 for (256, 256), else qstage1-1cta)."""
     return select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype=dtype, variant=variant)
 
 
@@ -68,7 +71,7 @@ def _count(ptx: str, pattern: str) -> int:
 def test_compiles(dims, dtype, tmp_path):
     dq, dv = dims
     cfg = config(dims, dtype)
-    assert supports(cfg)
+    assert supports(cfg) and cfg.variant.name == ("d256" if dims == (256, 256) else "qstage1-1cta")
     max_logit = dims == (128, 128) and dtype == "float16"
     compiled = compile_uncached(
         cfg, with_max_logit=max_logit, extra_options=f"--keep-ptx --dump-dir {tmp_path}"
@@ -76,12 +79,13 @@ def test_compiles(dims, dtype, tmp_path):
     ptx = compiled.__ptx__
     assert ".target sm_100a" in ptx
     # UMMA: S = Q K^T (A, B from SMEM) Dqk/16 k-blocks, issued at two sites (first block, next block);
-    # O += P V (A = P from TMEM) tile_n/16 = 8 k-blocks
+    # O += P V (A = P from TMEM, N = Dv up to 256 in one instruction) tile_n/16 = 8 k-blocks
     mma = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
     assert len(mma) == 2 * dq // 16 + 8
     assert sum(a.startswith("[") for a in mma) == 8  # the P operand comes from TMEM
     # softmax: S rows via tcgen05.ld 32x32b.x32 (4 per tile, two sites), O rescale (Dv/32 per
-    # site, two sites) and epilogue (Dv/32); P via tcgen05.st (2 per tile, two sites) and O rescale
+    # site, two sites) and epilogue (Dv/32): O is never held in more than 32 registers; P via
+    # tcgen05.st (2 per tile, two sites) and O rescale
     assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x32\.b32") == 8 + 3 * dv // 32
     assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 4 + 2 * dv // 32
     assert _count(ptx, r"tcgen05\.alloc\.") == 1 and _count(ptx, r"tcgen05\.dealloc\.") == 1
@@ -174,32 +178,50 @@ def test_compiles_qstage2(dims, dtype, max_spill, tmp_path):
 
 def test_smem_fits_one_cta_per_sm():
     """Q + kv_stages x (K + V) (+ the 2CTA payload ring) fits 227 KB and exceeds half of it, so a
-    second CTA never waits on TMEM (each takes all 512 columns)."""
+    second CTA never waits on TMEM (each takes all 512 columns). Two K/V stages or more wherever
+    two fit; D256 (Q 64 KB, K + V 128 KB a stage) gets one."""
     for (dq, dv), _ in CONFIGS:
         for pair, q_tiles in ((1, 1), (2, 1), (1, 2)):
-            if q_tiles == 2 and dq > QSTAGE2_MAX_HEAD_DIM_QK:
-                continue
+            if q_tiles == 2 and dq > QSTAGE2_MAX_HEAD_DIM_QK or pair == 2 and dv > 128:
+                continue  # no kernel (test_head_dims_without_a_kernel_are_refused)
             stages = kv_stages_for(dq, dv, cta_group_size=pair, q_tiles=q_tiles)
             ring = 4096 if pair == 2 else 0
             smem = q_tiles * 128 * 2 * dq + stages * 128 * 2 * (dq + dv) // pair + ring
-            assert stages >= 2 and 114 * 1024 < smem <= 210 * 1024, (dq, dv, pair, q_tiles, stages, smem)
+            two = q_tiles * 128 * 2 * dq + 2 * 128 * 2 * (dq + dv) // pair + ring
+            assert stages >= (2 if two <= 220 * 1024 else 1), (dq, dv, pair, q_tiles, stages)
+            assert 114 * 1024 < smem <= 210 * 1024, (dq, dv, pair, q_tiles, stages, smem)
+    d256 = Sm100FwdKernel(config((256, 256)))
+    assert (d256.kv_stages, d256.tmem_s_offsets, d256.tmem_o_offsets) == (1, (0,), (256,))
 
 
-def test_unimplemented_variants_are_refused():
-    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
+def test_head_dims_without_a_kernel_are_refused():
+    """Every forward variant has a kernel; head dims a variant cannot hold are refused, naming them."""
+    assert IMPLEMENTED_VARIANTS == tuple(FWD_VARIANTS)
+    assert IMPLEMENTED_VARIANTS == ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta", "d256")
     # qstage2 with Dqk 192: two Q tiles and two K/V stages exceed SMEM
     cfg = select_fwd_config(head_dim_qk=192, head_dim_v=128, dtype="bfloat16", variant="qstage2-1cta")
     assert not supports(cfg)
     with pytest.raises(NotImplementedError, match="head_dim_qk=192"):
         Sm100FwdKernel(cfg)
-    with pytest.raises(UnsupportedConfigError, match="variant 'qstage2-1cta'.*Dqk <= 128"):
+    with pytest.raises(UnsupportedConfigError, match="variant 'qstage2-1cta'.*head_dim_qk <= 128"):
         require_kernel(cfg)  # what run_forward raises for a view of this variant
-    d256 = select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")
-    assert not supports(d256)
-    with pytest.raises(UnsupportedConfigError, match="variant 'd256'"):
-        require_kernel(d256)
+    # Dv 256 (configs the heuristics never select): two O tiles exceed TMEM, the CTA pair is not written
+    # for it, and head dims must split into MMA steps and O chunks
+    for name, dims, reason in (
+        ("qstage2-1cta", (128, 256), r"TMEM \(512 columns\).*head_dim_v <= 128"),
+        ("qstage1-2cta", (256, 256), "CTA pair.*head_dim_v <= 128"),
+        ("qstage1-1cta", (64, 48), "head_dim_v of 32"),
+        ("d256", (320, 256), "both <= 256"),
+    ):
+        variant = FWD_VARIANTS[name]
+        cfg = Sm100FwdConfig(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="float16", variant=variant)
+        with pytest.raises(NotImplementedError, match=rf"\({dims[0]}, {dims[1]}\).*{reason}"):
+            Sm100FwdKernel(cfg)
+        with pytest.raises(UnsupportedConfigError, match=f"variant {name!r}"):
+            require_kernel(cfg)
     for name in IMPLEMENTED_VARIANTS:
-        cfg = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="float16", variant=name)
+        dims = (256, 256) if name == "d256" else (64, 64)
+        cfg = select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="float16", variant=name)
         assert require_kernel(cfg) is cfg
 
 
@@ -221,6 +243,13 @@ def test_kernel_key_ignores_runtime_geometry():
     assert kernel_key(a, with_max_logit=False) != kernel_key(a, with_max_logit=True)
     two = config((128, 128), variant="qstage1-2cta")
     assert kernel_key(a, with_max_logit=False) != kernel_key(two, with_max_logit=False)
+    # d256: fixed and varlen plans (of any GQA ratio) launch the one compiled (256, 256) kernel
+    fixed, varlen = (
+        select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="float16", qhead_per_kvhead=g, varlen=v)
+        for g, v in ((1, False), (2, True))
+    )
+    assert fixed.variant.name == varlen.variant.name == "d256"
+    assert kernel_key(fixed, with_max_logit=False) == kernel_key(varlen, with_max_logit=False)
 
 
 def test_compile_forward_goes_through_the_project_cache(tmp_path, monkeypatch):

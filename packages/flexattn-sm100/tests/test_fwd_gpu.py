@@ -3,9 +3,10 @@
 They run ONLY on a compute-capability 10.x GPU. None was available when the kernel was written:
 these tests have never run, and the kernel has only been compiled (``test_fwd_compile.py``).
 
-Plans are built by the reference planner with the SM100 consumer's forward config for each variant
-a kernel implements (qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA, forced with ``variant=``;
-every test runs for each), so the kernel consumes exactly the view a plan for that config carries. Outputs are
+Plans are built by the reference planner with the SM100 consumer's forward config for each generic
+variant (qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA, forced with ``variant=``; every test runs
+for each) and, for (Dqk, Dv) = (256, 256), the d256 variant (the only one for it; ``test_d256``), so
+the kernel consumes exactly the view a plan for that config carries. Outputs are
 poisoned with NaN before each run: an element the kernel does not write fails the test. Tolerance
 (max abs error vs fp32 on random normal inputs), as for SM90: bf16 2e-2, fp16 5e-3.
 
@@ -44,10 +45,11 @@ def variant(request, monkeypatch):
 
 
 def qstage1_view(g) -> ViewConfig:
-    """The forward view of the qstage1 config (:data:`VARIANT`) for ``g``."""
+    """The forward view of the config of :data:`VARIANT` for ``g`` (Dv 256: of d256, its only variant)."""
     config = select_fwd_config(
         head_dim_qk=g.head_dim_qk, head_dim_v=g.head_dim_v, dtype=KERNEL_DTYPE_NAMES[g.dtype],
-        qhead_per_kvhead=g.num_heads_q // g.num_heads_kv, varlen=g.varlen, variant=VARIANT,
+        qhead_per_kvhead=g.num_heads_q // g.num_heads_kv, varlen=g.varlen,
+        variant=VARIANT if g.head_dim_v <= 128 else None,
     )  # fmt: skip
     return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
 
@@ -123,6 +125,17 @@ def test_other_head_dims(dqk, dv):
     if VARIANT == "qstage2-1cta" and dqk > 128:
         pytest.skip("qstage2 keeps two Q tiles in SMEM: Dqk <= 128 (its launcher refuses 192)")
     CASES.head_dims(dqk, dv, "random")
+
+
+# -- D256: the d256 variant (O over TMEM columns 256..511, one K/V stage) ----------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_d256(dtype, variant):
+    """Fixed (causal, per-head random intervals) and varlen (GQA, empty samples) at (256, 256)."""
+    if variant != VARIANTS[0]:
+        pytest.skip("(256, 256) has one forward variant, d256: it runs under the first parameter only")
+    CASES.causal(dtype, (256, 256))
+    CASES.random_multi_interval_per_head(dtype, (256, 256))
+    CASES.varlen_with_empty_samples(dtype, "random", (256, 256))
 
 
 def test_softmax_scale_and_reuse():

@@ -2,8 +2,8 @@
 
 ``fwd_fragment_probe.py`` traces the kernel's own softmax-fragment builder
 (:meth:`Sm100FwdKernel.softmax_fragments`, compile-time only, ``CUTE_DSL_ARCH=sm_100a``) with the
-kernel's own MMA slice of every payload subtile ``r`` (qstage1-1cta: rank 0 only; qstage1-2cta: both
-CTAs of the pair; qstage2-1cta: both q stages' softmax warpgroups) and reports, for every softmax
+kernel's own MMA slice of every payload subtile ``r`` (qstage1-1cta and d256: rank 0 only; qstage1-2cta:
+both CTAs of the pair; qstage2-1cta: both q stages' softmax warpgroups) and reports, for every softmax
 thread ``t`` and register ``e``, the score element ``(m, n)`` of the plan block that the tcgen05.ld
 32x32b copy puts in ``rS[e]``. The kernel keeps ``rS[e]`` iff
 bit ``e % 32`` of its payload word ``e // 32`` of group ``t`` in plane ``payload_plane_index(entry,
@@ -46,9 +46,10 @@ CASES = [
     (128, 128, "bfloat16", "qstage1-1cta"),
     (128, 128, "bfloat16", "qstage1-2cta"),
     (128, 128, "bfloat16", "qstage2-1cta"),
+    (256, 256, "bfloat16", "d256"),
 ]
 #: payload subtiles of each variant: CTA ranks (2CTA) or q stages (qstage2)
-SUBTILES = {"qstage1-1cta": 1, "qstage1-2cta": 2, "qstage2-1cta": 2}
+SUBTILES = {"qstage1-1cta": 1, "qstage1-2cta": 2, "qstage2-1cta": 2, "d256": 1}
 IDS = [case[3] for case in CASES]
 
 

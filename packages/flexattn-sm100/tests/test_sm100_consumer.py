@@ -26,9 +26,9 @@ PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 # dims -> (kernel_family, (tile_m, tile_n), q_stage, cta_group_size, cluster_axis, layout_id suffix,
 #          (subtiles, groups, words))
-# the defaults are the variants with a kernel (heuristics.py): forward qstage1-1cta wherever it
-# supports the head dims, backward k2q-1cta for D <= 128; pairs without a kernel keep the variant
-# their config specifies (launchers refuse those)
+# the defaults are the variants with a kernel (heuristics.py): forward qstage1-1cta for Dv <= 128 and
+# d256 for (256, 256), backward k2q-1cta for D <= 128; backward pairs without a kernel keep the
+# variant their config specifies (its launcher refuses those)
 FORWARD = {
     (64, 64): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (96, 96): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
@@ -215,6 +215,8 @@ def test_variant_override_and_mask_delivery():
     assert two_cta.mask_smem_bytes_per_cta == 2 * 2048  # spec 6.2: 128 groups x 4 words x 4 B per stage
     direct = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant="qstage2-1cta")
     assert direct.mask_smem_bytes_per_cta == 0  # qstage2 + 1CTA loads payloads GMEM -> registers
+    d256 = select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")  # the default, a kernel
+    assert d256.variant is FWD_VARIANTS["d256"] and d256.mask_smem_bytes_per_cta == 0  # spec 6.2: direct
     with pytest.raises(UnsupportedConfigError, match="variant='d256'"):
         select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant="d256")
     with pytest.raises(UnsupportedConfigError, match="variant='qstage2-1cta'"):

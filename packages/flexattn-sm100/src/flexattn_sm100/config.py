@@ -1,5 +1,6 @@
 """Static configurations of the SM100/SM103 forward and backward kernels (the forward kernels written are
-qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA: ``fwd_kernel.py``, compile-verified, never run).
+qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA and D256, all ``fwd_kernel.py``; the backward one is
+k2q + 1CTA, ``bwd_kernel.py``; compile-verified, never run).
 
 A *variant* is one kernel topology (q stages, CTA group, cluster axis, plan block, mask delivery);
 a config is a variant plus the problem's compile-time facts. Every config field is compile-time

@@ -3,7 +3,7 @@
 ``resolve`` is complete: a plan built for SM100 carries the signature and TMEM payload layout the
 kernels are specified to consume. ``hardware_verified`` is False: this consumer has never run on
 SM100 hardware. ``forward`` launches the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`,
-compiled for sm_100a, generic qstage1 + 1CTA, qstage2 + 1CTA or qstage1 + 2CTA variant) and
+compiled for sm_100a, generic qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA or D256 variant) and
 ``backward`` the K-major backward (:mod:`flexattn_sm100.bwd_launch`, k2q-1cta variant, compile-only
 too) only where the tensors live on a compute-capability 10.x GPU; everywhere else it raises
 :class:`ConsumerNotFoundError`. It never falls back to a computation of its own.

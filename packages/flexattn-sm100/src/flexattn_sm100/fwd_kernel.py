@@ -1,7 +1,8 @@
 """SM100 (Blackwell) attention forward that consumes a MaskPlan's forward view (spec 6.1, 6.2): the
-generic qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA variants, one class configured by the
-variant (q stages, CTA group size and payload delivery are constructor facts). Compile-verified for
-sm_100a only: it has NEVER run on SM100 hardware.
+generic qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA variants and the D256 one, one class
+configured by the variant and the head dims (q stages, CTA group size, payload delivery, K/V
+pipeline depth are constructor facts). Compile-verified for sm_100a only: it has NEVER run on SM100
+hardware.
 
 ``qstage1-1cta``: one CTA = one 128 x 128 plan block. ``qstage1-2cta``: a cluster of two CTAs = one
 256 x 128 plan block computed by tcgen05 ``cta_group::2`` MMAs (M = 256) that the leader CTA (rank
@@ -31,12 +32,29 @@ the MMA warp, warp 9 the load warp (both Q tiles on the one Q barrier), warps 10
 gives the softmax warpgroups 200 registers and the rest 104. Per K block the MMA warp alternates
 the stages, so one stage's softmax overlaps the other stage's GEMMs (``mma_role_qstage2``).
 
-TMEM (512 columns, fp32)::
+``d256``: the qstage1 + 1CTA kernel with (Dqk, Dv) = (256, 256): O fills TMEM columns 256..511, and
+SMEM holds Q and ONE K/V stage (64 + 64 + 64 KB; two stages would need 320 KB, :func:`kv_stages_for`).
+With one stage the K and V pipelines still overlap each other: K_{j+1} is loaded (and S_{j+1}
+computed) while V_j waits for P_j.
 
-    qstage1   S stage 0: cols   0..127   S stage 1: cols 128..255   (QK_{j+1} overlaps softmax j)
-              O        : cols 256..256+Dv-1                          P: cols 384..447 (16-bit packed)
-    qstage2   S_0 (P_0 over its first 64 columns): cols 0..127    O_0: cols 256..256+Dv-1
-              S_1 (P_1 over its first 64 columns): cols 128..255  O_1: cols 256+Dv..256+2Dv-1
+TMEM (512 columns, fp32). P (tile_n 16-bit values a row, packed two per column) is written over the
+first 64 columns of the S stage it was computed from, once the softmax has read that S::
+
+    column      0 ....... 63 64 ...... 127 128 ..... 191 192 ..... 255 256 ................... 511
+    qstage1   [ S stage 0                 ][ S stage 1                 ][ O: Dv columns (d256: 256) ]
+              [ P (from 0) ]               [ P (from 1) ]
+    qstage2   [ S_0                       ][ S_1                       ][ O_0: Dv <= 128 ][ O_1     ]
+              [ P_0        ]               [ P_1        ]
+
+P over S is safe because the tcgen05.mma instructions one thread issues execute in issue order, and
+the MMA warp issues the next MMA into P_j's columns only after the P_j V_j that reads them (blocks
+counted over the CTA's tasks, the S stages alternating with them)::
+
+    qstage1   S_0 ; for j: [S_{j+1} into the other stage] ; wait P_j ; P_j V_j
+              S_{j+2}, the next S into P_j's stage, is issued in iteration j + 1: after the wait for
+              P_j (so after the softmax stored it) and after P_j V_j. The softmax releases S_j's
+              stage right after its tcgen05.ld; that only lets the MMA warp acquire it for S_{j+2}.
+    qstage2   per q stage and j: wait P_q ; P_q V_j ; S_q = Q_q K_{j+1}^T (one S stage per q stage)
 
 Per task ``(m_block, head, batch, q_valid_rows)`` (the walk of flexattn_sm90, spec 6.1)::
 
@@ -53,9 +71,9 @@ multicasts to both CTAs)::
 
     sched  2 stages   load lane 0 -> MMA warp + softmax WG     decoded task record in SMEM (CTA-local)
     Q      1 stage    TMA -> MMA                               released by tcgen05.commit
-    K, V   kv_stages  TMA -> MMA                               released by tcgen05.commit
-    S      2 stages   MMA (commit) -> softmax WG(s)            released after tcgen05.ld
-           (qstage2: 1 stage per q stage; S_{j+1} is issued after the P V that reads P_j there)
+    K, V   kv_stages  TMA -> MMA                               released by tcgen05.commit (d256: 1)
+    S      2 stages   MMA (commit) -> softmax WG(s)            released after tcgen05.ld (P_j is then
+           (qstage2: 1 stage per q stage)                      written over S_j: see the TMEM picture)
     P      1 stage    softmax WG(s) -> MMA                     released by the commit of P V, so
                                                                acquiring P = "O is stable"
     O      1 stage    MMA (commit after the last P V) -> softmax WG(s) epilogue
@@ -109,13 +127,19 @@ from .fwd_helpers import (
 from .fwd_softmax import SoftmaxRole
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: the variants this kernel implements (D256 is specified but not written)
-IMPLEMENTED_VARIANTS = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
-#: SMEM the Q/K/V stages may take (the rest: barriers, task records, CLC response, payload ring)
+#: the variants this kernel implements (every forward variant ``config.FWD_VARIANTS`` defines)
+IMPLEMENTED_VARIANTS = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta", "d256")
+#: SMEM the Q/K/V stages may take for a deeper K/V pipeline than two stages
 _SMEM_BUDGET = 200 * 1024
+#: SMEM the Q/K/V stages may take at all: an SM's 227 KB less the rest (barriers, task records, CLC
+#: response, the 2CTA payload ring of 4 KB, up to 1 KB of alignment before Q)
+_SMEM_LIMIT = 220 * 1024
 _MAX_KV_STAGES = 4
 #: half of an SM's 227 KB of SMEM: a CTA above it never shares its SM
 _HALF_SM_SMEM = 114 * 1024
+#: TMEM columns (32-bit) of a CTA, and those its S tiles take: two S stages (qstage1) or one S per q
+#: stage (qstage2) of tile_n = 128 columns; O gets the rest
+_TMEM_COLS, _TMEM_S_COLS = 512, 256
 #: qstage2 setmaxnreg split: the two softmax warpgroups, and the MMA/load warpgroup (8 x 200 + 4 x 104
 #: = 12 x 168, the launch's registers). ptxas: no spills but 4 bytes for fp16 at D128; 224/56 and
 #: 208/88 spill in the MMA/load warps, 168 for all spills in the softmax)
@@ -135,35 +159,54 @@ def kv_stages_for(
     """K/V pipeline depth: up to 4 stages that fit next to the ``q_tiles`` Q tiles in
     :data:`_SMEM_BUDGET`, or more when 4 leave the CTA under half an SM's SMEM. Each CTA allocates
     all 512 TMEM columns, so a second CTA on the SM would only wait for them (and a CTA pair waiting
-    on two SMs could deadlock). With a CTA pair each CTA holds half of every K and V tile."""
+    on two SMs could deadlock). At least two stages where two fit :data:`_SMEM_LIMIT`, one where only
+    one does (D256: Q + K + V = 192 KB), 0 where not even one does. With a CTA pair each CTA holds
+    half of every K and V tile."""
     q_bytes = q_tiles * tile * head_dim_qk * element_bytes
     kv_bytes = tile * (head_dim_qk + head_dim_v) * element_bytes // cta_group_size
+    most = max(0, (_SMEM_LIMIT - q_bytes) // kv_bytes)
     fit = (_SMEM_BUDGET - q_bytes) // kv_bytes
     above_half = -(-(_HALF_SM_SMEM + 1 - q_bytes) // kv_bytes)
-    return max(2, min(fit, max(_MAX_KV_STAGES, above_half)))
+    return max(min(2, most), min(fit, max(_MAX_KV_STAGES, above_half)))
+
+
+def unsupported(config: Sm100FwdConfig) -> str | None:
+    """Why :class:`Sm100FwdKernel` cannot be built for ``config`` (naming the values), or None."""
+    v, dqk, dv = config.variant, config.head_dim_qk, config.head_dim_v
+    dims = f"(head_dim_qk, head_dim_v)=({dqk}, {dv})"
+    if v.name not in IMPLEMENTED_VARIANTS:
+        return f"the SM100 forward kernel implements variants {IMPLEMENTED_VARIANTS}, not {v.name!r}"
+    if config.pack_gqa:
+        return "PackGQA is not implemented by the SM100 forward kernel"
+    if dqk % 16 or dv % 32 or max(dqk, dv) > 256:
+        return (
+            f"{dims}: head_dim_qk must be a multiple of 16 (the K step of the S MMA), head_dim_v of 32 "
+            "(the O columns one tcgen05.ld/st moves), both <= 256 (the largest compiled)"
+        )
+    if _TMEM_S_COLS + v.q_stage * dv > _TMEM_COLS:
+        return (
+            f"{dims}: TMEM ({_TMEM_COLS} columns) holds {_TMEM_S_COLS} S columns and q_stage={v.q_stage} "
+            f"O tiles of head_dim_v columns, so head_dim_v <= {(_TMEM_COLS - _TMEM_S_COLS) // v.q_stage}"
+        )
+    if v.cta_group_size > 1 and dv > 128:
+        return f"{dims}: the CTA pair is written for head_dim_v <= 128 (Dv 256 is the 'd256' variant)"
+    if v.q_stage == 2 and dqk > QSTAGE2_MAX_HEAD_DIM_QK:
+        return (
+            f"head_dim_qk={dqk}: qstage2 keeps two Q tiles and two K/V stages in SMEM, which fits for "
+            f"head_dim_qk <= {QSTAGE2_MAX_HEAD_DIM_QK} only"
+        )
+    if kv_stages_for(dqk, dv, cta_group_size=v.cta_group_size, q_tiles=v.q_stage) == 0:
+        return f"{dims}: the Q tiles and one K/V stage exceed {_SMEM_LIMIT // 1024} KB of SMEM"
+    return None
 
 
 class Sm100FwdKernel(SoftmaxRole):
     """Static configuration of one compiled forward kernel; see the module docstring."""
 
     def __init__(self, config: Sm100FwdConfig):
-        if config.variant.name not in IMPLEMENTED_VARIANTS:
-            raise NotImplementedError(
-                f"the SM100 forward kernel implements variants {IMPLEMENTED_VARIANTS}, not "
-                f"{config.variant.name!r}"
-            )
-        if config.pack_gqa:
-            raise NotImplementedError("PackGQA is not implemented by the SM100 forward kernel")
-        if config.variant.q_stage == 2 and config.head_dim_qk > QSTAGE2_MAX_HEAD_DIM_QK:
-            raise NotImplementedError(
-                f"head_dim_qk={config.head_dim_qk}: qstage2 keeps two Q tiles and two K/V stages in SMEM, "
-                f"which fits for head_dim_qk <= {QSTAGE2_MAX_HEAD_DIM_QK} only"
-            )
-        if config.head_dim_v > 128 or config.head_dim_qk % 16 or config.head_dim_v % 32:
-            raise NotImplementedError(
-                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the qstage1 "
-                "kernels keep O (Dv <= 128, a multiple of 32) next to two S stages in TMEM"
-            )
+        reason = unsupported(config)
+        if reason is not None:
+            raise NotImplementedError(reason)
         variant = config.variant
         self.config = config
         self.dtype = _DTYPES[config.dtype]
@@ -183,7 +226,7 @@ class Sm100FwdKernel(SoftmaxRole):
         )
         self.sched_stages = 2
         # qstage1: S double-buffered (S_{j+1} overlaps softmax j); qstage2: one S per q stage (the
-        # other stage's S overlaps), with P written over it
+        # other stage's S overlaps); P_j is written over the S stage it came from
         self.s_stages = 2 if self.q_stages == 1 else 1
         # payload delivery (spec 6.2): 0 = direct GMEM -> registers, else the SMEM ring's depth
         self.mask_stages = variant.mask_pipeline_stages
@@ -218,18 +261,14 @@ class Sm100FwdKernel(SoftmaxRole):
         # named barriers (0 is __syncthreads), CTA-local
         self.tmem_alloc_barrier_id = 1  # softmax WG + MMA warp wait for the TMEM address
         self.tmem_free_barrier_id = 2  # softmax WG done with TMEM before warp 0 frees it
-        # TMEM columns (32-bit) per q stage, see the module docstring
-        self.tmem_cols = 512
+        # TMEM columns (32-bit) per q stage, see the module docstring: the S tiles, each P_j over the
+        # S stage it came from, then the O tiles
+        self.tmem_cols = _TMEM_COLS
         self.tmem_s_stride = self.tile_n  # between the S stages of one q stage (qstage1)
-        if self.q_stages == 1:
-            self.tmem_s_offsets, self.tmem_o_offsets, self.tmem_p_offsets = (0,), (256,), (384,)
-            assert 256 + self.head_dim_v <= 384
-        else:  # P_s is written over S_s once the softmax has read it
-            self.tmem_s_offsets = (0, self.tile_n)
-            self.tmem_o_offsets = (256, 256 + self.head_dim_v)
-            self.tmem_p_offsets = self.tmem_s_offsets
+        self.tmem_s_offsets = tuple(q * self.s_stages * self.tile_n for q in range(self.q_stages))
+        self.tmem_o_offsets = tuple(_TMEM_S_COLS + q * self.head_dim_v for q in range(self.q_stages))
+        assert self.q_stages * self.s_stages * self.tile_n == _TMEM_S_COLS
         assert self.tmem_o_offsets[-1] + self.head_dim_v <= self.tmem_cols
-        assert self.tmem_p_offsets[-1] + self.tile_n // 2 <= self.tmem_cols
 
     # -- host entries -----------------------------------------------------------------------------
     @cute.jit
@@ -748,20 +787,23 @@ class Sm100FwdKernel(SoftmaxRole):
             valid, _, sched_state = fetch_task(pipes.sched, sched_state, sTask)
 
     @cute.jit
-    def mma_operands(self, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, q: int):
-        """The SMEM descriptors and, for q stage ``q``, the TMEM S (stage 0 of its S stages), O and
-        P operands the MMA warp issues with."""
+    def mma_operands(self, qk_thr, pv_thr, sQ, sK, sV, tmem_ptr, q: int):
+        """The SMEM descriptors and, for q stage ``q``, the TMEM S (stage 0 of its S stages) and O
+        operands the MMA warp issues with."""
         tSrQ = qk_thr.make_fragment_A(sQ)  # (MMA, MMA_M, MMA_K, q_stages) SMEM descriptors
         tSrK = qk_thr.make_fragment_B(sK)  # (MMA, MMA_N, MMA_K, kv_stages)
         tOrV = pv_thr.make_fragment_B(sV)  # (MMA, MMA_N, MMA_K, kv_stages)
         tStS = tmem_acc(qk_thr, (self.mma_tile_m, self.tile_n), tmem_ptr + self.tmem_s_offsets[q])
         tOtO = tmem_acc(pv_thr, (self.mma_tile_m, self.head_dim_v), tmem_ptr + self.tmem_o_offsets[q])
-        tOrP_proto = pv_thr.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0]
-        tOrP = cute.make_tensor(
-            cute.recast_ptr(tmem_ptr + self.tmem_p_offsets[q], dtype=tOrP_proto.element_type),
-            tOrP_proto.layout,
-        )
-        return tSrQ, tSrK, tOrV, tStS, tOtO, tOrP
+        return tSrQ, tSrK, tOrV, tStS, tOtO
+
+    @cute.jit
+    def p_operand(self, pv_thr, tP_layout, tmem_ptr, q: int, s_index):
+        """The A operand of P V for q stage ``q``: P (16-bit) over the first tile_n / 2 columns of
+        its S stage ``s_index`` (the stage of the S it was computed from)."""
+        proto = pv_thr.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0]
+        columns = self.tmem_s_offsets[q] + s_index * self.tmem_s_stride
+        return cute.make_tensor(cute.recast_ptr(tmem_ptr + columns, dtype=proto.element_type), proto.layout)
 
     def mma_input_states(self):
         """The MMA warp's consumer states of the task records, Q and K/V."""
@@ -796,13 +838,15 @@ class Sm100FwdKernel(SoftmaxRole):
 
     @cute.jit
     def mma_role(self, qk_mma, pv_mma, qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, sTask, pipes):
-        """qstage1: S double-buffered in TMEM, so S_{j+1} is computed while the softmax works on S_j."""
-        tSrQ, tSrK, tOrV, tStS, tOtO, tOrP = self.mma_operands(
-            qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 0
-        )
+        """qstage1: S double-buffered in TMEM, so S_{j+1} is computed while the softmax works on S_j.
+        P_j lies over S_j's stage (``p_stage`` follows S one block behind ``s_state``), and S_{j+2},
+        the next MMA into that stage, is issued in iteration j + 1: after P_j V_j (TMEM picture in
+        the module docstring)."""
+        tSrQ, tSrK, tOrV, tStS, tOtO = self.mma_operands(qk_thr, pv_thr, sQ, sK, sV, tmem_ptr, 0)
         s_pipe, p_pipe, o_pipe = pipes.s[0], pipes.p[0], pipes.o[0]
         sched_state, q_state, kv_state = self.mma_input_states()
         s_state, p_state, o_state = self.mma_stage_states()
+        p_stage = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.s_stages)
         valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)
         while valid != 0:
             n = t.partial_cnt + t.full_cnt
@@ -820,9 +864,11 @@ class Sm100FwdKernel(SoftmaxRole):
                     if j == 0:
                         o_pipe.producer_acquire(o_state)  # the previous epilogue has read O
                     tcgen05_fence_after()
+                    tOrP = self.p_operand(pv_thr, tP_layout, tmem_ptr, 0, p_stage.index)
                     self.issue_pv(pv_mma, tOtO, tOrP, tOrV, kv_state.index, j > 0)
-                    p_pipe.consumer_release(p_state)  # fires when P V completes: O stable, P free
+                    p_pipe.consumer_release(p_state)  # fires when P V completes: O stable
                     p_state.advance()
+                    p_stage.advance()
                     pipes.v.consumer_release(kv_state)
                     kv_state.advance()
                 o_state = self.commit_o(o_pipe, o_state)
@@ -840,10 +886,10 @@ class Sm100FwdKernel(SoftmaxRole):
             for j: wait P0 ; O0 += P0 V_j ; S0 = Q0 K_{j+1}^T     (P0 lies in S0's columns: the
                    wait P1 ; O1 += P1 V_j ; S1 = Q1 K_{j+1}^T      MMAs of one thread run in order)
         """
-        tSrQ, tSrK, tOrV, tStS0, tOtO0, tOrP0 = self.mma_operands(
-            qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 0
-        )
-        _, _, _, tStS1, tOtO1, tOrP1 = self.mma_operands(qk_thr, pv_thr, sQ, sK, sV, tP_layout, tmem_ptr, 1)
+        tSrQ, tSrK, tOrV, tStS0, tOtO0 = self.mma_operands(qk_thr, pv_thr, sQ, sK, sV, tmem_ptr, 0)
+        _, _, _, tStS1, tOtO1 = self.mma_operands(qk_thr, pv_thr, sQ, sK, sV, tmem_ptr, 1)
+        tOrP0 = self.p_operand(pv_thr, tP_layout, tmem_ptr, 0, 0)  # one S stage per q stage
+        tOrP1 = self.p_operand(pv_thr, tP_layout, tmem_ptr, 1, 0)
         sched_state, q_state, kv_state = self.mma_input_states()
         s0, p0, o0, s1, p1, o1 = self.mma_stage_states()
         valid, t, sched_state = fetch_task(pipes.sched, sched_state, sTask)

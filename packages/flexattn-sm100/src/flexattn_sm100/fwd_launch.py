@@ -3,10 +3,10 @@
 Compile-verified for sm_100a; NEVER run on SM100 hardware (there is none where it was written).
 The view's variant picks the kernel: ``qstage1-1cta`` (one CTA per 128 x 128 block, direct payload
 loads), ``qstage2-1cta`` (one CTA per 256 x 128 block as two q stages, direct payload loads;
-Dqk <= 128) or ``qstage1-2cta`` (a CTA pair per 256 x 128 block, tcgen05 cta_group::2, SMEM payload
-ring), all :class:`Sm100FwdKernel` configured by the variant; a view of a variant or head dims
-without a kernel (``d256``; qstage2 with Dqk 192) is refused with :class:`UnsupportedConfigError`
-naming it.
+Dqk <= 128), ``qstage1-2cta`` (a CTA pair per 256 x 128 block, tcgen05 cta_group::2, SMEM payload
+ring) or ``d256`` (qstage1 + 1CTA at (Dqk, Dv) = (256, 256), one K/V stage), all
+:class:`Sm100FwdKernel` configured by the variant; a view of head dims without a kernel (qstage2
+with Dqk 192) is refused with :class:`UnsupportedConfigError` naming them.
 
 ::
 
@@ -36,7 +36,7 @@ from maskplan_kernels.consumer_launch import cached_per_view, forward_io, fwd_pl
 
 from . import view_config
 from .config import Sm100FwdConfig
-from .fwd_kernel import IMPLEMENTED_VARIANTS, QSTAGE2_MAX_HEAD_DIM_QK, Sm100FwdKernel
+from .fwd_kernel import IMPLEMENTED_VARIANTS, Sm100FwdKernel, unsupported
 
 GPU_ARCH = "sm_100a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
@@ -63,13 +63,7 @@ def kernel_key(config: Sm100FwdConfig, *, with_max_logit: bool) -> tuple:
 def supports(config: Sm100FwdConfig) -> bool:
     """Whether a kernel for ``config`` (its variant, head dims, PackGQA) exists (compiles; none has
     run on hardware)."""
-    return (
-        config.variant.name in IMPLEMENTED_VARIANTS
-        and not config.pack_gqa
-        and config.head_dim_v <= 128
-        and config.head_dim_v % 32 == 0
-        and (config.variant.q_stage == 1 or config.head_dim_qk <= QSTAGE2_MAX_HEAD_DIM_QK)
-    )
+    return unsupported(config) is None
 
 
 # -- compile --------------------------------------------------------------------------------------
@@ -107,16 +101,16 @@ def compile_uncached(config: Sm100FwdConfig, *, with_max_logit: bool = False, ex
 # -- launch ---------------------------------------------------------------------------------------
 def require_kernel(config: Sm100FwdConfig) -> Sm100FwdConfig:
     """``config`` if a forward kernel implements it, else :class:`UnsupportedConfigError` naming the
-    variant and what exists."""
-    if not supports(config):
+    variant, why (:func:`fwd_kernel.unsupported`) and what exists."""
+    reason = unsupported(config)
+    if reason is not None:
         v = config.variant
         raise UnsupportedConfigError(
             f"the plan's SM100 forward variant {v.name!r} (tile {v.tile_m}x{v.tile_n}, q_stage={v.q_stage}, "
             f"cta_group_size={v.cta_group_size}, head dims ({config.head_dim_qk}, {config.head_dim_v}), "
-            f"pack_gqa={config.pack_gqa}) has no kernel; implemented: "
-            f"{', '.join(repr(n) for n in IMPLEMENTED_VARIANTS)} with Dv <= 128 (a multiple of 32), "
-            f"qstage2 with Dqk <= {QSTAGE2_MAX_HEAD_DIM_QK}, no PackGQA; rebuild the plan for one of them "
-            "(heuristics.select_fwd_config(variant=...))"
+            f"pack_gqa={config.pack_gqa}) has no kernel: {reason}; implemented: "
+            f"{', '.join(repr(n) for n in IMPLEMENTED_VARIANTS)}, no PackGQA; rebuild the plan for one of "
+            "them (heuristics.select_fwd_config(variant=...))"
         )
     return config
 

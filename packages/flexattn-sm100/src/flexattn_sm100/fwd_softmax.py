@@ -9,15 +9,20 @@ the fragment :mod:`flexattn_sm100.payload_layout` describes), so the row max and
 per-thread scalars and the packed predicate is the thread's own ``words_per_group`` words of payload
 group ``t`` of subtile ``r``: loaded from GMEM directly (1CTA, qstage2) or from the CTA's SMEM
 payload ring (2CTA, spec 6.2). With qstage2 each q stage has its own warpgroup, S, P and O (P over
-S's columns) and S/P/O pipelines. Per block::
+S's columns) and S/P/O pipelines. P_j is always stored over the first tile_n / 2 columns of the S
+stage S_j was read from (the MMA warp issues the next S into that stage only after P_j V_j: see
+:mod:`flexattn_sm100.fwd_kernel`). Per block::
 
     [partial] payload words -> registers (ring: wait stage, copy, fence.proxy.async, release)
-    wait S[j] ; tcgen05.ld S -> 128 fp32 registers ; release S[j] (the MMA may compute S[j + 2])
+    wait S[j] ; tcgen05.ld S -> 128 fp32 registers ; release S[j] (the MMA may acquire it for S[j + 2])
     [partial] register e = -inf unless bit e % 32 of word e // 32            (spec 5.1)
     m' = max(m, rowmax) ; P = 2^(S * scale_log2 - m' * scale_log2) ; l = l * 2^((m - m') * scale_log2) + sum P
-    acquire P (= the P V of block j-1 completed: O is stable, the P buffer is free)
+    acquire P (= the P V of block j-1 completed: O is stable)
     [j > 0 and some row of the warp changed its max] O *= correction (tcgen05.ld/st, 32 columns a time)
-    tcgen05.st P (16-bit, packed two per column) ; commit P -> the MMA warp issues O += P V
+    tcgen05.st P (16-bit, packed two per column, over S[j]) ; commit P -> the MMA warp issues O += P V
+
+O is only ever visited O_CHUNK = 32 columns at a time (rescale and epilogue), so a thread holds 32
+of its row's Dv (up to 256) O values at once, next to the 128 score and 64 packed-P registers.
 
 Epilogue: wait O ; O / l -> GMEM (rows < q_valid) ; LSE = (m * scale_log2 + log2 l) * ln 2 ;
 rows that saw no key get O = 0 and LSE = -inf (the SM90 kernel's and the reference's convention).
@@ -56,7 +61,7 @@ class SoftmaxFragments(NamedTuple):
     tLcS: cute.Tensor  # score coordinates (m, n) of this thread's registers rS[e] (tests)
     rS: cute.Tensor  # (128,) fp32 score row -> P
     p_store: object  # tcgen05.st 32x32b of the packed P
-    tPtP: cute.Tensor  # this thread's P TMEM partition (tile_n / 2 columns)
+    tPtP: cute.Tensor  # this thread's P TMEM partition (tile_n / 2 columns over S stage 0)
     tPcP: cute.Tensor  # (row, packed column) of rP32[j] (tests)
     rP32: cute.Tensor  # the packed P as fp32 registers (tile_n / 2)
     rP: cute.Tensor  # the same registers as tile_n 16-bit values, rS's layout
@@ -81,10 +86,11 @@ class SoftmaxRole:
         tScS = qk_thr.partition_C(cute.local_tile(block, (self.mma_tile_m, self.tile_n), (q, 0)))
         s_load, tLtS, tLcS = score_tmem_load(tStS, tScS, tidx)
         rS = cute.make_rmem_tensor(tLcS.shape, Float32)
-        # P: tile_n 16-bit values per row = tile_n / 2 fp32 columns of the CTA's 128 lanes
+        # P: tile_n 16-bit values per row = tile_n / 2 fp32 columns of the CTA's 128 lanes, over the
+        # first columns of S (stage 0 here; each block's P goes over its own S stage)
         p_cols = self.tile_n * self.dtype.width // 32
         tStP = cute.make_tensor(
-            tmem_ptr + self.tmem_p_offsets[q],
+            tmem_ptr + self.tmem_s_offsets[q],
             cute.composition(tStS.layout, cute.make_layout((self.cta_tile_m, p_cols))),
         )
         tScP = cute.make_tensor(
@@ -165,7 +171,8 @@ class SoftmaxRole:
         rS = frags.rS
         s_pipe.consumer_wait(s_state)
         tcgen05_fence_after()
-        cute.copy(frags.s_load, shift_columns(frags.tLtS, s_state.index * self.tmem_s_stride), rS)
+        s_columns = s_state.index * self.tmem_s_stride  # this block's S stage, and then its P
+        cute.copy(frags.s_load, shift_columns(frags.tLtS, s_columns), rS)
         cute.arch.fence_view_async_tmem_load()
         tcgen05_fence_before()
         s_pipe.consumer_release(s_state)
@@ -179,7 +186,7 @@ class SoftmaxRole:
         if has_o:
             if cute.arch.vote_any_sync(correction != Float32(1.0)):  # warp-uniform: tcgen05.ld/st are
                 self.rescale_o(frags, correction)  # warp-collective
-        cute.copy(frags.p_store, frags.rP32, frags.tPtP)
+        cute.copy(frags.p_store, frags.rP32, shift_columns(frags.tPtP, s_columns))
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before()
         p_pipe.producer_commit(p_state)

@@ -3,17 +3,18 @@
 Provisional: nothing here has been measured on hardware. The defaults are the variants that have a
 kernel (compiled for sm_100a, never run), so a default plan on an SM100 device can run:
 
-* forward ``qstage1-1cta`` (``fwd_kernel.py``) for every head-dim pair it supports (Dv <= 128);
+* forward ``qstage1-1cta`` (``fwd_kernel.py``) for every head-dim pair with Dv <= 128, and ``d256``
+  (the same kernel with O over TMEM columns 256..511 and one K/V stage) for (256, 256);
 * backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128).
 
 The forward ``qstage1-2cta`` variant (the spec's generic one: a CTA pair, cta_group::2 MMAs, SMEM
 payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kernels too
 (``fwd_kernel.py``) but are selected only with ``variant=``: which is fastest is unmeasured without
-hardware. The other variants (forward ``d256``; backward ``k2q-2cta``, ``d256``) keep their configs and
-payload layouts defined and tested (``config.py``, ``payload_layout.py``) but are not selected by
-default; the generic forward variants can still be forced with ``variant=``. Pairs with no kernel
-in a direction still resolve a view (plans are inspectable anywhere); ``fwd_launch.run_forward`` /
-``bwd_launch.run_backward`` refuse them with :class:`UnsupportedConfigError` naming the variant.
+hardware. The backward variants ``k2q-2cta`` and ``d256`` keep their configs and payload layouts
+defined and tested (``config.py``, ``payload_layout.py``) but have no kernel; pairs with no kernel
+in a direction still resolve a view (plans are inspectable anywhere); ``bwd_launch.run_backward``
+(and ``fwd_launch.run_forward`` for a forced variant whose head dims have no kernel) refuse them with
+:class:`UnsupportedConfigError` naming the variant.
 
 ==============  =============================================  ==========================================
 (Dqk, Dv)       forward default (plan block, payload)          backward default (Q x K block, payload)
@@ -24,7 +25,7 @@ in a direction still resolve a view (plans are inspectable anywhere); ``fwd_laun
 (192, 128)      qstage1-1cta                                   k2q-2cta  (128x256, 2 x 256 x 2, cluster n)
                                                                no kernel
 (256, 256)      d256          (128x128, 1 x 128 x 4 words)     d256      (64x128, 1 x 128 x 2 words)
-                no kernel                                      no kernel
+                                                               no kernel
 ==============  =============================================  ==========================================
 
 Any generic forward variant can be forced for the D <= 192 pairs with ``variant=``.

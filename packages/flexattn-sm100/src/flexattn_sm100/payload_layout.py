@@ -4,9 +4,10 @@ Status: compile-verified only, and only in part; never run on SM100 hardware.
 ``tests/test_sm100_cute_crosscheck.py`` checks the forward QK ownership (1CTA M128, and 2CTA M256
 per CTA rank) against CuTe DSL's ``tcgen05.make_tmem_copy(Ld32x32bOp)`` partition at compile time
 (``CUTE_DSL_ARCH=sm_100a``);
-``tests/test_fwd_layout_agreement.py`` checks that the qstage1 + 1CTA and qstage1 + 2CTA forward
-kernels' own softmax fragments test, in every CTA rank, thread and register, the bit this layout
-assigns, and read the words of the CTA's own plane (compiled for sm_100a, never run). The
+``tests/test_fwd_layout_agreement.py`` checks that the forward kernel's own softmax fragments (every
+variant: qstage1 and qstage2 + 1CTA, qstage1 + 2CTA, D256) test, in every subtile, thread and
+register, the bit this layout assigns, and read the words of the CTA's own plane (compiled for
+sm_100a, never run). The
 backward's two-warpgroup column split below is a design choice the future kernel's TMEM copy must
 follow; nothing has checked it yet.
 

@@ -327,9 +327,9 @@ class ForwardCases(_Cases):
         q, k, v = self.qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=7)
         self.check(self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7), q, k, v)
 
-    def varlen_with_empty_samples(self, dtype, kind):
-        H, Hkv, D = 4, 2, 128
-        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, dtype, seed=8)
+    def varlen_with_empty_samples(self, dtype, kind, dims=(128, 128)):
+        H, Hkv = 4, 2
+        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), *dims, dtype, seed=8)
         self.check(self.varlen_mask(kind, seed=8), q, k, v, varlen=varlen_args(self.device))
 
     def head_dims(self, dqk, dv, kind):
