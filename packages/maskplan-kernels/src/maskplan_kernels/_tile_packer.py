@@ -88,12 +88,10 @@ def index_vector(ptr: cute.Pointer, n) -> cute.Tensor:
     return cute.make_tensor(ptr, cute.make_layout(cutlass.max(n, 1)))
 
 
-#: CTAs per materialiser work row (each packs every ROW_PARTS-th pass of the row; part 0 also writes
-#: the row's indices and counts) and the launch's residency: two CTAs per SM (64 registers), so
-#: one CTA's endpoint loads and barriers overlap the other's packing
+#: CTAs per materialiser work row: each packs every ROW_PARTS-th pass of the row (part 0 also writes
+#: the row's indices and counts), so a row with many partial tiles (a K block that straddles two
+#: documents has one with every Q block of both) is not left to one SM
 ROW_PARTS = 2
-CTAS_PER_SM = 2
-RESIDENCY = {"min_blocks_per_mp": CTAS_PER_SM, "preferred_smem_carveout": 100}
 
 #: shared memory the packer's slots may take (endpoints + bitmaps); the rest stays free for
 #: the materialisers' lists and scan scratch
@@ -166,13 +164,16 @@ class TilePacker:
         )
 
     def allocate(self, smem):
-        """(sEnd (nfunc, end_slots * tile_m), sBitmap (slots * bitmap_words,)) in shared memory."""
+        """(sEnd (nfunc, end_slots * tile_m), sBitmap (slots * bitmap_words,), sStage (warps, 32)) in
+        shared memory."""
         rows = self.end_slots * self.tile_m
         ends = cute.make_layout((self.nfunc, rows), stride=(rows, 1))
         sEnd = smem.allocate_tensor(Int32, ends, byte_alignment=16)
         bitmaps = cute.make_layout(self.slots * self.bitmap_words)
         sBitmap = smem.allocate_tensor(Int32, bitmaps, byte_alignment=16)
-        return sEnd, sBitmap
+        stage = cute.make_layout((self.num_warps, WARP), stride=(WARP, 1))
+        sStage = smem.allocate_tensor(Int32, stage, byte_alignment=16)
+        return sEnd, sBitmap, sStage
 
     @cute.jit
     def init(self, sBitmap: cute.Tensor, tidx: Int32):
@@ -277,24 +278,34 @@ class TilePacker:
 
     @cute.jit
     def pack(
-        self, sBitmap: cute.Tensor, regs, mMasks: cute.Tensor, entry0: Int32, n: Int32, warp: Int32,
-        lane: Int32,
+        self, sBitmap: cute.Tensor, sStage: cute.Tensor, regs, mMasks: cute.Tensor, entry0: Int32,
+        n: Int32, warp: Int32, lane: Int32,
     ):  # fmt: skip
         """Payload words of the pass's ``n`` tiles -> ``mMasks[entry0 + s, :]`` (reads only ``sBitmap``).
 
-        The slot loop stays a runtime loop: unrolling it (to overlap the slots' loads) made ptxas
-        spill and ran 3.5x slower on the H200."""
+        The slot loop stays a runtime loop: unrolling it made ptxas spill and ran 3.5x slower on
+        the H200."""
         phase = warp // self.block_warps
         if phase < self.slot_phases:
             for s in cutlass.range(phase, n, self.slot_phases, unroll=1):
-                slot_bits = s * (self.bitmap_words * WARP)
+                sSlot = cute.make_tensor(sBitmap.iterator + s * self.bitmap_words, sBitmap.layout)
                 for g in cutlass.range_constexpr(self.groups):
                     base = (g * self.num_warps + warp % self.block_warps) * WARP
-                    mine = Int32(0)
+                    # all 32 loads first: ptxas does not move a shared load above a vote, so loads
+                    # interleaved with the ballots would each wait out their latency
+                    bits = []
                     for i in cutlass.range_constexpr(WARP):
-                        a = regs[g][i] + slot_bits
-                        bit = (sBitmap[a >> 5] >> (a & 31)) & 1
-                        word = cute.arch.vote_ballot_sync(bit != 0)
-                        mine = cutlass.select_(lane == i, Int32(word), mine)
+                        a = regs[g][i]  # the word index and the mask are loop-invariant (hoisted)
+                        bits.append(sSlot[a >> 5] & (Int32(1) << (a & 31)))
+                    # the ballots are warp-uniform: every lane stores them (4 words a 16-byte store)
+                    # to the warp's staging row, and lane i reads word i back
+                    row = sStage[warp, None]
+                    for q in cutlass.range_constexpr(WARP // 4):
+                        quad = cute.make_rmem_tensor((4,), Int32)
+                        for j in cutlass.range_constexpr(4):
+                            quad[j] = cute.arch.vote_ballot_sync(bits[4 * q + j] != 0)
+                        cute.autovec_copy(quad, cute.local_tile(row, (4,), (q,)))
+                    cute.arch.sync_warp()
+                    mine = row[lane]
                     if base + lane < self.words_per_tile:
                         mMasks[entry0 + s, base + lane] = mine

@@ -37,7 +37,7 @@ from maskplan_core.plan import MaskPlan, PlanView
 from ._cute_args import advance, cuda_index, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
 from ._sections import ScheduleParams
-from ._tile_packer import CTAS_PER_SM, ROW_PARTS, MaterializeConfig
+from ._tile_packer import ROW_PARTS, MaterializeConfig
 from .classify import ClassifyConfig, compile_classify
 from .geometry import (
     DESC_COLS,
@@ -519,7 +519,7 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
             _extent(nnz_p),
             _extent(nnz_f),
             int(compact),
-            persistent_ctas(build.device, h * n_rows * ROW_PARTS, CTAS_PER_SM),
+            persistent_ctas(build.device, h * n_rows * ROW_PARTS),
             build.stream,
         )
     kept = build.sizes.kept
@@ -606,7 +606,7 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
             _extent(nnz_p),
             _extent(nnz_f),
             int(compact),
-            persistent_ctas(build.device, h * n_k_rows * ROW_PARTS, CTAS_PER_SM),
+            persistent_ctas(build.device, h * n_k_rows * ROW_PARTS),
             build.stream,
         )
     kept = build.sizes.kept

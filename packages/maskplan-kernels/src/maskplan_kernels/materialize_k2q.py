@@ -13,7 +13,7 @@ in ascending order (Q block ``m = r - row_begin[b]``):
 where ``rank of j in row r`` = number of visible K blocks of Q row ``r`` below ``j`` (popcount of
 the row's visible words before word ``j // 32`` plus the masked word itself).
 
-Work decomposition (persistent CTAs, two resident per SM, over the ``Hmask * k_rows * ROW_PARTS``
+Work decomposition (persistent CTAs over the ``Hmask * k_rows * ROW_PARTS``
 work items, item = (h, kr, part); the parts of a row split its packing passes, part 0 alone writes
 its indices, dq ranks and counts)::
 
@@ -40,7 +40,7 @@ from cutlass import Int32
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
-from ._tile_packer import RESIDENCY, ROW_PARTS, MaterializeConfig, TilePacker, index_vector
+from ._tile_packer import ROW_PARTS, MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
 _HALF = 16  # the packed scan keeps the partial rank in bits 0..15 and the full rank in 16..31
@@ -101,9 +101,7 @@ class K2QMaterialize:
             index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f),
             index_vector(dq_order, nnz_p), index_vector(dq_order_full, nnz_f), v.masks, v.table,
             n_k_rows, write_compact,
-        ).launch(
-            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, **RESIDENCY
-        )  # fmt: skip
+        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -132,7 +130,7 @@ class K2QMaterialize:
         lane = cute.arch.lane_idx()
 
         smem = cutlass.memory.SmemAllocator()
-        sEnd, sBitmap = self.packer.allocate(smem)
+        sEnd, sBitmap, sStage = self.packer.allocate(smem)
         sList = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads), byte_alignment=16)
         sScratch = smem.allocate_tensor(Int32, cute.make_layout(SCAN_SCRATCH), byte_alignment=16)
 
@@ -208,7 +206,7 @@ class K2QMaterialize:
                         cute.arch.sync_threads()
                         self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, j, k_len, tidx)
                         cute.arch.sync_threads()
-                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
+                        self.packer.pack(sBitmap, sStage, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
                     carry_p = carry_p + n_list
                     carry_f = carry_f + (tot >> _HALF)
 

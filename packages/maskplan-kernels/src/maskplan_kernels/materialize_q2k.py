@@ -10,7 +10,7 @@ Q plan row ``r`` (in ``(h, r)`` order, the CSR order):
 and, for varlen plans whose row bound exceeded the exact row count, the compact copies of the
 counts and offsets (``write_compact``; fixed-length plans keep the scan's tensors as they are).
 
-Work decomposition (persistent CTAs, two resident per SM, over the ``Hmask * rows * ROW_PARTS``
+Work decomposition (persistent CTAs over the ``Hmask * rows * ROW_PARTS``
 work items, item = (h, r, part); the parts of a row split its packing passes, part 0 alone writes
 its indices and counts)::
 
@@ -39,7 +39,7 @@ from cutlass import Int32
 from ._cute_args import fake_stream, placeholder_ptr
 from ._jit_cache import compile_cached
 from ._primitives import WARP, lowest_bit_index, warp_broadcast, warp_inclusive_sum
-from ._tile_packer import RESIDENCY, ROW_PARTS, MaterializeConfig, TilePacker, index_vector
+from ._tile_packer import ROW_PARTS, MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 LIST_CAPACITY = WARP * WARP  # partial blocks of one chunk of 32 words
@@ -93,9 +93,7 @@ class Q2KMaterialize:
             v.mask, mRowBatch, mDesc, v.visible, v.full, v.counts_ws, v.counts_out,
             index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f), v.masks, v.table,
             n_rows, write_compact,
-        ).launch(
-            grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream, **RESIDENCY
-        )  # fmt: skip
+        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -121,7 +119,7 @@ class Q2KMaterialize:
         lane = cute.arch.lane_idx()
 
         smem = cutlass.memory.SmemAllocator()
-        sEnd, sBitmap = self.packer.allocate(smem)
+        sEnd, sBitmap, sStage = self.packer.allocate(smem)
         sList = smem.allocate_tensor(Int32, cute.make_layout(LIST_CAPACITY), byte_alignment=16)
         sMeta = smem.allocate_tensor(Int32, cute.make_layout(WARP), byte_alignment=16)
 
@@ -180,7 +178,7 @@ class Q2KMaterialize:
                         n = cutlass.min(n_list - e0, slots)
                         self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, 0, k_len, tidx)
                         cute.arch.sync_threads()
-                        self.packer.pack(sBitmap, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
+                        self.packer.pack(sBitmap, sStage, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
                         cute.arch.sync_threads()  # the next pass rewrites the bitmaps
                     carry_p = carry_p + n_list
                     carry_f = carry_f + n_full
