@@ -286,9 +286,9 @@ def scan_header_twin(config):
 
 
 def _tile_payload(mask, head, q_off, first_local, q_len, total_q, n_block, k_len, tm, tn, nfunc, table, wpt):
-    from maskplan_kernels.payload_table import bitmap_row_stride, bitmap_words, row_words
+    from maskplan_kernels.payload_table import bitmap_row_base, bitmap_words, row_words
 
-    stride, rw = bitmap_row_stride(tn), row_words(tn)
+    rw = row_words(tn)
     bitmap = [0] * bitmap_words(tm, tn)
     for t in range(tm):
         local, tok = first_local + t, q_off + first_local + t
@@ -304,7 +304,7 @@ def _tile_payload(mask, head, q_off, first_local, q_len, total_q, n_block, k_len
                 lo = min(max(start - x0, 0), lim)
                 hi = max(min(max(end - x0, 0), lim), lo)
                 word |= ((1 << hi) - (1 << lo)) & 0xFFFFFFFF
-            bitmap[t * stride + c] = word
+            bitmap[bitmap_row_base(t, tn) + c] = word
     out = []
     for w in range(wpt):
         word = 0

@@ -66,6 +66,27 @@ def test_table_addresses_stay_inside_the_bitmap(layout):
     assert bitmap_row_stride(layout.tile_n) % 2 == 1
 
 
+def bank_ways(layout) -> list[int]:
+    """Per payload word: the most distinct bitmap words one shared-memory bank serves when a warp
+    loads that word's 32 source bits (1 = conflict-free)."""
+    table = payload_source_table(layout).view(-1, 32).to(torch.int64) // 32
+    out = []
+    for words in table.tolist():
+        banks: dict[int, int] = {}
+        for w in set(words):
+            banks[w % 32] = banks.get(w % 32, 0) + 1
+        out.append(max(banks.values()))
+    return out
+
+
+@pytest.mark.parametrize("layout", _layouts(), ids=lambda layout: layout.layout_id)
+def test_pack_loads_are_at_most_two_way_bank_conflicts(layout):
+    ways = bank_ways(layout)
+    assert max(ways) <= 2
+    if layout.layout_id.startswith(("sm90-wgmma-acc-v1-64x128-kq", "sm90-wgmma-acc-v1-128x1", "sm100")):
+        assert max(ways) == 1  # the D <= 128 consumers' layouts (the skew word fixed the 64x128-kq one)
+
+
 CASES = [
     ([100, 100], [160, 160], False),
     ([70, 0, 33, 1, 65], [50, 90, 0, 5, 128], True),

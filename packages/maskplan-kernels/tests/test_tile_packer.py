@@ -65,3 +65,10 @@ def test_pass_shared_memory_within_budget(config, listed):
 def test_listed_must_name_a_block_axis():
     with pytest.raises(ValueError, match="listed must be 'q' or 'k'"):
         TilePacker(CONFIGS[0], "m")
+
+
+def test_k2q_pass_needs_a_thread_per_tile_row():
+    config = MaterializeConfig(tile_m=256, tile_n=64, nfunc=1, words_per_tile=512, num_warps=4)
+    assert TilePacker(config, "k").slots == 1
+    with pytest.raises(ValueError, match="tile_m=256 > 128 threads"):
+        TilePacker(config, "q")

@@ -7,7 +7,7 @@ The materialiser lists the pass's blocks in shared memory: K blocks for a Q2K ro
 their rows: one ``sEnd`` slot), Q blocks for a K2Q row (one ``sEnd`` slot per tile)::
 
     load_rows     sEnd[f, slot rows + t] = endpoint f of tile row t   (0 for rows past q_len: no interval)
-    build_bitmap  sBitmap[slot words + m * row_stride + c] = visibility of keys j*tn + 32c .. +31 of row m
+    build_bitmap  sBitmap[slot words + row_base(m) + c] = visibility of keys j*tn + 32c .. +31 of row m
                   = OR over intervals [G(2i), G(2i+1)) of G = [0, F0, F1, ...] of the clipped bit range
                   (clipped to the tile's columns and to k_len: exactly the reference tile predicate
                   "odd number of G values <= key", row < q_len, key < k_len, for sorted endpoints)
@@ -34,7 +34,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
 from ._primitives import WARP, WarpsPerCta, range_bits
-from .payload_table import bitmap_row_stride, bitmap_words, row_words, zero_address
+from .payload_table import bitmap_row_base, bitmap_words, row_words, zero_address
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,10 @@ class TilePacker:
     def __init__(self, config: MaterializeConfig, listed: str):
         if listed not in ("q", "k"):
             raise ValueError(f"listed must be 'q' or 'k', got {listed!r}")
+        if listed == "q" and config.tile_m > config.num_threads:
+            raise ValueError(
+                f"tile_m={config.tile_m} > {config.num_threads} threads: a K2Q pass fetches one row a thread"
+            )
         self.listed = listed
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
@@ -118,9 +122,8 @@ class TilePacker:
         self.num_threads = config.num_threads
         self.groups = config.table_groups
         self.row_words = row_words(config.tile_n)
-        self.row_stride = bitmap_row_stride(config.tile_n)
         self.bitmap_words = bitmap_words(config.tile_m, config.tile_n)
-        self.zero_word = config.tile_m * self.row_stride
+        self.zero_word = bitmap_row_base(config.tile_m, config.tile_n)
         self.zero_address = zero_address(config.tile_m, config.tile_n)
         # pack: 32-word blocks of a tile, warps per slot, slots packed side by side
         blocks = -(-self.words_per_tile // WARP)
@@ -199,40 +202,50 @@ class TilePacker:
         return regs
 
     @cute.jit
+    def endpoints(self, mMask: cute.Tensor, head: Int32, q_offset: Int32, q_len: Int32, local: Int32, f: int):
+        """Endpoint ``f`` of the sample-local Q row ``local``; 0 (no visible key) outside the sample."""
+        token = q_offset + local
+        v = Int32(0)
+        if (local < q_len) & (token >= 0) & (token < mMask.shape[2]):
+            v = mMask[head, f, token]
+        return v
+
+    @cute.jit
     def load_rows(
-        self,
-        mMask: cute.Tensor,
-        sEnd: cute.Tensor,
-        head: Int32,
-        q_offset: Int32,
-        q_len: Int32,
-        first_local: Int32,
-        sList: cute.Tensor,
-        e0: Int32,
-        n: Int32,
-        tidx: Int32,
-    ):
-        """Endpoints of the pass's rows into ``sEnd`` (coalesced over rows): ``listed == "k"``: the
-        tile rows from sample-local row ``first_local``; ``"q"``: slot ``s < n``'s rows from local
-        row ``sList[e0 + s] * tile_m``. Rows outside the sample get all-zero endpoints, i.e. no
-        visible key. Visible after the caller's next barrier."""
-        total_q = mMask.shape[2]
-        rows = self.tile_m
-        if const_expr(self.listed == "q"):
-            rows = n * self.tile_m
-        for r in cutlass.range(tidx, rows, self.num_threads, unroll=1):
-            slot = r // self.tile_m
-            t = r - slot * self.tile_m
-            local = first_local + t
-            if const_expr(self.listed == "q"):
-                local = sList[e0 + slot] * self.tile_m + t
-            token = q_offset + local
-            ok = (local < q_len) & (token >= 0) & (token < total_q)
+        self, mMask: cute.Tensor, sEnd: cute.Tensor, head: Int32, q_offset: Int32, q_len: Int32,
+        first_local: Int32, tidx: Int32,
+    ):  # fmt: skip
+        """``listed == "k"``: the endpoints of the tile rows from sample-local row ``first_local`` into
+        ``sEnd`` (coalesced over rows). Visible after the caller's next barrier."""
+        for t in cutlass.range(tidx, self.tile_m, self.num_threads, unroll=1):
             for f in cutlass.range_constexpr(self.nfunc):
-                v = Int32(0)
-                if ok:
-                    v = mMask[head, f, token]
-                sEnd[f, r] = v
+                sEnd[f, t] = self.endpoints(mMask, head, q_offset, q_len, first_local + t, f)
+
+    @cute.jit
+    def fetch_rows(
+        self, mMask: cute.Tensor, rEnd: cute.Tensor, head: Int32, q_offset: Int32, q_len: Int32,
+        sList: cute.Tensor, e0: Int32, n_list: Int32, tidx: Int32,
+    ):  # fmt: skip
+        """``listed == "q"``: this thread's row of the pass from list entry ``e0`` (one row a thread:
+        slot ``tidx // tile_m``, row ``tidx % tile_m`` of Q block ``sList[e0 + slot]``) into the
+        registers ``rEnd``; issued before the current pass is packed, so the load overlaps it."""
+        slot = tidx // self.tile_m
+        valid = (tidx < self.slots * self.tile_m) & (e0 + slot < n_list)
+        local = Int32(0)
+        if valid:
+            local = sList[e0 + slot] * self.tile_m + tidx - slot * self.tile_m
+        for f in cutlass.range_constexpr(self.nfunc):
+            v = Int32(0)
+            if valid:
+                v = self.endpoints(mMask, head, q_offset, q_len, local, f)
+            rEnd[f] = v
+
+    @cute.jit
+    def store_rows(self, sEnd: cute.Tensor, rEnd: cute.Tensor, tidx: Int32):
+        """The fetched rows into ``sEnd``. Visible after the caller's next barrier."""
+        if tidx < self.slots * self.tile_m:
+            for f in cutlass.range_constexpr(self.nfunc):
+                sEnd[f, tidx] = rEnd[f]
 
     @cute.jit
     def build_bitmap(
@@ -274,7 +287,7 @@ class TilePacker:
                 lo = cutlass.min(cutlass.max(start - x0, 0), lim)
                 hi = cutlass.min(cutlass.max(end - x0, 0), lim)
                 word = word | range_bits(lo, hi)
-            sBitmap[slot * self.bitmap_words + m * self.row_stride + c] = word
+            sBitmap[slot * self.bitmap_words + bitmap_row_base(m, tn) + c] = word
 
     @cute.jit
     def pack(

@@ -25,7 +25,8 @@ its indices, dq ranks and counts)::
                      ONE CTA exclusive scan of (partial | full << 16) -> both ranks at once
                      write idx + dq rank, list partial Q blocks in shared memory
                      per pass of up to `slots` listed Q blocks (TilePacker): endpoints of their
-                     rows -> bitmaps of block j -> pack, store
+                     rows (fetched to registers while the previous pass packs) -> bitmaps of
+                     block j -> pack, store
 
 Compile-time (``Constexpr``): ``MaterializeConfig``. Runtime: sizes, bounds, nnz, ``write_compact``.
 """
@@ -136,6 +137,7 @@ class K2QMaterialize:
 
         self.packer.init(sBitmap, tidx)
         regs = self.packer.load_table(mTable, warp, lane)
+        rEnd = cute.make_rmem_tensor((self.packer.nfunc,), Int32)  # this thread's row of the next pass
         hmask = mVisible.shape[0]
 
         for item in cutlass.range(bidx, hmask * n_k_rows * ROW_PARTS, num_ctas, unroll=1):
@@ -198,15 +200,19 @@ class K2QMaterialize:
                     # passes of `slots` tiles; the next pass's rows and bitmaps are written only
                     # after a barrier every thread passes once done with this pass's reads
                     slots = self.packer.slots
-                    for e0 in cutlass.range(part * slots, n_list, ROW_PARTS * slots, unroll=1):
+                    stride = ROW_PARTS * slots
+                    fetch = (mMask, rEnd, head, q_offset, q_len, sList)
+                    self.packer.fetch_rows(*fetch, part * slots, n_list, tidx)
+                    for e0 in cutlass.range(part * slots, n_list, stride, unroll=1):
                         n = cutlass.min(n_list - e0, slots)
-                        self.packer.load_rows(
-                            mMask, sEnd, head, q_offset, q_len, Int32(0), sList, e0, n, tidx
-                        )
+                        self.packer.store_rows(sEnd, rEnd, tidx)
                         cute.arch.sync_threads()
                         self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, j, k_len, tidx)
                         cute.arch.sync_threads()
-                        self.packer.pack(sBitmap, sStage, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
+                        # the next pass's rows load while this one packs
+                        self.packer.fetch_rows(*fetch, e0 + stride, n_list, tidx)
+                        entry0 = off_p + carry_p + e0
+                        self.packer.pack(sBitmap, sStage, regs, mMasks, entry0, n, warp, lane)
                     carry_p = carry_p + n_list
                     carry_f = carry_f + (tot >> _HALF)
 

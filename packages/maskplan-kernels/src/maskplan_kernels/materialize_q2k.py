@@ -148,7 +148,7 @@ class Q2KMaterialize:
                     mCountsOut[2, head, row] = off_p
                     mCountsOut[3, head, row] = off_f
             if cnt_p > 0:
-                self.packer.load_rows(mMask, sEnd, head, q_offset, q_len, first_local, sList, 0, 1, tidx)
+                self.packer.load_rows(mMask, sEnd, head, q_offset, q_len, first_local, tidx)
             if cnt_p + cnt_f > 0:
                 carry_p = Int32(0)
                 carry_f = Int32(0)
@@ -178,7 +178,8 @@ class Q2KMaterialize:
                         n = cutlass.min(n_list - e0, slots)
                         self.packer.build_bitmap(sEnd, sBitmap, sList, e0, n, 0, k_len, tidx)
                         cute.arch.sync_threads()
-                        self.packer.pack(sBitmap, sStage, regs, mMasks, off_p + carry_p + e0, n, warp, lane)
+                        entry0 = off_p + carry_p + e0
+                        self.packer.pack(sBitmap, sStage, regs, mMasks, entry0, n, warp, lane)
                         cute.arch.sync_threads()  # the next pass rewrites the bitmaps
                     carry_p = carry_p + n_list
                     carry_f = carry_f + n_full

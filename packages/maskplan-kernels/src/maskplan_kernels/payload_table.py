@@ -6,12 +6,14 @@ int32 table, one entry per payload bit::
 
     table[word * 32 + bit] = bit address, in the packer's shared tile bitmap, of the score
                              element (m, n) that feeds payload bit `bit` of word `word`
-                           = (m * row_stride + n // 32) * 32 + n % 32
+                           = (row_base(m) + n // 32) * 32 + n % 32
                            = zero_address for padding bits (a shared word that is always 0)
 
-The packer builds the tile's predicate as a row-major bitmap in shared memory (``row_stride``
-uint32 words per tile row, odd so that rows ``m`` and ``m + 8`` fall in different banks), then
-lane ``b`` of a warp reads ``table[word * 32 + b]`` and the warp's ballot IS payload word ``word``.
+The packer builds the tile's predicate as a row-major bitmap in shared memory, then lane ``b`` of a
+warp reads ``table[word * 32 + b]`` and the warp's ballot IS payload word ``word``. Row ``m``
+starts at ``row_base(m) = m * row_stride + m // 32``: ``row_stride`` words (odd, so rows 8 apart
+fall in different banks) and one skew word every 32 rows, so rows 32 apart do too (the SM90
+backward's payload words take rows m, m + 1, m + 8, ..., m + 57: 2-way bank conflicts without it).
 :func:`pack_with_table` is the pure-torch twin of that device loop; ``tests/test_payload_table.py``
 checks it against ``layout.pack`` for every layout the consumers ship.
 """
@@ -35,27 +37,31 @@ def bitmap_row_stride(tile_n: int) -> int:
     return row_words(tile_n) | 1
 
 
+def bitmap_row_base(m, tile_n: int):
+    """Word offset of tile row ``m`` in the shared bitmap (an int, a tensor or a device Int32)."""
+    return m * bitmap_row_stride(tile_n) + m // WORD_BITS
+
+
 def bitmap_words(tile_m: int, tile_n: int) -> int:
     """Shared bitmap size in words: the rows plus one always-zero word at the end."""
-    return tile_m * bitmap_row_stride(tile_n) + 1
+    return bitmap_row_base(tile_m, tile_n) + 1
 
 
 def zero_address(tile_m: int, tile_n: int) -> int:
     """Bit address of bit 0 of the always-zero word (target of every padding bit)."""
-    return tile_m * bitmap_row_stride(tile_n) * WORD_BITS
+    return bitmap_row_base(tile_m, tile_n) * WORD_BITS
 
 
 def payload_source_table(layout: PayloadLayout) -> torch.Tensor:
     """int32 CPU ``[words_per_tile * 32]``: the bitmap bit address feeding each payload bit."""
     tm, tn = layout.tile_m, layout.tile_n
-    stride = bitmap_row_stride(tn)
     flat = layout.flat_bit_index.reshape(-1).to(torch.int64)  # [tm * tn] payload bit of element (m, n)
     n_bits = layout.words_per_tile * WORD_BITS
     if flat.numel() != tm * tn or int(flat.min()) < 0 or int(flat.max()) >= n_bits:
         raise ValueError(f"{layout!r}: flat_bit_index must map the {tm}x{tn} tile into {n_bits} payload bits")
     m = torch.arange(tm, dtype=torch.int64).unsqueeze(1)
     n = torch.arange(tn, dtype=torch.int64).unsqueeze(0)
-    address = ((m * stride + n // WORD_BITS) * WORD_BITS + n % WORD_BITS).reshape(-1)
+    address = ((bitmap_row_base(m, tn) + n // WORD_BITS) * WORD_BITS + n % WORD_BITS).reshape(-1)
     table = torch.full((n_bits,), zero_address(tm, tn), dtype=torch.int64)
     table[flat] = address
     return table.to(torch.int32)
@@ -64,12 +70,12 @@ def payload_source_table(layout: PayloadLayout) -> torch.Tensor:
 def tile_bitmaps(tiles: torch.Tensor) -> torch.Tensor:
     """bool ``[n, tm, tn]`` -> int32 ``[n, bitmap_words]``: the shared bitmap the packer builds."""
     n, tm, tn = tiles.shape
-    stride, rw = bitmap_row_stride(tn), row_words(tn)
+    rw = row_words(tn)
     bits = torch.nn.functional.pad(tiles.to(torch.int64), (0, rw * WORD_BITS - tn))
     words = (bits.reshape(n, tm, rw, WORD_BITS) << torch.arange(WORD_BITS)).sum(-1)  # [n, tm, rw]
-    out = torch.zeros(n, tm, stride, dtype=torch.int64)
-    out[:, :, :rw] = words
-    out = torch.cat([out.reshape(n, tm * stride), torch.zeros(n, 1, dtype=torch.int64)], 1)
+    out = torch.zeros(n, bitmap_words(tm, tn), dtype=torch.int64)
+    index = bitmap_row_base(torch.arange(tm).unsqueeze(1), tn) + torch.arange(rw)  # [tm, rw]
+    out[:, index.reshape(-1)] = words.reshape(n, tm * rw)
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
