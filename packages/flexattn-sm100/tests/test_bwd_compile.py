@@ -36,13 +36,16 @@ pytestmark = pytest.mark.skipif(
     reason="the CuTe DSL target is fixed per process; run with CUTE_DSL_ARCH=sm_100a",
 )
 
-#: (head dim, dtype, deterministic): each head dim and dtype, both modes, about 3 s each
-MAIN = [(64, "bfloat16", False), (96, "bfloat16", False), (128, "bfloat16", False), (128, "float16", True),
-        (64, "float16", True)]  # fmt: skip
+#: ((Dqk, Dv), dtype, deterministic): each head-dim pair and dtype, both modes, about 3 s each
+MAIN = [((64, 64), "bfloat16", False), ((96, 96), "bfloat16", False), ((128, 128), "bfloat16", False),
+        ((128, 128), "float16", True), ((64, 64), "float16", True), ((192, 128), "bfloat16", False),
+        ((192, 128), "float16", True)]  # fmt: skip
 
 
-def config(d: int, dtype: str = "bfloat16") -> Sm100BwdConfig:
-    return Sm100BwdConfig(head_dim_qk=d, head_dim_v=d, dtype=dtype, variant=BWD_VARIANTS["k2q-1cta"])
+def config(d, dtype: str = "bfloat16") -> Sm100BwdConfig:
+    """The k2q-1cta config of head dim ``d`` or head-dim pair ``(Dqk, Dv)``."""
+    dqk, dv = d if isinstance(d, tuple) else (d, d)
+    return Sm100BwdConfig(head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, variant=BWD_VARIANTS["k2q-1cta"])
 
 
 def _ptx(kind, d, dtype, tmp_path, **kw) -> str:
@@ -60,26 +63,31 @@ def _count(ptx: str, pattern: str) -> int:
 
 
 @pytest.mark.parametrize(
-    "d,dtype,deterministic", MAIN, ids=[f"d{d}-{t}-{'det' if x else 'atomic'}" for d, t, x in MAIN]
+    "d,dtype,deterministic", MAIN, ids=[f"d{q}x{v}-{t}-{'det' if x else 'atomic'}" for (q, v), t, x in MAIN]
 )
 def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
+    dqk, dv = d
+    serial = Sm100BwdKernel(config(d, dtype)).serial
+    assert serial == (dqk + dv > 256)
     ptx = _ptx("main", d, dtype, tmp_path, deterministic=deterministic)
-    # UMMA, cta_group 1: S^T and dP^T (D/16 k-blocks, two sites each: first step and next step),
-    # dV, dK (tile_m/16 = 8 each), dQ (tile_n/16 = 8); only dV takes A from TMEM (P^T)
+    # UMMA, cta_group 1: S^T (Dqk/16 k-blocks) and dP^T (Dv/16) at two sites each (first step, next
+    # step; the serial plan issues dP^T at one), dV, dK (tile_m/16 = 8 each), dQ (tile_n/16 = 8);
+    # only dV takes A from TMEM (P^T)
     mma = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
-    assert len(mma) == 4 * d // 16 + 3 * 8
+    assert len(mma) == 2 * dqk // 16 + (1 if serial else 2) * dv // 16 + 3 * 8
     assert sum(a.startswith("[") for a in mma) == 8
-    assert _count(ptx, r"tcgen05\.commit\.cta_group::1") == 8  # S x2, dP x2, dQ, dO/Q releases, dK/dV done
+    # S x2, dP x2 (serial: x1), dQ, dO/Q releases, dK/dV done
+    assert _count(ptx, r"tcgen05\.commit\.cta_group::1") == (7 if serial else 8)
     # compute: S^T and dP^T in 2 chunks of 32 columns, at the partial and the full site; P^T stores;
-    # epilogue dV and dK (D/2 columns per warpgroup); dQ warps: D/32 chunks at two sites
-    width = 32 if (d // 2) % 32 == 0 else 16
-    loads = 2 * 2 * 2 + 2 * (d // 2) // width + 2 * d // 32
+    # epilogue dV and dK (D/2 columns per warpgroup); dQ warps: Dqk/32 chunks at two sites
+    width = {x: 32 if (x // 2) % 32 == 0 else 16 for x in (dqk, dv)}
+    loads = 2 * 2 * 2 + (dv // 2) // width[dv] + (dqk // 2) // width[dqk] + 2 * dqk // 32
     assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x\d+\.b32") == loads
     assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 2
     assert _count(ptx, r"tcgen05\.alloc\.") == 1 and _count(ptx, r"tcgen05\.dealloc\.") == 1
     assert "cp.async.bulk.tensor" in ptx  # TMA of K, V, Q, dO
     assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # LSE2 and D
-    assert _count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2 * d // 32
+    assert _count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2 * dqk // 32
     assert _count(ptx, r"ld\.global(\.nc)?\.v2\.b32") == 1  # the 2 payload words, GMEM -> registers
     assert _count(ptx, r"setmaxnreg\.inc") == 2 and _count(ptx, r"setmaxnreg\.dec") == 2
     assert ("ld.acquire.gpu.global.b32" in ptx) == deterministic  # the turnstile
@@ -106,30 +114,35 @@ def test_postprocess_compiles(d, dtype, tmp_path):
 
 
 def test_budgets():
-    """SMEM (operand tiles, statistics, dQ runs) fits 227 KB, TMEM columns fit 512, the register
-    split fits the 448 x 128 registers the CTA launches with."""
-    for d in (64, 96, 128):
-        k = Sm100BwdKernel(config(d))
-        assert smem_bytes(d, d, k.q_stages, k.do_stages) + 4096 <= 227 * 1024
-        assert k.tmem_dk + d <= 512 and k.tmem_dq + d <= k.tmem_dv
+    """SMEM (operand tiles, statistics, dQ runs) fits 227 KB, TMEM columns fit 512 (the serial plan:
+    S^T, P^T, dP^T and dQ inside the columns before dV), the register split fits the 448 x 128
+    registers the CTA launches with."""
+    for dqk, dv in HEAD_DIMS:
+        k = Sm100BwdKernel(config((dqk, dv)))
+        assert smem_bytes(dqk, dv, k.q_stages, k.do_stages) + 4096 <= 227 * 1024
+        assert k.tmem_dk + dqk <= 512 and k.tmem_dq + dqk <= k.tmem_dv
+        if k.serial:
+            assert (k.q_stages, k.tmem_s, k.tmem_dp, k.tmem_dq) == (1, 0, 0, 0)
+            assert k.tmem_s + 128 <= k.tmem_p and k.tmem_p + 64 <= k.tmem_dv  # P^T clear of S^T, dP^T
+    assert smem_bytes(192, 128, 2, 1) + 4096 > 227 * 1024  # why the serial plan keeps one Q stage
     with pytest.raises(ValueError, match="does not fit"):
         check_register_split(448, ((168, 8), (88, 4), (56, 1), (152, 1)), LAUNCH_REGS)
 
 
 def test_unimplemented_variants_and_head_dims_are_refused():
-    assert IMPLEMENTED_VARIANTS == ("k2q-1cta",) and HEAD_DIMS == ((64, 64), (96, 96), (128, 128))
+    assert IMPLEMENTED_VARIANTS == ("k2q-1cta",)
+    assert HEAD_DIMS == ((64, 64), (96, 96), (128, 128), (192, 128))
     for dq, dv in HEAD_DIMS:  # the default wherever the kernel fits
         assert select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16").variant.name == "k2q-1cta"
-    for dq, dv in ((192, 128), (256, 256)):  # defaults without a kernel
-        default = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
-        assert default.variant.name != "k2q-1cta"
-        with pytest.raises(NotImplementedError, match=default.variant.name):
-            Sm100BwdKernel(default)
+    default = select_bwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")  # no kernel
+    assert default.variant.name == "d256"
+    with pytest.raises(NotImplementedError, match="d256"):
+        Sm100BwdKernel(default)
     with pytest.raises(NotImplementedError, match="k2q-2cta"):
         Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16",
                                       variant=BWD_VARIANTS["k2q-2cta"]))  # fmt: skip
     with pytest.raises(NotImplementedError, match="fits"):
-        Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=192, head_dim_v=128, dtype="bfloat16",
+        Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=256, head_dim_v=256, dtype="bfloat16",
                                       variant=BWD_VARIANTS["k2q-1cta"]))  # fmt: skip
 
 

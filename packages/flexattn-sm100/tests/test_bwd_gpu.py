@@ -5,7 +5,7 @@ They run ONLY on a compute-capability 10.x GPU. None was available when the kern
 tests have never run, and the kernel has only been compiled (``test_bwd_compile.py``).
 
 Plans carry the SM100 forward view the forward kernel implements (qstage1 + 1CTA) and the k2q-1cta
-backward view (forced: the heuristics' default backward for D128 is k2q-2cta, which has no kernel);
+backward view (named explicitly: the views under test do not depend on the heuristics' defaults);
 the reference planner builds them on CUDA tensors. O and LSE come from the fp32 reference forward (O
 rounded to the input dtype), so only the backward is under test. Outputs are NaN-poisoned, and the
 caching allocator is handed a NaN block so the workspace starts as NaN. Tolerance per gradient:
@@ -105,6 +105,11 @@ def test_varlen_with_empty_samples(kind):
 
 def test_head_dim_96():
     CASES.head_dims(96, 96, "random")
+
+
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_head_dims_192_128_serial_tmem_plan(kind):
+    CASES.head_dims(192, 128, kind)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

@@ -1,6 +1,6 @@
 """SM100 (Blackwell) K-major attention backward over a MaskPlan's K2Q backward view (spec 4.7, 6.3):
-the ``k2q-1cta`` variant (one CTA per K block, no cluster). Compile-verified for sm_100a only: it has
-NEVER run on SM100 hardware.
+the ``k2q-1cta`` variant (one CTA per K block, no cluster) for (Dqk, Dv) up to (192, 128).
+Compile-verified for sm_100a only: it has NEVER run on SM100 hardware.
 
 One CTA per (K plan row = K block of ``tile_n = 128`` keys, kv head). It loads K and V once and
 visits, for every Q head of its kv group, the K2Q partial entries then the full entries (the
@@ -19,7 +19,7 @@ block's dQ goes to an fp32 accumulator in GMEM. 14 warps, 448 threads::
     warp 12     (MMA)             one thread issues tcgen05.mma (below)
     warp 13     (load)            TMA: K, V once; Q and dO per step; LSE2 + D per step (bulk copy)
 
-TMEM (fp32 columns)::
+TMEM (fp32 columns), overlapped plan (Dqk + Dv <= 256: (64, 64), (96, 96), (128, 128))::
 
     S^T   [0, 128)        P^T (16-bit, packed): [32, 96)  WG w's P columns lie inside its own S
                           columns [64 w, 64 w + 64), so no thread overwrites S another still reads
@@ -34,6 +34,19 @@ MMA issue order (n steps over all heads' partial then full entries; tcgen05.mma 
                 [dS_j in SMEM] dK += dS_j^T Q_j -> Q_j free ;  dQ_j = dS_j K -> dQ ready, dS free
                 [dQ_j read out] dP_{j+1}                     (dQ_j shares dP's columns)
     -> dK, dV final
+
+Serial plan ((192, 128): dV and dK take 320 columns, so S^T, P^T, dP^T and dQ share the other 192;
+one Q stage, as S_{j+1} waits for dQ_j anyway; nothing of step j + 1 overlaps step j's MMAs)::
+
+    column   0 ............ 127 128 ..... 191 192 ...... 319 320 ........ 511
+             [ S^T_j         ][ P^T_j      ][ dV            ][ dK           ]
+             [ dP^T_j        ]
+             [ dQ_j (Dqk = 192)           ]
+
+    S_0
+    for j < n:  [P_j stored: S_j read] dP_j ; dV += P_j^T dO_j -> dO_j free
+                [dS_j in SMEM: dP_j read] dK += dS_j^T Q_j -> Q_j free ; dQ_j (over P_j: after dV_j)
+                [dQ_j read out] S_{j+1}
 
 Partial entries apply the packed predicate after the exponential (P^T = 0 where the bit is 0), so a
 masked element contributes nothing whatever its score (keys past the sample's end, padding Q rows).
@@ -81,10 +94,13 @@ from .fwd_helpers import set_max_registers, tcgen05_fence_after, thread_group, t
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: the backward variants this kernel implements (k2q-2cta and d256 are specified, not written;
-#: heuristics.py selects k2q-1cta by default wherever HEAD_DIMS allows)
+#: heuristics.py selects k2q-1cta by default for every pair of HEAD_DIMS)
 IMPLEMENTED_VARIANTS = ("k2q-1cta",)
-#: (head_dim_qk, head_dim_v) it implements: S, dP, dV, dK take 256 + Dv + Dqk <= 512 TMEM columns
-HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+#: (head_dim_qk, head_dim_v) it implements: with Dqk + Dv <= 256 the overlapped TMEM plan, with
+#: Dqk + Dv <= 320 (192, 128) the serial one (module docstring)
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+#: Dqk + Dv up to which S^T, dP^T, dV and dK get their own TMEM columns (256 + Dv + Dqk <= 512)
+OVERLAPPED_MAX_DQK_PLUS_DV = 256
 _SMEM_LIMIT = 227 * 1024
 #: registers per thread the 448-thread CTA launches with (ptxas -v: "Used 128 registers")
 LAUNCH_REGS = 128
@@ -113,8 +129,8 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         dims = (config.head_dim_qk, config.head_dim_v)
         if dims not in HEAD_DIMS:
             raise NotImplementedError(
-                f"(head_dim_qk, head_dim_v)={dims}: the k2q-1cta backward keeps S^T, dP^T, dV and dK in "
-                f"TMEM, which fits {HEAD_DIMS}"
+                f"(head_dim_qk, head_dim_v)={dims}: the k2q-1cta backward keeps dV and dK in TMEM next "
+                f"to S^T / dP^T / dQ, which fits {HEAD_DIMS}"
             )
         self.config = config
         self.deterministic = deterministic
@@ -122,7 +138,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         self.head_dim_qk, self.head_dim_v = dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         assert (self.tile_m, self.tile_n) == (128, 128)
-        self.q_stages = 2  # S_{j+1} is issued while Q_j still feeds dK_j
+        # serial TMEM plan (module docstring): S_{j+1} waits for dQ_j, so one Q stage is all it uses
+        self.serial = sum(dims) > OVERLAPPED_MAX_DQK_PLUS_DV
+        self.q_stages = 1 if self.serial else 2  # overlapped: S_{j+1} is issued while Q_j feeds dK_j
         self.do_stages = 1
         assert smem_bytes(*dims, self.q_stages, self.do_stages) + 4096 <= _SMEM_LIMIT
         # payload ABI (payload_layout.py is the one source of truth): one subtile, 2 warpgroups
@@ -157,10 +175,10 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         # TMEM columns (32-bit), see the module docstring
         self.tmem_cols = 512
         self.tmem_s = 0
-        self.tmem_p = 32
-        self.tmem_dp = 128
-        self.tmem_dq = self.tmem_dp
-        self.tmem_dv = 256
+        if self.serial:
+            self.tmem_p, self.tmem_dp, self.tmem_dq, self.tmem_dv = 128, 0, 0, 192
+        else:
+            self.tmem_p, self.tmem_dp, self.tmem_dq, self.tmem_dv = 32, 128, 128, 256
         self.tmem_dk = self.tmem_dv + self.head_dim_v
         assert self.tmem_dk + self.head_dim_qk <= self.tmem_cols
         assert self.head_dim_qk <= self.tmem_dv - self.tmem_dq
@@ -531,7 +549,15 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         tQtdQ = tmem_acc(thr["dq"], (tm, dqk), tmem_ptr + self.tmem_dq)
 
         n = total_steps(plan, work)
-        if n > 0:
+        if const_expr(self.serial):
+            if n > 0:
+                ops = {
+                    "s": (mma_s, tStS, tSrK, tSrQ), "dp": (mma_dp, tPtdP, tPrV, tPrdO),
+                    "dv": (mma_dv, tVtdV, tVrP, tVrdO), "dk": (mma_dk, tKtdK, tKrdS, tKrQ),
+                    "dq": (mma_dq, tQtdQ, tQrdS, tQrK),
+                }  # fmt: skip
+                self.mma_steps_serial(ops, pipes, bars, n)
+        elif n > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             q_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -575,6 +601,51 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
                     self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
                     self.commit(bars.dp)
             self.commit(bars.dkv)
+
+    @cute.jit
+    def mma_steps_serial(self, ops: dict, pipes, bars, n: Int32):
+        """The serial TMEM plan's issue order (module docstring): every MMA into a shared column range
+        is issued after the handshake that frees it; tcgen05.mma run in issue order. ``ops[name]`` =
+        (tiled MMA, accumulator, A fragment, B fragment[, stages])."""
+        mma_s, tStS, tSrK, tSrQ = ops["s"]
+        mma_dp, tPtdP, tPrV, tPrdO = ops["dp"]
+        mma_dv, tVtdV, tVrP, tVrdO = ops["dv"]
+        mma_dk, tKtdK, tKrdS, tKrQ = ops["dk"]
+        mma_dq, tQtdQ, tQrdS, tQrK = ops["dq"]
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
+        pipes.kv.consumer_wait(kv_state)
+        pipes.q.consumer_wait(q_state)
+        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_state.index], False)
+        self.commit(bars.s)
+        for j in cutlass.range(n, unroll=1):
+            phase = j & 1
+            # P_j stored, so S_j was read: dP_j over S_j's columns, then dV += P_j^T dO_j
+            cute.arch.mbarrier_wait(bars.p, phase)
+            tcgen05_fence_after()
+            pipes.do.consumer_wait(do_state)
+            self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+            self.commit(bars.dp)
+            self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, None, do_state.index], j > 0)
+            pipes.do.consumer_release(do_state)
+            do_state.advance()
+            # dS_j in SMEM, so dP_j was read: dK += dS_j^T Q_j, dQ_j over dP_j and P_j (after dV_j)
+            cute.arch.mbarrier_wait(bars.ds, phase)
+            tcgen05_fence_after()
+            self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, None, q_state.index], j > 0)
+            pipes.q.consumer_release(q_state)
+            q_state.advance()
+            self.gemm(mma_dq, tQtdQ, tQrdS, tQrK, False)
+            self.commit(bars.dq)
+            # S_{j+1} over dQ_j's columns once the dQ warps read it out
+            if j + 1 < n:
+                cute.arch.mbarrier_wait(bars.dq_empty, phase)
+                tcgen05_fence_after()
+                pipes.q.consumer_wait(q_state)
+                self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_state.index], False)
+                self.commit(bars.s)
+        self.commit(bars.dkv)
 
     @cute.jit
     def gemm(

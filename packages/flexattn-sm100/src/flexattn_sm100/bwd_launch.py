@@ -17,10 +17,10 @@ Launches, all on the current stream::
     main         (K plan rows, Hkv)   dK, dV stored; dQ bulk-added in fp32    bwd_kernel.py
     postprocess  (Q blocks, Hq, B)    dQ = scale * accumulator                bwd_postprocess.py
 
-Only the ``k2q-1cta`` variant has a kernel (head dims 64, 96, 128); it is the heuristics' default
-for those pairs. The defaults for (192, 128) (``k2q-2cta``, K-axis CTA pair) and (256, 256)
-(``d256``) have no kernel: plans with those views are refused with :class:`UnsupportedConfigError`
-naming the variant, as are explicitly built ``k2q-2cta`` views of other head dims.
+Only the ``k2q-1cta`` variant has a kernel (head dims 64, 96, 128 and 192/128); it is the
+heuristics' default for those pairs. The default for (256, 256) (``d256``) has no kernel: plans with
+that view are refused with :class:`UnsupportedConfigError` naming the variant, as are explicitly
+built ``k2q-2cta`` views.
 
 The preprocess is the architecture-neutral SIMT kernel both consumers share
 (:class:`maskplan_kernels.consumer_bwd_preprocess.BwdPreprocess`, at this backward's tile_m = 128;

@@ -5,13 +5,16 @@ kernel (compiled for sm_100a, never run), so a default plan on an SM100 device c
 
 * forward ``qstage1-1cta`` (``fwd_kernel.py``) for every head-dim pair with Dv <= 128, and ``d256``
   (the same kernel with O over TMEM columns 256..511 and one K/V stage) for (256, 256);
-* backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128).
+* backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128) and, with its serial
+  TMEM plan (dV and dK take 320 columns; S^T, P^T, dP^T and dQ share the rest), (192, 128).
 
 The forward ``qstage1-2cta`` variant (the spec's generic one: a CTA pair, cta_group::2 MMAs, SMEM
 payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kernels too
 (``fwd_kernel.py``) but are selected only with ``variant=``: which is fastest is unmeasured without
-hardware. The backward variants ``k2q-2cta`` and ``d256`` keep their configs and payload layouts
-defined and tested (``config.py``, ``payload_layout.py``) but have no kernel; pairs with no kernel
+hardware. The backward variants ``k2q-2cta`` (a CTA pair along K: each CTA still holds its K rows'
+S^T, dP^T, dV and dK, so it saves no TMEM) and ``d256`` (dV and dK alone take all 512 columns) keep
+their configs and payload layouts defined and tested (``config.py``, ``payload_layout.py``) but
+have no kernel and are not defaults; pairs with no kernel
 in a direction still resolve a view (plans are inspectable anywhere); ``bwd_launch.run_backward``
 (and ``fwd_launch.run_forward`` for a forced variant whose head dims have no kernel) refuse them with
 :class:`UnsupportedConfigError` naming the variant.
@@ -22,8 +25,7 @@ in a direction still resolve a view (plans are inspectable anywhere); ``bwd_laun
 (64, 64)        qstage1-1cta  (128x128, 1 x 128 x 4 words)     k2q-1cta  (128x128, 1 x 256 x 2 words)
 (96, 96)        qstage1-1cta                                   k2q-1cta
 (128, 128)      qstage1-1cta                                   k2q-1cta
-(192, 128)      qstage1-1cta                                   k2q-2cta  (128x256, 2 x 256 x 2, cluster n)
-                                                               no kernel
+(192, 128)      qstage1-1cta                                   k2q-1cta  (serial TMEM plan)
 (256, 256)      d256          (128x128, 1 x 128 x 4 words)     d256      (64x128, 1 x 128 x 2 words)
                                                                no kernel
 ==============  =============================================  ==========================================
@@ -52,7 +54,7 @@ _BWD_DEFAULT = {
     (64, 64): "k2q-1cta",
     (96, 96): "k2q-1cta",
     (128, 128): "k2q-1cta",
-    (192, 128): "k2q-2cta",
+    (192, 128): "k2q-1cta",
     (256, 256): "d256",
 }
 _GENERIC_FWD = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
