@@ -549,43 +549,42 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         tQtdQ = tmem_acc(thr["dq"], (tm, dqk), tmem_ptr + self.tmem_dq)
 
         n = total_steps(plan, work)
-        if const_expr(self.serial):
-            if n > 0:
-                ops = {
-                    "s": (mma_s, tStS, tSrK, tSrQ), "dp": (mma_dp, tPtdP, tPrV, tPrdO),
-                    "dv": (mma_dv, tVtdV, tVrP, tVrdO), "dk": (mma_dk, tKtdK, tKrdS, tKrQ),
-                    "dq": (mma_dq, tQtdQ, tQrdS, tQrK),
-                }  # fmt: skip
-                self.mma_steps_serial(ops, pipes, bars, n)
-        elif n > 0:
+        if n > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             q_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             pipes.kv.consumer_wait(kv_state)
-            # S_0, dP_0
+            # S_0 (overlapped plan: and dP_0)
             pipes.q.consumer_wait(q_next)
             self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
             self.commit(bars.s)
             q_next.advance()
-            pipes.do.consumer_wait(do_state)
-            self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
-            self.commit(bars.dp)
+            if const_expr(not self.serial):
+                pipes.do.consumer_wait(do_state)
+                self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+                self.commit(bars.dp)
             for j in cutlass.range(n, unroll=1):
                 phase = j & 1
-                # dV += P_j^T dO_j, then dO_j is free
-                cute.arch.mbarrier_wait(bars.p, phase)
+                cute.arch.mbarrier_wait(bars.p, phase)  # P_j stored (so S_j was read)
                 tcgen05_fence_after()
+                if const_expr(self.serial):  # dP_j over S_j's columns
+                    pipes.do.consumer_wait(do_state)
+                    self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+                    self.commit(bars.dp)
+                # dV += P_j^T dO_j, then dO_j is free
                 self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, None, do_state.index], j > 0)
                 pipes.do.consumer_release(do_state)
                 do_state.advance()
-                # S_{j+1}: tcgen05.mma run in issue order, so it overwrites P_j after dV_j read it
-                if j + 1 < n:
-                    pipes.q.consumer_wait(q_next)
-                    self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
-                    self.commit(bars.s)
-                    q_next.advance()
-                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K
+                # overlapped: S_{j+1} now; tcgen05.mma run in issue order, so it overwrites P_j after
+                # dV_j read it
+                if const_expr(not self.serial):
+                    if j + 1 < n:
+                        pipes.q.consumer_wait(q_next)
+                        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
+                        self.commit(bars.s)
+                        q_next.advance()
+                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K (serial: over dP_j and P_j)
                 cute.arch.mbarrier_wait(bars.ds, phase)
                 tcgen05_fence_after()
                 self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, None, q_state.index], j > 0)
@@ -593,59 +592,21 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
                 q_state.advance()
                 self.gemm(mma_dq, tQtdQ, tQrdS, tQrK, False)
                 self.commit(bars.dq)
-                # dP_{j+1} into the columns dQ_j leaves once read out
+                # into the columns dQ_j leaves once read out: dP_{j+1} (overlapped) or S_{j+1} (serial)
                 if j + 1 < n:
-                    pipes.do.consumer_wait(do_state)
+                    if const_expr(not self.serial):
+                        pipes.do.consumer_wait(do_state)
                     cute.arch.mbarrier_wait(bars.dq_empty, phase)
                     tcgen05_fence_after()
-                    self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
-                    self.commit(bars.dp)
+                    if const_expr(self.serial):
+                        pipes.q.consumer_wait(q_next)
+                        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
+                        self.commit(bars.s)
+                        q_next.advance()
+                    else:
+                        self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+                        self.commit(bars.dp)
             self.commit(bars.dkv)
-
-    @cute.jit
-    def mma_steps_serial(self, ops: dict, pipes, bars, n: Int32):
-        """The serial TMEM plan's issue order (module docstring): every MMA into a shared column range
-        is issued after the handshake that frees it; tcgen05.mma run in issue order. ``ops[name]`` =
-        (tiled MMA, accumulator, A fragment, B fragment[, stages])."""
-        mma_s, tStS, tSrK, tSrQ = ops["s"]
-        mma_dp, tPtdP, tPrV, tPrdO = ops["dp"]
-        mma_dv, tVtdV, tVrP, tVrdO = ops["dv"]
-        mma_dk, tKtdK, tKrdS, tKrQ = ops["dk"]
-        mma_dq, tQtdQ, tQrdS, tQrK = ops["dq"]
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
-        pipes.kv.consumer_wait(kv_state)
-        pipes.q.consumer_wait(q_state)
-        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_state.index], False)
-        self.commit(bars.s)
-        for j in cutlass.range(n, unroll=1):
-            phase = j & 1
-            # P_j stored, so S_j was read: dP_j over S_j's columns, then dV += P_j^T dO_j
-            cute.arch.mbarrier_wait(bars.p, phase)
-            tcgen05_fence_after()
-            pipes.do.consumer_wait(do_state)
-            self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
-            self.commit(bars.dp)
-            self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, None, do_state.index], j > 0)
-            pipes.do.consumer_release(do_state)
-            do_state.advance()
-            # dS_j in SMEM, so dP_j was read: dK += dS_j^T Q_j, dQ_j over dP_j and P_j (after dV_j)
-            cute.arch.mbarrier_wait(bars.ds, phase)
-            tcgen05_fence_after()
-            self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, None, q_state.index], j > 0)
-            pipes.q.consumer_release(q_state)
-            q_state.advance()
-            self.gemm(mma_dq, tQtdQ, tQrdS, tQrK, False)
-            self.commit(bars.dq)
-            # S_{j+1} over dQ_j's columns once the dQ warps read it out
-            if j + 1 < n:
-                cute.arch.mbarrier_wait(bars.dq_empty, phase)
-                tcgen05_fence_after()
-                pipes.q.consumer_wait(q_state)
-                self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_state.index], False)
-                self.commit(bars.s)
-        self.commit(bars.dkv)
 
     @cute.jit
     def gemm(
