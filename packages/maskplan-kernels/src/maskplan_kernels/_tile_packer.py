@@ -7,6 +7,7 @@ The materialiser lists the pass's blocks in shared memory: K blocks for a Q2K ro
 their rows: one ``sEnd`` slot), Q blocks for a K2Q row (one ``sEnd`` slot per tile)::
 
     load_rows     sEnd[f, slot rows + t] = endpoint f of tile row t   (0 for rows past q_len: no interval)
+                  (K2Q: fetch_rows to registers while the previous pass packs, then store_rows)
     build_bitmap  sBitmap[slot words + row_base(m) + c] = visibility of keys j*tn + 32c .. +31 of row m
                   = OR over intervals [G(2i), G(2i+1)) of G = [0, F0, F1, ...] of the clipped bit range
                   (clipped to the tile's columns and to k_len: exactly the reference tile predicate
@@ -15,8 +16,10 @@ their rows: one ``sEnd`` slot), Q blocks for a K2Q row (one ``sEnd`` slot per ti
                   warp w packs block w % min(B, W) (+ g W for g < ceil(B / W)) of the slots
                   s = w // min(B, W) (+ W // min(B, W) each step), so no warp idles when B < W;
                   for word 32 b + i lane l reads its table entry (held in registers for the whole
-                  kernel), tests that bitmap bit of the slot, and the ballot is the word; lane i
-                  keeps word i and the warp stores its 32 words with one coalesced 128-byte store.
+                  kernel) and tests that bitmap bit of the slot (the 32 loads first, then the 32
+                  ballots); ballot i IS word i, warp-uniform, so the warp stages the 32 words in
+                  shared memory (16-byte stores), lane i reads word i back and the warp stores
+                  them with one coalesced 128-byte store.
 
     sBitmap:  | slot 0: rows, zero word | slot 1: rows, zero word | ...   (bitmap_words each)
 
