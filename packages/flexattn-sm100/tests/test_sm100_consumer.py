@@ -27,8 +27,8 @@ PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 # dims -> (kernel_family, (tile_m, tile_n), q_stage, cta_group_size, cluster_axis, layout_id suffix,
 #          (subtiles, groups, words))
 # the defaults are the variants with a kernel (heuristics.py): forward qstage1-1cta for Dv <= 128 and
-# d256 for (256, 256), backward k2q-1cta for D <= 128; backward pairs without a kernel keep the
-# variant their config specifies (its launcher refuses those)
+# d256 for (256, 256), backward k2q-1cta up to (192, 128); (256, 256) keeps the backward variant its
+# config specifies (d256, no kernel: its launcher refuses it)
 FORWARD = {
     (64, 64): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (96, 96): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
