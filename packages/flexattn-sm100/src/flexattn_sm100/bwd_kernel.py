@@ -556,22 +556,15 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             pipes.kv.consumer_wait(kv_state)
             # S_0 (overlapped plan: and dP_0)
-            pipes.q.consumer_wait(q_next)
-            self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
-            self.commit(bars.s)
-            q_next.advance()
+            q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
             if const_expr(not self.serial):
-                pipes.do.consumer_wait(do_state)
-                self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
-                self.commit(bars.dp)
+                self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
             for j in cutlass.range(n, unroll=1):
                 phase = j & 1
                 cute.arch.mbarrier_wait(bars.p, phase)  # P_j stored (so S_j was read)
                 tcgen05_fence_after()
                 if const_expr(self.serial):  # dP_j over S_j's columns
-                    pipes.do.consumer_wait(do_state)
-                    self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
-                    self.commit(bars.dp)
+                    self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
                 # dV += P_j^T dO_j, then dO_j is free
                 self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, None, do_state.index], j > 0)
                 pipes.do.consumer_release(do_state)
@@ -580,10 +573,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
                 # dV_j read it
                 if const_expr(not self.serial):
                     if j + 1 < n:
-                        pipes.q.consumer_wait(q_next)
-                        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
-                        self.commit(bars.s)
-                        q_next.advance()
+                        q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
                 # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K (serial: over dP_j and P_j)
                 cute.arch.mbarrier_wait(bars.ds, phase)
                 tcgen05_fence_after()
@@ -594,19 +584,30 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
                 self.commit(bars.dq)
                 # into the columns dQ_j leaves once read out: dP_{j+1} (overlapped) or S_{j+1} (serial)
                 if j + 1 < n:
-                    if const_expr(not self.serial):
-                        pipes.do.consumer_wait(do_state)
                     cute.arch.mbarrier_wait(bars.dq_empty, phase)
                     tcgen05_fence_after()
                     if const_expr(self.serial):
-                        pipes.q.consumer_wait(q_next)
-                        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
-                        self.commit(bars.s)
-                        q_next.advance()
+                        q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
                     else:
-                        self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
-                        self.commit(bars.dp)
+                        self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
             self.commit(bars.dkv)
+
+    @cute.jit
+    def issue_s(self, mma_s, tStS, tSrK, tSrQ, pipe_q, q_next, bar):
+        """S^T = K Q^T of the next staged Q block (waits for it), committed to ``bar``; returns the
+        advanced Q state."""
+        pipe_q.consumer_wait(q_next)
+        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
+        self.commit(bar)
+        q_next.advance()
+        return q_next
+
+    @cute.jit
+    def issue_dp(self, mma_dp, tPtdP, tPrV, tPrdO, pipe_do, do_state, bar):
+        """dP^T = V dO^T of the staged dO block (waits for it; released after dV), committed to ``bar``."""
+        pipe_do.consumer_wait(do_state)
+        self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+        self.commit(bar)
 
     @cute.jit
     def gemm(

@@ -7,9 +7,9 @@ per CTA rank) against CuTe DSL's ``tcgen05.make_tmem_copy(Ld32x32bOp)`` partitio
 ``tests/test_fwd_layout_agreement.py`` checks that the forward kernel's own softmax fragments (every
 variant: qstage1 and qstage2 + 1CTA, qstage1 + 2CTA, D256) test, in every subtile, thread and
 register, the bit this layout assigns, and read the words of the CTA's own plane (compiled for
-sm_100a, never run). The
-backward's two-warpgroup column split below is a design choice the future kernel's TMEM copy must
-follow; nothing has checked it yet.
+sm_100a, never run);
+``tests/test_bwd_layout_agreement.py`` checks the same for the backward kernel's two-warpgroup
+column split (compiled for sm_100a, never run).
 
 The score accumulator lives in tensor memory (TMEM): accumulator row ``r`` of a 128-row MMA tile is
 TMEM lane ``r``, column ``c`` is TMEM column ``c``. With the 32x32b load shape each thread of a warp
