@@ -182,6 +182,12 @@ class TilePacker:
         return sEnd, sBitmap, sStage
 
     @cute.jit
+    def row_item(self, item: Int32, n_rows: Int32):
+        """``(head, row, part)`` of persistent work item ``item`` (``ROW_PARTS`` items a row, rows
+        head-major, as the materialisers' CSR order)."""
+        return item // (n_rows * ROW_PARTS), item // ROW_PARTS % n_rows, item % ROW_PARTS
+
+    @cute.jit
     def init(self, sBitmap: cute.Tensor, tidx: Int32):
         """Zero each slot's padding target word (never written again). Visible after the caller's
         next barrier."""
@@ -297,7 +303,8 @@ class TilePacker:
         self, sBitmap: cute.Tensor, sStage: cute.Tensor, regs, mMasks: cute.Tensor, entry0: Int32,
         n: Int32, warp: Int32, lane: Int32,
     ):  # fmt: skip
-        """Payload words of the pass's ``n`` tiles -> ``mMasks[entry0 + s, :]`` (reads only ``sBitmap``).
+        """Payload words of the pass's ``n`` tiles -> ``mMasks[entry0 + s, :]`` (reads ``sBitmap``;
+        ``sStage`` is the warps' private staging rows).
 
         The slot loop stays a runtime loop: unrolling it made ptxas spill and ran 3.5x slower on
         the H200."""
@@ -323,5 +330,6 @@ class TilePacker:
                         cute.autovec_copy(quad, cute.local_tile(row, (4,), (q,)))
                     cute.arch.sync_warp()
                     mine = row[lane]
+                    cute.arch.sync_warp()  # every lane has its word before the row is rewritten
                     if base + lane < self.words_per_tile:
                         mMasks[entry0 + s, base + lane] = mine

@@ -141,9 +141,8 @@ class K2QMaterialize:
         hmask = mVisible.shape[0]
 
         for item in cutlass.range(bidx, hmask * n_k_rows * ROW_PARTS, num_ctas, unroll=1):
-            part = item % ROW_PARTS  # packs passes part, part + ROW_PARTS, ...; part 0 writes the rest
-            head = item // (n_k_rows * ROW_PARTS)
-            k_row = item // ROW_PARTS - head * n_k_rows
+            # part: packs passes part, part + ROW_PARTS, ...; part 0 writes the rest
+            head, k_row, part = self.packer.row_item(item, n_k_rows)
             batch = mRowBatchK[k_row]
             j = k_row - mDescK[batch, DESC_ROW_BEGIN]  # sample-local K block
             q_begin = mDescQ[batch, DESC_ROW_BEGIN]

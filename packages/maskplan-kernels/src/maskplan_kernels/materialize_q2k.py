@@ -129,9 +129,8 @@ class Q2KMaterialize:
         k_words = mVisible.shape[2]
 
         for item in cutlass.range(bidx, hmask * n_rows * ROW_PARTS, num_ctas, unroll=1):
-            part = item % ROW_PARTS  # packs passes part, part + ROW_PARTS, ...; part 0 writes the rest
-            head = item // (n_rows * ROW_PARTS)
-            row = item // ROW_PARTS - head * n_rows
+            # part: packs passes part, part + ROW_PARTS, ...; part 0 writes the rest
+            head, row, part = self.packer.row_item(item, n_rows)
             batch = mRowBatch[row]
             q_offset = mDesc[batch, DESC_Q_OFFSET]
             q_len = mDesc[batch, DESC_Q_LEN]
