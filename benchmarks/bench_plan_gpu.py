@@ -234,7 +234,7 @@ def timed(fn, repeats: int, warmup: int) -> tuple[float, object]:
 
 def timed_together(fns, repeats: int, warmup: int, rounds: int = 5) -> tuple[list[float], list]:
     """Median synchronised wall milliseconds of each of ``fns`` and their last results. The systems
-    take turns, ``rounds`` blocks of ``repeats / rounds`` calls each, so a drift of the host or GPU
+    take turns, ``rounds`` blocks of about ``repeats / rounds`` calls each, so a drift of the host or GPU
     clocks during the measurement reaches every system alike instead of the one timed first."""
     import torch
 
@@ -244,10 +244,11 @@ def timed_together(fns, repeats: int, warmup: int, rounds: int = 5) -> tuple[lis
             outs[i] = fn()
     torch.cuda.synchronize()
     samples = [[] for _ in fns]
-    per_round = max(1, repeats // rounds)
-    for _ in range(rounds):
+    repeats = max(repeats, 1)  # a median needs a sample
+    for r in range(rounds):
+        calls = repeats // rounds + (r < repeats % rounds)  # ``repeats`` calls in all
         for i, fn in enumerate(fns):
-            for _ in range(per_round):
+            for _ in range(calls):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 outs[i] = fn()
