@@ -62,7 +62,13 @@ def test_d128_instructions(smem, tmp_path):
     assert_no_spills(ptx, "sm_90a", tmp_path)
 
 
-@pytest.mark.parametrize("schedule", ["pipelined", "pingpong"])
+#: m64n128k16 WGMMAs (8 per 128x128 GEMM) a schedule's code issues: pipelined / pingpong: the
+#: prologue S_0 plus [O += PV, S_next] in the partial and the full loop; overlap: S_0, [S_next,
+#: O += PV] in both loops and the last O += PV
+SCHEDULE_WGMMAS = {"pipelined": 8 + 2 * (8 + 8), "pingpong": 8 + 2 * (8 + 8), "overlap": 8 + 2 * (8 + 8) + 8}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULE_WGMMAS))
 def test_schedules_compile(schedule, tmp_path):
     config = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
     extra = f"--keep-ptx --dump-dir {tmp_path}"
@@ -70,9 +76,10 @@ def test_schedules_compile(schedule, tmp_path):
         config, mask_via_smem=True, with_max_logit=False, schedule=schedule, extra_options=extra
     )
     ptx = compiled.__ptx__
-    # the prologue S_0 plus [O += PV, S_next] in the partial and the full loop: 8 + 2 * (8 + 8)
-    assert _wgmma_shapes(ptx) == {"m64n128k16": 40}
+    assert _wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[schedule]}
     assert ("bar.arrive" in ptx) == (schedule == "pingpong")  # the warpgroups' turns
+    # two GEMMs in flight, the consumer waits for the older (S or PV) only: once per loop
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == 2
     assert_no_spills(ptx, "sm_90a", tmp_path)
 
 

@@ -118,37 +118,46 @@ def quad_allreduce_sum(x: Float32) -> Float32:
 
 
 @cute.jit
-def online_softmax_step(
+def online_softmax_scores(
     acc_s: cute.Tensor,
-    acc_o: cute.Tensor,
     row_max: cute.Tensor,
     row_sum: cute.Tensor,
+    correction: cute.Tensor,
     scale_log2: Float32,
 ):
-    """One K block of the online softmax (fp32, exp2 with ``softmax_scale * log2(e)`` folded in).
+    """The score half of one K block of the online softmax (fp32, exp2 with
+    ``softmax_scale * log2(e)`` folded in); it does not touch O, so it may run while a GEMM still
+    accumulates into O.
 
     ``row_max`` holds the raw (unscaled) running max of each of the thread's rows, ``row_sum`` the
     thread-partial running sum (quad-reduced only at the end). Overwrites ``acc_s`` with
-    P = exp2(s * scale_log2 - max * scale_log2) and rescales ``acc_o``. Fully masked rows keep
-    max = -inf and contribute exactly 0 (never NaN).
+    P = exp2(s * scale_log2 - max * scale_log2) and writes into ``correction[r]`` the factor O's row
+    ``r`` must be scaled by (:func:`rescale_rows`). Fully masked rows keep max = -inf and
+    contribute exactly 0 (never NaN).
     """
     s_mn = acc_mn_view(acc_s)
-    o_mn = acc_mn_view(acc_o)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         m_prev = row_max[r]
         m_new = quad_allreduce_max(row_max_of(s_mn[r, None], m_prev))
         row_max[r] = m_new
         m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
         m_scaled = m_safe * scale_log2
-        correction = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
+        correction[r] = cute.math.exp2((m_prev - m_safe) * scale_log2, fastmath=True)
         part = [Float32(0.0), Float32(0.0)]
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             p = cute.math.exp2(s_mn[r, c] * scale_log2 - m_scaled, fastmath=True)
             s_mn[r, c] = p
             part[c % 2] = part[c % 2] + p
-        row_sum[r] = row_sum[r] * correction + (part[0] + part[1])
+        row_sum[r] = row_sum[r] * correction[r] + (part[0] + part[1])
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, correction: cute.Tensor):
+    """``O[r, :] *= correction[r]`` for each of the thread's rows."""
+    o_mn = acc_mn_view(acc_o)
+    for r in cutlass.range_constexpr(cute.size(correction)):
         for c in cutlass.range(cute.size(o_mn, mode=[1]), unroll_full=True):
-            o_mn[r, c] = o_mn[r, c] * correction
+            o_mn[r, c] = o_mn[r, c] * correction[r]
 
 
 @cute.jit

@@ -9,6 +9,10 @@ applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows
                 see the two GEMMs back to back
     pingpong    pipelined, and the two warpgroups take turns issuing their GEMM phases (two named
                 barriers), so one warpgroup's softmax overlaps the other's GEMMs (FA3 schedule)
+    overlap     S_{i+1} is issued before O += P_i V_i and the softmax of S_{i+1} runs while
+                P_i V_i is still on the tensor cores; O is rescaled once P_i V_i retires (FA3's
+                intra-warpgroup overlap). Q is released before the last PV GEMM, so the next
+                task's Q load starts while this task finishes
 
 Every schedule consumes the same pipelines in the same order; the payload of a partial block is
 read before its S is used and the mask pipeline advances only on partial blocks.
@@ -29,12 +33,13 @@ from .fwd_helpers import (
     acc_as_operand_a,
     acc_mn_view,
     finalize_softmax,
-    online_softmax_step,
+    online_softmax_scores,
+    rescale_rows,
     transpose_view,
     wgmma,
 )
 
-SCHEDULES = ("simple", "pipelined", "pingpong")
+SCHEDULES = ("simple", "pipelined", "pingpong", "overlap")
 #: named barrier ids of the pingpong turns (0 is __syncthreads); warpgroup w waits on 1 + w
 TURN_BARRIER = 1
 
@@ -51,6 +56,7 @@ class Operands(NamedTuple):
     acc_o: cute.Tensor
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    correction: cute.Tensor  # O's per-row factor of the last softmax step
     pipe_k: object
     pipe_v: object
     pipe_mask: object
@@ -88,6 +94,7 @@ class ConsumerMainloop:
             acc_o=cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32),
             row_max=cute.make_rmem_tensor(num_rows, Float32),
             row_sum=cute.make_rmem_tensor(num_rows, Float32),
+            correction=cute.make_rmem_tensor(num_rows, Float32),
             pipe_k=pipe_k,
             pipe_v=pipe_v,
             pipe_mask=pipe_mask,
@@ -116,11 +123,18 @@ class ConsumerMainloop:
             has_blocks = t.partial_cnt + t.full_cnt > 0
             if has_blocks:
                 pipe_q.consumer_wait(q_state)
-                if const_expr(self.schedule == "simple"):
-                    kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
+                if const_expr(self.schedule == "overlap"):  # releases Q itself, before its last GEMM
+                    kv_state, mask_state = self.mainloop_overlap(
+                        ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state
+                    )
                 else:
-                    kv_state, mask_state = self.mainloop_pipelined(ops, acc_s_shape, t, kv_state, mask_state)
-                pipe_q.consumer_release(q_state)
+                    if const_expr(self.schedule == "simple"):
+                        kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
+                    else:
+                        kv_state, mask_state = self.mainloop_pipelined(
+                            ops, acc_s_shape, t, kv_state, mask_state
+                        )
+                    pipe_q.consumer_release(q_state)
                 q_state.advance()
             finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)
             self.epilogue(thr_pv, ops.acc_o, lse, ops.row_max, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
@@ -153,11 +167,33 @@ class ConsumerMainloop:
 
     # -- schedules --------------------------------------------------------------------------------
     @cute.jit
+    def issue_s(self, ops, acc_s: cute.Tensor, state, wait: cutlass.Constexpr[int]):
+        """``S = Q K^T`` of the K stage ``state`` (``wait``: as :func:`wgmma`)."""
+        wgmma(ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, state.index], zero_init=True, wait=wait)
+
+    @cute.jit
+    def issue_pv(self, ops, state, wait: cutlass.Constexpr[int]):
+        """``O += P V`` of the V stage ``state``, P from the A-operand registers."""
+        tV = ops.tOrV[None, None, None, state.index]
+        wgmma(ops.mma_pv, ops.acc_o, ops.tOrP, tV, zero_init=False, wait=wait)
+
+    @cute.jit
     def softmax_to_p(self, ops, acc_s: cute.Tensor, words):
         """[Packed predicate,] online softmax step, P (input dtype) into the PV A-operand registers."""
+        self.softmax_scores(ops, acc_s, words)
+        self.rescale_to_p(ops, acc_s)
+
+    @cute.jit
+    def softmax_scores(self, ops, acc_s: cute.Tensor, words):
+        """[Packed predicate,] the score half of the softmax step (leaves O alone)."""
         if const_expr(words is not None):
             apply_packed_predicate(acc_s, words, self.payload_elements, self.payload_layout.register_bit)
-        online_softmax_step(acc_s, ops.acc_o, ops.row_max, ops.row_sum, ops.scale_log2)
+        online_softmax_scores(acc_s, ops.row_max, ops.row_sum, ops.correction, ops.scale_log2)
+
+    @cute.jit
+    def rescale_to_p(self, ops, acc_s: cute.Tensor):
+        """The O half of the softmax step, then P into the PV A-operand registers."""
+        rescale_rows(ops.acc_o, ops.correction)
         ops.tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
     @cute.jit
@@ -174,18 +210,11 @@ class ConsumerMainloop:
     def simple_step(self, ops, acc_s_shape, kv_state, words):
         acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
         ops.pipe_k.consumer_wait(kv_state)
-        wgmma(ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index], zero_init=True, wait=0)
+        self.issue_s(ops, acc_s, kv_state, 0)
         ops.pipe_k.consumer_release(kv_state)
         self.softmax_to_p(ops, acc_s, words)
         ops.pipe_v.consumer_wait(kv_state)
-        wgmma(
-            ops.mma_pv,
-            ops.acc_o,
-            ops.tOrP,
-            ops.tOrV[None, None, None, kv_state.index],
-            zero_init=False,
-            wait=0,
-        )
+        self.issue_pv(ops, kv_state, 0)
         ops.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
@@ -201,9 +230,7 @@ class ConsumerMainloop:
             mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
         self.turn_wait(ops)
         ops.pipe_k.consumer_wait(kv_state)
-        wgmma(
-            ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, kv_state.index], zero_init=True, wait=-1
-        )
+        self.issue_s(ops, acc_s, kv_state, -1)
         self.turn_pass(ops)
         for i in cutlass.range(t.partial_cnt, unroll=1):
             kv_state, mask_state = self.pipelined_step(
@@ -231,24 +258,10 @@ class ConsumerMainloop:
         next_state.advance()
         self.turn_wait(ops)
         ops.pipe_v.consumer_wait(kv_state)
-        wgmma(
-            ops.mma_pv,
-            ops.acc_o,
-            ops.tOrP,
-            ops.tOrV[None, None, None, kv_state.index],
-            zero_init=False,
-            wait=-1,
-        )
+        self.issue_pv(ops, kv_state, -1)
         if has_next:
             ops.pipe_k.consumer_wait(next_state)
-            wgmma(
-                ops.mma_qk,
-                acc_s,
-                ops.tSrQ,
-                ops.tSrK[None, None, None, next_state.index],
-                zero_init=True,
-                wait=-1,
-            )
+            self.issue_s(ops, acc_s, next_state, -1)
         self.turn_pass(ops)
         if has_next:
             warpgroup.wait_group(1)  # O += P_i V_i done (groups retire in order), S_{i+1} in flight
@@ -256,6 +269,68 @@ class ConsumerMainloop:
             warpgroup.wait_group(0)
         ops.pipe_v.consumer_release(kv_state)
         return next_state, mask_state
+
+    @cute.jit
+    def mainloop_overlap(self, ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state):
+        """GEMM issue order ``S_0; S_1, P_0 V_0; S_2, P_1 V_1; ...; P_{n-1} V_{n-1}``::
+
+            step j:   issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1}
+                      wait S_j  -> [mask,] softmax scores of S_j      (P_{j-1} V_{j-1} still runs)
+                      wait PV   -> O *= correction_j, P_j into registers
+        """
+        total = t.partial_cnt + t.full_cnt
+        words = cute.make_rmem_tensor(self.payload_registers, Int32)
+        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+        ops.pipe_k.consumer_wait(kv_state)
+        self.issue_s(ops, acc_s, kv_state, -1)
+        if t.partial_cnt > 0:  # the payload read overlaps S_0
+            mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
+        warpgroup.wait_group(0)
+        ops.pipe_k.consumer_release(kv_state)
+        if t.partial_cnt > 0:
+            self.softmax_scores(ops, acc_s, words)
+            if t.partial_cnt > 1:
+                mask_state = self.read_payload(ops, mask_state, t.partial_off + 1, words)
+        else:
+            self.softmax_scores(ops, acc_s, None)
+        ops.tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))  # O is still 0: no rescale
+        for j in cutlass.range(1, t.partial_cnt, unroll=1):
+            kv_state, mask_state = self.overlap_step(
+                ops, acc_s, words, kv_state, mask_state, True, j + 1 < t.partial_cnt, t.partial_off + j + 1
+            )
+        for _ in cutlass.range(cutlass.max(t.partial_cnt, 1), total, unroll=1):
+            kv_state, mask_state = self.overlap_step(
+                ops, acc_s, words, kv_state, mask_state, False, None, None
+            )
+        pipe_q.consumer_release(q_state)  # the last S GEMM has retired
+        ops.pipe_v.consumer_wait(kv_state)
+        self.issue_pv(ops, kv_state, 0)
+        ops.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state, mask_state
+
+    @cute.jit
+    def overlap_step(
+        self, ops, acc_s, words, kv_state, mask_state, partial: cutlass.Constexpr[bool], next_partial,
+        next_entry,
+    ):  # fmt: skip
+        """Step ``j`` of :meth:`mainloop_overlap`; ``kv_state`` is block ``j - 1``'s stage."""
+        s_state = kv_state.clone()
+        s_state.advance()
+        ops.pipe_k.consumer_wait(s_state)
+        self.issue_s(ops, acc_s, s_state, -1)
+        ops.pipe_v.consumer_wait(kv_state)
+        self.issue_pv(ops, kv_state, -1)
+        warpgroup.wait_group(1)  # S_j is in acc_s (groups retire in order); P_{j-1} V_{j-1} may run
+        ops.pipe_k.consumer_release(s_state)
+        self.softmax_scores(ops, acc_s, words if const_expr(partial) else None)
+        if const_expr(next_partial is not None):
+            if next_partial:  # the payload of block j + 1 (block j's words are consumed)
+                mask_state = self.read_payload(ops, mask_state, next_entry, words)
+        warpgroup.wait_group(0)  # tOrP and O are free again
+        ops.pipe_v.consumer_release(kv_state)
+        self.rescale_to_p(ops, acc_s)
+        return s_state, mask_state
 
     @cute.jit
     def turn_wait(self, ops):
