@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
-from flexattn_sm90.fwd_launch import compile_uncached, kernel_key  # noqa: E402
+from flexattn_sm90.fwd_launch import DEFAULT_SCHEDULE, compile_uncached, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
 from maskplan_kernels.testing import assert_no_spills  # noqa: E402
 
@@ -37,11 +37,11 @@ def test_compiles_every_head_dim(dq, dv, tmp_path):
     ptx = compiled.__ptx__
     assert ".target sm_90a" in ptx
     shapes = _wgmma_shapes(ptx)
-    # S = Q K^T is m64n{tile_n}, O += P V is m64n{Dv}; the partial and the full loop each issue
-    # Dqk/16 and tile_n/16 of them
+    # S = Q K^T is m64n{tile_n}, O += P V is m64n{Dv}; the default (overlap) schedule issues
+    # Dqk/16 and tile_n/16 of them at three sites each (its first S / last PV and two loops)
     qk, pv = f"m64n{config.tile_n}k16", f"m64n{dv}k16"
-    expect = {qk: 2 * dq // 16}
-    expect[pv] = expect.get(pv, 0) + 2 * config.tile_n // 16
+    expect = {qk: 3 * dq // 16}
+    expect[pv] = expect.get(pv, 0) + 3 * config.tile_n // 16
     assert shapes == expect
     assert_no_spills(ptx, "sm_90a", tmp_path)
 
@@ -86,7 +86,7 @@ def test_schedules_compile(schedule, tmp_path):
 def test_fp16_and_max_logit_compile(tmp_path):
     _, compiled = _compile(dtype="float16", max_logit=True, tmp_path=tmp_path)
     ptx = compiled.__ptx__
-    assert _wgmma_shapes(ptx) == {"m64n128k16": 32}
+    assert _wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[DEFAULT_SCHEDULE]}
     assert ".f32.f16.f16" in ptx
     assert "atom.global.max.s32" in ptx and "atom.global.min.u32" in ptx  # float atomic max
 

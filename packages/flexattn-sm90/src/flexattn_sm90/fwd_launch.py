@@ -38,9 +38,11 @@ from .fwd_kernel import Sm90FwdKernel
 GPU_ARCH = "sm_90a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
-#: consumer main-loop schedule when none is asked for and the plan does not pick one (see
-#: :func:`auto_schedule` and fwd_mainloop.SCHEDULES)
-DEFAULT_SCHEDULE = "simple"
+#: consumer main-loop schedule when none is asked for (fwd_mainloop.SCHEDULES). Measured on H200
+#: (B=2, S=8192, H=16, D=128, bf16; benchmarks/RESULTS.md, session 7): ``overlap`` ran 4-9% faster
+#: than ``pipelined`` on causal, sliding-1024, document and random-5, and 1-8% faster than
+#: ``simple`` except on random-5 (every block partial), 2% slower there
+DEFAULT_SCHEDULE = "overlap"
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -111,14 +113,6 @@ def compile_uncached(
 
 
 # -- launch ---------------------------------------------------------------------------------------
-def auto_schedule(partial_nnz: int, full_nnz: int) -> str:
-    """The main-loop schedule for a plan. Measured on H200 (B=2, S=8192, H=16, D=128, bf16):
-    ``pipelined`` beats ``simple`` by 5% on causal (128 partial / 4032 full blocks) and loses up to
-    6% when most blocks are partial (random 5-endpoint: all partial; sliding-1024 and document:
-    even); ``pingpong`` lost on every mask."""
-    return "pipelined" if full_nnz >= 8 * partial_nnz else "simple"
-
-
 @cached_per_view
 def _prepared_config(view: PlanView) -> Sm90FwdConfig:
     return config_for_view(view)
@@ -143,7 +137,7 @@ def run_forward(
     ``out``/``lse`` may be given (contiguous, of those shapes) to be written in place. Every
     element of them is written. ``mask_via_smem=False`` selects direct GMEM->register payload
     delivery instead of the two-stage SMEM pipeline, ``schedule`` the consumer main loop
-    (:data:`flexattn_sm90.fwd_mainloop.SCHEDULES`; None: :func:`auto_schedule`); results are the
+    (:data:`flexattn_sm90.fwd_mainloop.SCHEDULES`; None: :data:`DEFAULT_SCHEDULE`); results are the
     same.
     """
     config = _prepared_config(view)
@@ -158,7 +152,7 @@ def run_forward(
         config,
         mask_via_smem=mask_via_smem,
         with_max_logit=return_max_logit,
-        schedule=schedule or auto_schedule(prep.partial_nnz, prep.full_nnz),
+        schedule=schedule or DEFAULT_SCHEDULE,
     )
     counter = torch.zeros(1, dtype=torch.int32, device=device)  # call-local scheduler counter
     compiled(
@@ -174,7 +168,6 @@ def run_forward(
 
 
 __all__ = [
-    "auto_schedule",
     "compile_forward",
     "compile_uncached",
     "config_for_view",

@@ -324,13 +324,24 @@ class ConsumerMainloop:
         warpgroup.wait_group(1)  # S_j is in acc_s (groups retire in order); P_{j-1} V_{j-1} may run
         ops.pipe_k.consumer_release(s_state)
         self.softmax_scores(ops, acc_s, words if const_expr(partial) else None)
-        if const_expr(next_partial is not None):
-            if next_partial:  # the payload of block j + 1 (block j's words are consumed)
-                mask_state = self.read_payload(ops, mask_state, next_entry, words)
+        # the payload of block j + 1 (block j's words are consumed): from SMEM while PV runs; a
+        # direct GMEM read after the step, where the registers it holds do not overlap the softmax
+        # and S_{j+1} covers its latency
+        if const_expr(self.mask_via_smem):
+            mask_state = self.read_next_payload(ops, mask_state, next_partial, next_entry, words)
         warpgroup.wait_group(0)  # tOrP and O are free again
         ops.pipe_v.consumer_release(kv_state)
         self.rescale_to_p(ops, acc_s)
+        if const_expr(not self.mask_via_smem):
+            mask_state = self.read_next_payload(ops, mask_state, next_partial, next_entry, words)
         return s_state, mask_state
+
+    @cute.jit
+    def read_next_payload(self, ops, mask_state, next_partial, next_entry, words):
+        if const_expr(next_partial is not None):
+            if next_partial:
+                mask_state = self.read_payload(ops, mask_state, next_entry, words)
+        return mask_state
 
     @cute.jit
     def turn_wait(self, ops):
