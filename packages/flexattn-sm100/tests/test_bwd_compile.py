@@ -29,7 +29,7 @@ from flexattn_sm100.bwd_launch import compile_uncached, kernel_keys  # noqa: E40
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
 from flexattn_sm100.heuristics import select_bwd_config  # noqa: E402
 from maskplan_kernels.consumer_launch import check_register_split  # noqa: E402
-from maskplan_kernels.testing import assert_no_spills  # noqa: E402
+from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
@@ -54,7 +54,7 @@ def _ptx(kind, d, dtype, tmp_path, **kw) -> str:
     )
     ptx = compiled.__ptx__
     assert ".target sm_100a" in ptx
-    assert_no_spills(ptx, "sm_100a", tmp_path)
+    assert_ptxas_clean(ptx, "sm_100a", tmp_path)
     return ptx
 
 

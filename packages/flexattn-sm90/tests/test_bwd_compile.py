@@ -15,7 +15,7 @@ pytest.importorskip("cutlass.cute")
 
 from flexattn_sm90.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # noqa: E402
-from maskplan_kernels.testing import assert_no_spills  # noqa: E402
+from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
 
 def _ptx(kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=False, with_dlse=False) -> str:
@@ -29,8 +29,8 @@ def _ptx(kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=Fals
     return ptx
 
 
-def _assert_no_spills(ptx: str, tmp_path) -> None:
-    assert_no_spills(ptx, "sm_90a", tmp_path)
+def _assert_ptxas_clean(ptx: str, tmp_path) -> None:
+    assert_ptxas_clean(ptx, "sm_90a", tmp_path)
 
 
 def _wgmma_shapes(ptx: str) -> dict[str, int]:
@@ -64,7 +64,7 @@ def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     ptx = _ptx("main", dq, dv, dtype, tmp_path=tmp_path)
     assert _wgmma_shapes(ptx) == _expected_wgmma(dq, dv, dtype)
     assert (".f32.bf16.bf16" in ptx) == (dtype == "bfloat16")
-    _assert_no_spills(ptx, tmp_path)
+    _assert_ptxas_clean(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -79,7 +79,7 @@ def test_main_kernel_d128_instructions(deterministic, tmp_path):
     # the turnstile: acquire spin, then a release increment, only in deterministic mode
     assert ("ld.acquire.gpu.global.b32" in ptx) == deterministic
     assert ("red.release.gpu.global.add.s32" in ptx) == deterministic
-    _assert_no_spills(ptx, tmp_path)
+    _assert_ptxas_clean(ptx, tmp_path)
 
 
 @pytest.mark.parametrize("dq,dv", [(192, 128), (256, 256)])
@@ -90,7 +90,7 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
     ptx = _ptx("main", dq, dv, tmp_path=tmp_path, deterministic=deterministic)
     assert ("red.global.add.v4.f32" in ptx) != deterministic
     assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) == deterministic
-    _assert_no_spills(ptx, tmp_path)
+    _assert_ptxas_clean(ptx, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_preprocess_is_the_shared_one(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_postprocess_compiles(dq, dv, dtype, tmp_path):
     ptx = _ptx("post", dq, dv, dtype, tmp_path=tmp_path)
-    _assert_no_spills(ptx, tmp_path)
+    _assert_ptxas_clean(ptx, tmp_path)
 
 
 def test_unsupported_tiles_refused():

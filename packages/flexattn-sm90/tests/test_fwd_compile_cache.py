@@ -12,7 +12,13 @@ pytest.importorskip("cutlass.cute")
 
 tvm_ffi = pytest.importorskip("tvm_ffi")
 
-from flexattn_sm90.fwd_launch import GPU_ARCH, SOURCE_PACKAGES, compile_forward, kernel_key  # noqa: E402
+from flexattn_sm90.fwd_launch import (  # noqa: E402
+    DEFAULT_SCHEDULE,
+    GPU_ARCH,
+    SOURCE_PACKAGES,
+    compile_forward,
+    kernel_key,
+)
 from flexattn_sm90.heuristics import select_fwd_config  # noqa: E402
 from maskplan_kernels import compile_cache  # noqa: E402
 from maskplan_kernels.compile_cache import CALL_OPTIONS  # noqa: E402
@@ -26,7 +32,7 @@ def test_forward_kernel_is_cached_on_disk_and_loaded_back(tmp_path, monkeypatch)
     before = dict(compile_cache.STATS)
     compiled = compile_forward(config, with_max_logit=True)
     assert compile_forward(config, with_max_logit=True) is compiled
-    key = kernel_key(config, mask_via_smem=True, with_max_logit=True, schedule="simple")
+    key = kernel_key(config, mask_via_smem=True, with_max_logit=True, schedule=DEFAULT_SCHEDULE)
     assert key in compile_cache.cached_keys()
     (entry,) = (tmp_path / "kernels").glob("sm90-fwd-*.o")
     options = f"--gpu-arch {GPU_ARCH} {CALL_OPTIONS}"

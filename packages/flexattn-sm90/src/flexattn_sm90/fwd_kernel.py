@@ -7,7 +7,7 @@ One CTA = one producer warpgroup + two consumer (MMA/softmax) warpgroups, 384 th
     warps 1-3              idle (give their registers back and exit)
     WG1, WG2 (consumers)   64 Q rows each of the 128-row tile: S = Q K^T (WGMMA SS), packed
                            predicate (partial blocks), online softmax, O += P V (WGMMA RS), epilogue
-                           (fwd_mainloop.py; schedules simple / pipelined / pingpong)
+                           (fwd_mainloop.py; schedules simple / overlap)
 
 Per task ``(m_block, head, batch, q_valid_rows)``::
 
@@ -65,7 +65,7 @@ from maskplan_kernels.consumer_plan import (
 
 from .config import Sm90FwdConfig
 from .fwd_helpers import register_split, smem_layout_row_major
-from .fwd_mainloop import SCHEDULES, ConsumerMainloop
+from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -73,7 +73,9 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 class Sm90FwdKernel(ConsumerMainloop):
     """Static configuration of one compiled forward kernel; see the module docstring."""
 
-    def __init__(self, config: Sm90FwdConfig, *, mask_via_smem: bool = True, schedule: str = "simple"):
+    def __init__(
+        self, config: Sm90FwdConfig, *, mask_via_smem: bool = True, schedule: str = DEFAULT_SCHEDULE
+    ):
         if config.num_consumer_warpgroups != 2 or config.tile_m != 128:
             raise NotImplementedError("the SM90 forward kernel uses a 128-row tile on 2 consumer warpgroups")
         self.config = config

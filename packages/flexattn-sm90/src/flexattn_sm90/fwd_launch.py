@@ -34,15 +34,11 @@ from maskplan_kernels.consumer_launch import (
 from . import view_config
 from .config import Sm90FwdConfig
 from .fwd_kernel import Sm90FwdKernel
+from .fwd_mainloop import DEFAULT_SCHEDULE
 
 GPU_ARCH = "sm_90a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
-#: consumer main-loop schedule when none is asked for (fwd_mainloop.SCHEDULES). Measured on H200
-#: (B=2, S=8192, H=16, D=128, bf16; benchmarks/RESULTS.md, session 7): ``overlap`` ran 4-9% faster
-#: than ``pipelined`` on causal, sliding-1024, document and random-5, and 1-8% faster than
-#: ``simple`` except on random-5 (every block partial), 2% slower there
-DEFAULT_SCHEDULE = "overlap"
 
 
 # -- configuration --------------------------------------------------------------------------------

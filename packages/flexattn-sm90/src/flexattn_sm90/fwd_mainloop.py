@@ -5,14 +5,13 @@ from ``self``). Per task both consumer warpgroups visit the partial range (packe
 applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows each::
 
     simple      per block: S = QK^T; wait; [mask]; softmax; O += PV; wait
-    pipelined   S_{i+1} = QK_{i+1}^T is issued right after O += P_i V_i, so the tensor cores
-                see the two GEMMs back to back
-    pingpong    pipelined, and the two warpgroups take turns issuing their GEMM phases (two named
-                barriers), so one warpgroup's softmax overlaps the other's GEMMs (FA3 schedule)
     overlap     S_{i+1} is issued before O += P_i V_i and the softmax of S_{i+1} runs while
                 P_i V_i is still on the tensor cores; O is rescaled once P_i V_i retires (FA3's
                 intra-warpgroup overlap). Q is released before the last PV GEMM, so the next
-                task's Q load starts while this task finishes
+                task's Q load starts while this task finishes. Every GEMM is issued and waited
+                for within one step: ptxas serialises a WGMMA still in flight across a loop edge
+                (what a schedule issuing S_{i+1} at the end of step i, then consuming it in step
+                i + 1, ran into: C7517)
 
 Every schedule consumes the same pipelines in the same order; the payload of a partial block is
 read before its S is used and the mask pipeline advances only on partial blocks.
@@ -39,9 +38,13 @@ from .fwd_helpers import (
     wgmma,
 )
 
-SCHEDULES = ("simple", "pipelined", "pingpong", "overlap")
-#: named barrier ids of the pingpong turns (0 is __syncthreads); warpgroup w waits on 1 + w
-TURN_BARRIER = 1
+SCHEDULES = ("simple", "overlap")
+#: consumer main-loop schedule when none is asked for (one of SCHEDULES). Measured on H200
+#: (B=2, S=8192, H=16, bf16; benchmarks/RESULTS.md, session 7): ``overlap`` ran 1-8% faster than
+#: ``simple`` at D=128 except on random-5 (every block partial, 2% slower), 0-4% at D=64 and 6-18%
+#: at D=256; the retired ``pipelined`` schedule (S_{i+1} in flight across the loop edge, which
+#: ptxas serialised) 4-9% slower at D=128
+DEFAULT_SCHEDULE = "overlap"
 
 
 class Operands(NamedTuple):
@@ -111,9 +114,6 @@ class ConsumerMainloop:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
-        if const_expr(self.schedule == "pingpong"):
-            if wg == 1:  # warpgroup 0 takes the first turn
-                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
 
         valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
         while valid != 0:
@@ -128,12 +128,7 @@ class ConsumerMainloop:
                         ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state
                     )
                 else:
-                    if const_expr(self.schedule == "simple"):
-                        kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
-                    else:
-                        kv_state, mask_state = self.mainloop_pipelined(
-                            ops, acc_s_shape, t, kv_state, mask_state
-                        )
+                    kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
             finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)
@@ -220,57 +215,6 @@ class ConsumerMainloop:
         return kv_state
 
     @cute.jit
-    def mainloop_pipelined(self, ops, acc_s_shape, t, kv_state, mask_state):
-        """GEMM phases ``[S_0], [O += P_0 V_0, S_1], ..., [O += P_{n-1} V_{n-1}]``; with pingpong each
-        phase is one turn of this warpgroup."""
-        total = t.partial_cnt + t.full_cnt
-        words = cute.make_rmem_tensor(self.payload_registers, Int32)
-        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
-        if t.partial_cnt > 0:
-            mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
-        self.turn_wait(ops)
-        ops.pipe_k.consumer_wait(kv_state)
-        self.issue_s(ops, acc_s, kv_state, -1)
-        self.turn_pass(ops)
-        for i in cutlass.range(t.partial_cnt, unroll=1):
-            kv_state, mask_state = self.pipelined_step(
-                ops, acc_s, words, kv_state, mask_state, True, i + 1 < total, i + 1 < t.partial_cnt,
-                t.partial_off + i + 1,
-            )  # fmt: skip
-        for i in cutlass.range(t.full_cnt, unroll=1):
-            kv_state, mask_state = self.pipelined_step(
-                ops, acc_s, words, kv_state, mask_state, False, t.partial_cnt + i + 1 < total, None, None
-            )
-        return kv_state, mask_state
-
-    @cute.jit
-    def pipelined_step(
-        self, ops, acc_s, words, kv_state, mask_state, partial: cutlass.Constexpr[bool], has_next,
-        next_partial, next_entry,
-    ):  # fmt: skip
-        warpgroup.wait_group(0)  # S_i is in acc_s
-        ops.pipe_k.consumer_release(kv_state)
-        self.softmax_to_p(ops, acc_s, words if const_expr(partial) else None)
-        if const_expr(next_partial is not None):
-            if next_partial:  # the payload of block i + 1 (words of block i are consumed)
-                mask_state = self.read_payload(ops, mask_state, next_entry, words)
-        next_state = kv_state.clone()
-        next_state.advance()
-        self.turn_wait(ops)
-        ops.pipe_v.consumer_wait(kv_state)
-        self.issue_pv(ops, kv_state, -1)
-        if has_next:
-            ops.pipe_k.consumer_wait(next_state)
-            self.issue_s(ops, acc_s, next_state, -1)
-        self.turn_pass(ops)
-        if has_next:
-            warpgroup.wait_group(1)  # O += P_i V_i done (groups retire in order), S_{i+1} in flight
-        else:
-            warpgroup.wait_group(0)
-        ops.pipe_v.consumer_release(kv_state)
-        return next_state, mask_state
-
-    @cute.jit
     def mainloop_overlap(self, ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state):
         """GEMM issue order ``S_0; S_1, P_0 V_0; S_2, P_1 V_1; ...; P_{n-1} V_{n-1}``::
 
@@ -342,18 +286,6 @@ class ConsumerMainloop:
             if next_partial:
                 mask_state = self.read_payload(ops, mask_state, next_entry, words)
         return mask_state
-
-    @cute.jit
-    def turn_wait(self, ops):
-        if const_expr(self.schedule == "pingpong"):
-            cute.arch.barrier(barrier_id=TURN_BARRIER + ops.wg, number_of_threads=self.num_consumer_threads)
-
-    @cute.jit
-    def turn_pass(self, ops):
-        if const_expr(self.schedule == "pingpong"):
-            cute.arch.barrier_arrive(
-                barrier_id=TURN_BARRIER + 1 - ops.wg, number_of_threads=self.num_consumer_threads
-            )
 
     # -- epilogue ---------------------------------------------------------------------------------
     @cute.jit
