@@ -67,7 +67,7 @@ def fixed_sequence_desc(
         sequence_desc[b] = (b * Sq, b * Sk, Sq, Sk, b * outer, outer, inner, 0)
 
     The attention kernels derive the same columns on the device
-    (``maskplan_kernels.consumer_plan.sequence_desc``).
+    (``maskplan_kernels.consumer_plan.desc_field``).
     """
     block_m, block_n = block
     q_blocks, k_blocks = -(-seqlen_q // block_m), -(-seqlen_k // block_n)

@@ -66,10 +66,8 @@ def _forward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeomet
 
 def _backward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeometry, cls, counts) -> PlanView:
     lists = materialize_k2q(mask_func, cls, geom, cfg.layout, counts)
-    tensors = _csr_tensors(lists) | _sequence_desc(g, geom, "k") | {
-        "dq_write_order": lists.dq_write_order,
-        "dq_write_order_full": lists.dq_write_order_full,
-    }
+    order = {"dq_write_order": lists.dq_write_order, "dq_write_order_full": lists.dq_write_order_full}
+    tensors = _csr_tensors(lists) | _sequence_desc(g, geom, "k") | order
     return PlanView("backward", cfg.signature, cfg.layout, g, tensors)
 
 
