@@ -2,7 +2,8 @@
 twin of the kernels' indexing (no GPU, no compile).
 
 * The launcher's plan-derived tensors (sample of each K plan row, first padded Q block of each
-  sample) match the view's ``sequence_desc``.
+  sample) match the view's ``sequence_desc()``; the kernels get the retained descriptor only for a
+  varlen view.
 * ``dq_write_order`` is a complete turnstile: for every (mask head, Q block) the ranks of its
   writers are 0..n-1 in ascending K-block order, so deterministic mode neither deadlocks (a
   writer only waits on lower K blocks, i.e. lower CTA indices) nor skips a rank.
@@ -92,7 +93,11 @@ def test_prepared_tensors(problem):
     _, ep, q, k, v, varlen = problem
     view = plan_for(ep, q, k, v, **varlen).view("backward")
     prep = bwd_view_args(view, CPU)
-    desc = view.sequence_desc.to(torch.int64)
+    desc = view.sequence_desc().to(torch.int64)
+    # the kernels read the retained descriptor of a varlen view and derive a fixed-length one's
+    assert prep.varlen == int(bool(varlen)) == int("sequence_desc" in view.tensors)
+    if varlen:
+        assert torch.equal(prep.tensors[9], view.tensors["sequence_desc"])
     k_row_batch, q_block_begin = prep.tensors[10].to(torch.int64), prep.tensors[11].to(torch.int64)
     assert k_row_batch.tolist() == [b for b in range(desc.shape[0]) for _ in range(int(desc[b, 5]))]
     assert prep.k_rows == int(desc[:, 5].sum()) == view.mask_block_cnt.shape[1]
@@ -131,7 +136,7 @@ def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
     """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess."""
     g, prep = view.geometry, bwd_view_args(view, CPU)
     tm, tn = view.block_size
-    desc = view.sequence_desc.to(torch.int64)
+    desc = view.sequence_desc().to(torch.int64)
     k_row_batch, q_block_begin = prep.tensors[10].long(), prep.tensors[11].long()
     hq_n, hkv_n, group = g.num_heads_q, g.num_heads_kv, g.num_heads_q // g.num_heads_kv
     # preprocess: padded per-(head, global Q block) rows

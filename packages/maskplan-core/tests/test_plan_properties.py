@@ -332,8 +332,10 @@ def check_sequence_desc(view, p: Problem) -> None:
         [p.cu_q[b], p.cu_k[b], p.q_lens[b], p.k_lens[b], begin[b], outer[b], inner[b], 0]
         for b in range(p.batch)
     ]
-    assert view.sequence_desc.dtype == torch.int32
-    assert view.sequence_desc.tolist() == expected
+    # retained iff varlen (spec 4.8); a fixed-length view derives it (maskplan_core.plan.fixed_sequence_desc)
+    assert ("sequence_desc" in view.tensors) == p.varlen
+    assert view.sequence_desc().dtype == torch.int32
+    assert view.sequence_desc().tolist() == expected
 
 
 def check_header(plan, p: Problem) -> None:
@@ -487,6 +489,39 @@ def _fixed(sq, sk, *, batch=1, hq=1, hkv=1, hmask=1, nfunc=1, kinds=None, seed=0
 def test_small_tile_edge_cases(p, tiles):
     ep, plan, dtype = small_plan(p, tiles, build_backward=True)
     check_plan(plan, ep, p, element_size=torch.empty((), dtype=dtype).element_size())
+
+
+def _same_lengths_varlen(p: Problem) -> Problem:
+    """``p`` (fixed-length) as a varlen problem with every sample of the same lengths."""
+    return Problem(True, *[getattr(p, f) for f in Problem.__dataclass_fields__ if f != "varlen"])
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["mha", "pack-gqa"])
+def test_fixed_length_views_derive_sequence_desc(pack_gqa):
+    """A fixed-length view retains no ``sequence_desc``; its derived one is BlockGeometry's (the
+    varlen path's) at the view's block, forward and backward; PackGQA's block counts Q positions.
+    The plan is B * 32 bytes smaller per view than the same problem planned as varlen."""
+    from maskplan_core.reference import block_geometry
+
+    p = _fixed(50, 70, batch=3, hq=4, hkv=2, nfunc=3, kinds=("causal", "random", "window"), seed=4)
+    fwd_tile, bwd_tile = (8, 40), (16, 16)  # pack_gqa: 16 rows of G = 2 heads = 8 positions
+    fwd, bwd = small_config("forward", fwd_tile), small_config("backward", bwd_tile)
+    if pack_gqa:
+        topology = fwd.signature.topology.model_copy(update=dict(pack_gqa=True, qhead_per_kvhead=2))
+        fwd = ViewConfig(fwd.signature.model_copy(update=dict(topology=topology)), fwd.layout)
+    plans = {}
+    for name, problem in (("fixed", p), ("varlen", _same_lengths_varlen(p))):
+        g = validate_plan_inputs(make_endpoints(problem), *qkv(problem), **varlen_kwargs(problem))
+        plans[name] = (g, build_plan(make_endpoints(problem), g, fwd, bwd, "test-small"))
+    g, fixed = plans["fixed"]
+    varlen = plans["varlen"][1]
+    for role, tile, outer in (("forward", fwd_tile, "q"), ("backward", bwd_tile, "k")):
+        view = fixed.view(role)
+        assert "sequence_desc" not in view.tensors and view.block_size == tile
+        assert torch.equal(view.sequence_desc(), block_geometry(g, *tile).sequence_desc(outer))
+        assert torch.equal(view.sequence_desc(), varlen.view(role).tensors["sequence_desc"])
+        assert view.nbytes() == varlen.view(role).nbytes() - p.batch * 8 * 4
+        assert torch.equal(view.to_dense(), varlen.view(role).to_dense())
 
 
 def test_all_full_mask_has_no_payloads():

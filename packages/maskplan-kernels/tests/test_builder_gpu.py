@@ -1,7 +1,7 @@
 """GPU tier: ``build_plan_gpu`` equals ``maskplan_core.reference.build_plan`` tensor for tensor.
 
-Every tensor of every view (CSR cnt/offset/idx, ``mask_block_masks``, ``sequence_desc``,
-``fwd_work_desc``, ``dq_write_order(_full)``) and the allocation header are compared with
+Every tensor of every view (CSR cnt/offset/idx, ``mask_block_masks``, ``sequence_desc`` (varlen
+views only), ``fwd_work_desc``, ``dq_write_order(_full)``) and the allocation header are compared with
 ``torch.equal`` for fixed and varlen inputs (empty samples, Sq != Sk, Hmask 1 and Hq, nfunc 1..9,
 GQA, PackGQA scheduling, several L2 sections, S = 32k), forward-only and with backward, with the
 reference row-major layout and the SM90 WGMMA layouts. Malformed endpoints / prefixes must raise

@@ -3,11 +3,19 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
+from plan_cases import make_geometry, make_mask, row_major, view_config
 
 pytest.importorskip("cutlass.cute")
 
 from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
-from maskplan_kernels.consumer_launch import INT32_LIMIT, require_int32_offsets  # noqa: E402
+from maskplan_core.reference import build_plan  # noqa: E402
+from maskplan_kernels.consumer_launch import (  # noqa: E402
+    INT32_LIMIT,
+    bwd_view_args,
+    fwd_view_args,
+    require_int32_offsets,
+)
 
 
 def geometry(total_q, total_k, hq=16, hkv=16, dqk=128, dv=128):
@@ -35,3 +43,22 @@ def test_int32_offsets_accept_the_largest_tensors_that_fit():
 def test_int32_offsets_refuse_tensors_that_would_wrap(g, rows, name):
     with pytest.raises(UnsupportedConfigError, match=f"{name} holds .* 32-bit offsets"):
         require_int32_offsets(g, dq_accum_rows=rows)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_launch_arguments_carry_the_descriptor_only_for_varlen(varlen):
+    """A fixed-length view retains no sequence_desc: its launches pass varlen = 0 and the int32 dummy
+    (never read; the kernels derive the columns), a varlen view's pass 1 and its retained table."""
+    q_lens, k_lens = [70, 70], [90, 90]
+    g = make_geometry(q_lens, k_lens, hq=2, hkv=1, hmask=1, nfunc=1, varlen=varlen)
+    fwd, bwd = view_config(row_major(32, 16), "forward"), view_config(row_major(16, 32), "backward")
+    plan = build_plan(make_mask(q_lens, k_lens, 1, 1, seed=3), g, fwd, bwd, "test")
+    cpu = torch.device("cpu")
+    fwd_args, bwd_args = fwd_view_args(plan.view("forward"), cpu), bwd_view_args(plan.view("backward"), cpu)
+    assert fwd_args.sizes[-3:-1] == (2, plan.view("forward").fwd_work_desc.shape[0])  # B, tasks
+    assert fwd_args.sizes[-1] == bwd_args.varlen == int(varlen)
+    for role, passed in (("forward", fwd_args.tensors[7]), ("backward", bwd_args.tensors[9])):
+        view = plan.view(role)
+        assert ("sequence_desc" in view.tensors) == varlen
+        expected = view.tensors["sequence_desc"] if varlen else torch.zeros(1, 8, dtype=torch.int32)
+        assert torch.equal(passed, expected), role

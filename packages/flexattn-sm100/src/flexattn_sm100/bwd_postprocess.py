@@ -15,7 +15,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from maskplan_kernels.consumer_plan import dq_postprocess_tensors, element_ptr
+from maskplan_kernels.consumer_plan import (
+    INNER_BLOCKS,
+    Q_LEN,
+    Q_OFFSET,
+    SequenceDesc,
+    desc_field,
+    dq_postprocess_tensors,
+    element_ptr,
+)
 
 from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
 
@@ -39,19 +47,20 @@ class Sm100BwdPostprocess:
         self,
         dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D)  16-byte aligned
         dq: cute.Pointer,  # (total_q, Hq, D)  output
-        sequence_desc: cute.Pointer,  # (B, 8)
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         q_block_begin: cute.Pointer,  # (B,)
         total_q: Int32,
         num_heads_q: Int32,
         batch: Int32,
         n_qblk: Int32,
         max_q_blocks: Int32,
+        varlen: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
         tensors = dq_postprocess_tensors(
             dq_accum, dq, sequence_desc, q_block_begin, total_q=total_q, num_heads_q=num_heads_q,
-            batch=batch, n_qblk=n_qblk, tile_m=self.tile_m, head_dim=self.head_dim,
+            batch=batch, n_qblk=n_qblk, varlen=varlen, tile_m=self.tile_m, head_dim=self.head_dim,
         )  # fmt: skip
         self.kernel(*tensors, softmax_scale).launch(
             grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream
@@ -62,15 +71,16 @@ class Sm100BwdPostprocess:
         self,
         mdQaccum: cute.Tensor,
         mdQ: cute.Tensor,
-        sequence_desc: cute.Tensor,
+        sequence_desc: SequenceDesc,
         q_block_begin: cute.Tensor,
         softmax_scale: Float32,
     ):
         t, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
-        if m_block < sequence_desc[b, 6]:
+        if m_block < desc_field(sequence_desc, b, INNER_BLOCKS):  # Q blocks of the sample
             d, tm = self.head_dim, self.tile_m
-            q_offset, q_len = sequence_desc[b, 0], sequence_desc[b, 2]
+            q_offset = desc_field(sequence_desc, b, Q_OFFSET)
+            q_len = desc_field(sequence_desc, b, Q_LEN)
             w, lane = t // WARP_ROWS, t % WARP_ROWS
             block = q_head * mdQaccum.shape[1] + (q_block_begin[b] + m_block) * tm * d
             regs = cute.make_rmem_tensor(DQ_CHUNK, Float32)

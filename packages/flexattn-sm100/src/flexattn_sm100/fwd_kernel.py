@@ -287,7 +287,7 @@ class Sm100FwdKernel(SoftmaxRole):
         full_block_cnt: cute.Pointer,  # (Hmask, rows)
         full_block_offset: cute.Pointer,  # (Hmask, rows)
         full_block_idx: cute.Pointer,  # (full_nnz,)
-        sequence_desc: cute.Pointer,  # (B, 8)
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         fwd_work_desc: cute.Pointer,  # (tasks, 4)
         total_q: Int32,
         total_k: Int32,
@@ -299,6 +299,7 @@ class Sm100FwdKernel(SoftmaxRole):
         full_nnz: Int32,
         batch: Int32,
         num_tasks: Int32,
+        varlen: Int32,  # runtime, so fixed and varlen views share one compiled kernel
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -321,6 +322,10 @@ class Sm100FwdKernel(SoftmaxRole):
             full_nnz=full_nnz,
             batch=batch,
             num_tasks=num_tasks,
+            varlen=varlen,
+            total_q=total_q,
+            total_k=total_k,
+            block=(self.tile_m, self.tile_n),
             plane=self.payload_entry,
         )
         self.__call__(

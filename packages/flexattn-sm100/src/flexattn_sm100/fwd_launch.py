@@ -71,7 +71,7 @@ def placeholder_arguments(kernel: Sm100FwdKernel, *, with_max_logit: bool) -> li
     """Compile-time stand-ins for :meth:`Sm100FwdKernel.from_pointers`' arguments (same types)."""
     return [
         *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
-        *(Int32(1) for _ in range(10)),  # sizes
+        *(Int32(1) for _ in range(11)),  # sizes (the last: varlen)
         Float32(1.0), cute.runtime.make_fake_stream(),
     ]  # fmt: skip
 

@@ -12,7 +12,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from maskplan_kernels.consumer_plan import dq_postprocess_tensors, element_ptr
+from maskplan_kernels.consumer_plan import (
+    INNER_BLOCKS,
+    Q_LEN,
+    Q_OFFSET,
+    SequenceDesc,
+    desc_field,
+    dq_postprocess_tensors,
+    element_ptr,
+)
 
 from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma
 from .fwd_helpers import acc_mn_view
@@ -36,19 +44,20 @@ class Sm90BwdPostprocess:
         self,
         dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D)  16-byte aligned
         dq: cute.Pointer,  # (total_q, Hq, D)  output
-        sequence_desc: cute.Pointer,  # (B, 8)
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         q_block_begin: cute.Pointer,  # (B,)
         total_q: Int32,
         num_heads_q: Int32,
         batch: Int32,
         n_qblk: Int32,
         max_q_blocks: Int32,
+        varlen: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
         tensors = dq_postprocess_tensors(
             dq_accum, dq, sequence_desc, q_block_begin, total_q=total_q, num_heads_q=num_heads_q,
-            batch=batch, n_qblk=n_qblk, tile_m=self.tile_m, head_dim=self.head_dim,
+            batch=batch, n_qblk=n_qblk, varlen=varlen, tile_m=self.tile_m, head_dim=self.head_dim,
         )  # fmt: skip
         self.kernel(
             *tensors, make_dq_tiled_mma(self.dtype, self.head_dim, self.tile_m, self.num_wg), softmax_scale
@@ -59,16 +68,17 @@ class Sm90BwdPostprocess:
         self,
         mdQaccum: cute.Tensor,
         mdQ: cute.Tensor,
-        sequence_desc: cute.Tensor,
+        sequence_desc: SequenceDesc,
         q_block_begin: cute.Tensor,
         mma_dq: cute.TiledMma,
         softmax_scale: Float32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
-        if m_block < sequence_desc[b, 6]:
+        if m_block < desc_field(sequence_desc, b, INNER_BLOCKS):  # Q blocks of the sample
             d, tm = self.head_dim, self.tile_m
-            q_offset, q_len = sequence_desc[b, 0], sequence_desc[b, 2]
+            q_offset = desc_field(sequence_desc, b, Q_OFFSET)
+            q_len = desc_field(sequence_desc, b, Q_LEN)
             blk = q_block_begin[b] + m_block
             wg, t = tidx // 128, tidx % 128
             thr = mma_dq.get_slice(tidx)

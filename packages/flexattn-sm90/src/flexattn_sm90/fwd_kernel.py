@@ -126,7 +126,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         full_block_cnt: cute.Pointer,  # (Hmask, rows)
         full_block_offset: cute.Pointer,  # (Hmask, rows)
         full_block_idx: cute.Pointer,  # (full_nnz,)
-        sequence_desc: cute.Pointer,  # (B, 8)
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         fwd_work_desc: cute.Pointer,  # (tasks, 4)
         tile_counter: cute.Pointer,  # (1,)
         total_q: Int32,
@@ -139,6 +139,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         full_nnz: Int32,
         batch: Int32,
         num_tasks: Int32,
+        varlen: Int32,  # runtime, so fixed and varlen views share one compiled kernel
         softmax_scale: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
@@ -162,6 +163,10 @@ class Sm90FwdKernel(ConsumerMainloop):
             full_nnz=full_nnz,
             batch=batch,
             num_tasks=num_tasks,
+            varlen=varlen,
+            total_q=total_q,
+            total_k=total_k,
+            block=(self.tile_positions, self.tile_n),
             plane=self.payload_plane,
         )
         self.__call__(

@@ -68,7 +68,7 @@ def placeholder_arguments(kernel: Sm90FwdKernel, *, with_max_logit: bool) -> lis
     return [
         *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
         gmem_ptr(Int32),  # tile counter
-        *(Int32(1) for _ in range(10)),  # sizes
+        *(Int32(1) for _ in range(11)),  # sizes (the last: varlen)
         Float32(1.0), Int32(1), cute.runtime.make_fake_stream(),
     ]  # fmt: skip
 

@@ -16,10 +16,15 @@ The reconstruction loop below is the spec of the format (``to_dense`` runs it ve
             dense[h, q rows of (o or x), k cols of (x or o)] = tile
         for e in full range of (h, r):
             dense[h, q rows, k cols] = True       # a full tile is entirely in bounds
+
+``sequence_desc`` (int32 ``[B, 8]``) is retained by varlen views only (spec 4.8); a fixed-length
+view's descriptor is affine in ``b`` and follows from the geometry and the view's block, by the
+formula of :func:`fixed_sequence_desc`. ``PlanView.sequence_desc()`` returns either.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -46,6 +51,32 @@ VIEW_TENSORS = (
     "dq_write_order",
     "dq_write_order_full",
 )
+
+
+def fixed_sequence_desc(
+    batch: int, seqlen_q: int, seqlen_k: int, block: tuple[int, int], outer: str, device=None
+) -> torch.Tensor:
+    """The ``sequence_desc`` int32 ``[B, 8]`` of a fixed-length view, which the plan does not retain.
+
+    ``Sq, Sk`` are the common sequence lengths, ``(block_m, block_n)`` the view's block
+    (``signature.topology.tile_m/tile_n``: with PackGQA ``tile_m`` counts Q positions). With
+    ``q_blocks = ceil(Sq / block_m)``, ``k_blocks = ceil(Sk / block_n)`` and ``(outer, inner)`` =
+    ``(q_blocks, k_blocks)`` for a Q-major view (``outer="q"``), ``(k_blocks, q_blocks)`` for a K2Q
+    view (``outer="k"``)::
+
+        sequence_desc[b] = (b * Sq, b * Sk, Sq, Sk, b * outer, outer, inner, 0)
+
+    The attention kernels derive the same columns on the device
+    (``maskplan_kernels.consumer_plan.desc_field``).
+    """
+    block_m, block_n = block
+    q_blocks, k_blocks = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    outer_blocks, inner_blocks = (q_blocks, k_blocks) if outer == "q" else (k_blocks, q_blocks)
+    b = torch.arange(batch, dtype=torch.int32, device=device)
+    same = functools.partial(torch.full_like, b)  # one value for every sample
+    cols = [b * seqlen_q, b * seqlen_k, same(seqlen_q), same(seqlen_k)]
+    cols += [b * outer_blocks, same(outer_blocks), same(inner_blocks), same(0)]
+    return torch.stack(cols, dim=1)
 
 
 @dataclass(frozen=True)
@@ -88,6 +119,16 @@ class PlanView:
         """Which axis the CSR rows run over: ``"q"`` (forward, Q2K) or ``"k"`` (backward, K2Q)."""
         return "q" if self.role == "forward" else "k"
 
+    def sequence_desc(self) -> torch.Tensor:
+        """int32 ``[B, 8]`` per-sample descriptor (module docstring): the retained tensor of a
+        varlen view, :func:`fixed_sequence_desc` of a fixed-length one."""
+        g = self.geometry
+        if g.varlen:
+            return self.tensors["sequence_desc"]
+        return fixed_sequence_desc(
+            g.batch, g.max_seqlen_q, g.max_seqlen_k, self.block_size, self.outer, g.device
+        )
+
     def entries(self, kind: str) -> BlockEntries:
         """Decode the ``"partial"`` or ``"full"`` CSR into per-entry block coordinates."""
         prefix = "mask_block" if kind == "partial" else "full_block"
@@ -99,7 +140,7 @@ class PlanView:
             output_size=idx.numel(),
         )
         head, row = flat_row // rows, flat_row % rows
-        desc = self.tensors["sequence_desc"].to(torch.int64)
+        desc = self.sequence_desc().to(torch.int64)
         batch = torch.searchsorted(desc[:, 4] + desc[:, 5], row, right=True)
         outer_block = row - desc[batch, 4]
         q_block, k_block = (outer_block, idx) if self.outer == "q" else (idx, outer_block)
@@ -116,7 +157,7 @@ class PlanView:
 
     def _scatter_tiles(self, dense: torch.Tensor, e: BlockEntries) -> None:
         tm, tn = self.block_size
-        desc = self.tensors["sequence_desc"].to(torch.int64)
+        desc = self.sequence_desc().to(torch.int64)
         t = torch.arange(tm, device=dense.device)
         u = torch.arange(tn, device=dense.device)
         for c in range(0, e.head.numel(), _ENTRY_CHUNK):
@@ -139,7 +180,7 @@ class PlanView:
         return sum(t.numel() * t.element_size() for t in self.tensors.values() if t is not None)
 
     def stats(self) -> dict:
-        desc = self.tensors["sequence_desc"].to(torch.int64)
+        desc = self.sequence_desc().to(torch.int64)
         pairs = int((desc[:, 5] * desc[:, 6]).sum()) * self.geometry.mask_heads
         partial = int(self.tensors["mask_block_idx"].numel())
         full = int(self.tensors["full_block_idx"].numel())

@@ -1,7 +1,10 @@
 """The plan ABI schema: frozen, JSON-serialisable pydantic models.
 
 A third party that wants to consume (or produce) plans reads these models' JSON schema
-(``PlanSignature.model_json_schema()``), not our code.
+(``PlanSignature.model_json_schema()``), not our code. The tensors a view carries and their
+sparse format are documented in :mod:`maskplan_core.plan`: ``sequence_desc`` is present iff the
+plan is varlen; a fixed-length view's descriptor is the closed form of
+:func:`maskplan_core.plan.fixed_sequence_desc`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ABI_VERSION = 1
+#: 2: fixed-length views no longer carry ``sequence_desc`` (consumers derive it)
+ABI_VERSION = 2
 
 #: The allocation header (spec 4.5): eight int32 values read once per plan build.
 HEADER_FIELDS = (

@@ -89,6 +89,13 @@ def _csr(counts: torch.Tensor, idx_p: torch.Tensor, masks: torch.Tensor, idx_f: 
     }
 
 
+def _sequence_desc(build: PlanBuild, name: str) -> dict:
+    """A view's ``sequence_desc`` (kept descriptor ``name`` without the dummy row B): varlen only."""
+    if not build.geometry.varlen:
+        return {}
+    return {"sequence_desc": build.sizes.kept.view(build.kept, name)[: build.batch]}
+
+
 # ------------------------------------------------------------------------------------------------
 # what builds share
 
@@ -101,9 +108,13 @@ class BuildSizes:
 
         header | stats | rb_f | vis_f | full_f [| desc_bq | rb_bq | rb_bk | vis_b | full_b | counts_b]
 
-    Kept arena (the plan's storage: descriptors and bound-sized counts)::
+    Kept arena (the plan's storage: bound-sized counts, and the views' descriptors if varlen)::
 
-        desc_f | counts_f [| desc_bk | k2q_counts]
+        counts_f [| k2q_counts] [| desc_f [| desc_bk]]
+
+    A fixed-length view retains no ``sequence_desc`` (its consumers derive it:
+    ``maskplan_core.plan.fixed_sequence_desc``), so there ``desc_f``/``desc_bk`` are workspace the
+    planner's own kernels read.
 
     Varlen views whose exact row count is below the bound get compact counts after the header;
     their bound-sized counts then stay in the kept arena unused (at most a few rows per sample).
@@ -184,7 +195,8 @@ class BuildProgram:
             "vis_f": (h, fb.q_rows, fb.k_words),
             "full_f": (h, fb.q_rows, fb.k_words),
         }
-        kept = {"desc_f": (b + 1, DESC_COLS), "counts_f": (4, h, fb.q_rows)}
+        kept = {"counts_f": (4, h, fb.q_rows)}
+        descriptors = {"desc_f": (b + 1, DESC_COLS)}
         bb = None
         if self.backward is not None:
             bb = ViewBounds.of(g, self.backward.tile_m, self.backward.tile_n)
@@ -196,7 +208,12 @@ class BuildProgram:
                 "full_b": (h, bb.q_rows, bb.k_words),
                 "counts_b": (2, h, bb.q_rows),
             }
-            kept |= {"desc_bk": (b + 1, DESC_COLS), "k2q_counts": (4, h, bb.k_rows)}
+            kept |= {"k2q_counts": (4, h, bb.k_rows)}
+            descriptors |= {"desc_bk": (b + 1, DESC_COLS)}
+        if g.varlen:
+            kept |= descriptors
+        else:
+            workspace |= descriptors
         return BuildSizes(
             fb=fb,
             bb=bb,
@@ -526,7 +543,7 @@ def stage_materialize_q2k(build: PlanBuild, header: list[int]) -> dict[str, torc
     counts = out["counts"] if compact else kept.view(build.kept, "counts_f")
     return {
         **_csr(counts, out["idx_p"], out["masks"], out["idx_f"]),
-        "sequence_desc": kept.view(build.kept, "desc_f")[: build.batch],
+        **_sequence_desc(build, "desc_f"),
         "fwd_work_desc": out["fwd_work_desc"],
     }
 
@@ -613,7 +630,7 @@ def stage_materialize_k2q(build: PlanBuild, header: list[int]) -> dict[str, torc
     counts = out["counts"] if compact else kept.view(build.kept, "k2q_counts")
     return {
         **_csr(counts, out["idx_p"], out["masks"], out["idx_f"]),
-        "sequence_desc": kept.view(build.kept, "desc_bk")[: build.batch],
+        **_sequence_desc(build, "desc_bk"),
         "dq_write_order": out["dq_write_order"],
         "dq_write_order_full": out["dq_write_order_full"],
     }

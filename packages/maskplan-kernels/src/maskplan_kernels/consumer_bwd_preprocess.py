@@ -24,7 +24,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .consumer_plan import element_ptr
+from .consumer_plan import (
+    INNER_BLOCKS,
+    Q_LEN,
+    Q_OFFSET,
+    SequenceDesc,
+    backward_q_desc,
+    desc_field,
+    element_ptr,
+)
 from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -64,13 +72,14 @@ class BwdPreprocess:
         dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  output
         dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk)  output (zeroed)
         dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk)  output (zeroed)
-        sequence_desc: cute.Pointer,  # (B, 8)
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         q_block_begin: cute.Pointer,  # (B,)
         total_q: Int32,
         num_heads_q: Int32,
         batch: Int32,
         n_qblk: Int32,
         max_q_blocks: Int32,
+        varlen: Int32,
         stream: cuda.CUstream,
     ):
         dv, tm = self.head_dim_v, self.tile_m
@@ -88,7 +97,7 @@ class BwdPreprocess:
             mat(dsum, num_heads_q, n_qblk * tm),
             mat(dq_accum, num_heads_q, n_qblk * tm * self.head_dim_qk),
             mat(dq_semaphore, num_heads_q, n_qblk),
-            mat(sequence_desc, batch, 8),
+            backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
             cute.make_tensor(q_block_begin, cute.make_layout(batch)),
         ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
 
@@ -103,14 +112,16 @@ class BwdPreprocess:
         mDsum: cute.Tensor,
         mdQaccum: cute.Tensor,
         mdQsem: cute.Tensor,
-        sequence_desc: cute.Tensor,
+        sequence_desc: SequenceDesc,
         q_block_begin: cute.Tensor,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
-        if m_block < sequence_desc[b, 6]:  # Q blocks of the sample (inner blocks of the K2Q view)
+        # Q blocks of the sample: the inner blocks of the K2Q view
+        if m_block < desc_field(sequence_desc, b, INNER_BLOCKS):
             tm = self.tile_m
-            q_offset, q_len = sequence_desc[b, 0], sequence_desc[b, 2]
+            q_offset = desc_field(sequence_desc, b, Q_OFFSET)
+            q_len = desc_field(sequence_desc, b, Q_LEN)
             blk = q_block_begin[b] + m_block
             row, part = tidx // self.threads_per_row, tidx % self.threads_per_row
             q_local = m_block * tm + row

@@ -231,6 +231,15 @@ def int32_tensor(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[in
     return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
+def sequence_desc_tensor(view: PlanView, device: torch.device) -> torch.Tensor:
+    """What a kernel's ``sequence_desc`` pointer addresses: a varlen view's retained descriptor, or
+    for a fixed-length view (which retains none) a valid int32 dummy that the kernels, launched with
+    ``varlen = 0``, never read (they derive the columns: ``consumer_plan.desc_field``)."""
+    if view.geometry.varlen:
+        return int32_tensor(view.tensors["sequence_desc"], device, (1, 8))
+    return int32_tensor(torch.empty(0, dtype=torch.int32), device, (1, 8))
+
+
 def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
     """Addresses of plan tensors in ``from_pointers`` order (the payload, ``mask_block_masks``,
     comes 4th in every view; :func:`int32_tensor` made it 16-byte aligned for bulk copies)."""
@@ -238,7 +247,7 @@ def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
 
 
 #: the forward view's tensors a forward kernel reads, in ``from_pointers`` order, with the shape
-#: of the dummy that stands in for an empty one
+#: of the dummy that stands in for an empty one (``sequence_desc``: :func:`sequence_desc_tensor`)
 FWD_PLAN_TENSORS = (
     ("mask_block_cnt", (1, 1)),
     ("mask_block_offset", (1, 1)),
@@ -269,7 +278,7 @@ class FwdViewArgs:
 
     tensors: tuple  # int32, contiguous, 16-byte aligned (kept alive for the pointers below)
     pointers: tuple  # addresses of the 9 plan tensors, in from_pointers order
-    sizes: tuple  # total_q, total_k, Hq, Hkv, Hmask, rows, partial_nnz, full_nnz, B, tasks
+    sizes: tuple  # total_q, total_k, Hq, Hkv, Hmask, rows, partial_nnz, full_nnz, B, tasks, varlen
     num_tasks: int
     partial_nnz: int
     full_nnz: int
@@ -279,13 +288,19 @@ class FwdViewArgs:
 def fwd_view_args(view: PlanView, device: torch.device) -> FwdViewArgs:
     """The forward view's tensors on ``device`` as kernel arguments (:data:`FWD_PLAN_TENSORS`)."""
     t, g = view.tensors, view.geometry
-    flat = {"mask_block_masks": t["mask_block_masks"].reshape(-1)}
-    tensors = tuple(int32_tensor(flat.get(name, t[name]), device, shape) for name, shape in FWD_PLAN_TENSORS)
+    special = {
+        "mask_block_masks": int32_tensor(t["mask_block_masks"].reshape(-1), device, (4,)),
+        "sequence_desc": sequence_desc_tensor(view, device),
+    }
+    tensors = tuple(
+        special[name] if name in special else int32_tensor(t[name], device, shape)
+        for name, shape in FWD_PLAN_TENSORS
+    )
     cnt, num_tasks = t["mask_block_cnt"], t["fwd_work_desc"].shape[0]
     partial_nnz, full_nnz = t["mask_block_idx"].numel(), t["full_block_idx"].numel()
     sizes = (
         g.total_q, g.total_k, g.num_heads_q, g.num_heads_kv, cnt.shape[0], cnt.shape[1],
-        partial_nnz, full_nnz, t["sequence_desc"].shape[0], num_tasks,
+        partial_nnz, full_nnz, g.batch, num_tasks, int(g.varlen),
     )  # fmt: skip
     return FwdViewArgs(tensors, plan_pointers(tensors), sizes, num_tasks, partial_nnz, full_nnz)
 
@@ -299,7 +314,7 @@ def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
         return [
             gmem_ptr(dtype, align=ALIGN), gmem_ptr(dtype, align=ALIGN),  # out, dout
             gmem_ptr(Float32), gmem_ptr(Float32) if with_dlse else None,  # lse, dlse
-            f32, f32, f32, i32, i32, i32, *(Int32(1) for _ in range(5)), stream,
+            f32, f32, f32, i32, i32, i32, *(Int32(1) for _ in range(6)), stream,
         ]  # fmt: skip
     if kind == "main":
         return [
@@ -308,9 +323,9 @@ def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
             i32, i32, i32, gmem_ptr(Int32, align=ALIGN),  # mask_block_cnt/offset/idx/masks
             i32, i32, i32, i32, i32,  # full_block_cnt/offset/idx, dq_write_order(_full)
             i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
-            *(Int32(1) for _ in range(10)), Float32(1.0), stream,
+            *(Int32(1) for _ in range(11)), Float32(1.0), stream,
         ]  # fmt: skip
-    return [f32, gmem_ptr(dtype, align=ALIGN), i32, i32, *(Int32(1) for _ in range(5)), Float32(1.0), stream]
+    return [f32, gmem_ptr(dtype, align=ALIGN), i32, i32, *(Int32(1) for _ in range(6)), Float32(1.0), stream]
 
 
 @dataclass(frozen=True)
@@ -326,6 +341,7 @@ class BwdViewArgs:
     batch: int
     n_qblk: int  # padded Q blocks of all samples (workspace rows / tile_m)
     max_q_blocks: int  # Q blocks of the longest sample (grid of pre/postprocess)
+    varlen: int  # 1: the kernels read sequence_desc; 0: they derive it
 
 
 @cached_per_view
@@ -334,7 +350,7 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
     (:class:`maskplan_kernels.consumer_plan.BwdPlanTensors` order), plus the sample of every K plan
     row and the first padded Q block of every sample."""
     t = view.tensors
-    desc = t["sequence_desc"].to(device=device, dtype=torch.int64)
+    desc = view.sequence_desc().to(device=device, dtype=torch.int64)
     batch = desc.shape[0]
     # the sample of every K plan row; the first global (padded) Q block of every sample
     k_row_batch = torch.repeat_interleave(torch.arange(batch, device=device), desc[:, 5])
@@ -352,7 +368,7 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         int32_tensor(t["full_block_idx"], device, (4,)),
         int32_tensor(t["dq_write_order"], device, (4,)),
         int32_tensor(t["dq_write_order_full"], device, (4,)),
-        int32_tensor(t["sequence_desc"], device, (1, 8)),
+        sequence_desc_tensor(view, device),
         int32_tensor(k_row_batch, device, (4,)),
         int32_tensor(q_block_begin, device, (4,)),
     )
@@ -366,6 +382,7 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         batch=batch,
         n_qblk=n_qblk,
         max_q_blocks=max_q_blocks,
+        varlen=int(view.geometry.varlen),
     )
 
 
@@ -442,7 +459,7 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
     dq_semaphore = torch.empty(hq, prep.n_qblk, dtype=torch.int32, device=device)
     stream = torch_stream(device)
     seq_ptr, qbb_ptr = prep.pointers[9], prep.pointers[11]
-    sizes = (g.total_q, hq, prep.batch, prep.n_qblk, prep.max_q_blocks)
+    sizes = (g.total_q, hq, prep.batch, prep.n_qblk, prep.max_q_blocks, prep.varlen)
     workspace = tuple(x.data_ptr() for x in (lse_log2, dsum, dq_accum, dq_semaphore))
     softmax_scale = float(softmax_scale)
     dlse = None if io.dlse is None else io.dlse.data_ptr()
@@ -453,7 +470,7 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
     compiled["main"](
         *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)), *workspace, *prep.pointers,
         g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
-        prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, softmax_scale, stream,
+        prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen, softmax_scale, stream,
     )  # fmt: skip
     compiled["post"](dq_accum.data_ptr(), io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
 
@@ -593,4 +610,5 @@ __all__ = [
     "output",
     "plan_pointers",
     "positive_softmax_scale",
+    "sequence_desc_tensor",
 ]

@@ -8,6 +8,11 @@ same way, and this module is that walk. Per task ``(m_block, head, batch, q_vali
     partial blocks: mask_block_idx[mask_block_offset[h, row] + [0, mask_block_cnt[h, row])]
     full blocks:    full_block_idx[full_block_offset[h, row] + [0, full_block_cnt[h, row])]
 
+``sequence_desc[b]`` is the view's per-sample descriptor (``maskplan_core.plan``): a varlen view
+retains it, a fixed-length view does not, and every kernel reads its columns through
+:func:`desc_field` (on a :class:`SequenceDesc` from :func:`make_sequence_desc`), which reads the
+table or derives the column.
+
 One warp decodes a task (:func:`decode_task`) and hands the fields the other roles need to them
 through an SMEM record of :data:`TASK_WORDS` int32 (:func:`publish_task` / :func:`fetch_task`); only
 the decoding warp reads the plan's descriptors. A partial block's payload plane reaches SMEM with
@@ -40,7 +45,76 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+# -- the per-sample descriptor ----------------------------------------------------------------------
+#: columns of ``sequence_desc[b]`` (``maskplan_core.plan``); column 7 is reserved (0)
+Q_OFFSET, K_OFFSET, Q_LEN, K_LEN, ROW_BEGIN, ROW_COUNT, INNER_BLOCKS = range(7)
+DESC_COLS = 8
 
+
+class SequenceDesc(NamedTuple):
+    """A view's per-sample descriptor as a kernel reads it (:func:`desc_field`): a varlen view's
+    retained table, or the columns of a fixed-length view (which retains none) derived from the
+    per-sample sizes below, the formula of ``maskplan_core.plan.fixed_sequence_desc``. Varlen-ness
+    is a runtime flag, so one compiled kernel serves both. Built by :func:`make_sequence_desc`."""
+
+    table: cute.Tensor  # (B, 8) int32; fixed length: a valid dummy the kernel never reads
+    varlen: Int32  # 1: columns come from ``table``; 0: derived from the sizes below
+    q_len: Int32  # fixed length: Sq
+    k_len: Int32 | None  # Sk; None where the kernel is not given total_k
+    outer_blocks: Int32 | None  # plan rows (outer blocks) per sample
+    inner_blocks: Int32 | None  # inner blocks per sample
+
+
+def make_sequence_desc(
+    table: cute.Pointer,
+    varlen: Int32,
+    *,
+    batch: Int32,
+    total_q: Int32,
+    total_k: Int32 | None,
+    block_m: int,
+    block_n: int | None,
+    k_major: bool,
+) -> SequenceDesc:
+    """The :class:`SequenceDesc` of a view with ``batch`` samples and blocks of ``block_m`` Q
+    positions x ``block_n`` keys, outer axis K (a K2Q view) if ``k_major`` else Q. For a fixed-length
+    view ``Sq = total_q / B``, ``Sk = total_k / B``, ``q_blocks = ceil(Sq / block_m)``,
+    ``k_blocks = ceil(Sk / block_n)``. A kernel not given ``total_k`` (and ``block_n``) passes None:
+    it cannot read the K columns (nor the block count on the K axis)."""
+    samples = cutlass.max(batch, 1)  # a varlen launch may have B = 0; it never reads these sizes
+    q_len = total_q // samples
+    q_blocks = (q_len + block_m - 1) // block_m
+    k_len = k_blocks = None
+    if total_k is not None:
+        k_len = total_k // samples
+        k_blocks = (k_len + block_n - 1) // block_n
+    outer, inner = (k_blocks, q_blocks) if k_major else (q_blocks, k_blocks)
+    return SequenceDesc(row_major(table, batch, DESC_COLS), varlen, q_len, k_len, outer, inner)
+
+
+@cute.jit
+def desc_field(desc: SequenceDesc, b: Int32, column: cutlass.Constexpr[int]) -> Int32:
+    """``sequence_desc[b, column]`` (``column`` one of :data:`Q_OFFSET` ... :data:`INNER_BLOCKS`):
+    read from the table of a varlen view, derived for a fixed-length one (``Q_OFFSET = b * Sq``,
+    ``K_OFFSET = b * Sk``, ``ROW_BEGIN = b * outer_blocks``; the other columns are the same for
+    every sample)."""
+    if const_expr(column in (Q_OFFSET, Q_LEN)):
+        size = desc.q_len
+    elif const_expr(column in (K_OFFSET, K_LEN)):
+        size = desc.k_len
+    elif const_expr(column in (ROW_BEGIN, ROW_COUNT)):
+        size = desc.outer_blocks
+    else:
+        size = desc.inner_blocks
+    if const_expr(size is None):
+        raise ValueError(f"sequence_desc column {column} needs total_k, which this kernel is not given")
+    value = b * size if const_expr(column in (Q_OFFSET, K_OFFSET, ROW_BEGIN)) else size
+    if desc.varlen != 0:
+        value = desc.table[b, column]
+    return value
+
+
+# -- forward (Q2K) view -----------------------------------------------------------------------------
 class FwdPlanTensors(NamedTuple):
     """The forward view's tensors as a kernel reads them (all int32, see ``maskplan_core.plan``).
 
@@ -55,11 +129,8 @@ class FwdPlanTensors(NamedTuple):
     full_block_cnt: cute.Tensor  # (Hmask, rows)
     full_block_offset: cute.Tensor  # (Hmask, rows)
     full_block_idx: cute.Tensor  # (full_nnz,)
-    sequence_desc: cute.Tensor  # (B, 8)
+    sequence_desc: SequenceDesc
     fwd_work_desc: cute.Tensor  # (tasks, 4)
-
-    def __new_from_mlir_values__(self, values):
-        return FwdPlanTensors(*values)
 
 
 class Task(NamedTuple):
@@ -91,9 +162,9 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
     head = plan.fwd_work_desc[task, 1]
     batch = plan.fwd_work_desc[task, 2]
     q_valid = plan.fwd_work_desc[task, 3]
-    q_offset = plan.sequence_desc[batch, 0]
-    k_offset = plan.sequence_desc[batch, 1]
-    row = plan.sequence_desc[batch, 4] + m_block
+    q_offset = desc_field(plan.sequence_desc, batch, Q_OFFSET)
+    k_offset = desc_field(plan.sequence_desc, batch, K_OFFSET)
+    row = desc_field(plan.sequence_desc, batch, ROW_BEGIN) + m_block
     # Hmask is 1 (shared mask) or Hq
     h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)
     kv_head = head // qhead_per_kvhead
@@ -224,12 +295,9 @@ class BwdPlanTensors(NamedTuple):
     full_block_idx: cute.Tensor  # (full_nnz,)
     dq_write_order: cute.Tensor  # (partial_nnz,)  rank of the entry among its Q block's writers
     dq_write_order_full: cute.Tensor  # (full_nnz,)
-    sequence_desc: cute.Tensor  # (B, 8)
+    sequence_desc: SequenceDesc
     k_row_batch: cute.Tensor  # (k_rows,)  sample of each K plan row
     q_block_begin: cute.Tensor  # (B,)  first global (padded) Q block of each sample
-
-    def __new_from_mlir_values__(self, values):
-        return BwdPlanTensors(*values)
 
 
 # -- tensor views a host entry builds from raw pointers and int32 sizes -----------------------------
@@ -295,16 +363,25 @@ def fwd_plan_tensors(
     full_nnz: Int32,
     batch: Int32,
     num_tasks: Int32,
+    varlen: Int32,
+    total_q: Int32,
+    total_k: Int32,
+    block: tuple[int, int],
     plane: int,
 ) -> FwdPlanTensors:
     """:class:`FwdPlanTensors` from the 9 plan pointers (in field order) and the view's int32 sizes;
-    ``plane`` is the int32 words of one partial entry (``PayloadLayout.words_per_tile``)."""
+    ``block`` is the view's block (Q positions, keys), ``plane`` the int32 words of one partial entry
+    (``PayloadLayout.words_per_tile``)."""
     csr = csr_tensors(
         mask_block_cnt, mask_block_offset, mask_block_idx, mask_block_masks,
         full_block_cnt, full_block_offset, full_block_idx,
         mask_heads=mask_heads, rows=q_rows, partial_nnz=partial_nnz, full_nnz=full_nnz, plane=plane,
     )  # fmt: skip
-    return FwdPlanTensors(*csr, row_major(sequence_desc, batch, 8), row_major(fwd_work_desc, num_tasks, 4))
+    desc = make_sequence_desc(
+        sequence_desc, varlen, batch=batch, total_q=total_q, total_k=total_k,
+        block_m=block[0], block_n=block[1], k_major=False,
+    )  # fmt: skip
+    return FwdPlanTensors(*csr, desc, row_major(fwd_work_desc, num_tasks, 4))
 
 
 def fwd_io_tensors(
@@ -353,20 +430,29 @@ def bwd_plan_tensors(
     partial_nnz: Int32,
     full_nnz: Int32,
     batch: Int32,
+    varlen: Int32,
+    total_q: Int32,
+    total_k: Int32,
+    block: tuple[int, int],
     plane: int,
 ) -> BwdPlanTensors:
     """:class:`BwdPlanTensors` from the 12 plan pointers (in field order) and the view's int32 sizes;
-    ``plane`` is the int32 words of one partial entry (``PayloadLayout.words_per_tile``)."""
+    ``block`` is the view's block (Q rows, keys), ``plane`` the int32 words of one partial entry
+    (``PayloadLayout.words_per_tile``)."""
     csr = csr_tensors(
         mask_block_cnt, mask_block_offset, mask_block_idx, mask_block_masks,
         full_block_cnt, full_block_offset, full_block_idx,
         mask_heads=mask_heads, rows=k_rows, partial_nnz=partial_nnz, full_nnz=full_nnz, plane=plane,
     )  # fmt: skip
+    desc = make_sequence_desc(
+        sequence_desc, varlen, batch=batch, total_q=total_q, total_k=total_k,
+        block_m=block[0], block_n=block[1], k_major=True,
+    )  # fmt: skip
     return BwdPlanTensors(
         *csr,
         vector(dq_write_order, partial_nnz),
         vector(dq_write_order_full, full_nnz),
-        row_major(sequence_desc, batch, 8),
+        desc,
         vector(k_row_batch, k_rows),
         vector(q_block_begin, batch),
     )
@@ -382,19 +468,30 @@ def dq_postprocess_tensors(
     num_heads_q: Int32,
     batch: Int32,
     n_qblk: Int32,
+    varlen: Int32,
     tile_m: int,
     head_dim: int,
 ) -> tuple:
     """``(mdQaccum, mdQ, sequence_desc, q_block_begin)`` of a backward postprocess: the fp32 dQ
     accumulator ``(Hq, n_qblk * tile_m * head_dim)`` (each consumer's own order inside a Q block),
-    THD ``dq``, the ``(B, 8)`` descriptors and the ``(B,)`` first padded Q block of each sample."""
+    THD ``dq``, the backward view's :class:`SequenceDesc` (Q columns only) and the ``(B,)`` first
+    padded Q block of each sample."""
     block = n_qblk * tile_m * head_dim
     return (
         row_major(dq_accum, num_heads_q, block),
         thd_tensor(dq, total_q, num_heads_q, head_dim),
-        row_major(sequence_desc, batch, 8),
+        backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tile_m),
         vector(q_block_begin, batch),
     )
+
+
+def backward_q_desc(sequence_desc: cute.Pointer, varlen: Int32, *, batch: Int32, total_q: Int32, tile_m: int):
+    """The backward (K2Q) view's :class:`SequenceDesc` for the kernels around the main one (pre- and
+    postprocess), which walk Q blocks and are not given the K sizes: Q columns and INNER_BLOCKS."""
+    return make_sequence_desc(
+        sequence_desc, varlen, batch=batch, total_q=total_q, total_k=None,
+        block_m=tile_m, block_n=None, k_major=True,
+    )  # fmt: skip
 
 
 class BwdHostEntry:
@@ -404,8 +501,8 @@ class BwdHostEntry:
     into row-major tensors for the kernel class's ``@cute.jit __call__(mQ, mK, mV, mdO, mdK, mdV,
     mLSE, mDsum, mdQaccum, mdQsem, plan, softmax_scale, stream)``.
 
-    The kernel class provides ``head_dim_qk``, ``head_dim_v``, ``tile_m`` and ``payload_plane``
-    (int32 words of one partial entry).
+    The kernel class provides ``head_dim_qk``, ``head_dim_v``, ``tile_m``, ``tile_n`` and
+    ``payload_plane`` (int32 words of one partial entry).
     """
 
     @cute.jit
@@ -430,7 +527,7 @@ class BwdHostEntry:
         full_block_idx: cute.Pointer,
         dq_write_order: cute.Pointer,
         dq_write_order_full: cute.Pointer,
-        sequence_desc: cute.Pointer,
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         k_row_batch: cute.Pointer,
         q_block_begin: cute.Pointer,
         total_q: Int32,
@@ -443,6 +540,7 @@ class BwdHostEntry:
         full_nnz: Int32,
         batch: Int32,
         n_qblk: Int32,
+        varlen: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -466,6 +564,10 @@ class BwdHostEntry:
             partial_nnz=partial_nnz,
             full_nnz=full_nnz,
             batch=batch,
+            varlen=varlen,
+            total_q=total_q,
+            total_k=total_k,
+            block=(self.tile_m, self.tile_n),
             plane=self.payload_plane,
         )
         self.__call__(
@@ -521,14 +623,14 @@ def decode_work(
     x, y, _ = cute.arch.block_idx()
     row, kv_head = (y, x) if const_expr(heads_major) else (x, y)
     b = plan.k_row_batch[row]
-    n_block = row - plan.sequence_desc[b, 4]
-    k_len = plan.sequence_desc[b, 3]
+    n_block = row - desc_field(plan.sequence_desc, b, ROW_BEGIN)
+    k_len = desc_field(plan.sequence_desc, b, K_LEN)
     return Work(
         row,
         n_block,
         kv_head,
-        plan.sequence_desc[b, 0],
-        plan.sequence_desc[b, 1],
+        desc_field(plan.sequence_desc, b, Q_OFFSET),
+        desc_field(plan.sequence_desc, b, K_OFFSET),
         cutlass.min(k_len - n_block * tile_n, tile_n),
         plan.q_block_begin[b],
         q_per_kv,
@@ -648,22 +750,34 @@ __all__ = [
     "TASK_WORDS",
     "BwdHostEntry",
     "BwdPlanTensors",
+    "DESC_COLS",
     "FwdPlanTensors",
+    "INNER_BLOCKS",
+    "K_LEN",
+    "K_OFFSET",
+    "Q_LEN",
+    "Q_OFFSET",
+    "ROW_BEGIN",
+    "ROW_COUNT",
+    "SequenceDesc",
     "HeadRange",
     "Task",
     "Work",
     "apply_packed_predicate",
+    "backward_q_desc",
     "bulk_reduce_add_f32",
     "bwd_plan_tensors",
     "dq_postprocess_tensors",
     "decode_task",
     "decode_work",
+    "desc_field",
     "element_ptr",
     "fetch_task",
     "fwd_io_tensors",
     "fwd_plan_tensors",
     "head_range",
     "load_payload_plane",
+    "make_sequence_desc",
     "publish_task",
     "row_major",
     "select_modes",

@@ -40,7 +40,7 @@ class _Tiles:
 def _tiles(view: PlanView) -> Iterator[_Tiles]:
     g = view.geometry
     tm, tn = view.block_size
-    desc = view.sequence_desc.to(torch.int64)
+    desc = view.sequence_desc().to(torch.int64)
     dev = desc.device
     t, u = torch.arange(tm, device=dev), torch.arange(tn, device=dev)
     for kind in ("partial", "full"):

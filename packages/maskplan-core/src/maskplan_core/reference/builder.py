@@ -60,18 +60,21 @@ def _forward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeomet
         kv_head_of=kv_head_of,
         row_bytes_kv=(g.head_dim_qk + g.head_dim_v) * element,
     )
-    tensors = _csr_tensors(lists) | {"sequence_desc": geom.sequence_desc("q"), "fwd_work_desc": work}
+    tensors = _csr_tensors(lists) | _sequence_desc(g, geom, "q") | {"fwd_work_desc": work}
     return PlanView("forward", cfg.signature, cfg.layout, g, tensors)
 
 
 def _backward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeometry, cls, counts) -> PlanView:
     lists = materialize_k2q(mask_func, cls, geom, cfg.layout, counts)
-    tensors = _csr_tensors(lists) | {
-        "sequence_desc": geom.sequence_desc("k"),
-        "dq_write_order": lists.dq_write_order,
-        "dq_write_order_full": lists.dq_write_order_full,
-    }
+    order = {"dq_write_order": lists.dq_write_order, "dq_write_order_full": lists.dq_write_order_full}
+    tensors = _csr_tensors(lists) | _sequence_desc(g, geom, "k") | order
     return PlanView("backward", cfg.signature, cfg.layout, g, tensors)
+
+
+def _sequence_desc(g: PlanGeometry, geom: BlockGeometry, outer: str) -> dict[str, torch.Tensor]:
+    """Varlen views retain their descriptor; a fixed-length view's is derived where it is read
+    (``PlanView.sequence_desc``, ``maskplan_core.plan.fixed_sequence_desc``)."""
+    return {"sequence_desc": geom.sequence_desc(outer)} if g.varlen else {}
 
 
 def _csr_tensors(lists) -> dict[str, torch.Tensor]:
