@@ -12,8 +12,6 @@ applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows
                 for within one step: ptxas serialises a WGMMA still in flight across a loop edge
                 (what a schedule issuing S_{i+1} at the end of step i, then consuming it in step
                 i + 1, ran into: C7517)
-    pingpong    overlap, and the two warpgroups take turns issuing their GEMMs (two named
-                barriers), so one warpgroup's softmax also overlaps the other's GEMMs (FA3)
 
 Every schedule consumes the same pipelines in the same order; the payload of a partial block is
 read before its S is used and the mask pipeline advances only on partial blocks.
@@ -40,9 +38,7 @@ from .fwd_helpers import (
     wgmma,
 )
 
-SCHEDULES = ("simple", "overlap", "pingpong")
-#: named barrier ids of the pingpong turns (0 is __syncthreads); warpgroup w waits on 1 + w
-TURN_BARRIER = 1
+SCHEDULES = ("simple", "overlap")
 #: consumer main-loop schedule when none is asked for (one of SCHEDULES). Measured on H200
 #: (B=2, S=8192, H=16, bf16; benchmarks/RESULTS.md, session 7): ``overlap`` ran 1-8% faster than
 #: ``simple`` at D=128 except on random-5 (every block partial, 2% slower), 0-4% at D=64 and 6-18%
@@ -119,9 +115,6 @@ class ConsumerMainloop:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
 
-        if const_expr(self.schedule == "pingpong"):
-            if wg == 1:  # warpgroup 0 takes the first turn
-                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=self.num_consumer_threads)
         valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
         while valid != 0:
             ops.acc_o.fill(0.0)
@@ -130,7 +123,7 @@ class ConsumerMainloop:
             has_blocks = t.partial_cnt + t.full_cnt > 0
             if has_blocks:
                 pipe_q.consumer_wait(q_state)
-                if const_expr(self.schedule != "simple"):  # releases Q itself, before its last GEMM
+                if const_expr(self.schedule == "overlap"):  # releases Q itself, before its last GEMM
                     kv_state, mask_state = self.mainloop_overlap(
                         ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state
                     )
@@ -233,9 +226,7 @@ class ConsumerMainloop:
         words = cute.make_rmem_tensor(self.payload_registers, Int32)
         acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
         ops.pipe_k.consumer_wait(kv_state)
-        self.turn_wait(ops)
         self.issue_s(ops, acc_s, kv_state, -1)
-        self.turn_pass(ops)
         if t.partial_cnt > 0:  # the payload read overlaps S_0
             mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
         warpgroup.wait_group(0)
@@ -257,10 +248,7 @@ class ConsumerMainloop:
             )
         pipe_q.consumer_release(q_state)  # the last S GEMM has retired
         ops.pipe_v.consumer_wait(kv_state)
-        self.turn_wait(ops)
-        self.issue_pv(ops, kv_state, -1)
-        self.turn_pass(ops)
-        warpgroup.wait_group(0)
+        self.issue_pv(ops, kv_state, 0)
         ops.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state, mask_state
@@ -274,11 +262,9 @@ class ConsumerMainloop:
         s_state = kv_state.clone()
         s_state.advance()
         ops.pipe_k.consumer_wait(s_state)
-        ops.pipe_v.consumer_wait(kv_state)
-        self.turn_wait(ops)
         self.issue_s(ops, acc_s, s_state, -1)
+        ops.pipe_v.consumer_wait(kv_state)
         self.issue_pv(ops, kv_state, -1)
-        self.turn_pass(ops)
         warpgroup.wait_group(1)  # S_j is in acc_s (groups retire in order); P_{j-1} V_{j-1} may run
         ops.pipe_k.consumer_release(s_state)
         self.softmax_scores(ops, acc_s, words if const_expr(partial) else None)
@@ -300,18 +286,6 @@ class ConsumerMainloop:
             if next_partial:
                 mask_state = self.read_payload(ops, mask_state, next_entry, words)
         return mask_state
-
-    @cute.jit
-    def turn_wait(self, ops):
-        if const_expr(self.schedule == "pingpong"):
-            cute.arch.barrier(barrier_id=TURN_BARRIER + ops.wg, number_of_threads=self.num_consumer_threads)
-
-    @cute.jit
-    def turn_pass(self, ops):
-        if const_expr(self.schedule == "pingpong"):
-            cute.arch.barrier_arrive(
-                barrier_id=TURN_BARRIER + 1 - ops.wg, number_of_threads=self.num_consumer_threads
-            )
 
     # -- epilogue ---------------------------------------------------------------------------------
     @cute.jit
