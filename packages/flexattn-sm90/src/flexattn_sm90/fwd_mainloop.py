@@ -43,7 +43,8 @@ SCHEDULES = ("simple", "overlap")
 #: (B=2, S=8192, H=16, bf16; benchmarks/RESULTS.md, session 7): ``overlap`` ran 1-8% faster than
 #: ``simple`` at D=128 except on random-5 (every block partial, 2% slower), 0-4% at D=64 and 6-18%
 #: at D=256; the retired ``pipelined`` schedule (S_{i+1} in flight across the loop edge, which
-#: ptxas serialised) 4-9% slower at D=128
+#: ptxas serialised) 4-9% slower at D=128; overlap with FA3's warpgroup turns (pingpong) won
+#: nowhere by more than 2% and lost up to 9%, so it is not kept
 DEFAULT_SCHEDULE = "overlap"
 
 
