@@ -10,19 +10,15 @@ plays dQ thread ``t`` of the main kernel: it reads row ``t`` of the block back w
 and stores it when ``m * tile_m + t < q_len``. Rows of padding never leave the workspace.
 """
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from maskplan_kernels.consumer_plan import (
-    INNER_BLOCKS,
-    Q_LEN,
-    Q_OFFSET,
+    DqPostprocessHostEntry,
     SequenceDesc,
-    desc_field,
-    dq_postprocess_tensors,
     element_ptr,
+    sample_q,
 )
 
 from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
@@ -30,7 +26,7 @@ from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-class Sm100BwdPostprocess:
+class Sm100BwdPostprocess(DqPostprocessHostEntry):
     """Static configuration: head dim, dtype, block rows (= dQ threads of the main kernel)."""
 
     def __init__(self, head_dim: int, dtype: str, *, tile_m: int = 128):
@@ -42,29 +38,8 @@ class Sm100BwdPostprocess:
         self.head_dim, self.tile_m = head_dim, tile_m
         self.num_threads = tile_m
 
-    @cute.jit
-    def from_pointers(
-        self,
-        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D)  16-byte aligned
-        dq: cute.Pointer,  # (total_q, Hq, D)  output
-        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
-        q_block_begin: cute.Pointer,  # (B,)
-        total_q: Int32,
-        num_heads_q: Int32,
-        batch: Int32,
-        n_qblk: Int32,
-        max_q_blocks: Int32,
-        varlen: Int32,
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        tensors = dq_postprocess_tensors(
-            dq_accum, dq, sequence_desc, q_block_begin, total_q=total_q, num_heads_q=num_heads_q,
-            batch=batch, n_qblk=n_qblk, varlen=varlen, tile_m=self.tile_m, head_dim=self.head_dim,
-        )  # fmt: skip
-        self.kernel(*tensors, softmax_scale).launch(
-            grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream
-        )
+    def kernel_operands(self) -> tuple:
+        return ()
 
     @cute.kernel
     def kernel(
@@ -77,10 +52,10 @@ class Sm100BwdPostprocess:
     ):
         t, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
-        if m_block < desc_field(sequence_desc, b, INNER_BLOCKS):  # Q blocks of the sample
+        sample = sample_q(sequence_desc, b)
+        if m_block < sample.blocks:  # Q blocks of the sample
             d, tm = self.head_dim, self.tile_m
-            q_offset = desc_field(sequence_desc, b, Q_OFFSET)
-            q_len = desc_field(sequence_desc, b, Q_LEN)
+            q_offset, q_len = sample.offset, sample.length
             w, lane = t // WARP_ROWS, t % WARP_ROWS
             block = q_head * mdQaccum.shape[1] + (q_block_begin[b] + m_block) * tm * d
             regs = cute.make_rmem_tensor(DQ_CHUNK, Float32)

@@ -24,15 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .consumer_plan import (
-    INNER_BLOCKS,
-    Q_LEN,
-    Q_OFFSET,
-    SequenceDesc,
-    backward_q_desc,
-    desc_field,
-    element_ptr,
-)
+from .consumer_plan import SequenceDesc, backward_q_desc, element_ptr, sample_q
 from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -118,10 +110,10 @@ class BwdPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
         # Q blocks of the sample: the inner blocks of the K2Q view
-        if m_block < desc_field(sequence_desc, b, INNER_BLOCKS):
+        sample = sample_q(sequence_desc, b)
+        if m_block < sample.blocks:
             tm = self.tile_m
-            q_offset = desc_field(sequence_desc, b, Q_OFFSET)
-            q_len = desc_field(sequence_desc, b, Q_LEN)
+            q_offset, q_len = sample.offset, sample.length
             blk = q_block_begin[b] + m_block
             row, part = tidx // self.threads_per_row, tidx % self.threads_per_row
             q_local = m_block * tm + row

@@ -114,6 +114,22 @@ def desc_field(desc: SequenceDesc, b: Int32, column: cutlass.Constexpr[int]) -> 
     return value
 
 
+class SampleQ(NamedTuple):
+    """A sample's Q extent in a backward (K2Q) view: its Q blocks, first row and length."""
+
+    blocks: Int32
+    offset: Int32
+    length: Int32
+
+
+@cute.jit
+def sample_q(desc: SequenceDesc, b: Int32) -> SampleQ:
+    """:class:`SampleQ` of sample ``b`` of a backward view (what the kernels that walk its Q blocks,
+    the pre- and postprocess, need)."""
+    blocks = desc_field(desc, b, INNER_BLOCKS)
+    return SampleQ(blocks, desc_field(desc, b, Q_OFFSET), desc_field(desc, b, Q_LEN))
+
+
 # -- forward (Q2K) view -----------------------------------------------------------------------------
 class FwdPlanTensors(NamedTuple):
     """The forward view's tensors as a kernel reads them (all int32, see ``maskplan_core.plan``).
@@ -458,31 +474,44 @@ def bwd_plan_tensors(
     )
 
 
-def dq_postprocess_tensors(
-    dq_accum: cute.Pointer,
-    dq: cute.Pointer,
-    sequence_desc: cute.Pointer,
-    q_block_begin: cute.Pointer,
-    *,
-    total_q: Int32,
-    num_heads_q: Int32,
-    batch: Int32,
-    n_qblk: Int32,
-    varlen: Int32,
-    tile_m: int,
-    head_dim: int,
-) -> tuple:
-    """``(mdQaccum, mdQ, sequence_desc, q_block_begin)`` of a backward postprocess: the fp32 dQ
-    accumulator ``(Hq, n_qblk * tile_m * head_dim)`` (each consumer's own order inside a Q block),
-    THD ``dq``, the backward view's :class:`SequenceDesc` (Q columns only) and the ``(B,)`` first
-    padded Q block of each sample."""
-    block = n_qblk * tile_m * head_dim
-    return (
-        row_major(dq_accum, num_heads_q, block),
-        thd_tensor(dq, total_q, num_heads_q, head_dim),
-        backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tile_m),
-        vector(q_block_begin, batch),
-    )
+class DqPostprocessHostEntry:
+    """The host entry of a backward postprocess (fp32 dQ accumulator -> dQ), the same for every
+    consumer: raw pointers plus int32 sizes, turned into ``(mdQaccum, mdQ, sequence_desc,
+    q_block_begin)`` (the fp32 accumulator ``(Hq, n_qblk * tile_m * head_dim)`` in the consumer's
+    own order inside a Q block, THD ``dq``, the backward view's :class:`SequenceDesc` with Q columns
+    only, the ``(B,)`` first padded Q block of each sample) for the class's
+    ``@cute.kernel kernel(*those, *self.kernel_operands(), softmax_scale)``, one CTA of
+    ``num_threads`` per (Q block, q head, sample).
+
+    The kernel class provides ``tile_m``, ``head_dim``, ``num_threads`` and ``kernel_operands()``
+    (its compile-time operands, e.g. a ``TiledMma``).
+    """
+
+    @cute.jit
+    def from_pointers(
+        self,
+        dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D)  16-byte aligned
+        dq: cute.Pointer,  # (total_q, Hq, D)  output
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
+        q_block_begin: cute.Pointer,  # (B,)
+        total_q: Int32,
+        num_heads_q: Int32,
+        batch: Int32,
+        n_qblk: Int32,
+        max_q_blocks: Int32,
+        varlen: Int32,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        tm, d = self.tile_m, self.head_dim
+        self.kernel(
+            row_major(dq_accum, num_heads_q, n_qblk * tm * d),
+            thd_tensor(dq, total_q, num_heads_q, d),
+            backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
+            vector(q_block_begin, batch),
+            *self.kernel_operands(),
+            softmax_scale,
+        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
 
 
 def backward_q_desc(sequence_desc: cute.Pointer, varlen: Int32, *, batch: Int32, total_q: Int32, tile_m: int):
@@ -746,6 +775,8 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 
 
 __all__ = [
+    "SampleQ",
+    "sample_q",
     "CONSUMER_FIELDS",
     "TASK_WORDS",
     "BwdHostEntry",
@@ -767,7 +798,7 @@ __all__ = [
     "backward_q_desc",
     "bulk_reduce_add_f32",
     "bwd_plan_tensors",
-    "dq_postprocess_tensors",
+    "DqPostprocessHostEntry",
     "decode_task",
     "decode_work",
     "desc_field",
