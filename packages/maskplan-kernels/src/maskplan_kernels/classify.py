@@ -54,9 +54,7 @@ from maskplan_core.reference.classify import Classification
 
 from ._cute_args import fake_stream, int32_address, placeholder_ptr, torch_stream
 from ._jit_cache import compile_cached
-
-# sequence_desc[B, 8] columns (BlockGeometry.sequence_desc("q"))
-DESC_Q_OFFSET, DESC_K_OFFSET, DESC_Q_LEN, DESC_K_LEN, DESC_ROW_BEGIN = 0, 1, 2, 3, 4
+from .geometry import DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 
 @dataclass(frozen=True)

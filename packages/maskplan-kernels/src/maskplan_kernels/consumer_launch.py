@@ -231,13 +231,14 @@ def int32_tensor(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[in
     return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
-def sequence_desc_tensor(view: PlanView, device: torch.device) -> torch.Tensor:
+def sequence_desc_source(view: PlanView) -> torch.Tensor:
     """What a kernel's ``sequence_desc`` pointer addresses: a varlen view's retained descriptor, or
-    for a fixed-length view (which retains none) a valid int32 dummy that the kernels, launched with
-    ``varlen = 0``, never read (they derive the columns: ``consumer_plan.desc_field``)."""
+    for a fixed-length view (which retains none) an empty tensor, which :func:`int32_tensor` turns
+    into the dummy the kernels, launched with ``varlen = 0``, never read (they derive the columns:
+    ``consumer_plan.desc_field``)."""
     if view.geometry.varlen:
-        return int32_tensor(view.tensors["sequence_desc"], device, (1, 8))
-    return int32_tensor(torch.empty(0, dtype=torch.int32), device, (1, 8))
+        return view.tensors["sequence_desc"]
+    return torch.empty(0, dtype=torch.int32)
 
 
 def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
@@ -247,7 +248,7 @@ def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
 
 
 #: the forward view's tensors a forward kernel reads, in ``from_pointers`` order, with the shape
-#: of the dummy that stands in for an empty one (``sequence_desc``: :func:`sequence_desc_tensor`)
+#: of the dummy that stands in for an empty one (``sequence_desc``: :func:`sequence_desc_source`)
 FWD_PLAN_TENSORS = (
     ("mask_block_cnt", (1, 1)),
     ("mask_block_offset", (1, 1)),
@@ -288,12 +289,12 @@ class FwdViewArgs:
 def fwd_view_args(view: PlanView, device: torch.device) -> FwdViewArgs:
     """The forward view's tensors on ``device`` as kernel arguments (:data:`FWD_PLAN_TENSORS`)."""
     t, g = view.tensors, view.geometry
-    special = {
-        "mask_block_masks": int32_tensor(t["mask_block_masks"].reshape(-1), device, (4,)),
-        "sequence_desc": sequence_desc_tensor(view, device),
+    sources = {
+        "mask_block_masks": t["mask_block_masks"].reshape(-1),
+        "sequence_desc": sequence_desc_source(view),
     }
     tensors = tuple(
-        special[name] if name in special else int32_tensor(t[name], device, shape)
+        int32_tensor(sources[name] if name in sources else t[name], device, shape)
         for name, shape in FWD_PLAN_TENSORS
     )
     cnt, num_tasks = t["mask_block_cnt"], t["fwd_work_desc"].shape[0]
@@ -368,7 +369,7 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         int32_tensor(t["full_block_idx"], device, (4,)),
         int32_tensor(t["dq_write_order"], device, (4,)),
         int32_tensor(t["dq_write_order_full"], device, (4,)),
-        sequence_desc_tensor(view, device),
+        int32_tensor(sequence_desc_source(view), device, (1, 8)),
         int32_tensor(k_row_batch, device, (4,)),
         int32_tensor(q_block_begin, device, (4,)),
     )
@@ -610,5 +611,5 @@ __all__ = [
     "output",
     "plan_pointers",
     "positive_softmax_scale",
-    "sequence_desc_tensor",
+    "sequence_desc_source",
 ]

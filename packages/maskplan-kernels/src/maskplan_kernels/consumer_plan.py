@@ -45,12 +45,20 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+# columns of sequence_desc[b] (maskplan_core.plan), one definition with the planner's geometry stage
+from .geometry import (
+    DESC_COLS,
+    DESC_INNER_BLOCKS,
+    DESC_K_LEN,
+    DESC_K_OFFSET,
+    DESC_Q_LEN,
+    DESC_Q_OFFSET,
+    DESC_ROW_BEGIN,
+    DESC_ROW_COUNT,
+)
+
+
 # -- the per-sample descriptor ----------------------------------------------------------------------
-#: columns of ``sequence_desc[b]`` (``maskplan_core.plan``); column 7 is reserved (0)
-Q_OFFSET, K_OFFSET, Q_LEN, K_LEN, ROW_BEGIN, ROW_COUNT, INNER_BLOCKS = range(7)
-DESC_COLS = 8
-
-
 class SequenceDesc(NamedTuple):
     """A view's per-sample descriptor as a kernel reads it (:func:`desc_field`): a varlen view's
     retained table, or the columns of a fixed-length view (which retains none) derived from the
@@ -94,21 +102,20 @@ def make_sequence_desc(
 
 @cute.jit
 def desc_field(desc: SequenceDesc, b: Int32, column: cutlass.Constexpr[int]) -> Int32:
-    """``sequence_desc[b, column]`` (``column`` one of :data:`Q_OFFSET` ... :data:`INNER_BLOCKS`):
-    read from the table of a varlen view, derived for a fixed-length one (``Q_OFFSET = b * Sq``,
-    ``K_OFFSET = b * Sk``, ``ROW_BEGIN = b * outer_blocks``; the other columns are the same for
-    every sample)."""
-    if const_expr(column in (Q_OFFSET, Q_LEN)):
+    """``sequence_desc[b, column]`` (``column`` one of ``geometry.DESC_*``): read from the table of a
+    varlen view, derived for a fixed-length one (Q_OFFSET = b * Sq, K_OFFSET = b * Sk,
+    ROW_BEGIN = b * outer_blocks; the other columns are the same for every sample)."""
+    if const_expr(column in (DESC_Q_OFFSET, DESC_Q_LEN)):
         size = desc.q_len
-    elif const_expr(column in (K_OFFSET, K_LEN)):
+    elif const_expr(column in (DESC_K_OFFSET, DESC_K_LEN)):
         size = desc.k_len
-    elif const_expr(column in (ROW_BEGIN, ROW_COUNT)):
+    elif const_expr(column in (DESC_ROW_BEGIN, DESC_ROW_COUNT)):
         size = desc.outer_blocks
     else:
         size = desc.inner_blocks
     if const_expr(size is None):
         raise ValueError(f"sequence_desc column {column} needs total_k, which this kernel is not given")
-    value = b * size if const_expr(column in (Q_OFFSET, K_OFFSET, ROW_BEGIN)) else size
+    value = b * size if const_expr(column in (DESC_Q_OFFSET, DESC_K_OFFSET, DESC_ROW_BEGIN)) else size
     if desc.varlen != 0:
         value = desc.table[b, column]
     return value
@@ -126,8 +133,8 @@ class SampleQ(NamedTuple):
 def sample_q(desc: SequenceDesc, b: Int32) -> SampleQ:
     """:class:`SampleQ` of sample ``b`` of a backward view (what the kernels that walk its Q blocks,
     the pre- and postprocess, need)."""
-    blocks = desc_field(desc, b, INNER_BLOCKS)
-    return SampleQ(blocks, desc_field(desc, b, Q_OFFSET), desc_field(desc, b, Q_LEN))
+    blocks = desc_field(desc, b, DESC_INNER_BLOCKS)
+    return SampleQ(blocks, desc_field(desc, b, DESC_Q_OFFSET), desc_field(desc, b, DESC_Q_LEN))
 
 
 # -- forward (Q2K) view -----------------------------------------------------------------------------
@@ -178,9 +185,9 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
     head = plan.fwd_work_desc[task, 1]
     batch = plan.fwd_work_desc[task, 2]
     q_valid = plan.fwd_work_desc[task, 3]
-    q_offset = desc_field(plan.sequence_desc, batch, Q_OFFSET)
-    k_offset = desc_field(plan.sequence_desc, batch, K_OFFSET)
-    row = desc_field(plan.sequence_desc, batch, ROW_BEGIN) + m_block
+    q_offset = desc_field(plan.sequence_desc, batch, DESC_Q_OFFSET)
+    k_offset = desc_field(plan.sequence_desc, batch, DESC_K_OFFSET)
+    row = desc_field(plan.sequence_desc, batch, DESC_ROW_BEGIN) + m_block
     # Hmask is 1 (shared mask) or Hq
     h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)
     kv_head = head // qhead_per_kvhead
@@ -652,14 +659,14 @@ def decode_work(
     x, y, _ = cute.arch.block_idx()
     row, kv_head = (y, x) if const_expr(heads_major) else (x, y)
     b = plan.k_row_batch[row]
-    n_block = row - desc_field(plan.sequence_desc, b, ROW_BEGIN)
-    k_len = desc_field(plan.sequence_desc, b, K_LEN)
+    n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
+    k_len = desc_field(plan.sequence_desc, b, DESC_K_LEN)
     return Work(
         row,
         n_block,
         kv_head,
-        desc_field(plan.sequence_desc, b, Q_OFFSET),
-        desc_field(plan.sequence_desc, b, K_OFFSET),
+        desc_field(plan.sequence_desc, b, DESC_Q_OFFSET),
+        desc_field(plan.sequence_desc, b, DESC_K_OFFSET),
         cutlass.min(k_len - n_block * tile_n, tile_n),
         plan.q_block_begin[b],
         q_per_kv,
@@ -775,30 +782,22 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 
 
 __all__ = [
-    "SampleQ",
-    "sample_q",
     "CONSUMER_FIELDS",
     "TASK_WORDS",
     "BwdHostEntry",
     "BwdPlanTensors",
-    "DESC_COLS",
+    "DqPostprocessHostEntry",
     "FwdPlanTensors",
-    "INNER_BLOCKS",
-    "K_LEN",
-    "K_OFFSET",
-    "Q_LEN",
-    "Q_OFFSET",
-    "ROW_BEGIN",
-    "ROW_COUNT",
-    "SequenceDesc",
     "HeadRange",
+    "SampleQ",
+    "SequenceDesc",
     "Task",
+    "WalkStep",
     "Work",
     "apply_packed_predicate",
     "backward_q_desc",
     "bulk_reduce_add_f32",
     "bwd_plan_tensors",
-    "DqPostprocessHostEntry",
     "decode_task",
     "decode_work",
     "desc_field",
@@ -811,6 +810,7 @@ __all__ = [
     "make_sequence_desc",
     "publish_task",
     "row_major",
+    "sample_q",
     "select_modes",
     "thd_tensor",
     "total_steps",
@@ -818,5 +818,4 @@ __all__ = [
     "turnstile_wait",
     "vector",
     "walk_descending",
-    "WalkStep",
 ]
