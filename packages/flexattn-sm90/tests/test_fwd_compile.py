@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
+from flexattn_sm90.config import SMEM_LIMIT, SMEM_RESERVE  # noqa: E402
 from flexattn_sm90.fwd_launch import DEFAULT_SCHEDULE, compile_uncached, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
@@ -118,6 +119,23 @@ def test_pack_gqa_compiles(dq, dv, group, smem, max_logit, tmp_path):
     has_bulk = re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx) is not None
     assert has_bulk == smem
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "dq,dv,pack_gqa,want",
+    [(64, 64, False, 64), (96, 96, False, 32), (128, 128, False, 128), (192, 128, False, 32),
+     (256, 256, False, 128), (256, 256, True, 64), (128, 128, True, 128)],
+)  # fmt: skip
+def test_o_epilogue_chunk_fits_smem(dq, dv, pack_gqa, want):
+    """The O staging chunk: a power of two dividing Dv, next to the operand tiles within SMEM."""
+    group = 8 if pack_gqa else 1
+    config = select_fwd_config(
+        head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=pack_gqa, qhead_per_kvhead=group
+    )
+    chunk = config.o_chunk_cols
+    assert chunk == want
+    assert chunk & (chunk - 1) == 0 and dv % chunk == 0
+    assert config.operand_smem_bytes + 2 * config.tile_m * chunk + SMEM_RESERVE <= SMEM_LIMIT
 
 
 def test_pack_gqa_kernel_key_has_the_group():

@@ -83,12 +83,10 @@ from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_helpers import common_major, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
-from .config import Sm90BwdConfig
+from .config import SMEM_LIMIT, Sm90BwdConfig
 from .fwd_helpers import register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: dynamic SMEM one SM90 CTA may use
-SMEM_LIMIT = 227 * 1024
 
 
 class Sm90BwdKernel(BwdHostEntry, BwdMainloop):

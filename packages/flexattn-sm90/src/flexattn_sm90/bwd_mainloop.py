@@ -36,7 +36,7 @@ from cutlass.cute.nvgpu import warpgroup
 from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
 
 from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32
-from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
+from .fwd_helpers import acc_as_operand_a, acc_mn_view, stage_fragment, store_rows, transpose_view, wgmma
 
 
 class StepOperands(NamedTuple):
@@ -135,8 +135,13 @@ class BwdMainloop:
                         q_state, do_state, mask_state, words, tidx, wg, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
-        self.epilogue(thr_dk, ops.acc_dk, mdK, self.head_dim_qk, work, softmax_scale)
-        self.epilogue(thr_dv, ops.acc_dv, mdV, self.head_dim_v, work, None)
+        # every GEMM reading K and V has retired in both warpgroups: sK and sV stage dK and dV
+        cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
+        self.stage_result(mmas[1], ops.acc_dk, sK, tidx, softmax_scale)
+        self.stage_result(mmas[2], ops.acc_dv, sV, tidx, None)
+        cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
+        self.epilogue(sK, mdK, work, tidx)
+        self.epilogue(sV, mdV, work, tidx)
 
     @cute.jit
     def stat_columns(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
@@ -249,25 +254,25 @@ class BwdMainloop:
         return r_x
 
     @cute.jit
-    def epilogue(
-        self, thr_mma, acc: cute.Tensor, m_x: cute.Tensor, d: int, work, scale: Float32 | None
-    ):  # fmt: skip
-        """Store dK (times the softmax scale) or dV: rows ``< k_valid`` of the block, input dtype."""
-        tn = self.tile_n
-        tcoord = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((tn, d))))
+    def stage_result(self, tiled_mma, acc: cute.Tensor, s_x: cute.Tensor, tidx: Int32, scale: Float32 | None):
+        """dK (times the softmax scale) or dV in the input dtype -> the SMEM tile ``s_x`` of its
+        shape (sK / sV, free once the last step's GEMMs retired)."""
         r_x = cute.make_rmem_tensor_like(acc, self.dtype)
         if const_expr(scale is None):
             r_x.store(acc.load().to(self.dtype))
         else:
             r_x.store((acc.load() * scale).to(self.dtype))
+        stage_fragment(tiled_mma, r_x, s_x, tidx)
+
+    @cute.jit
+    def epilogue(self, s_x: cute.Tensor, m_x: cute.Tensor, work, tidx: Int32):
+        """The staged dK or dV tile -> rows ``< k_valid`` of the block in 16-byte row pieces, so a
+        warp store writes whole 128-byte lines (as the forward's O)."""
+        tn, d = self.tile_n, cute.size(s_x, mode=[1])
         # (tile_n, D) rows of this block and kv head; a row starts 16-byte aligned
         heads = m_x.shape[1]
         g_x = cute.make_tensor(
             element_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
             cute.make_layout((tn, d), stride=(heads * d, 1)),
         )
-        t_g = acc_mn_view(thr_mma.partition_C(g_x))
-        r_mn = acc_mn_view(r_x)
-        for r in cutlass.range_constexpr(cute.size(tcoord, mode=[0])):
-            if tcoord[r, 0][0] < work.k_valid:
-                cute.autovec_copy(r_mn[r, None], t_g[r, None])
+        store_rows(s_x, g_x, tidx, self.num_mma_threads, Int32(0), 1, work.k_valid)

@@ -76,6 +76,11 @@ class _KernelConfig:
             raise ValueError(f"mask_pipeline_stages={self.mask_pipeline_stages} must be >= 1")
 
 
+#: dynamic SMEM one SM90 CTA may use
+SMEM_LIMIT = 227 * 1024
+#: SMEM kept for a kernel's barriers, task records and alignment next to its tiles
+SMEM_RESERVE = 1024
+
 @dataclass(frozen=True)
 class Sm90FwdConfig(_KernelConfig):
     """Persistent warp-specialised forward: one producer warpgroup, ``num_consumer_warpgroups``
@@ -132,6 +137,33 @@ class Sm90FwdConfig(_KernelConfig):
         """SMEM of the packed-mask pipeline: stages x groups x words x 4 bytes."""
         layout = self.payload_layout
         return self.mask_pipeline_stages * layout.words_per_tile * 4
+
+    @property
+    def operand_smem_bytes(self) -> int:
+        """SMEM of the Q tile, the K/V stages and the mask pipeline (2-byte elements)."""
+        kv = self.kv_stages * self.tile_n * (self.head_dim_qk + self.head_dim_v)
+        return 2 * (self.tile_m * self.head_dim_qk + kv) + self.mask_smem_bytes
+
+    @property
+    def o_chunk_cols(self) -> int:
+        """Columns of O the epilogue stages through SMEM at a time: the largest power of two that
+        divides Dv and whose ``tile_m x cols`` tile fits the SMEM left next to the operands (64: 64,
+        96: 32, 128: 128, (192, 128): 32, 256: 128). A power of two, so a warpgroup's 128 threads
+        tile the chunk's rows in whole 16-byte pieces. PackGQA at Dv = 256 takes 64: each row of a
+        packed tile has its own (head, position) address, and with 128-column chunks ptxas spilled
+        there (the compile tests check every config for spills)."""
+        free = SMEM_LIMIT - SMEM_RESERVE - self.operand_smem_bytes
+        cols = self.head_dim_v & -self.head_dim_v
+        if self.pack_gqa and self.head_dim_v > 128:
+            cols = min(cols, 64)
+        while 2 * self.tile_m * cols > free:
+            cols //= 2
+        if cols < 16:
+            raise ValueError(
+                f"(head_dim_qk, head_dim_v)=({self.head_dim_qk}, {self.head_dim_v}): no SMEM left to "
+                "stage the O epilogue"
+            )
+        return cols
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,13 @@ documents: ``acc[e]`` with ``e = 4j + 2*half + c`` is row ``r0 + 8*half``, colum
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
+from maskplan_kernels.consumer_plan import element_ptr
 from maskplan_kernels.consumer_softmax import LN_2, row_max_of
 
 
@@ -181,3 +183,44 @@ def finalize_softmax(
         for c in cutlass.range(cute.size(o_mn, mode=[1]), unroll_full=True):
             o_mn[r, c] = o_mn[r, c] * inv
 
+
+
+# -- epilogue: accumulator -> SMEM -> whole rows of GMEM ------------------------------------------
+#: elements of a 16-bit dtype in one 16-byte piece
+PIECE = 8
+
+
+@cute.jit
+def stage_fragment(tiled_mma: cute.TiledMma, frag: cute.Tensor, s_tile: cute.Tensor, tidx: Int32):
+    """This thread's C fragment ``frag`` (16-bit, in ``tiled_mma``'s C ownership of ``s_tile``'s
+    shape) -> the SMEM tile ``s_tile``, by stmatrix (8x8 matrices, four per instruction)."""
+    atom = cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), s_tile.element_type)
+    r2s = cute.make_tiled_copy_C(atom, tiled_mma)
+    thr = r2s.get_slice(tidx)
+    cute.copy(r2s, thr.retile(frag), thr.partition_D(s_tile))
+
+
+@cute.jit
+def store_rows(
+    s_tile: cute.Tensor, g_tile: cute.Tensor, tidx: Int32, threads: cutlass.Constexpr[int], row0: Int32,
+    rows_per_position: cutlass.Constexpr[int], valid_positions: Int32,
+):  # fmt: skip
+    """Copy the SMEM tile ``s_tile`` (rows, cols) to ``g_tile`` in 16-byte row pieces, ``threads``
+    consecutive threads along the rows (so each warp store writes whole 128-byte lines), skipping
+    row ``r`` unless ``(row0 + r) // rows_per_position < valid_positions``. ``g_tile``'s rows start
+    16-byte aligned (the tensor base is, and rows are whole multiples of 8 elements apart)."""
+    rows, cols = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
+    per_row = cols // PIECE
+    s2g = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_tile.element_type, num_bits_per_copy=128),
+        cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0)),
+        cute.make_layout((1, PIECE)),
+    )
+    thr = s2g.get_slice(tidx)
+    t_s = thr.partition_S(s_tile)
+    t_g = thr.partition_D(g_tile)
+    t_c = thr.partition_S(cute.make_identity_tensor((rows, cols)))
+    for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+        if (row0 + t_c[0, m, 0][0]) // rows_per_position < valid_positions:
+            dst = t_g[None, m, None]  # its alignment is lost to the dynamic row stride: restate it
+            cute.copy(s2g, t_s[None, m, None], cute.make_tensor(element_ptr(dst, 0, 16), dst.layout))

@@ -26,6 +26,9 @@ Pipelines (mbarrier based, all CTA-local)::
     mask   2 stages   cp.async.bulk      -> 256 consumer threads   (spec 6.2; advances on partial
                                                                     blocks only)
 
+The epilogue stages O through ``sO`` (``tile_m x config.o_chunk_cols``, the SMEM left next to
+the operand tiles) so it reaches GMEM in whole rows (``fwd_mainloop.epilogue``).
+
 With ``mask_via_smem=False`` each consumer thread loads its payload words GMEM -> registers
 directly (same ABI, spec 9.10). A thread's payload registers come from the plane words the payload
 layout's ``register_source`` names, and guard its scores by ``register_bit``.
@@ -63,7 +66,7 @@ from maskplan_kernels.consumer_plan import (
     vector,
 )
 
-from .config import Sm90FwdConfig
+from .config import SMEM_LIMIT, Sm90FwdConfig
 from .fwd_helpers import register_split, smem_layout_row_major
 from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 
@@ -87,6 +90,9 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.pack_group = config.qhead_per_kvhead if config.pack_gqa else 1
         self.tile_positions = config.plan_tile_m
         self.kv_stages = config.kv_stages
+        self.o_chunk = config.o_chunk_cols
+        # the epilogue's 16-byte pieces: a warpgroup covers whole rows of a chunk per pass
+        assert self.o_chunk % 16 == 0 and 128 % (self.o_chunk // 8) == 0 and (1024 // self.o_chunk) <= 64
         self.mask_stages = config.mask_pipeline_stages
         self.mask_via_smem = mask_via_smem
         if schedule not in SCHEDULES:
@@ -247,7 +253,26 @@ class Sm90FwdKernel(ConsumerMainloop):
             warpgroup.OperandSource.RMEM,
         )
         assert mma_qk.size == self.num_consumer_threads
-        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout)
+        # the epilogue's O staging: (tile_m, o_chunk) and the WGMMA C ownership of such a chunk
+        sO_layout = smem_layout_row_major(self.dtype, self.tile_m, self.o_chunk)
+        mma_o = mma_pv
+        if const_expr(self.o_chunk != self.head_dim_v):
+            mma_o = sm90_utils.make_trivial_tiled_mma(
+                self.dtype,
+                self.dtype,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.MN,
+                Float32,
+                (self.num_consumer_wg, 1, 1),
+                (64, self.o_chunk),
+                warpgroup.OperandSource.RMEM,
+            )
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        if const_expr(self.shared_storage.size_in_bytes() > SMEM_LIMIT):
+            raise ValueError(
+                f"the forward's SMEM ({self.shared_storage.size_in_bytes()} bytes) exceeds the "
+                f"{SMEM_LIMIT} bytes of an SM90 CTA"
+            )
         self.kernel(
             tma_q,
             tma_mQ,
@@ -264,8 +289,10 @@ class Sm90FwdKernel(ConsumerMainloop):
             sQ_layout,
             sK_layout,
             sV_layout,
+            sO_layout,
             mma_qk,
             mma_pv,
+            mma_o,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -273,21 +300,23 @@ class Sm90FwdKernel(ConsumerMainloop):
             min_blocks_per_mp=1,
         )
 
-    def _shared_storage(self, sQ_layout, sK_layout, sV_layout):
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         mask_words = self.mask_stages * self.payload_plane if self.mask_via_smem else 4
 
+        # the 1024-byte aligned tiles first: the small fields after them add no alignment padding
         @cute.struct
         class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+            mask: cute.struct.Align[cute.struct.MemRange[Int32, mask_words], 128]
+            task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
-            task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
-            mask: cute.struct.Align[cute.struct.MemRange[Int32, mask_words], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         return SharedStorage
 
@@ -310,8 +339,10 @@ class Sm90FwdKernel(ConsumerMainloop):
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
+        mma_o: cute.TiledMma,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -328,6 +359,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         # (TASK_WORDS, stages): the decoded task the producer hands to the consumers
         sTask = storage.task.get_tensor(cute.make_layout((TASK_WORDS, self.sched_stages)))
         # (words, groups, stages): one payload plane per stage
@@ -348,12 +380,14 @@ class Sm90FwdKernel(ConsumerMainloop):
             self.consumer(
                 mma_qk,
                 mma_pv,
+                mma_o,
                 mO,
                 mLSE,
                 mMaxLogit,
                 sQ,
                 sK,
                 sV,
+                sO,
                 sTask,
                 sMask,
                 plan,

@@ -34,6 +34,8 @@ from .fwd_helpers import (
     finalize_softmax,
     online_softmax_scores,
     rescale_rows,
+    stage_fragment,
+    store_rows,
     transpose_view,
     wgmma,
 )
@@ -76,8 +78,8 @@ class ConsumerMainloop:
 
     @cute.jit
     def consumer(
-        self, mma_qk, mma_pv, mO, mLSE, mMaxLogit, sQ, sK, sV, sTask, sMask, plan, softmax_scale: Float32,
-        pipes, tidx: Int32,
+        self, mma_qk, mma_pv, mma_o, mO, mLSE, mMaxLogit, sQ, sK, sV, sO, sTask, sMask, plan,
+        softmax_scale: Float32, pipes, tidx: Int32,
     ):  # fmt: skip
         scale_log2 = softmax_scale * Float32(LOG2_E)
         pipe_q, pipe_k, pipe_v, pipe_mask, pipe_sched = pipes
@@ -133,7 +135,7 @@ class ConsumerMainloop:
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
             finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)
-            self.epilogue(thr_pv, ops.acc_o, lse, ops.row_max, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
+            self.epilogue(ops, mma_o, sO, lse, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
             valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
 
     # -- packed predicate delivery ----------------------------------------------------------------
@@ -291,16 +293,35 @@ class ConsumerMainloop:
     # -- epilogue ---------------------------------------------------------------------------------
     @cute.jit
     def epilogue(
-        self, thr_pv, acc_o: cute.Tensor, lse: cute.Tensor, row_max: cute.Tensor, tOcO: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor, mMaxLogit, softmax_scale: Float32, t,
+        self, ops, mma_o, sO: cute.Tensor, lse: cute.Tensor, tOcO: cute.Tensor, mO: cute.Tensor,
+        mLSE: cute.Tensor, mMaxLogit, softmax_scale: Float32, t,
     ):  # fmt: skip
         """Store O rows of valid positions (``< q_valid``; input dtype), their LSE (fp32), and fold
         their scaled row maxima into ``mMaxLogit[head]``. Tile row ``R`` is position
         ``R // G`` of q head ``G * t.head + R % G`` with PackGQA (``G`` = :attr:`pack_group`),
-        position ``R`` of ``t.head`` otherwise."""
+        position ``R`` of ``t.head`` otherwise.
+
+        O goes through SMEM, ``o_chunk`` columns at a time, so that global memory sees whole rows::
+
+            registers --stmatrix--> sO (tile_m x o_chunk) --16-byte row vectors--> O
+
+        Each warpgroup stages and stores only its own 64 rows, so a warpgroup barrier orders the
+        two hops. Stored straight from the WGMMA fragment (4-byte pieces of 8 rows per warp
+        instruction) O took a fifth of the time of short tasks (sliding window, documents)."""
         g = self.pack_group
-        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
+        pos0 = t.q_offset + t.m_block * self.tile_positions
+        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+            row = tOcO[r, 0][0]
+            if row // g < t.q_valid and tOcO[r, 0][1] == 0:
+                mLSE[t.head * g + row % g, pos0 + row // g] = lse[r]
+        if const_expr(mMaxLogit is not None):
+            if const_expr(self.pack_gqa):
+                self.fold_max_logit_per_row(ops.row_max, tOcO, mMaxLogit, softmax_scale, t)
+            else:
+                self.fold_max_logit(ops.row_max, tOcO, mMaxLogit, softmax_scale, t)
+
+        r_o = cute.make_rmem_tensor_like(ops.acc_o, self.dtype)
+        r_o.store(ops.acc_o.load().to(self.dtype))
         # (tile_m, Dv) of O; mO is ((G, total_q), Dv, Hkv) with PackGQA, (total_q, Hq, Dv) otherwise
         mO_head = mO[None, None, t.head] if const_expr(self.pack_gqa) else mO[None, t.head, None]
         gO = cute.local_tile(
@@ -308,20 +329,24 @@ class ConsumerMainloop:
             (self.tile_m, self.head_dim_v),
             (t.m_block, 0),
         )
-        tOgO = acc_mn_view(thr_pv.partition_C(gO))
-        r_o_mn = acc_mn_view(r_o)
-        pos0 = t.q_offset + t.m_block * self.tile_positions
-        for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
-            row = tOcO[r, 0][0]
-            if row // g < t.q_valid:
-                cute.autovec_copy(r_o_mn[r, None], tOgO[r, None])
-                if tOcO[r, 0][1] == 0:
-                    mLSE[t.head * g + row % g, pos0 + row // g] = lse[r]
-        if const_expr(mMaxLogit is not None):
-            if const_expr(self.pack_gqa):
-                self.fold_max_logit_per_row(row_max, tOcO, mMaxLogit, softmax_scale, t)
-            else:
-                self.fold_max_logit(row_max, tOcO, mMaxLogit, softmax_scale, t)
+        # a chunk's fragment (its WGMMA C ownership) is a run of r_o's registers: C values are
+        # ordered column group major
+        chunk_layout = cute.make_layout(mma_o.get_slice(ops.tidx).partition_shape_C(sO.shape))
+        wg_rows = 64
+        s_rows = cute.local_tile(sO, (wg_rows, self.o_chunk), (ops.wg, 0))
+        for c in cutlass.range_constexpr(self.head_dim_v // self.o_chunk):
+            self.warpgroup_barrier(ops.wg)  # the warpgroup's last reads of sO are done
+            r_chunk = cute.make_tensor(r_o.iterator + c * cute.size(chunk_layout), chunk_layout)
+            stage_fragment(mma_o, r_chunk, sO, ops.tidx)
+            self.warpgroup_barrier(ops.wg)  # the chunk is in sO
+            g_rows = cute.local_tile(gO, (wg_rows, self.o_chunk), (ops.wg, c))
+            tid = ops.tidx % self.threads_per_wg
+            store_rows(s_rows, g_rows, tid, self.threads_per_wg, ops.wg * wg_rows, g, t.q_valid)
+
+    @cute.jit
+    def warpgroup_barrier(self, wg: Int32):
+        """Named barrier of consumer warpgroup ``wg``'s 128 threads (ids 1, 2; 0 is the CTA's)."""
+        cute.arch.barrier(barrier_id=1 + wg, number_of_threads=self.threads_per_wg)
 
     @cute.jit
     def fold_max_logit(self, row_max, tOcO, mMaxLogit, softmax_scale: Float32, t):
