@@ -15,9 +15,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # the launcher also passes --
 import re  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 pytest.importorskip("cutlass.cute")
 
+from flexattn_sm100 import Sm100Consumer  # noqa: E402
 from flexattn_sm100.bwd_helpers import BwdGeometry  # noqa: E402
 from flexattn_sm100.bwd_kernel import (  # noqa: E402
     HEAD_DIMS,
@@ -26,9 +28,13 @@ from flexattn_sm100.bwd_kernel import (  # noqa: E402
     Sm100BwdKernel,
     smem_bytes,
 )
-from flexattn_sm100.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
+from flexattn_sm100.bwd_launch import compile_uncached, config_for_view, kernel_keys  # noqa: E402
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
-from flexattn_sm100.heuristics import select_bwd_config  # noqa: E402
+from flexattn_sm100.heuristics import select_bwd_config, select_fwd_config  # noqa: E402
+from maskplan_core import masks  # noqa: E402
+from maskplan_core.consumer import ViewConfig  # noqa: E402
+from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
+from maskplan_core.testing import qkv, reference_plan  # noqa: E402
 from maskplan_kernels.consumer_launch import check_register_split  # noqa: E402
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
@@ -194,6 +200,29 @@ def test_unimplemented_variants_and_head_dims_are_refused():
     with pytest.raises(NotImplementedError, match="fits"):
         Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16",
                                       variant=BWD_VARIANTS["d256"]))  # fmt: skip
+
+
+VIEWS = [((256, 256), "d256"), ((128, 128), "k2q-1cta"), ((128, 128), "k2q-2cta")]
+
+
+@pytest.mark.parametrize("dims,variant", VIEWS)
+def test_launcher_takes_the_views_of_implemented_variants(dims, variant):
+    """A CPU-planned backward view of d256 (and k2q-1cta) is launchable; k2q-2cta's is refused."""
+    q, k, v = qkv((1, 200, 2), (1, 200, 2), *dims, torch.bfloat16, device="cpu")
+    pair = {"head_dim_qk": dims[0], "head_dim_v": dims[1], "dtype": "bfloat16"}
+    config = Sm100BwdConfig(variant=BWD_VARIANTS[variant], **pair)
+    fwd = select_fwd_config(**pair)
+    plan = reference_plan(
+        masks.causal(200, batch=1), q, k, v, consumer=Sm100Consumer.name,
+        forward=lambda g: ViewConfig(signature=fwd.plan_signature(), layout=fwd.payload_layout),
+        backward=lambda g: ViewConfig(signature=config.plan_signature(), layout=config.payload_layout),
+    )  # fmt: skip
+    view = plan.view("backward")
+    if variant in IMPLEMENTED_VARIANTS:
+        assert config_for_view(view) == config
+    else:
+        with pytest.raises(UnsupportedConfigError, match=f"variant {variant!r}.*has no kernel.*'d256'"):
+            config_for_view(view)
 
 
 def test_kernel_keys_ignore_runtime_geometry():
