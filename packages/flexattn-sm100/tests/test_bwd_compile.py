@@ -91,14 +91,15 @@ def mma_shapes(ptx: str) -> set[tuple[int, int, str, str]]:
 def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
     dqk, dv = d
     kernel = Sm100BwdKernel(config(d, dtype))
-    geo, serial, tm, tn = kernel.geometry, kernel.serial, kernel.tile_m, kernel.tile_n
-    assert serial == (dqk + dv > 256)
+    geo, tm, tn = kernel.geometry, kernel.tile_m, kernel.tile_n
+    plan = "separate" if dqk == 256 else "serial" if dqk + dv > 256 else "overlapped"
+    assert kernel.tmem_plan == plan
     ptx = _ptx("main", d, dtype, tmp_path, deterministic=deterministic)
     # UMMA, cta_group 1: S^T (Dqk/16 k-blocks) and dP^T (Dv/16) at two sites each (first step, next
-    # step; the serial plan issues dP^T at one), dV, dK (tile_m/16 each), dQ (tile_n/16); only dV
+    # step; the serial plan, dP over S, issues dP^T at one), dV, dK (tile_m/16 each), dQ (tile_n/16); only dV
     # takes A from TMEM (P^T)
     mma = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16\S*\s+\[%r\d+\],\s*(\S+),", ptx)
-    assert len(mma) == 2 * dqk // 16 + (1 if serial else 2) * dv // 16 + 2 * tm // 16 + tn // 16
+    assert len(mma) == 2 * dqk // 16 + (1 if plan == "serial" else 2) * dv // 16 + 2 * tm // 16 + tn // 16
     assert sum(a.startswith("[") for a in mma) == tm // 16
     # the designed shapes: S^T, dP^T (M = K rows, N = Q rows, both K-major); dV, dK (N = the CTA's
     # head-dim columns, B MN-major); dQ = dS K (M = 128 Q rows) or d256's dQ^T = K^T dS^T (M = 128
@@ -108,7 +109,7 @@ def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
         (tn, tm, "K", "K"), (tn, geo.dv_cols, "K", "MN"), (tn, geo.dk_cols, "K", "MN"), (*dq, "MN", "MN")
     }  # fmt: skip
     # S x2, dP x2 (serial: x1), dQ, dO/Q releases, dK/dV done
-    assert _count(ptx, r"tcgen05\.commit\.cta_group::1") == (7 if serial else 8)
+    assert _count(ptx, r"tcgen05\.commit\.cta_group::1") == (7 if plan == "serial" else 8)
     # compute: S^T and dP^T in 2 chunks of 32 columns, at the partial and the full site; P^T stores;
     # epilogue dV and dK (the CTA's columns over the W warpgroups); dQ warps: the dQ accumulator's
     # columns in chunks of 32, at two sites
@@ -166,16 +167,20 @@ def test_budgets():
             geo = k.geometry
             assert smem_bytes(geo, k.q_stages, k.do_stages) + SMEM_OVERHEAD <= 227 * 1024
             assert k.tmem_dk + geo.dk_cols <= 512 and k.tmem_dq + geo.dq_acc[1] <= k.tmem_dv
-            if k.serial:
+            if k.tmem_plan == "serial":
                 assert (k.q_stages, k.tmem_s, k.tmem_dp, k.tmem_dq) == (1, 0, 0, 0)
                 # P^T (tile_m / 2 columns) clear of S^T and dP^T, before dV
                 assert k.tmem_s + k.tile_m <= k.tmem_p and k.tmem_p + k.tile_m // 2 <= k.tmem_dv
+            if k.tmem_plan == "separate":  # S^T, dP^T, P^T, dQ, dV, dK back to back, no sharing
+                ends = [k.tmem_s + k.tile_m, k.tmem_dp + k.tile_m, k.tmem_p + k.tile_m // 2]
+                starts = [k.tmem_dp, k.tmem_p, k.tmem_dq]
+                assert ends == starts and k.tmem_dq + geo.dq_acc[1] == k.tmem_dv and k.q_stages == 1
     # why the serial plans keep one Q stage
     assert smem_bytes(BwdGeometry(128, 128, 192, 128), 2, 1) + SMEM_OVERHEAD > 227 * 1024
     d256 = Sm100BwdKernel(config((256, 256)))
     assert smem_bytes(d256.geometry, 2, 1) > 227 * 1024
     # why d256 splits the head dim: unsplit, dV and dK alone take all 512 columns
-    assert 2 * 128 + 256 + 256 > 512 and (d256.tmem_dv, d256.tmem_dk, d256.tmem_dk + 128) == (96, 224, 352)
+    assert 2 * 128 + 256 + 256 > 512 and (d256.tmem_dv, d256.tmem_dk, d256.tmem_dk + 128) == (224, 352, 480)
     assert (d256.num_threads, d256.launch_regs, Sm100BwdKernel(config(128)).launch_regs) == (320, 168, 128)
     with pytest.raises(ValueError, match="does not fit"):
         check_register_split(448, ((168, 8), (80, 4), (128, 2)), 128)

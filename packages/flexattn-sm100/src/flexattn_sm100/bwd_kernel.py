@@ -78,17 +78,21 @@ kernel would run 5 equal GEMMs (S^T, dP^T, dV, dK, dQ: 64 x 128 x 256 multiply-a
 S^T and dP^T run in both CTAs (4) and the halves of dV, dK and dQ add up to 3: 7 / 5 = 1.4x the MMA
 work, and both CTAs load K, V, Q and dO (they are adjacent in the grid, so mostly from L2).
 
-TMEM (fp32 columns), serial plan (below), 352 of 512 columns::
+TMEM (fp32 columns), separate plan: every accumulator in its own columns, 480 of 512::
 
-    column   0 ...... 63 64 ... 95 96 ........ 223 224 ........ 351
-             [ S^T_j     ][ P^T_j  ][ dV half      ][ dK half      ]
-             [ dP^T_j    ]
-             [ dQ^T_j    ]
+    column   0 ..... 63 64 .... 127 128 . 159 160 .. 223 224 ....... 351 352 ....... 479
+             [ S^T_j    ][ dP^T_j    ][ P^T_j ][ dQ^T_j  ][ dV half     ][ dK half     ]
 
 SMEM: K and V (128 x 256, 64 KB each) + one Q and one dO stage (64 x 256, 32 KB each) + dS^T (128 x
 64, 16 KB) + the dQ warps' runs (16 KB) + LSE2 / D (512 B) = 224.5 KB of the 227 KB: no room for a
-second Q stage, so D256 runs the serial MMA order (one Q stage: S_{j+1} is issued after dK_j released
-Q_j and dQ_j was read out).
+second Q stage, so S_{j+1} waits until dK_j released Q_j (and the load of Q_{j+1}). The own columns
+let dP^T_j run while the compute warps exponentiate S^T_j, and S_{j+1} / dP_{j+1} go ahead while the
+dQ warps read dQ^T_j out (only dQ^T_{j+1} waits for that)::
+
+    S_0 ; dP_0
+    for j < n:  [P_j stored] dV += P_j^T dO_j -> dO_j free
+                [dS_j in SMEM] dK += dS_j^T Q_j -> Q_j free ; [dQ_{j-1} read out] dQ^T_j
+                S_{j+1} (waits for Q_{j+1}) ; dP_{j+1}
 Deterministic dQ: the two CTAs of a K block write disjoint columns, but they share the Q block's
 turnstile: half h of the writer of rank r takes ticket ``2 r + h`` (the halves are adjacent in grid
 x, so each waits only for CTAs launched before it).
@@ -126,12 +130,14 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: selects each by default for its HEAD_DIMS
 IMPLEMENTED_VARIANTS = ("k2q-1cta", "d256")
 #: (head_dim_qk, head_dim_v) per variant: k2q-1cta with Dqk + Dv <= 256 the overlapped TMEM plan, with
-#: Dqk + Dv <= 320 (192, 128) the serial one; d256 the serial one over half the head dim (docstring)
+#: Dqk + Dv <= 320 (192, 128) the serial one; d256 the separate one over half the head dim (docstring)
 HEAD_DIMS = {"k2q-1cta": ((64, 64), (96, 96), (128, 128), (192, 128)), "d256": ((256, 256),)}
 #: Dqk + Dv up to which S^T, dP^T, dV and dK get their own TMEM columns (256 + Dv + Dqk <= 512)
 OVERLAPPED_MAX_DQK_PLUS_DV = 256
 _SMEM_LIMIT = 227 * 1024
-#: SMEM beyond smem_bytes(): mbarriers (< 128 B) and the padding before the 1024-byte-aligned tiles
+#: SMEM beyond smem_bytes(): mbarriers and the TMEM address (< 256 B), the padding before the
+#: 128-byte-aligned statistics / dQ runs (< 384 B) and before the 1024-byte-aligned tiles (< 1 KB);
+#: __call__ checks the real struct size too
 SMEM_OVERHEAD = 2048
 #: setmaxnreg budgets (compute, dQ) per number of compute warpgroups; the MMA and load warps share
 #: one warpgroup, which every warp of must give the same setmaxnreg (PTX ISA), so they keep the
@@ -173,9 +179,16 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         self.splits = variant.head_dim_splits  # CTAs per K block (module docstring: D256)
         self.geometry = geo = BwdGeometry(self.tile_m, self.tile_n, *dims, self.splits)
-        # serial TMEM plan (module docstring): S_{j+1} waits for dQ_j, so one Q stage is all it uses
-        self.serial = sum(dims) > OVERLAPPED_MAX_DQK_PLUS_DV
-        self.q_stages = 1 if self.serial else 2  # overlapped: S_{j+1} is issued while Q_j feeds dK_j
+        # TMEM plan (module docstring): which accumulators share columns orders the MMAs
+        if self.splits > 1:
+            self.tmem_plan = "separate"  # each in its own columns; one Q stage fits the SMEM
+        elif sum(dims) > OVERLAPPED_MAX_DQK_PLUS_DV:
+            self.tmem_plan = "serial"  # S_{j+1} waits for dQ_j, so one Q stage is all it uses
+        else:
+            self.tmem_plan = "overlapped"  # S_{j+1} is issued while Q_j feeds dK_j: two Q stages
+        self.dp_over_s = self.tmem_plan == "serial"  # dP_j waits for P_j (S_j read)
+        self.dq_over_dp = self.tmem_plan != "separate"  # S_{j+1} / dP_{j+1} wait for dQ_j's read-out
+        self.q_stages = 2 if self.tmem_plan == "overlapped" else 1
         self.do_stages = 1
         assert smem_bytes(geo, self.q_stages, self.do_stages) + SMEM_OVERHEAD <= _SMEM_LIMIT
         # payload ABI (payload_layout.py is the one source of truth): one subtile, W warpgroups
@@ -209,12 +222,17 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         self.tmem_alloc_barrier_id = 1  # compute + dQ + MMA warps wait for the TMEM address
         self.tmem_free_barrier_id = 2  # compute + dQ warps are done with TMEM
         self.dq_turn_barrier_id = 3  # dQ warps: the turnstile was passed / every add completed
-        # TMEM columns (32-bit), see the module docstring; serial: S^T, P^T (tile_m / 2), dV, dK
+        # TMEM columns (32-bit), see the module docstring; serial: S^T, P^T (tile_m / 2), dV, dK;
+        # separate: S^T, dP^T, P^T, dQ, dV, dK
         self.tmem_cols = 512
         self.tmem_s = 0
-        if self.serial:
+        if self.tmem_plan == "serial":
             self.tmem_p, self.tmem_dp, self.tmem_dq = self.tile_m, 0, 0
             self.tmem_dv = self.tmem_p + self.tile_m // 2
+        elif self.tmem_plan == "separate":
+            self.tmem_dp, self.tmem_p = self.tile_m, 2 * self.tile_m
+            self.tmem_dq = self.tmem_p + self.tile_m // 2
+            self.tmem_dv = self.tmem_dq + geo.dq_acc[1]
         else:
             self.tmem_p, self.tmem_dp, self.tmem_dq, self.tmem_dv = 32, 128, 128, 256
         self.tmem_dk = self.tmem_dv + geo.dv_cols
@@ -598,40 +616,47 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             q_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             pipes.kv.consumer_wait(kv_state)
-            # S_0 (overlapped plan: and dP_0)
+            # S_0 (unless dP shares S's columns: and dP_0)
             q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
-            if const_expr(not self.serial):
+            if const_expr(not self.dp_over_s):
                 self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
             for j in cutlass.range(n, unroll=1):
                 phase = j & 1
                 cute.arch.mbarrier_wait(bars.p, phase)  # P_j stored (so S_j was read)
                 tcgen05_fence_after()
-                if const_expr(self.serial):  # dP_j over S_j's columns
+                if const_expr(self.dp_over_s):  # dP_j over S_j's columns
                     self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
                 # dV += P_j^T dO_j, then dO_j is free
                 self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, do_state.index], j > 0)
                 pipes.do.consumer_release(do_state)
                 do_state.advance()
-                # overlapped: S_{j+1} now; tcgen05.mma run in issue order, so it overwrites P_j after
-                # dV_j read it
-                if const_expr(not self.serial):
+                # two Q stages: S_{j+1} now; tcgen05.mma run in issue order, so it overwrites P_j
+                # after dV_j read it
+                if const_expr(self.q_stages == 2):
                     if j + 1 < n:
                         q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
-                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K (serial: over dP_j and P_j)
+                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K or dQ^T_j = K^T dS^T_j (serial: over
+                # dP_j, and for Dqk = 192 P_j; separate: once dQ_{j-1} was read out)
                 cute.arch.mbarrier_wait(bars.ds, phase)
                 tcgen05_fence_after()
                 self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, q_state.index], j > 0)
                 pipes.q.consumer_release(q_state)
                 q_state.advance()
+                if const_expr(not self.dq_over_dp):
+                    if j > 0:
+                        cute.arch.mbarrier_wait(bars.dq_empty, (j - 1) & 1)
+                        tcgen05_fence_after()
                 self.gemm(mma_dq, tQtdQ, tQrA, tQrB, False)
                 self.commit(bars.dq)
-                # into the columns dQ_j leaves once read out: dP_{j+1} (overlapped) or S_{j+1} (serial)
                 if j + 1 < n:
-                    cute.arch.mbarrier_wait(bars.dq_empty, phase)
-                    tcgen05_fence_after()
-                    if const_expr(self.serial):
+                    # into the columns dQ_j leaves once read out: dP_{j+1} (overlapped), S_{j+1} (serial)
+                    if const_expr(self.dq_over_dp):
+                        cute.arch.mbarrier_wait(bars.dq_empty, phase)
+                        tcgen05_fence_after()
+                    # one Q stage: S_{j+1} once dK_j released Q_j; dP_{j+1} in its own columns
+                    if const_expr(self.q_stages == 1):
                         q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
-                    else:
+                    if const_expr(not self.dp_over_s):
                         self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
             self.commit(bars.dkv)
 
