@@ -2,19 +2,20 @@
 views hold, for ``test_bwd_layout_agreement.py`` (compile-time only, no GPU; run in a fresh
 interpreter with ``CUTE_DSL_ARCH=sm_100a`` because the DSL fixes its target once per process).
 
-Per case ``(head_dim, dtype)``:
+Per case ``(variant, head_dim_qk, head_dim_v, dtype)``:
 
-* ``s``: for compute thread ``t = 128 wg + r``, the score ``(m, n)`` of each of its 64 registers in
-  the order the kernel tests payload bits: chunk ``c`` register ``e`` is the chunk-0 copy
-  (:meth:`Sm100BwdKernel.compute_fragments`) shifted ``64 wg + 32 c`` TMEM columns (a TMEM address
-  plus ``k`` is column plus ``k``), and accumulator ``(row, col)`` of S^T is score ``(col, row)``;
+* ``s``: for compute thread ``t = 128 wg + r`` (``W`` warpgroups), the score ``(m, n)`` of each of its
+  64 registers in the order the kernel tests payload bits: chunk ``c`` register ``e`` is the chunk-0
+  copy (:meth:`Sm100BwdKernel.compute_fragments`) shifted ``64 wg + 32 c`` TMEM columns (a TMEM
+  address plus ``k`` is column plus ``k``), and accumulator ``(row, col)`` of S^T is score ``(col,
+  row)``;
 * ``p``: the ``(row, packed column)`` of the P^T store registers (chunk 0);
-* ``dq``: the dQ ``(row, column)`` of each dQ thread's chunk-0 registers;
+* ``dq``: the dQ accumulator ``(row, column)`` of each dQ thread's chunk-0 registers (d256: of dQ^T);
 * ``smem``: for every buffer read through two MMA layouts (K, Q, dO, dS), the number of
   coordinates (every column of :data:`SAMPLE_ROWS`) where the second view does not address the
   element the first one does, the swizzles of both, and the stage strides.
 
-    python bwd_fragment_probe.py '[[128, "bfloat16"]]'
+    python bwd_fragment_probe.py '[["k2q-1cta", 128, 128, "bfloat16"]]'
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 import cutlass
 import cutlass.cute as cute
 
-from flexattn_sm100.bwd_helpers import make_mmas, mma_tilers, operand_2d, smem_views
+from flexattn_sm100.bwd_helpers import make_mmas, operand_2d, smem_views
 from flexattn_sm100.bwd_kernel import Sm100BwdKernel
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig
 
@@ -36,18 +37,17 @@ SAMPLE_ROWS = (*range(16), *range(56, 72), *range(112, 128))
 PAIRS = (("k", "kt"), ("q", "qt"), ("do", "dot"), ("ds", "dsq"))
 
 
-def probe(head_dim: int, dtype: str) -> dict:
+def probe(variant: str, head_dim_qk: int, head_dim_v: int, dtype: str) -> dict:
     config = Sm100BwdConfig(
-        head_dim_qk=head_dim, head_dim_v=head_dim, dtype=dtype, variant=BWD_VARIANTS["k2q-1cta"]
+        head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, variant=BWD_VARIANTS[variant]
     )
     kernel = Sm100BwdKernel(config)
     result: dict = {"s_chunk0": [], "p": [], "dq": [], "smem": {}}
 
     @cute.jit
     def run():
-        tm, tn, d = kernel.tile_m, kernel.tile_n, head_dim
-        mmas = make_mmas(kernel.dtype, tm, tn, d, d)
-        views = smem_views(mmas, mma_tilers(tm, tn, d, d), kernel.dtype, kernel.q_stages, kernel.do_stages)
+        mmas = make_mmas(kernel.dtype, kernel.geometry)
+        views = smem_views(mmas, kernel.geometry, kernel.dtype, kernel.q_stages, kernel.do_stages)
         thr = {key: m.get_slice(0) for key, m in mmas.items()}
         tmem = cute.make_ptr(cutlass.Float32, 0, mem_space=cute.AddressSpace.tmem, assumed_align=16)
         for r in cutlass.range_constexpr(128):
@@ -83,11 +83,11 @@ def probe(head_dim: int, dtype: str) -> dict:
     # score (m, n) = accumulator (col, row) of S^T, chunk c of warpgroup wg shifted 64 wg + chunk c columns
     result["s"] = [
         [
-            [int(col) + 64 * wg + chunk * c, int(row)]
+            [int(col) + kernel.payload_elements * wg + chunk * c, int(row)]
             for c in range(kernel.payload_elements // chunk)
             for row, col in chunk0[r]
         ]
-        for wg in range(2)
+        for wg in range(kernel.num_compute_threads // 128)
         for r in range(128)
     ]
     result["dq"] = [[[int(x) for x in c] for c in regs] for regs in result["dq"]]

@@ -1,11 +1,12 @@
-"""GPU tests of the SM100 backward (k2q-1cta) against the fp32 reference on the same plan, mirroring
-``flexattn-sm90/tests/test_bwd_gpu.py``.
+"""GPU tests of the SM100 backward (k2q-1cta, and d256 for (256, 256)) against the fp32 reference on the
+same plan, mirroring ``flexattn-sm90/tests/test_bwd_gpu.py``.
 
 They run ONLY on a compute-capability 10.x GPU. None was available when the kernel was written: these
 tests have never run, and the kernel has only been compiled (``test_bwd_compile.py``).
 
-Plans carry the SM100 forward view the forward kernel implements (qstage1 + 1CTA) and the k2q-1cta
-backward view (named explicitly: the views under test do not depend on the heuristics' defaults);
+Plans carry the SM100 forward view the forward kernel implements (qstage1 + 1CTA; d256 for (256, 256))
+and the k2q-1cta backward view (d256 for (256, 256); named explicitly: the views under test do not
+depend on the heuristics' defaults);
 the reference planner builds them on CUDA tensors. O and LSE come from the fp32 reference forward (O
 rounded to the input dtype), so only the backward is under test. Outputs are NaN-poisoned, and the
 caching allocator is handed a NaN block so the workspace starts as NaN. Tolerance per gradient:
@@ -40,8 +41,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 def views(g):
     dims = {"head_dim_qk": g.head_dim_qk, "head_dim_v": g.head_dim_v, "dtype": KERNEL_DTYPE_NAMES[g.dtype],
             "qhead_per_kvhead": g.num_heads_q // g.num_heads_kv, "varlen": g.varlen}  # fmt: skip
-    fwd = select_fwd_config(variant="qstage1-1cta", **dims)
-    bwd = Sm100BwdConfig(variant=BWD_VARIANTS["k2q-1cta"], **dims)
+    d256 = (g.head_dim_qk, g.head_dim_v) == (256, 256)
+    fwd = select_fwd_config(variant="d256" if d256 else "qstage1-1cta", **dims)
+    bwd = Sm100BwdConfig(variant=BWD_VARIANTS["d256" if d256 else "k2q-1cta"], **dims)
     return (ViewConfig(signature=c.plan_signature(), layout=c.payload_layout) for c in (fwd, bwd))
 
 
@@ -110,6 +112,32 @@ def test_head_dim_96():
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims_192_128_serial_tmem_plan(kind):
     CASES.head_dims(192, 128, kind)
+
+
+# -- d256: two CTAs per K block, each owning half of dV / dK / dQ's head-dim columns ------------------
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_head_dims_256_split(kind):
+    CASES.head_dims(256, 256, kind)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_head_dims_256_fp16_dlse(deterministic):
+    """Both dQ modes; deterministic: the halves of a writer take turns on the Q block's turnstile."""
+    CASES.head_dims(256, 256, "random", torch.float16, deterministic=deterministic, with_dlse=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_head_dims_256_gqa_per_head_masks(deterministic):
+    CASES.gqa(8, 2, 8, deterministic=deterministic, dims=(256, 256))
+
+
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_head_dims_256_varlen_with_empty_samples(kind):
+    CASES.varlen_with_empty_samples(kind, dims=(256, 256))
+
+
+def test_head_dims_256_small_for_sanitizer():
+    CASES.small_for_sanitizer((256, 256))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

@@ -3,14 +3,16 @@ buffer consistently through both of its MMA roles (spec 5.1, 9.5), on CPU.
 
 ``bwd_fragment_probe.py`` traces the kernel's own fragment builders
 (:meth:`Sm100BwdKernel.compute_fragments`, :meth:`Sm100BwdKernel.dq_fragments`) and its SMEM views
-(:func:`bwd_helpers.smem_views`) at compile time (``CUTE_DSL_ARCH=sm_100a``, no GPU). The compute
-thread ``t`` keeps register ``e`` iff bit ``e % 32`` of word ``e // 32`` of payload group ``t`` is
-set (words loaded at ``(entry * groups + t) * words``), so agreement means, for all ``t, e``::
+(:func:`bwd_helpers.smem_views`) at compile time (``CUTE_DSL_ARCH=sm_100a``, no GPU), for the k2q-1cta
+and the d256 variant. The compute thread ``t`` keeps register ``e`` iff bit ``e % 32`` of word
+``e // 32`` of payload group ``t`` is set (words loaded at ``(entry * groups + t) * words``), so
+agreement means, for all ``t, e``::
 
-    TmemLoadLayout(128, 128, 2, transposed=True).element_coords()[m, n] == (0, t, e // 32, e % 32)
+    config.payload_layout.element_coords()[m, n] == (0, t, e // 32, e % 32)
 
-where ``(m, n)`` is the score element the kernel's register ``e`` holds. Nothing here has run on
-SM100 hardware.
+(k2q-1cta: ``TmemLoadLayout(128, 128, 2, transposed=True)``; d256: ``TmemLoadLayout(64, 128, 1,
+transposed=True)``) where ``(m, n)`` is the score element the kernel's register ``e`` holds. Nothing
+here has run on SM100 hardware.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pytest
 import torch
 
 from flexattn_sm100.bwd_helpers import DQ_CHUNK, dq_accum_offset
-from flexattn_sm100.heuristics import select_bwd_config
+from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,7 +38,14 @@ pytestmark = [
 ]
 
 PROBE = Path(__file__).with_name("bwd_fragment_probe.py")
-CASES = ((128, "bfloat16"), (96, "float16"))
+#: (variant, Dqk, Dv, dtype)
+CASES = (("k2q-1cta", 128, 128, "bfloat16"), ("k2q-1cta", 96, 96, "float16"), ("d256", 256, 256, "bfloat16"))
+
+
+def payload_layout(case):
+    variant, dqk, dv, dtype = case
+    config = Sm100BwdConfig(head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, variant=BWD_VARIANTS[variant])
+    return config.payload_layout
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +59,14 @@ def probed() -> list[dict]:
 
 
 def test_bit_tested_is_bit_assigned(probed):
-    layout = select_bwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16").payload_layout
-    assert (layout.subtiles, layout.groups, layout.words_per_group, layout.transposed) == (1, 256, 2, True)
-    subtile, group, word, bit = layout.element_coords()
-    for case in probed:
+    expected = {"k2q-1cta": (128, 128, 256), "d256": (64, 128, 128)}  # tile_m, tile_n, groups
+    assert len(probed) == len(CASES)
+    for spec, case in zip(CASES, probed, strict=True):
+        layout = payload_layout(spec)
+        tm, tn, groups = expected[spec[0]]
+        assert (layout.tile_m, layout.tile_n, layout.subtiles, layout.groups) == (tm, tn, 1, groups)
+        assert (layout.words_per_group, layout.elements_per_thread, layout.transposed) == (2, 64, True)
+        subtile, group, word, bit = layout.element_coords()
         coords = torch.tensor(case["s"])  # [thread, register, (m, n)]
         assert coords.shape == (layout.groups, layout.elements_per_thread, 2)
         m, n = coords[..., 0], coords[..., 1]
@@ -90,10 +103,11 @@ def test_each_smem_buffer_agrees_with_itself_in_both_roles(probed):
 
 def test_dq_accumulator_order_is_a_bijection():
     """The dQ accumulator order of a Q block (bwd_helpers.dq_accum_offset, which the main kernel
-    writes and the postprocess reads) covers tile_m x D exactly once, a 4 KB run per (warp, chunk)."""
-    for d in (64, 96, 128):
-        offsets = torch.tensor([[dq_accum_offset(r, c) for c in range(d)] for r in range(128)])
-        assert torch.equal(offsets.flatten().sort().values, torch.arange(128 * d))
+    writes and the postprocess reads) covers the stored rows x cols matrix exactly once, a 4 KB run
+    per (32 rows, chunk): dQ (128 x D) or d256's dQ^T (256 x 64, rows 128 h .. of half h)."""
+    for rows, cols in ((128, 64), (128, 96), (128, 128), (128, 192), (256, 64)):
+        offsets = torch.tensor([[dq_accum_offset(r, c, rows) for c in range(cols)] for r in range(rows)])
+        assert torch.equal(offsets.flatten().sort().values, torch.arange(rows * cols))
         run = offsets // (32 * DQ_CHUNK)
-        w, c = torch.arange(128).view(-1, 1) // 32, torch.arange(d).view(1, -1) // DQ_CHUNK
-        assert torch.equal(run, c * 4 + w)
+        w, c = torch.arange(rows).view(-1, 1) // 32, torch.arange(cols).view(1, -1) // DQ_CHUNK
+        assert torch.equal(run, c * (rows // 32) + w)

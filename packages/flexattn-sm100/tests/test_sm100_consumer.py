@@ -27,8 +27,7 @@ PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 # dims -> (kernel_family, (tile_m, tile_n), q_stage, cta_group_size, cluster_axis, layout_id suffix,
 #          (subtiles, groups, words))
 # the defaults are the variants with a kernel (heuristics.py): forward qstage1-1cta for Dv <= 128 and
-# d256 for (256, 256), backward k2q-1cta up to (192, 128); (256, 256) keeps the backward variant its
-# config specifies (d256, no kernel: its launcher refuses it)
+# d256 for (256, 256), backward k2q-1cta up to (192, 128) and d256 for (256, 256)
 FORWARD = {
     (64, 64): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (96, 96): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
@@ -198,7 +197,8 @@ def test_forward_off_sm100_and_backward_say_so():
         c.forward(None, None, None, None, softmax_scale=1.0, return_max_logit=False)
     assert "never run on SM100 hardware" in str(info.value)
     with pytest.raises(
-        ConsumerNotFoundError, match=r"backward kernel \(k2q-1cta\) compiled for sm_100a.*never run on SM100"
+        ConsumerNotFoundError,
+        match=r"backward kernel \(k2q-1cta, d256\) compiled for sm_100a.*never run on SM100",
     ):
         c.backward(None, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=True)
 

@@ -2,11 +2,12 @@
 :class:`flexattn_sm100.bwd_kernel.Sm100BwdKernel`; it reads the static config from ``self``). Never
 run on SM100 hardware.
 
-Compute thread ``t = 128 wg + r`` (warps 0-7) owns K row ``r`` (TMEM lane ``r``) and the Q columns
-``64 wg + e``, ``e < 64``, of S^T and dP^T, read with ``tcgen05.ld 32x32b.x32`` in two 32-column
-chunks: register ``e`` of the pair is accumulator ``(r, 64 wg + e)`` = score ``(q = 64 wg + e,
-k = r)``, the element ``TmemLoadLayout(128, 128, 2, transposed=True)`` gives group ``t``, word
-``e // 32``, bit ``e % 32`` (``tests/test_bwd_layout_agreement.py`` checks every register). Per step::
+Compute thread ``t = 128 wg + r`` (``W`` warpgroups: k2q-1cta W = 2, tile_m = 128; d256 W = 1,
+tile_m = 64) owns K row ``r`` (TMEM lane ``r``) and the Q columns ``64 wg + e``, ``e < 64``, of S^T
+and dP^T, read with ``tcgen05.ld 32x32b.x32`` in two 32-column chunks: register ``e`` of the pair is
+accumulator ``(r, 64 wg + e)`` = score ``(q = 64 wg + e, k = r)``, the element
+``TmemLoadLayout(tile_m, 128, W, transposed=True)`` gives group ``t``, word ``e // 32``, bit
+``e % 32`` (``tests/test_bwd_layout_agreement.py`` checks every register). Per step::
 
     [partial] words = mask_block_masks[entry, group t]           (2 int32, GMEM -> registers)
     wait S^T_j  -> 64 registers ; P = exp2(S^T scale log2e - LSE2[q]) ; bit 0 -> P = 0
@@ -14,10 +15,12 @@ k = r)``, the element ``TmemLoadLayout(128, 128, 2, transposed=True)`` gives gro
     wait dP^T_j ; [wait dS_{j-1} consumed] dS^T = P (dP^T - D[q]) -> SMEM row r ; arrive dS_j
     release the LSE2 / D stage (every thread, after its own reads)
 
-dQ thread ``t`` (warps 8-11) owns dQ row ``t``: per step it waits for dQ_j, loads ``DQ_CHUNK`` columns
-at a time, releases the TMEM columns after the last load, and per chunk writes its warp's 4 KB run
-(conflict-free 16-byte vectors) and bulk-adds it into the fp32 accumulator. Deterministic mode:
-thread 0 waits until the (q head, Q block) turnstile equals the entry's ``dq_write_order`` rank
+dQ thread ``t`` (the warpgroup after the compute warps) owns accumulator row ``t``: dQ row ``t``, or
+with dQ^T (d256) dQ column ``128 h + t`` of the CTA's half ``h``. Per step it waits for dQ_j, loads
+``DQ_CHUNK`` columns at a time, releases the TMEM columns after the last load, and per chunk writes
+its warp's 4 KB run (conflict-free 16-byte vectors) and bulk-adds it into the fp32 accumulator.
+Deterministic mode: thread 0 waits until the (q head, Q block) turnstile equals the entry's ticket
+(``dq_write_order`` rank times the splits, plus the split: the halves of one writer take turns)
 before the first add, and advances it after every add of the step completed.
 """
 
@@ -160,31 +163,31 @@ class ComputeRoles:
     def epilogue(
         self, thr, tmem_ptr, bars, mdK, mdV, work, softmax_scale: Float32, n: Int32, wg: Int32, r: Int32
     ):
-        """dK (times the softmax scale) and dV rows ``< k_valid`` (input dtype); warpgroup ``wg`` takes
-        half of each row's columns. A K block without any entry stores zeros."""
-        tn = self.tile_n
+        """dK (times the softmax scale) and dV rows ``< k_valid`` (input dtype): the CTA's slice of
+        head-dim columns (all, or half ``work.split`` of them), warpgroup ``wg`` of ``W`` taking
+        ``1 / W`` of it. A K block without any entry stores zeros."""
+        tn, geo = self.tile_n, self.geometry
         if n > 0:
             cute.arch.mbarrier_wait(bars.dkv, 0)
             tcgen05_fence_after()
         store = r < work.k_valid
-        for m_x, key, offset, d, scale in (
-            (mdV, "dv", self.tmem_dv, self.head_dim_v, None),
-            (mdK, "dk", self.tmem_dk, self.head_dim_qk, softmax_scale),
+        for m_x, key, offset, d, cols, scale in (
+            (mdV, "dv", self.tmem_dv, self.head_dim_v, geo.dv_cols, None),
+            (mdK, "dk", self.tmem_dk, self.head_dim_qk, geo.dk_cols, softmax_scale),
         ):
-            half = d // 2
-            width = 32 if half % 32 == 0 else 16
-            acc = tmem_acc(thr[key], (tn, d), tmem_ptr + offset)
-            coords = thr[key].partition_C(cute.make_identity_tensor((tn, d)))
+            part = cols // (self.num_compute_threads // 128)
+            width = 32 if part % 32 == 0 else 16
+            acc = tmem_acc(thr[key], (tn, cols), tmem_ptr + offset)
+            coords = thr[key].partition_C(cute.make_identity_tensor((tn, cols)))
             load, tL, tLc = chunk_copy(acc, coords, r, width)
             regs = cute.make_rmem_tensor(tLc.shape, Float32)
             out = cute.make_rmem_tensor(width, self.dtype)
             heads = m_x.shape[1]
-            row = cute.make_tensor(
-                element_ptr(m_x, ((work.k_offset + work.n_block * tn + r) * heads + work.kv_head) * d),
-                cute.make_layout(d),
-            )
-            for c in cutlass.range_constexpr(half // width):
-                col = wg * half + c * width
+            # the CTA's columns of K row r: (cols,)
+            first = ((work.k_offset + work.n_block * tn + r) * heads + work.kv_head) * d + work.split * cols
+            row = cute.make_tensor(element_ptr(m_x, first), cute.make_layout(cols))
+            for c in cutlass.range_constexpr(part // width):
+                col = wg * part + c * width
                 if n > 0:
                     cute.copy(load, shift_columns(tL, col), regs)
                     cute.arch.fence_view_async_tmem_load()
@@ -201,8 +204,9 @@ class ComputeRoles:
 
     # -- dQ warps -------------------------------------------------------------------------------------
     def dq_fragments(self, thr, tmem_ptr, t: Int32) -> dict:
-        tQtdQ = tmem_acc(thr["dq"], (self.tile_m, self.head_dim_qk), tmem_ptr + self.tmem_dq)
-        coords = thr["dq"].partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_qk)))
+        acc = self.geometry.dq_acc  # (rows, columns): dQ, or the CTA's slice of dQ^T
+        tQtdQ = tmem_acc(thr["dq"], acc, tmem_ptr + self.tmem_dq)
+        coords = thr["dq"].partition_C(cute.make_identity_tensor(acc))
         load, tL, tLc = chunk_copy(tQtdQ, coords, t, DQ_CHUNK)
         return {"load": load, "tL": tL, "tLc": tLc}
 
@@ -210,6 +214,7 @@ class ComputeRoles:
     def dq_role(self, thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, t: Int32):
         f = self.dq_fragments(thr, tmem_ptr, t)
         w, lane = t // WARP_ROWS, t % WARP_ROWS
+        first_run = work.split * len(self.dq_warps) + w  # this warp's accumulator rows: 128 split + 32 w ..
         run = s["sdQ"][None, w]
         slot = cute.make_tensor(run.iterator, dq_run_layout())[lane, None]  # (4, DQ_CHUNK / 4)
         regs = cute.make_rmem_tensor(f["tLc"].shape, Float32)
@@ -220,27 +225,33 @@ class ComputeRoles:
                 e = hr.partial_off + i
                 blk = work.qblk_base + plan.mask_block_idx[e]
                 rank = plan.dq_write_order[e]
-                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, rank, j, t, w, lane)
+                ticket = rank * self.splits + work.split
+                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
+                             first_run, lane)  # fmt: skip
                 j += 1
             for i in cutlass.range(hr.full_cnt, unroll=1):
                 e = hr.full_off + i
                 blk = work.qblk_base + plan.full_block_idx[e]
                 rank = plan.dq_write_order_full[e]
-                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, rank, j, t, w, lane)
+                ticket = rank * self.splits + work.split
+                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
+                             first_run, lane)  # fmt: skip
                 j += 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def dq_step(self, f, bars, regs, run, slot, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32,
-                j: Int32, t: Int32, w: Int32, lane: Int32):  # fmt: skip
-        n_chunks = self.head_dim_qk // DQ_CHUNK
+    def dq_step(self, f, bars, regs, run, slot, mdQaccum, mdQsem, q_head: Int32, q_block: Int32,
+                ticket: Int32, j: Int32, t: Int32, first_run: Int32, lane: Int32):  # fmt: skip
+        geo = self.geometry
+        n_chunks = geo.dq_acc[1] // DQ_CHUNK
+        warp_runs = geo.dq_block_rows // WARP_ROWS  # runs of one column chunk (bwd_helpers)
         turn = pipeline.NamedBarrier(self.dq_turn_barrier_id, self.num_dq_threads)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, align=4)
         cute.arch.mbarrier_wait(bars.dq, j & 1)
         tcgen05_fence_after()
         if const_expr(self.deterministic):
-            turnstile_wait(counter, rank, t)  # thread 0 spins; every dQ warp then fences
+            turnstile_wait(counter, ticket, t)  # thread 0 spins; every dQ warp then fences
             turn.arrive_and_wait()
         block = q_head * mdQaccum.shape[1] + q_block * self.tile_m * self.head_dim_qk
         for c in cutlass.range_constexpr(n_chunks):
@@ -256,7 +267,7 @@ class ComputeRoles:
             cute.arch.fence_view_async_shared()
             cute.arch.sync_warp()
             if lane == 0:
-                dst = element_ptr(mdQaccum, block + (c * len(self.dq_warps) + w) * WARP_ROWS * DQ_CHUNK)
+                dst = element_ptr(mdQaccum, block + (c * warp_runs + first_run) * WARP_ROWS * DQ_CHUNK)
                 bulk_reduce_add_f32(run.iterator, dst, WARP_ROWS * DQ_CHUNK * 4)
                 cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):

@@ -1,11 +1,12 @@
 """SM100 (Blackwell) K-major attention backward over a MaskPlan's K2Q backward view (spec 4.7, 6.3):
-the ``k2q-1cta`` variant (one CTA per K block, no cluster) for (Dqk, Dv) up to (192, 128).
+the ``k2q-1cta`` variant (one CTA per K block, no cluster) for (Dqk, Dv) up to (192, 128), and the
+``d256`` variant (two CTAs per K block, 64-row Q blocks) for (256, 256).
 Compile-verified for sm_100a only: it has NEVER run on SM100 hardware.
 
-One CTA per (K plan row = K block of ``tile_n = 128`` keys, kv head). It loads K and V once and
-visits, for every Q head of its kv group, the K2Q partial entries then the full entries (the
-traversal of the SM90 backward); dK and dV accumulate in TMEM over the whole group, each visited Q
-block's dQ goes to an fp32 accumulator in GMEM. 14 warps, 448 threads::
+One CTA per (K plan row = K block of ``tile_n = 128`` keys, kv head[, head-dim half]). It loads K
+and V once and visits, for every Q head of its kv group, the K2Q partial entries then the full
+entries (the traversal of the SM90 backward); dK and dV accumulate in TMEM over the whole group,
+each visited Q block's dQ goes to an fp32 accumulator in GMEM. k2q-1cta: 14 warps, 448 threads::
 
     warps 0-7   (compute, 2 WGs)  thread t = 128 wg + r owns K row r (TMEM lane r) and Q columns
                                   64 wg .. 64 wg + 63 of S^T / dP^T: exactly TmemLoadLayout(128,
@@ -63,6 +64,38 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b
             step(full_block_idx[e], no payload, rank = dq_write_order_full[e])
 
 Deterministic mode orders the grid kv-head-first (as SM90: resident CTAs form many short chains).
+
+D256 (variant ``d256``, (256, 256)): dV and dK alone (128 lanes x 256 fp32 columns each) would fill
+all 512 TMEM columns, so the OUTPUT head dim is split across two CTAs. CTA ``(K block, kv head, h)``,
+``h`` in {0, 1}, recomputes S^T = K Q^T and dP^T = V dO^T over the full 256-deep reductions but
+accumulates only dV[:, 128 h : 128 h + 128] and dK[:, 128 h : ...] and emits only dQ[:, 128 h : ...].
+The Q block has 64 rows (plan block 64 x 128): S^T and dP^T are M128 x N64 MMAs, read by ONE compute
+warpgroup (thread t = K row t, Q columns 0..63: TmemLoadLayout(64, 128, 1, transposed=True)). dQ is
+computed transposed, dQ^T[:, q] = K[:, 128 h ..]^T dS^T (M = 128 head-dim columns, N = 64 Q rows), so
+its accumulator uses all 128 lanes; dQ thread t owns dQ column 128 h + t (bwd_helpers: dQ^T order).
+10 warps, 320 threads: compute 0-3, dQ 4-7, MMA 8, load 9. Cost: per (Q block, K block) an unsplit
+kernel would run 5 equal GEMMs (S^T, dP^T, dV, dK, dQ: 64 x 128 x 256 multiply-adds each); split,
+S^T and dP^T run in both CTAs (4) and the halves of dV, dK and dQ add up to 3: 7 / 5 = 1.4x the MMA
+work, and both CTAs load K, V, Q and dO (they are adjacent in the grid, so mostly from L2).
+
+TMEM (fp32 columns), separate plan: every accumulator in its own columns, 480 of 512::
+
+    column   0 ..... 63 64 .... 127 128 . 159 160 .. 223 224 ....... 351 352 ....... 479
+             [ S^T_j    ][ dP^T_j    ][ P^T_j ][ dQ^T_j  ][ dV half     ][ dK half     ]
+
+SMEM: K and V (128 x 256, 64 KB each) + one Q and one dO stage (64 x 256, 32 KB each) + dS^T (128 x
+64, 16 KB) + the dQ warps' runs (16 KB) + LSE2 / D (512 B) = 224.5 KB of the 227 KB: no room for a
+second Q stage, so S_{j+1} waits until dK_j released Q_j (and the load of Q_{j+1}). The own columns
+let dP^T_j run while the compute warps exponentiate S^T_j, and S_{j+1} / dP_{j+1} go ahead while the
+dQ warps read dQ^T_j out (only dQ^T_{j+1} waits for that)::
+
+    S_0 ; dP_0
+    for j < n:  [P_j stored] dV += P_j^T dO_j -> dO_j free
+                [dS_j in SMEM] dK += dS_j^T Q_j -> Q_j free ; [dQ_{j-1} read out] dQ^T_j
+                S_{j+1} (waits for Q_{j+1}) ; dP_{j+1}
+Deterministic dQ: the two CTAs of a K block write disjoint columns, but they share the Q block's
+turnstile: half h of the writer of rank r takes ticket ``2 r + h`` (the halves are adjacent in grid
+x, so each waits only for CTAs launched before it).
 """
 
 from dataclasses import dataclass
@@ -76,7 +109,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
-from maskplan_kernels.consumer_launch import check_register_split
+from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
     BwdHostEntry,
     BwdPlanTensors,
@@ -88,31 +121,38 @@ from maskplan_kernels.consumer_plan import (
 from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_compute import ComputeRoles
-from .bwd_helpers import make_mmas, mma_tilers, smem_views
+from .bwd_helpers import BwdGeometry, make_mmas, mma_operand, mma_tilers, smem_views
 from .config import Sm100BwdConfig
 from .fwd_helpers import set_max_registers, tcgen05_fence_after, thread_group, tma_umma_pipeline, tmem_acc
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: the backward variants this kernel implements (k2q-2cta and d256 are specified, not written;
-#: heuristics.py selects k2q-1cta by default for every pair of HEAD_DIMS)
-IMPLEMENTED_VARIANTS = ("k2q-1cta",)
-#: (head_dim_qk, head_dim_v) it implements: with Dqk + Dv <= 256 the overlapped TMEM plan, with
-#: Dqk + Dv <= 320 (192, 128) the serial one (module docstring)
-HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+#: the backward variants this kernel implements (k2q-2cta is specified, not written); heuristics.py
+#: selects each by default for its HEAD_DIMS
+IMPLEMENTED_VARIANTS = ("k2q-1cta", "d256")
+#: (head_dim_qk, head_dim_v) per variant: k2q-1cta with Dqk + Dv <= 256 the overlapped TMEM plan, with
+#: Dqk + Dv <= 320 (192, 128) the serial one; d256 the separate one over half the head dim (docstring)
+HEAD_DIMS = {"k2q-1cta": ((64, 64), (96, 96), (128, 128), (192, 128)), "d256": ((256, 256),)}
 #: Dqk + Dv up to which S^T, dP^T, dV and dK get their own TMEM columns (256 + Dv + Dqk <= 512)
 OVERLAPPED_MAX_DQK_PLUS_DV = 256
 _SMEM_LIMIT = 227 * 1024
-#: registers per thread the 448-thread CTA launches with (ptxas -v: "Used 128 registers")
-LAUNCH_REGS = 128
+#: SMEM beyond smem_bytes(): mbarriers and the TMEM address (< 256 B), the padding before the
+#: 128-byte-aligned statistics / dQ runs (< 384 B) and before the 1024-byte-aligned tiles (< 1 KB);
+#: __call__ checks the real struct size too
+SMEM_OVERHEAD = 2048
+#: setmaxnreg budgets (compute, dQ) per number of compute warpgroups; the MMA and load warps share
+#: one warpgroup, which every warp of must give the same setmaxnreg (PTX ISA), so they keep the
+#: registers the CTA launches with (``launch_regs``, ptxas -v: 128 for 448 threads, 168 for 320).
+#: The split must fit those, or setmaxnreg.inc waits forever (the lesson of the SM90 backward).
+REGISTER_SPLITS = {2: (152, 80), 1: (200, 120)}
 
 
-
-def smem_bytes(head_dim_qk: int, head_dim_v: int, q_stages: int, do_stages: int, tile: int = 128) -> int:
+def smem_bytes(geo: BwdGeometry, q_stages: int, do_stages: int) -> int:
     """SMEM of the operand tiles, statistics and dQ runs (2-byte elements), without barriers."""
-    k_v = tile * (head_dim_qk + head_dim_v) * 2
-    q_do = tile * (q_stages * head_dim_qk + do_stages * head_dim_v) * 2
-    ds = tile * tile * 2
-    stats = 2 * q_stages * tile * 4
+    tm, tn = geo.tile_m, geo.tile_n
+    k_v = tn * (geo.head_dim_qk + geo.head_dim_v) * 2
+    q_do = tm * (q_stages * geo.head_dim_qk + do_stages * geo.head_dim_v) * 2
+    ds = tm * tn * 2
+    stats = 2 * q_stages * tm * 4
     dq_runs = 4 * 32 * 32 * 4
     return k_v + q_do + ds + stats + dq_runs
 
@@ -121,67 +161,83 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
     """Static configuration of one compiled backward main kernel; see the module docstring."""
 
     def __init__(self, config: Sm100BwdConfig, *, deterministic: bool = False):
-        if config.variant.name not in IMPLEMENTED_VARIANTS:
+        variant = config.variant
+        if variant.name not in IMPLEMENTED_VARIANTS:
             raise NotImplementedError(
-                f"the SM100 backward kernel implements variants {IMPLEMENTED_VARIANTS}, not "
-                f"{config.variant.name!r}"
+                f"the SM100 backward kernel implements variants {IMPLEMENTED_VARIANTS}, not {variant.name!r}"
             )
         dims = (config.head_dim_qk, config.head_dim_v)
-        if dims not in HEAD_DIMS:
+        if dims not in HEAD_DIMS[variant.name]:
             raise NotImplementedError(
-                f"(head_dim_qk, head_dim_v)={dims}: the k2q-1cta backward keeps dV and dK in TMEM next "
-                f"to S^T / dP^T / dQ, which fits {HEAD_DIMS}"
+                f"(head_dim_qk, head_dim_v)={dims}: the {variant.name} backward keeps dV and dK in TMEM "
+                f"next to S^T / dP^T / dQ, which fits {HEAD_DIMS[variant.name]}"
             )
         self.config = config
         self.deterministic = deterministic
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
-        assert (self.tile_m, self.tile_n) == (128, 128)
-        # serial TMEM plan (module docstring): S_{j+1} waits for dQ_j, so one Q stage is all it uses
-        self.serial = sum(dims) > OVERLAPPED_MAX_DQK_PLUS_DV
-        self.q_stages = 1 if self.serial else 2  # overlapped: S_{j+1} is issued while Q_j feeds dK_j
+        self.splits = variant.head_dim_splits  # CTAs per K block (module docstring: D256)
+        self.geometry = geo = BwdGeometry(self.tile_m, self.tile_n, *dims, self.splits)
+        # TMEM plan (module docstring): which accumulators share columns orders the MMAs
+        if self.splits > 1:
+            self.tmem_plan = "separate"  # each in its own columns; one Q stage fits the SMEM
+        elif sum(dims) > OVERLAPPED_MAX_DQK_PLUS_DV:
+            self.tmem_plan = "serial"  # S_{j+1} waits for dQ_j, so one Q stage is all it uses
+        else:
+            self.tmem_plan = "overlapped"  # S_{j+1} is issued while Q_j feeds dK_j: two Q stages
+        self.dp_over_s = self.tmem_plan == "serial"  # dP_j waits for P_j (S_j read)
+        self.dq_over_dp = self.tmem_plan != "separate"  # S_{j+1} / dP_{j+1} wait for dQ_j's read-out
+        self.q_stages = 2 if self.tmem_plan == "overlapped" else 1
         self.do_stages = 1
-        assert smem_bytes(*dims, self.q_stages, self.do_stages) + 4096 <= _SMEM_LIMIT
-        # payload ABI (payload_layout.py is the one source of truth): one subtile, 2 warpgroups
+        assert smem_bytes(geo, self.q_stages, self.do_stages) + SMEM_OVERHEAD <= _SMEM_LIMIT
+        # payload ABI (payload_layout.py is the one source of truth): one subtile, W warpgroups
         layout = config.payload_layout
-        assert layout.transposed and layout.subtiles == 1 and layout.num_warpgroups == 2
+        wgs = variant.num_softmax_warpgroups
+        assert layout.transposed and layout.subtiles == 1 and layout.num_warpgroups == wgs
         self.payload_groups = layout.groups  # = compute threads
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread  # Q columns per compute thread
         self.payload_plane = layout.words_per_tile
-        # warp roles
-        self.compute_warps = tuple(range(8))
-        self.dq_warps = (8, 9, 10, 11)
-        self.mma_warp = 12
-        self.load_warp = 13
+        # warp roles: compute warpgroups, one dQ warpgroup, MMA, load
+        self.compute_warps = tuple(range(4 * wgs))
+        self.dq_warps = tuple(range(4 * wgs, 4 * wgs + 4))
+        self.mma_warp = 4 * wgs + 4
+        self.load_warp = self.mma_warp + 1
         self.num_compute_threads = 32 * len(self.compute_warps)
         self.num_dq_threads = 32 * len(self.dq_warps)
-        self.num_threads = 32 * 14
+        self.num_threads = 32 * (self.load_warp + 1)
         assert self.payload_groups == self.num_compute_threads
-        assert self.payload_elements == self.tile_m // 2
-        # register budgets (setmaxnreg): the launch gives every thread LAUNCH_REGS; the split must fit
-        # it, or setmaxnreg.inc waits forever (the lesson of the SM90 backward)
-        self.compute_regs, self.dq_regs, self.load_regs, self.mma_regs = 152, 88, 56, 152
+        assert self.payload_elements == self.tile_m // wgs
+        # register budgets (setmaxnreg, REGISTER_SPLITS): the CTA launches with the registers of its
+        # threads rounded up to whole warpgroups
+        self.launch_regs = max_launch_registers(-(-self.num_threads // 128) * 128)
+        self.compute_regs, self.dq_regs = REGISTER_SPLITS[wgs]
         check_register_split(
             self.num_threads,
-            ((self.compute_regs, 8), (self.dq_regs, 4), (self.load_regs, 1), (self.mma_regs, 1)),
-            LAUNCH_REGS,
+            ((self.compute_regs, 4 * wgs), (self.dq_regs, 4), (self.launch_regs, 2)),
+            self.launch_regs,
         )
         # named barriers (0 is __syncthreads)
         self.tmem_alloc_barrier_id = 1  # compute + dQ + MMA warps wait for the TMEM address
         self.tmem_free_barrier_id = 2  # compute + dQ warps are done with TMEM
         self.dq_turn_barrier_id = 3  # dQ warps: the turnstile was passed / every add completed
-        # TMEM columns (32-bit), see the module docstring
+        # TMEM columns (32-bit), see the module docstring; serial: S^T, P^T (tile_m / 2), dV, dK;
+        # separate: S^T, dP^T, P^T, dQ, dV, dK
         self.tmem_cols = 512
         self.tmem_s = 0
-        if self.serial:
-            self.tmem_p, self.tmem_dp, self.tmem_dq, self.tmem_dv = 128, 0, 0, 192
+        if self.tmem_plan == "serial":
+            self.tmem_p, self.tmem_dp, self.tmem_dq = self.tile_m, 0, 0
+            self.tmem_dv = self.tmem_p + self.tile_m // 2
+        elif self.tmem_plan == "separate":
+            self.tmem_dp, self.tmem_p = self.tile_m, 2 * self.tile_m
+            self.tmem_dq = self.tmem_p + self.tile_m // 2
+            self.tmem_dv = self.tmem_dq + geo.dq_acc[1]
         else:
             self.tmem_p, self.tmem_dp, self.tmem_dq, self.tmem_dv = 32, 128, 128, 256
-        self.tmem_dk = self.tmem_dv + self.head_dim_v
-        assert self.tmem_dk + self.head_dim_qk <= self.tmem_cols
-        assert self.head_dim_qk <= self.tmem_dv - self.tmem_dq
+        self.tmem_dk = self.tmem_dv + geo.dv_cols
+        assert self.tmem_dk + geo.dk_cols <= self.tmem_cols
+        assert geo.dq_acc[1] <= self.tmem_dv - self.tmem_dq
 
     # -- host entry: BwdHostEntry.from_pointers, then --------------------------------------------------
     @cute.jit
@@ -203,10 +259,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError(f"q/k/v/dout/dk/dv must be {self.dtype}")
-        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
-        mmas = make_mmas(self.dtype, tm, tn, dqk, dv_)
-        tilers = mma_tilers(tm, tn, dqk, dv_)
-        views = smem_views(mmas, tilers, self.dtype, self.q_stages, self.do_stages)
+        mmas = make_mmas(self.dtype, self.geometry)
+        tilers = mma_tilers(self.geometry)
+        views = smem_views(mmas, self.geometry, self.dtype, self.q_stages, self.do_stages)
         # TMA views (rows, D, heads)
         mQ_t, mK_t, mV_t, mdO_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO))
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mmas["s"].thr_id.shape,)).shape
@@ -229,8 +284,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         ) + cute.size_in_bytes(self.dtype, cute.select(views["v"], mode=one))
         self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(views["q"], mode=one))
         self.bytes_do = cute.size_in_bytes(self.dtype, cute.select(views["do"], mode=one))
-        self.bytes_stats = 2 * tm * 4  # LSE2 and D of one Q block
+        self.bytes_stats = 2 * self.tile_m * 4  # LSE2 and D of one Q block
         self.shared_storage = self._shared_storage(views)
+        assert self.shared_storage.size_in_bytes() <= _SMEM_LIMIT
         self.kernel(
             mmas["s"], mmas["dp"], mmas["dv"], mmas["dk"], mmas["dq"],
             tma_k, tma_mK, tma_v, tma_mV, tma_q, tma_mQ, tma_do, tma_mdO,
@@ -247,8 +303,11 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         )  # fmt: skip
 
     def grid(self, k_rows, kv_heads) -> list:
-        """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring)."""
-        return [kv_heads, k_rows, 1] if self.deterministic else [k_rows, kv_heads, 1]
+        """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring); the
+        ``splits`` CTAs of a K block adjacent in x (:func:`decode_work`)."""
+        if self.deterministic:
+            return [kv_heads * self.splits, k_rows, 1]
+        return [k_rows * self.splits, kv_heads, 1]
 
     def _shared_storage(self, views: dict):
         stats = self.tile_m * self.q_stages
@@ -374,7 +433,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             ),
             allocator_warp_id=self.compute_warps[0],
         )
-        work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
+        work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic, self.splits)
         thr = {k: m.get_slice(0) for k, m in (("s", mma_s), ("dp", mma_dp), ("dv", mma_dv), ("dk", mma_dk),
                                              ("dq", mma_dq))}  # fmt: skip
         free = pipeline.NamedBarrier(
@@ -382,12 +441,11 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         )
 
         if warp_idx == self.load_warp:
-            set_max_registers(self.load_regs, LAUNCH_REGS)
             self.load_role(
                 thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes
             )
         elif warp_idx < len(self.compute_warps):
-            set_max_registers(self.compute_regs, LAUNCH_REGS)
+            set_max_registers(self.compute_regs, self.launch_regs)
             tmem.allocate(self.tmem_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -398,7 +456,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr, self.tmem_cols)
         elif warp_idx < self.mma_warp:
-            set_max_registers(self.dq_regs, LAUNCH_REGS)
+            set_max_registers(self.dq_regs, self.launch_regs)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.dq_role(
@@ -406,7 +464,6 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             )
             free.arrive()
         else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
-            set_max_registers(self.mma_regs, LAUNCH_REGS)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.mma_role(
@@ -523,30 +580,34 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
     def mma_role(
         self, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, thr, s, tP_layout, tmem_ptr, plan, work, pipes, bars
     ):
-        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
-        # SMEM descriptors: (MMA, MMA_MN, MMA_K[, stages])
-        tSrK = thr["s"].make_fragment_A(s["sK"])[None, None, None, 0]
-        tSrQ = thr["s"].make_fragment_B(s["sQ"])
-        tPrV = thr["dp"].make_fragment_A(s["sV"])[None, None, None, 0]
-        tPrdO = thr["dp"].make_fragment_B(s["sdO"])
-        tVrdO = thr["dv"].make_fragment_B(s["sdOt"])
-        tKrdS = thr["dk"].make_fragment_A(s["sdS"])[None, None, None, 0]
-        tKrQ = thr["dk"].make_fragment_B(s["sQt"])
-        tQrdS = thr["dq"].make_fragment_A(s["sdSq"])[None, None, None, 0]
-        tQrK = thr["dq"].make_fragment_B(s["sKt"])[None, None, None, 0]
+        geo, tm, tn = self.geometry, self.tile_m, self.tile_n
+        h = work.split  # the CTA's head-dim slice of dV, dK, dQ (0 without a split)
+        # SMEM descriptors: (MMA, MMA_K[, stages]); the MN-major views of Q, dO and K span the full
+        # head dim, one MMA_MN entry per split (bwd_helpers.mma_operand)
+        tSrK = mma_operand(thr["s"].make_fragment_A(s["sK"]), 0, 0)
+        tSrQ = mma_operand(thr["s"].make_fragment_B(s["sQ"]))
+        tPrV = mma_operand(thr["dp"].make_fragment_A(s["sV"]), 0, 0)
+        tPrdO = mma_operand(thr["dp"].make_fragment_B(s["sdO"]))
+        tVrdO = mma_operand(thr["dv"].make_fragment_B(s["sdOt"]), h)
+        tKrdS = mma_operand(thr["dk"].make_fragment_A(s["sdS"]), 0, 0)
+        tKrQ = mma_operand(thr["dk"].make_fragment_B(s["sQt"]), h)
+        if const_expr(geo.dq_transposed):  # dQ^T = K^T dS^T: K^T is A, sliced
+            tQrA = mma_operand(thr["dq"].make_fragment_A(s["sKt"]), h, 0)
+            tQrB = mma_operand(thr["dq"].make_fragment_B(s["sdSq"]), 0, 0)
+        else:  # dQ = dS K
+            tQrA = mma_operand(thr["dq"].make_fragment_A(s["sdSq"]), 0, 0)
+            tQrB = mma_operand(thr["dq"].make_fragment_B(s["sKt"]), 0, 0)
         # the P^T operand in TMEM (16-bit, packed two per column)
-        tVrP_proto = thr["dv"].make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[
-            None, None, None, 0
-        ]
+        tVrP_proto = mma_operand(thr["dv"].make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer)), 0, 0)
         tVrP = cute.make_tensor(
             cute.recast_ptr(tmem_ptr + self.tmem_p, dtype=tVrP_proto.element_type), tVrP_proto.layout
         )
         # accumulators
         tStS = tmem_acc(thr["s"], (tn, tm), tmem_ptr + self.tmem_s)
         tPtdP = tmem_acc(thr["dp"], (tn, tm), tmem_ptr + self.tmem_dp)
-        tVtdV = tmem_acc(thr["dv"], (tn, dv_), tmem_ptr + self.tmem_dv)
-        tKtdK = tmem_acc(thr["dk"], (tn, dqk), tmem_ptr + self.tmem_dk)
-        tQtdQ = tmem_acc(thr["dq"], (tm, dqk), tmem_ptr + self.tmem_dq)
+        tVtdV = tmem_acc(thr["dv"], (tn, geo.dv_cols), tmem_ptr + self.tmem_dv)
+        tKtdK = tmem_acc(thr["dk"], (tn, geo.dk_cols), tmem_ptr + self.tmem_dk)
+        tQtdQ = tmem_acc(thr["dq"], geo.dq_acc, tmem_ptr + self.tmem_dq)
 
         n = total_steps(plan, work)
         if n > 0:
@@ -555,40 +616,47 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             q_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
             do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
             pipes.kv.consumer_wait(kv_state)
-            # S_0 (overlapped plan: and dP_0)
+            # S_0 (unless dP shares S's columns: and dP_0)
             q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
-            if const_expr(not self.serial):
+            if const_expr(not self.dp_over_s):
                 self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
             for j in cutlass.range(n, unroll=1):
                 phase = j & 1
                 cute.arch.mbarrier_wait(bars.p, phase)  # P_j stored (so S_j was read)
                 tcgen05_fence_after()
-                if const_expr(self.serial):  # dP_j over S_j's columns
+                if const_expr(self.dp_over_s):  # dP_j over S_j's columns
                     self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
                 # dV += P_j^T dO_j, then dO_j is free
-                self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, None, do_state.index], j > 0)
+                self.gemm(mma_dv, tVtdV, tVrP, tVrdO[None, None, do_state.index], j > 0)
                 pipes.do.consumer_release(do_state)
                 do_state.advance()
-                # overlapped: S_{j+1} now; tcgen05.mma run in issue order, so it overwrites P_j after
-                # dV_j read it
-                if const_expr(not self.serial):
+                # two Q stages: S_{j+1} now; tcgen05.mma run in issue order, so it overwrites P_j
+                # after dV_j read it
+                if const_expr(self.q_stages == 2):
                     if j + 1 < n:
                         q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
-                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K (serial: over dP_j and P_j)
+                # dK += dS_j^T Q_j (then Q_j is free), dQ_j = dS_j K or dQ^T_j = K^T dS^T_j (serial: over
+                # dP_j, and for Dqk = 192 P_j; separate: once dQ_{j-1} was read out)
                 cute.arch.mbarrier_wait(bars.ds, phase)
                 tcgen05_fence_after()
-                self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, None, q_state.index], j > 0)
+                self.gemm(mma_dk, tKtdK, tKrdS, tKrQ[None, None, q_state.index], j > 0)
                 pipes.q.consumer_release(q_state)
                 q_state.advance()
-                self.gemm(mma_dq, tQtdQ, tQrdS, tQrK, False)
+                if const_expr(not self.dq_over_dp):
+                    if j > 0:
+                        cute.arch.mbarrier_wait(bars.dq_empty, (j - 1) & 1)
+                        tcgen05_fence_after()
+                self.gemm(mma_dq, tQtdQ, tQrA, tQrB, False)
                 self.commit(bars.dq)
-                # into the columns dQ_j leaves once read out: dP_{j+1} (overlapped) or S_{j+1} (serial)
                 if j + 1 < n:
-                    cute.arch.mbarrier_wait(bars.dq_empty, phase)
-                    tcgen05_fence_after()
-                    if const_expr(self.serial):
+                    # into the columns dQ_j leaves once read out: dP_{j+1} (overlapped), S_{j+1} (serial)
+                    if const_expr(self.dq_over_dp):
+                        cute.arch.mbarrier_wait(bars.dq_empty, phase)
+                        tcgen05_fence_after()
+                    # one Q stage: S_{j+1} once dK_j released Q_j; dP_{j+1} in its own columns
+                    if const_expr(self.q_stages == 1):
                         q_next = self.issue_s(mma_s, tStS, tSrK, tSrQ, pipes.q, q_next, bars.s)
-                    else:
+                    if const_expr(not self.dp_over_s):
                         self.issue_dp(mma_dp, tPtdP, tPrV, tPrdO, pipes.do, do_state, bars.dp)
             self.commit(bars.dkv)
 
@@ -597,7 +665,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         """S^T = K Q^T of the next staged Q block (waits for it), committed to ``bar``; returns the
         advanced Q state."""
         pipe_q.consumer_wait(q_next)
-        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, None, q_next.index], False)
+        self.gemm(mma_s, tStS, tSrK, tSrQ[None, None, q_next.index], False)
         self.commit(bar)
         q_next.advance()
         return q_next
@@ -606,20 +674,22 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
     def issue_dp(self, mma_dp, tPtdP, tPrV, tPrdO, pipe_do, do_state, bar):
         """dP^T = V dO^T of the staged dO block (waits for it; released after dV), committed to ``bar``."""
         pipe_do.consumer_wait(do_state)
-        self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, None, do_state.index], False)
+        self.gemm(mma_dp, tPtdP, tPrV, tPrdO[None, None, do_state.index], False)
         self.commit(bar)
 
     @cute.jit
     def gemm(
         self, mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor, accumulate
     ):
-        """acc (+)= A B over every k-block; ``accumulate`` (runtime) applies to the first k-block."""
-        for kb in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
+        """acc (+)= A B over every k-block of the ``(MMA, MMA_K)`` fragments; ``accumulate`` (runtime)
+        applies to the first k-block."""
+        d = acc[None, 0, 0]  # the one (MMA) accumulator tile
+        for kb in cutlass.range_constexpr(cute.size(frag_a, mode=[1])):
             if const_expr(kb == 0):
                 mma.set(tcgen05.Field.ACCUMULATE, accumulate)
             else:
                 mma.set(tcgen05.Field.ACCUMULATE, True)
-            cute.gemm(mma, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
+            cute.gemm(mma, d, frag_a[None, kb], frag_b[None, kb], d)
 
     @cute.jit
     def commit(self, mbar):

@@ -14,16 +14,16 @@ Launches, all on the current stream::
 
     preprocess   (Q blocks, Hq, B)    D = rowsum(dO O) - dlse, LSE2 (+inf: no key), zeroed dQ
                                       accumulator and turnstiles (architecture-neutral, shared)
-    main         (K plan rows, Hkv)   dK, dV stored; dQ bulk-added in fp32    bwd_kernel.py
+    main         (K plan rows x splits, Hkv)  dK, dV stored; dQ bulk-added in fp32   bwd_kernel.py
     postprocess  (Q blocks, Hq, B)    dQ = scale * accumulator                bwd_postprocess.py
 
-Only the ``k2q-1cta`` variant has a kernel (head dims 64, 96, 128 and 192/128); it is the
-heuristics' default for those pairs. The default for (256, 256) (``d256``) has no kernel: plans with
-that view are refused with :class:`UnsupportedConfigError` naming the variant, as are explicitly
-built ``k2q-2cta`` views.
+The ``k2q-1cta`` variant has a kernel for head dims 64, 96, 128 and 192/128, the ``d256`` variant
+(two CTAs per K block, each owning half of the gradients' head-dim columns) for (256, 256); each is
+the heuristics' default for its pairs. Explicitly built ``k2q-2cta`` views (no kernel) are refused
+with :class:`UnsupportedConfigError` naming the variant.
 
 The preprocess is the architecture-neutral SIMT kernel both consumers share
-(:class:`maskplan_kernels.consumer_bwd_preprocess.BwdPreprocess`, at this backward's tile_m = 128;
+(:class:`maskplan_kernels.consumer_bwd_preprocess.BwdPreprocess`, at the view's tile_m (128, d256: 64);
 same workspace contract: LSE2 / D ``(Hq, n_qblk * tile_m)``, dQ accumulator
 ``(Hq, n_qblk * tile_m * Dqk)`` zeroed as one contiguous run per block, turnstiles ``(Hq, n_qblk)``).
 The host side (input checks, per-view plan tensors, workspace and the three launches) is
@@ -55,17 +55,18 @@ def config_for_view(view: PlanView) -> Sm100BwdConfig:
     variant and head dims the backward kernel implements."""
     config = view_config.bwd_config_for_view(view)
     g, variant = view.geometry, config.variant
+    implemented = "; ".join(
+        f"{v!r} (head dims {', '.join(map(str, HEAD_DIMS[v]))})" for v in IMPLEMENTED_VARIANTS
+    )
     if variant.name not in IMPLEMENTED_VARIANTS:
         raise UnsupportedConfigError(
             f"the plan's SM100 backward variant {variant.name!r} (tile {variant.tile_m}x{variant.tile_n}, "
-            f"cta_group_size={variant.cta_group_size}) has no kernel; implemented: "
-            f"{', '.join(repr(v) for v in IMPLEMENTED_VARIANTS)} (head dims {', '.join(map(str, HEAD_DIMS))})"
+            f"cta_group_size={variant.cta_group_size}) has no kernel; implemented: {implemented}"
         )
-    if (g.head_dim_qk, g.head_dim_v) not in HEAD_DIMS:
+    if (g.head_dim_qk, g.head_dim_v) not in HEAD_DIMS[variant.name]:
         raise UnsupportedConfigError(
-            f"(head_dim_qk, head_dim_v)=({g.head_dim_qk}, {g.head_dim_v}) has no SM100 k2q-1cta backward "
-            "kernel; "
-            f"supported pairs: {', '.join(map(str, HEAD_DIMS))}"
+            f"(head_dim_qk, head_dim_v)=({g.head_dim_qk}, {g.head_dim_v}) has no SM100 {variant.name} "
+            f"backward kernel; implemented: {implemented}"
         )
     return config
 

@@ -1,18 +1,25 @@
 """SM100 backward postprocess: the fp32 dQ accumulator -> dQ in the input dtype, times the softmax scale.
 
 The accumulator is in the SM100 main kernel's own order (:mod:`flexattn_sm100.bwd_helpers`: per Q
-block, dQ warp ``w`` and column chunk ``c`` form one 4 KB run, lane-interleaved 16-byte vectors), not
-the SM90 WGMMA fragment order, so this kernel is SM100's own; the preprocess (LSE2, D, zeroed
-accumulator and turnstiles) is layout-independent. Never run on SM100 hardware.
+block, the stored ``rows x cols`` matrix in 4 KB runs of 32 rows x ``DQ_CHUNK`` columns,
+lane-interleaved 16-byte vectors), not the SM90 WGMMA fragment order, so this kernel is SM100's own;
+the preprocess (LSE2, D, zeroed accumulator and turnstiles) is layout-independent. Never run on SM100
+hardware.
 
-One CTA of 128 threads per (sample-local Q block ``m``, q head ``hq``, sample ``b``); thread ``t``
-plays dQ thread ``t`` of the main kernel: it reads row ``t`` of the block back with the same map
-and stores it when ``m * tile_m + t < q_len``. Rows of padding never leave the workspace.
+One CTA per (sample-local Q block ``m``, q head ``hq``, sample ``b``); thread ``t`` plays dQ thread
+``t`` of the main kernel and reads accumulator row ``t`` back with the same map:
+
+* 128-row Q blocks (k2q-1cta): the matrix is dQ (128 x Dqk), 128 threads; thread ``t`` stores dQ row
+  ``t`` (16-byte vectors) when ``m * tile_m + t < q_len``;
+* 64-row Q blocks (d256): the matrix is dQ^T (Dqk x 64), Dqk threads; thread ``t`` stores dQ column
+  ``t`` of the rows ``< q_len`` (a warp's 32 columns are one 64-byte segment of a dQ row).
+
+Rows of padding never leave the workspace.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from maskplan_kernels.consumer_plan import (
     DqPostprocessHostEntry,
@@ -22,21 +29,25 @@ from maskplan_kernels.consumer_plan import (
 )
 
 from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
+from .payload_layout import TMEM_LANES
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 class Sm100BwdPostprocess(DqPostprocessHostEntry):
-    """Static configuration: head dim, dtype, block rows (= dQ threads of the main kernel)."""
+    """Static configuration: head dim, dtype, block rows (128: dQ order; 64: dQ^T order)."""
 
-    def __init__(self, head_dim: int, dtype: str, *, tile_m: int = 128):
-        if tile_m != 4 * WARP_ROWS or head_dim % DQ_CHUNK:
+    def __init__(self, head_dim: int, dtype: str, *, tile_m: int = TMEM_LANES):
+        self.transposed = tile_m < TMEM_LANES
+        self.rows, self.cols = (head_dim, tile_m) if self.transposed else (tile_m, head_dim)
+        if tile_m not in (64, TMEM_LANES) or self.rows % WARP_ROWS or self.cols % DQ_CHUNK:
             raise ValueError(
-                f"tile_m={tile_m}, head_dim={head_dim}: the dQ order takes 128 rows, 32-column chunks"
+                f"tile_m={tile_m}, head_dim={head_dim}: the dQ order takes 64- or 128-row Q blocks, "
+                "32-row runs of 32-column chunks"
             )
         self.dtype = _DTYPES[dtype]
         self.head_dim, self.tile_m = head_dim, tile_m
-        self.num_threads = tile_m
+        self.num_threads = self.rows
 
     def kernel_operands(self) -> tuple:
         return ()
@@ -60,15 +71,23 @@ class Sm100BwdPostprocess(DqPostprocessHostEntry):
             block = q_head * mdQaccum.shape[1] + (q_block_begin[b] + m_block) * tm * d
             regs = cute.make_rmem_tensor(DQ_CHUNK, Float32)
             out = cute.make_rmem_tensor(DQ_CHUNK, self.dtype)
-            store = m_block * tm + t < q_len
             heads = mdQ.shape[1]
-            row = cute.make_tensor(
-                element_ptr(mdQ, ((q_offset + m_block * tm + t) * heads + q_head) * d), cute.make_layout(d)
-            )
-            for c in cutlass.range_constexpr(d // DQ_CHUNK):
-                run = element_ptr(mdQaccum, block + (c * 4 + w) * WARP_ROWS * DQ_CHUNK)
+            first = ((q_offset + m_block * tm) * heads + q_head) * d  # dQ[row 0 of the block, 0]
+            if const_expr(self.transposed):  # thread t's dQ column: (tile_m,) Q rows
+                dst = cute.make_tensor(
+                    element_ptr(mdQ, first + t, align=2), cute.make_layout(tm, stride=heads * d)
+                )
+            else:  # thread t's dQ row: (Dqk,) columns
+                dst = cute.make_tensor(element_ptr(mdQ, first + t * heads * d), cute.make_layout(d))
+            for c in cutlass.range_constexpr(self.cols // DQ_CHUNK):
+                run = element_ptr(mdQaccum, block + (c * (self.rows // WARP_ROWS) + w) * WARP_ROWS * DQ_CHUNK)
                 src = cute.make_tensor(run, dq_run_layout())[lane, None]
                 cute.autovec_copy(src, cute.make_tensor(regs.iterator, src.layout.shape))
                 out.store((regs.load() * softmax_scale).to(self.dtype))
-                if store:
-                    cute.autovec_copy(out, cute.local_tile(row, (DQ_CHUNK,), (c,)))
+                if const_expr(self.transposed):
+                    for e in cutlass.range_constexpr(DQ_CHUNK):
+                        if m_block * tm + c * DQ_CHUNK + e < q_len:
+                            dst[c * DQ_CHUNK + e] = out[e]
+                else:
+                    if m_block * tm + t < q_len:
+                        cute.autovec_copy(out, cute.local_tile(dst, (DQ_CHUNK,), (c,)))

@@ -1,6 +1,7 @@
 """Static configurations of the SM100/SM103 forward and backward kernels (the forward kernels written are
-qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA and D256, all ``fwd_kernel.py``; the backward one is
-k2q + 1CTA, ``bwd_kernel.py``; compile-verified, never run).
+qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA and D256, all ``fwd_kernel.py``; the backward ones are
+k2q + 1CTA and D256 (two CTAs per K block, each owning half of the gradients' head-dim columns), both
+``bwd_kernel.py``; compile-verified, never run).
 
 A *variant* is one kernel topology (q stages, CTA group, cluster axis, plan block, mask delivery);
 a config is a variant plus the problem's compile-time facts. Every config field is compile-time
@@ -43,6 +44,8 @@ class Sm100Variant:
     cluster_axis: Literal["none", "m", "n"] = "none"
     num_softmax_warpgroups: int = 1  # warpgroups splitting one 128-lane subtile's columns
     mask_pipeline_stages: int = 0
+    #: backward: CTAs per K block, each accumulating 1/n of dV's, dK's and dQ's head-dim columns
+    head_dim_splits: int = 1
 
 
 #: Forward variants (spec 6.2: only qstage1 + 2CTA stages payloads through SMEM).
@@ -78,7 +81,7 @@ BWD_VARIANTS: dict[str, Sm100Variant] = {
             cluster_axis="n",
             num_softmax_warpgroups=2,
         ),
-        Sm100Variant("d256", "sm100-bwd-d256-k2q-v1", tile_m=64, tile_n=128),
+        Sm100Variant("d256", "sm100-bwd-d256-k2q-v1", tile_m=64, tile_n=128, head_dim_splits=2),
     )
 }
 

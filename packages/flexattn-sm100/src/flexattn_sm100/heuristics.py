@@ -6,17 +6,18 @@ kernel (compiled for sm_100a, never run), so a default plan on an SM100 device c
 * forward ``qstage1-1cta`` (``fwd_kernel.py``) for every head-dim pair with Dv <= 128, and ``d256``
   (the same kernel with O over TMEM columns 256..511 and one K/V stage) for (256, 256);
 * backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128) and, with its serial
-  TMEM plan (dV and dK take 320 columns; S^T, P^T, dP^T and dQ share the rest), (192, 128).
+  TMEM plan (dV and dK take 320 columns; S^T, P^T, dP^T and dQ share the rest), (192, 128); ``d256``
+  (the same kernel on 64-row Q blocks with the head dim of dV, dK and dQ split over two CTAs per K
+  block, each recomputing S^T and dP^T: 1.4x the MMA work) for (256, 256).
 
 The forward ``qstage1-2cta`` variant (the spec's generic one: a CTA pair, cta_group::2 MMAs, SMEM
 payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kernels too
 (``fwd_kernel.py``) but are selected only with ``variant=``: which is fastest is unmeasured without
-hardware. The backward variants ``k2q-2cta`` (a CTA pair along K: each CTA still holds its K rows'
-S^T, dP^T, dV and dK, so it saves no TMEM) and ``d256`` (dV and dK alone take all 512 columns) keep
-their configs and payload layouts defined and tested (``config.py``, ``payload_layout.py``) but
-have no kernel and are not defaults; pairs with no kernel
-in a direction still resolve a view (plans are inspectable anywhere); ``bwd_launch.run_backward``
-(and ``fwd_launch.run_forward`` for a forced variant whose head dims have no kernel) refuse them with
+hardware. The backward variant ``k2q-2cta`` (a CTA pair along K: each CTA still holds its K rows'
+S^T, dP^T, dV and dK, so it saves no TMEM) keeps its config and payload layout defined and tested
+(``config.py``, ``payload_layout.py``) but has no kernel and is no default; a view built for it still
+resolves (plans are inspectable anywhere); ``bwd_launch.run_backward`` (and ``fwd_launch.run_forward``
+for a forced variant whose head dims have no kernel) refuse such views with
 :class:`UnsupportedConfigError` naming the variant.
 
 ==============  =============================================  ==========================================
@@ -26,8 +27,8 @@ in a direction still resolve a view (plans are inspectable anywhere); ``bwd_laun
 (96, 96)        qstage1-1cta                                   k2q-1cta
 (128, 128)      qstage1-1cta                                   k2q-1cta
 (192, 128)      qstage1-1cta                                   k2q-1cta  (serial TMEM plan)
-(256, 256)      d256          (128x128, 1 x 128 x 4 words)     d256      (64x128, 1 x 128 x 2 words)
-                                                               no kernel
+(256, 256)      d256          (128x128, 1 x 128 x 4 words)     d256      (64x128, 1 x 128 x 2 words,
+                                                               2 CTAs per K block: head-dim halves)
 ==============  =============================================  ==========================================
 
 Any generic forward variant can be forced for the D <= 192 pairs with ``variant=``.

@@ -635,6 +635,7 @@ class Work(NamedTuple):
     qblk_base: Int32  # global Q block of the sample's block 0
     q_per_kv: Int32  # G = Hq / Hkv
     mask_heads: Int32
+    split: Int32  # which of the ``splits`` CTAs of the K block (0 without a split)
 
 
 class HeadRange(NamedTuple):
@@ -653,11 +654,14 @@ def decode_work(
     q_per_kv: Int32,
     tile_n: cutlass.Constexpr[int],
     heads_major: cutlass.Constexpr[bool],
+    splits: cutlass.Constexpr[int] = 1,
 ) -> Work:
-    """The CTA's K block from its block index: grid ``(K rows, Hkv)``, or ``(Hkv, K rows)`` with
-    ``heads_major`` (deterministic mode, so the writers of a Q block run in ``dq_write_order``)."""
+    """The CTA's K block from its block index: grid ``(splits * K rows, Hkv)``, or ``(splits * Hkv,
+    K rows)`` with ``heads_major`` (deterministic mode, so the writers of a Q block run in
+    ``dq_write_order``). The ``splits`` CTAs of one K block (a kernel splitting its outputs' head dim)
+    are adjacent in grid x, so they launch together."""
     x, y, _ = cute.arch.block_idx()
-    row, kv_head = (y, x) if const_expr(heads_major) else (x, y)
+    row, kv_head = (y, x // splits) if const_expr(heads_major) else (x // splits, y)
     b = plan.k_row_batch[row]
     n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
     k_len = desc_field(plan.sequence_desc, b, DESC_K_LEN)
@@ -671,6 +675,7 @@ def decode_work(
         plan.q_block_begin[b],
         q_per_kv,
         plan.mask_block_cnt.shape[0],
+        x % splits,
     )
 
 
