@@ -232,7 +232,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
-        # S = Q K^T: (tile_m, tile_n), both K-major; O = P V: P from registers, V^T MN-major
+        # S = Q K^T: (tile_m, tile_n), both K-major; O = P V (pv_tiled_mma)
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
@@ -242,31 +242,11 @@ class Sm90FwdKernel(ConsumerMainloop):
             (self.num_consumer_wg, 1, 1),
             (64, self.tile_n),
         )
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
-            Float32,
-            (self.num_consumer_wg, 1, 1),
-            (64, self.head_dim_v),
-            warpgroup.OperandSource.RMEM,
-        )
+        mma_pv = self.pv_tiled_mma(self.head_dim_v)
         assert mma_qk.size == self.num_consumer_threads
         # the epilogue's O staging: (tile_m, o_chunk) and the WGMMA C ownership of such a chunk
         sO_layout = smem_layout_row_major(self.dtype, self.tile_m, self.o_chunk)
-        mma_o = mma_pv
-        if const_expr(self.o_chunk != self.head_dim_v):
-            mma_o = sm90_utils.make_trivial_tiled_mma(
-                self.dtype,
-                self.dtype,
-                cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.MN,
-                Float32,
-                (self.num_consumer_wg, 1, 1),
-                (64, self.o_chunk),
-                warpgroup.OperandSource.RMEM,
-            )
+        mma_o = self.pv_tiled_mma(self.o_chunk)
         self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         if const_expr(self.shared_storage.size_in_bytes() > SMEM_LIMIT):
             raise ValueError(
@@ -298,6 +278,19 @@ class Sm90FwdKernel(ConsumerMainloop):
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+        )
+
+    def pv_tiled_mma(self, cols: int) -> cute.TiledMma:
+        """``O = P V`` over ``cols`` of Dv: P from registers, V^T MN-major."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            Float32,
+            (self.num_consumer_wg, 1, 1),
+            (64, cols),
+            warpgroup.OperandSource.RMEM,
         )
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
