@@ -1,5 +1,6 @@
-"""Device helpers of the SM90 forward kernel (CuTe DSL): WGMMA issue, accumulator views and the
-online softmax over a WGMMA fragment. The plan walk and the packed-predicate bit-select every
+"""Device helpers of the SM90 forward kernel (CuTe DSL): WGMMA issue, accumulator views, the
+online softmax over a WGMMA fragment, and the epilogue's fragment -> SMEM -> GMEM row stores (which
+the backward's dK/dV epilogue uses too). The plan walk and the packed-predicate bit-select every
 consumer shares live in :mod:`maskplan_kernels.consumer_plan`.
 
 Everything here is generic over the accumulator of a ``wgmma.m64nNk16`` fp32 tile held by one
@@ -182,7 +183,6 @@ def finalize_softmax(
         )
         for c in cutlass.range(cute.size(o_mn, mode=[1]), unroll_full=True):
             o_mn[r, c] = o_mn[r, c] * inv
-
 
 
 # -- epilogue: accumulator -> SMEM -> whole rows of GMEM ------------------------------------------

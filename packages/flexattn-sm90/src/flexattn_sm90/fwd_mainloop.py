@@ -307,7 +307,8 @@ class ConsumerMainloop:
 
         Each warpgroup stages and stores only its own 64 rows, so a warpgroup barrier orders the
         two hops. Stored straight from the WGMMA fragment (4-byte pieces of 8 rows per warp
-        instruction) O took a fifth of the time of short tasks (sliding window, documents)."""
+        instruction), O took a fifth to a third of the time of short tasks (sliding window,
+        documents; benchmarks/RESULTS.md, session 8)."""
         g = self.pack_group
         pos0 = t.q_offset + t.m_block * self.tile_positions
         for r in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
