@@ -44,6 +44,11 @@ def test_compiles_every_head_dim(dq, dv, tmp_path):
     expect = {qk: 3 * dq // 16}
     expect[pv] = expect.get(pv, 0) + 3 * config.tile_n // 16
     assert shapes == expect
+    # the O epilogue: per thread Dv / 16 stmatrix.x4 (a warp's 16 rows x Dv) into SMEM, then Dv / 16
+    # 16-byte row pieces (a warpgroup's 64 rows x Dv over 128 threads); no 2- or 4-byte O stores
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == dv // 16
+    assert ptx.count("st.global.v4.b32") == dv // 16
+    assert "st.global.b16" not in ptx and "st.global.v2.b32" not in ptx
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)
 
 

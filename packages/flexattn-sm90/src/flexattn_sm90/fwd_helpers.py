@@ -208,7 +208,10 @@ def store_rows(
     """Copy the SMEM tile ``s_tile`` (rows, cols) to ``g_tile`` in 16-byte row pieces, ``threads``
     consecutive threads along the rows (so each warp store writes whole 128-byte lines), skipping
     row ``r`` unless ``(row0 + r) // rows_per_position < valid_positions``. ``g_tile``'s rows start
-    16-byte aligned (the tensor base is, and rows are whole multiples of 8 elements apart)."""
+    16-byte aligned (the tensor base is, and rows are whole multiples of 8 elements apart). Where
+    ``threads`` do not cover whole rows per pass (the backward's 96- and 192-column tiles) the
+    last pass runs past the tile; its rows are never valid (``valid_positions`` never exceeds the
+    tile), so they are skipped."""
     rows, cols = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
     per_row = cols // PIECE
     s2g = cute.make_tiled_copy_tv(
