@@ -72,7 +72,19 @@ along K (cluster (2, 1, 1) over grid x, the pair adjacent in x in both grid orde
 own K, V, TMEM (the same column map as k2q-1cta), MMAs (cta_group::1, the same shapes and issue
 order), dK and dV rows, and payload subtile ``c`` (``TmemLoadLayout(128, 256, 2, transposed=True)``:
 ``mask_block_masks[entry, c]``, 256 groups x 2 words). Both ranks walk the same K2Q row, so their step
-sequences are identical. What the pair shares::
+sequences are identical::
+
+    plan block: 128 Q x 256 K          rank 0 (cluster rank 0)             rank 1
+    K rows   0..127 | subtile 0  ->    TMEM lanes = K rows 0..127          -
+    K rows 128..255 | subtile 1  ->    -                                   TMEM lanes = K rows 128..255
+    TMEM columns (each CTA, as k2q-1cta): S^T [0, 128), P^T [32, 96), dP^T / dQ [128, ...), dV from 256,
+    dK after it (overlapped: 384 / 448 / 512 of 512 columns for D = 64 / 96 / 128); serial (192, 128):
+    S^T, dP^T [0, 128), dQ [0, 192), P^T [128, 192), dV [192, 320), dK [320, 512)
+
+MMA issue order: each MMA warp issues k2q-1cta's sequence on its own TMEM; the two warps are coupled
+only through the shared Q / dO stages (a stage is refilled once dK_j (Q) and dV_j (dO) of BOTH ranks
+completed) and through the dQ handoff (rank 1's dQ warps release dQ_j's columns only after rank 0
+freed its run for their chunks). What the pair shares::
 
     Q_j, dO_j   rank c TMA-loads half c of each tile and multicasts it to both CTAs (mask 0b11): each
                 CTA's full barrier expects the whole tile (its half + the peer's); each CTA's empty
@@ -84,8 +96,8 @@ sequences are identical. What the pair shares::
                 run (DSMEM), rank 0's add their own chunk to it and bulk-add the sum: ONE fp32
                 reduction per (Q block, pair) instead of two; deterministic mode takes the turnstile
                 (one writer per pair, the plan's dq_write_order rank) on rank 0 only
-    LSE2, D     NOT multicast: each CTA bulk-copies them itself (1 KB a step, 1-3 % of the step's
-                Q + dO bytes; sharing them would need a cross-CTA release of a stage read by generic
+    LSE2, D     NOT multicast: each CTA bulk-copies them itself (1 KB a step, 1.3-3 % of the step's
+                32-80 KB of Q + dO; sharing them would need a cross-CTA release of a stage read by generic
                 loads)
 
 dQ handoff, per dQ warp w and chunk k (32 rows x 32 columns, 4 KB; parity k & 1)::
@@ -103,7 +115,9 @@ Barriers: rank 0's full[w] (1 arrival + 4 KB of transactions) and rank 1's empty
 arrival) exist in both CTAs' SMEM (the struct is one); both are initialised before a cluster-wide
 barrier, and the kernel ends with another, so neither CTA exits while the peer may still commit to,
 multicast into or st.async into its SMEM. SMEM is k2q-1cta's (the peer's chunk lands in the leader's
-existing run: no extra buffer) plus 8 mbarriers: at most 209 KB (192/128) + overhead of the 227 KB.
+existing run: no extra buffer) plus 8 mbarriers (64 B): K, V + Q, dO stages + dS^T + LSE2 / D + dQ
+runs = 130 / 170 / 210 / 209 KB for D = 64 / 96 / 128 / (192, 128) (two Q stages, the last one), plus
+under 2 KB of barriers and alignment, of the 227 KB.
 Cost: each rank still computes S^T, dP^T, dV, dK and a 128 x Dqk dQ for its rows (the same MMA work as
 two k2q-1cta CTAs); the pair saves half the Q / dO loads and half the GMEM dQ reductions, and rank 0's
 dQ warps wait for rank 1's chunks.
@@ -157,7 +171,6 @@ from maskplan_kernels.consumer_plan import (
     BwdHostEntry,
     BwdPlanTensors,
     decode_work,
-    head_range,
     select_modes,
     total_steps,
 )
@@ -165,6 +178,7 @@ from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_compute import ComputeRoles
 from .bwd_helpers import BwdGeometry, make_mmas, mma_operand, mma_tilers, smem_views
+from .bwd_load import LoadRole
 from .config import Sm100BwdConfig
 from .fwd_helpers import set_max_registers, tcgen05_fence_after, thread_group, tma_umma_pipeline, tmem_acc
 
@@ -202,7 +216,7 @@ def smem_bytes(geo: BwdGeometry, q_stages: int, do_stages: int) -> int:
     return k_v + q_do + ds + stats + dq_runs
 
 
-class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
+class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
     """Static configuration of one compiled backward main kernel; see the module docstring."""
 
     def __init__(self, config: Sm100BwdConfig, *, deterministic: bool = False):
@@ -589,99 +603,6 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
                 defer_sync=True,
             ),
         )
-
-    # -- load warp ------------------------------------------------------------------------------------
-    @cute.jit
-    def load_role(
-        self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes, cta_rank
-    ):
-        no_mcast = cute.make_layout(1)
-        # Q and dO: this CTA's 1 / pair of each tile, multicast to the pair (mask: every rank)
-        pair_layout = cute.make_layout(self.pair)
-        mcast = {"mcast_mask": cutlass.Int16((1 << self.pair) - 1)} if self.pair > 1 else {}
-        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.cta_n
-        bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        if total_steps(plan, work) > 0:
-            # K and V of this CTA's block, once: (cta_n, D, n_blocks, 1) of this sample and kv head
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipes.kv.producer_acquire(kv_state)
-            bar = pipes.kv.producer_get_barrier(kv_state)
-            for atom, m_x, s_x, t, d in (
-                (tma_k, mK, s["sK"], thr["s"], dqk),
-                (tma_v, mV, s["sV"], thr["dp"], dv_),
-            ):
-                g_x = cute.flat_divide(
-                    cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]), (tn, d)
-                )
-                t_s, t_g = cpasync.tma_partition(
-                    atom, 0, no_mcast, cute.group_modes(s_x, 0, 3), cute.group_modes(t.partition_A(g_x), 0, 3)
-                )
-                cute.copy(atom, t_g[None, work.n_block, 0], t_s[None, 0], tma_bar_ptr=bar)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = head_range(plan, work, g)
-            # Q, dO: (tile_m, D, q_blocks, 1) of this sample and q head
-            g_q = cute.flat_divide(
-                cute.domain_offset((work.q_offset, 0), mQ[None, None, hr.q_head]), (tm, dqk)
-            )
-            g_do = cute.flat_divide(
-                cute.domain_offset((work.q_offset, 0), mdO[None, None, hr.q_head]), (tm, dv_)
-            )
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_q,
-                cta_rank,
-                pair_layout,
-                cute.group_modes(s["sQ"], 0, 3),
-                cute.group_modes(thr["s"].partition_B(g_q), 0, 3),
-            )
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_do, cta_rank, pair_layout, cute.group_modes(s["sdO"], 0, 3),
-                cute.group_modes(thr["dp"].partition_B(g_do), 0, 3),
-            )  # fmt: skip
-            stats_row = hr.q_head * mLSE.shape[1]
-            for i in cutlass.range(hr.partial_cnt, unroll=1):
-                q_state, do_state = self.load_step(
-                    plan.mask_block_idx[hr.partial_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast,
-                )  # fmt: skip
-            for i in cutlass.range(hr.full_cnt, unroll=1):
-                q_state, do_state = self.load_step(
-                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast,
-                )  # fmt: skip
-
-    @cute.jit
-    def load_step(
-        self, m_block, work, stats_row, pipes, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
-        bulk_f32, mLSE, mDsum, s, mcast,
-    ):  # fmt: skip
-        """Q + (LSE2, D) into stage ``q_state`` of the Q and stats pipelines, dO into its own; a CTA of
-        a pair loads its part of Q and dO for both (``mcast``), LSE2 and D for itself."""
-        pipes.q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index],
-                  tma_bar_ptr=pipes.q.producer_get_barrier(q_state), **mcast)  # fmt: skip
-        pipes.stats.producer_acquire(q_state)
-        bar = pipes.stats.producer_get_barrier(q_state)
-        first = stats_row + (work.qblk_base + m_block) * self.tile_m
-        stats = cute.make_layout(self.tile_m)
-        for m_stat, s_stat in ((mLSE, s["sLSE"]), (mDsum, s["sDsum"])):
-            src = cute.make_tensor(
-                cute.make_ptr(
-                    Float32, (m_stat.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=16
-                ),
-                stats,
-            )
-            with cute.arch.elect_one():
-                cute.copy(
-                    bulk_f32, src, cute.make_tensor(s_stat[None, q_state.index].iterator, stats), mbar_ptr=bar
-                )
-        q_state.advance()
-        pipes.do.producer_acquire(do_state)
-        cute.copy(tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index],
-                  tma_bar_ptr=pipes.do.producer_get_barrier(do_state), **mcast)  # fmt: skip
-        do_state.advance()
-        return q_state, do_state
 
     # -- MMA warp -------------------------------------------------------------------------------------
     @cute.jit
