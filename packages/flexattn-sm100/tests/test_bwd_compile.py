@@ -141,7 +141,12 @@ def test_main_kernel_compiles(case, tmp_path):
     own = _count(ptx, tma + r"\.L2")
     mcast = _count(ptx, r"cp\.async\.bulk\.tensor\.[\w:.]+\.multicast::cluster")
     assert own > 0 and (mcast == 2 * own if kernel.pair > 1 else mcast == 0)
-    assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # LSE2 and D, each CTA its own
+    # LSE2 and D (bulk copies; a pair: rank 0 LSE2, rank 1 D, multicast, at both sites), released by
+    # each compute warp to every CTA that filled the stage (a pair: remote-capable arrives)
+    stats = _count(ptx, r"cp\.async\.bulk\.shared::c\w*\.global\.mbarrier::complete_tx::bytes")
+    stats_mcast = _count(ptx, r"cp\.async\.bulk\.shared::cluster\.global\.[\w:.]+\.multicast::cluster")
+    assert stats > 0 and stats_mcast == (4 if kernel.pair > 1 else 0)
+    assert _count(ptx, r"mbarrier\.arrive\.shared::cluster\.b64") == (2 if kernel.pair > 1 else 0)
     assert _count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2 * dq_chunks
     # the pair: Q / dO stages released to both CTAs (multicast commits); the dQ handoff at two sites
     # per chunk: 8 st.async of 16 bytes into the leader's run, one remote arrive freeing it; the

@@ -15,7 +15,7 @@ rank ``c``'s K row ``r`` is row ``128 c + r`` of the 256-row plan block: subtile
     wait S^T_j  -> 64 registers ; P = exp2(S^T scale log2e - LSE2[q]) ; bit 0 -> P = 0
     P (16-bit) -> TMEM columns 32 + 32 wg .. (inside this thread's own S columns) ; arrive P_j
     wait dP^T_j ; [wait dS_{j-1} consumed] dS^T = P (dP^T - D[q]) -> SMEM row r ; arrive dS_j
-    release the LSE2 / D stage (every thread, after its own reads)
+    release the LSE2 / D stage (each warp once its lanes read it; to both CTAs of a pair)
 
 dQ thread ``t`` (the warpgroup after the compute warps) owns accumulator row ``t``: dQ row ``t``, or
 with dQ^T (d256) dQ column ``128 h + t`` of the CTA's half ``h``. Per step it waits for dQ_j, loads
@@ -168,6 +168,7 @@ class ComputeRoles:
         cute.arch.fence_view_async_shared()
         tcgen05_fence_before()
         cute.arch.mbarrier_arrive(bars.ds)
+        cute.arch.sync_warp()  # the warp's reads of LSE2 / D are done: its lanes 0 (.. 1) release
         pipes.stats.consumer_release(stats_state)
         stats_state.advance()
         return stats_state

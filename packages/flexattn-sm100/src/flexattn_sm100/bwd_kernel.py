@@ -96,9 +96,9 @@ freed its run for their chunks). What the pair shares::
                 run (DSMEM), rank 0's add their own chunk to it and bulk-add the sum: ONE fp32
                 reduction per (Q block, pair) instead of two; deterministic mode takes the turnstile
                 (one writer per pair, the plan's dq_write_order rank) on rank 0 only
-    LSE2, D     NOT multicast: each CTA bulk-copies them itself (1 KB a step, 1.3-3 % of the step's
-                32-80 KB of Q + dO; sharing them would need a cross-CTA release of a stage read by generic
-                loads)
+    LSE2, D     rank 0 bulk-copies LSE2_j, rank 1 D_j, each multicast to both CTAs (the stats stage's
+                full barrier expects both); each compute warp releases the stage after a warp sync,
+                its lane c arriving on rank c's empty barrier (8 warps x 2 CTAs = 16 arrivals)
 
 dQ handoff, per dQ warp w and chunk k (32 rows x 32 columns, 4 KB; parity k & 1)::
 
@@ -111,16 +111,19 @@ dQ handoff, per dQ warp w and chunk k (32 rows x 32 columns, 4 KB; parity k & 1)
     wait full[w] <----------------------------'----  completing on leader's full[w]
     run w slot += regs ; bulk add run w -> GMEM
 
-Barriers: rank 0's full[w] (1 arrival + 4 KB of transactions) and rank 1's empty[w] (1 remote
-arrival) exist in both CTAs' SMEM (the struct is one); both are initialised before a cluster-wide
-barrier, and the kernel ends with another, so neither CTA exits while the peer may still commit to,
-multicast into or st.async into its SMEM. SMEM is k2q-1cta's (the peer's chunk lands in the leader's
-existing run: no extra buffer) plus 8 mbarriers (64 B): K, V + Q, dO stages + dS^T + LSE2 / D + dQ
-runs = 130 / 170 / 210 / 209 KB for D = 64 / 96 / 128 / (192, 128) (two Q stages, the last one), plus
-under 2 KB of barriers and alignment, of the 227 KB.
+Barriers: Q / dO / stats stages as above; rank 0's full[w] (1 arrival + 4 KB of transactions) and
+rank 1's empty[w] (1 remote arrival) exist in both CTAs' SMEM (the struct is one); all are
+initialised before a cluster-wide barrier, and the kernel ends with another, so neither CTA exits
+while the peer may still commit to, multicast into or st.async into its SMEM.
+
+SMEM is k2q-1cta's (the peer's chunk lands in the leader's existing run: no extra buffer) plus 8
+mbarriers (64 B): K, V + Q, dO stages + dS^T + LSE2 / D + dQ runs = 130 / 170 / 210 / 209 KB for
+D = 64 / 96 / 128 / (192, 128) (two Q stages; (192, 128) one), plus under 2 KB of barriers and
+alignment, of the 227 KB.
+
 Cost: each rank still computes S^T, dP^T, dV, dK and a 128 x Dqk dQ for its rows (the same MMA work as
-two k2q-1cta CTAs); the pair saves half the Q / dO loads and half the GMEM dQ reductions, and rank 0's
-dQ warps wait for rank 1's chunks.
+two k2q-1cta CTAs); the pair saves half the Q / dO / LSE2 / D loads and half the GMEM dQ reductions,
+and rank 0's dQ warps wait for rank 1's chunks.
 
 D256 (variant ``d256``, (256, 256)): dV and dK alone (128 lanes x 256 fp32 columns each) would fill
 all 512 TMEM columns, so the OUTPUT head dim is split across two CTAs. CTA ``(K block, kv head, h)``,
@@ -585,21 +588,23 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
 
     def _make_pipelines(self, storage):
         # Q and dO stages are filled by both CTAs of a pair (multicast halves) and released by both
-        # MMA warps (multicast commits): a stage's empty barrier takes `pair` arrivals
+        # MMA warps (multicast commits): a stage's empty barrier takes `pair` arrivals. LSE2 + D
+        # (one per rank, multicast) are read by generic loads of every compute thread: each compute
+        # warp releases the stage after a warp sync, lane c arriving on rank c's empty barrier
+        # (compute warps x pair arrivals)
         cluster = self.cta_layout_vmnk() if self.pair > 1 else None
         return Pipes(
             kv=tma_umma_pipeline(storage.mbar_kv.data_ptr(), 1, self.bytes_kv),
             q=tma_umma_pipeline(storage.mbar_q.data_ptr(), self.q_stages, self.bytes_q, cluster),
             do=tma_umma_pipeline(storage.mbar_do.data_ptr(), self.do_stages, self.bytes_do, cluster),
-            # LSE2 + D: read by generic loads of every compute thread, so every thread releases
-            # the stage itself after its reads (tidx=0: each thread is a signalling thread)
             stats=pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar_stats.data_ptr(),
                 num_stages=self.q_stages,
                 producer_group=thread_group(1),
                 consumer_group=thread_group(self.num_compute_threads),
                 tx_count=self.bytes_stats,
-                tidx=Int32(0),
+                cta_layout_vmnk=cluster,
+                enable_multicast_signaling=True,
                 defer_sync=True,
             ),
         )

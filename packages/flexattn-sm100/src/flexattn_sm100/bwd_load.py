@@ -3,7 +3,7 @@ it reads the static config from ``self``). Never run on SM100 hardware.
 
 TMA: the CTA's K and V block once (its own 128 rows, in a ``k2q-2cta`` pair too), then per step the Q
 and dO tiles of the visited Q block (a pair: this rank's half of each, multicast to both CTAs) and,
-by bulk copy, that block's LSE2 and D (each CTA for itself)::
+by bulk copy, that block's LSE2 and D (a pair: rank 0 LSE2, rank 1 D, multicast)::
 
     K, V  -> kv stage (once)
     for every K2Q entry j (partial then full, per Q head of the kv group):
@@ -14,7 +14,7 @@ by bulk copy, that block's LSE2 and D (each CTA for itself)::
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from maskplan_kernels.consumer_plan import head_range, total_steps
@@ -32,7 +32,9 @@ class LoadRole:
         pair_layout = cute.make_layout(self.pair)
         mcast = {"mcast_mask": cutlass.Int16((1 << self.pair) - 1)} if self.pair > 1 else {}
         dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.cta_n
-        bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        # LSE2 and D: one per rank of a pair (2 of them), multicast
+        bulk_op = cpasync.CopyBulkG2SMulticastOp() if self.pair > 1 else cpasync.CopyBulkG2SOp()
+        bulk_f32 = cute.make_copy_atom(bulk_op, Float32)
         if total_steps(plan, work) > 0:
             # K and V of this CTA's block, once: (cta_n, D, n_blocks, 1) of this sample and kv head
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -75,21 +77,22 @@ class LoadRole:
             for i in cutlass.range(hr.partial_cnt, unroll=1):
                 q_state, do_state = self.load_step(
                     plan.mask_block_idx[hr.partial_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast,
+                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast, cta_rank,
                 )  # fmt: skip
             for i in cutlass.range(hr.full_cnt, unroll=1):
                 q_state, do_state = self.load_step(
                     plan.full_block_idx[hr.full_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast,
+                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast, cta_rank,
                 )  # fmt: skip
 
     @cute.jit
     def load_step(
         self, m_block, work, stats_row, pipes, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
-        bulk_f32, mLSE, mDsum, s, mcast,
+        bulk_f32, mLSE, mDsum, s, mcast, cta_rank,
     ):  # fmt: skip
         """Q + (LSE2, D) into stage ``q_state`` of the Q and stats pipelines, dO into its own; a CTA of
-        a pair loads its part of Q and dO for both (``mcast``), LSE2 and D for itself."""
+        a pair loads its half of Q and dO and one of LSE2 (rank 0) and D (rank 1) for both
+        (``mcast``)."""
         pipes.q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index],
                   tma_bar_ptr=pipes.q.producer_get_barrier(q_state), **mcast)  # fmt: skip
@@ -97,17 +100,21 @@ class LoadRole:
         bar = pipes.stats.producer_get_barrier(q_state)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
         stats = cute.make_layout(self.tile_m)
-        for m_stat, s_stat in ((mLSE, s["sLSE"]), (mDsum, s["sDsum"])):
+        for i, (m_stat, s_stat) in enumerate(((mLSE, s["sLSE"]), (mDsum, s["sDsum"]))):
             src = cute.make_tensor(
                 cute.make_ptr(
                     Float32, (m_stat.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=16
                 ),
                 stats,
             )
-            with cute.arch.elect_one():
-                cute.copy(
-                    bulk_f32, src, cute.make_tensor(s_stat[None, q_state.index].iterator, stats), mbar_ptr=bar
-                )
+            dst = cute.make_tensor(s_stat[None, q_state.index].iterator, stats)
+            if const_expr(self.pair > 1):
+                if cta_rank == i:  # statistic i is rank i's to load, for the pair
+                    with cute.arch.elect_one():
+                        cute.copy(bulk_f32, src, dst, mbar_ptr=bar, **mcast)
+            else:
+                with cute.arch.elect_one():
+                    cute.copy(bulk_f32, src, dst, mbar_ptr=bar)
         q_state.advance()
         pipes.do.producer_acquire(do_state)
         cute.copy(tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index],
