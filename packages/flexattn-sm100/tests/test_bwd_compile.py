@@ -289,3 +289,8 @@ def test_kernel_keys_ignore_runtime_geometry():
     assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
     det = kernel_keys(a, deterministic=True, with_dlse=False)
     assert det["main"] != kernel_keys(a, **kw)["main"] and det["pre"] == kernel_keys(a, **kw)["pre"]
+    # the pair is another main kernel (never the k2q-1cta one from the cache), with the same 128-row
+    # Q blocks, so the same preprocess and postprocess
+    pair = kernel_keys(config(128, variant="k2q-2cta"), **kw)
+    assert pair["main"] != kernel_keys(a, **kw)["main"]
+    assert (pair["pre"], pair["post"]) == (kernel_keys(a, **kw)["pre"], kernel_keys(a, **kw)["post"])
