@@ -242,6 +242,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
         # k2q-2cta: the plan block's K rows are split over a cluster of `pair` CTAs along K, rank c
         # taking rows [c cta_n, c cta_n + cta_n): each CTA is a k2q-1cta CTA for its 128 rows
         self.pair = variant.cta_group_size
+        assert self.pair in (1, 2)  # a pair loads LSE2 (rank 0) and D (rank 1) for both (bwd_load)
         self.cta_n = self.tile_n // self.pair  # K rows of a CTA (its TMEM lanes)
         self.splits = variant.head_dim_splits  # CTAs per K block splitting the head dim (D256)
         self.ctas_per_block = self.splits * self.pair  # adjacent in grid x (decode_work)
