@@ -11,11 +11,14 @@ Per case ``(variant, head_dim_qk, head_dim_v, dtype)``:
   row)``;
 * ``p``: the ``(row, packed column)`` of the P^T store registers (chunk 0);
 * ``dq``: the dQ accumulator ``(row, column)`` of each dQ thread's chunk-0 registers (d256: of dQ^T);
+* ``ranks``: per CTA rank ``c`` of the K block (k2q-2cta: 2, else 1), the plan-block K row of the
+  CTA's TMEM lane 0 (:meth:`Sm100BwdKernel.cta_k_rows`) and the int32 offset in ``mask_block_masks``
+  at which each compute thread reads its words of partial entry 1 (:meth:`Sm100BwdKernel.payload_offset`);
 * ``smem``: for every buffer read through two MMA layouts (K, Q, dO, dS), the number of
   coordinates (every column of :data:`SAMPLE_ROWS`) where the second view does not address the
   element the first one does, the swizzles of both, and the stage strides.
 
-    python bwd_fragment_probe.py '[["k2q-1cta", 128, 128, "bfloat16"]]'
+    python bwd_fragment_probe.py '[["k2q-2cta", 128, 128, "bfloat16"]]'
 """
 
 from __future__ import annotations
@@ -92,6 +95,13 @@ def probe(variant: str, head_dim_qk: int, head_dim_v: int, dtype: str) -> dict:
     ]
     result["dq"] = [[[int(x) for x in c] for c in regs] for regs in result["dq"]]
     result["p"] = [[[int(x) for x in c] for c in regs] for regs in result["p"]]
+    result["ranks"] = [
+        {
+            "k_row0": int(kernel.cta_k_rows(c)),
+            "offsets": [int(kernel.payload_offset(1, c, t)) for t in range(kernel.num_compute_threads)],
+        }
+        for c in range(kernel.pair)
+    ]
     return result
 
 

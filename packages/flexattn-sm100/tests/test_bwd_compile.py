@@ -1,7 +1,9 @@
-"""Compile-only tests of the SM100 backward (k2q-1cta and d256 main kernels and their postprocess): every
-supported config traces and compiles to sm_100a on a machine without a GPU, the PTX has what the design
-promises (tcgen05 MMAs of the five GEMMs with the designed shapes, 32x32b TMEM loads/stores, TMA, the
-bulk fp32 dQ reduction, the deterministic turnstile, setmaxnreg) and ptxas reports no spills.
+"""Compile-only tests of the SM100 backward (k2q-1cta, k2q-2cta and d256 main kernels and their
+postprocess): every supported config traces and compiles to sm_100a on a machine without a GPU, the PTX
+has what the design promises (tcgen05 MMAs of the five GEMMs with the designed shapes, 32x32b TMEM
+loads/stores, TMA, the bulk fp32 dQ reduction, the deterministic turnstile, setmaxnreg; for the k2q-2cta
+pair: multicast Q / dO loads and releases, the DSMEM dQ handoff, cluster barriers) and ptxas reports no
+spills.
 
 Compiling is the ONLY verification these kernels have had: no SM100 hardware was available, and they
 have never run. Run with ``CUTE_DSL_ARCH=sm_100a``; in a process that already targets another
@@ -43,24 +45,30 @@ pytestmark = pytest.mark.skipif(
     reason="the CuTe DSL target is fixed per process; run with CUTE_DSL_ARCH=sm_100a",
 )
 
-#: ((Dqk, Dv), dtype, deterministic): each head-dim pair and dtype, both modes, about 3 s each; (256,
-#: 256) is the d256 variant, in both dtypes and both modes
+#: ((Dqk, Dv), dtype, deterministic[, variant]): each head-dim pair and dtype, both modes, about 3 s
+#: each; (256, 256) is the d256 variant, in both dtypes and both modes; k2q-2cta (named) for every
+#: head-dim pair in both dtypes, each dtype in both modes
 MAIN = [((64, 64), "bfloat16", False), ((96, 96), "bfloat16", False), ((128, 128), "bfloat16", False),
         ((128, 128), "float16", True), ((64, 64), "float16", True), ((192, 128), "bfloat16", False),
         ((192, 128), "float16", True), ((256, 256), "bfloat16", False), ((256, 256), "bfloat16", True),
-        ((256, 256), "float16", False), ((256, 256), "float16", True)]  # fmt: skip
+        ((256, 256), "float16", False), ((256, 256), "float16", True),
+        ((64, 64), "bfloat16", False, "k2q-2cta"), ((64, 64), "float16", True, "k2q-2cta"),
+        ((96, 96), "bfloat16", True, "k2q-2cta"), ((96, 96), "float16", False, "k2q-2cta"),
+        ((128, 128), "bfloat16", False, "k2q-2cta"), ((128, 128), "float16", True, "k2q-2cta"),
+        ((192, 128), "bfloat16", True, "k2q-2cta"), ((192, 128), "float16", False, "k2q-2cta")]  # fmt: skip
 
 
-def config(d, dtype: str = "bfloat16") -> Sm100BwdConfig:
-    """The config of head dim ``d`` or head-dim pair ``(Dqk, Dv)``: d256 for (256, 256), else k2q-1cta."""
+def config(d, dtype: str = "bfloat16", variant: str | None = None) -> Sm100BwdConfig:
+    """The config of head dim ``d`` or head-dim pair ``(Dqk, Dv)``: ``variant``, or by default d256 for
+    (256, 256), else k2q-1cta."""
     dqk, dv = d if isinstance(d, tuple) else (d, d)
-    variant = BWD_VARIANTS["d256" if (dqk, dv) == (256, 256) else "k2q-1cta"]
-    return Sm100BwdConfig(head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, variant=variant)
+    variant = variant or ("d256" if (dqk, dv) == (256, 256) else "k2q-1cta")
+    return Sm100BwdConfig(head_dim_qk=dqk, head_dim_v=dv, dtype=dtype, variant=BWD_VARIANTS[variant])
 
 
-def _ptx(kind, d, dtype, tmp_path, **kw) -> str:
+def _ptx(kind, d, dtype, tmp_path, variant=None, **kw) -> str:
     compiled = compile_uncached(
-        kind, config(d, dtype), extra_options=f"--keep-ptx --dump-dir {tmp_path}", **kw
+        kind, config(d, dtype, variant), extra_options=f"--keep-ptx --dump-dir {tmp_path}", **kw
     )
     ptx = compiled.__ptx__
     assert ".target sm_100a" in ptx
@@ -85,16 +93,22 @@ def mma_shapes(ptx: str) -> set[tuple[int, int, str, str]]:
     return shapes
 
 
-@pytest.mark.parametrize(
-    "d,dtype,deterministic", MAIN, ids=[f"d{q}x{v}-{t}-{'det' if x else 'atomic'}" for (q, v), t, x in MAIN]
-)
-def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
+def _case_id(case) -> str:
+    (dqk, dv), dtype, deterministic, *variant = case
+    return "-".join([*variant, f"d{dqk}x{dv}", dtype, "det" if deterministic else "atomic"])
+
+
+@pytest.mark.parametrize("case", MAIN, ids=[_case_id(c) for c in MAIN])
+def test_main_kernel_compiles(case, tmp_path):
+    d, dtype, deterministic, *variant = case
+    variant = (variant or [None])[0]
     dqk, dv = d
-    kernel = Sm100BwdKernel(config(d, dtype))
-    geo, tm, tn = kernel.geometry, kernel.tile_m, kernel.tile_n
+    kernel = Sm100BwdKernel(config(d, dtype, variant))
+    # tn: the K rows of a CTA (k2q-2cta: half the plan block's)
+    geo, tm, tn = kernel.geometry, kernel.tile_m, kernel.geometry.tile_n
     plan = "separate" if dqk == 256 else "serial" if dqk + dv > 256 else "overlapped"
     assert kernel.tmem_plan == plan
-    ptx = _ptx("main", d, dtype, tmp_path, deterministic=deterministic)
+    ptx = _ptx("main", d, dtype, tmp_path, variant, deterministic=deterministic)
     # UMMA, cta_group 1: S^T (Dqk/16 k-blocks) and dP^T (Dv/16) at two sites each (first step, next
     # step; the serial plan, dP over S, issues dP^T at one), dV, dK (tile_m/16 each), dQ (tile_n/16); only dV
     # takes A from TMEM (P^T)
@@ -121,9 +135,30 @@ def test_main_kernel_compiles(d, dtype, deterministic, tmp_path):
     assert _count(ptx, r"tcgen05\.ld\.sync\.aligned\.32x32b\.x\d+\.b32") == loads
     assert _count(ptx, r"tcgen05\.st\.sync\.aligned\.32x32b\.x32\.b32") == 2
     assert _count(ptx, r"tcgen05\.alloc\.") == 1 and _count(ptx, r"tcgen05\.dealloc\.") == 1
-    assert "cp.async.bulk.tensor" in ptx  # TMA of K, V, Q, dO
-    assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # LSE2 and D
+    # TMA of K and V (once, own rows) and of Q and dO (at two sites: partial, full entries); a pair
+    # multicasts every Q / dO box and no K / V box, so those are twice as many
+    tma = r"cp\.async\.bulk\.tensor\.\w+\.shared::c\w+\.global\.tile\.mbarrier::complete_tx::bytes"
+    own = _count(ptx, tma + r"\.L2")
+    mcast = _count(ptx, r"cp\.async\.bulk\.tensor\.[\w:.]+\.multicast::cluster")
+    assert own > 0 and (mcast == 2 * own if kernel.pair > 1 else mcast == 0)
+    # LSE2 and D (bulk copies; a pair: rank 0 LSE2, rank 1 D, multicast, at both sites), released by
+    # each compute warp to every CTA that filled the stage (a pair: remote-capable arrives)
+    stats = _count(ptx, r"cp\.async\.bulk\.shared::c\w*\.global\.mbarrier::complete_tx::bytes")
+    stats_mcast = _count(ptx, r"cp\.async\.bulk\.shared::cluster\.global\.[\w:.]+\.multicast::cluster")
+    assert stats > 0 and stats_mcast == (4 if kernel.pair > 1 else 0)
+    assert _count(ptx, r"mbarrier\.arrive\.shared::cluster\.b64") == (2 if kernel.pair > 1 else 0)
     assert _count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2 * dq_chunks
+    # the pair: Q / dO stages released to both CTAs (multicast commits); the dQ handoff at two sites
+    # per chunk: 8 st.async of 16 bytes into the leader's run, one remote arrive freeing it; the
+    # cluster barriers after the barrier init and before exit
+    pair = kernel.pair > 1
+    assert _count(ptx, r"tcgen05\.commit\.cta_group::1\.\S+\.multicast::cluster") == (2 if pair else 0)
+    st_async = r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.b32"
+    assert _count(ptx, st_async) == (2 * dq_chunks * 32 // 4 if pair else 0)
+    remote_arrive = r"mbarrier\.arrive\.release\.cluster\.shared::cluster\.b64"
+    assert _count(ptx, remote_arrive) == (2 * dq_chunks if pair else 0)
+    arrives = (_count(ptx, r"barrier\.cluster\.arrive\.relaxed;"), _count(ptx, r"barrier\.cluster\.arrive;"))
+    assert arrives == (int(pair), int(pair)) and _count(ptx, r"barrier\.cluster\.wait;") == 2 * int(pair)
     assert _count(ptx, r"ld\.global(\.nc)?\.v2\.b32") == 1  # the 2 payload words, GMEM -> registers
     # compute warps up, dQ warps down; the MMA + load warpgroup keeps the launch registers
     assert re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx) == [
@@ -159,12 +194,20 @@ def test_postprocess_compiles(d, dtype, tmp_path):
 def test_budgets():
     """SMEM (operand tiles, statistics, dQ runs) fits 227 KB, TMEM columns fit 512 (the serial plan:
     S^T, P^T, dP^T and dQ inside the columns before dV), the register split fits the registers the
-    CTA launches with (448 threads: 128, d256's 320: 168)."""
+    CTA launches with (448 threads: 128, d256's 320: 168). A k2q-2cta CTA is a k2q-1cta CTA: the same
+    SMEM, TMEM map and registers (the peer's dQ chunk lands in the leader's existing run)."""
     for variant, pairs in HEAD_DIMS.items():
         for dqk, dv in pairs:
-            k = Sm100BwdKernel(config((dqk, dv)))
+            k = Sm100BwdKernel(config((dqk, dv), variant=variant))
             assert k.config.variant.name == variant
             geo = k.geometry
+            if variant == "k2q-2cta":
+                one = Sm100BwdKernel(config((dqk, dv), variant="k2q-1cta"))
+                assert (k.pair, k.tile_n, k.cta_n, k.payload_subtiles) == (2, 256, 128, 2)
+                assert geo == one.geometry and (k.q_stages, k.tmem_plan, k.tmem_dk) == (
+                    one.q_stages, one.tmem_plan, one.tmem_dk
+                )
+                assert (k.compute_regs, k.dq_regs) == (one.compute_regs, one.dq_regs)
             assert smem_bytes(geo, k.q_stages, k.do_stages) + SMEM_OVERHEAD <= 227 * 1024
             assert k.tmem_dk + geo.dk_cols <= 512 and k.tmem_dq + geo.dq_acc[1] <= k.tmem_dv
             if k.tmem_plan == "serial":
@@ -187,17 +230,22 @@ def test_budgets():
 
 
 def test_unimplemented_variants_and_head_dims_are_refused():
-    assert IMPLEMENTED_VARIANTS == ("k2q-1cta", "d256")
-    assert HEAD_DIMS == {"k2q-1cta": ((64, 64), (96, 96), (128, 128), (192, 128)), "d256": ((256, 256),)}
-    for variant, pairs in HEAD_DIMS.items():  # the default wherever the kernel fits
+    assert IMPLEMENTED_VARIANTS == ("k2q-1cta", "k2q-2cta", "d256")
+    k2q = ((64, 64), (96, 96), (128, 128), (192, 128))
+    assert HEAD_DIMS == {"k2q-1cta": k2q, "k2q-2cta": k2q, "d256": ((256, 256),)}
+    for variant, pairs in HEAD_DIMS.items():  # the default wherever the kernel fits; never k2q-2cta
         for dq, dv in pairs:
-            assert select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16").variant.name == variant
+            default = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16").variant.name
+            assert default == ("k2q-1cta" if variant == "k2q-2cta" else variant)
     d256 = Sm100BwdKernel(select_bwd_config(head_dim_qk=256, head_dim_v=256, dtype="float16"))
     assert (d256.splits, d256.tile_m, d256.tile_n, d256.geometry.dq_transposed) == (2, 64, 128, True)
     assert d256.grid(10, 3) == [20, 3, 1]  # the two halves of a K block adjacent in grid x
     assert Sm100BwdKernel(d256.config, deterministic=True).grid(10, 3) == [6, 10, 1]
-    with pytest.raises(NotImplementedError, match="k2q-2cta"):
-        Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16",
+    pair = Sm100BwdKernel(config(128, variant="k2q-2cta"))  # a cluster of 2 along grid x in both orders
+    assert (pair.pair, pair.ctas_per_block, pair.grid(10, 3)) == (2, 2, [20, 3, 1])
+    assert Sm100BwdKernel(pair.config, deterministic=True).grid(10, 3) == [6, 10, 1]
+    with pytest.raises(NotImplementedError, match="fits"):
+        Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=256, head_dim_v=256, dtype="bfloat16",
                                       variant=BWD_VARIANTS["k2q-2cta"]))  # fmt: skip
     with pytest.raises(NotImplementedError, match="fits"):
         Sm100BwdKernel(Sm100BwdConfig(head_dim_qk=256, head_dim_v=256, dtype="bfloat16",
@@ -207,12 +255,14 @@ def test_unimplemented_variants_and_head_dims_are_refused():
                                       variant=BWD_VARIANTS["d256"]))  # fmt: skip
 
 
-VIEWS = [((256, 256), "d256"), ((128, 128), "k2q-1cta"), ((128, 128), "k2q-2cta")]
+VIEWS = [((256, 256), "d256"), ((128, 128), "k2q-1cta"), ((128, 128), "k2q-2cta"), ((192, 128), "k2q-2cta"),
+         ((256, 256), "k2q-2cta")]  # fmt: skip
 
 
 @pytest.mark.parametrize("dims,variant", VIEWS)
 def test_launcher_takes_the_views_of_implemented_variants(dims, variant):
-    """A CPU-planned backward view of d256 (and k2q-1cta) is launchable; k2q-2cta's is refused."""
+    """A CPU-planned backward view of d256, k2q-1cta or k2q-2cta is launchable where the variant has a
+    kernel for its head dims; a k2q-2cta view of (256, 256) is refused."""
     q, k, v = qkv((1, 200, 2), (1, 200, 2), *dims, torch.bfloat16, device="cpu")
     pair = {"head_dim_qk": dims[0], "head_dim_v": dims[1], "dtype": "bfloat16"}
     config = Sm100BwdConfig(variant=BWD_VARIANTS[variant], **pair)
@@ -223,10 +273,11 @@ def test_launcher_takes_the_views_of_implemented_variants(dims, variant):
         backward=lambda g: ViewConfig(signature=config.plan_signature(), layout=config.payload_layout),
     )  # fmt: skip
     view = plan.view("backward")
-    if variant in IMPLEMENTED_VARIANTS:
+    if dims in HEAD_DIMS[variant]:
         assert config_for_view(view) == config
     else:
-        with pytest.raises(UnsupportedConfigError, match=f"variant {variant!r}.*has no kernel.*'d256'"):
+        refusal = rf"\(256, 256\) has no SM100 {variant} backward kernel"
+        with pytest.raises(UnsupportedConfigError, match=refusal):
             config_for_view(view)
 
 
@@ -238,3 +289,8 @@ def test_kernel_keys_ignore_runtime_geometry():
     assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
     det = kernel_keys(a, deterministic=True, with_dlse=False)
     assert det["main"] != kernel_keys(a, **kw)["main"] and det["pre"] == kernel_keys(a, **kw)["pre"]
+    # the pair is another main kernel (never the k2q-1cta one from the cache), with the same 128-row
+    # Q blocks, so the same preprocess and postprocess
+    pair = kernel_keys(config(128, variant="k2q-2cta"), **kw)
+    assert pair["main"] != kernel_keys(a, **kw)["main"]
+    assert (pair["pre"], pair["post"]) == (kernel_keys(a, **kw)["pre"], kernel_keys(a, **kw)["post"])

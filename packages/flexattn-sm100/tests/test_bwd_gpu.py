@@ -1,12 +1,12 @@
-"""GPU tests of the SM100 backward (k2q-1cta, and d256 for (256, 256)) against the fp32 reference on the
-same plan, mirroring ``flexattn-sm90/tests/test_bwd_gpu.py``.
+"""GPU tests of the SM100 backward (k2q-1cta, d256 for (256, 256), and the k2q-2cta pair) against the fp32
+reference on the same plan, mirroring ``flexattn-sm90/tests/test_bwd_gpu.py``.
 
 They run ONLY on a compute-capability 10.x GPU. None was available when the kernel was written: these
 tests have never run, and the kernel has only been compiled (``test_bwd_compile.py``).
 
 Plans carry the SM100 forward view the forward kernel implements (qstage1 + 1CTA; d256 for (256, 256))
-and the k2q-1cta backward view (d256 for (256, 256); named explicitly: the views under test do not
-depend on the heuristics' defaults);
+and the k2q-1cta backward view (d256 for (256, 256); k2q-2cta in the tests of that section; named
+explicitly: the views under test do not depend on the heuristics' defaults);
 the reference planner builds them on CUDA tensors. O and LSE come from the fp32 reference forward (O
 rounded to the input dtype), so only the backward is under test. Outputs are NaN-poisoned, and the
 caching allocator is handed a NaN block so the workspace starts as NaN. Tolerance per gradient:
@@ -18,6 +18,8 @@ without a visible key and keys no query sees get exactly 0 (the shared check,
 
     python -m pytest packages/flexattn-sm100/tests/test_bwd_gpu.py -m gpu -q
 """
+
+import functools
 
 import pytest
 import torch
@@ -38,30 +40,32 @@ DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def views(g):
+def views(g, bwd_variant=None):
     dims = {"head_dim_qk": g.head_dim_qk, "head_dim_v": g.head_dim_v, "dtype": KERNEL_DTYPE_NAMES[g.dtype],
             "qhead_per_kvhead": g.num_heads_q // g.num_heads_kv, "varlen": g.varlen}  # fmt: skip
     d256 = (g.head_dim_qk, g.head_dim_v) == (256, 256)
     fwd = select_fwd_config(variant="d256" if d256 else "qstage1-1cta", **dims)
-    bwd = Sm100BwdConfig(variant=BWD_VARIANTS["d256" if d256 else "k2q-1cta"], **dims)
+    bwd = Sm100BwdConfig(variant=BWD_VARIANTS[bwd_variant or ("d256" if d256 else "k2q-1cta")], **dims)
     return (ViewConfig(signature=c.plan_signature(), layout=c.payload_layout) for c in (fwd, bwd))
 
 
-def sm100_plan(mask_func, q, k, v, **varlen):
-    f = lambda g: list(views(g))[0]  # noqa: E731
-    b = lambda g: list(views(g))[1]  # noqa: E731
+def sm100_plan(mask_func, q, k, v, bwd_variant=None, **varlen):
+    f = lambda g: list(views(g, bwd_variant))[0]  # noqa: E731
+    b = lambda g: list(views(g, bwd_variant))[1]  # noqa: E731
     return reference_plan(mask_func, q, k, v, consumer=Sm100Consumer.name, forward=f, backward=b, **varlen)
 
 
-def check(mask_func, q, k, v, *, varlen=None, **options):
-    """The plan for the problem, then :func:`maskplan_core.testing.check_backward` with ``options``;
-    returns ``(plan, runs)``."""
-    plan = sm100_plan(mask_func, q, k, v, **(varlen or {}))
+def check(mask_func, q, k, v, *, varlen=None, bwd_variant=None, **options):
+    """The plan for the problem (its backward view for ``bwd_variant``, by default k2q-1cta / d256),
+    then :func:`maskplan_core.testing.check_backward` with ``options``; returns ``(plan, runs)``."""
+    plan = sm100_plan(mask_func, q, k, v, bwd_variant, **(varlen or {}))
     return plan, check_backward(run_backward, plan, q, k, v, **options)
 
 
 #: the cases shared with the SM90 suite (maskplan_core.testing), on this consumer's check
 CASES = BackwardCases(check, DEV)
+#: the same cases on k2q-2cta backward views (a cluster of two CTAs per 256-row K block)
+PAIR = BackwardCases(functools.partial(check, bwd_variant="k2q-2cta"), DEV)
 
 
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
@@ -148,3 +152,58 @@ def test_deterministic_bit_identical(dtype):
 def test_small_for_sanitizer():
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)."""
     CASES.small_for_sanitizer()
+
+
+# -- k2q-2cta: a cluster of two CTAs per 256-row K block (multicast Q / dO, dQ reduced in the pair) ----
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_pair_causal(dtype, d, deterministic):
+    PAIR.causal(dtype, deterministic, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_pair_random_multi_interval_per_head(dtype):
+    PAIR.random_multi_interval_per_head(dtype)
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 1000), (1000, 300), (129, 127)])
+def test_pair_sq_ne_sk(sq, sk):
+    """300 and 127 keys end in the first half of a 256-row block: rank 1 of the last block owns no
+    valid key (it stores no dK / dV row and adds nothing to dQ)."""
+    PAIR.sq_ne_sk(sq, sk)
+
+
+def test_pair_all_empty_rows_and_nothing_visible():
+    PAIR.all_empty_rows(q_block=128)
+
+
+@pytest.mark.parametrize("hq,hkv,hmask", [(8, 2, 1), (8, 2, 8)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_pair_gqa(hq, hkv, hmask, deterministic):
+    PAIR.gqa(hq, hkv, hmask, deterministic)
+
+
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_pair_varlen_with_empty_samples(kind):
+    PAIR.varlen_with_empty_samples(kind)
+
+
+@pytest.mark.parametrize("dims", [(96, 96), (192, 128)], ids=["d96", "d192x128"])
+def test_pair_head_dims(dims):
+    PAIR.head_dims(*dims, "random")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_pair_dlse_and_scale(dtype):
+    PAIR.dlse_and_scale(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_pair_deterministic_bit_identical(dtype):
+    """One dQ writer per pair, in dq_write_order: two runs give identical bits."""
+    PAIR.deterministic_bit_identical(dtype)
+
+
+def test_pair_small_for_sanitizer():
+    PAIR.small_for_sanitizer()

@@ -2,15 +2,19 @@
 buffer consistently through both of its MMA roles (spec 5.1, 9.5), on CPU.
 
 ``bwd_fragment_probe.py`` traces the kernel's own fragment builders
-(:meth:`Sm100BwdKernel.compute_fragments`, :meth:`Sm100BwdKernel.dq_fragments`) and its SMEM views
-(:func:`bwd_helpers.smem_views`) at compile time (``CUTE_DSL_ARCH=sm_100a``, no GPU), for the k2q-1cta
-and the d256 variant. The compute thread ``t`` keeps register ``e`` iff bit ``e % 32`` of word
-``e // 32`` of payload group ``t`` is set (words loaded at ``(entry * groups + t) * words``), so
-agreement means, for all ``t, e``::
+(:meth:`Sm100BwdKernel.compute_fragments`, :meth:`Sm100BwdKernel.dq_fragments`), its payload
+addressing (:meth:`Sm100BwdKernel.payload_offset`, :meth:`Sm100BwdKernel.cta_k_rows`) and its SMEM views
+(:func:`bwd_helpers.smem_views`) at compile time (``CUTE_DSL_ARCH=sm_100a``, no GPU), for the k2q-1cta,
+k2q-2cta and d256 variants. Compute thread ``t`` of CTA rank ``c`` (k2q-2cta: the pair's two; else
+only 0) keeps register ``e`` iff bit ``e % 32`` of word ``e // 32`` of the words it loads at
+``payload_offset(entry, c, t)`` is set, and its TMEM lane ``r`` is K row ``cta_k_rows(c) + r`` of the
+plan block, so agreement means, for all ``c, t, e``::
 
-    config.payload_layout.element_coords()[m, n] == (0, t, e // 32, e % 32)
+    config.payload_layout.element_coords()[m, n] == (c, t, e // 32, e % 32)
+    payload_offset(entry, c, t) is the offset of mask_block_masks[entry, c, t, 0]
 
-(k2q-1cta: ``TmemLoadLayout(128, 128, 2, transposed=True)``; d256: ``TmemLoadLayout(64, 128, 1,
+(k2q-1cta: ``TmemLoadLayout(128, 128, 2, transposed=True)``; k2q-2cta: ``TmemLoadLayout(128, 256, 2,
+transposed=True)``, subtile c = rank c's 128 K rows; d256: ``TmemLoadLayout(64, 128, 1,
 transposed=True)``) where ``(m, n)`` is the score element the kernel's register ``e`` holds. Nothing
 here has run on SM100 hardware.
 """
@@ -39,7 +43,8 @@ pytestmark = [
 
 PROBE = Path(__file__).with_name("bwd_fragment_probe.py")
 #: (variant, Dqk, Dv, dtype)
-CASES = (("k2q-1cta", 128, 128, "bfloat16"), ("k2q-1cta", 96, 96, "float16"), ("d256", 256, 256, "bfloat16"))
+CASES = (("k2q-1cta", 128, 128, "bfloat16"), ("k2q-1cta", 96, 96, "float16"), ("d256", 256, 256, "bfloat16"),
+         ("k2q-2cta", 128, 128, "bfloat16"), ("k2q-2cta", 192, 128, "float16"))  # fmt: skip
 
 
 def payload_layout(case):
@@ -59,24 +64,32 @@ def probed() -> list[dict]:
 
 
 def test_bit_tested_is_bit_assigned(probed):
-    expected = {"k2q-1cta": (128, 128, 256), "d256": (64, 128, 128)}  # tile_m, tile_n, groups
+    # tile_m, tile_n, subtiles (= CTA ranks), groups
+    expected = {"k2q-1cta": (128, 128, 1, 256), "k2q-2cta": (128, 256, 2, 256), "d256": (64, 128, 1, 128)}
     assert len(probed) == len(CASES)
     for spec, case in zip(CASES, probed, strict=True):
         layout = payload_layout(spec)
-        tm, tn, groups = expected[spec[0]]
-        assert (layout.tile_m, layout.tile_n, layout.subtiles, layout.groups) == (tm, tn, 1, groups)
+        tm, tn, subtiles, groups = expected[spec[0]]
+        assert (layout.tile_m, layout.tile_n, layout.subtiles, layout.groups) == (tm, tn, subtiles, groups)
         assert (layout.words_per_group, layout.elements_per_thread, layout.transposed) == (2, 64, True)
+        assert len(case["ranks"]) == subtiles
         subtile, group, word, bit = layout.element_coords()
-        coords = torch.tensor(case["s"])  # [thread, register, (m, n)]
+        coords = torch.tensor(case["s"])  # [thread, register, (m, n)] of the CTA's own K rows
         assert coords.shape == (layout.groups, layout.elements_per_thread, 2)
-        m, n = coords[..., 0], coords[..., 1]
-        t = torch.arange(layout.groups).view(-1, 1).expand_as(m)
-        e = torch.arange(layout.elements_per_thread).view(1, -1).expand_as(m)
-        assert bool((subtile[m, n] == 0).all())
-        assert torch.equal(group[m, n], t), "register owners disagree with the payload groups"
-        assert torch.equal(word[m, n], e // 32), "register order disagrees with the payload words"
-        assert torch.equal(bit[m, n], e % 32), "register order disagrees with the payload bits"
-        assert torch.unique(m * layout.tile_n + n).numel() == layout.tile_m * layout.tile_n
+        t = torch.arange(layout.groups).view(-1, 1).expand(coords.shape[:2])
+        e = torch.arange(layout.elements_per_thread).view(1, -1).expand(coords.shape[:2])
+        # mask_block_masks[entry, subtile, group, word] of entries 0 and 1, as int32 offsets
+        offsets = torch.arange(2 * layout.words_per_tile).view(2, subtiles, groups, layout.words_per_group)
+        seen = []
+        for c, rank in enumerate(case["ranks"]):
+            m, n = coords[..., 0], coords[..., 1] + rank["k_row0"]  # the plan block's K row
+            assert bool((subtile[m, n] == c).all()), f"rank {c} tests another CTA's subtile"
+            assert torch.equal(group[m, n], t), "register owners disagree with the payload groups"
+            assert torch.equal(word[m, n], e // 32), "register order disagrees with the payload words"
+            assert torch.equal(bit[m, n], e % 32), "register order disagrees with the payload bits"
+            assert rank["offsets"] == offsets[1, c, :, 0].tolist(), f"rank {c} loads another plane's words"
+            seen.append(m * layout.tile_n + n)
+        assert torch.unique(torch.cat(seen)).numel() == layout.tile_m * layout.tile_n
 
 
 def test_p_store_and_dq_load_registers_are_row_ordered(probed):

@@ -198,7 +198,7 @@ def test_forward_off_sm100_and_backward_say_so():
     assert "never run on SM100 hardware" in str(info.value)
     with pytest.raises(
         ConsumerNotFoundError,
-        match=r"backward kernel \(k2q-1cta, d256\) compiled for sm_100a.*never run on SM100",
+        match=r"backward kernel \(k2q-1cta, k2q-2cta, d256\) compiled for sm_100a.*never run on SM100",
     ):
         c.backward(None, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=True)
 

@@ -7,27 +7,32 @@ tile_m = 64) owns K row ``r`` (TMEM lane ``r``) and the Q columns ``64 wg + e``,
 and dP^T, read with ``tcgen05.ld 32x32b.x32`` in two 32-column chunks: register ``e`` of the pair is
 accumulator ``(r, 64 wg + e)`` = score ``(q = 64 wg + e, k = r)``, the element
 ``TmemLoadLayout(tile_m, 128, W, transposed=True)`` gives group ``t``, word ``e // 32``, bit
-``e % 32`` (``tests/test_bwd_layout_agreement.py`` checks every register). Per step::
+``e % 32`` (``tests/test_bwd_layout_agreement.py`` checks every register). In a ``k2q-2cta`` pair
+rank ``c``'s K row ``r`` is row ``128 c + r`` of the 256-row plan block: subtile ``c`` of
+``TmemLoadLayout(128, 256, 2, transposed=True)``, the same group, word and bit. Per step::
 
-    [partial] words = mask_block_masks[entry, group t]           (2 int32, GMEM -> registers)
+    [partial] words = mask_block_masks[entry, subtile c, group t]  (2 int32, GMEM -> registers)
     wait S^T_j  -> 64 registers ; P = exp2(S^T scale log2e - LSE2[q]) ; bit 0 -> P = 0
     P (16-bit) -> TMEM columns 32 + 32 wg .. (inside this thread's own S columns) ; arrive P_j
     wait dP^T_j ; [wait dS_{j-1} consumed] dS^T = P (dP^T - D[q]) -> SMEM row r ; arrive dS_j
-    release the LSE2 / D stage (every thread, after its own reads)
+    release the LSE2 / D stage (each warp once its lanes read it; to both CTAs of a pair)
 
 dQ thread ``t`` (the warpgroup after the compute warps) owns accumulator row ``t``: dQ row ``t``, or
 with dQ^T (d256) dQ column ``128 h + t`` of the CTA's half ``h``. Per step it waits for dQ_j, loads
 ``DQ_CHUNK`` columns at a time, releases the TMEM columns after the last load, and per chunk writes
 its warp's 4 KB run (conflict-free 16-byte vectors) and bulk-adds it into the fp32 accumulator.
-Deterministic mode: thread 0 waits until the (q head, Q block) turnstile equals the entry's ticket
-(``dq_write_order`` rank times the splits, plus the split: the halves of one writer take turns)
-before the first add, and advances it after every add of the step completed.
+In a ``k2q-2cta`` pair only rank 0 adds to GMEM: rank 1's dQ warps hand each chunk to the same slot of
+rank 0's run (``st.async``, DSMEM) and rank 0 adds its own before the bulk add (bwd_kernel docstring).
+Deterministic mode: thread 0 (of rank 0 in a pair) waits until the (q head, Q block) turnstile equals
+the entry's ticket (``dq_write_order`` rank times the splits, plus the split: the halves of one
+writer take turns) before the first add, and advances it after every add of the step completed.
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 
 from maskplan_kernels.consumer_plan import (
     bulk_reduce_add_f32,
@@ -37,7 +42,15 @@ from maskplan_kernels.consumer_plan import (
     turnstile_wait,
 )
 
-from .bwd_helpers import DQ_CHUNK, WARP_ROWS, chunk_copy, dq_run_layout, operand_2d
+from .bwd_helpers import (
+    DQ_CHUNK,
+    DQ_RUN_BYTES,
+    WARP_ROWS,
+    chunk_copy,
+    dq_run_layout,
+    operand_2d,
+    store_async_remote,
+)
 from .fwd_helpers import shift_columns, tcgen05_fence_after, tcgen05_fence_before, tmem_acc
 
 #: S^T / dP^T columns per tcgen05.ld of a compute thread
@@ -51,7 +64,7 @@ class ComputeRoles:
     def compute_fragments(self, thr, tmem_ptr, r: Int32) -> dict:
         """TMEM copies and coordinate tensors of compute thread ``r`` of its warpgroup; chunk ``c``
         of warpgroup ``wg`` is the chunk-0 partition shifted ``64 wg + 32 c`` columns."""
-        tm, tn = self.tile_m, self.tile_n
+        tm, tn = self.tile_m, self.cta_n
         tStS = tmem_acc(thr["s"], (tn, tm), tmem_ptr + self.tmem_s)
         tPtdP = tmem_acc(thr["dp"], (tn, tm), tmem_ptr + self.tmem_dp)
         tScS = thr["s"].partition_C(cute.make_identity_tensor((tn, tm)))
@@ -70,14 +83,14 @@ class ComputeRoles:
         }
 
     def ds_store_view(self, sdS: cute.Tensor) -> cute.Tensor:
-        """dS^T as the plain (tile_n, tile_m) tensor the compute threads write: the dK MMA's A
+        """dS^T as the plain (cta_n, tile_m) tensor the compute threads write: the dK MMA's A
         operand layout (same buffer as the dQ MMA's MN-major A)."""
         return cute.make_tensor(sdS.iterator, operand_2d(sdS.layout))
 
     # -- compute warps --------------------------------------------------------------------------------
     @cute.jit
     def compute_role(
-        self, thr, tmem_ptr, s, plan, work, pipes, bars, mdK, mdV, scale_log2, softmax_scale, tidx
+        self, thr, tmem_ptr, s, plan, work, pipes, bars, mdK, mdV, scale_log2, softmax_scale, tidx, cta_rank
     ):
         wg, r = tidx // 128, tidx % 128
         f = self.compute_fragments(thr, tmem_ptr, r)
@@ -89,8 +102,8 @@ class ComputeRoles:
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             for i in cutlass.range(hr.partial_cnt, unroll=1):
-                # spec 6.2 direct delivery: this thread's words of payload group tidx
-                first = ((hr.partial_off + i) * self.payload_groups + tidx) * self.payload_words
+                # spec 6.2 direct delivery: this thread's words of payload group tidx of the CTA's plane
+                first = self.payload_offset(hr.partial_off + i, cta_rank, tidx)
                 src = element_ptr(plan.mask_block_masks, first, align=4 * self.payload_words)
                 cute.autovec_copy(cute.make_tensor(src, cute.make_layout(self.payload_words)), words)
                 stats_state = self.compute_step(
@@ -155,6 +168,7 @@ class ComputeRoles:
         cute.arch.fence_view_async_shared()
         tcgen05_fence_before()
         cute.arch.mbarrier_arrive(bars.ds)
+        cute.arch.sync_warp()  # the warp's reads of LSE2 / D are done: its lanes 0 (.. 1) release
         pipes.stats.consumer_release(stats_state)
         stats_state.advance()
         return stats_state
@@ -166,7 +180,7 @@ class ComputeRoles:
         """dK (times the softmax scale) and dV rows ``< k_valid`` (input dtype): the CTA's slice of
         head-dim columns (all, or half ``work.split`` of them), warpgroup ``wg`` of ``W`` taking
         ``1 / W`` of it. A K block without any entry stores zeros."""
-        tn, geo = self.tile_n, self.geometry
+        tn, geo = self.cta_n, self.geometry
         if n > 0:
             cute.arch.mbarrier_wait(bars.dkv, 0)
             tcgen05_fence_after()
@@ -211,7 +225,7 @@ class ComputeRoles:
         return {"load": load, "tL": tL, "tLc": tLc}
 
     @cute.jit
-    def dq_role(self, thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, t: Int32):
+    def dq_role(self, thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, t: Int32, cta_rank):
         f = self.dq_fragments(thr, tmem_ptr, t)
         w, lane = t // WARP_ROWS, t % WARP_ROWS
         first_run = work.split * len(self.dq_warps) + w  # this warp's accumulator rows: 128 split + 32 w ..
@@ -227,7 +241,7 @@ class ComputeRoles:
                 rank = plan.dq_write_order[e]
                 ticket = rank * self.splits + work.split
                 self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
-                             first_run, lane)  # fmt: skip
+                             first_run, w, lane, cta_rank)  # fmt: skip
                 j += 1
             for i in cutlass.range(hr.full_cnt, unroll=1):
                 e = hr.full_off + i
@@ -235,24 +249,26 @@ class ComputeRoles:
                 rank = plan.dq_write_order_full[e]
                 ticket = rank * self.splits + work.split
                 self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
-                             first_run, lane)  # fmt: skip
+                             first_run, w, lane, cta_rank)  # fmt: skip
                 j += 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def dq_step(self, f, bars, regs, run, slot, mdQaccum, mdQsem, q_head: Int32, q_block: Int32,
-                ticket: Int32, j: Int32, t: Int32, first_run: Int32, lane: Int32):  # fmt: skip
+                ticket: Int32, j: Int32, t: Int32, first_run: Int32, w: Int32, lane: Int32,
+                cta_rank):  # fmt: skip
         geo = self.geometry
         n_chunks = geo.dq_acc[1] // DQ_CHUNK
-        warp_runs = geo.dq_block_rows // WARP_ROWS  # runs of one column chunk (bwd_helpers)
         turn = pipeline.NamedBarrier(self.dq_turn_barrier_id, self.num_dq_threads)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, align=4)
+        writer = cta_rank == 0  # a pair's rank 0 adds the pair's dQ to GMEM (a single CTA: itself)
         cute.arch.mbarrier_wait(bars.dq, j & 1)
         tcgen05_fence_after()
         if const_expr(self.deterministic):
-            turnstile_wait(counter, ticket, t)  # thread 0 spins; every dQ warp then fences
-            turn.arrive_and_wait()
+            if writer:
+                turnstile_wait(counter, ticket, t)  # thread 0 spins; every dQ warp then fences
+                turn.arrive_and_wait()
         block = q_head * mdQaccum.shape[1] + q_block * self.tile_m * self.head_dim_qk
         for c in cutlass.range_constexpr(n_chunks):
             cute.copy(f["load"], shift_columns(f["tL"], c * DQ_CHUNK), regs)
@@ -260,19 +276,59 @@ class ComputeRoles:
             if const_expr(c == n_chunks - 1):  # every dQ column of this thread is in registers
                 tcgen05_fence_before()
                 cute.arch.mbarrier_arrive(bars.dq_empty)
-            if lane == 0:  # the previous add has read this warp's run
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            cute.autovec_copy(cute.make_tensor(regs.iterator, slot.layout.shape), slot)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_warp()
-            if lane == 0:
-                dst = element_ptr(mdQaccum, block + (c * warp_runs + first_run) * WARP_ROWS * DQ_CHUNK)
-                bulk_reduce_add_f32(run.iterator, dst, WARP_ROWS * DQ_CHUNK * 4)
-                cute.arch.cp_async_bulk_commit_group()
+            dst = block + (c * (geo.dq_block_rows // WARP_ROWS) + first_run) * WARP_ROWS * DQ_CHUNK
+            if const_expr(self.pair == 1):
+                self.add_chunk(regs, run, slot, element_ptr(mdQaccum, dst), lane, None, None)
+            else:
+                chunk = j * n_chunks + c  # this warp's handoffs so far: the parity of both barriers
+                if writer:
+                    self.add_chunk(regs, run, slot, element_ptr(mdQaccum, dst), lane, bars, w, chunk)
+                else:  # the peer: its chunk into the same slot of the leader's run, once that is free
+                    cute.arch.mbarrier_wait(bars.dq_peer_empty + w, chunk & 1)
+                    self.send_to_leader(regs, slot, bars.dq_peer_full + w)
         if const_expr(self.deterministic):
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds are in GMEM
-                cute.arch.fence_proxy("async.global")
-            turn.arrive_and_wait()
-            turnstile_advance(counter, t)
+            if writer:
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # this warp's adds are in GMEM
+                    cute.arch.fence_proxy("async.global")
+                turn.arrive_and_wait()
+                turnstile_advance(counter, t)
+
+    @cute.jit
+    def add_chunk(self, regs, run, slot, dst: cute.Pointer, lane: Int32, bars, w: Int32, chunk=None):
+        """This thread's ``DQ_CHUNK`` dQ values into its slot of the warp's run, then the run (a 4 KB
+        block of the accumulator order) bulk-added to ``dst``. In a pair (``bars`` given) the run first
+        receives the peer's values of the same chunk and the slot takes the sum."""
+        if lane == 0:  # the previous add has read this warp's run
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(bars is not None):  # ... so the peer may write its chunk there
+                cute.arch.mbarrier_arrive_and_expect_tx(bars.dq_peer_full + w, DQ_RUN_BYTES)
+                cute.arch.mbarrier_arrive(bars.dq_peer_empty + w, 1, scope=nvvm.MemScopeKind.CLUSTER)
+        cute.arch.sync_warp()
+        mine = cute.make_tensor(regs.iterator, slot.layout.shape)
+        if const_expr(bars is not None):
+            cute.arch.mbarrier_wait(bars.dq_peer_full + w, chunk & 1)
+            # one 16-byte vector at a time; the warp sync keeps ptxas from hoisting all 8 loads (32
+            # more live registers than the dQ warps' 80 hold: it spilled without)
+            for v in cutlass.range_constexpr(DQ_CHUNK // 4):
+                peer = cute.local_tile(slot, (4,), (v,))
+                peer.store(peer.load() + cute.local_tile(mine, (4,), (v,)).load())
+                cute.arch.sync_warp()
+        else:
+            cute.autovec_copy(mine, slot)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_warp()
+        if lane == 0:
+            bulk_reduce_add_f32(run.iterator, dst, DQ_RUN_BYTES)
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def send_to_leader(self, regs: cute.Tensor, slot: cute.Tensor, full: cute.Pointer):
+        """``st.async`` of this thread's ``DQ_CHUNK`` values, 16 bytes at a time, to the same slot of
+        the leader's (rank 0) run; each store completes its bytes on the leader's ``full`` barrier."""
+        bits = cute.make_tensor(cute.recast_ptr(regs.iterator, dtype=Int32), cute.make_layout(DQ_CHUNK))
+        base = cute.arch.map_dsmem_ptr(cute.recast_ptr(slot.iterator, dtype=Int32), 0)
+        leader_full = cute.arch.map_dsmem_ptr(full, 0)
+        for v in cutlass.range_constexpr(DQ_CHUNK // 4):  # columns 4v .. 4v + 3: one 16-byte vector
+            dst = base + cute.crd2idx(4 * v, slot.layout)
+            store_async_remote(dst, tuple(bits[4 * v + i] for i in range(4)), leader_full)

@@ -43,7 +43,10 @@ from dataclasses import dataclass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import nvvm, vector
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .payload_layout import TMEM_LANES
 
@@ -51,6 +54,8 @@ from .payload_layout import TMEM_LANES
 DQ_CHUNK = 32
 #: rows (TMEM lanes) of one warp's 32x32b access
 WARP_ROWS = 32
+#: bytes of one warp's fp32 staging run (32 rows x DQ_CHUNK columns): one bulk reduction
+DQ_RUN_BYTES = WARP_ROWS * DQ_CHUNK * 4
 
 
 @dataclass(frozen=True)
@@ -211,8 +216,20 @@ def dq_accum_offset(row: int, col: int, rows: int = TMEM_LANES) -> int:
     return (c * (rows // WARP_ROWS) + w) * WARP_ROWS * DQ_CHUNK + (e // 4) * 4 * WARP_ROWS + 4 * lane + e % 4
 
 
+@dsl_user_op
+def store_async_remote(dst: cute.Pointer, values: tuple, full: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``st.async.shared::cluster.v4.b32``: 4 int32 values to ``dst`` in the peer's SMEM, completing
+    16 bytes on its mbarrier ``full`` (both DSMEM pointers of :func:`cute.arch.map_dsmem_ptr`, mapped
+    once by the caller rather than per store as ``cute.arch.store_async_dsmem`` does: the dQ warps
+    have 80 registers)."""
+    words = [Int32(x).ir_value(loc=loc, ip=ip) for x in values]
+    vec = vector.from_elements(ir.VectorType.get([4], Int32.mlir_type), words, loc=loc, ip=ip)
+    nvvm.store_async(dst.to_llvm_ptr(loc=loc, ip=ip), vec, full.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+
+
 __all__ = [
     "DQ_CHUNK",
+    "DQ_RUN_BYTES",
     "BwdGeometry",
     "WARP_ROWS",
     "chunk_copy",
@@ -224,4 +241,5 @@ __all__ = [
     "mma_tilers",
     "operand_2d",
     "smem_views",
+    "store_async_remote",
 ]

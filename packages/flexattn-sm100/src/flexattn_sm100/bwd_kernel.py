@@ -1,6 +1,7 @@
 """SM100 (Blackwell) K-major attention backward over a MaskPlan's K2Q backward view (spec 4.7, 6.3):
-the ``k2q-1cta`` variant (one CTA per K block, no cluster) for (Dqk, Dv) up to (192, 128), and the
-``d256`` variant (two CTAs per K block, 64-row Q blocks) for (256, 256).
+the ``k2q-1cta`` variant (one CTA per K block, no cluster) for (Dqk, Dv) up to (192, 128), the
+``k2q-2cta`` variant (the same CTA, paired along K in a cluster; same head dims) and the ``d256``
+variant (two CTAs per K block, 64-row Q blocks) for (256, 256).
 Compile-verified for sm_100a only: it has NEVER run on SM100 hardware.
 
 One CTA per (K plan row = K block of ``tile_n = 128`` keys, kv head[, head-dim half]). It loads K
@@ -65,6 +66,65 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b
 
 Deterministic mode orders the grid kv-head-first (as SM90: resident CTAs form many short chains).
 
+K2Q-2CTA (variant ``k2q-2cta``): the plan block is 128 Q x 256 K rows, run by a cluster of two CTAs
+along K (cluster (2, 1, 1) over grid x, the pair adjacent in x in both grid orders: decode_work with
+``splits = 2``). Rank ``c`` is a k2q-1cta CTA for K rows ``128 c .. 128 c + 127`` of the block: its
+own K, V, TMEM (the same column map as k2q-1cta), MMAs (cta_group::1, the same shapes and issue
+order), dK and dV rows, and payload subtile ``c`` (``TmemLoadLayout(128, 256, 2, transposed=True)``:
+``mask_block_masks[entry, c]``, 256 groups x 2 words). Both ranks walk the same K2Q row, so their step
+sequences are identical::
+
+    plan block: 128 Q x 256 K          rank 0 (cluster rank 0)             rank 1
+    K rows   0..127 | subtile 0  ->    TMEM lanes = K rows 0..127          -
+    K rows 128..255 | subtile 1  ->    -                                   TMEM lanes = K rows 128..255
+    TMEM columns (each CTA, as k2q-1cta): S^T [0, 128), P^T [32, 96), dP^T / dQ [128, ...), dV from 256,
+    dK after it (overlapped: 384 / 448 / 512 of 512 columns for D = 64 / 96 / 128); serial (192, 128):
+    S^T, dP^T [0, 128), dQ [0, 192), P^T [128, 192), dV [192, 320), dK [320, 512)
+
+MMA issue order: each MMA warp issues k2q-1cta's sequence on its own TMEM; the two warps are coupled
+only through the shared Q / dO stages (a stage is refilled once dK_j (Q) and dV_j (dO) of BOTH ranks
+completed) and through the dQ handoff (rank 1's dQ warps release dQ_j's columns only after rank 0
+freed its run for their chunks). What the pair shares::
+
+    Q_j, dO_j   rank c TMA-loads half c of each tile and multicasts it to both CTAs (mask 0b11): each
+                CTA's full barrier expects the whole tile (its half + the peer's); each CTA's empty
+                barrier takes 2 arrivals, the commits of BOTH MMA warps (tcgen05.commit multicast to
+                the pair), so neither half is overwritten before both CTAs' dK_j / dV_j read it.
+                L2 -> SMEM traffic of Q and dO per K row: half of two k2q-1cta CTAs'
+    dQ_j        = dS_j K over the 256 rows = (rank 0's dQ_j) + (rank 1's dQ_j), reduced in the pair:
+                the dQ warps of rank 1 st.async their chunk into the same slot of rank 0's staging
+                run (DSMEM), rank 0's add their own chunk to it and bulk-add the sum: ONE fp32
+                reduction per (Q block, pair) instead of two; deterministic mode takes the turnstile
+                (one writer per pair, the plan's dq_write_order rank) on rank 0 only
+    LSE2, D     rank 0 bulk-copies LSE2_j, rank 1 D_j, each multicast to both CTAs (the stats stage's
+                full barrier expects both); each compute warp releases the stage after a warp sync,
+                its lane c arriving on rank c's empty barrier (8 warps x 2 CTAs = 16 arrivals)
+
+dQ handoff, per dQ warp w and chunk k (32 rows x 32 columns, 4 KB; parity k & 1)::
+
+    rank 0 (leader) warp w                           rank 1 (peer) warp w
+    tcgen05.ld dQ chunk -> regs                      tcgen05.ld dQ chunk -> regs
+    [bulk add k-1 has read run w]
+    full[w]: arrive.expect_tx(4 KB) ---------.
+    remote arrive peer's empty[w] ------------+--->  wait empty[w]
+                                              |      8 x st.async.v4 -> leader's run w (same slot),
+    wait full[w] <----------------------------'----  completing on leader's full[w]
+    run w slot += regs ; bulk add run w -> GMEM
+
+Barriers: Q / dO / stats stages as above; rank 0's full[w] (1 arrival + 4 KB of transactions) and
+rank 1's empty[w] (1 remote arrival) exist in both CTAs' SMEM (the struct is one); all are
+initialised before a cluster-wide barrier, and the kernel ends with another, so neither CTA exits
+while the peer may still commit to, multicast into or st.async into its SMEM.
+
+SMEM is k2q-1cta's (the peer's chunk lands in the leader's existing run: no extra buffer) plus 8
+mbarriers (64 B): K, V + Q, dO stages + dS^T + LSE2 / D + dQ runs = 130 / 170 / 210 / 209 KB for
+D = 64 / 96 / 128 / (192, 128) (two Q stages; (192, 128) one), plus under 2 KB of barriers and
+alignment, of the 227 KB.
+
+Cost: each rank still computes S^T, dP^T, dV, dK and a 128 x Dqk dQ for its rows (the same MMA work as
+two k2q-1cta CTAs); the pair saves half the Q / dO / LSE2 / D loads and half the GMEM dQ reductions,
+and rank 0's dQ warps wait for rank 1's chunks.
+
 D256 (variant ``d256``, (256, 256)): dV and dK alone (128 lanes x 256 fp32 columns each) would fill
 all 512 TMEM columns, so the OUTPUT head dim is split across two CTAs. CTA ``(K block, kv head, h)``,
 ``h`` in {0, 1}, recomputes S^T = K Q^T and dP^T = V dO^T over the full 256-deep reductions but
@@ -114,7 +174,6 @@ from maskplan_kernels.consumer_plan import (
     BwdHostEntry,
     BwdPlanTensors,
     decode_work,
-    head_range,
     select_modes,
     total_steps,
 )
@@ -122,16 +181,19 @@ from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_compute import ComputeRoles
 from .bwd_helpers import BwdGeometry, make_mmas, mma_operand, mma_tilers, smem_views
+from .bwd_load import LoadRole
 from .config import Sm100BwdConfig
 from .fwd_helpers import set_max_registers, tcgen05_fence_after, thread_group, tma_umma_pipeline, tmem_acc
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-#: the backward variants this kernel implements (k2q-2cta is specified, not written); heuristics.py
-#: selects each by default for its HEAD_DIMS
-IMPLEMENTED_VARIANTS = ("k2q-1cta", "d256")
-#: (head_dim_qk, head_dim_v) per variant: k2q-1cta with Dqk + Dv <= 256 the overlapped TMEM plan, with
-#: Dqk + Dv <= 320 (192, 128) the serial one; d256 the separate one over half the head dim (docstring)
-HEAD_DIMS = {"k2q-1cta": ((64, 64), (96, 96), (128, 128), (192, 128)), "d256": ((256, 256),)}
+#: the backward variants this kernel implements; heuristics.py selects k2q-1cta and d256 by default for
+#: their HEAD_DIMS, k2q-2cta only when a view is planned for it explicitly
+IMPLEMENTED_VARIANTS = ("k2q-1cta", "k2q-2cta", "d256")
+#: (head_dim_qk, head_dim_v) per variant: k2q-1cta / k2q-2cta (the same CTA, paired) with Dqk + Dv <= 256
+#: the overlapped TMEM plan, with Dqk + Dv <= 320 (192, 128) the serial one; d256 the separate one over
+#: half the head dim (docstring)
+_K2Q_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+HEAD_DIMS = {"k2q-1cta": _K2Q_HEAD_DIMS, "k2q-2cta": _K2Q_HEAD_DIMS, "d256": ((256, 256),)}
 #: Dqk + Dv up to which S^T, dP^T, dV and dK get their own TMEM columns (256 + Dv + Dqk <= 512)
 OVERLAPPED_MAX_DQK_PLUS_DV = 256
 _SMEM_LIMIT = 227 * 1024
@@ -157,7 +219,7 @@ def smem_bytes(geo: BwdGeometry, q_stages: int, do_stages: int) -> int:
     return k_v + q_do + ds + stats + dq_runs
 
 
-class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
+class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
     """Static configuration of one compiled backward main kernel; see the module docstring."""
 
     def __init__(self, config: Sm100BwdConfig, *, deterministic: bool = False):
@@ -176,9 +238,15 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         self.deterministic = deterministic
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = dims
-        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
-        self.splits = variant.head_dim_splits  # CTAs per K block (module docstring: D256)
-        self.geometry = geo = BwdGeometry(self.tile_m, self.tile_n, *dims, self.splits)
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a plan block
+        # k2q-2cta: the plan block's K rows are split over a cluster of `pair` CTAs along K, rank c
+        # taking rows [c cta_n, c cta_n + cta_n): each CTA is a k2q-1cta CTA for its 128 rows
+        self.pair = variant.cta_group_size
+        assert self.pair in (1, 2)  # a pair loads LSE2 (rank 0) and D (rank 1) for both (bwd_load)
+        self.cta_n = self.tile_n // self.pair  # K rows of a CTA (its TMEM lanes)
+        self.splits = variant.head_dim_splits  # CTAs per K block splitting the head dim (D256)
+        self.ctas_per_block = self.splits * self.pair  # adjacent in grid x (decode_work)
+        self.geometry = geo = BwdGeometry(self.tile_m, self.cta_n, *dims, self.splits)
         # TMEM plan (module docstring): which accumulators share columns orders the MMAs
         if self.splits > 1:
             self.tmem_plan = "separate"  # each in its own columns; one Q stage fits the SMEM
@@ -191,14 +259,16 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         self.q_stages = 2 if self.tmem_plan == "overlapped" else 1
         self.do_stages = 1
         assert smem_bytes(geo, self.q_stages, self.do_stages) + SMEM_OVERHEAD <= _SMEM_LIMIT
-        # payload ABI (payload_layout.py is the one source of truth): one subtile, W warpgroups
+        # payload ABI (payload_layout.py is the one source of truth): one subtile per CTA of the
+        # pair (its 128 K rows), W warpgroups
         layout = config.payload_layout
         wgs = variant.num_softmax_warpgroups
-        assert layout.transposed and layout.subtiles == 1 and layout.num_warpgroups == wgs
+        assert layout.transposed and layout.subtiles == self.pair and layout.num_warpgroups == wgs
+        self.payload_subtiles = layout.subtiles
+        self.payload_plane = layout.words_per_tile  # int32 words of one partial entry (all subtiles)
         self.payload_groups = layout.groups  # = compute threads
         self.payload_words = layout.words_per_group
         self.payload_elements = layout.elements_per_thread  # Q columns per compute thread
-        self.payload_plane = layout.words_per_tile
         # warp roles: compute warpgroups, one dQ warpgroup, MMA, load
         self.compute_warps = tuple(range(4 * wgs))
         self.dq_warps = tuple(range(4 * wgs, 4 * wgs + 4))
@@ -264,8 +334,11 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         views = smem_views(mmas, self.geometry, self.dtype, self.q_stages, self.do_stages)
         # TMA views (rows, D, heads)
         mQ_t, mK_t, mV_t, mdO_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO))
-        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mmas["s"].thr_id.shape,)).shape
+        # the pair's CTAs differ in the M (K rows) tile of S^T / dP^T and share its B (Q, dO): B loads
+        # are multicast along the cluster's M mode, each CTA issuing 1 / pair of the tile
+        cluster_vmnk = self.cta_layout_vmnk().shape
         load_op = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.ONE)
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp(tcgen05.CtaGroup.ONE) if self.pair > 1 else load_op
         one = [0, 1, 2]
         tma_k, tma_mK = cute.nvgpu.make_tiled_tma_atom_A(
             load_op, mK_t, cute.select(views["k"], mode=one), tilers["s"], mmas["s"], cluster_vmnk
@@ -274,10 +347,10 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             load_op, mV_t, cute.select(views["v"], mode=one), tilers["dp"], mmas["dp"], cluster_vmnk
         )
         tma_q, tma_mQ = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mQ_t, cute.select(views["q"], mode=one), tilers["s"], mmas["s"], cluster_vmnk
+            b_op, mQ_t, cute.select(views["q"], mode=one), tilers["s"], mmas["s"], cluster_vmnk
         )
         tma_do, tma_mdO = cute.nvgpu.make_tiled_tma_atom_B(
-            load_op, mdO_t, cute.select(views["do"], mode=one), tilers["dp"], mmas["dp"], cluster_vmnk
+            b_op, mdO_t, cute.select(views["do"], mode=one), tilers["dp"], mmas["dp"], cluster_vmnk
         )
         self.bytes_kv = cute.size_in_bytes(
             self.dtype, cute.select(views["k"], mode=one)
@@ -297,21 +370,36 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
         ).launch(
             grid=self.grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
             block=[self.num_threads, 1, 1],
-            cluster=[1, 1, 1],
+            cluster=[self.pair, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
 
     def grid(self, k_rows, kv_heads) -> list:
         """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring); the
-        ``splits`` CTAs of a K block adjacent in x (:func:`decode_work`)."""
+        ``splits`` CTAs of a K block (or the ``pair``, one cluster) adjacent in x (:func:`decode_work`)."""
         if self.deterministic:
-            return [kv_heads * self.splits, k_rows, 1]
-        return [k_rows * self.splits, kv_heads, 1]
+            return [kv_heads * self.ctas_per_block, k_rows, 1]
+        return [k_rows * self.ctas_per_block, kv_heads, 1]
+
+    def cta_layout_vmnk(self):
+        """The cluster as ``((cta_group), M, N, K)``: one CTA per (cta_group::1) MMA, the pair along M
+        (K rows)."""
+        return cute.tiled_divide(cute.make_layout((self.pair, 1, 1)), (1,))
+
+    def payload_offset(self, entry, cta_rank, group):
+        """First int32 word of payload group ``group`` of CTA ``cta_rank``'s subtile (its plane) of
+        partial entry ``entry``: ``mask_block_masks[entry, cta_rank, group, :]``."""
+        return ((entry * self.payload_subtiles + cta_rank) * self.payload_groups + group) * self.payload_words
+
+    def cta_k_rows(self, cta_rank):
+        """The CTA's first K row inside its plan block (rank ``c`` of the pair owns subtile ``c``)."""
+        return cta_rank * self.cta_n
 
     def _shared_storage(self, views: dict):
         stats = self.tile_m * self.q_stages
         dq_runs = len(self.dq_warps) * 32 * 32
+        pair = self.pair > 1
 
         @cute.struct
         class SharedStorage:
@@ -327,6 +415,10 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # dK_j, dQ_j done (commit)
             mbar_dq_empty: cute.struct.MemRange[cutlass.Int64, 1]  # dQ_j read out (dQ threads)
             mbar_dkv: cute.struct.MemRange[cutlass.Int64, 1]  # dK, dV final (commit)
+            if pair:  # the dQ handoff per dQ warp (dq_step): the peer's chunk is in the leader's run
+                # (st.async bytes); the leader's run is free for the peer's next chunk (remote arrive)
+                mbar_dq_peer_full: cute.struct.MemRange[cutlass.Int64, len(self.dq_warps)]
+                mbar_dq_peer_empty: cute.struct.MemRange[cutlass.Int64, len(self.dq_warps)]
             tmem_holding: Int32
             lse: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
             dsum: cute.struct.Align[cute.struct.MemRange[Float32, stats], 128]
@@ -382,6 +474,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             for atom in (tma_k, tma_v, tma_q, tma_do):
                 cpasync.prefetch_descriptor(atom)
 
+        pair = self.pair > 1
+        # rank c of the pair: K rows c cta_n .. of the plan block, payload subtile c; 0 writes dQ
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) if pair else 0
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
@@ -393,6 +488,8 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             storage.mbar_dq.data_ptr(),
             storage.mbar_dq_empty.data_ptr(),
             storage.mbar_dkv.data_ptr(),
+            storage.mbar_dq_peer_full.data_ptr() if pair else None,
+            storage.mbar_dq_peer_empty.data_ptr() if pair else None,
         )
         if warp_idx == self.mma_warp:
             with cute.arch.elect_one():
@@ -401,8 +498,16 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
                 cute.arch.mbarrier_init(bars.p, self.num_compute_threads)
                 cute.arch.mbarrier_init(bars.ds, self.num_compute_threads)
                 cute.arch.mbarrier_init(bars.dq_empty, self.num_dq_threads)
+                if const_expr(pair):  # one arrival each: the leader warp's lane 0 (dq_step)
+                    for w in cutlass.range_constexpr(len(self.dq_warps)):
+                        cute.arch.mbarrier_init(bars.dq_peer_full + w, 1)
+                        cute.arch.mbarrier_init(bars.dq_peer_empty + w, 1)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(pair):  # the peer multicasts into, commits and arrives on this CTA's barriers
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         # operand tiles; the second role of a buffer is the same memory through its other layout
         def tile(buf, layout):
@@ -433,7 +538,15 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             ),
             allocator_warp_id=self.compute_warps[0],
         )
-        work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic, self.splits)
+        work = decode_work(
+            plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic, self.ctas_per_block
+        )
+        if const_expr(pair):  # from here on the CTA's own 128-row K block, as a k2q-1cta CTA sees it
+            work = work._replace(
+                n_block=(work.n_block * self.tile_n + self.cta_k_rows(cta_rank)) // self.cta_n,
+                k_valid=work.k_valid - self.cta_k_rows(cta_rank),
+                split=Int32(0),
+            )
         thr = {k: m.get_slice(0) for k, m in (("s", mma_s), ("dp", mma_dp), ("dv", mma_dv), ("dk", mma_dk),
                                              ("dq", mma_dq))}  # fmt: skip
         free = pipeline.NamedBarrier(
@@ -442,7 +555,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
 
         if warp_idx == self.load_warp:
             self.load_role(
-                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes
+                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes, cta_rank
             )
         elif warp_idx < len(self.compute_warps):
             set_max_registers(self.compute_regs, self.launch_regs)
@@ -450,7 +563,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.compute_role(
-                thr, tmem_ptr, s, plan, work, pipes, bars, mdK, mdV, scale_log2, softmax_scale, tidx
+                thr, tmem_ptr, s, plan, work, pipes, bars, mdK, mdV, scale_log2, softmax_scale, tidx, cta_rank
             )
             free.arrive_and_wait()  # the dQ warps' last TMEM loads are done
             tmem.relinquish_alloc_permit()
@@ -459,9 +572,8 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             set_max_registers(self.dq_regs, self.launch_regs)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.dq_role(
-                thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, tidx - self.num_compute_threads
-            )
+            t = tidx - self.num_compute_threads
+            self.dq_role(thr, tmem_ptr, s, plan, work, bars, mdQaccum, mdQsem, t, cta_rank)
             free.arrive()
         else:  # the MMA warp; traced last: its tcgen05 MMA set() calls rebind the tiled MMAs' atoms
             tmem.wait_for_alloc()
@@ -469,118 +581,41 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles):
             self.mma_role(
                 mma_s, mma_dp, mma_dv, mma_dk, mma_dq, thr, s, tP_layout, tmem_ptr, plan, work, pipes, bars
             )
+        if const_expr(pair):
+            # neither CTA exits while the other may still arrive on its barriers (the last Q / dO
+            # releases are multicast commits) or write its SMEM
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     def _make_pipelines(self, storage):
+        # Q and dO stages are filled by both CTAs of a pair (multicast halves) and released by both
+        # MMA warps (multicast commits): a stage's empty barrier takes `pair` arrivals. LSE2 + D
+        # (one per rank, multicast) are read by generic loads of every compute thread: each compute
+        # warp releases the stage after a warp sync, lane c arriving on rank c's empty barrier
+        # (compute warps x pair arrivals)
+        cluster = self.cta_layout_vmnk() if self.pair > 1 else None
         return Pipes(
             kv=tma_umma_pipeline(storage.mbar_kv.data_ptr(), 1, self.bytes_kv),
-            q=tma_umma_pipeline(storage.mbar_q.data_ptr(), self.q_stages, self.bytes_q),
-            do=tma_umma_pipeline(storage.mbar_do.data_ptr(), self.do_stages, self.bytes_do),
-            # LSE2 + D: read by generic loads of every compute thread, so every thread releases
-            # the stage itself after its reads (tidx=0: each thread is a signalling thread)
+            q=tma_umma_pipeline(storage.mbar_q.data_ptr(), self.q_stages, self.bytes_q, cluster),
+            do=tma_umma_pipeline(storage.mbar_do.data_ptr(), self.do_stages, self.bytes_do, cluster),
             stats=pipeline.PipelineTmaAsync.create(
                 barrier_storage=storage.mbar_stats.data_ptr(),
                 num_stages=self.q_stages,
                 producer_group=thread_group(1),
                 consumer_group=thread_group(self.num_compute_threads),
                 tx_count=self.bytes_stats,
-                tidx=Int32(0),
+                cta_layout_vmnk=cluster,
+                enable_multicast_signaling=True,
                 defer_sync=True,
             ),
         )
-
-    # -- load warp ------------------------------------------------------------------------------------
-    @cute.jit
-    def load_role(self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes):
-        no_mcast = cute.make_layout(1)
-        dqk, dv_, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
-        bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        if total_steps(plan, work) > 0:
-            # K and V of this block, once: (tile_n, D, n_blocks, 1) of this sample and kv head
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipes.kv.producer_acquire(kv_state)
-            bar = pipes.kv.producer_get_barrier(kv_state)
-            for atom, m_x, s_x, t, d in (
-                (tma_k, mK, s["sK"], thr["s"], dqk),
-                (tma_v, mV, s["sV"], thr["dp"], dv_),
-            ):
-                g_x = cute.flat_divide(
-                    cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]), (tn, d)
-                )
-                t_s, t_g = cpasync.tma_partition(
-                    atom, 0, no_mcast, cute.group_modes(s_x, 0, 3), cute.group_modes(t.partition_A(g_x), 0, 3)
-                )
-                cute.copy(atom, t_g[None, work.n_block, 0], t_s[None, 0], tma_bar_ptr=bar)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = head_range(plan, work, g)
-            # Q, dO: (tile_m, D, q_blocks, 1) of this sample and q head
-            g_q = cute.flat_divide(
-                cute.domain_offset((work.q_offset, 0), mQ[None, None, hr.q_head]), (tm, dqk)
-            )
-            g_do = cute.flat_divide(
-                cute.domain_offset((work.q_offset, 0), mdO[None, None, hr.q_head]), (tm, dv_)
-            )
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_q,
-                0,
-                no_mcast,
-                cute.group_modes(s["sQ"], 0, 3),
-                cute.group_modes(thr["s"].partition_B(g_q), 0, 3),
-            )
-            tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_do, 0, no_mcast, cute.group_modes(s["sdO"], 0, 3),
-                cute.group_modes(thr["dp"].partition_B(g_do), 0, 3),
-            )  # fmt: skip
-            stats_row = hr.q_head * mLSE.shape[1]
-            for i in cutlass.range(hr.partial_cnt, unroll=1):
-                q_state, do_state = self.load_step(
-                    plan.mask_block_idx[hr.partial_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
-                )  # fmt: skip
-            for i in cutlass.range(hr.full_cnt, unroll=1):
-                q_state, do_state = self.load_step(
-                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
-                )  # fmt: skip
-
-    @cute.jit
-    def load_step(
-        self, m_block, work, stats_row, pipes, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
-        bulk_f32, mLSE, mDsum, s,
-    ):  # fmt: skip
-        """Q + (LSE2, D) into stage ``q_state`` of the Q and stats pipelines, dO into its own."""
-        pipes.q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index],
-                  tma_bar_ptr=pipes.q.producer_get_barrier(q_state))  # fmt: skip
-        pipes.stats.producer_acquire(q_state)
-        bar = pipes.stats.producer_get_barrier(q_state)
-        first = stats_row + (work.qblk_base + m_block) * self.tile_m
-        stats = cute.make_layout(self.tile_m)
-        for m_stat, s_stat in ((mLSE, s["sLSE"]), (mDsum, s["sDsum"])):
-            src = cute.make_tensor(
-                cute.make_ptr(
-                    Float32, (m_stat.iterator + first).toint(), cute.AddressSpace.gmem, assumed_align=16
-                ),
-                stats,
-            )
-            with cute.arch.elect_one():
-                cute.copy(
-                    bulk_f32, src, cute.make_tensor(s_stat[None, q_state.index].iterator, stats), mbar_ptr=bar
-                )
-        q_state.advance()
-        pipes.do.producer_acquire(do_state)
-        cute.copy(tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index],
-                  tma_bar_ptr=pipes.do.producer_get_barrier(do_state))  # fmt: skip
-        do_state.advance()
-        return q_state, do_state
 
     # -- MMA warp -------------------------------------------------------------------------------------
     @cute.jit
     def mma_role(
         self, mma_s, mma_dp, mma_dv, mma_dk, mma_dq, thr, s, tP_layout, tmem_ptr, plan, work, pipes, bars
     ):
-        geo, tm, tn = self.geometry, self.tile_m, self.tile_n
+        geo, tm, tn = self.geometry, self.tile_m, self.cta_n
         h = work.split  # the CTA's head-dim slice of dV, dK, dQ (0 without a split)
         # SMEM descriptors: (MMA, MMA_K[, stages]); the MN-major views of Q, dO and K span the full
         # head dim, one MMA_MN entry per split (bwd_helpers.mma_operand)
@@ -708,6 +743,8 @@ class Handshakes(NamedTuple):
     dq: cute.Pointer
     dq_empty: cute.Pointer
     dkv: cute.Pointer
+    dq_peer_full: cute.Pointer | None = None  # the pair's dQ handoff, one per dQ warp (dq_step)
+    dq_peer_empty: cute.Pointer | None = None
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,15 @@ Launches, all on the current stream::
 
     preprocess   (Q blocks, Hq, B)    D = rowsum(dO O) - dlse, LSE2 (+inf: no key), zeroed dQ
                                       accumulator and turnstiles (architecture-neutral, shared)
-    main         (K plan rows x splits, Hkv)  dK, dV stored; dQ bulk-added in fp32   bwd_kernel.py
+    main         (K plan rows x CTAs per row, Hkv)  dK, dV stored; dQ bulk-added in fp32  bwd_kernel.py
     postprocess  (Q blocks, Hq, B)    dQ = scale * accumulator                bwd_postprocess.py
 
 The ``k2q-1cta`` variant has a kernel for head dims 64, 96, 128 and 192/128, the ``d256`` variant
 (two CTAs per K block, each owning half of the gradients' head-dim columns) for (256, 256); each is
-the heuristics' default for its pairs. Explicitly built ``k2q-2cta`` views (no kernel) are refused
-with :class:`UnsupportedConfigError` naming the variant.
+the heuristics' default for its pairs. The ``k2q-2cta`` variant (same head dims; never a default)
+runs explicitly built views: the main kernel launches as clusters of 2 CTAs along grid x (grid
+``(2 x K plan rows, Hkv)``, deterministic ``(2 x Hkv, K plan rows)``), one pair per 256-row K block.
+Views of head dims a variant has no kernel for are refused with :class:`UnsupportedConfigError`.
 
 The preprocess is the architecture-neutral SIMT kernel both consumers share
 (:class:`maskplan_kernels.consumer_bwd_preprocess.BwdPreprocess`, at the view's tile_m (128, d256: 64);

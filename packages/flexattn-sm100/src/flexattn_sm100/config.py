@@ -1,7 +1,8 @@
 """Static configurations of the SM100/SM103 forward and backward kernels (the forward kernels written are
 qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA and D256, all ``fwd_kernel.py``; the backward ones are
-k2q + 1CTA and D256 (two CTAs per K block, each owning half of the gradients' head-dim columns), both
-``bwd_kernel.py``; compile-verified, never run).
+k2q + 1CTA, k2q + 2CTA (a cluster of two k2q + 1CTA CTAs along a 256-row K block, sharing Q / dO / LSE / D
+loads and the block's dQ reduction) and D256 (two CTAs per K block, each owning half of the gradients'
+head-dim columns), all ``bwd_kernel.py``; compile-verified, never run).
 
 A *variant* is one kernel topology (q stages, CTA group, cluster axis, plan block, mask delivery);
 a config is a variant plus the problem's compile-time facts. Every config field is compile-time

@@ -4,9 +4,9 @@
 kernels are specified to consume. ``hardware_verified`` is False: this consumer has never run on
 SM100 hardware. ``forward`` launches the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`,
 compiled for sm_100a, generic qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA or D256 variant) and
-``backward`` the K-major backward (:mod:`flexattn_sm100.bwd_launch`, k2q-1cta or d256 variant,
-compile-only too) only where the tensors live on a compute-capability 10.x GPU; everywhere else it raises
-:class:`ConsumerNotFoundError`. It never falls back to a computation of its own.
+``backward`` the K-major backward (:mod:`flexattn_sm100.bwd_launch`, k2q-1cta, k2q-2cta or d256
+variant, compile-only too) only where the tensors live on a compute-capability 10.x GPU; everywhere
+else it raises :class:`ConsumerNotFoundError`. It never falls back to a computation of its own.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ class Sm100Consumer(KernelConsumer):
     def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
         if not _on_sm100(q):
             raise ConsumerNotFoundError(
-                f"flexattn-sm100 {__version__} has an SM100 backward kernel (k2q-1cta, d256) compiled for "
-                "sm_100a, but it has never run on SM100 hardware (hardware_verified=False) and runs only on "
-                "a compute-capability 10.x GPU; these tensors are not on one. Run on CPU tensors for the "
-                "reference path."
+                f"flexattn-sm100 {__version__} has an SM100 backward kernel (k2q-1cta, k2q-2cta, d256) "
+                "compiled for sm_100a, but it has never run on SM100 hardware (hardware_verified=False) and "
+                "runs only on a compute-capability 10.x GPU; these tensors are not on one. Run on CPU "
+                "tensors for the reference path."
             )
         from .bwd_launch import run_backward  # CuTe DSL loads on first use, not on import
 

@@ -46,13 +46,20 @@ def thread_group(threads: int) -> pipeline.CooperativeGroup:
 
 def tma_umma_pipeline(barriers, stages: int, nbytes: int, cta_layout_vmnk=None):
     """TMA (one producer thread, ``nbytes`` a stage) -> tcgen05 MMA (released by its commit), over
-    the CTAs of ``cta_layout_vmnk`` when given; barriers initialised before the kernel's first sync."""
-    pair = {} if cta_layout_vmnk is None else {"cta_layout_vmnk": cta_layout_vmnk}
+    the CTAs of ``cta_layout_vmnk`` when given; barriers initialised before the kernel's first sync.
+
+    A stage is released by every MMA issuer reading it: one per ``(M, N, K)`` cluster coordinate
+    (the forward's cta_group::2 pair is one issuer; the backward's pair along M is two, each
+    committing to both CTAs' empty barriers)."""
+    pair, issuers = {}, 1
+    if cta_layout_vmnk is not None:
+        pair = {"cta_layout_vmnk": cta_layout_vmnk}
+        issuers = cute.size(cta_layout_vmnk) // cute.size(cta_layout_vmnk, mode=[0])
     return pipeline.PipelineTmaUmma.create(
         barrier_storage=barriers,
         num_stages=stages,
         producer_group=thread_group(1),
-        consumer_group=thread_group(1),
+        consumer_group=thread_group(issuers),
         tx_count=nbytes,
         defer_sync=True,
         **pair,

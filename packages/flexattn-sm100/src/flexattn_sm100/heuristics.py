@@ -14,10 +14,12 @@ The forward ``qstage1-2cta`` variant (the spec's generic one: a CTA pair, cta_gr
 payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kernels too
 (``fwd_kernel.py``) but are selected only with ``variant=``: which is fastest is unmeasured without
 hardware. The backward variant ``k2q-2cta`` (a CTA pair along K: each CTA still holds its K rows'
-S^T, dP^T, dV and dK, so it saves no TMEM) keeps its config and payload layout defined and tested
-(``config.py``, ``payload_layout.py``) but has no kernel and is no default; a view built for it still
-resolves (plans are inspectable anywhere); ``bwd_launch.run_backward`` (and ``fwd_launch.run_forward``
-for a forced variant whose head dims have no kernel) refuse such views with
+S^T, dP^T, dV and dK, so it saves no TMEM; the pair multicasts Q, dO, LSE and D and reduces dQ in the cluster
+before one GMEM add) has a kernel (``bwd_kernel.py``) for the same head dims as ``k2q-1cta`` but is
+no default either: it runs when a view is planned for it explicitly (its ``Sm100BwdConfig`` signature
+and payload layout, as the tests build them; the backward selection takes no ``variant=``, since
+view_config derives the config from the view). ``fwd_launch.run_forward`` refuses a view of a forced
+variant whose head dims have no kernel, ``bwd_launch.run_backward`` a k2q-2cta view of (256, 256), with
 :class:`UnsupportedConfigError` naming the variant.
 
 ==============  =============================================  ==========================================
