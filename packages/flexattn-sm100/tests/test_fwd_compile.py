@@ -266,7 +266,9 @@ def test_compile_forward_goes_through_the_project_cache(tmp_path, monkeypatch):
     assert [p[0] for p in disk_key.packages] == ["flexattn_sm100", "maskplan_kernels", "maskplan_core"]
 
 
-SM103_SCRIPT = """
+#: one kernel per direction, compiled for sm_103a; the script prints whether the PTX targets it
+SM103_SCRIPTS = {
+    "forward": """
 from flexattn_sm100.heuristics import select_fwd_config
 from flexattn_sm100.fwd_kernel import Sm100FwdKernel
 from flexattn_sm100.fwd_launch import placeholder_arguments
@@ -277,15 +279,24 @@ args = placeholder_arguments(kernel, with_max_logit=False)
 options = "--gpu-arch sm_103a --keep-ptx --dump-dir {dump}"
 compiled = cute.compile(kernel.from_pointers, *args, options=options)
 print(".target sm_103a" in compiled.__ptx__)
-"""
+""",
+    "backward": """
+from flexattn_sm100.heuristics import select_bwd_config
+from flexattn_sm100.bwd_launch import compile_uncached
+cfg = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+compiled = compile_uncached("main", cfg, extra_options="--gpu-arch sm_103a --keep-ptx --dump-dir {dump}")
+print(".target sm_103a" in compiled.__ptx__)
+""",
+}
 
 
 @pytest.mark.slow
-def test_compiles_for_sm103a(tmp_path):
-    """SM103 is the same consumer family (spec 7): the kernel also compiles for sm_103a (a fresh
-    interpreter: the DSL's target is fixed per process)."""
+@pytest.mark.parametrize("direction", sorted(SM103_SCRIPTS))
+def test_compiles_for_sm103a(direction, tmp_path):
+    """SM103 is the same consumer family (spec 7): the forward and the backward kernel also compile
+    for sm_103a (a fresh interpreter: the DSL's target is fixed per process)."""
     env = {**os.environ, "CUTE_DSL_ARCH": "sm_103a", "PYTHONPATH": os.pathsep.join(sys.path)}
-    script = SM103_SCRIPT.format(dump=tmp_path)
+    script = SM103_SCRIPTS[direction].format(dump=tmp_path)
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.strip().splitlines()[-1] == "True"
