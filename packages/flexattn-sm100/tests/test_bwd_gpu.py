@@ -66,47 +66,59 @@ def check(mask_func, q, k, v, *, varlen=None, bwd_variant=None, **options):
 CASES = BackwardCases(check, DEV)
 #: the same cases on k2q-2cta backward views (a cluster of two CTAs per 256-row K block)
 PAIR = BackwardCases(functools.partial(check, bwd_variant="k2q-2cta"), DEV)
+#: the generic variants every shared case runs on
+GENERIC = {"k2q-1cta": CASES, "k2q-2cta": PAIR}
+generic = pytest.mark.parametrize("variant", sorted(GENERIC))
 
 
+@generic
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_causal(dtype, d, deterministic):
-    CASES.causal(dtype, deterministic, d)
+def test_causal(variant, dtype, d, deterministic):
+    GENERIC[variant].causal(dtype, deterministic, d)
 
 
+@generic
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_random_multi_interval_per_head(dtype):
-    CASES.random_multi_interval_per_head(dtype)
+def test_random_multi_interval_per_head(variant, dtype):
+    GENERIC[variant].random_multi_interval_per_head(dtype)
 
 
-def test_all_empty_rows_and_nothing_visible():
-    CASES.all_empty_rows(q_block=128)  # the k2q-1cta backward's Q block
+@generic
+def test_all_empty_rows_and_nothing_visible(variant):
+    GENERIC[variant].all_empty_rows(q_block=128)  # the generic backward's Q block
 
 
 def test_all_full():
     CASES.all_full()
 
 
+@generic
 @pytest.mark.parametrize("sq,sk", [(300, 1000), (1000, 300), (129, 127)])
-def test_sq_ne_sk(sq, sk):
-    CASES.sq_ne_sk(sq, sk)
+def test_sq_ne_sk(variant, sq, sk):
+    """k2q-2cta: 300 and 127 keys end in the first half of a 256-row block, so rank 1 of the last
+    block owns no valid key (it stores no dK / dV row and adds nothing to dQ)."""
+    GENERIC[variant].sq_ne_sk(sq, sk)
 
 
+@generic
 @pytest.mark.parametrize("hq,hkv,hmask", [(8, 2, 1), (8, 2, 8), (6, 1, 1)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_gqa(hq, hkv, hmask, deterministic):
-    CASES.gqa(hq, hkv, hmask, deterministic)
+def test_gqa(variant, hq, hkv, hmask, deterministic):
+    GENERIC[variant].gqa(hq, hkv, hmask, deterministic)
 
 
+@generic
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_dlse_and_scale(dtype):
-    CASES.dlse_and_scale(dtype)
+def test_dlse_and_scale(variant, dtype):
+    GENERIC[variant].dlse_and_scale(dtype)
 
 
+@generic
 @pytest.mark.parametrize("kind", ["causal", "random"])
-def test_varlen_with_empty_samples(kind):
-    CASES.varlen_with_empty_samples(kind)
+def test_varlen_with_empty_samples(variant, kind):
+    GENERIC[variant].varlen_with_empty_samples(kind)
 
 
 def test_head_dim_96():
@@ -144,66 +156,20 @@ def test_head_dims_256_small_for_sanitizer():
     CASES.small_for_sanitizer((256, 256))
 
 
+@generic
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_deterministic_bit_identical(dtype):
-    CASES.deterministic_bit_identical(dtype)
+def test_deterministic_bit_identical(variant, dtype):
+    """k2q-2cta: one dQ writer per pair, in dq_write_order."""
+    GENERIC[variant].deterministic_bit_identical(dtype)
 
 
-def test_small_for_sanitizer():
+@generic
+def test_small_for_sanitizer(variant):
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)."""
-    CASES.small_for_sanitizer()
+    GENERIC[variant].small_for_sanitizer()
 
 
 # -- k2q-2cta: a cluster of two CTAs per 256-row K block (multicast Q / dO, dQ reduced in the pair) ----
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_pair_causal(dtype, d, deterministic):
-    PAIR.causal(dtype, deterministic, d)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_pair_random_multi_interval_per_head(dtype):
-    PAIR.random_multi_interval_per_head(dtype)
-
-
-@pytest.mark.parametrize("sq,sk", [(300, 1000), (1000, 300), (129, 127)])
-def test_pair_sq_ne_sk(sq, sk):
-    """300 and 127 keys end in the first half of a 256-row block: rank 1 of the last block owns no
-    valid key (it stores no dK / dV row and adds nothing to dQ)."""
-    PAIR.sq_ne_sk(sq, sk)
-
-
-def test_pair_all_empty_rows_and_nothing_visible():
-    PAIR.all_empty_rows(q_block=128)
-
-
-@pytest.mark.parametrize("hq,hkv,hmask", [(8, 2, 1), (8, 2, 8)])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_pair_gqa(hq, hkv, hmask, deterministic):
-    PAIR.gqa(hq, hkv, hmask, deterministic)
-
-
-@pytest.mark.parametrize("kind", ["causal", "random"])
-def test_pair_varlen_with_empty_samples(kind):
-    PAIR.varlen_with_empty_samples(kind)
-
-
 @pytest.mark.parametrize("dims", [(96, 96), (192, 128)], ids=["d96", "d192x128"])
 def test_pair_head_dims(dims):
     PAIR.head_dims(*dims, "random")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_pair_dlse_and_scale(dtype):
-    PAIR.dlse_and_scale(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_pair_deterministic_bit_identical(dtype):
-    """One dQ writer per pair, in dq_write_order: two runs give identical bits."""
-    PAIR.deterministic_bit_identical(dtype)
-
-
-def test_pair_small_for_sanitizer():
-    PAIR.small_for_sanitizer()
