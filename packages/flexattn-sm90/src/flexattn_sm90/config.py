@@ -81,6 +81,7 @@ SMEM_LIMIT = 227 * 1024
 #: SMEM kept for a kernel's barriers, task records and alignment next to its tiles
 SMEM_RESERVE = 1024
 
+
 @dataclass(frozen=True)
 class Sm90FwdConfig(_KernelConfig):
     """Persistent warp-specialised forward: one producer warpgroup, ``num_consumer_warpgroups``

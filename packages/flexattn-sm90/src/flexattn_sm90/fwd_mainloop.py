@@ -335,13 +335,13 @@ class ConsumerMainloop:
         chunk_layout = cute.make_layout(mma_o.get_slice(ops.tidx).partition_shape_C(sO.shape))
         wg_rows = 64
         s_rows = cute.local_tile(sO, (wg_rows, self.o_chunk), (ops.wg, 0))
+        tid = ops.tidx % self.threads_per_wg  # the thread's index in its warpgroup
         for c in cutlass.range_constexpr(self.head_dim_v // self.o_chunk):
             self.warpgroup_barrier(ops.wg)  # the warpgroup's last reads of sO are done
             r_chunk = cute.make_tensor(r_o.iterator + c * cute.size(chunk_layout), chunk_layout)
             stage_fragment(mma_o, r_chunk, sO, ops.tidx)
             self.warpgroup_barrier(ops.wg)  # the chunk is in sO
             g_rows = cute.local_tile(gO, (wg_rows, self.o_chunk), (ops.wg, c))
-            tid = ops.tidx % self.threads_per_wg
             store_rows(s_rows, g_rows, tid, self.threads_per_wg, ops.wg * wg_rows, g, t.q_valid)
 
     @cute.jit
