@@ -67,8 +67,14 @@ def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     # the dK / dV epilogue: both tiles (tile_n rows) staged by stmatrix.x4 (256 elements per warp, 8
     # warps), and every global store a 16-byte row piece (8 elements; per thread at least 1/256 of
     # the tiles, more where a width of 96 leaves threads idle)
-    tn = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype).tile_n
+    config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
+    tm, tn = config.tile_m, config.tile_n
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == tn * (dq + dv) // 2048
+    # dS (and P where they meet in SMEM) leave the S^T fragment by stmatrix.trans, in the partial
+    # and the full step: no element-wise 2-byte SMEM stores
+    transposed = 2 if config.payload_layout.wg_n > 1 else 1
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 2 * transposed * tm * tn // 2048
+    assert "st.shared.b16" not in ptx and "st.shared.u16" not in ptx
     stores = ptx.count("st.global.v4.b32")
     assert stores >= tn * (dq + dv) // 2048 and ptx.count("st.global") == stores
     _assert_ptxas_clean(ptx, tmp_path)

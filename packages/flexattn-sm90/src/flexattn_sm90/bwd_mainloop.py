@@ -10,7 +10,7 @@ Q block ``m`` of head ``hq``), in issue order::
     wait dO         dP^T = V dO^T                 (async; S^T done)
     [wait payload]  P^T  = exp2(S^T * scale*log2e - LSE2[q])  [bit e == 0 -> P^T[e] = 0]
                     dP^T done;  dS^T = P^T (dP^T - D[q])
-                    dS^T -> SMEM as dS (tile_m x tile_n)      [P^T -> SMEM as P likewise]
+                    dS^T -> SMEM as dS (stmatrix.trans)       [P^T -> SMEM as P likewise]
                     dV  += P^T dO   (RS)          (async)     [after the barrier, SS]
                     barrier of both warpgroups: dS [and P] complete in SMEM
                     dQ   = dS K     (SS)          (async; dV done -> release dO)
@@ -191,7 +191,7 @@ class BwdMainloop:
                     e = 32 * w + b
                     acc_s[e] = acc_s[e] if ((words[w] >> b) & 1) != 0 else Float32(0.0)
         if const_expr(self.pds_in_smem):
-            self.store_transposed(thr_sdp, acc_s, s["sP"], stage)
+            self.store_transposed(mma_sdp, acc_s, s["sP"], stage, tidx)
         else:
             ops.tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         # dS^T = P^T (dP^T - D[q])
@@ -202,7 +202,7 @@ class BwdMainloop:
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - stat[c])
-        rdS = self.store_transposed(thr_sdp, acc_dp, s["sdS"], stage)
+        rdS = self.store_transposed(mma_sdp, acc_dp, s["sdS"], stage, tidx)
         if const_expr(self.pds_in_smem):
             tVrP, tKrdS = ops.tVrP[None, None, None, stage], ops.tKrdS[None, None, None, stage]
         else:
@@ -243,14 +243,17 @@ class BwdMainloop:
         return q_state, do_state, mask_state
 
     @cute.jit
-    def store_transposed(self, thr_sdp, acc: cute.Tensor, s_x: cute.Tensor, stage: Int32) -> cute.Tensor:
+    def store_transposed(
+        self, mma_sdp, acc: cute.Tensor, s_x: cute.Tensor, stage: Int32, tidx: Int32
+    ) -> cute.Tensor:
         """The S^T-shaped fp32 fragment ``acc`` in the input dtype (returned) -> stage ``stage`` of the
-        (tile_m, tile_n) SMEM tile ``s_x``: fragment element (k, q) is element (q, k) of the tile."""
+        (tile_m, tile_n) SMEM tile ``s_x``: fragment element (k, q) is element (q, k) of the tile. A
+        column of the fragment is a contiguous row piece of the tile, so stmatrix.trans writes each
+        8x8 matrix in 16-byte rows (element-wise 2-byte stores took twice the SMEM wavefronts:
+        +1.4-4.4% fwd+bwd at D=128, benchmarks/RESULTS.md)."""
         r_x = cute.make_rmem_tensor(acc.shape, self.dtype)
         r_x.store(acc.load().to(self.dtype))
-        t_s = thr_sdp.partition_C(transpose_view(s_x)[None, None, stage])
-        for i in cutlass.range_constexpr(cute.size(r_x)):
-            t_s[i] = r_x[i]
+        stage_fragment(mma_sdp, r_x, transpose_view(s_x)[None, None, stage], tidx, transpose=True)
         return r_x
 
     @cute.jit

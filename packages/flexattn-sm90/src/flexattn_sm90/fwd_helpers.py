@@ -191,10 +191,15 @@ PIECE = 8
 
 
 @cute.jit
-def stage_fragment(tiled_mma: cute.TiledMma, frag: cute.Tensor, s_tile: cute.Tensor, tidx: Int32):
+def stage_fragment(
+    tiled_mma: cute.TiledMma, frag: cute.Tensor, s_tile: cute.Tensor, tidx: Int32,
+    transpose: cutlass.Constexpr[bool] = False,
+):  # fmt: skip
     """This thread's C fragment ``frag`` (16-bit, in ``tiled_mma``'s C ownership of ``s_tile``'s
-    shape) -> the SMEM tile ``s_tile``, by stmatrix (8x8 matrices, four per instruction)."""
-    atom = cute.make_copy_atom(StMatrix8x8x16bOp(False, 4), s_tile.element_type)
+    shape) -> the SMEM tile ``s_tile``, by stmatrix (8x8 matrices, four per instruction).
+    ``transpose``: ``s_tile`` is a transposed view (its columns are contiguous), written by
+    ``stmatrix.trans``."""
+    atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose, 4), s_tile.element_type)
     r2s = cute.make_tiled_copy_C(atom, tiled_mma)
     thr = r2s.get_slice(tidx)
     cute.copy(r2s, thr.retile(frag), thr.partition_D(s_tile))
