@@ -249,8 +249,8 @@ class BwdMainloop:
         """The S^T-shaped fp32 fragment ``acc`` in the input dtype (returned) -> stage ``stage`` of the
         (tile_m, tile_n) SMEM tile ``s_x``: fragment element (k, q) is element (q, k) of the tile. A
         column of the fragment is a contiguous row piece of the tile, so stmatrix.trans writes each
-        8x8 matrix in 16-byte rows (element-wise 2-byte stores took twice the SMEM wavefronts:
-        +1.4-4.4% fwd+bwd at D=128, benchmarks/RESULTS.md)."""
+        8x8 matrix in 16-byte rows (element-wise 2-byte stores took twice the SMEM wavefronts and
+        8x the instructions; fwd+bwd at D=128 is 3-4% faster this way, benchmarks/RESULTS.md)."""
         r_x = cute.make_rmem_tensor(acc.shape, self.dtype)
         r_x.store(acc.load().to(self.dtype))
         stage_fragment(mma_sdp, r_x, transpose_view(s_x)[None, None, stage], tidx, transpose=True)
