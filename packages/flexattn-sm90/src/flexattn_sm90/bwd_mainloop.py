@@ -68,7 +68,9 @@ class BwdMainloop:
         tidx: Int32,
     ):  # fmt: skip
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
-        wg = tidx // self.threads_per_wg
+        # warp-uniform, so the WGMMA descriptors of this warpgroup's operand slices are built in uniform
+        # registers: as a per-thread value each descriptor took two R2UR moves before its WGMMA
+        wg = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
         tm, tn = self.tile_m, self.tile_n
         slices = [(m.get_slice(wg * self.threads_per_wg), m.get_slice(tidx)) for m in mmas]
         (wg_sdp, thr_sdp), (wg_dk, thr_dk), (wg_dv, thr_dv), (wg_dq, thr_dq) = slices
