@@ -252,7 +252,7 @@ class BwdMainloop:
         (tile_m, tile_n) SMEM tile ``s_x``: fragment element (k, q) is element (q, k) of the tile. A
         column of the fragment is a contiguous row piece of the tile, so stmatrix.trans writes each
         8x8 matrix in 16-byte rows (element-wise 2-byte stores took twice the SMEM wavefronts and
-        8x the instructions; fwd+bwd at D=128 is 3-4% faster this way, benchmarks/RESULTS.md)."""
+        8x the instructions; fwd+bwd at D=128 is 2.7-3.9% faster this way, benchmarks/RESULTS.md)."""
         r_x = cute.make_rmem_tensor(acc.shape, self.dtype)
         r_x.store(acc.load().to(self.dtype))
         stage_fragment(mma_sdp, r_x, transpose_view(s_x)[None, None, stage], tidx, transpose=True)
