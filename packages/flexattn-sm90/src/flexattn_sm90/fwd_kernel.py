@@ -232,21 +232,14 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
         self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
-        # S = Q K^T: (tile_m, tile_n), both K-major; O = P V (pv_tiled_mma)
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            (self.num_consumer_wg, 1, 1),
-            (64, self.tile_n),
-        )
-        mma_pv = self.pv_tiled_mma(self.head_dim_v)
+        # S = Q K^T: (tile_m, tile_n), both K-major; O = P V: P from registers, V^T MN-major
+        MN = cute.nvgpu.OperandMajorMode.MN
+        mma_qk = self.tiled_mma(self.tile_n, cute.nvgpu.OperandMajorMode.K, warpgroup.OperandSource.SMEM)
+        mma_pv = self.tiled_mma(self.head_dim_v, MN, warpgroup.OperandSource.RMEM)
         assert mma_qk.size == self.num_consumer_threads
         # the epilogue's O staging: (tile_m, o_chunk) and the WGMMA C ownership of such a chunk
         sO_layout = smem_layout_row_major(self.dtype, self.tile_m, self.o_chunk)
-        mma_o = self.pv_tiled_mma(self.o_chunk)
+        mma_o = self.tiled_mma(self.o_chunk, MN, warpgroup.OperandSource.RMEM)
         self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         if const_expr(self.shared_storage.size_in_bytes() > SMEM_LIMIT):
             raise ValueError(
@@ -280,17 +273,19 @@ class Sm90FwdKernel(ConsumerMainloop):
             min_blocks_per_mp=1,
         )
 
-    def pv_tiled_mma(self, cols: int) -> cute.TiledMma:
-        """``O = P V`` over ``cols`` of Dv: P from registers, V^T MN-major."""
+    def tiled_mma(self, cols: int, b_major, a_source) -> cute.TiledMma:
+        """A ``tile_m x cols`` WGMMA of the consumer warpgroups (one m64 slab each), A K-major:
+        S = Q K^T (B K-major, A from SMEM), O = P V and an O chunk's C ownership (B = V^T MN-major,
+        A = P from registers)."""
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype,
             self.dtype,
             cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
+            b_major,
             Float32,
             (self.num_consumer_wg, 1, 1),
             (64, cols),
-            warpgroup.OperandSource.RMEM,
+            a_source,
         )
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
