@@ -3,8 +3,10 @@
 One CTA of 256 threads per (sample-local Q block ``m``, q head ``hq``, sample ``b``). Thread ``t``
 plays MMA thread ``t`` of the main kernel's dQ ``TiledMma`` (:func:`bwd_helpers.make_dq_tiled_mma`,
 the same builder): it reads its accumulator fragment from the fragment-ordered chunk of warpgroup
-``t // 128`` (:func:`bwd_helpers.dq_chunk_layout`), scales, converts and stores the rows of the
-block that lie inside the sample (``< q_len``). Rows of padding never leave the workspace.
+``t // 128`` (:func:`bwd_helpers.dq_chunk_layout`), scales and converts it, and stages it into a
+padded SMEM tile by ``stmatrix``; the CTA then stores the rows of the block that lie inside the
+sample (``< q_len``) in 16-byte row pieces, so each warp store writes whole lines (the C fragment
+itself holds 4-byte row pieces). Rows of padding never leave the workspace.
 """
 
 import cutlass
@@ -19,7 +21,7 @@ from maskplan_kernels.consumer_plan import (
 )
 
 from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma
-from .fwd_helpers import acc_mn_view
+from .fwd_helpers import stage_fragment, store_rows
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -64,16 +66,20 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
             cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
             r = cute.make_rmem_tensor_like(acc, self.dtype)
             r.store((acc.load() * softmax_scale).to(self.dtype))
+            # rows 2 D + 16 bytes apart: for D a multiple of 32 any 8 consecutive rows start at distinct
+            # 16-byte bank offsets (an stmatrix 8x8 matrix has no bank conflict; no swizzle atom fits
+            # D = 96), and every row stays 16-byte aligned for store_rows
+            pitch = d + 8
+            sdQ = cutlass.memory.SmemAllocator().allocate_tensor(
+                self.dtype, cute.make_layout((tm, d), stride=(pitch, 1)), 16
+            )
+            stage_fragment(mma_dq, r, sdQ, tidx)
+            cute.arch.sync_threads()
             # (tile_m, D) rows of this block and head; a row starts 16-byte aligned (D * 2 bytes >= 128)
             heads = mdQ.shape[1]
             gdQ = cute.make_tensor(
                 element_ptr(mdQ, ((q_offset + m_block * tm) * heads + q_head) * d),
                 cute.make_layout((tm, d), stride=(heads * d, 1)),
             )
-            t_g = acc_mn_view(thr.partition_C(gdQ))
-            t_c = acc_mn_view(thr.partition_C(cute.make_identity_tensor((tm, d))))
-            r_mn = acc_mn_view(r)
-            q_valid = q_len - m_block * tm
-            for i in cutlass.range_constexpr(cute.size(t_c, mode=[0])):
-                if t_c[i, 0][0] < q_valid:
-                    cute.autovec_copy(r_mn[i, None], t_g[i, None])
+            # store_rows takes at most the tile's rows as valid (its last pass may run past the tile)
+            store_rows(sdQ, gdQ, tidx, self.num_threads, 0, 1, cutlass.min(q_len - m_block * tm, tm))

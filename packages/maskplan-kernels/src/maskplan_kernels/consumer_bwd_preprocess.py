@@ -28,6 +28,7 @@ from .consumer_plan import SequenceDesc, backward_q_desc, element_ptr, sample_q
 from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+VECTOR = 8  # 16-bit elements in a 16-byte load
 
 
 @cute.jit
@@ -120,11 +121,13 @@ class BwdPreprocess:
             token = q_offset + q_local
             dot = Float32(0.0)
             if q_local < q_len:
-                # this thread's Dv / 4 elements of the row: 16-byte aligned (Dv / 4 is a multiple of 8)
-                seg = cute.make_layout(self.row_part)
-                offset = (token * mO.shape[1] + q_head) * self.head_dim_v + part * self.row_part
-                r_o = cute.make_rmem_tensor(self.row_part, self.dtype)
-                r_do = cute.make_rmem_tensor(self.row_part, self.dtype)
+                # this thread's Dv / 4 elements of the row: 16-byte pieces ``part``, ``part + 4``, ...
+                # so a row's 4 threads read 64 contiguous bytes per load (whole sectors)
+                pieces = self.row_part // VECTOR
+                seg = cute.make_layout((VECTOR, pieces), stride=(1, VECTOR * self.threads_per_row))
+                offset = (token * mO.shape[1] + q_head) * self.head_dim_v + part * VECTOR
+                r_o = cute.make_rmem_tensor(seg.shape, self.dtype)
+                r_do = cute.make_rmem_tensor(seg.shape, self.dtype)
                 cute.autovec_copy(cute.make_tensor(element_ptr(mO, offset), seg), r_o)
                 cute.autovec_copy(cute.make_tensor(element_ptr(mdO, offset), seg), r_do)
                 prod = r_o.load().to(Float32) * r_do.load().to(Float32)
@@ -142,13 +145,13 @@ class BwdPreprocess:
                         d = dot - mdLSE[q_head, token]
                 mLSE2[q_head, blk * tm + row] = lse2
                 mDsum[q_head, blk * tm + row] = d
-            # zero this block's dQ accumulator: one contiguous tile_m x Dqk fp32 run
-            zeros = cute.make_rmem_tensor(self.zero_part, Float32)
+            # zero this block's dQ accumulator, one contiguous tile_m x Dqk fp32 run: thread t writes the
+            # 16-byte vectors t, t + threads, ..., so each warp store covers 512 contiguous bytes
+            run = cute.make_layout((4, self.zero_part // 4), stride=(1, 4 * self.num_threads))
+            zeros = cute.make_rmem_tensor(run.shape, Float32)
             zeros.fill(0.0)
-            offset = (q_head * mdQaccum.shape[1] + blk * tm * self.head_dim_qk) + tidx * self.zero_part
-            cute.autovec_copy(
-                zeros, cute.make_tensor(element_ptr(mdQaccum, offset), cute.make_layout(self.zero_part))
-            )
+            offset = (q_head * mdQaccum.shape[1] + blk * tm * self.head_dim_qk) + tidx * 4
+            cute.autovec_copy(zeros, cute.make_tensor(element_ptr(mdQaccum, offset), run))
             if tidx == 0:
                 mdQsem[q_head, blk] = Int32(0)
 
