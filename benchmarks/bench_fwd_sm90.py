@@ -110,8 +110,9 @@ def systems(args, q, k, v, name, endpoints):
 systems.flex = None
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def make_parser(description: str) -> argparse.ArgumentParser:
+    """The problem and peer options (shared with ``bench_kernels.py``); :func:`finish` the result."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--seqlen", default="8192", help="one length, or a comma-separated sweep")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
@@ -121,9 +122,17 @@ def main() -> None:
     p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
     p.add_argument("--systems", default="flexattn,cudnn,torch-flex,fa4-causal")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
+    return p
+
+
+def finish(args: argparse.Namespace) -> argparse.Namespace:
     args.systems = args.systems.split(",")
     args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+def main() -> None:
+    args = finish(make_parser(__doc__.splitlines()[0]).parse_args())
     torch.manual_seed(0)
     train = args.mode == "train"
     rows = []
@@ -157,6 +166,8 @@ def run_length(args, seqlen: int, train: bool) -> list[dict]:
 
 
 def report(rows: list[dict], out: Path, mode: str) -> None:
+    if not rows:
+        sys.exit("no system ran (see the failures above): nothing to report")
     ours = {(r["seqlen"], r["mask"]): r["tflops"] for r in rows if r["system"] == "flexattn"}
     print(f"\n{mode}:  S     mask           system        TFLOP/s   flexattn/system")
     for r in rows:

@@ -1,0 +1,72 @@
+"""Per-kernel GPU time of one step of each system, to see where a system's time goes.
+
+    python benchmarks/bench_kernels.py [--mode fwd|train] [--dim 128] [--masks causal]
+                                       [--systems flexattn,cudnn,fa4-causal] [--steps 5]
+
+The same problem, masks, peers and options as ``bench_fwd_sm90.py`` (its first length only).
+Each system's step is warmed up, then ``--steps`` steps run under ``torch.profiler``; the table
+lists every GPU kernel (name cut to 100 characters) with its time per step, largest first, and the
+sum. The profiler adds little to kernels of this length, but compare kernels within one run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd_sm90 import finish, make_parser, systems  # noqa: E402
+from masks_bench import endpoint_mask  # noqa: E402
+
+
+def kernel_times(fn, steps: int) -> list[tuple[float, str]]:
+    """``(ms per step, kernel name)`` of every GPU kernel ``fn`` launches, largest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (e.self_device_time_total / steps / 1000, e.key)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    return sorted(rows, reverse=True)
+
+
+def main() -> None:
+    p = make_parser(__doc__.splitlines()[0])
+    p.set_defaults(masks="causal", systems="flexattn,cudnn,fa4-causal")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps per system")
+    args = finish(p.parse_args())
+    train = args.mode == "train"
+    seqlen = int(args.seqlen.split(",")[0])
+    torch.manual_seed(0)
+
+    def leaf(heads):
+        t = torch.randn(args.batch, seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
+        return t.requires_grad_(train)
+
+    q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
+    print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={seqlen} Hq={args.heads} "
+          f"Hkv={args.kv_heads} D={args.dim} bf16, ms per step")  # fmt: skip
+    for name in args.masks.split(","):
+        endpoints = endpoint_mask(name, args.batch, seqlen)
+        for system, fn in systems(args, q, k, v, name, endpoints).items():
+            try:
+                rows = kernel_times(fn, args.steps)
+            except Exception as e:  # a peer failing must not hide the others' numbers
+                print(f"{name} {system}: failed: {type(e).__name__}: {e}")
+                continue
+            print(f"{name} {system}: {sum(ms for ms, _ in rows):.3f} ms")
+            for ms, kernel in rows:
+                print(f"  {ms:8.3f}  {kernel[:100]}")
+
+
+if __name__ == "__main__":
+    main()
