@@ -109,10 +109,10 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
 @pytest.mark.parametrize(
     "dq,dv,expect",
     [
-        # (dQ from registers, Q stages, dO stages) in atomic / deterministic mode
-        (128, 128, ((False, 2, 2), (False, 2, 2))),
-        (192, 128, ((True, 2, 2), (False, 2, 2))),
-        (256, 256, ((True, 2, 1), (False, 1, 1))),  # the dQ chunks take Q's second stage
+        # (dQ from registers, SMEM dQ chunks, Q stages, dO stages) in atomic / deterministic mode
+        (128, 128, ((False, 2, 2, 2), (False, 2, 2, 2))),
+        (192, 128, ((True, 0, 2, 2), (False, 2, 2, 2))),
+        (256, 256, ((True, 0, 2, 1), (False, 1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):
@@ -121,7 +121,7 @@ def test_dq_path_and_stages_per_mode(dq, dv, expect):
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
     for deterministic, want in zip((False, True), expect, strict=True):
         k = Sm90BwdKernel(config, deterministic=deterministic)
-        assert (k.dq_in_registers, k.q_stages, k.do_stages) == want
+        assert (k.dq_in_registers, k.dq_chunks, k.q_stages, k.do_stages) == want
 
 
 def test_preprocess_is_the_shared_one(tmp_path):

@@ -5,8 +5,8 @@ accumulates dK/dV in registers over every Q head of its kv head (GQA needs no la
 while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. 384 threads::
 
     warp 0 (WG0)      producer: TMA loads of K, V (once), Q + LSE and dO + D (per Q block; 2
-                      stages each, dO 1 at D256, Q too in deterministic mode), bulk copy of the
-                      partial payloads (2-stage SMEM mask pipeline)
+                      stages each, dO 1 at D256), bulk copy of the partial payloads (2-stage SMEM
+                      mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first.
                       Atomic mode of the 64 x 64 tile: the MMA threads reduce dQ from registers
@@ -25,8 +25,9 @@ Two tiles (heuristics.bwd_tile), both of 64 Q rows::
                              (P^T / dS^T straight from its registers)
     64 x 64  (192/128, 256)  each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
                              accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
-                             dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages,
-                             1 / 1 in deterministic mode (its SMEM holds the dQ chunks).
+                             dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages;
+                             deterministic mode has SMEM for one dQ chunk, which the warpgroups
+                             fill in turn.
 
 The score tile is computed transposed, so the accumulator rows are K rows: exactly the ownership
 ``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes (its
@@ -129,9 +130,17 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # atomic mode with config.dq_from_registers: no SMEM for dQ), or SMEM chunks that the dQ writer
         # bulk-adds (deterministic mode's ordered adds always)
         self.dq_in_registers = config.dq_from_registers and not deterministic
-        self.do_stages = config.do_stages
-        # config.q_stages counts on the SMEM register dQ saves; the dQ writer's chunks take it back
-        self.q_stages = config.do_stages if config.dq_from_registers and deterministic else config.q_stages
+        self.do_stages, self.q_stages = config.do_stages, config.q_stages
+        # SMEM chunks of dQ: one per warpgroup; or, where the stages fill the SMEM that dQ in registers
+        # saves (fewer dO stages than Q stages, heuristics.bwd_stages), one that the warpgroups fill in
+        # turn (the second waits until the dQ writer's bulk add has read the first) rather than
+        # giving up Q's second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
+        if self.dq_in_registers:
+            self.dq_chunks = 0
+        elif config.dq_from_registers and config.do_stages < config.q_stages:
+            self.dq_chunks = 1
+        else:
+            self.dq_chunks = config.num_consumer_warpgroups
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -249,7 +258,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
 
     def _shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout):
         q_stats, do_stats = self.tile_m * self.q_stages, self.tile_m * self.do_stages
-        dq_smem = 0 if self.dq_in_registers else self.dq_block
+        dq_smem = self.dq_chunks * self.dq_chunk
         p_elems = cute.cosize(sdS_layout) if self.pds_in_smem else 0
 
         @cute.struct
@@ -327,8 +336,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sMask": storage.mask.get_tensor(
                 cute.make_layout((self.payload_words, self.payload_groups, self.mask_stages))
             ),
-            # (dq_block,): two fragment-ordered warpgroup chunks (none with dQ in registers)
-            "sdQ": None if self.dq_in_registers else storage.sdQ.get_tensor(cute.make_layout(self.dq_block)),
+            # fragment-ordered warpgroup chunks of dQ, dq_chunks of them (none with dQ in registers)
+            "sdQ": None if self.dq_in_registers else storage.sdQ.get_tensor(
+                cute.make_layout(self.dq_chunks * self.dq_chunk)
+            ),
         }
         work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
 
@@ -477,7 +488,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     @cute.jit
     def write_dq_block(self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32):
         pair = self.threads_per_wg + 32
-        for wg in cutlass.range_constexpr(self.num_mma_wg):
+        shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
+        for wg in cutlass.range_constexpr(self.dq_chunks):
             if const_expr(not self.deterministic):
                 # the previous step's add of chunk wg has read its SMEM
                 cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
@@ -487,10 +499,15 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             turnstile_wait(counter, rank, lane)
         base = q_head * mdQaccum.shape[1] + q_block * self.dq_block
         for wg in cutlass.range_constexpr(self.num_mma_wg):
+            if const_expr(shared and wg > 0):
+                # the add of the previous warpgroup's chunk has read it: the chunk is this one's
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
             cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
-                bulk_reduce_add_f32(sdQ.iterator + wg * self.dq_chunk, dst, self.dq_chunk * 4)
+                src = sdQ.iterator + (0 if const_expr(shared) else wg * self.dq_chunk)
+                bulk_reduce_add_f32(src, dst, self.dq_chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM

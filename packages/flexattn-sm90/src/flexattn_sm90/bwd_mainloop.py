@@ -107,7 +107,8 @@ class BwdMainloop:
         tdQsdQ = None
         if const_expr(not self.dq_in_registers):
             chunk_layout = dq_chunk_layout(self.dq_elements)
-            chunk = cute.make_tensor(s["sdQ"].iterator + wg * self.dq_chunk, chunk_layout)
+            first = 0 if const_expr(self.dq_chunks == 1) else wg * self.dq_chunk  # shared: in turn
+            chunk = cute.make_tensor(s["sdQ"].iterator + first, chunk_layout)
             tdQsdQ = chunk[tidx % self.threads_per_wg, None]
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)

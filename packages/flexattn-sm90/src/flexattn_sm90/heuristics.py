@@ -55,7 +55,7 @@ def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
 def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     """``(q_stages, do_stages)`` of the backward: at (256, 256) two Q stages and one dO stage
     (64 + 32 KB) next to K, V and two stages of P and dS fill the 227 KB of SMEM; two dO stages do
-    not fit. The kernel keeps Q at ``do_stages`` where it also stages dQ in SMEM (bwd_kernel.py)."""
+    not fit. Deterministic mode stages dQ in SMEM there one warpgroup chunk at a time (bwd_kernel.py)."""
     return (2, 1) if head_dim_qk + head_dim_v > 384 else (2, 2)
 
 
