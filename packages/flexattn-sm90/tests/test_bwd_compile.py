@@ -135,7 +135,11 @@ def test_preprocess_is_the_shared_one(tmp_path):
 @pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_postprocess_compiles(dq, dv, dtype, tmp_path):
+    """dQ leaves the fragment through SMEM (stmatrix) and reaches GMEM in 16-byte row pieces only."""
     ptx = _ptx("post", dq, dv, dtype, tmp_path=tmp_path)
+    assert "stmatrix.sync.aligned" in ptx
+    stores = set(re.findall(r"st\.global\.\S+", ptx))
+    assert stores == {"st.global.v4.b32"}, stores
     _assert_ptxas_clean(ptx, tmp_path)
 
 
