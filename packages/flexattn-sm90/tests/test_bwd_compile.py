@@ -66,7 +66,7 @@ def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     assert (".f32.bf16.bf16" in ptx) == (dtype == "bfloat16")
     # the dK / dV epilogue: both tiles (tile_n rows) staged by stmatrix.x4 (256 elements per warp, 8
     # warps), and every global store a 16-byte row piece (8 elements; per thread at least 1/256 of
-    # the tiles, more where a width of 96 leaves threads idle)
+    # the tiles, more where a width of 96 or 192 leaves threads over, which repeat a row piece)
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     tm, tn = config.tile_m, config.tile_n
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == tn * (dq + dv) // 2048

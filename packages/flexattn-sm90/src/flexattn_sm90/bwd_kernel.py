@@ -141,6 +141,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             self.dq_chunks = 1
         else:
             self.dq_chunks = config.num_consumer_warpgroups
+        # a shared chunk is handed over after each add has read it: write_dq_block does that in
+        # deterministic mode only (atomic mode keeps adds in flight across steps)
+        assert self.dq_chunks != 1 or deterministic
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -466,8 +469,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     def dq_writer(
         self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, plan: BwdPlanTensors, work
     ):
-        """Per step: hand both SMEM chunks back to the MMA warpgroups, [wait for this entry's turn,]
-        bulk-add each chunk into the GMEM accumulator once its warpgroup has written it."""
+        """Per step: hand the SMEM chunks back to the MMA warpgroups, [wait for this entry's turn,]
+        bulk-add each chunk into the GMEM accumulator once its warpgroup has written it. With one
+        shared chunk (``dq_chunks == 1``) warpgroup 0 gets it first and warpgroup 1 once the first
+        add has read it, so warpgroup 1's dQ store also waits for the turnstile."""
         lane = cute.arch.lane_idx()
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)

@@ -234,7 +234,8 @@ class BwdMainloop:
                     [acc_dq[DQ_FRAGMENT_VECTOR * j + i] for i in range(DQ_FRAGMENT_VECTOR)],
                 )
         else:
-            # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it
+            # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it (a chunk shared by
+            # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it)
             pair = self.threads_per_wg + 32
             cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
             cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)

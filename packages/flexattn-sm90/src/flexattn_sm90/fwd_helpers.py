@@ -215,8 +215,9 @@ def store_rows(
     row ``r`` unless ``(row0 + r) // rows_per_position < valid_positions``. ``g_tile``'s rows start
     16-byte aligned (the tensor base is, and rows are whole multiples of 8 elements apart). Where
     ``threads`` do not cover whole rows per pass (the backward's 96- and 192-column tiles) the
-    last pass runs past the tile; its rows are never valid (``valid_positions`` never exceeds the
-    tile), so they are skipped."""
+    last pass runs past the tile, so there the caller must pass ``valid_positions`` of at most the
+    tile (the backward's do): the rows past it are then skipped. The threads past the last whole
+    row fall on the next pass's first row pieces and store the same bytes as their owners."""
     rows, cols = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
     per_row = cols // PIECE
     s2g = cute.make_tiled_copy_tv(
