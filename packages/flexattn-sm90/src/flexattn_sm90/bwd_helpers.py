@@ -9,12 +9,17 @@ are shared with the forward (:mod:`flexattn_sm90.fwd_helpers`).
 
 import math
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
+
+from maskplan_kernels.consumer_plan import element_ptr
+
+from .fwd_helpers import stage_fragment, store_rows
 
 #: fp32 values per 16-byte vector of a dQ accumulator chunk
 DQ_FRAGMENT_VECTOR = 4
@@ -85,3 +90,32 @@ __all__ = [
     "red_add_v4_f32",
     "smem_layout",
 ]
+
+
+# -- results out through SMEM: dK / dV (main kernel), dQ (postprocess) ------------------------------
+@cute.jit
+def stage_result(tiled_mma, acc: cute.Tensor, s_x: cute.Tensor, tidx: Int32, scale: Float32 | None):
+    """An fp32 result fragment (times ``scale`` unless None) in ``s_x``'s dtype -> the SMEM tile
+    ``s_x`` of its shape, by stmatrix."""
+    r_x = cute.make_rmem_tensor_like(acc, s_x.element_type)
+    if const_expr(scale is None):
+        r_x.store(acc.load().to(s_x.element_type))
+    else:
+        r_x.store((acc.load() * scale).to(s_x.element_type))
+    stage_fragment(tiled_mma, r_x, s_x, tidx)
+
+
+@cute.jit
+def store_result_rows(
+    s_x: cute.Tensor, m_x: cute.Tensor, first_row: Int32, head: Int32, tidx: Int32,
+    threads: cutlass.Constexpr[int], valid_rows: Int32,
+):  # fmt: skip
+    """The staged ``(rows, D)`` tile ``s_x`` -> rows ``first_row, ...`` of head ``head`` of the THD
+    tensor ``m_x`` (a row starts 16-byte aligned), the first ``valid_rows`` (at most the tile) only,
+    in 16-byte row pieces so a warp store writes whole 128-byte lines (as the forward's O)."""
+    rows, d = cute.size(s_x, mode=[0]), cute.size(s_x, mode=[1])
+    heads = m_x.shape[1]
+    g_x = cute.make_tensor(
+        element_ptr(m_x, (first_row * heads + head) * d), cute.make_layout((rows, d), stride=(heads * d, 1))
+    )
+    store_rows(s_x, g_x, tidx, threads, Int32(0), 1, valid_rows)

@@ -167,6 +167,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_block = self.tile_m * self.head_dim_qk  # fp32 values of one Q block
         assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
 
+    def dq_chunk_offset(self, wg) -> int:
+        """First fp32 value of warpgroup ``wg``'s dQ chunk in SMEM: its own, or the shared one."""
+        return 0 if self.dq_chunks == 1 else wg * self.dq_chunk
+
     # -- host entry: BwdHostEntry.from_pointers, then ------------------------------------------------
     @cute.jit
     def __call__(
@@ -511,8 +515,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
-                src = sdQ.iterator + (0 if const_expr(shared) else wg * self.dq_chunk)
-                bulk_reduce_add_f32(src, dst, self.dq_chunk * 4)
+                bulk_reduce_add_f32(sdQ.iterator + self.dq_chunk_offset(wg), dst, self.dq_chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
         if const_expr(self.deterministic):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM

@@ -35,8 +35,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
 
-from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32
-from .fwd_helpers import acc_as_operand_a, acc_mn_view, stage_fragment, store_rows, transpose_view, wgmma
+from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32, stage_result, store_result_rows
+from .fwd_helpers import acc_as_operand_a, acc_mn_view, stage_fragment, transpose_view, wgmma
 
 
 class StepOperands(NamedTuple):
@@ -107,8 +107,7 @@ class BwdMainloop:
         tdQsdQ = None
         if const_expr(not self.dq_in_registers):
             chunk_layout = dq_chunk_layout(self.dq_elements)
-            first = 0 if const_expr(self.dq_chunks == 1) else wg * self.dq_chunk  # shared: in turn
-            chunk = cute.make_tensor(s["sdQ"].iterator + first, chunk_layout)
+            chunk = cute.make_tensor(s["sdQ"].iterator + self.dq_chunk_offset(wg), chunk_layout)
             tdQsdQ = chunk[tidx % self.threads_per_wg, None]
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
@@ -140,11 +139,13 @@ class BwdMainloop:
                 left_p, left_f = nxt.partial_left, nxt.full_left
         # every GEMM reading K and V has retired in both warpgroups: sK and sV stage dK and dV
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
-        self.stage_result(mmas[1], ops.acc_dk, sK, tidx, softmax_scale)
-        self.stage_result(mmas[2], ops.acc_dv, sV, tidx, None)
+        stage_result(mmas[1], ops.acc_dk, sK, tidx, softmax_scale)
+        stage_result(mmas[2], ops.acc_dv, sV, tidx, None)
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
-        self.epilogue(sK, mdK, work, tidx)
-        self.epilogue(sV, mdV, work, tidx)
+        # dK / dV of this block and kv head -> rows < k_valid
+        first = work.k_offset + work.n_block * self.tile_n
+        for s_x, m_x in ((sK, mdK), (sV, mdV)):
+            store_result_rows(s_x, m_x, first, work.kv_head, tidx, self.num_mma_threads, work.k_valid)
 
     @cute.jit
     def stat_columns(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
@@ -259,27 +260,3 @@ class BwdMainloop:
         r_x.store(acc.load().to(self.dtype))
         stage_fragment(mma_sdp, r_x, transpose_view(s_x)[None, None, stage], tidx, transpose=True)
         return r_x
-
-    @cute.jit
-    def stage_result(self, tiled_mma, acc: cute.Tensor, s_x: cute.Tensor, tidx: Int32, scale: Float32 | None):
-        """dK (times the softmax scale) or dV in the input dtype -> the SMEM tile ``s_x`` of its
-        shape (sK / sV, free once the last step's GEMMs retired)."""
-        r_x = cute.make_rmem_tensor_like(acc, self.dtype)
-        if const_expr(scale is None):
-            r_x.store(acc.load().to(self.dtype))
-        else:
-            r_x.store((acc.load() * scale).to(self.dtype))
-        stage_fragment(tiled_mma, r_x, s_x, tidx)
-
-    @cute.jit
-    def epilogue(self, s_x: cute.Tensor, m_x: cute.Tensor, work, tidx: Int32):
-        """The staged dK or dV tile -> rows ``< k_valid`` of the block in 16-byte row pieces, so a
-        warp store writes whole 128-byte lines (as the forward's O)."""
-        tn, d = self.tile_n, cute.size(s_x, mode=[1])
-        # (tile_n, D) rows of this block and kv head; a row starts 16-byte aligned
-        heads = m_x.shape[1]
-        g_x = cute.make_tensor(
-            element_ptr(m_x, ((work.k_offset + work.n_block * tn) * heads + work.kv_head) * d),
-            cute.make_layout((tn, d), stride=(heads * d, 1)),
-        )
-        store_rows(s_x, g_x, tidx, self.num_mma_threads, Int32(0), 1, work.k_valid)

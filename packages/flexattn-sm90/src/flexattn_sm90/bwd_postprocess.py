@@ -20,8 +20,7 @@ from maskplan_kernels.consumer_plan import (
     sample_q,
 )
 
-from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma
-from .fwd_helpers import stage_fragment, store_rows
+from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma, stage_result, store_result_rows
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -64,8 +63,6 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
             first = q_head * mdQaccum.shape[1] + blk * tm * d + wg * self.dq_chunk
             src = cute.make_tensor(element_ptr(mdQaccum, first), dq_chunk_layout(self.dq_elements))[t, None]
             cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
-            r = cute.make_rmem_tensor_like(acc, self.dtype)
-            r.store((acc.load() * softmax_scale).to(self.dtype))
             # rows 2 D + 16 bytes apart: for D a multiple of 32 any 8 consecutive rows start at distinct
             # 16-byte bank offsets (an stmatrix 8x8 matrix has no bank conflict; no swizzle atom fits
             # D = 96), and every row stays 16-byte aligned for store_rows
@@ -73,13 +70,8 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
             sdQ = cutlass.memory.SmemAllocator().allocate_tensor(
                 self.dtype, cute.make_layout((tm, d), stride=(pitch, 1)), 16
             )
-            stage_fragment(mma_dq, r, sdQ, tidx)
+            stage_result(mma_dq, acc, sdQ, tidx, softmax_scale)
             cute.arch.sync_threads()
-            # (tile_m, D) rows of this block and head; a row starts 16-byte aligned (D * 2 bytes >= 128)
-            heads = mdQ.shape[1]
-            gdQ = cute.make_tensor(
-                element_ptr(mdQ, ((q_offset + m_block * tm) * heads + q_head) * d),
-                cute.make_layout((tm, d), stride=(heads * d, 1)),
-            )
-            # store_rows takes at most the tile's rows as valid (its last pass may run past the tile)
-            store_rows(sdQ, gdQ, tidx, self.num_threads, 0, 1, cutlass.min(q_len - m_block * tm, tm))
+            # the block's rows inside the sample; at most the tile (store_rows' last pass may run past it)
+            valid = cutlass.min(q_len - m_block * tm, tm)
+            store_result_rows(sdQ, mdQ, q_offset + m_block * tm, q_head, tidx, self.num_threads, valid)
