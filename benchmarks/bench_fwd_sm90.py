@@ -141,14 +141,21 @@ def main() -> None:
     report(rows, Path(args.out), args.mode)
 
 
-def run_length(args, seqlen: int, train: bool) -> list[dict]:
+def inputs(args, seqlen: int, train: bool):
+    """Random bf16 ``q, k, v`` (BSHD) of the problem, leaves with grad for ``train``; prints the
+    problem line."""
+
     def leaf(heads):
         t = torch.randn(args.batch, seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
         return t.requires_grad_(train)
 
-    q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
     print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={seqlen} Hq={args.heads} "
           f"Hkv={args.kv_heads} D={args.dim} bf16")
+    return leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
+
+
+def run_length(args, seqlen: int, train: bool) -> list[dict]:
+    q, k, v = inputs(args, seqlen, train)
     rows = []
     for name in args.masks.split(","):
         endpoints = endpoint_mask(name, args.batch, seqlen)

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import finish, make_parser, systems  # noqa: E402
+from bench_fwd_sm90 import finish, inputs, make_parser, systems  # noqa: E402
 from masks_bench import endpoint_mask  # noqa: E402
 
 
@@ -51,17 +51,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps per system")
     p.add_argument("--plain", action="store_true", help="no torch.profiler (run under ncu)")
     args = finish(p.parse_args())
-    train = args.mode == "train"
     seqlen = int(args.seqlen.split(",")[0])
     torch.manual_seed(0)
-
-    def leaf(heads):
-        t = torch.randn(args.batch, seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
-        return t.requires_grad_(train)
-
-    q, k, v = leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
-    print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={seqlen} Hq={args.heads} "
-          f"Hkv={args.kv_heads} D={args.dim} bf16, ms per step")  # fmt: skip
+    q, k, v = inputs(args, seqlen, args.mode == "train")
     for name in args.masks.split(","):
         endpoints = endpoint_mask(name, args.batch, seqlen)
         for system, fn in systems(args, q, k, v, name, endpoints).items():
@@ -74,7 +66,7 @@ def main() -> None:
             except Exception as e:  # a peer failing must not hide the others' numbers
                 print(f"{name} {system}: failed: {type(e).__name__}: {e}")
                 continue
-            print(f"{name} {system}: {sum(ms for ms, _ in rows):.3f} ms")
+            print(f"{name} {system}: {sum(ms for ms, _ in rows):.3f} ms per step")
             for ms, kernel in rows:
                 print(f"  {ms:8.3f}  {kernel[:100]}")
 
