@@ -174,6 +174,9 @@ class BwdMainloop:
         stat = cute.make_rmem_tensor(n_cols, Float32)
 
         ops.pipe_q.consumer_wait(q_state)
+        # LSE is read before the S GEMM is issued: read after its wait, the loads queued behind the
+        # GEMMs' issue and stalled the exponentials (MIO throttle, then short scoreboard)
+        self.stat_columns(thr_sdp, s["sLSE"], stage, stat)
         wgmma(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
         ops.pipe_do.consumer_wait(do_state)
         wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, do_stage], zero_init=True, wait=1)
@@ -185,7 +188,6 @@ class BwdMainloop:
             ops.pipe_mask.consumer_release(mask_state)
             mask_state.advance()
         # P^T = exp2(S^T scale log2e - LSE2[q])
-        self.stat_columns(thr_sdp, s["sLSE"], stage, stat)
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - stat[c], fastmath=True)
@@ -200,8 +202,6 @@ class BwdMainloop:
             ops.tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         # dS^T = P^T (dP^T - D[q])
         self.stat_columns(thr_sdp, s["sDsum"], do_stage, stat)
-        # the generic-proxy reads of LSE / D complete before the bulk copies refill their stage
-        cute.arch.fence_proxy("async.shared", space="cta")
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
@@ -214,6 +214,8 @@ class BwdMainloop:
             tKrdS.store(acc_as_operand_a(rdS).load())
             # dV += P^T dO (its A is this warpgroup's own registers: no need to wait for the other)
             wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, do_stage], zero_init=False, wait=-1)
+        # the dS^T stores, and the reads of LSE / D before the bulk copies refill their stages (both
+        # stages are released after this), are ordered before the async proxy
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         if const_expr(self.pds_in_smem):
