@@ -174,19 +174,15 @@ class BwdMainloop:
         stat = cute.make_rmem_tensor(n_cols, Float32)
 
         ops.pipe_q.consumer_wait(q_state)
-        # LSE is read before the S GEMM is issued: read after its wait, the loads queued behind the
-        # GEMMs' issue and stalled the exponentials (MIO throttle, then short scoreboard)
+        # LSE [and the payload] are read before the S GEMM is issued: read after its wait, the loads
+        # queued behind the GEMMs' issue and stalled the exponentials (MIO throttle, short scoreboard)
         self.stat_columns(thr_sdp, s["sLSE"], stage, stat)
-        wgmma(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
-        ops.pipe_do.consumer_wait(do_state)
-        wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, do_stage], zero_init=True, wait=1)
         if const_expr(partial):
             ops.pipe_mask.consumer_wait(mask_state)
             cute.autovec_copy(s["sMask"][None, tidx, mask_state.index], words)
-            # generic-proxy reads complete before cp.async.bulk (async proxy) rewrites the slot
-            cute.arch.fence_proxy("async.shared", space="cta")
-            ops.pipe_mask.consumer_release(mask_state)
-            mask_state.advance()
+        wgmma(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        ops.pipe_do.consumer_wait(do_state)
+        wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, do_stage], zero_init=True, wait=1)
         # P^T = exp2(S^T scale log2e - LSE2[q])
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
@@ -214,9 +210,12 @@ class BwdMainloop:
             tKrdS.store(acc_as_operand_a(rdS).load())
             # dV += P^T dO (its A is this warpgroup's own registers: no need to wait for the other)
             wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, do_stage], zero_init=False, wait=-1)
-        # the dS^T stores, and the reads of LSE / D before the bulk copies refill their stages (both
-        # stages are released after this), are ordered before the async proxy
+        # the dS^T stores, and the reads of LSE, D [and the payload] before the bulk copies refill
+        # their stages (all released after this), are ordered before the async proxy
         cute.arch.fence_view_async_shared()
+        if const_expr(partial):
+            ops.pipe_mask.consumer_release(mask_state)
+            mask_state.advance()
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         if const_expr(self.pds_in_smem):
             wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, do_stage], zero_init=False, wait=-1)
