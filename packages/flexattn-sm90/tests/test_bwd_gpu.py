@@ -173,5 +173,8 @@ def test_gpu_planner_plan():
 @pytest.mark.parametrize("dqk,dv", [(128, 128), (256, 256)])
 def test_small_for_sanitizer(dqk, dv):
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)
-    on each backward tile (64 x 128, and 64 x 64 with P^T / dS^T through SMEM)."""
+    on each backward tile (64 x 128, and 64 x 64 with P^T / dS^T through SMEM). racecheck reports
+    the deterministic D=256 kernel's dQ chunk stores (one SMEM chunk the two warpgroups fill in turn,
+    handed over through the dQ writer's named barriers): it does not follow such a barrier chain
+    (``benchmarks/sanitizer/barrier_chain.cu``)."""
     CASES.small_for_sanitizer((dqk, dv))
