@@ -94,15 +94,20 @@ __all__ = [
 
 # -- results out through SMEM: dK / dV (main kernel), dQ (postprocess) ------------------------------
 @cute.jit
-def stage_result(tiled_mma, acc: cute.Tensor, s_x: cute.Tensor, tidx: Int32, scale: Float32 | None):
-    """An fp32 result fragment (times ``scale`` unless None) in ``s_x``'s dtype -> the SMEM tile
-    ``s_x`` of its shape, by stmatrix."""
+def stage_result(
+    tiled_mma, acc: cute.Tensor, s_x: cute.Tensor, tidx: Int32, scale: Float32 | None,
+    transpose: cutlass.Constexpr[bool] = False,
+) -> cute.Tensor:  # fmt: skip
+    """An fp32 fragment (times ``scale`` unless None) in ``s_x``'s dtype (returned) -> the SMEM tile
+    ``s_x`` of its shape, by stmatrix (``transpose``: ``s_x`` is a transposed view, as
+    :func:`fwd_helpers.stage_fragment`)."""
     r_x = cute.make_rmem_tensor_like(acc, s_x.element_type)
     if const_expr(scale is None):
         r_x.store(acc.load().to(s_x.element_type))
     else:
         r_x.store((acc.load() * scale).to(s_x.element_type))
-    stage_fragment(tiled_mma, r_x, s_x, tidx)
+    stage_fragment(tiled_mma, r_x, s_x, tidx, transpose=transpose)
+    return r_x
 
 
 @cute.jit

@@ -36,7 +36,7 @@ from cutlass.cute.nvgpu import warpgroup
 from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
 
 from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32, stage_result, store_result_rows
-from .fwd_helpers import acc_as_operand_a, acc_mn_view, stage_fragment, transpose_view, wgmma
+from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
 
 
 class StepOperands(NamedTuple):
@@ -257,7 +257,4 @@ class BwdMainloop:
         column of the fragment is a contiguous row piece of the tile, so stmatrix.trans writes each
         8x8 matrix in 16-byte rows (element-wise 2-byte stores took twice the SMEM wavefronts and
         8x the instructions; fwd+bwd at D=128 is 2.7-3.9% faster this way, benchmarks/RESULTS.md)."""
-        r_x = cute.make_rmem_tensor(acc.shape, self.dtype)
-        r_x.store(acc.load().to(self.dtype))
-        stage_fragment(mma_sdp, r_x, transpose_view(s_x)[None, None, stage], tidx, transpose=True)
-        return r_x
+        return stage_result(mma_sdp, acc, transpose_view(s_x)[None, None, stage], tidx, None, transpose=True)
