@@ -98,11 +98,12 @@ def test_main_kernel_d128_instructions(deterministic, tmp_path):
 @pytest.mark.parametrize("dq,dv", [(192, 128), (256, 256)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
-    """The 64 x 64 tile reduces dQ from registers (red.global.add.v4.f32, no dQ writer) in atomic
-    mode; deterministic mode keeps the dQ writer's ordered bulk adds from SMEM."""
+    """Atomic mode at (192, 128) reduces dQ from registers (red.global.add.v4.f32, no dQ writer);
+    deterministic mode, and both modes at (256, 256), take the dQ writer's bulk adds from SMEM."""
     ptx = _ptx("main", dq, dv, tmp_path=tmp_path, deterministic=deterministic)
-    assert ("red.global.add.v4.f32" in ptx) != deterministic
-    assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) == deterministic
+    from_registers = (dq, dv) == (192, 128) and not deterministic
+    assert ("red.global.add.v4.f32" in ptx) == from_registers
+    assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) != from_registers
     _assert_ptxas_clean(ptx, tmp_path)
 
 
@@ -112,7 +113,7 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
         # (dQ from registers, SMEM dQ chunks, Q stages, dO stages) in atomic / deterministic mode
         (128, 128, ((False, 2, 2, 2), (False, 2, 2, 2))),
         (192, 128, ((True, 0, 2, 2), (False, 2, 2, 2))),
-        (256, 256, ((True, 0, 2, 1), (False, 1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        (256, 256, ((False, 1, 2, 1), (False, 1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):

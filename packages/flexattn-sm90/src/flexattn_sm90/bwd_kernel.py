@@ -9,7 +9,7 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first.
-                      Atomic mode of the 64 x 64 tile: the MMA threads reduce dQ from registers
+                      Atomic mode at (192, 128): the MMA threads reduce dQ from registers
                       (red.global.add.v4.f32) and warp 1 idles
     warps 2-3         idle (give their registers back and exit)
     WG1, WG2          MMA warpgroups (bwd_mainloop.py):
@@ -25,9 +25,8 @@ Two tiles (heuristics.bwd_tile), both of 64 Q rows::
                              (P^T / dS^T straight from its registers)
     64 x 64  (192/128, 256)  each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
                              accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
-                             dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages;
-                             deterministic mode has SMEM for one dQ chunk, which the warpgroups
-                             fill in turn.
+                             dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages
+                             and SMEM for one dQ chunk, which the warpgroups fill in turn.
 
 The score tile is computed transposed, so the accumulator rows are K rows: exactly the ownership
 ``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes (its
@@ -128,22 +127,20 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         # dQ: each MMA thread reduces its fragment straight into the accumulator (red.global.add.v4,
         # atomic mode with config.dq_from_registers: no SMEM for dQ), or SMEM chunks that the dQ writer
-        # bulk-adds (deterministic mode's ordered adds always)
+        # bulk-adds (deterministic mode's ordered adds always; heuristics.select_bwd_config says
+        # which is faster where)
         self.dq_in_registers = config.dq_from_registers and not deterministic
         self.do_stages, self.q_stages = config.do_stages, config.q_stages
-        # SMEM chunks of dQ: one per warpgroup; or, where the stages fill the SMEM that dQ in registers
-        # saves (fewer dO stages than Q stages, heuristics.bwd_stages), one that the warpgroups fill in
+        # SMEM chunks of dQ: one per warpgroup; or, where the stages leave SMEM for one chunk only
+        # (fewer dO stages than Q stages, heuristics.bwd_stages), one that the warpgroups fill in
         # turn (the second waits until the dQ writer's bulk add has read the first) rather than
         # giving up Q's second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
         if self.dq_in_registers:
             self.dq_chunks = 0
-        elif config.dq_from_registers and config.do_stages < config.q_stages:
+        elif config.do_stages < config.q_stages:
             self.dq_chunks = 1
         else:
             self.dq_chunks = config.num_consumer_warpgroups
-        # a shared chunk is handed over after each add has read it: write_dq_block does that in
-        # deterministic mode only (atomic mode keeps adds in flight across steps)
-        assert self.dq_chunks != 1 or deterministic
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -500,8 +497,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
         for wg in cutlass.range_constexpr(self.dq_chunks):
             if const_expr(not self.deterministic):
-                # the previous step's add of chunk wg has read its SMEM
-                cute.arch.cp_async_bulk_wait_group(self.num_mma_wg - 1 - wg, read=True)
+                # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both adds;
+                # own chunks keep the other one's add in flight)
+                cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
             cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
         if const_expr(self.deterministic):

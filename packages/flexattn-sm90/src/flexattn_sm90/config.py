@@ -195,8 +195,7 @@ class Sm90BwdConfig(_KernelConfig):
     q_stages: int = field(default=2, metadata=CONSTEXPR)
     do_stages: int = field(default=2, metadata=CONSTEXPR)
     #: atomic mode reduces dQ from the MMA threads' registers (red.global.add.v4) instead of SMEM
-    #: chunks bulk-added by the dQ writer; where the stages count on the SMEM that saves (fewer dO
-    #: than Q stages), deterministic mode (always the dQ writer) stages one chunk at a time
+    #: chunks bulk-added by the dQ writer (deterministic mode always takes the dQ writer)
     dq_from_registers: bool = field(default=False, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:

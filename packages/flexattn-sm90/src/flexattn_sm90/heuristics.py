@@ -55,7 +55,7 @@ def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
 def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     """``(q_stages, do_stages)`` of the backward: at (256, 256) two Q stages and one dO stage
     (64 + 32 KB) next to K, V and two stages of P and dS fill the 227 KB of SMEM; two dO stages do
-    not fit. Deterministic mode stages dQ in SMEM there one warpgroup chunk at a time (bwd_kernel.py)."""
+    not fit. dQ goes through SMEM there one warpgroup chunk at a time (bwd_kernel.py)."""
     return (2, 1) if head_dim_qk + head_dim_v > 384 else (2, 2)
 
 
@@ -107,5 +107,9 @@ def select_bwd_config(
         varlen=varlen,
         q_stages=q_stages,
         do_stages=do_stages,
-        dq_from_registers=(tile_m, tile_n) == (64, 64),
+        # atomic dQ of the 64 x 64 tile: at (256, 256) the dQ writer's bulk adds through the one
+        # shared SMEM chunk beat each MMA thread's red.global.add.v4 (fwd+bwd 4-5% faster on the
+        # H200, benchmarks/RESULTS.md session 12); (192, 128) keeps the reductions from registers,
+        # where the bulk path has not been timed
+        dq_from_registers=(tile_m, tile_n) == (64, 64) and head_dim_qk + head_dim_v <= 384,
     )
