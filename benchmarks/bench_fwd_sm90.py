@@ -3,10 +3,12 @@
     python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192[,16384,...]]
                                         [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
                                         [--masks causal,sliding-1024,document,random-5]
-                                        [--systems flexattn,cudnn,torch-flex,fa4-causal] [--out DIR]
+                                        [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal]
+                                        [--out DIR]
 
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
-``dout``, plans with backward views) and adds ``flexattn-det`` (``deterministic=True``). With
+``dout``, plans with backward views); there ``flexattn-det`` is ``deterministic=True`` (the forward
+has no such mode, so ``--mode fwd`` skips it). With
 ``--kv-heads`` below ``--heads`` (GQA) ``flexattn-pack`` runs a ``pack_gqa=True`` plan.
 TFLOP/s count visible elements only: 4 * D * visible pairs * heads for the forward, 3.5 times
 that for forward + backward; dense causal FA4 is timed on the causal row only, as the ceiling.
@@ -56,14 +58,15 @@ def systems(args, q, k, v, name, endpoints):
     scale = 1.0 / math.sqrt(args.dim)
     train = args.mode == "train"
     fwd = {}
-    if "flexattn" in args.systems:
+    if {"flexattn", "flexattn-det"} & set(args.systems):
         plan = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train)
-        fwd["flexattn"] = lambda: flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
-        if train:
+        if "flexattn" in args.systems:
+            fwd["flexattn"] = lambda: flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
+        if train and "flexattn-det" in args.systems:
             fwd["flexattn-det"] = lambda: flexattn.flex_attn_func(
                 q, k, v, mask_plan=plan, softmax_scale=scale, deterministic=True
             )
-        if args.kv_heads != args.heads:
+        if args.kv_heads != args.heads and "flexattn" in args.systems:
             packed = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train, pack_gqa=True)
             fwd["flexattn-pack"] = lambda: flexattn.flex_attn_func(
                 q, k, v, mask_plan=packed, softmax_scale=scale
@@ -120,7 +123,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--mode", choices=("fwd", "train"), default="fwd")
     p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
-    p.add_argument("--systems", default="flexattn,cudnn,torch-flex,fa4-causal")
+    p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     return p
 

@@ -1,7 +1,8 @@
 """Per-kernel GPU time of one step of each system, to see where a system's time goes.
 
     python benchmarks/bench_kernels.py [--mode fwd|train] [--dim 128] [--masks causal]
-                                       [--systems flexattn,cudnn,fa4-causal] [--steps 5] [--plain]
+                                       [--systems flexattn,flexattn-det,cudnn,fa4-causal]
+                                       [--steps 5] [--plain]
 
 The same problem, masks, peers and options as ``bench_fwd_sm90.py`` (its first length only;
 ``--out`` is not used). Each system's step is warmed up 3 times, then ``--steps`` steps run under
@@ -47,7 +48,7 @@ def kernel_times(fn, steps: int) -> list[tuple[float, str]]:
 
 def main() -> None:
     p = make_parser(__doc__.splitlines()[0])
-    p.set_defaults(masks="causal", systems="flexattn,cudnn,fa4-causal")
+    p.set_defaults(masks="causal", systems="flexattn,flexattn-det,cudnn,fa4-causal")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per system")
     p.add_argument("--plain", action="store_true", help="no torch.profiler (run under ncu)")
     args = finish(p.parse_args())
