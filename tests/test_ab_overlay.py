@@ -1,0 +1,83 @@
+"""benchmarks/ab_overlay.py: variants swap files in and always put them back, rounds alternate, and
+the benchmark's table rows come out side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import ab_overlay  # noqa: E402
+
+# a stand-in benchmark: prints its cache dir and a final-table row whose TFLOP/s is the module's value
+BENCH = """
+import os, sys, time
+value = open("pkg/mod.txt").read().strip()
+print("cache", os.environ["FLEXATTN_CACHE_DIR"])
+if value == "fail":
+    sys.exit(3)
+if value == "hang":
+    time.sleep(30)
+print(f"  8192 causal         flexattn        {value}     1.00x")
+"""
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "repo"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "mod.txt").write_text("100.0\n")
+    (root / "bench.py").write_text(BENCH)
+    return root
+
+
+def overlay(tmp_path, name, value):
+    d = tmp_path / name / "pkg"
+    d.mkdir(parents=True)
+    (d / "mod.txt").write_text(value)
+    return str(tmp_path / name)
+
+
+def test_alternates_rounds_swaps_files_and_restores_them(tree, tmp_path, capsys):
+    new = overlay(tmp_path, "new", "120.5")
+    ab_overlay.main(["--variant", "base=", "--variant", f"new={new}", "--rounds", "3", "--", "bench.py"],
+                    tree)  # fmt: skip
+    out = capsys.readouterr().out
+    runs = [line for line in out.splitlines() if line.startswith("== ")]
+    assert runs == ["== base round 1", "== new round 1", "== new round 2", "== base round 2",
+                    "== base round 3", "== new round 3"]  # fmt: skip
+    assert (tree / "pkg" / "mod.txt").read_text() == "100.0\n"  # the tree is as it was
+    assert out.count("/base\n") == 3 and out.count("/new\n") == 3  # one compile cache per variant
+    table = out.split("\n\n")[-1].splitlines()
+    assert table[0].split()[3:] == [w for n in ("base", "new") for r in ("r1", "r2", "r3") for w in (n, r)]
+    assert table[1].split() == ["8192", "causal", "flexattn"] + ["100.0"] * 3 + ["120.5"] * 3
+
+
+def test_failures_and_timeouts_restore_the_tree_and_show_in_the_table(tree, tmp_path, capsys):
+    fail, hang = overlay(tmp_path, "fail", "fail"), overlay(tmp_path, "hang", "hang")
+    args = ["--variant", f"f={fail}", "--variant", f"h={hang}", "--rounds", "1", "--timeout", "2",
+            "--", "bench.py"]  # fmt: skip
+    ab_overlay.main(args, tree)
+    out = capsys.readouterr().out
+    assert "[exit status 3]" in out and "[timed out after 2 s]" in out
+    assert "no table rows found" in out
+    assert (tree / "pkg" / "mod.txt").read_text() == "100.0\n"
+
+
+def test_refuses_a_variant_naming_a_file_the_tree_lacks(tree, tmp_path):
+    d = tmp_path / "typo" / "pkg"
+    d.mkdir(parents=True)
+    (d / "mdo.txt").write_text("1")
+    with pytest.raises(argparse.ArgumentTypeError, match="no such file in the tree: pkg/mdo.txt"):
+        ab_overlay.parse_variant(f"typo={tmp_path / 'typo'}", tree)
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=DIR"):
+        ab_overlay.parse_variant("no-equals-sign", tree)
+
+
+def test_table_rows_reads_the_final_table_only():
+    progress = "  causal        flexattn     3.210 ms   562.6 TFLOP/s"  # printed while it runs
+    out = f"{progress}\n  8192 causal         flexattn-det    529.2     1.04x\n"
+    assert ab_overlay.table_rows(out) == {("8192", "causal", "flexattn-det"): 529.2}
