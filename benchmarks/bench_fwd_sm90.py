@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192[,16384,...]]
                                         [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
+                                        [--dim-v 128]
                                         [--masks causal,sliding-1024,document,random-5]
                                         [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal]
                                         [--out DIR]
@@ -10,8 +11,9 @@
 ``dout``, plans with backward views); there ``flexattn-det`` is ``deterministic=True`` (the forward
 has no such mode, so ``--mode fwd`` skips it). With
 ``--kv-heads`` below ``--heads`` (GQA) ``flexattn-pack`` runs a ``pack_gqa=True`` plan.
-TFLOP/s count visible elements only: 4 * D * visible pairs * heads for the forward, 3.5 times
-that for forward + backward; dense causal FA4 is timed on the causal row only, as the ceiling.
+TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for the forward,
+(8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
+``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
 Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
 ``<mode>_tflops.png`` to ``--out``. ``--seqlen`` takes a comma-separated list for a sweep (one table
 row per length and mask).
@@ -100,7 +102,7 @@ def systems(args, q, k, v, name, endpoints):
             print(f"  FA4 unavailable: {e}")
     if not train:
         return fwd
-    dout = torch.randn_like(q)  # out has q's shape (Dv = D here)
+    dout = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
 
     def step(f):
         out = f()
@@ -121,6 +123,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dim-v", type=int, default=None, help="V's head dim; default: --dim")
     p.add_argument("--mode", choices=("fwd", "train"), default="fwd")
     p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
     p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal")
@@ -131,6 +134,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
 def finish(args: argparse.Namespace) -> argparse.Namespace:
     args.systems = args.systems.split(",")
     args.kv_heads = args.kv_heads or args.heads
+    args.dim_v = args.dim_v or args.dim
     return args
 
 
@@ -148,13 +152,13 @@ def inputs(args, seqlen: int, train: bool):
     """Random bf16 ``q, k, v`` (BSHD) of the problem, leaves with grad for ``train``; prints the
     problem line."""
 
-    def leaf(heads):
-        t = torch.randn(args.batch, seqlen, heads, args.dim, device="cuda", dtype=torch.bfloat16)
+    def leaf(heads, dim):
+        t = torch.randn(args.batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16)
         return t.requires_grad_(train)
 
     print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={seqlen} Hq={args.heads} "
-          f"Hkv={args.kv_heads} D={args.dim} bf16")
-    return leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads)
+          f"Hkv={args.kv_heads} D={args.dim}/{args.dim_v} bf16")
+    return leaf(args.heads, args.dim), leaf(args.kv_heads, args.dim), leaf(args.kv_heads, args.dim_v)
 
 
 def run_length(args, seqlen: int, train: bool) -> list[dict]:
@@ -162,7 +166,8 @@ def run_length(args, seqlen: int, train: bool) -> list[dict]:
     rows = []
     for name in args.masks.split(","):
         endpoints = endpoint_mask(name, args.batch, seqlen)
-        flops = 4 * args.dim * visible_pairs(endpoints) * args.heads * (3.5 if train else 1.0)
+        per_pair = 8 * args.dim + 6 * args.dim_v if train else 2 * (args.dim + args.dim_v)
+        flops = per_pair * visible_pairs(endpoints) * args.heads
         for system, fn in systems(args, q, k, v, name, endpoints).items():
             try:
                 ms = timed(fn)
