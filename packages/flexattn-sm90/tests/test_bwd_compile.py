@@ -98,22 +98,21 @@ def test_main_kernel_d128_instructions(deterministic, tmp_path):
 @pytest.mark.parametrize("dq,dv", [(192, 128), (256, 256)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
-    """Atomic mode at (192, 128) reduces dQ from registers (red.global.add.v4.f32, no dQ writer);
-    deterministic mode, and both modes at (256, 256), take the dQ writer's bulk adds from SMEM."""
+    """Both modes at (192, 128) and (256, 256) take dQ out through the dQ writer's bulk adds from
+    SMEM; no MMA thread reduces into GMEM itself."""
     ptx = _ptx("main", dq, dv, tmp_path=tmp_path, deterministic=deterministic)
-    from_registers = (dq, dv) == (192, 128) and not deterministic
-    assert ("red.global.add.v4.f32" in ptx) == from_registers
-    assert ("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx) != from_registers
+    assert "red.global.add" not in ptx
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     _assert_ptxas_clean(ptx, tmp_path)
 
 
 @pytest.mark.parametrize(
     "dq,dv,expect",
     [
-        # (dQ from registers, SMEM dQ chunks, Q stages, dO stages) in atomic / deterministic mode
-        (128, 128, ((False, 2, 2, 2), (False, 2, 2, 2))),
-        (192, 128, ((True, 0, 2, 2), (False, 2, 2, 2))),
-        (256, 256, ((False, 1, 2, 1), (False, 1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        # (SMEM dQ chunks, Q stages, dO stages) in atomic / deterministic mode
+        (128, 128, ((2, 2, 2), (2, 2, 2))),
+        (192, 128, ((2, 2, 2), (2, 2, 2))),
+        (256, 256, ((1, 2, 1), (1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):
@@ -122,7 +121,7 @@ def test_dq_path_and_stages_per_mode(dq, dv, expect):
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
     for deterministic, want in zip((False, True), expect, strict=True):
         k = Sm90BwdKernel(config, deterministic=deterministic)
-        assert (k.dq_in_registers, k.dq_chunks, k.q_stages, k.do_stages) == want
+        assert (k.dq_chunks, k.q_stages, k.do_stages) == want
 
 
 def test_preprocess_is_the_shared_one(tmp_path):

@@ -13,7 +13,6 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -69,25 +68,10 @@ def dq_chunk_layout(elements_per_thread: int, threads: int = 128) -> cute.Layout
     return cute.make_layout((threads, (v, elements_per_thread // v)), stride=(v, (1, v * threads)))
 
 
-def red_add_v4_f32(gmem_dst: cute.Pointer, values, *, loc=None, ip=None):
-    """``gmem[i] += values[i]`` for 4 fp32 values at a 16-byte aligned global address, one relaxed
-    vector reduction (``red.global.add.v4.f32``, sm_90): no return value, no SMEM."""
-    llvm.inline_asm(
-        None,
-        [gmem_dst.toint(loc=loc, ip=ip).ir_value(), *(Float32(x).ir_value(loc=loc, ip=ip) for x in values)],
-        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
 __all__ = [
     "common_major",
     "make_dq_tiled_mma",
     "dq_chunk_layout",
-    "red_add_v4_f32",
     "smem_layout",
 ]
 

@@ -8,9 +8,7 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
                       stages each, dO 1 at D256), bulk copy of the partial payloads (2-stage SMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
-                      from SMEM into the accumulator; deterministic mode takes a turnstile first.
-                      Atomic mode at (192, 128): the MMA threads reduce dQ from registers
-                      (red.global.add.v4.f32) and warp 1 idles
+                      from SMEM into the accumulator; deterministic mode takes a turnstile first
     warps 2-3         idle (give their registers back and exit)
     WG1, WG2          MMA warpgroups (bwd_mainloop.py):
                         S^T = K Q^T, dP^T = V dO^T        (SS, tile_n x tile_m, K rows on WGMMA M)
@@ -125,22 +123,15 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
-        # dQ: each MMA thread reduces its fragment straight into the accumulator (red.global.add.v4,
-        # atomic mode with config.dq_from_registers: no SMEM for dQ), or SMEM chunks that the dQ writer
-        # bulk-adds (deterministic mode's ordered adds always; heuristics.select_bwd_config says
-        # which is faster where)
-        self.dq_in_registers = config.dq_from_registers and not deterministic
         self.do_stages, self.q_stages = config.do_stages, config.q_stages
-        # SMEM chunks of dQ: one per warpgroup; or, where the stages leave SMEM for one chunk only
-        # (fewer dO stages than Q stages, heuristics.bwd_stages), one that the warpgroups fill in
-        # turn (the second waits until the dQ writer's bulk add has read the first) rather than
-        # giving up Q's second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
-        if self.dq_in_registers:
-            self.dq_chunks = 0
-        elif config.do_stages < config.q_stages:
-            self.dq_chunks = 1
-        else:
-            self.dq_chunks = config.num_consumer_warpgroups
+        # dQ leaves through SMEM chunks that the dQ writer bulk-adds into the accumulator, in both
+        # modes: at (192, 128) and (256, 256) that beat each MMA thread's own red.global.add.v4 of
+        # its fragment by 11-19% and 4-5% fwd+bwd on the H200 (benchmarks/RESULTS.md, sessions 12
+        # and 13). One chunk per warpgroup; or, where the stages leave SMEM for one chunk only (fewer
+        # dO stages than Q stages, heuristics.bwd_stages), one that the warpgroups fill in turn (the
+        # second waits until the dQ writer's bulk add has read the first) rather than giving up Q's
+        # second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
+        self.dq_chunks = 1 if config.do_stages < config.q_stages else config.num_consumer_warpgroups
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -340,10 +331,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sMask": storage.mask.get_tensor(
                 cute.make_layout((self.payload_words, self.payload_groups, self.mask_stages))
             ),
-            # fragment-ordered warpgroup chunks of dQ, dq_chunks of them (none with dQ in registers)
-            "sdQ": None if self.dq_in_registers else storage.sdQ.get_tensor(
-                cute.make_layout(self.dq_chunks * self.dq_chunk)
-            ),
+            # fragment-ordered warpgroup chunks of dQ, dq_chunks of them
+            "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
         }
         work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
 
@@ -351,12 +340,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
                 self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes)
-            if const_expr(not self.dq_in_registers):
-                if warp_idx == self.dq_warp:
-                    self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
+            if warp_idx == self.dq_warp:
+                self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma_warpgroups(mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2, softmax_scale, pipes,
+            self.mma_warpgroups(mmas, mdK, mdV, s, plan, work, scale_log2, softmax_scale, pipes,
                                 tidx - self.threads_per_wg)  # fmt: skip
 
     def _make_pipelines(self, storage):

@@ -62,7 +62,6 @@ def _main_key(config: Sm90BwdConfig) -> tuple:
         ("q_stages", config.q_stages),
         ("do_stages", config.do_stages),
         ("mask_pipeline_stages", config.mask_pipeline_stages),
-        ("dq_from_registers", config.dq_from_registers),
     )
     return (kernel_dims(config), tile, stages)
 

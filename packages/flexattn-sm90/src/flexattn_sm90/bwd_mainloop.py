@@ -16,7 +16,6 @@ Q block ``m`` of head ``hq``), in issue order::
                     dQ   = dS K     (SS)          (async; dV done -> release dO)
                     dK  += dS^T Q   (RS or SS)    (async; dQ done)
                     dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
-                          [64 x 64 tile, atomic mode: red.global.add.v4 from registers]
 
 Steps follow the merged descending walk of the K row's partial and full lists
 (``consumer_plan.walk_descending``), each specialised at compile time for its kind. Partial
@@ -33,9 +32,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import element_ptr, head_range, total_steps, walk_descending
+from maskplan_kernels.consumer_plan import head_range, total_steps, walk_descending
 
-from .bwd_helpers import DQ_FRAGMENT_VECTOR, dq_chunk_layout, red_add_v4_f32, stage_result, store_result_rows
+from .bwd_helpers import dq_chunk_layout, stage_result, store_result_rows
 from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
 
 
@@ -64,7 +63,7 @@ class BwdMainloop:
 
     @cute.jit
     def mma_warpgroups(
-        self, mmas, mdK, mdV, mdQaccum, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes,
+        self, mmas, mdK, mdV, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes,
         tidx: Int32,
     ):  # fmt: skip
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
@@ -104,11 +103,9 @@ class BwdMainloop:
         acc_s_shape = thr_sdp.partition_shape_C((tn, tm))
         acc_dq_shape = thr_dq.partition_shape_C((tm, self.head_dim_qk))
         # this thread's slot of its warpgroup's dQ chunk, in fragment order: (4, elements / 4)
-        tdQsdQ = None
-        if const_expr(not self.dq_in_registers):
-            chunk_layout = dq_chunk_layout(self.dq_elements)
-            chunk = cute.make_tensor(s["sdQ"].iterator + self.dq_chunk_offset(wg), chunk_layout)
-            tdQsdQ = chunk[tidx % self.threads_per_wg, None]
+        chunk_layout = dq_chunk_layout(self.dq_elements)
+        chunk = cute.make_tensor(s["sdQ"].iterator + self.dq_chunk_offset(wg), chunk_layout)
+        tdQsdQ = chunk[tidx % self.threads_per_wg, None]
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
@@ -122,18 +119,14 @@ class BwdMainloop:
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                dq_dst = None  # dq_in_registers: this warpgroup's chunk of the Q block's dQ accumulator
-                if const_expr(self.dq_in_registers):
-                    block = hr.q_head * mdQaccum.shape[1] + (work.qblk_base + nxt.q_block) * self.dq_block
-                    dq_dst = element_ptr(mdQaccum, block + wg * self.dq_chunk)
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
-                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
+                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
                         q_state, do_state, mask_state, words, tidx, wg, True,
                     )  # fmt: skip
                 else:
                     q_state, do_state, mask_state = self.step(
-                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s, scale_log2,
+                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
                         q_state, do_state, mask_state, words, tidx, wg, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
@@ -161,7 +154,7 @@ class BwdMainloop:
 
     @cute.jit
     def step(
-        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, dq_dst, s,
+        self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s,
         scale_log2: Float32, q_state, do_state, mask_state, words, tidx: Int32, wg: Int32,
         partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
@@ -226,23 +219,13 @@ class BwdMainloop:
         do_state.advance()
         # dK += dS^T Q
         wgmma(mma_dk, ops.acc_dk, tKrdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
-        if const_expr(self.dq_in_registers):
-            # dQ -> the accumulator: vector e // 4 of this thread's fragment at its chunk slot
-            # ((e // 4) * 128 + t) * 4 (bwd_helpers.dq_chunk_layout, what the postprocess reads)
-            t = tidx % self.threads_per_wg
-            for j in cutlass.range_constexpr(self.dq_elements // DQ_FRAGMENT_VECTOR):
-                red_add_v4_f32(
-                    dq_dst + (j * self.threads_per_wg + t) * DQ_FRAGMENT_VECTOR,
-                    [acc_dq[DQ_FRAGMENT_VECTOR * j + i] for i in range(DQ_FRAGMENT_VECTOR)],
-                )
-        else:
-            # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it (a chunk shared by
-            # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it)
-            pair = self.threads_per_wg + 32
-            cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
-            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
+        # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it (a chunk shared by
+        # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it)
+        pair = self.threads_per_wg + 32
+        cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
         warpgroup.wait_group(0)
         ops.pipe_q.consumer_release(q_state)
         q_state.advance()

@@ -194,9 +194,6 @@ class Sm90BwdConfig(_KernelConfig):
     #: after dV, so its next load already overlaps the step's second half
     q_stages: int = field(default=2, metadata=CONSTEXPR)
     do_stages: int = field(default=2, metadata=CONSTEXPR)
-    #: atomic mode reduces dQ from the MMA threads' registers (red.global.add.v4) instead of SMEM
-    #: chunks bulk-added by the dQ writer (deterministic mode always takes the dQ writer)
-    dq_from_registers: bool = field(default=False, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()

@@ -107,9 +107,4 @@ def select_bwd_config(
         varlen=varlen,
         q_stages=q_stages,
         do_stages=do_stages,
-        # atomic dQ of the 64 x 64 tile: where the stages leave SMEM for one shared dQ chunk (fewer
-        # dO than Q stages: (256, 256)) the dQ writer's bulk adds through it beat each MMA thread's
-        # red.global.add.v4 (fwd+bwd 4-5% faster on the H200, benchmarks/RESULTS.md session 12);
-        # (192, 128) keeps the reductions from registers, where the bulk path has not been timed
-        dq_from_registers=(tile_m, tile_n) == (64, 64) and do_stages == q_stages,
     )
