@@ -170,11 +170,12 @@ def test_gpu_planner_plan():
     check(ep, q, k, v, varlen=varlen_args(DEV), gpu_planner=True, deterministic=True, repeats=2)
 
 
-@pytest.mark.parametrize("dqk,dv", [(128, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128), (256, 256)])
 def test_small_for_sanitizer(dqk, dv):
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)
-    on each backward tile (64 x 128, and 64 x 64 with P^T / dS^T through SMEM). racecheck reports
-    the deterministic D=256 kernel's dQ chunk stores (one SMEM chunk the two warpgroups fill in turn,
-    handed over through the dQ writer's named barriers): it does not follow such a barrier chain
+    on each backward tile (64 x 128, and 64 x 64 with P^T / dS^T through SMEM, with a dQ chunk per
+    warpgroup at (192, 128) and one shared chunk at (256, 256)). racecheck reports the D=256
+    kernels' dQ chunk stores (the chunk the two warpgroups fill in turn, handed over through the dQ
+    writer's named barriers): it does not take ``bar.arrive`` as ordering the arriving warps' writes
     (``benchmarks/sanitizer/barrier_chain.cu``)."""
     CASES.small_for_sanitizer((dqk, dv))
