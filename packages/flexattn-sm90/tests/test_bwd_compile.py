@@ -85,7 +85,8 @@ def test_main_kernel_d128_instructions(deterministic, tmp_path):
     ptx = _ptx("main", tmp_path=tmp_path, deterministic=deterministic)
     assert "cp.async.bulk.tensor" in ptx  # TMA loads of K, V, Q, dO
     assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # payload plane, LSE, D
-    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx  # dQ accumulation
+    # dQ accumulation: a bulk add per warpgroup chunk, in each dQ writer (two in deterministic mode)
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2 * (1 + deterministic)
     assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
     assert "st.shared.v4" in ptx  # dQ fragments into the 16-byte vectors of their chunk
@@ -109,10 +110,11 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
 @pytest.mark.parametrize(
     "dq,dv,expect",
     [
-        # (SMEM dQ chunks, Q stages, dO stages) in atomic / deterministic mode
-        (128, 128, ((2, 2, 2), (2, 2, 2))),
-        (192, 128, ((2, 2, 2), (2, 2, 2))),
-        (256, 256, ((1, 2, 1), (1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic / deterministic mode: a
+        # deterministic kernel with a chunk per warpgroup runs two dQ writers on alternate steps
+        (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
+        (192, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
+        (256, 256, ((1, 1, 2, 1), (1, 1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):
@@ -121,7 +123,7 @@ def test_dq_path_and_stages_per_mode(dq, dv, expect):
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
     for deterministic, want in zip((False, True), expect, strict=True):
         k = Sm90BwdKernel(config, deterministic=deterministic)
-        assert (k.dq_chunks, k.q_stages, k.do_stages) == want
+        assert (k.dq_chunks, k.dq_writers, k.q_stages, k.do_stages) == want
 
 
 def test_preprocess_is_the_shared_one(tmp_path):

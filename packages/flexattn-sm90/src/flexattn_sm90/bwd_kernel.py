@@ -9,7 +9,9 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first
-    warps 2-3         idle (give their registers back and exit)
+    warp 2 (WG0)      deterministic mode with a dQ chunk per warpgroup: a second dQ writer, which
+                      takes the odd steps (write_dq_block says why)
+    warps 2-3         otherwise idle (give their registers back and exit)
     WG1, WG2          MMA warpgroups (bwd_mainloop.py):
                         S^T = K Q^T, dP^T = V dO^T        (SS, tile_n x tile_m, K rows on WGMMA M)
                         P^T = exp2(S^T scale log2e - LSE log2e)  [packed predicate: bit 0 -> P = 0]
@@ -93,8 +95,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
 
     #: named barriers (0 is __syncthreads)
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM
-    BAR_DQ_FULL = 2  # + wg: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
-    BAR_DQ_EMPTY = 4  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
+    BAR_DQ_FULL = 2  # + wg + 2 * writer: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
+    BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -132,6 +134,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # second waits until the dQ writer's bulk add has read the first) rather than giving up Q's
         # second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
         self.dq_chunks = 1 if config.do_stages < config.q_stages else config.num_consumer_warpgroups
+        self.dq_writers = 2 if deterministic and self.dq_chunks == config.num_consumer_warpgroups else 1
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -340,8 +343,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
                 self.producer(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes)
-            if warp_idx == self.dq_warp:
-                self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work)
+            for writer in cutlass.range_constexpr(self.dq_writers):
+                if warp_idx == self.dq_warp + writer:
+                    self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work, writer)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma_warpgroups(mmas, mdK, mdV, s, plan, work, scale_log2, softmax_scale, pipes,
@@ -456,39 +460,60 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     # -- dQ writer warp -----------------------------------------------------------------------------
     @cute.jit
     def dq_writer(
-        self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, plan: BwdPlanTensors, work
-    ):
-        """Per step: hand the SMEM chunks back to the MMA warpgroups, [wait for this entry's turn,]
-        bulk-add each chunk into the GMEM accumulator once its warpgroup has written it. With one
-        shared chunk (``dq_chunks == 1``) warpgroup 0 gets it first and warpgroup 1 once the first
-        add has read it, so warpgroup 1's dQ store also waits for the turnstile."""
+        self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, plan: BwdPlanTensors, work,
+        writer: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """Per step (of ``dq_writers``, every ``writer``-th): hand the SMEM chunks back to the MMA
+        warpgroups, [wait for this entry's turn,] bulk-add each chunk into the GMEM accumulator once
+        its warpgroup has written it. With one shared chunk (``dq_chunks == 1``) warpgroup 0 gets it
+        first and warpgroup 1 once the first add has read it, so warpgroup 1's dQ store also waits
+        for the turnstile."""
         lane = cute.arch.lane_idx()
+        step = Int32(0)
+        last = total_steps(plan, work) - 1
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                rank = Int32(0)
-                if nxt.partial != 0:
-                    rank = plan.dq_write_order[nxt.entry]
-                else:
-                    rank = plan.dq_write_order_full[nxt.entry]
-                self.write_dq_block(
-                    sdQ, mdQaccum, mdQsem, hr.q_head, work.qblk_base + nxt.q_block, rank, lane
-                )  # fmt: skip
+                if step % self.dq_writers == writer:
+                    rank = Int32(0)
+                    if nxt.partial != 0:
+                        rank = plan.dq_write_order[nxt.entry]
+                    else:
+                        rank = plan.dq_write_order_full[nxt.entry]
+                    q_block = work.qblk_base + nxt.q_block
+                    self.write_dq_block(
+                        sdQ, mdQaccum, mdQsem, hr.q_head, q_block, rank, lane, step, last, writer
+                    )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
+                step += 1
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def write_dq_block(self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32):
+    def write_dq_block(
+        self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32, step: Int32,
+        last: Int32, writer: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """One step's dQ. Deterministic mode with a chunk per warpgroup runs two writers on
+        alternate steps, so one step's turnstile chain (adds complete, release, the next acquire:
+        dependent L2 round trips) overlaps the next step's: a writer hands the chunks on for the
+        next step (the other writer's) as soon as its adds have read them, then completes its turn.
+        Otherwise one writer hands them on at the start of the next step, after the whole chain."""
         pair = self.threads_per_wg + 32
         shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
-        for wg in cutlass.range_constexpr(self.dq_chunks):
-            if const_expr(not self.deterministic):
-                # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both adds;
-                # own chunks keep the other one's add in flight)
-                cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
-            cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        two = self.dq_writers == 2
+        if const_expr(two):
+            if step == 0:
+                for wg in cutlass.range_constexpr(self.dq_chunks):
+                    cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        else:
+            for wg in cutlass.range_constexpr(self.dq_chunks):
+                if const_expr(not self.deterministic):
+                    # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both
+                    # adds; own chunks keep the other one's add in flight)
+                    cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
         if const_expr(self.deterministic):
             turnstile_wait(counter, rank, lane)
@@ -498,11 +523,16 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 # the add of the previous warpgroup's chunk has read it: the chunk is this one's
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
-            cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
+            cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg + 2 * writer, number_of_threads=pair)
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
                 bulk_reduce_add_f32(sdQ.iterator + self.dq_chunk_offset(wg), dst, self.dq_chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
+        if const_expr(two):
+            if step < last:  # the next step is the other writer's
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                for wg in cutlass.range_constexpr(self.dq_chunks):
+                    cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
         if const_expr(self.deterministic):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM
             turnstile_advance(counter, lane)

@@ -114,22 +114,27 @@ class BwdMainloop:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         words = cute.make_rmem_tensor(self.payload_words, Int32)
+        # the dQ writer of step k: k % dq_writers (bwd_kernel.write_dq_block)
+        writer = Int32(0)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
+                dq_full = self.BAR_DQ_FULL + wg + 2 * writer
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
                         ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                        q_state, do_state, mask_state, words, tidx, wg, True,
+                        q_state, do_state, mask_state, words, tidx, wg, dq_full, True,
                     )  # fmt: skip
                 else:
                     q_state, do_state, mask_state = self.step(
                         ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                        q_state, do_state, mask_state, words, tidx, wg, False,
+                        q_state, do_state, mask_state, words, tidx, wg, dq_full, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
+                if const_expr(self.dq_writers == 2):
+                    writer = 1 - writer
         # every GEMM reading K and V has retired in both warpgroups: sK and sV stage dK and dV
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         stage_result(mmas[1], ops.acc_dk, sK, tidx, softmax_scale)
@@ -155,7 +160,7 @@ class BwdMainloop:
     @cute.jit
     def step(
         self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s,
-        scale_log2: Float32, q_state, do_state, mask_state, words, tidx: Int32, wg: Int32,
+        scale_log2: Float32, q_state, do_state, mask_state, words, tidx: Int32, wg: Int32, dq_full: Int32,
         partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
         mma_sdp, mma_dk, mma_dv, mma_dq = mma
@@ -225,7 +230,7 @@ class BwdMainloop:
         cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
         cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_FULL + wg, number_of_threads=pair)
+        cute.arch.barrier_arrive(barrier_id=dq_full, number_of_threads=pair)
         warpgroup.wait_group(0)
         ops.pipe_q.consumer_release(q_state)
         q_state.advance()
