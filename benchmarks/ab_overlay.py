@@ -31,7 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 #: a row of bench_fwd_sm90.py's final table: "  8192 causal         flexattn        562.6     1.00x"
-TABLE_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+[\d.]+x\s*$")
+#: (the ratio is "-" where flexattn itself did not run, e.g. ``--systems flexattn-det``)
+TABLE_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+(?:[\d.]+x|-)\s*$")
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,9 @@ def report(rows: list[dict], out: Path, mode: str) -> None:
     ours = {(r["seqlen"], r["mask"]): r["tflops"] for r in rows if r["system"] == "flexattn"}
     print(f"\n{mode}:  S     mask           system        TFLOP/s   flexattn/system")
     for r in rows:
-        ratio = ours.get((r["seqlen"], r["mask"]), float("nan")) / r["tflops"]
-        print(f"{r['seqlen']:6d} {r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio:6.2f}x")
+        key = (r["seqlen"], r["mask"])
+        ratio = f"{ours[key] / r['tflops']:6.2f}x" if key in ours else "      -"  # flexattn did not run
+        print(f"{r['seqlen']:6d} {r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio}")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"results-{mode}.json").write_text(json.dumps(rows, indent=1))
     try:

@@ -81,3 +81,12 @@ def test_table_rows_reads_the_final_table_only():
     progress = "  causal        flexattn     3.210 ms   562.6 TFLOP/s"  # printed while it runs
     out = f"{progress}\n  8192 causal         flexattn-det    529.2     1.04x\n"
     assert ab_overlay.table_rows(out) == {("8192", "causal", "flexattn-det"): 529.2}
+
+
+def test_rows_without_a_ratio(tree, capsys):
+    """``--systems flexattn-det`` alone: the benchmark prints "-" for the ratio to flexattn."""
+    row = BENCH.replace("flexattn        {value}     1.00x", "flexattn-det    {value}     -")
+    (tree / "bench.py").write_text(row)
+    ab_overlay.main(["--variant", "base=", "--rounds", "1", "--", "bench.py"], tree)
+    table = capsys.readouterr().out.split("\n\n")[-1].splitlines()
+    assert table[1].split() == ["8192", "causal", "flexattn-det", "100.0"]
