@@ -158,6 +158,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_block = self.tile_m * self.head_dim_qk  # fp32 values of one Q block
         assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
 
+    def dq_chunk_empty(self, wg):
+        """dQ writer -> MMA warpgroup ``wg`` (``BAR_DQ_EMPTY + wg``): its chunk may be overwritten."""
+        pair = self.threads_per_wg + 32
+        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+
     def dq_chunk_offset(self, wg) -> int:
         """First fp32 value of warpgroup ``wg``'s dQ chunk in SMEM: its own, or the shared one."""
         return 0 if self.dq_chunks == 1 else wg * self.dq_chunk
@@ -506,14 +511,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         if const_expr(two):
             if step == 0:
                 for wg in cutlass.range_constexpr(self.dq_chunks):
-                    cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+                    self.dq_chunk_empty(wg)
         else:
             for wg in cutlass.range_constexpr(self.dq_chunks):
                 if const_expr(not self.deterministic):
                     # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both
                     # adds; own chunks keep the other one's add in flight)
                     cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
-                cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+                self.dq_chunk_empty(wg)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
         if const_expr(self.deterministic):
             turnstile_wait(counter, rank, lane)
@@ -522,7 +527,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             if const_expr(shared and wg > 0):
                 # the add of the previous warpgroup's chunk has read it: the chunk is this one's
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+                self.dq_chunk_empty(wg)
             cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg + 2 * writer, number_of_threads=pair)
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
@@ -532,7 +537,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             if step < last:  # the next step is the other writer's
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 for wg in cutlass.range_constexpr(self.dq_chunks):
-                    cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+                    self.dq_chunk_empty(wg)
         if const_expr(self.deterministic):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM
             turnstile_advance(counter, lane)
