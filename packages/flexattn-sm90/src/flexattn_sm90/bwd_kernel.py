@@ -156,12 +156,18 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_elements = self.tile_m * self.dq_cols // self.threads_per_wg  # per thread
         self.dq_chunk = self.tile_m * self.dq_cols  # fp32 values of one warpgroup's chunk
         self.dq_block = self.tile_m * self.head_dim_qk  # fp32 values of one Q block
+        # threads of a dQ FULL / EMPTY barrier: one MMA warpgroup and one dQ writer warp
+        self.dq_pair_threads = self.threads_per_wg + 32
         assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
+
+    def dq_full_barrier(self, wg, writer):
+        """``BAR_DQ_FULL`` of MMA warpgroup ``wg`` -> dQ writer ``writer`` (the writer of step k is
+        k % dq_writers): one per pair, so a writer never completes the other one's instance."""
+        return self.BAR_DQ_FULL + wg + 2 * writer
 
     def dq_chunk_empty(self, wg):
         """dQ writer -> MMA warpgroup ``wg`` (``BAR_DQ_EMPTY + wg``): its chunk may be overwritten."""
-        pair = self.threads_per_wg + 32
-        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        cute.arch.barrier_arrive(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=self.dq_pair_threads)
 
     def dq_chunk_offset(self, wg) -> int:
         """First fp32 value of warpgroup ``wg``'s dQ chunk in SMEM: its own, or the shared one."""
@@ -505,7 +511,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         dependent L2 round trips) overlaps the next step's: a writer hands the chunks on for the
         next step (the other writer's) as soon as its adds have read them, then completes its turn.
         Otherwise one writer hands them on at the start of the next step, after the whole chain."""
-        pair = self.threads_per_wg + 32
         shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
         two = self.dq_writers == 2
         if const_expr(two):
@@ -528,7 +533,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 # the add of the previous warpgroup's chunk has read it: the chunk is this one's
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 self.dq_chunk_empty(wg)
-            cute.arch.barrier(barrier_id=self.BAR_DQ_FULL + wg + 2 * writer, number_of_threads=pair)
+            full = self.dq_full_barrier(wg, writer)
+            cute.arch.barrier(barrier_id=full, number_of_threads=self.dq_pair_threads)
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
                 bulk_reduce_add_f32(sdQ.iterator + self.dq_chunk_offset(wg), dst, self.dq_chunk * 4)

@@ -121,7 +121,7 @@ class BwdMainloop:
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                dq_full = self.BAR_DQ_FULL + wg + 2 * writer
+                dq_full = self.dq_full_barrier(wg, writer)
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
                         ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
@@ -226,11 +226,10 @@ class BwdMainloop:
         wgmma(mma_dk, ops.acc_dk, tKrdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
         # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it (a chunk shared by
         # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it)
-        pair = self.threads_per_wg + 32
-        cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=pair)
+        cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=self.dq_pair_threads)
         cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=dq_full, number_of_threads=pair)
+        cute.arch.barrier_arrive(barrier_id=dq_full, number_of_threads=self.dq_pair_threads)
         warpgroup.wait_group(0)
         ops.pipe_q.consumer_release(q_state)
         q_state.advance()
