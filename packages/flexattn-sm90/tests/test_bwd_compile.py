@@ -111,10 +111,10 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
     "dq,dv,expect",
     [
         # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic / deterministic mode: a
-        # deterministic kernel with a chunk per warpgroup runs two dQ writers on alternate steps
+        # deterministic kernel runs two dQ writers on alternate steps
         (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
         (192, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
-        (256, 256, ((1, 1, 2, 1), (1, 1, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):

@@ -9,8 +9,8 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first
-    warp 2 (WG0)      deterministic mode with a dQ chunk per warpgroup: a second dQ writer, which
-                      takes the odd steps (write_dq_block says why)
+    warp 2 (WG0)      deterministic mode: a second dQ writer, which takes the odd steps
+                      (write_dq_block says why)
     warps 2-3         otherwise idle (give their registers back and exit)
     WG1, WG2          MMA warpgroups (bwd_mainloop.py):
                         S^T = K Q^T, dP^T = V dO^T        (SS, tile_n x tile_m, K rows on WGMMA M)
@@ -134,7 +134,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # second waits until the dQ writer's bulk add has read the first) rather than giving up Q's
         # second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
         self.dq_chunks = 1 if config.do_stages < config.q_stages else config.num_consumer_warpgroups
-        self.dq_writers = 2 if deterministic and self.dq_chunks == config.num_consumer_warpgroups else 1
+        # deterministic mode: two dQ writers on alternate steps (write_dq_block); 7-10% faster
+        # than one at D=128 sliding, (256, 256) and 26% at (192, 128) (RESULTS, sessions 13-14)
+        self.dq_writers = 2 if deterministic else 1
         self.mask_stages = config.mask_pipeline_stages
         assert layout.transposed
         self.payload_layout = layout
@@ -160,9 +162,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_pair_threads = self.threads_per_wg + 32
         assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
 
+    def dq_writer_of(self, step):
+        """The dQ writer of step ``step`` (the dQ writers and the MMA warpgroups both count steps
+        over the same K2Q walk): the writers take the steps in turn."""
+        return step % self.dq_writers
+
     def dq_full_barrier(self, wg, writer):
-        """``BAR_DQ_FULL`` of MMA warpgroup ``wg`` -> dQ writer ``writer`` (the writer of step k is
-        k % dq_writers): one per pair, so a writer never completes the other one's instance."""
+        """``BAR_DQ_FULL`` of MMA warpgroup ``wg`` -> dQ writer ``writer``: one per pair, so a
+        writer never completes the other one's instance."""
         return self.BAR_DQ_FULL + wg + 2 * writer
 
     def dq_chunk_empty(self, wg):
@@ -487,7 +494,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                if step % self.dq_writers == writer:
+                if self.dq_writer_of(step) == writer:
                     rank = Int32(0)
                     if nxt.partial != 0:
                         rank = plan.dq_write_order[nxt.entry]
@@ -506,11 +513,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32, step: Int32,
         last: Int32, writer: cutlass.Constexpr[int],
     ):  # fmt: skip
-        """One step's dQ. Deterministic mode with a chunk per warpgroup runs two writers on
-        alternate steps, so one step's turnstile chain (adds complete, release, the next acquire:
-        dependent L2 round trips) overlaps the next step's: a writer hands the chunks on for the
-        next step (the other writer's) as soon as its adds have read them, then completes its turn.
-        Otherwise one writer hands them on at the start of the next step, after the whole chain."""
+        """One step's dQ. Deterministic mode runs two writers on alternate steps, so one step's
+        turnstile chain (adds complete, release, the next acquire: dependent L2 round trips)
+        overlaps the next step's: a writer hands the chunks on for the next step (the other
+        writer's) as soon as its adds have read them, then completes its turn. Atomic mode has one
+        writer, which hands them on at the start of the next step."""
         shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
         two = self.dq_writers == 2
         if const_expr(two):
@@ -519,10 +526,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                     self.dq_chunk_empty(wg)
         else:
             for wg in cutlass.range_constexpr(self.dq_chunks):
-                if const_expr(not self.deterministic):
-                    # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both
-                    # adds; own chunks keep the other one's add in flight)
-                    cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
+                # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both
+                # adds; own chunks keep the other one's add in flight)
+                cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
                 self.dq_chunk_empty(wg)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
         if const_expr(self.deterministic):

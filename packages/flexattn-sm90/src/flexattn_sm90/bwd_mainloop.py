@@ -114,14 +114,13 @@ class BwdMainloop:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
         words = cute.make_rmem_tensor(self.payload_words, Int32)
-        # the dQ writer of step k: k % dq_writers (bwd_kernel.write_dq_block)
-        writer = Int32(0)
+        step = Int32(0)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             left_p, left_f = hr.partial_cnt, hr.full_cnt
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
-                dq_full = self.dq_full_barrier(wg, writer)
+                dq_full = self.dq_full_barrier(wg, self.dq_writer_of(step))
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
                         ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
@@ -133,8 +132,7 @@ class BwdMainloop:
                         q_state, do_state, mask_state, words, tidx, wg, dq_full, False,
                     )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
-                if const_expr(self.dq_writers == 2):
-                    writer = 1 - writer
+                step += 1
         # every GEMM reading K and V has retired in both warpgroups: sK and sV stage dK and dV
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         stage_result(mmas[1], ops.acc_dk, sK, tidx, softmax_scale)
