@@ -27,6 +27,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
+from flexattn_sm90.bwd_kernel import Sm90BwdKernel, dense_k2q_rows  # noqa: E402
 from flexattn_sm90.bwd_launch import run_backward  # noqa: E402
 from maskplan_core import masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.reference import build_plan  # noqa: E402
@@ -159,6 +160,27 @@ def test_deterministic_bit_identical(dtype):
     """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,
     partial and full blocks, a long sample so many K blocks race for each Q block)."""
     CASES.deterministic_bit_identical(dtype)
+
+
+@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("kind", ["full", "random"])
+def test_deterministic_grouped_launch_order(dqk, dv, kind):
+    """Dense K2Q rows and 6 kv heads: the deterministic launch order takes DENSE_HEAD_GROUP (4) kv
+    heads at a time, then the remaining 2 (``Sm90BwdKernel.launch_head_group``); three runs are
+    bit-identical and match the reference."""
+    B, S, H = 2, 1000, 6
+    q, k, v = CASES.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=15)
+    if kind == "full":
+        ep = torch.full((1, 1, B * S), S, dtype=torch.int32, device=DEV)
+    else:
+        ep = CASES.random_intervals(1, 3, torch.full((B * S,), S), seed=15)
+    plan = sm90_plan(ep, q, k, v)
+    view = plan.view("backward")
+    stats = view.stats()
+    q_blocks = -(-S // view.block_size[0])  # per sample
+    assert dense_k2q_rows(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
+    assert H > Sm90BwdKernel.DENSE_HEAD_GROUP
+    check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 
 def test_gpu_planner_plan():

@@ -53,7 +53,10 @@ K block). Waiting only on lower K blocks of the same (sample, kv head), i.e. on 
 it cannot deadlock as long as CTAs start in index order. Walking its Q blocks downwards, a CTA
 reaches each one no earlier than the CTA of the K block below it on causal, sliding-window and
 document masks (``consumer_plan.walk_descending``), so the turnstile rarely waits; deterministic
-mode also puts the kv head on grid x, so the resident CTAs form many short chains (one per head).
+mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
+head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
+order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
+order takes ``DENSE_HEAD_GROUP`` kv heads at a time (:meth:`Sm90BwdKernel.launch_head_group`).
 """
 
 import cuda.bindings.driver as cuda
@@ -89,6 +92,14 @@ from .fwd_helpers import register_split
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
+def dense_k2q_rows(entries, k_rows, q_blocks_per_sample):
+    """Whether a backward view's K2Q rows are dense: its ``entries`` (partial + full) over its
+    ``k_rows`` (K plan rows x mask heads) average 3/4 or more of a sample's Q blocks. Plain
+    arithmetic, so the kernel (:meth:`Sm90BwdKernel.launch_head_group`) and the host (tests) ask
+    the same question."""
+    return entries >= 0.75 * k_rows * q_blocks_per_sample
+
+
 class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     """Static configuration of one compiled backward main kernel; see the module docstring. Its host
     entry ``from_pointers`` is :class:`maskplan_kernels.consumer_plan.BwdHostEntry` (shared with SM100)."""
@@ -97,6 +108,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM
     BAR_DQ_FULL = 2  # + wg + 2 * writer: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
+    #: kv heads the deterministic launch order takes at a time on dense K2Q rows (launch_head_group)
+    DENSE_HEAD_GROUP = 4
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -246,6 +259,25 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             min_blocks_per_mp=1,
         )  # fmt: skip
 
+    @cute.jit
+    def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
+        """Kv heads the deterministic launch order takes at a time (``decode_work``): all of them,
+        unless the K2Q rows are dense (on average a K block visits 3/4 or more of its sample's Q
+        blocks), then ``DENSE_HEAD_GROUP``. With all heads, a wave of resident CTAs holds ~8 K
+        blocks per head, each streaming its head's Q, dO and dQ blocks: on dense rows that is every
+        head's whole Q range per wave, which spilled from L2 ((192, 128) random-5: DRAM 56% busy,
+        the dQ writers' adds slowed, 0.66 of atomic). Fewer heads at a time share those blocks
+        among more CTAs but make longer turnstile chains, which costs where a K block's walk is
+        short (document masks: 269 -> 218 TFLOP/s at 4 heads). Measured: benchmarks/RESULTS.md,
+        session 14. Any order gives the same bits (dq_write_order fixes the adds)."""
+        entries = Float32(cute.size(plan.mask_block_idx) + cute.size(plan.full_block_idx))
+        k_rows = Float32(cute.size(plan.mask_block_cnt))  # x mask heads
+        q_blocks = Float32(n_qblk) / Float32(cute.size(plan.q_block_begin))  # per sample
+        group = kv_heads
+        if dense_k2q_rows(entries, k_rows, q_blocks):
+            group = Int32(self.DENSE_HEAD_GROUP)
+        return group
+
     def grid(self, k_rows, kv_heads) -> list:
         """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring)."""
         return [kv_heads, k_rows, 1] if self.deterministic else [k_rows, kv_heads, 1]
@@ -355,7 +387,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             # fragment-ordered warpgroup chunks of dQ, dq_chunks of them
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
         }
-        work = decode_work(plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic)
+        kv_heads = mK.shape[2]
+        group = None
+        if const_expr(self.deterministic):
+            group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
+        work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, self.deterministic, head_group=group)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

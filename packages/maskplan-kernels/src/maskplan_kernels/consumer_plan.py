@@ -648,6 +648,24 @@ class HeadRange(NamedTuple):
     full_off: Int32
 
 
+def grouped_launch_slot(launch: Int32, kv_heads: Int32, k_rows: Int32, group: Int32) -> tuple[Int32, Int32]:
+    """``(K row, kv head)`` of the ``launch``-th CTA (in launch order) when the launch order takes
+    ``group`` kv heads at a time, K rows ascending within a group, heads ascending within a row::
+
+        kv_heads = 5, group = 2:   launch  0 1 2 3 ..      2R 2R+1 ..      4R   4R+1 ..
+                                   (row, head) (0,0) (0,1) (1,0) (1,1) .. (0,2) (0,3) .. (0,4) (1,4) ..
+
+    ``group >= kv_heads`` is heads-major order, ``group == 1`` rows-major. Every CTA of a head
+    launches after the CTAs of the same head with lower K rows, which the deterministic turnstiles
+    (``dq_write_order`` ranks ascend with the K block) need to never wait on a CTA not yet resident.
+    A plain function of integers, so that it also runs on the CPU (its test)."""
+    span = group * k_rows
+    first = launch // span * group
+    heads = cutlass.min(group, kv_heads - first)
+    within = launch - first * k_rows
+    return within // heads, first + within % heads
+
+
 @cute.jit
 def decode_work(
     plan: BwdPlanTensors,
@@ -655,13 +673,19 @@ def decode_work(
     tile_n: cutlass.Constexpr[int],
     heads_major: cutlass.Constexpr[bool],
     splits: cutlass.Constexpr[int] = 1,
+    head_group: Int32 | None = None,
 ) -> Work:
     """The CTA's K block from its block index: grid ``(splits * K rows, Hkv)``, or ``(splits * Hkv,
     K rows)`` with ``heads_major`` (deterministic mode, so the writers of a Q block run in
     ``dq_write_order``). The ``splits`` CTAs of one K block (a kernel splitting its outputs' head dim)
-    are adjacent in grid x, so they launch together."""
+    are adjacent in grid x, so they launch together. ``head_group`` (heads-major, no splits): the
+    launch order takes that many kv heads at a time (:func:`grouped_launch_slot`)."""
     x, y, _ = cute.arch.block_idx()
     row, kv_head = (y, x // splits) if const_expr(heads_major) else (x // splits, y)
+    if const_expr(head_group is not None):
+        assert heads_major and splits == 1
+        kv_heads, k_rows, _ = cute.arch.grid_dim()
+        row, kv_head = grouped_launch_slot(x + kv_heads * y, kv_heads, k_rows, head_group)
     b = plan.k_row_batch[row]
     n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
     k_len = desc_field(plan.sequence_desc, b, DESC_K_LEN)
@@ -810,6 +834,7 @@ __all__ = [
     "fetch_task",
     "fwd_io_tensors",
     "fwd_plan_tensors",
+    "grouped_launch_slot",
     "head_range",
     "load_payload_plane",
     "make_sequence_desc",
