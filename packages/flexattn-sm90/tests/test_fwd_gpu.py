@@ -132,6 +132,19 @@ def test_schedules(schedule, mask_via_smem):
     check(random_intervals(1, 5, k_len, seed=13), q, k, v, varlen=varlen, schedule=schedule)
 
 
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_prefetch_task_handover(d):
+    """The prefetch schedule hands each task over to the next (whose first S GEMM runs during this
+    task's epilogue) at every head dim it runs at: many short tasks (documents of 1-3 K blocks,
+    one-block tasks), tasks without blocks before and after tasks with blocks, GQA."""
+    B, S, H = 2, 1000, 4
+    q, k, v = qkv((B, S, H), (B, S, 2), d, d, torch.bfloat16, seed=30)
+    ep = masks.document([[40, 300, 5, 128, 527], [130, 1, 869]], device=DEV)
+    ep[..., 256:384] = 0  # Q block 2 of each sample visits no block
+    ep[..., S + 896 :] = 0  # nor does the last Q block of the second sample
+    check(ep, q, k, v, schedule="prefetch")
+
+
 # -- PackGQA --------------------------------------------------------------------------------------
 PACK = [(8, 2), (16, 1), (4, 4), (32, 2)]  # G = 4, 16, 1, 16 (Hkv = 2)
 
