@@ -124,8 +124,10 @@ def test_prefetch_needs_room_for_two_q_tiles(dq, dv):
 def test_kernel_refuses_a_schedule_without_its_q_stages():
     config = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
     assert config.q_stages == 1 and schedule_config(config, "prefetch").q_stages == 2
-    with pytest.raises(ValueError, match=r"schedule='prefetch' needs q_stages=2"):
+    with pytest.raises(ValueError, match=r"schedule='prefetch' runs with q_stages=2"):
         Sm90FwdKernel(config, schedule="prefetch")
+    with pytest.raises(ValueError, match=r"schedule='overlap' runs with q_stages=1"):
+        Sm90FwdKernel(schedule_config(config, "prefetch"), schedule="overlap")
     with pytest.raises(ValueError, match=r"schedule='fastest'"):
         schedule_config(config, "fastest")
 

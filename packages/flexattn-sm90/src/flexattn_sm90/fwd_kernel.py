@@ -99,9 +99,9 @@ class Sm90FwdKernel(ConsumerMainloop):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; one of {SCHEDULES}")
         self.schedule = schedule
-        if config.q_stages < SCHEDULE_Q_STAGES[schedule]:
+        if config.q_stages != SCHEDULE_Q_STAGES[schedule]:
             raise ValueError(
-                f"schedule={schedule!r} needs q_stages={SCHEDULE_Q_STAGES[schedule]} in the config "
+                f"schedule={schedule!r} runs with q_stages={SCHEDULE_Q_STAGES[schedule]} in the config "
                 f"(got {config.q_stages}): see flexattn_sm90.fwd_mainloop.schedule_config"
             )
         # payload ABI (payload_layout.py is the one source of truth)
