@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
-from flexattn_sm90 import Sm90Consumer  # noqa: E402
+from flexattn_sm90 import Sm90Consumer, fwd_launch  # noqa: E402
 from flexattn_sm90.fwd_launch import run_forward  # noqa: E402
 from flexattn_sm90.fwd_mainloop import SCHEDULES  # noqa: E402
 from maskplan_core import masks, testing  # noqa: E402
@@ -132,17 +132,24 @@ def test_schedules(schedule, mask_via_smem):
     check(random_intervals(1, 5, k_len, seed=13), q, k, v, varlen=varlen, schedule=schedule)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_prefetch_task_handover(d):
-    """The prefetch schedule hands each task over to the next (whose first S GEMM runs during this
-    task's epilogue) at every head dim it runs at: many short tasks (documents of 1-3 K blocks,
-    one-block tasks), tasks without blocks before and after tasks with blocks, GQA."""
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize(
+    "schedule,d", [("prefetch", 64), ("prefetch", 96), ("prefetch", 128), ("overlap", 128), ("simple", 128)]
+)
+def test_task_handover(schedule, d, ctas, monkeypatch):
+    """One CTA runs task after task: the grid is capped at 1 or 3 persistent CTAs (a grid of one
+    CTA per SM gives every CTA of a test with fewer than 132 tasks a single task). Many short tasks:
+    documents of 1-3 K blocks, one-block tasks, tasks without blocks before and after tasks with
+    blocks, GQA, per-head random masks; prefetch (whose next task's first S GEMM runs during this
+    task's epilogue) at every head dim it runs at."""
+    monkeypatch.setattr(fwd_launch, "persistent_ctas", lambda device, items: min(items, ctas))
     B, S, H = 2, 1000, 4
     q, k, v = qkv((B, S, H), (B, S, 2), d, d, torch.bfloat16, seed=30)
     ep = masks.document([[40, 300, 5, 128, 527], [130, 1, 869]], device=DEV)
     ep[..., 256:384] = 0  # Q block 2 of each sample visits no block
     ep[..., S + 896 :] = 0  # nor does the last Q block of the second sample
-    check(ep, q, k, v, schedule="prefetch")
+    check(ep, q, k, v, schedule=schedule)
+    check(random_intervals(H, 5, torch.full((B * S,), S), seed=31), q, k, v, schedule=schedule)
 
 
 # -- PackGQA --------------------------------------------------------------------------------------
