@@ -140,8 +140,8 @@ def test_task_handover(schedule, d, ctas, monkeypatch):
     """One CTA runs task after task: the grid is capped at 1 or 3 persistent CTAs (a grid of one
     CTA per SM gives every CTA of a test with fewer than 132 tasks a single task). Many short tasks:
     documents of 1-3 K blocks, one-block tasks, tasks without blocks before and after tasks with
-    blocks, GQA, per-head random masks; prefetch (whose next task's first S GEMM runs during this
-    task's epilogue) at every head dim it runs at."""
+    blocks, GQA and PackGQA, per-head random masks; prefetch (whose next task's first S GEMM runs
+    during this task's epilogue) at every head dim it runs at."""
     monkeypatch.setattr(fwd_launch, "persistent_ctas", lambda device, items: min(items, ctas))
     B, S, H = 2, 1000, 4
     q, k, v = qkv((B, S, H), (B, S, 2), d, d, torch.bfloat16, seed=30)
@@ -149,6 +149,8 @@ def test_task_handover(schedule, d, ctas, monkeypatch):
     ep[..., 256:384] = 0  # Q block 2 of each sample visits no block
     ep[..., S + 896 :] = 0  # nor does the last Q block of the second sample
     check(ep, q, k, v, schedule=schedule)
+    if d == 128:  # PackGQA: 2 q heads per tile row block, its own epilogue addressing
+        check(ep, q, k, v, schedule=schedule, pack_gqa=True)
     check(random_intervals(H, 5, torch.full((B * S,), S), seed=31), q, k, v, schedule=schedule)
 
 
