@@ -13,9 +13,7 @@ import pytest
 pytest.importorskip("cutlass.cute")
 
 from flexattn_sm90.config import SMEM_LIMIT, SMEM_RESERVE  # noqa: E402
-from flexattn_sm90.fwd_kernel import Sm90FwdKernel  # noqa: E402
 from flexattn_sm90.fwd_launch import DEFAULT_SCHEDULE, compile_uncached, kernel_key  # noqa: E402
-from flexattn_sm90.fwd_mainloop import schedule_config  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
@@ -71,13 +69,8 @@ def test_d128_instructions(smem, tmp_path):
 
 
 #: m64n128k16 WGMMAs (8 per 128x128 GEMM) a schedule's code issues: simple: S and PV in the
-#: partial and the full loop; overlap: S_0, [S_next, O += PV] in both loops and the last O += PV;
-#: prefetch: as overlap, with S_0 at three sites (the first task; after a task with blocks, during
-#: its epilogue; after one without)
-SCHEDULE_WGMMAS = {"simple": 2 * (8 + 8), "overlap": 8 + 2 * (8 + 8) + 8, "prefetch": 3 * 8 + 2 * (8 + 8) + 8}
-#: ``wgmma.wait_group 1`` sites: one per overlap loop (S_next done, PV may run), and prefetch's wait
-#: for a task's last PV while the next task's S_0 runs
-SCHEDULE_PARTIAL_WAITS = {"simple": 0, "overlap": 2, "prefetch": 3}
+#: partial and the full loop; overlap: S_0, [S_next, O += PV] in both loops and the last O += PV
+SCHEDULE_WGMMAS = {"simple": 2 * (8 + 8), "overlap": 8 + 2 * (8 + 8) + 8}
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULE_WGMMAS))
@@ -89,47 +82,9 @@ def test_schedules_compile(schedule, tmp_path):
     )
     ptx = compiled.__ptx__
     assert _wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[schedule]}
-    # two GEMMs in flight together, the consumer waits for the older only
-    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == SCHEDULE_PARTIAL_WAITS[schedule]
+    # overlap: S and PV in flight together, the consumer waits for the older only, once per loop
+    assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == (2 if schedule == "overlap" else 0)
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)  # incl. no WGMMA ptxas serialised
-
-
-@pytest.mark.parametrize(
-    "dq,dv,group,smem",
-    [(64, 64, 1, True), (96, 96, 1, False), (128, 128, 4, True), (128, 128, 2, False), (64, 64, 8, True)],
-)  # fmt: skip
-def test_prefetch_compiles_where_two_q_tiles_fit(dq, dv, group, smem, tmp_path):
-    """The prefetch schedule at the head dims with room for two Q tiles, unpacked and PackGQA, with
-    the max logit: no spill, no serialised WGMMA (the next task's S_0 is in flight during the
-    epilogue); the task hand-over runs the epilogue three times (one per branch)."""
-    config = select_fwd_config(
-        head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=group > 1, qhead_per_kvhead=group
-    )
-    extra = f"--keep-ptx --dump-dir {tmp_path}"
-    compiled = compile_uncached(
-        config, mask_via_smem=smem, with_max_logit=True, schedule="prefetch", extra_options=extra
-    )
-    ptx = compiled.__ptx__
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 3 * dv // 16
-    assert_ptxas_clean(ptx, "sm_90a", tmp_path)
-
-
-@pytest.mark.parametrize("dq,dv", [(192, 128), (256, 256)])
-def test_prefetch_needs_room_for_two_q_tiles(dq, dv):
-    config = select_fwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"q_stages=2.*bytes of SMEM"):
-        schedule_config(config, "prefetch")
-
-
-def test_kernel_refuses_a_schedule_without_its_q_stages():
-    config = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
-    assert config.q_stages == 1 and schedule_config(config, "prefetch").q_stages == 2
-    with pytest.raises(ValueError, match=r"schedule='prefetch' runs with q_stages=2"):
-        Sm90FwdKernel(config, schedule="prefetch")
-    with pytest.raises(ValueError, match=r"schedule='overlap' runs with q_stages=1"):
-        Sm90FwdKernel(schedule_config(config, "prefetch"), schedule="overlap")
-    with pytest.raises(ValueError, match=r"schedule='fastest'"):
-        schedule_config(config, "fastest")
 
 
 def test_fp16_and_max_logit_compile(tmp_path):
@@ -172,19 +127,16 @@ def test_pack_gqa_compiles(dq, dv, group, smem, max_logit, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dq,dv,pack_gqa,schedule,want",
-    [(64, 64, False, "overlap", 64), (96, 96, False, "overlap", 32), (128, 128, False, "overlap", 128),
-     (192, 128, False, "overlap", 32), (256, 256, False, "overlap", 128), (256, 256, True, "overlap", 64),
-     (128, 128, True, "overlap", 128), (64, 64, False, "prefetch", 64), (96, 96, False, "prefetch", 32),
-     (128, 128, False, "prefetch", 64), (128, 128, True, "prefetch", 32)],
+    "dq,dv,pack_gqa,want",
+    [(64, 64, False, 64), (96, 96, False, 32), (128, 128, False, 128), (192, 128, False, 32),
+     (256, 256, False, 128), (256, 256, True, 64), (128, 128, True, 128)],
 )  # fmt: skip
-def test_o_epilogue_chunk_fits_smem(dq, dv, pack_gqa, schedule, want):
+def test_o_epilogue_chunk_fits_smem(dq, dv, pack_gqa, want):
     """The O staging chunk: a power of two dividing Dv, next to the operand tiles within SMEM."""
     group = 8 if pack_gqa else 1
     config = select_fwd_config(
         head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=pack_gqa, qhead_per_kvhead=group
     )
-    config = schedule_config(config, schedule)
     chunk = config.o_chunk_cols
     assert chunk == want
     assert chunk & (chunk - 1) == 0 and dv % chunk == 0

@@ -134,14 +134,13 @@ def test_schedules(schedule, mask_via_smem):
 
 @pytest.mark.parametrize("ctas", [1, 3])
 @pytest.mark.parametrize(
-    "schedule,d", [("prefetch", 64), ("prefetch", 96), ("prefetch", 128), ("overlap", 128), ("simple", 128)]
+    "schedule,d", [("overlap", 64), ("overlap", 96), ("overlap", 128), ("simple", 128)]
 )
 def test_task_handover(schedule, d, ctas, monkeypatch):
     """One CTA runs task after task: the grid is capped at 1 or 3 persistent CTAs (a grid of one
     CTA per SM gives every CTA of a test with fewer than 132 tasks a single task). Many short tasks:
     documents of 1-3 K blocks, one-block tasks, tasks without blocks before and after tasks with
-    blocks, GQA and PackGQA, per-head random masks; prefetch (whose next task's first S GEMM runs
-    during this task's epilogue) at every head dim it runs at."""
+    blocks, GQA and PackGQA, per-head random masks."""
     monkeypatch.setattr(fwd_launch, "persistent_ctas", lambda device, items: min(items, ctas))
     B, S, H = 2, 1000, 4
     q, k, v = qkv((B, S, H), (B, S, 2), d, d, torch.bfloat16, seed=30)

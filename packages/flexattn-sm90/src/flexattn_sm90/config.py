@@ -109,15 +109,9 @@ class Sm90FwdConfig(_KernelConfig):
     #: stages of the SMEM packed-mask pipeline (spec 6.2); each stage holds one CTA payload plane
     mask_pipeline_stages: int = field(default=2, metadata=CONSTEXPR)
     kv_stages: int = field(default=2, metadata=CONSTEXPR)
-    #: Q tiles in SMEM: 2 lets the producer load the next task's Q while this task still reads its
-    #: own (what the ``prefetch`` schedule needs: it issues the next task's first S GEMM before
-    #: this task's epilogue); fits up to Dqk = 128
-    q_stages: int = field(default=1, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()
-        if self.q_stages not in (1, 2):
-            raise ValueError(f"q_stages={self.q_stages}: the SM90 forward holds 1 or 2 Q tiles")
         if self.tile_m != 64 * self.num_consumer_warpgroups:
             raise ValueError(
                 f"tile_m={self.tile_m} must equal 64 * num_consumer_warpgroups "
@@ -128,13 +122,6 @@ class Sm90FwdConfig(_KernelConfig):
                 f"pack_gqa needs qhead_per_kvhead ({self.qhead_per_kvhead}) to divide tile_m ({self.tile_m})"
             )
         self.payload_layout  # noqa: B018 - validates the tile against the wgmma atom
-        if self.operand_smem_bytes > SMEM_LIMIT - SMEM_RESERVE:
-            raise ValueError(
-                f"(head_dim_qk, head_dim_v)=({self.head_dim_qk}, {self.head_dim_v}) with "
-                f"q_stages={self.q_stages}, kv_stages={self.kv_stages}: the operand tiles need "
-                f"{self.operand_smem_bytes} bytes of SMEM, more than the {SMEM_LIMIT - SMEM_RESERVE} "
-                "an SM90 CTA has for them"
-            )
 
     @property
     def plan_tile_m(self) -> int:
@@ -154,25 +141,22 @@ class Sm90FwdConfig(_KernelConfig):
 
     @property
     def operand_smem_bytes(self) -> int:
-        """SMEM of the Q and K/V stages and the mask pipeline (2-byte elements)."""
+        """SMEM of the Q tile, the K/V stages and the mask pipeline (2-byte elements)."""
         kv = self.kv_stages * self.tile_n * (self.head_dim_qk + self.head_dim_v)
-        return 2 * (self.q_stages * self.tile_m * self.head_dim_qk + kv) + self.mask_smem_bytes
+        return 2 * (self.tile_m * self.head_dim_qk + kv) + self.mask_smem_bytes
 
     @property
     def o_chunk_cols(self) -> int:
         """Columns of O the epilogue stages through SMEM at a time: the largest power of two that
         divides Dv and whose ``tile_m x cols`` tile fits the SMEM left next to the operands (64: 64,
-        96: 32, 128: 128, (192, 128): 32, 256: 128; with two Q stages 128 takes 64). A power of
-        two, so a warpgroup's 128 threads tile the chunk's rows in whole 16-byte pieces. PackGQA
-        takes at most 64 at Dv = 256 and 32 with two Q stages: each row of a packed tile has its own
-        (head, position) address, and with wider chunks ptxas spilled (Dv = 256) or, with the next
-        task's S_0 in flight during the epilogue, ran out of registers for it and serialised the
-        WGMMAs (C7512, 128 x 128 with G = 4 and the max logit). The compile tests check every
-        config for both."""
+        96: 32, 128: 128, (192, 128): 32, 256: 128). A power of two, so a warpgroup's 128 threads
+        tile the chunk's rows in whole 16-byte pieces. PackGQA at Dv = 256 takes 64: each row of a
+        packed tile has its own (head, position) address, and with 128-column chunks ptxas spilled
+        there (the compile tests check every config for spills)."""
         free = SMEM_LIMIT - SMEM_RESERVE - self.operand_smem_bytes
         cols = self.head_dim_v & -self.head_dim_v
-        if self.pack_gqa and (self.head_dim_v > 128 or self.q_stages > 1):
-            cols = min(cols, 32 if self.q_stages > 1 else 64)
+        if self.pack_gqa and self.head_dim_v > 128:
+            cols = min(cols, 64)
         while 2 * self.tile_m * cols > free:
             cols //= 2
         if cols < 16:

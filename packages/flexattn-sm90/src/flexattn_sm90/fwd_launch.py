@@ -34,7 +34,7 @@ from maskplan_kernels.consumer_launch import (
 from . import view_config
 from .config import Sm90FwdConfig
 from .fwd_kernel import Sm90FwdKernel
-from .fwd_mainloop import DEFAULT_SCHEDULE, schedule_config
+from .fwd_mainloop import DEFAULT_SCHEDULE
 
 GPU_ARCH = "sm_90a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
@@ -50,7 +50,7 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
     """Everything the compiled kernel depends on. Varlen-ness, and the GQA ratio unless the tile
     packs heads (PackGQA), are runtime values."""
     static = ("head_dim_qk", "head_dim_v", "dtype", "tile_m", "tile_n", "num_consumer_warpgroups")
-    static += ("pack_gqa", "mask_pipeline_stages", "kv_stages", "q_stages")
+    static += ("pack_gqa", "mask_pipeline_stages", "kv_stages")
     if config.pack_gqa:  # the heads packed into a tile are compile-time (TMA box, payload layout)
         static += ("qhead_per_kvhead",)
     return (
@@ -83,7 +83,6 @@ def compile_forward(
     """The compiled kernel for ``config``: compiled on first use, then served by the project's
     compile cache (:mod:`maskplan_kernels.compile_cache`: in process, and on disk across
     processes). Thread-safe, one compile per key."""
-    config = schedule_config(config, schedule)
     key = kernel_key(config, mask_via_smem=mask_via_smem, with_max_logit=with_max_logit, schedule=schedule)
 
     def build():
@@ -103,7 +102,7 @@ def compile_uncached(
     extra_options: str = "",
 ):
     """Trace and compile one kernel for sm_90a (no GPU needed); ``extra_options`` e.g. ``--keep-ptx``."""
-    kernel = Sm90FwdKernel(schedule_config(config, schedule), mask_via_smem=mask_via_smem, schedule=schedule)
+    kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule)
     args = placeholder_arguments(kernel, with_max_logit=with_max_logit)
     options = f"--gpu-arch {GPU_ARCH} {extra_options}".strip()
     return cute.compile(kernel.from_pointers, *args, options=options)

@@ -12,20 +12,11 @@ applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows
                 for within one step: ptxas serialises a WGMMA still in flight across a loop edge
                 (what a schedule issuing S_{i+1} at the end of step i, then consuming it in step
                 i + 1, ran into: C7517)
-    prefetch    overlap, and the next task's S_0 is issued right after this task's last PV, so
-                the tensor cores compute it while this task's epilogue runs (the epilogue and the
-                first S of a task otherwise leave them idle between tasks; from session 15's causal
-                and sliding-window figures, an estimate of about two steps' time per task, which
-                weighs on short tasks: sliding windows, documents). Its Q must already be in SMEM:
-                two Q stages (``q_stages=2``, which fit up to Dqk = 128). S_0 is waited for after
-                the epilogue, in the same loop iteration, so no GEMM is in flight across the task
-                loop's edge either
 
 Every schedule consumes the same pipelines in the same order; the payload of a partial block is
 read before its S is used and the mask pipeline advances only on partial blocks.
 """
 
-import dataclasses
 from typing import NamedTuple
 
 import cutlass
@@ -37,7 +28,6 @@ from cutlass.cute.nvgpu import warpgroup
 from maskplan_kernels.consumer_plan import apply_packed_predicate, element_ptr, fetch_task
 from maskplan_kernels.consumer_softmax import LOG2_E
 
-from .config import Sm90FwdConfig
 from .fwd_helpers import (
     acc_as_operand_a,
     acc_mn_view,
@@ -50,25 +40,14 @@ from .fwd_helpers import (
     wgmma,
 )
 
-SCHEDULES = ("simple", "overlap", "prefetch")
-#: Q stages (``Sm90FwdConfig.q_stages``) each schedule runs with
-SCHEDULE_Q_STAGES = {"simple": 1, "overlap": 1, "prefetch": 2}
+SCHEDULES = ("simple", "overlap")
 #: consumer main-loop schedule when none is asked for (one of SCHEDULES). Measured on H200
 #: (B=2, S=8192, H=16, bf16; benchmarks/RESULTS.md, session 7): ``overlap`` ran 1-8% faster than
 #: ``simple`` at D=128 except on random-5 (every block partial, 2% slower), 0-4% at D=64 and 6-18%
 #: at D=256; the retired ``pipelined`` schedule (S_{i+1} in flight across the loop edge, which
 #: ptxas serialised) 4-9% slower at D=128; overlap with FA3's warpgroup turns (pingpong) won
-#: nowhere by more than 2% and lost up to 9%, so it is not kept. ``prefetch`` is compile-checked
-#: only (session 15 had no device time for it): not the default until it has run and been timed
+#: nowhere by more than 2% and lost up to 9%, so it is not kept
 DEFAULT_SCHEDULE = "overlap"
-
-
-def schedule_config(config: Sm90FwdConfig, schedule: str) -> Sm90FwdConfig:
-    """``config`` with the Q stages ``schedule`` runs with (a ValueError names the SMEM it would
-    need where two Q stages do not fit, Dqk > 128)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; one of {SCHEDULES}")
-    return dataclasses.replace(config, q_stages=SCHEDULE_Q_STAGES[schedule])
 
 
 class Operands(NamedTuple):
@@ -114,7 +93,7 @@ class ConsumerMainloop:
         ops = Operands(
             mma_qk=mma_qk,
             mma_pv=mma_pv,
-            tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),  # (MMA, MMA_M, MMA_K[, q stages])
+            tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),  # (MMA, MMA_M, MMA_K)
             tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),  # (MMA, MMA_N, MMA_K, stages)
             tOrV=wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(sV))),  # (MMA, MMA_N, MMA_K, stages)
             tOrP=thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n))),
@@ -133,103 +112,31 @@ class ConsumerMainloop:
         )
         acc_s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
         lse = cute.make_rmem_tensor(num_rows, Float32)
-        epi = (mma_o, sO, lse, tOcO, mO, mLSE, mMaxLogit, softmax_scale)
 
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
 
         valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
-        if const_expr(self.schedule == "prefetch"):
-            states = (sched_state, q_state, kv_state, mask_state)
-            self.prefetch_loop(ops, epi, acc_s_shape, valid, t, pipes, sTask, *states)
-        else:
-            while valid != 0:
-                self.reset_rows(ops)
-                if t.partial_cnt + t.full_cnt > 0:
-                    pipe_q.consumer_wait(q_state)
-                    if const_expr(self.schedule == "overlap"):  # releases Q itself, before its last GEMM
-                        kv_state, mask_state = self.mainloop_overlap(
-                            ops, acc_s_shape, None, t, kv_state, mask_state, pipe_q, q_state
-                        )
-                    else:
-                        kv_state, mask_state = self.mainloop_simple(
-                            ops, acc_s_shape, t, kv_state, mask_state, q_state
-                        )
-                        pipe_q.consumer_release(q_state)
-                    q_state.advance()
-                self.finish_task(ops, epi, t)
-                valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
-
-    @cute.jit
-    def prefetch_loop(
-        self, ops, epi, acc_s_shape, valid: Int32, t, pipes, sTask, sched_state, q_state, kv_state, mask_state
-    ):
-        """The ``prefetch`` schedule's task loop: S_0 of a task is in ``acc_s`` when its iteration
-        starts. Each branch issues and waits for its own GEMMs (the last PV, the next S_0) and runs
-        the epilogue itself: where a GEMM is still in flight when branches merge, the merge's
-        register moves make ptxas serialise every WGMMA of the kernel (C7514 / C7515)."""
-        pipe_q, _, _, _, pipe_sched = pipes
-        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
-        if self.has_blocks(valid, t):
-            self.issue_first_s(ops, acc_s, pipe_q, q_state, kv_state)
-            warpgroup.wait_group(0)
         while valid != 0:
-            self.reset_rows(ops)
-            t_next = t
-            if t.partial_cnt + t.full_cnt > 0:
-                kv_state, mask_state = self.mainloop_overlap(
-                    ops, acc_s_shape, acc_s, t, kv_state, mask_state, pipe_q, q_state
-                )  # its last PV still runs on stage kv_state
-                q_state.advance()
-                valid, t_next, sched_state = fetch_task(pipe_sched, sched_state, sTask)
-                s_state = kv_state.clone()
-                s_state.advance()
-                if self.has_blocks(valid, t_next):
-                    self.issue_first_s(ops, acc_s, pipe_q, q_state, s_state)
-                    warpgroup.wait_group(1)  # groups retire in order: the PV, not S_0
-                    ops.pipe_v.consumer_release(kv_state)
-                    self.finish_task(ops, epi, t)  # while S_0 runs
-                    warpgroup.wait_group(0)
+            ops.acc_o.fill(0.0)
+            ops.row_max.fill(-Float32.inf)
+            ops.row_sum.fill(0.0)
+            has_blocks = t.partial_cnt + t.full_cnt > 0
+            if has_blocks:
+                pipe_q.consumer_wait(q_state)
+                if const_expr(self.schedule == "overlap"):  # releases Q itself, before its last GEMM
+                    kv_state, mask_state = self.mainloop_overlap(
+                        ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state
+                    )
                 else:
-                    warpgroup.wait_group(0)
-                    ops.pipe_v.consumer_release(kv_state)
-                    self.finish_task(ops, epi, t)
-                kv_state = s_state
-            else:
-                valid, t_next, sched_state = fetch_task(pipe_sched, sched_state, sTask)
-                self.finish_task(ops, epi, t)
-                if self.has_blocks(valid, t_next):
-                    self.issue_first_s(ops, acc_s, pipe_q, q_state, kv_state)
-                    warpgroup.wait_group(0)
-            t = t_next
-
-    @staticmethod
-    def has_blocks(valid: Int32, t):
-        """Whether ``t`` is a task (``valid`` != 0) that visits blocks (one without writes O = 0 only)."""
-        return (valid != 0) & (t.partial_cnt + t.full_cnt > 0)
-
-    @cute.jit
-    def issue_first_s(self, ops, acc_s: cute.Tensor, pipe_q, q_state, kv_state):
-        """Issue a task's S_0 (Q stage ``q_state``, K stage ``kv_state``) and leave it in flight."""
-        pipe_q.consumer_wait(q_state)
-        ops.pipe_k.consumer_wait(kv_state)
-        self.issue_s(ops, acc_s, kv_state, q_state.index, -1)
-
-    @cute.jit
-    def reset_rows(self, ops):
-        """A task's O accumulator and online-softmax state start empty."""
-        ops.acc_o.fill(0.0)
-        ops.row_max.fill(-Float32.inf)
-        ops.row_sum.fill(0.0)
-
-    @cute.jit
-    def finish_task(self, ops, epi, t):
-        """Normalise O and write O and LSE (and the max logit) of task ``t``."""
-        mma_o, sO, lse, tOcO, mO, mLSE, mMaxLogit, softmax_scale = epi
-        finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, ops.scale_log2)
-        self.epilogue(ops, mma_o, sO, lse, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
+                    kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
+                    pipe_q.consumer_release(q_state)
+                q_state.advance()
+            finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)
+            self.epilogue(ops, mma_o, sO, lse, tOcO, mO, mLSE, mMaxLogit, softmax_scale, t)
+            valid, t, sched_state = fetch_task(pipe_sched, sched_state, sTask)
 
     # -- packed predicate delivery ----------------------------------------------------------------
     @cute.jit
@@ -258,10 +165,9 @@ class ConsumerMainloop:
 
     # -- schedules --------------------------------------------------------------------------------
     @cute.jit
-    def issue_s(self, ops, acc_s: cute.Tensor, state, q_index: Int32, wait: cutlass.Constexpr[int]):
-        """``S = Q K^T`` of the K stage ``state`` and Q stage ``q_index`` (``wait``: as :func:`wgmma`)."""
-        tQ = ops.tSrQ if const_expr(self.q_stages == 1) else ops.tSrQ[None, None, None, q_index]
-        wgmma(ops.mma_qk, acc_s, tQ, ops.tSrK[None, None, None, state.index], zero_init=True, wait=wait)
+    def issue_s(self, ops, acc_s: cute.Tensor, state, wait: cutlass.Constexpr[int]):
+        """``S = Q K^T`` of the K stage ``state`` (``wait``: as :func:`wgmma`)."""
+        wgmma(ops.mma_qk, acc_s, ops.tSrQ, ops.tSrK[None, None, None, state.index], zero_init=True, wait=wait)
 
     @cute.jit
     def issue_pv(self, ops, state, wait: cutlass.Constexpr[int]):
@@ -289,20 +195,20 @@ class ConsumerMainloop:
         ops.tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
     @cute.jit
-    def mainloop_simple(self, ops, acc_s_shape, t, kv_state, mask_state, q_state):
+    def mainloop_simple(self, ops, acc_s_shape, t, kv_state, mask_state):
         words = cute.make_rmem_tensor(self.payload_registers, Int32)
         for i in cutlass.range(t.partial_cnt, unroll=1):
             mask_state = self.read_payload(ops, mask_state, t.partial_off + i, words)
-            kv_state = self.simple_step(ops, acc_s_shape, kv_state, q_state.index, words)
+            kv_state = self.simple_step(ops, acc_s_shape, kv_state, words)
         for _ in cutlass.range(t.full_cnt, unroll=1):
-            kv_state = self.simple_step(ops, acc_s_shape, kv_state, q_state.index, None)
+            kv_state = self.simple_step(ops, acc_s_shape, kv_state, None)
         return kv_state, mask_state
 
     @cute.jit
-    def simple_step(self, ops, acc_s_shape, kv_state, q_index: Int32, words):
+    def simple_step(self, ops, acc_s_shape, kv_state, words):
         acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
         ops.pipe_k.consumer_wait(kv_state)
-        self.issue_s(ops, acc_s, kv_state, q_index, 0)
+        self.issue_s(ops, acc_s, kv_state, 0)
         ops.pipe_k.consumer_release(kv_state)
         self.softmax_to_p(ops, acc_s, words)
         ops.pipe_v.consumer_wait(kv_state)
@@ -312,27 +218,21 @@ class ConsumerMainloop:
         return kv_state
 
     @cute.jit
-    def mainloop_overlap(self, ops, acc_s_shape, acc_s, t, kv_state, mask_state, pipe_q, q_state):
+    def mainloop_overlap(self, ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state):
         """GEMM issue order ``S_0; S_1, P_0 V_0; S_2, P_1 V_1; ...; P_{n-1} V_{n-1}``::
 
             step j:   issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1}
                       wait S_j  -> [mask,] softmax scores of S_j      (P_{j-1} V_{j-1} still runs)
                       wait PV   -> O *= correction_j, P_j into registers
-
-        ``prefetch``: S_0 is already in ``acc_s`` (:meth:`prefetch_loop`), and the last PV is left
-        in flight with its V stage held; ``kv_state`` is then returned on that stage, not past it.
         """
-        prefetch = const_expr(self.schedule == "prefetch")
         total = t.partial_cnt + t.full_cnt
         words = cute.make_rmem_tensor(self.payload_registers, Int32)
-        if const_expr(not prefetch):
-            acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
-            ops.pipe_k.consumer_wait(kv_state)
-            self.issue_s(ops, acc_s, kv_state, q_state.index, -1)
-        if t.partial_cnt > 0:  # the payload read overlaps S_0 (prefetch: S_0 is done)
+        acc_s = cute.make_rmem_tensor(acc_s_shape, Float32)
+        ops.pipe_k.consumer_wait(kv_state)
+        self.issue_s(ops, acc_s, kv_state, -1)
+        if t.partial_cnt > 0:  # the payload read overlaps S_0
             mask_state = self.read_payload(ops, mask_state, t.partial_off, words)
-        if const_expr(not prefetch):
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(0)
         ops.pipe_k.consumer_release(kv_state)
         if t.partial_cnt > 0:
             self.softmax_scores(ops, acc_s, words)
@@ -343,33 +243,29 @@ class ConsumerMainloop:
         ops.tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))  # O is still 0: no rescale
         for j in cutlass.range(1, t.partial_cnt, unroll=1):
             kv_state, mask_state = self.overlap_step(
-                ops, acc_s, words, kv_state, mask_state, q_state.index, True, j + 1 < t.partial_cnt,
-                t.partial_off + j + 1,
-            )  # fmt: skip
+                ops, acc_s, words, kv_state, mask_state, True, j + 1 < t.partial_cnt, t.partial_off + j + 1
+            )
         for _ in cutlass.range(cutlass.max(t.partial_cnt, 1), total, unroll=1):
             kv_state, mask_state = self.overlap_step(
-                ops, acc_s, words, kv_state, mask_state, q_state.index, False, None, None
+                ops, acc_s, words, kv_state, mask_state, False, None, None
             )
         pipe_q.consumer_release(q_state)  # the last S GEMM has retired
         ops.pipe_v.consumer_wait(kv_state)
-        if const_expr(prefetch):
-            self.issue_pv(ops, kv_state, -1)
-        else:
-            self.issue_pv(ops, kv_state, 0)
-            ops.pipe_v.consumer_release(kv_state)
-            kv_state.advance()
+        self.issue_pv(ops, kv_state, 0)
+        ops.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
         return kv_state, mask_state
 
     @cute.jit
     def overlap_step(
-        self, ops, acc_s, words, kv_state, mask_state, q_index: Int32, partial: cutlass.Constexpr[bool],
-        next_partial, next_entry,
+        self, ops, acc_s, words, kv_state, mask_state, partial: cutlass.Constexpr[bool], next_partial,
+        next_entry,
     ):  # fmt: skip
         """Step ``j`` of :meth:`mainloop_overlap`; ``kv_state`` is block ``j - 1``'s stage."""
         s_state = kv_state.clone()
         s_state.advance()
         ops.pipe_k.consumer_wait(s_state)
-        self.issue_s(ops, acc_s, s_state, q_index, -1)
+        self.issue_s(ops, acc_s, s_state, -1)
         ops.pipe_v.consumer_wait(kv_state)
         self.issue_pv(ops, kv_state, -1)
         warpgroup.wait_group(1)  # S_j is in acc_s (groups retire in order); P_{j-1} V_{j-1} may run
