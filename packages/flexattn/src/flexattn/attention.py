@@ -74,7 +74,7 @@ def flex_attn_func(
     scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
     q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
     out, lse, max_logit = ops.attention(
-        q3, k3, v3, mask_plan.handle, scale, training, deterministic, return_max_logit
+        q3, k3, v3, mask_plan, scale, training, deterministic, return_max_logit
     )
     if not g.varlen:
         out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)

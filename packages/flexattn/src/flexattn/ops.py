@@ -203,26 +203,64 @@ bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, input
 
 # -- eager route ----------------------------------------------------------------------------------
 class EagerAttention(torch.autograd.Function):
-    """``flexattn::fwd`` with its autograd, for eager calls (module docstring)."""
+    """``flexattn::fwd`` with its autograd, for eager calls (module docstring). Unlike the op, it
+    holds the plan object until the backward has run, so a plan built per step and never stored
+    (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long as the graph needs it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale, training, deterministic, want_max):
-        output = _forward_impl(q, k, v, plan, scale, training, deterministic, want_max)
-        _setup_context(ctx, (q, k, v, plan, scale, training, deterministic, want_max), output)
+    def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
+        return _forward_impl(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask_plan, *options = inputs
+        _setup_context(ctx, (q, k, v, mask_plan.handle, *options), output)
+        ctx.mask_plan = mask_plan
         ctx.mark_non_differentiable(output[2])
-        return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse, _dmax):
-        return _gradients(ctx, dout, dlse, _backward_impl)
+        with torch.no_grad():
+            grads = _gradients(ctx, dout, dlse, _backward_impl)
+        if torch.is_grad_enabled():  # create_graph=True
+            q, k, v = ctx.saved_tensors[:3]
+            grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
+        return grads
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(
+            "flex_attn_func does not support torch.vmap: batch through the B dimension of q/k/v "
+            "(or THD with cu_seqlens) and one plan"
+        )
 
 
-def attention(q, k, v, plan: int, scale: float, training: bool, deterministic: bool, want_max: bool):
+class FirstOrderGradients(torch.autograd.Function):
+    """dq/dk/dv returned under ``create_graph=True`` (eager): differentiating them raises, as the
+    compiled route's ``flexattn::bwd`` does. Returned as constants instead, a double backward
+    (e.g. a gradient penalty) would silently drop every term that depends on them."""
+
+    @staticmethod
+    def forward(q, k, v, dq, dk, dv):
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _not_twice_differentiable(ctx)
+
+
+def attention(
+    q, k, v, mask_plan: MaskPlan, scale: float, training: bool, deterministic: bool, want_max: bool
+):
     """``(out, lse, max_logit)`` THD: :class:`EagerAttention` for plain tensors in plain eager
-    mode; the custom op under ``torch.compile``, fake tensors, tensor subclasses or any
-    ``TorchDispatchMode`` (``make_fx``, export), which need its fake implementation."""
+    mode; the custom op (which carries ``mask_plan.handle``) under ``torch.compile``, fake tensors,
+    tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its fake
+    implementation."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
     if plain and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
-        return EagerAttention.apply(q, k, v, plan, scale, training, deterministic, want_max)
-    return fwd(q, k, v, plan, scale, training, deterministic, want_max)
+        return EagerAttention.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
+    return fwd(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)

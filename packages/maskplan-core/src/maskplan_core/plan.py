@@ -214,7 +214,9 @@ def plan_for_handle(handle: int) -> MaskPlan:
     if plan is None:
         raise InputValueError(
             f"no live MaskPlan has handle {handle}: the plan was garbage-collected (or built in another "
-            "process); keep a reference to the plan for as long as a compiled graph that uses it runs"
+            "process). A torch.compile'd call carries only the plan's handle: keep a reference to the "
+            "plan until the backward of every compiled call that used it has run (eager calls keep "
+            "their plan alive themselves)"
         )
     return plan
 
@@ -247,6 +249,20 @@ class MaskPlan:
 
     def __delattr__(self, name):
         raise AttributeError("MaskPlan is read-only; build a new plan instead")
+
+    # Read-only, so a copy is the plan itself: copy.deepcopy of a model holding one (an EMA copy)
+    # shares it. Pickling has no meaning: the views are device tensors named by a process-local handle.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a MaskPlan cannot be pickled (torch.save, multiprocessing): it holds device tensors and "
+            "a process-local handle; save the mask endpoints and rebuild it with create_mask_plan"
+        )
 
     @property
     def geometry(self) -> PlanGeometry:

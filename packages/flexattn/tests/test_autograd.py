@@ -1,0 +1,75 @@
+"""Eager autograd through ``flex_attn_func`` beyond one ``backward()``: plan lifetime, ``create_graph``
+(double backward refused, first-order gradients unchanged) and ``torch.func`` (CPU reference)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import masks
+
+B, S, H, D = 2, 40, 2, 8
+
+
+def inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (B, S, H, D)
+    return tuple(torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+
+def plan_for(q, k, v):
+    return flexattn.create_mask_plan(masks.sliding_window(S, window_left=9, batch=B), q, k, v)
+
+
+def test_a_plan_nobody_holds_lives_until_the_backward():
+    """``flex_attn_func(..., mask_plan=create_mask_plan(...))``: the graph keeps the plan."""
+    q, k, v = inputs()
+    plan = plan_for(q, k, v)
+    want = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan).sum(), (q, k, v))
+    del plan
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v))
+    gc.collect()
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_create_graph_gives_the_same_gradients():
+    q, k, v = inputs(1)
+    plan = plan_for(q, k, v)
+    want = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan).sum(), (q, k, v))
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    got = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b) and a.requires_grad
+
+
+def test_double_backward_raises_instead_of_dropping_terms():
+    """A gradient penalty differentiates dq: refused, as in compiled graphs, never a silent
+    constant (which would drop the penalty's gradient)."""
+    q, k, v = inputs(2)
+    plan = plan_for(q, k, v)
+    (dq,) = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no double backward through attention"):
+        dq.pow(2).sum().backward()
+
+
+def test_torch_func_grad_matches_autograd():
+    q, k, v = inputs(3)
+    plan = plan_for(q, k, v)
+    want = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan).pow(2).sum(), q)[0]
+    k0, v0 = k.detach(), v.detach()
+    got = torch.func.grad(lambda x: flexattn.flex_attn_func(x, k0, v0, mask_plan=plan).pow(2).sum())(
+        q.detach()
+    )
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_vmap_is_refused_with_the_alternative():
+    q, k, v = (t.detach() for t in inputs(4))
+    plan = plan_for(q, k, v)
+    with pytest.raises(NotImplementedError, match="torch.vmap"):
+        torch.vmap(lambda x: flexattn.flex_attn_func(x, k, v, mask_plan=plan))(q[None])
