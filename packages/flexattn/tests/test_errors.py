@@ -329,6 +329,20 @@ def test_mask_plan_attributes_cannot_be_deleted():
     assert plan.roles == ("forward",) and plan.geometry.batch == B
 
 
+def test_mask_plan_copies_are_the_plan_and_pickling_is_refused():
+    """A model holding a plan deep-copies (an EMA copy) and shares the read-only plan; pickling
+    names what to do instead."""
+    import copy
+    import pickle
+
+    plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
+    module = torch.nn.Linear(2, 2)
+    module.plan = plan
+    assert copy.deepcopy(module).plan is plan and copy.copy(plan) is plan
+    with pytest.raises(TypeError, match="MaskPlan cannot be pickled.*create_mask_plan"):
+        pickle.dumps(plan)
+
+
 def test_debug_snapshot_returns_clones():
     ep = causal_mask(nfunc=3)
     ep[0, 1, ::3] = ep[0, 0, ::3]  # some holes so there are partial blocks with payloads

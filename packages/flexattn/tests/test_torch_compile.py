@@ -253,6 +253,23 @@ def test_compiled_errors_are_the_eager_errors():
         torch.compile(attend, fullgraph=True, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
 
 
+def test_plans_are_built_outside_the_compiled_region():
+    """``create_mask_plan`` refuses to be traced (a plan is host-side work on the mask's values):
+    with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo breaks the graph
+    there and the plan is built eagerly."""
+    _, (q, k, v), _ = fixed_case(requires_grad=False)
+
+    def attend(q, k, v):
+        plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"create_mask_plan runs outside torch.compile"):
+        torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attend, backend="aot_eager")(q, k, v), attend(q, k, v))
+
+
 @pytest.mark.slow
 def test_inductor_block_matches_eager():
     module, x, plan = _block_inputs("fixed")

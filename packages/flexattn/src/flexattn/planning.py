@@ -9,6 +9,7 @@ import torch
 
 from maskplan_core import (
     InputTypeError,
+    InputValueError,
     MaskPlan,
     PlanGeometry,
     ViewConfig,
@@ -94,6 +95,11 @@ def create_mask_plan(
     Q block is then ``128 / (Hq / Hkv)`` positions. The backward view is the same either way (its
     kernel visits all q heads of a kv head in one CTA). ``None`` and ``False`` do not pack.
     """
+    if torch.compiler.is_compiling():
+        raise InputValueError(
+            "create_mask_plan runs outside torch.compile: build the plan before the compiled region "
+            "(e.g. in the training step) and pass it to the compiled model as an argument"
+        )
     require_optional_bool("pack_gqa", pack_gqa)
     require_optional_bool("build_backward", build_backward)
     geometry = validate_plan_inputs(
