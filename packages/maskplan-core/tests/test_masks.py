@@ -459,6 +459,10 @@ def test_from_mask_mod_round_trip(dense):
     expect = flat[:1] if heads_equal else flat
     assert ep.shape == (expect.shape[0], minimal_nfunc(flat), b * sq)
     assert_matches(ep, expect, sk)
+    # create_block_mask's positional device; SDPA's [B, H, Sq, Sk] dense layout
+    by_position = masks.from_mask_mod(lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], b, h, sq, sk, "cpu")
+    assert torch.equal(by_position, ep)
+    assert torch.equal(masks.from_dense(dense), masks.from_dense(flat))
 
 
 def test_from_mask_mod_validation():
@@ -474,6 +478,8 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 0, 2)
     with pytest.raises(TypeError, match="B"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1.5, 1, 2, 2)
+    with pytest.raises(TypeError, match="B must be the batch size, not None"):  # torch's B=None
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, None, 1, 2, 2)
 
 
 # --------------------------------------------------------------------------------------------------

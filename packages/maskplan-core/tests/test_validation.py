@@ -162,6 +162,13 @@ def test_mask_func_structure(mask_func, cls, builtin, needles):
         validate_plan_inputs(mask_func, *fixed_qkv())
 
 
+def test_bhsd_q_gets_a_layout_hint():
+    """torch FlexAttention's BHSD layout, passed as is, names the layout flexattn takes."""
+    q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=4)
+    with expect(InputValueError, ValueError, "total_q", "BHSD", "transpose(1, 2)"):
+        validate_plan_inputs(causal(sk=SQ), *(t.transpose(1, 2) for t in (q, k, v)))
+
+
 def test_mask_func_on_another_device():
     with expect(InputValueError, ValueError, "mask_func", "meta", "cpu"):
         validate_plan_inputs(causal().to("meta"), *fixed_qkv())

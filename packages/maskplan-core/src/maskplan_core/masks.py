@@ -426,7 +426,8 @@ def from_dense(
     cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Convert a dense boolean mask ``[Hmask, total_q, Sk]`` to endpoints ``[Hmask, nfunc, total_q]``.
+    """Convert a dense boolean mask ``[Hmask, total_q, Sk]`` (or SDPA's ``[B, Hmask, Sq, Sk]``, fixed
+    length) to endpoints ``[Hmask, nfunc, total_q]``.
 
     ``nfunc`` is the smallest odd count representing every row: a row with ``r`` runs of True needs
     ``2r - 1`` endpoints if it starts with True at key 0 and ``2r + 1`` otherwise; shorter rows are
@@ -441,8 +442,13 @@ def from_dense(
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    if mask.dim() == 4 and cu_seqlens_q is None:  # SDPA's [B, H, Sq, Sk]: rows are batch-major
+        mask = mask.transpose(0, 1).reshape(mask.shape[1], -1, mask.shape[3])
     if mask.dim() != 3:
-        raise ValueError(f"mask must have rank 3 [Hmask, total_q, Sk], got shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"mask must have rank 3 [Hmask, total_q, Sk] (or, fixed length, rank 4 [B, Hmask, Sq, Sk]), "
+            f"got shape {tuple(mask.shape)}"
+        )
     h, t, sk = mask.shape
     if h == 0:
         raise ValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
@@ -491,7 +497,6 @@ def from_mask_mod(
     H: int | None,
     Sq: int,
     Sk: int,
-    *,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
@@ -501,9 +506,15 @@ def from_mask_mod(
     broadcast to ``[1, H, Sq, Sk]``.  The dense ``[H, Sq, Sk]`` mask of one sample is then encoded
     like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head gives the
     same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one head.
+    The arguments are ``create_block_mask``'s, ``device`` included.
     """
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    if B is None:
+        raise TypeError(
+            "B must be the batch size, not None: endpoints name every query row of the batch "
+            "(row = b * Sq + q), so mask_mod is evaluated once per sample"
+        )
     B = _as_int("B", B, 1)
     H = 1 if H is None else _as_int("H", H, 1)
     Sq = _as_int("Sq", Sq, 1)

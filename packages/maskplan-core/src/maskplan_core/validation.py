@@ -161,7 +161,10 @@ def validate_plan_inputs(
     if nfunc <= 0 or nfunc % 2 == 0:
         raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}")
     if rows != total_q:
-        raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}")
+        hint = ""
+        if not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
+            hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
+        raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{hint}")
     return PlanGeometry(
         batch=batch,
         varlen=varlen,

@@ -1,0 +1,19 @@
+"""The package README's library-author example (a consumer of its own, maskplan-core alone) runs
+as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_consumer_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "README.md lost its example"
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), scope)
+    assert scope["fwd"].signature.kernel_family == "mine-v1"
+    assert scope["out"].shape == (2 * 200, 2, 16)
