@@ -195,7 +195,7 @@ def test_pack_gqa_varlen_and_schedules(mask_via_smem, schedule):
     ep[..., 400:470] = 0
     options = dict(varlen=varlen, mask_via_smem=mask_via_smem, schedule=schedule, pack_gqa=True)
     check(ep, q, k, v, **options)
-    check(testing.varlen_causal(cu_q, cu_k), q, k, v, **options)
+    check(masks.causal(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q, k, v, **options)
 
 
 def test_pack_gqa_equals_unpacked():

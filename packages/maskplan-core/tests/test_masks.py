@@ -144,6 +144,42 @@ def test_sliding_window_out_of_range_rows_are_all_zero():
     assert masks.sliding_window(2, 5, window_left=100).tolist() == [[[0, 0], [0, 0], [4, 5]]]
 
 
+@pytest.mark.parametrize(
+    "q_lens,k_lens",
+    [([3, 0, 5, 2], [4, 6, 5, 0]), ([1], [1]), ([7, 2], [2, 7])],
+    ids=["mixed", "one", "cross"],
+)
+def test_varlen_causal_and_sliding_window_are_the_samples_concatenated(q_lens, k_lens):
+    """Each sample aligned by its own lengths: the fixed builder per sample, rows of samples without
+    keys see nothing, samples without queries add no rows."""
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
+    builders = {
+        "causal": (masks.causal, {}, 1),
+        "sliding": (masks.sliding_window, {"window_left": 2, "window_right": 1}, 3),
+    }
+    for build, kw, nfunc in builders.values():
+        parts = [
+            build(sq, sk, **kw) if sk else torch.zeros(1, nfunc, sq, dtype=torch.int32)
+            for sq, sk in zip(q_lens, k_lens, strict=True)
+            if sq
+        ]
+        want = torch.cat(parts, dim=2)
+        assert torch.equal(build(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw), want)
+        assert torch.equal(build(cu_seqlens_q=cu_q.tolist(), cu_seqlens_k=cu_k.tolist(), **kw), want)
+
+
+def test_varlen_builder_argument_errors():
+    with pytest.raises(ValueError, match="given together"):
+        masks.causal(cu_seqlens_q=[0, 2])
+    with pytest.raises(ValueError, match="leave seqlen_q, seqlen_k and batch unset"):
+        masks.sliding_window(4, window_left=1, cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2])
+    with pytest.raises(ValueError, match="same length"):
+        masks.causal(cu_seqlens_q=[0, 2, 3], cu_seqlens_k=[0, 2])
+    with pytest.raises(TypeError, match="seqlen_q is required"):
+        masks.causal()
+
+
 # --------------------------------------------------------------------------------------------------
 # document
 # --------------------------------------------------------------------------------------------------

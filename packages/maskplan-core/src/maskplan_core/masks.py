@@ -21,6 +21,8 @@ Examples (``.tolist()`` drops the tensor wrapper):
 [[[1, 2, 3]]]
 >>> causal(2, 4, batch=2).tolist()
 [[[3, 4, 3, 4]]]
+>>> causal(cu_seqlens_q=[0, 2, 5], cu_seqlens_k=[0, 3, 6]).tolist()  # varlen: per-sample alignment
+[[[2, 3, 1, 2, 3]]]
 
 ``sliding_window`` -- keys ``[d - window_left, d + window_right]`` with ``d = i + Sk - Sq``, ``nfunc = 3``:
 
@@ -137,55 +139,81 @@ def _finish(rows: list[torch.Tensor], batch: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) -> tuple[torch.Tensor, ...]:
+    """``(d, k_len)`` per query row of the batch: ``d`` is the row's bottom-right aligned diagonal
+    key (its sample-local position ``+ k_len - q_len``), ``k_len`` its sample's key count. Fixed
+    length from ``seqlen_q/k`` and ``batch``, varlen from ``cu_seqlens_q/k``."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        if seqlen_q is None:
+            raise TypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
+        seqlen_q = _as_int("seqlen_q", seqlen_q, 1)
+        seqlen_k = seqlen_q if seqlen_k is None else _as_int("seqlen_k", seqlen_k, 1)
+        batch = _as_int("batch", batch, 1)
+        i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
+        d = (i + (seqlen_k - seqlen_q)).repeat(batch)
+        return d, torch.full_like(d, seqlen_k)
+    if seqlen_q is not None or seqlen_k is not None or batch != 1:
+        raise ValueError(
+            "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
+        )
+    if device is None and isinstance(cu_seqlens_q, torch.Tensor):
+        device = cu_seqlens_q.device
+    dev = _as_device(device)
+    cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
+    q_lens, k_lens = cu_q.diff(), cu_k.diff()
+    per_row = lambda x: torch.repeat_interleave(x, q_lens)  # noqa: E731
+    k_len = per_row(k_lens)
+    d = torch.arange(int(cu_q[-1]), device=dev) - per_row(cu_q[:-1]) + k_len - per_row(q_lens)
+    return d, k_len
+
+
 def causal(
-    seqlen_q: int,
+    seqlen_q: int | None = None,
     seqlen_k: int | None = None,
     *,
     batch: int = 1,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Bottom-right aligned causal mask: row ``i`` sees keys ``< i + 1 + seqlen_k - seqlen_q``.
 
     The bound is clipped to ``[0, seqlen_k]`` (rows before the diagonal starts see nothing).
-    Returns ``[1, 1, batch * seqlen_q]`` int32.
+    Returns ``[1, 1, batch * seqlen_q]`` int32. Varlen: give ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` (int ``[B + 1]``) instead of the lengths; each sample is aligned by its own
+    lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
     """
-    seqlen_q = _as_int("seqlen_q", seqlen_q, 1)
-    seqlen_k = seqlen_q if seqlen_k is None else _as_int("seqlen_k", seqlen_k, 1)
-    batch = _as_int("batch", batch, 1)
-    dev = _as_device(device)
-    i = torch.arange(seqlen_q, device=dev, dtype=torch.int64)
-    f0 = (i + 1 + (seqlen_k - seqlen_q)).clamp(0, seqlen_k)
-    return _finish([f0], batch)
+    d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1)
 
 
 def sliding_window(
-    seqlen_q: int,
+    seqlen_q: int | None = None,
     seqlen_k: int | None = None,
     *,
     window_left: int,
     window_right: int = 0,
     batch: int = 1,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Sliding-window mask: row ``i`` sees keys ``[d - window_left, d + window_right]`` (inclusive).
 
     ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal); the window is clipped to
     ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
-    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``.
+    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen as
+    :func:`causal`.
     """
-    seqlen_q = _as_int("seqlen_q", seqlen_q, 1)
-    seqlen_k = seqlen_q if seqlen_k is None else _as_int("seqlen_k", seqlen_k, 1)
     window_left = _as_int("window_left", window_left, 0)
     window_right = _as_int("window_right", window_right, 0)
-    batch = _as_int("batch", batch, 1)
-    dev = _as_device(device)
-    d = torch.arange(seqlen_q, device=dev, dtype=torch.int64) + (seqlen_k - seqlen_q)
-    lo = (d - window_left).clamp(0, seqlen_k)
-    hi = (d + window_right + 1).clamp(0, seqlen_k)
+    d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    lo = torch.minimum((d - window_left).clamp(min=0), k_len)
+    hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
     empty = lo >= hi
     lo = lo.masked_fill(empty, 0)
     hi = hi.masked_fill(empty, 0)
-    return _finish([torch.zeros_like(lo), lo, hi], batch)
+    return _finish([torch.zeros_like(lo), lo, hi], 1)
 
 
 def _is_sequence(x: object) -> bool:
@@ -420,6 +448,20 @@ def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tens
     return cu
 
 
+def _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both prefix arrays, checked, as int64 on ``device``."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
+    cu_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    cu_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), "
+            f"got {cu_q.numel()} and {cu_k.numel()}"
+        )
+    return cu_q, cu_k
+
+
 def from_dense(
     mask: torch.Tensor,
     *,
@@ -452,17 +494,9 @@ def from_dense(
     h, t, sk = mask.shape
     if h == 0:
         raise ValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
-    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
-    if cu_seqlens_q is not None:
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
-        cu_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dev)
-        cu_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dev)
-        if cu_q.numel() != cu_k.numel():
-            raise ValueError(
-                f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), "
-                f"got {cu_q.numel()} and {cu_k.numel()}"
-            )
+        cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
         if int(cu_q[-1]) != t:
             raise ValueError(f"cu_seqlens_q[-1] = {int(cu_q[-1])} must equal mask.shape[1] (total_q) = {t}")
         q_lens = cu_q.diff()

@@ -57,16 +57,6 @@ def random_intervals(hmask: int, nfunc: int, row_k_len: torch.Tensor, seed: int 
     return ep.sort(dim=1).values.contiguous()
 
 
-def varlen_causal(cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
-    """Bottom-right causal endpoints for varlen samples: ``[1, 1, total_q]`` on ``cu_q``'s device."""
-    rows = []
-    for b in range(cu_q.numel() - 1):
-        q_len, k_len = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
-        i = torch.arange(q_len, device=cu_q.device)
-        rows.append((i + 1 + k_len - q_len).clamp(0, k_len))
-    return torch.cat(rows).to(torch.int32).view(1, 1, -1).contiguous()
-
-
 def resolve_view(
     consumer: KernelConsumer, g: PlanGeometry, direction: str, pack_gqa: bool | None = None
 ) -> ViewConfig:
@@ -269,7 +259,7 @@ class _Cases:
         """Endpoints on the varlen batch: bottom-right causal, or 5 random endpoints per row."""
         if kind == "causal":
             args = varlen_args(self.device)
-            return varlen_causal(args["cu_seqlens_q"], args["cu_seqlens_k"])
+            return masks.causal(cu_seqlens_q=args["cu_seqlens_q"], cu_seqlens_k=args["cu_seqlens_k"])
         return self.random_intervals(1, 5, varlen_k_len(), seed=seed)
 
 
@@ -464,6 +454,5 @@ __all__ = [
     "resolve_view",
     "unseen_keys",
     "varlen_args",
-    "varlen_causal",
     "varlen_k_len",
 ]
