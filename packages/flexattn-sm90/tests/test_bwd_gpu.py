@@ -127,7 +127,7 @@ def test_varlen_with_empty_samples(dtype, kind):
 
 
 # -- other head dims ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dqk,dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256)])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)

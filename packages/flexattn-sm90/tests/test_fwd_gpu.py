@@ -101,7 +101,7 @@ def test_varlen_with_empty_samples(dtype, kind):
 
 
 # -- other head dims ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dqk,dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256)])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
@@ -173,7 +173,7 @@ def test_pack_gqa(hq, hkv, kind):
     assert plan.view("forward").signature.topology.tile_m == 128 // (hq // hkv)
 
 
-@pytest.mark.parametrize("dqk,dv", [(64, 64), (96, 96), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_pack_gqa_head_dims(dqk, dv, dtype):
     B, S, hq, hkv = 1, 900, 8, 1

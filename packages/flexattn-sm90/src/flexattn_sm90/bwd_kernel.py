@@ -131,7 +131,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             raise NotImplementedError(
                 f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the SM90 backward "
                 f"kernel's {config.tile_m}x{config.tile_n} tile takes head dims that are multiples of "
-                f"{32 * layout.wg_n}" + ("" if self.pds_in_smem else ", equal (64, 96, 128)")
+                f"{32 * layout.wg_n}" + ("" if self.pds_in_smem else ", equal (32, 64, 96, 128)")
             )
         self.config = config
         self.deterministic = deterministic

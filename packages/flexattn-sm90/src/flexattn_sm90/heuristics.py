@@ -7,7 +7,8 @@ The tile is chosen by head dims only (so one plan serves every sequence length).
 ==============  ============  ==========================  ====================================
 (Dqk, Dv)       forward tile  backward tile (Q x K)       why
 ==============  ============  ==========================  ====================================
-(64, 64)        128 x 128     64 x 128                    two consumer warpgroups x m64n128
+(32, 32)        128 x 128     64 x 128                    two consumer warpgroups x m64n128
+(64, 64)        128 x 128     64 x 128
 (96, 96)        128 x 128     64 x 128
 (128, 128)      128 x 128     64 x 128
 (192, 128)      128 x 128     64 x 64
@@ -27,7 +28,9 @@ from maskplan_core.errors import UnsupportedConfigError
 
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
-SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = (
+    (32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)
+)  # fmt: skip
 SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
