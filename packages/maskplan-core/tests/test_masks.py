@@ -518,6 +518,47 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, None, 1, 2, 2)
 
 
+def test_from_block_mask_is_its_mask_mod():
+    """torch FlexAttention's BlockMask: its mask_mod over its batch, heads and lengths; a B=None
+    block mask with ``batch``; per-head masks keep their heads."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    doc = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50, [0] * 300])
+
+    def packed_docs(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (kv <= q)
+
+    block_mask = fa.create_block_mask(packed_docs, 2, None, 300, 300, device="cpu")
+    assert torch.equal(masks.from_block_mask(block_mask), masks.from_mask_mod(packed_docs, 2, None, 300, 300))
+    shared = fa.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 200, 200, device="cpu")
+    assert torch.equal(masks.from_block_mask(shared, batch=3), masks.causal(200, batch=3))
+    per_head = fa.create_block_mask(lambda b, h, q, kv: kv <= q + 50 * h, 1, 3, 200, 200, device="cpu")
+    assert masks.from_block_mask(per_head).shape[0] == 3
+
+
+def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    doc = torch.tensor([[0] * 150 + [1] * 150, [0] * 300])
+
+    def packed_docs(b, h, q, kv):
+        return doc[b, q] == doc[b, kv]
+
+    one_entry = fa.create_block_mask(packed_docs, None, None, 300, 300, device="cpu")  # sample 0 only
+    with pytest.raises(ValueError, match="sample 1 differ"):
+        masks.from_block_mask(one_entry, batch=2)
+    with pytest.raises(ValueError, match="batch entries"):
+        masks.from_block_mask(fa.create_block_mask(packed_docs, 2, None, 300, 300, device="cpu"), batch=3)
+    listed_only = fa.BlockMask.from_kv_blocks(  # one full-visibility block per row, no mask_mod
+        torch.tensor([[[1, 1, 1]]]),
+        torch.zeros(1, 1, 3, 3, dtype=torch.int32),
+        BLOCK_SIZE=128,
+        seq_lengths=(300, 300),
+    )
+    with pytest.raises(ValueError, match="use from_dense"):
+        masks.from_block_mask(listed_only)
+    with pytest.raises(TypeError, match="BlockMask"):
+        masks.from_block_mask(packed_docs)
+
+
 # --------------------------------------------------------------------------------------------------
 # argument validation of the analytic builders, device handling, docstring examples
 # --------------------------------------------------------------------------------------------------

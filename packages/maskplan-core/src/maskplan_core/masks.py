@@ -71,6 +71,7 @@ __all__ = [
     "causal",
     "chunked",
     "document",
+    "from_block_mask",
     "from_dense",
     "from_mask_mod",
     "prefix_lm",
@@ -551,34 +552,78 @@ def from_mask_mod(
         )
     B = _as_int("B", B, 1)
     H = 1 if H is None else _as_int("H", H, 1)
-    Sq = _as_int("Sq", Sq, 1)
-    Sk = _as_int("Sk", Sk, 1)
+    shape = (H, _as_int("Sq", Sq, 1), _as_int("Sk", Sk, 1))
     dev = _as_device(device)
+    return _join_samples([_encode(_mask_mod_sample(mask_mod, b, shape, dev)) for b in range(B)], H)
+
+
+def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
+    """Endpoints of a torch FlexAttention ``BlockMask`` (what ``create_block_mask`` returns): its
+    ``mask_mod`` over its batch, heads and ``seq_lengths``, on its device, as :func:`from_mask_mod`.
+
+    A block mask made with ``B=None`` holds one batch entry; ``batch`` then says how many samples
+    the endpoints cover (the mask_mod is evaluated for each). Every sample's blocks must be the ones
+    its mask_mod makes visible (true of ``create_block_mask``); a block mask whose block lists say
+    more than its mask_mod (``BlockMask.from_kv_blocks`` without one) is refused: build its dense
+    mask and use :func:`from_dense`.
+    """
+    for attr in ("mask_mod", "seq_lengths", "kv_num_blocks", "BLOCK_SIZE", "to_dense"):
+        if not hasattr(block_mask, attr):
+            raise TypeError(
+                f"block_mask must be a torch FlexAttention BlockMask, got {type(block_mask).__name__}"
+            )
+    blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
+    mask_b, heads = blocks.shape[:2]
+    if batch is None:
+        batch = mask_b
+    batch = _as_int("batch", batch, 1)
+    if mask_b not in (1, batch):
+        raise ValueError(f"block_mask has {mask_b} batch entries but batch={batch}")
+    shape = (heads, *(int(n) for n in block_mask.seq_lengths))
+    bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
+    parts = []
+    for b in range(batch):
+        dense = _mask_mod_sample(block_mask.mask_mod, b, shape, blocks.device)
+        pad = (0, -shape[2] % bk, 0, -shape[1] % bq)
+        seen = torch.nn.functional.pad(dense, pad).unflatten(2, (-1, bk)).unflatten(1, (-1, bq)).any(4).any(2)
+        if not torch.equal(seen, blocks[b if mask_b > 1 else 0]):
+            raise ValueError(
+                f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes visible; "
+                "build the dense mask and use from_dense"
+            )
+        parts.append(_encode(dense))
+    return _join_samples(parts, heads)
+
+
+def _mask_mod_sample(mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device) -> torch.Tensor:
+    """``mask_mod`` of batch sample ``b`` as a dense bool ``[H, Sq, Sk]``."""
+    H, Sq, Sk = shape
     h_idx = torch.arange(H, device=dev).view(1, H, 1, 1)
     q_idx = torch.arange(Sq, device=dev).view(1, 1, Sq, 1)
     kv_idx = torch.arange(Sk, device=dev).view(1, 1, 1, Sk)
-    parts = []
-    for b in range(B):
-        b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
-        res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
-        if not isinstance(res, torch.Tensor):
-            raise TypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
-        if res.dtype != torch.bool:
-            raise TypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
-        try:
-            dense = torch.broadcast_to(res, (1, H, Sq, Sk))[0]
-        except RuntimeError:
-            raise ValueError(
-                f"mask_mod result of shape {tuple(res.shape)} does not broadcast to [1, H, Sq, Sk] = "
-                f"{[1, H, Sq, Sk]}"
-            ) from None
-        parts.append(_encode(dense.to(dev)))
+    b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
+    res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
+    if not isinstance(res, torch.Tensor):
+        raise TypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
+    if res.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
+    try:
+        return torch.broadcast_to(res, (1, H, Sq, Sk))[0].to(dev)
+    except RuntimeError:
+        raise ValueError(
+            f"mask_mod result of shape {tuple(res.shape)} does not broadcast to [1, H, Sq, Sk] = "
+            f"{[1, H, Sq, Sk]}"
+        ) from None
+
+
+def _join_samples(parts: list[torch.Tensor], H: int) -> torch.Tensor:
+    """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]``: shorter ones padded
+    by repeating each row's last endpoint (empty intervals), one head kept if all heads agree."""
     nfunc = max(p.shape[1] for p in parts)
-    padded = []
-    for p in parts:
-        if p.shape[1] < nfunc:  # repeat each row's last endpoint (empty intervals)
-            p = torch.cat([p, p[:, -1:].expand(-1, nfunc - p.shape[1], -1)], dim=1)
-        padded.append(p)
+    padded = [
+        torch.cat([p, p[:, -1:].expand(-1, nfunc - p.shape[1], -1)], dim=1) if p.shape[1] < nfunc else p
+        for p in parts
+    ]
     out = torch.cat(padded, dim=2)
     if H > 1 and bool((out == out[:1]).all()):
         out = out[:1]
