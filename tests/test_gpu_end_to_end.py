@@ -70,7 +70,7 @@ def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
 
     def grads(device, cast):
         leaves = [t.to(device=device, dtype=cast).requires_grad_() for t in (q, k, v)]
-        pack = pack_gqa if device == "cuda" else None  # the CPU reference consumer does not pack
+        pack = pack_gqa if device == "cuda" else None  # the oracle: the CPU reference's plain plan
         plan = flexattn.create_mask_plan(MASKS[mask](device), *leaves, pack_gqa=pack)
         assert plan.view("forward").signature.topology.pack_gqa is bool(pack)
         out, lse = flexattn.flex_attn_func(

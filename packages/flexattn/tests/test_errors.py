@@ -167,15 +167,40 @@ def test_create_mask_plan_rejects(rule):
         (dict(build_backward="yes"), InputTypeError, ("build_backward", "bool")),
         (dict(build_backward=1), InputTypeError, ("build_backward",)),
         (dict(pack_gqa=0), InputTypeError, ("pack_gqa", "bool")),
-        (dict(pack_gqa=True), UnsupportedConfigError, ("pack_gqa",)),
         (dict(target=3), InputTypeError, ("target", "int")),
     ],
-    ids=["build_backward-str", "build_backward-int", "pack_gqa-int", "pack_gqa-reference", "target-int"],
+    ids=["build_backward-str", "build_backward-int", "pack_gqa-int", "target-int"],
 )
 def test_create_mask_plan_option_errors(kw, cls, needles):
     builtin = TypeError if issubclass(cls, TypeError) else ValueError
     with expect(cls, builtin, *needles):
         flexattn.create_mask_plan(causal_mask(), *fixed_qkv(), **kw)
+
+
+def test_pack_gqa_needs_a_shared_mask_and_a_dividing_ratio():
+    """The CPU reference plans PackGQA as a packing kernel would, and refuses what packing cannot
+    do, naming why."""
+    q, k, v = fixed_qkv()
+    with expect(UnsupportedConfigError, ValueError, "pack_gqa", f"Hmask={HQ}"):
+        flexattn.create_mask_plan(causal_mask(hmask=HQ), q, k, v, pack_gqa=True)
+    q3 = torch.zeros(B, SQ, 3, D, dtype=torch.float64)
+    with expect(UnsupportedConfigError, ValueError, "pack_gqa", "3 q heads", "dividing 128"):
+        flexattn.create_mask_plan(causal_mask(), q3, k, v, pack_gqa=True)
+
+
+def test_pack_gqa_on_cpu_plans_the_packed_blocks_and_computes_the_same():
+    q, k, v = fixed_qkv(requires_grad=True)
+    plain = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    packed = flexattn.create_mask_plan(causal_mask(), q, k, v, pack_gqa=True)
+    topology = packed.view("forward").signature.topology
+    group = HQ // HKV
+    assert (topology.pack_gqa, topology.tile_m, topology.qhead_per_kvhead) == (True, 128 // group, group)
+    assert packed.view("backward").block_size == plain.view("backward").block_size
+    outs = [flexattn.flex_attn_func(q, k, v, mask_plan=p) for p in (plain, packed)]
+    assert torch.equal(*outs)
+    grads = [torch.autograd.grad(o.sum(), (q, k, v)) for o in outs]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_unknown_target_has_no_consumer():

@@ -183,11 +183,16 @@ class KernelConsumer(Consumer):
                     f"pack_gqa=True is not supported by {self.name} yet; supported pack_gqa values: "
                     "None, False"
                 )
-            if request.mask_heads != 1:
-                raise UnsupportedConfigError(
-                    f"pack_gqa=True packs the q heads of a kv head into one tile, so they must share "
-                    f"the mask: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1"
-                )
+            require_shared_mask_for_pack_gqa(request)
+
+
+def require_shared_mask_for_pack_gqa(request: ViewRequest) -> None:
+    """PackGQA puts the q heads of a kv head in one tile's rows, so they must share the mask."""
+    if request.mask_heads != 1:
+        raise UnsupportedConfigError(
+            f"pack_gqa=True packs the q heads of a kv head into one tile, so they must share "
+            f"the mask: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1"
+        )
 
 
 # -- view -> kernel config (the check every kernel launcher runs first) ----------------------------

@@ -5,7 +5,7 @@ The facade uses it for CPU tensors; it is also the executable spec every kernel 
 
 from __future__ import annotations
 
-from ..consumer import AttentionOutputs, Consumer, ViewConfig, ViewRequest
+from ..consumer import AttentionOutputs, Consumer, ViewConfig, ViewRequest, require_shared_mask_for_pack_gqa
 from ..errors import UnsupportedConfigError
 from ..payload import RowMajorLayout
 from ..schema import PlanSignature, Topology
@@ -19,24 +19,32 @@ class ReferenceConsumer(Consumer):
     arch_families = ("reference",)
 
     def resolve(self, request: ViewRequest) -> ViewConfig:
-        if request.pack_gqa:
-            raise UnsupportedConfigError(
-                "pack_gqa=True is a kernel layout option; the reference consumer has none"
-            )
+        """128 x 128 tiles; with ``pack_gqa`` the forward view is planned as a packing kernel's
+        would be (the ``G`` q heads of a kv head share a 128-row tile: Q blocks of ``128 / G``
+        positions, one work item per kv head), so CPU code with PackGQA runs unchanged and shows
+        the packed plan. The reference computes the same attention either way."""
+        group = request.num_heads_q // request.num_heads_kv
         backward = request.direction == "backward"
+        pack = bool(request.pack_gqa) and not backward  # a K-major backward view is the same either way
+        if request.pack_gqa:
+            require_shared_mask_for_pack_gqa(request)
+            if TILE % group:
+                raise UnsupportedConfigError(
+                    f"pack_gqa=True packs num_heads_q / num_heads_kv = {group} q heads into a {TILE}-row "
+                    f"tile, which needs a ratio dividing {TILE}; use pack_gqa=False"
+                )
+        layout = RowMajorLayout(TILE // group if pack else TILE, TILE)
         signature = PlanSignature(
             arch_family="reference",
             direction=request.direction,
             kernel_family="reference-torch-v1",
-            topology=Topology(
-                tile_m=TILE, tile_n=TILE, qhead_per_kvhead=request.num_heads_q // request.num_heads_kv
-            ),
+            topology=Topology(tile_m=layout.tile_m, tile_n=TILE, pack_gqa=pack, qhead_per_kvhead=group),
             mma_layout="none",
-            payload=RowMajorLayout(TILE, TILE).spec,
+            payload=layout.spec,
             scheduler_layout="k-major" if backward else "plan-fwd-work-desc-v1",
             dq_order_format="rank_int32" if backward else "none",
         )
-        return ViewConfig(signature, RowMajorLayout(TILE, TILE))
+        return ViewConfig(signature, layout)
 
     def forward(self, plan, q, k, v, *, softmax_scale, return_max_logit):
         out, lse, max_logit = attention_forward(
