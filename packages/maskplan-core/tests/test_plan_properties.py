@@ -425,6 +425,19 @@ def check_schedule(plan, p: Problem, dense: torch.Tensor, element_size: int) -> 
     assert rows == expected_schedule(p, block_states(dense, p, tm, tn), tm, tn, element_size)
 
 
+def check_block_map(view, p: Problem, dense: torch.Tensor) -> None:
+    """``block_map`` of every sample and mask head: the brute-force classification of its blocks."""
+    tm, tn = view.block_size
+    states = block_states(dense, p, tm, tn)
+    for h in range(p.hmask):
+        for b, (ql, kl) in enumerate(zip(p.q_lens, p.k_lens, strict=True)):
+            want = torch.zeros(cdiv(ql, tm), cdiv(kl, tn), dtype=torch.int8)
+            for (hh, bb, i, j), (state, _) in states.items():
+                if (hh, bb) == (h, b):
+                    want[i, j] = 2 if state == "full" else 1
+            assert torch.equal(view.block_map(b, h), want), (view.role, h, b)
+
+
 def check_plan(plan, ep: torch.Tensor, p: Problem, element_size: int) -> None:
     dense = brute_force_dense(ep, p)
     check_header(plan, p)
@@ -434,6 +447,7 @@ def check_plan(plan, ep: torch.Tensor, p: Problem, element_size: int) -> None:
         check_sequence_desc(view, p)
         check_block_relation(view, p, dense)
         check_dense(view, p, dense)
+        check_block_map(view, p, dense)
         stats = view.stats()
         assert (stats["partial"], stats["full"]) == (view.mask_block_idx.numel(), view.full_block_idx.numel())
         assert stats["partial"] + stats["full"] + stats["empty"] == valid_pairs(p, *view.block_size)
@@ -560,3 +574,17 @@ def test_schedule_sections_follow_the_l2_budget(k_lens):
         for r, (b, m) in enumerate(outer_rows(p, "forward", 16, 32))
     ]
     assert work == order_tasks(tasks)
+
+
+def test_block_map_text_draws_the_block_map():
+    p = _fixed(40, 40, batch=2)
+    ep, plan, _ = small_plan(p, SMALL_TILES[0], build_backward=True)
+    for role in plan.roles:
+        view = plan.view(role)
+        text = view.block_map_text(sample=1)
+        block_map = view.block_map(sample=1)
+        assert text.splitlines() == ["".join(".+#"[c] for c in row) for row in block_map.tolist()]
+        with pytest.raises(ValueError, match="sample=2"):
+            view.block_map(sample=2)
+        with pytest.raises(ValueError, match="head=1"):
+            view.block_map(head=1)

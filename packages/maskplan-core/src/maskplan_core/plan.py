@@ -147,6 +147,29 @@ class PlanView:
         payload = self.tensors["mask_block_masks"] if kind == "partial" else None
         return BlockEntries(head, batch, q_block, k_block, payload)
 
+    def block_map(self, sample: int = 0, head: int = 0) -> torch.Tensor:
+        """The blocks of one batch sample and mask head as the planner classified them: int8
+        ``[q_blocks, k_blocks]`` (Q block rows, whichever the view's major order), 0 empty,
+        1 partial (a payload), 2 full. :meth:`block_map_text` draws it."""
+        g = self.geometry
+        if not 0 <= sample < g.batch:
+            raise InputValueError(f"sample={sample} is out of range for a batch of {g.batch}")
+        if not 0 <= head < g.mask_heads:
+            raise InputValueError(f"head={head} is out of range for Hmask={g.mask_heads}")
+        desc = self.sequence_desc()[sample].tolist()
+        outer, inner = desc[5], desc[6]
+        q_blocks, k_blocks = (outer, inner) if self.outer == "q" else (inner, outer)
+        out = torch.zeros(q_blocks, k_blocks, dtype=torch.int8, device=g.device)
+        for code, kind in ((1, "partial"), (2, "full")):
+            e = self.entries(kind)
+            mine = (e.batch == sample) & (e.head == head)
+            out[e.q_block[mine], e.k_block[mine]] = code
+        return out
+
+    def block_map_text(self, sample: int = 0, head: int = 0) -> str:
+        """:meth:`block_map` as text, a line per Q block: ``#`` full, ``+`` partial, ``.`` empty."""
+        return "\n".join("".join(".+#"[c] for c in row) for row in self.block_map(sample, head).tolist())
+
     def to_dense(self) -> torch.Tensor:
         """bool ``[Hmask, total_q, Sk]`` (varlen: ``max_seqlen_k``, False past each sample's k_len)."""
         g = self.geometry
