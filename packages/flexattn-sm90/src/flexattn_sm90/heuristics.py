@@ -23,8 +23,7 @@ they split the 64 Q columns (32 each) and dK / dV's head dim (``bwd_kernel.py``)
 
 from __future__ import annotations
 
-from maskplan_core.consumer import require_supported
-from maskplan_core.errors import UnsupportedConfigError
+from maskplan_core.consumer import require_pack_gqa_ratio, require_supported
 
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
@@ -73,13 +72,8 @@ def select_fwd_config(
 ) -> Sm90FwdConfig:
     check_dtype(dtype)
     tile_m, tile_n = fwd_tile(head_dim_qk, head_dim_v)
-    if pack_gqa and tile_m % qhead_per_kvhead:
-        supported = ", ".join(str(g) for g in range(1, tile_m + 1) if tile_m % g == 0)
-        raise UnsupportedConfigError(
-            f"pack_gqa=True packs num_heads_q / num_heads_kv = {qhead_per_kvhead} q heads into the "
-            f"{tile_m}-row forward tile, which needs a ratio dividing {tile_m} ({supported}); "
-            "use pack_gqa=False"
-        )
+    if pack_gqa:
+        require_pack_gqa_ratio(qhead_per_kvhead, tile_m)
     return Sm90FwdConfig(
         head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_v,

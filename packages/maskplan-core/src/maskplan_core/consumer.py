@@ -186,6 +186,18 @@ class KernelConsumer(Consumer):
             require_shared_mask_for_pack_gqa(request)
 
 
+def require_pack_gqa_ratio(qhead_per_kvhead: int, tile_m: int) -> None:
+    """PackGQA puts the ``G = Hq / Hkv`` q heads of a kv head in each row block of a ``tile_m``-row
+    tile, so ``G`` must divide ``tile_m``."""
+    if tile_m % qhead_per_kvhead:
+        supported = ", ".join(str(g) for g in range(1, tile_m + 1) if tile_m % g == 0)
+        raise UnsupportedConfigError(
+            f"pack_gqa=True packs num_heads_q / num_heads_kv = {qhead_per_kvhead} q heads into the "
+            f"{tile_m}-row forward tile, which needs a ratio dividing {tile_m} ({supported}); "
+            "use pack_gqa=False"
+        )
+
+
 def require_shared_mask_for_pack_gqa(request: ViewRequest) -> None:
     """PackGQA puts the q heads of a kv head in one tile's rows, so they must share the mask."""
     if request.mask_heads != 1:

@@ -5,8 +5,14 @@ The facade uses it for CPU tensors; it is also the executable spec every kernel 
 
 from __future__ import annotations
 
-from ..consumer import AttentionOutputs, Consumer, ViewConfig, ViewRequest, require_shared_mask_for_pack_gqa
-from ..errors import UnsupportedConfigError
+from ..consumer import (
+    AttentionOutputs,
+    Consumer,
+    ViewConfig,
+    ViewRequest,
+    require_pack_gqa_ratio,
+    require_shared_mask_for_pack_gqa,
+)
 from ..payload import RowMajorLayout
 from ..schema import PlanSignature, Topology
 from .attention import attention_backward, attention_forward
@@ -28,11 +34,7 @@ class ReferenceConsumer(Consumer):
         pack = bool(request.pack_gqa) and not backward  # a K-major backward view is the same either way
         if request.pack_gqa:
             require_shared_mask_for_pack_gqa(request)
-            if TILE % group:
-                raise UnsupportedConfigError(
-                    f"pack_gqa=True packs num_heads_q / num_heads_kv = {group} q heads into a {TILE}-row "
-                    f"tile, which needs a ratio dividing {TILE}; use pack_gqa=False"
-                )
+            require_pack_gqa_ratio(group, TILE)
         layout = RowMajorLayout(TILE // group if pack else TILE, TILE)
         signature = PlanSignature(
             arch_family="reference",
