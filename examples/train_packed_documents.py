@@ -3,7 +3,12 @@ forward and backward, the whole model optionally under ``torch.compile(fullgraph
 
     python examples/train_packed_documents.py                       # CPU reference path, ~1 min
     python examples/train_packed_documents.py --device cuda --seqlen 8192 --batch 2 --dim 1024 \\
-        --heads 8 --kv-heads 2 --compile                            # Hopper (not run on a GPU yet)
+        --heads 8 --kv-heads 2 --lr 3e-4 --steps 60 [--compile]    # Hopper
+
+On the H200 (session 17) the Hopper command took the loss from 4.13 to 2.50 in 60 steps, at about
+10 ms a step and 1.2 ms a plan after the first (which compiles the planner and the kernels); a
+``--compile`` run (20 steps, at the CPU default ``--lr 1e-2``, where this wider model diverges)
+took 9-10 ms a step too.
 
 Each sample packs documents of random lengths; every document repeats a short random token
 pattern, so a token is predictable only from earlier tokens of its own document, which is what the
@@ -96,6 +101,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (wider models want less)")
     p.add_argument("--window", type=int, default=None, help="also limit attention to this many keys back")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model")
     args = p.parse_args()
@@ -105,7 +111,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.kv_heads).to(device)
     step_fn = torch.compile(model, fullgraph=True) if args.compile else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(0)
     head_dim = args.dim // args.heads
     # create_mask_plan reads only the shapes, dtype and device of q/k/v

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("cutlass.cute")
 
+from flexattn_sm90.bwd_helpers import dq_warpgroup_tile  # noqa: E402
 from flexattn_sm90.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # noqa: E402
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
@@ -43,16 +44,18 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
 def _expected_wgmma(dq: int, dv: int, dtype: str = "bfloat16") -> dict[str, int]:
     """Per step: S^T and dP^T (each warpgroup's m64nN slab of the payload layout, dq/16 and dv/16
     k-blocks), dK and dV (tile_m/16 k-blocks; N = D, or D/2 where the warpgroups split the head dim),
-    dQ (m64n{dq/2}, tile_n/16); the partial and the full loop each hold one step."""
+    dQ (each warpgroup's bwd_helpers.dq_warpgroup_tile, tile_n/16 k-blocks per 64 rows); the
+    partial and the full loop each hold one step."""
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     layout, tm, tn = config.payload_layout, config.tile_m, config.tile_n
+    _, dq_cols = dq_warpgroup_tile(tm, dq)
     dkv_split = layout.wg_n  # 1: the warpgroups split S^T's K rows; 2: its Q columns and dK / dV's D
     expect: dict[str, int] = {}
     for shape, count in (
         (f"m64n{layout.wg_cols}k16", (dq + dv) // 16),
         (f"m64n{dq // dkv_split}k16", tm // 16),
         (f"m64n{dv // dkv_split}k16", tm // 16),
-        (f"m64n{dq // 2}k16", tn // 16),
+        (f"m64n{dq_cols}k16", tn // 16),
     ):
         expect[shape] = expect.get(shape, 0) + 2 * count
     return expect
@@ -150,7 +153,8 @@ def test_unsupported_tiles_refused():
     from flexattn_sm90.bwd_kernel import Sm90BwdKernel
     from flexattn_sm90.config import Sm90BwdConfig
 
-    with pytest.raises(NotImplementedError, match="64-row Q blocks on 2 warpgroups"):
+    rows = r"64-row Q blocks on 2 warpgroups \(128-row ones up to head dim 64\)"
+    with pytest.raises(NotImplementedError, match=rows):
         Sm90BwdKernel(Sm90BwdConfig(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", tile_m=128))
     with pytest.raises(NotImplementedError, match=r"equal \(32, 64, 96, 128\)"):
         Sm90BwdKernel(Sm90BwdConfig(head_dim_qk=128, head_dim_v=64, dtype="bfloat16"))

@@ -133,24 +133,26 @@ def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
 
 
-#: the 64 x 64 tile: the warpgroups split S^T's Q columns and dK / dV's head dim
-WIDE_HEADS = [(192, 128), (256, 256)]
+#: the head dims of the other backward tiles than the 64 x 128 one the default D = 128 cases run:
+#: 128 x 128 (D = 64: 128 Q rows, dQ split by rows) and 64 x 64 (the warpgroups split S^T's Q
+#: columns and dK / dV's head dim)
+OTHER_TILES = [(64, 64), (192, 128), (256, 256)]
 
 
-@pytest.mark.parametrize("dqk,dv", WIDE_HEADS)
+@pytest.mark.parametrize("dqk,dv", OTHER_TILES)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_wide_heads_fp16_and_deterministic(dqk, dv, deterministic):
+def test_other_tiles_fp16_and_deterministic(dqk, dv, deterministic):
     CASES.head_dims(dqk, dv, "random", torch.float16, deterministic=deterministic, with_dlse=True)
 
 
-@pytest.mark.parametrize("dqk,dv", WIDE_HEADS)
-def test_wide_heads_gqa_per_head_masks(dqk, dv):
+@pytest.mark.parametrize("dqk,dv", OTHER_TILES)
+def test_other_tiles_gqa_per_head_masks(dqk, dv):
     CASES.gqa(8, 2, 8, deterministic=False, dims=(dqk, dv))
 
 
-@pytest.mark.parametrize("dqk,dv", WIDE_HEADS)
+@pytest.mark.parametrize("dqk,dv", OTHER_TILES)
 @pytest.mark.parametrize("kind", ["causal", "random"])
-def test_wide_heads_varlen_with_empty_samples(dqk, dv, kind):
+def test_other_tiles_varlen_with_empty_samples(dqk, dv, kind):
     CASES.varlen_with_empty_samples(kind, dims=(dqk, dv))
 
 
@@ -162,7 +164,7 @@ def test_deterministic_bit_identical(dtype):
     CASES.deterministic_bit_identical(dtype)
 
 
-@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128)])
 @pytest.mark.parametrize("kind", ["full", "random"])
 def test_deterministic_grouped_launch_order(dqk, dv, kind):
     """Dense K2Q rows and 6 kv heads: the deterministic launch order takes DENSE_HEAD_GROUP (4) kv
@@ -183,20 +185,22 @@ def test_deterministic_grouped_launch_order(dqk, dv, kind):
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 
-def test_gpu_planner_plan():
-    """The production path: the plan built by the GPU planner kernels (build_plan_gpu)."""
-    H, Hkv, D = 4, 2, 128
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_planner_plan(D):
+    """The production path: the plan built by the GPU planner kernels (build_plan_gpu), on the
+    128 x 128 and the 64 x 128 backward tile."""
+    H, Hkv = 4, 2
     q, k, v = CASES.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, torch.bfloat16, seed=13)
     ep = CASES.varlen_mask("random", seed=13)
     check(ep, q, k, v, varlen=varlen_args(DEV), gpu_planner=True)
     check(ep, q, k, v, varlen=varlen_args(DEV), gpu_planner=True, deterministic=True, repeats=2)
 
 
-@pytest.mark.parametrize("dqk,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
 def test_small_for_sanitizer(dqk, dv):
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)
-    on each backward tile (64 x 128, and 64 x 64 with P^T / dS^T through SMEM, with a dQ chunk per
-    warpgroup at (192, 128) and one shared chunk at (256, 256)). racecheck reports the D=256
+    on each backward tile (128 x 128, 64 x 128, and 64 x 64 with P^T / dS^T through SMEM, with a dQ
+    chunk per warpgroup at (192, 128) and one shared chunk at (256, 256)). racecheck reports the D=256
     kernels' dQ chunk stores (the chunk the two warpgroups fill in turn, handed over through the dQ
     writer's named barriers): it does not take ``bar.arrive`` as ordering the arriving warps' writes
     (``benchmarks/sanitizer/barrier_chain.cu``)."""

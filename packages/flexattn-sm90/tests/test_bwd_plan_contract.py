@@ -62,7 +62,8 @@ def random_intervals(hmask, nfunc, row_k_len, seed):
 
 
 def problems():
-    """(name, mask_func, q, k, v, varlen): fixed, GQA with per-head masks, varlen with empty samples."""
+    """(name, mask_func, q, k, v, varlen): fixed, GQA with per-head masks, varlen with empty samples,
+    at D = 64 (the 128 x 128 backward tile); fixed at D = 128 (64 x 128)."""
     gen = torch.Generator().manual_seed(0)
 
     def qkv(tq, tk, hq, hkv, d=64):
@@ -74,6 +75,7 @@ def problems():
         )
 
     out = [("causal", masks.causal(300, batch=2), *qkv((2, 300), (2, 300), 2, 2), {})]
+    out.append(("causal-d128", masks.causal(300, batch=2), *qkv((2, 300), (2, 300), 2, 2, d=128), {}))
     ep = random_intervals(4, 5, torch.full((2 * 200,), 333), seed=1)
     out.append(("gqa-per-head", ep, *qkv((2, 200), (2, 333), 4, 2), {}))
     cu_q, cu_k = torch.tensor(CU_Q, dtype=torch.int32), torch.tensor(CU_K, dtype=torch.int32)
@@ -101,7 +103,7 @@ def test_prepared_tensors(problem):
     k_row_batch, q_block_begin = prep.tensors[10].to(torch.int64), prep.tensors[11].to(torch.int64)
     assert k_row_batch.tolist() == [b for b in range(desc.shape[0]) for _ in range(int(desc[b, 5]))]
     assert prep.k_rows == int(desc[:, 5].sum()) == view.mask_block_cnt.shape[1]
-    q_blocks = [math.ceil(int(n) / 64) for n in desc[:, 2]]
+    q_blocks = [math.ceil(int(n) / view.block_size[0]) for n in desc[:, 2]]
     assert q_blocks == desc[:, 6].tolist()
     assert q_block_begin[: desc.shape[0]].tolist() == [sum(q_blocks[:b]) for b in range(len(q_blocks))]
     assert (prep.n_qblk, prep.max_q_blocks) == (sum(q_blocks), max(q_blocks))

@@ -38,9 +38,12 @@ def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
             (128, 128), "sm90-wgmma-acc-v1-128x128", 2)  # fmt: skip
         kernel, scheduler, dq = "sm90-fwd-persistent-v1", "plan-dynamic-persistent-atomic-v1", "none"
     else:
-        tile, layout_id = ((64, 128), "sm90-wgmma-acc-v1-64x128-kq") if max(dims) <= 128 else (
-            (64, 64), "sm90-wgmma-acc-v1-64x64-wg1x2-kq")  # fmt: skip
-        words, kernel, scheduler, dq = 1, "sm90-bwd-k2q-v1", "k-major-grid-v1", "rank_int32"
+        tile, layout_id, words = (
+            ((128, 128), "sm90-wgmma-acc-v1-128x128-kq", 2) if max(dims) <= 64
+            else ((64, 128), "sm90-wgmma-acc-v1-64x128-kq", 1) if max(dims) <= 128
+            else ((64, 64), "sm90-wgmma-acc-v1-64x64-wg1x2-kq", 1)
+        )  # fmt: skip
+        kernel, scheduler, dq = "sm90-bwd-k2q-v1", "k-major-grid-v1", "rank_int32"
     return PlanSignature(
         arch_family="sm90",
         direction=direction,

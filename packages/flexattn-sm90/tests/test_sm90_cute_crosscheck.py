@@ -25,7 +25,9 @@ pytestmark = [
     ),
 ]
 
-CASES = [(128, 128, 2, False), (128, 64, 2, False), (64, 128, 2, True), (64, 64, 2, True)]
+CASES = [
+    (128, 128, 2, False), (128, 64, 2, False), (128, 128, 2, True), (64, 128, 2, True), (64, 64, 2, True)
+]  # fmt: skip
 PROBE = Path(__file__).with_name("cute_probe_sm90.py")
 
 

@@ -18,6 +18,7 @@ from flexattn_sm90.payload_layout import (
 CASES = [
     (128, 128, None, False, "sm90-wgmma-acc-v1-128x128", 256, 2, 64),  # forward
     (128, 64, None, False, "sm90-wgmma-acc-v1-128x64", 256, 1, 32),  # forward D256
+    (128, 128, None, True, "sm90-wgmma-acc-v1-128x128-kq", 256, 2, 64),  # backward D<=64, S^T 128x128
     (64, 128, None, True, "sm90-wgmma-acc-v1-64x128-kq", 256, 1, 32),  # backward D<=128, S^T 128x64
     (64, 64, 2, True, "sm90-wgmma-acc-v1-64x64-wg1x2-kq", 256, 1, 16),  # backward D>128, S^T 64x64
     (64, 64, None, True, "sm90-wgmma-acc-v1-64x64-kq", 128, 1, 32),

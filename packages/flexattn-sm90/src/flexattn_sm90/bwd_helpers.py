@@ -45,14 +45,27 @@ def common_major(*sizes: int) -> int:
 
 
 # -- dQ accumulator chunks --------------------------------------------------------------------------
+def dq_warpgroup_tile(tile_m: int, head_dim: int, num_warpgroups: int = 2) -> tuple[int, int]:
+    """``(rows, cols)`` of ``dQ = dS K`` (``tile_m x head_dim``) one MMA warpgroup computes: 64 Q rows
+    x the whole head dim where the warpgroups fill ``tile_m`` 64 rows each, else all 64 rows x
+    ``head_dim / num_warpgroups`` columns. Splitting the rows keeps each WGMMA at N = head_dim: at
+    N = 32 (D = 64 split) an SS WGMMA reads more SMEM (A 2 KB + B 1 KB per k-block) than the tensor
+    cores consume in its time."""
+    if tile_m == 64 * num_warpgroups:
+        return 64, head_dim
+    assert tile_m == 64, tile_m
+    return 64, head_dim // num_warpgroups
+
+
 def make_dq_tiled_mma(dtype, head_dim: int, tile_m: int, num_warpgroups: int = 2):
-    """``dQ = dS K`` (``tile_m x head_dim``, dS K-major from SMEM, K^T MN-major): the warpgroups
-    split the head dim. The main kernel issues it; the postprocess only uses its ``partition_C``
-    to read the fragment-ordered accumulator back, so both agree on the order by construction."""
+    """``dQ = dS K`` (``tile_m x head_dim``, dS K-major from SMEM, K^T MN-major), each warpgroup on
+    its :func:`dq_warpgroup_tile`. The main kernel issues it; the postprocess only uses its
+    ``partition_C`` to read the fragment-ordered accumulator back, so both agree on the order by
+    construction."""
     K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-    return sm90_utils.make_trivial_tiled_mma(
-        dtype, dtype, K, MN, Float32, (1, num_warpgroups, 1), (tile_m, head_dim // num_warpgroups)
-    )
+    rows, cols = dq_warpgroup_tile(tile_m, head_dim, num_warpgroups)
+    atoms = (tile_m // rows, head_dim // cols, 1)
+    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, K, MN, Float32, atoms, (rows, cols))
 
 
 def dq_chunk_layout(elements_per_thread: int, threads: int = 128) -> cute.Layout:
@@ -70,6 +83,7 @@ def dq_chunk_layout(elements_per_thread: int, threads: int = 128) -> cute.Layout
 
 __all__ = [
     "common_major",
+    "dq_warpgroup_tile",
     "make_dq_tiled_mma",
     "dq_chunk_layout",
     "smem_layout",

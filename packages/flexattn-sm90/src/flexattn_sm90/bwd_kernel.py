@@ -19,10 +19,11 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
                         dV += P^T dO, dK += dS^T Q
                         dQ = dS K                         (dS^T stored transposed to SMEM, SS)
 
-Two tiles (heuristics.bwd_tile), both of 64 Q rows::
+Three tiles (heuristics.bwd_tile)::
 
-    64 x 128 (D <= 128)      each warpgroup: 64 K rows of S^T, of dK and of dV; dK / dV are RS
-                             (P^T / dS^T straight from its registers)
+    128 x 128 (D <= 64)      as 64 x 128, with S^T m64n128 per warpgroup; dQ's warpgroups split its
+    64 x 128 (D <= 128)      rows (64 x 128: its head dim). Each warpgroup: 64 K rows of S^T, of dK
+                             and of dV; dK / dV are RS (P^T / dS^T straight from its registers)
     64 x 64  (192/128, 256)  each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
                              accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
                              dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages
@@ -84,7 +85,7 @@ from maskplan_kernels.consumer_plan import (
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
 
-from .bwd_helpers import common_major, make_dq_tiled_mma, smem_layout
+from .bwd_helpers import common_major, dq_warpgroup_tile, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, Sm90BwdConfig
 from .fwd_helpers import register_split
@@ -113,12 +114,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
-        if config.tile_m != 64 or config.num_consumer_warpgroups != 2 or layout.wg_m * layout.wg_n != 2:
+        widest = max(config.head_dim_qk, config.head_dim_v)
+        q_rows_ok = config.tile_m == 64 or (config.tile_m == 128 and widest <= 64)
+        if not q_rows_ok or config.num_consumer_warpgroups != 2 or layout.wg_m * layout.wg_n != 2:
             raise NotImplementedError(
-                f"the SM90 backward kernel implements 64-row Q blocks on 2 warpgroups; "
-                f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}) selects "
-                f"{config.tile_m}x{config.tile_n} on {config.num_consumer_warpgroups}, which has no SM90 "
-                "backward kernel"
+                f"the SM90 backward kernel implements 64-row Q blocks on 2 warpgroups (128-row ones up to "
+                f"head dim 64); (head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}) "
+                f"selects {config.tile_m}x{config.tile_n} on {config.num_consumer_warpgroups}, which has no "
+                "SM90 backward kernel"
             )
         # 64 x 128: the warpgroups split S^T's K rows and keep P^T / dS^T in registers for dK / dV.
         # 64 x 64: they split S^T's Q columns, so dK / dV (SS, the warpgroups split the head dim)
@@ -166,14 +169,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # D = 64: the producer's TMA bookkeeping spills at 24 and the MMA warpgroups fit in 232
         split = (40, 232) if max(head_dims) <= 64 else (24, 240)
         self.producer_regs, self.mma_regs = register_split(self.num_mma_wg, *split)
-        # dQ = dS K: the two MMA warpgroups split the head dim; each owns one contiguous chunk
-        self.dq_cols = self.head_dim_qk // self.num_mma_wg
-        self.dq_elements = self.tile_m * self.dq_cols // self.threads_per_wg  # per thread
-        self.dq_chunk = self.tile_m * self.dq_cols  # fp32 values of one warpgroup's chunk
+        # dQ = dS K: each MMA warpgroup owns one contiguous chunk (its rows x cols of the Q block)
+        dq_rows, self.dq_cols = dq_warpgroup_tile(self.tile_m, self.head_dim_qk, self.num_mma_wg)
+        self.dq_chunk = dq_rows * self.dq_cols  # fp32 values of one warpgroup's chunk
+        self.dq_elements = self.dq_chunk // self.threads_per_wg  # per thread
         self.dq_block = self.tile_m * self.head_dim_qk  # fp32 values of one Q block
         # threads of a dQ FULL / EMPTY barrier: one MMA warpgroup and one dQ writer warp
         self.dq_pair_threads = self.threads_per_wg + 32
-        assert self.payload_groups == self.num_mma_threads and self.payload_words == 1
+        assert self.payload_groups == self.num_mma_threads
 
     def dq_writer_of(self, step):
         """The dQ writer of step ``step`` (the dQ writers and the MMA warpgroups both count steps

@@ -7,8 +7,9 @@ The tile is chosen by head dims only (so one plan serves every sequence length).
 ==============  ============  ==========================  ====================================
 (Dqk, Dv)       forward tile  backward tile (Q x K)       why
 ==============  ============  ==========================  ====================================
-(32, 32)        128 x 128     64 x 128                    two consumer warpgroups x m64n128
-(64, 64)        128 x 128     64 x 128
+(32, 32)        128 x 128     128 x 128                   two consumer warpgroups x m64n128
+(64, 64)        128 x 128     128 x 128                   S^T m64n128 per warpgroup, dQ split
+                                                          by rows (m64n64): see bwd_tile
 (96, 96)        128 x 128     64 x 128
 (128, 128)      128 x 128     64 x 128
 (192, 128)      128 x 128     64 x 64
@@ -17,8 +18,8 @@ The tile is chosen by head dims only (so one plan serves every sequence length).
 ==============  ============  ==========================  ====================================
 
 Backward: the tile is ``tile_m`` Q rows x ``tile_n`` K columns; the kernel's two consumer
-warpgroups compute ``S^T`` (K rows x Q columns): for 64x128 each takes 64 K rows, for 64x64
-they split the 64 Q columns (32 each) and dK / dV's head dim (``bwd_kernel.py``).
+warpgroups compute ``S^T`` (K rows x Q columns): for 128x128 and 64x128 each takes 64 K rows, for
+64x64 they split the 64 Q columns (32 each) and dK / dV's head dim (``bwd_kernel.py``).
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ def fwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
 
 
 def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
-    """Backward ``(tile_m, tile_n)`` = (Q rows, K columns) of the score tile."""
+    """Backward ``(tile_m, tile_n)`` = (Q rows, K columns) of the score tile. Up to D = 64 a step
+    takes 128 Q rows: its S^T / dP^T GEMMs are m64n128 rather than m64n64 and dQ's are m64n64
+    rather than m64n32 (whose operands need more SMEM bandwidth than the tensor cores' rate
+    leaves), and the step's fixed costs (barriers, the dQ hand-over) spread over twice the FLOPs;
+    the registers still fit (no spills at 232 per MMA thread)."""
     check_head_dims(head_dim_qk, head_dim_v)
-    return (64, 128) if max(head_dim_qk, head_dim_v) <= 128 else (64, 64)
+    d = max(head_dim_qk, head_dim_v)
+    return (128, 128) if d <= 64 else (64, 128) if d <= 128 else (64, 64)
 
 
 def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
