@@ -131,3 +131,28 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(out, want)
         for name, got, ref in zip("qkv", leaves, eager, strict=True):
             assert torch.equal(got.grad, ref.grad), f"d{name} differs after replay"
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_explicit_api_writes_in_place():
+    """FlexAttentionFwd / FlexAttentionBwd on the SM90 kernels write o, lse and dq/dk/dv into the
+    caller's tensors, bit for bit what flex_attn_func gives (deterministic backward)."""
+    torch.manual_seed(3)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), q, k, v, build_backward=True)
+    o, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+    fwd = flexattn.FlexAttentionFwd(q, k, v, o, plan, lse)
+    fwd.compile()
+    fwd.execute(q, k, v, o, plan, lse, current_stream=torch.cuda.current_stream())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, want_lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True, deterministic=True)
+    assert torch.equal(o, want) and torch.equal(lse, want_lse)
+    do = torch.randn_like(o)
+    want.backward(do)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    bwd = flexattn.FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv, plan, deterministic=True)
+    bwd.compile()
+    bwd.execute(q, k, v, o, do, lse, dq, dk, dv, plan)
+    for name, got, leaf in zip("qkv", (dq, dk, dv), leaves, strict=True):
+        assert torch.equal(got, leaf.grad), f"d{name}"

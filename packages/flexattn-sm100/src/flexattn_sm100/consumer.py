@@ -31,7 +31,7 @@ class Sm100Consumer(KernelConsumer):
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
 
-    def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool):
+    def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
         if not _on_sm100(q):
             raise ConsumerNotFoundError(
                 f"flexattn-sm100 {__version__} has an SM100 forward kernel compiled for sm_100a, but it has "
@@ -41,11 +41,15 @@ class Sm100Consumer(KernelConsumer):
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
         out, lse, max_logit = run_forward(
-            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
+            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit,
+            out=out, lse=lse,
         )
         return AttentionOutputs(out, lse, max_logit)
 
-    def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
+    def backward(
+        self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
+        dq=None, dk=None, dv=None,
+    ):  # fmt: skip
         if not _on_sm100(q):
             raise ConsumerNotFoundError(
                 f"flexattn-sm100 {__version__} has an SM100 backward kernel (k2q-1cta, k2q-2cta, d256) "
@@ -57,7 +61,7 @@ class Sm100Consumer(KernelConsumer):
 
         return run_backward(
             plan.view("backward"), q, k, v, out, lse, dout, dlse,
-            softmax_scale=softmax_scale, deterministic=deterministic,
+            softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
 
 

@@ -36,19 +36,23 @@ class Sm90Consumer(KernelConsumer):
 
         return build_plan_gpu(mask_func, geometry, forward, backward, self.name)
 
-    def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool):
+    def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
         out, lse, max_logit = run_forward(
-            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
+            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit,
+            out=out, lse=lse,
         )
         return AttentionOutputs(out, lse, max_logit)
 
-    def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool):
+    def backward(
+        self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
+        dq=None, dk=None, dv=None,
+    ):  # fmt: skip
         from .bwd_launch import run_backward
 
         return run_backward(
             plan.view("backward"), q, k, v, out, lse, dout, dlse,
-            softmax_scale=softmax_scale, deterministic=deterministic,
+            softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
 

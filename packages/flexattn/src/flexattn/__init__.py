@@ -25,6 +25,7 @@ from maskplan_core import (
 
 from . import masks
 from .attention import flex_attn_func
+from .explicit import FlexAttentionBwd, FlexAttentionFwd
 from .planning import create_mask_plan
 
 __version__ = "0.1.0"
@@ -38,6 +39,8 @@ if not any(isinstance(h, logging.NullHandler) for h in _log.handlers):
 __all__ = [
     "ConsumerNotFoundError",
     "EndpointError",
+    "FlexAttentionBwd",
+    "FlexAttentionFwd",
     "FlexAttnError",
     "InputTypeError",
     "InputValueError",

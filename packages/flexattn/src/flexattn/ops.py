@@ -97,7 +97,7 @@ def _check_signatures(plan: MaskPlan, device: torch.device, training: bool):
     return consumer
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """LSE / max-logit dtype: fp32, fp64 for fp64 inputs (the CPU reference computes in fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -121,7 +121,7 @@ def _forward_impl(
     res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
     max_logit = res.max_logit
     if max_logit is None:
-        max_logit = q.new_empty(0, dtype=_stat_dtype(q.dtype))
+        max_logit = q.new_empty(0, dtype=stat_dtype(q.dtype))
     return res.out.contiguous(), res.lse.contiguous(), max_logit.contiguous()
 
 
@@ -156,7 +156,7 @@ def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
     # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
     # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
     total_q, num_heads_q = q.shape[0], q.shape[1]
-    stat = _stat_dtype(q.dtype)
+    stat = stat_dtype(q.dtype)
     out = q.new_empty((total_q, num_heads_q, v.shape[-1]))
     lse = q.new_empty((num_heads_q, total_q), dtype=stat)
     max_logit = q.new_empty((num_heads_q if want_max else 0,), dtype=stat)

@@ -95,13 +95,18 @@ class Consumer(ABC):
 
     @abstractmethod
     def forward(
-        self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool
-    ) -> AttentionOutputs: ...
+        self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None
+    ) -> AttentionOutputs:
+        """``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse`` (``[Hq, total_q]`` fp32), when given,
+        are contiguous tensors the results must be written into (and returned)."""
 
     @abstractmethod
     def backward(
-        self, plan: MaskPlan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+        self, plan: MaskPlan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
+        dq=None, dk=None, dv=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``dq`` / ``dk`` / ``dv``, when given, are contiguous tensors shaped and typed like q / k / v
+        that the gradients must be written into (and returned)."""
 
 
 def require_supported(argument: str, value: object, supported: tuple, owner: str) -> None:

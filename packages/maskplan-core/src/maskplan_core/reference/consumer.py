@@ -48,13 +48,21 @@ class ReferenceConsumer(Consumer):
         )
         return ViewConfig(signature, layout)
 
-    def forward(self, plan, q, k, v, *, softmax_scale, return_max_logit):
-        out, lse, max_logit = attention_forward(
+    def forward(self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None):
+        o, stats, max_logit = attention_forward(
             plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
         )
-        return AttentionOutputs(out.to(q.dtype), lse, max_logit)
+        return AttentionOutputs(_into(out, o.to(q.dtype)), _into(lse, stats), max_logit)
 
-    def backward(self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic):
-        return attention_backward(
+    def backward(
+        self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic, dq=None, dk=None, dv=None
+    ):
+        grads = attention_backward(
             plan.view("backward"), q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale
         )
+        return tuple(_into(dst, g) for dst, g in zip((dq, dk, dv), grads, strict=True))
+
+
+def _into(dst, value):
+    """``value``, copied into ``dst`` when the caller gave one (the reference computes in fp32/fp64)."""
+    return value if dst is None else dst.copy_(value)

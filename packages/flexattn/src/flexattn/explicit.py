@@ -1,0 +1,304 @@
+"""``FlexAttentionFwd`` / ``FlexAttentionBwd``: ``cudnn.flex_attention``'s explicit API, where the
+caller allocates every output and the object is built once from sample tensors::
+
+    fwd = FlexAttentionFwd(q, k, v, o, plan, lse)      # sample tensors: shapes, dtypes, devices
+    fwd.check_support()                                 # raises, naming what does not fit
+    fwd.compile()
+    fwd.execute(q, k, v, o, plan, lse)                  # writes o (and lse) in place
+
+``execute`` takes tensors of the samples' shapes, dtypes, strides and devices and a plan of the
+sample plan's consumer and geometry (a new plan per batch is fine), and runs the same consumer
+``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` are written by the kernels themselves;
+a fixed-length LSE (``[B, Hq, Sq]``, which is not the kernels' ``[Hq, total_q]`` order) goes
+through a copy. No autograd: this is the inference / hand-written training-loop API.
+
+What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
+accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0 and ``execute`` takes
+``workspace=None``; ``compile()`` checks and resolves, and the kernels are compiled (or loaded from
+the disk cache) by the first ``execute``; ``sm90_use_smem_mask_pipeline=False`` is refused (it is a
+benchmarking switch of ``flexattn_sm90.fwd_launch.run_forward``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from maskplan_core import InputTypeError, InputValueError, MaskPlan, MissingBackwardViewError
+
+from . import ops
+
+
+def _descriptor(t: torch.Tensor | None):
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _require_like(name: str, t: torch.Tensor | None, sample) -> None:
+    """``t`` must match the sample's shape, stride, dtype and device (or both be absent)."""
+    if (t is None) != (sample is None):
+        state = "was" if sample is not None else "was not"
+        raise InputValueError(f"{name}: a sample {state} given at construction; execute must match it")
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    got = _descriptor(t)
+    if got != sample:
+        fields = ("shape", "stride", "dtype", "device")
+        diffs = [f"{f} {g} (sample: {s})" for f, g, s in zip(fields, got, sample, strict=True) if g != s]
+        raise InputValueError(f"{name} does not match its sample: " + "; ".join(diffs))
+
+
+def _require_output(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise InputValueError(
+            f"{name} must be {dtype} of shape {tuple(shape)} on {device}, got {t.dtype} of shape "
+            f"{tuple(t.shape)} on {t.device}"
+        )
+    if not t.is_contiguous():
+        raise InputValueError(f"{name} must be contiguous: the kernels write it in place")
+
+
+def _stream(current_stream, device: torch.device):
+    if current_stream is None:
+        return contextlib.nullcontext()
+    if device.type != "cuda":
+        raise InputValueError(f"current_stream is for CUDA tensors; these are on {device}")
+    if not isinstance(current_stream, torch.cuda.Stream):  # a raw CUstream handle
+        current_stream = torch.cuda.ExternalStream(int(current_stream), device=device)
+    return torch.cuda.stream(current_stream)
+
+
+def _require_no_workspace(workspace) -> None:
+    if workspace is not None:
+        raise InputValueError(
+            "workspace must be None: flexattn's kernels take their workspace from PyTorch's caching "
+            "allocator (workspace_size is 0)"
+        )
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+class _Explicit:
+    """What both directions share: the sample descriptors, the plan checks, the call stages."""
+
+    workspace_size = 0
+    training = False
+
+    def __init__(self, samples: dict, mask_plan: MaskPlan) -> None:
+        self._samples = {name: _descriptor(t) for name, t in samples.items()}
+        self._tensors = samples  # until check_support has run
+        self._plan = mask_plan
+        self._consumer = None
+
+    def _check_plan(self, mask_plan, q, k, v) -> None:
+        if not isinstance(mask_plan, MaskPlan):
+            raise InputTypeError(
+                f"mask_plan must be a MaskPlan from create_mask_plan, got {type(mask_plan).__name__}"
+            )
+        mask_plan.check_binding(q, k, v)
+        if self.training and not mask_plan.has_backward:
+            raise MissingBackwardViewError(
+                "FlexAttentionBwd needs a plan with a backward view; rebuild it with "
+                "create_mask_plan(..., build_backward=True)"
+            )
+
+    def check_support(self) -> bool:
+        """Check the samples against each other and the plan, and resolve the consumer of their
+        device (its signature check included); raises naming what does not fit, else True."""
+        if self._consumer is None:
+            t = self._tensors
+            self._check_plan(self._plan, t["q"], t["k"], t["v"])
+            self._check_outputs(self._plan, t)
+            self._consumer = ops.checked_consumer(self._plan, t["q"].device, self.training)
+            self._tensors = None  # the samples are not kept alive
+        return True
+
+    def compile(self) -> None:
+        """:meth:`check_support`; the kernels are compiled (or loaded from the disk cache) by the first
+        :meth:`execute`."""
+        self.check_support()
+
+    def _prepare(self, tensors: dict, mask_plan: MaskPlan):
+        """The consumer for ``tensors`` (checked against the samples) and ``mask_plan``."""
+        if self._consumer is None:
+            raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
+        for name, t in tensors.items():
+            _require_like(name, t, self._samples[name])
+        self._check_plan(mask_plan, tensors["q"], tensors["k"], tensors["v"])
+        return ops.checked_consumer(mask_plan, tensors["q"].device, self.training)
+
+
+def _lse_shape(g) -> tuple:
+    return (g.num_heads_q, g.total_q) if g.varlen else (g.batch, g.num_heads_q, g.max_seqlen_q)
+
+
+def _kernel_lse(lse: torch.Tensor, g) -> torch.Tensor:
+    """A caller's LSE (or dLSE) in the kernels' ``[Hq, total_q]`` order (a copy for fixed length)."""
+    return lse if g.varlen else lse.transpose(0, 1).reshape(g.num_heads_q, g.total_q)
+
+
+def _thd(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1, *t.shape[-2:])
+
+
+class FlexAttentionFwd(_Explicit):
+    """Forward into caller-allocated ``o`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``, q's dtype),
+    optionally ``lse`` (fp32 ``[B, Hq, Sq]`` / ``[Hq, total_q]``) and ``max_logit`` (fp32 ``[Hq]``);
+    fp64 statistics for fp64 inputs on the CPU reference, as ``flex_attn_func`` returns them."""
+
+    def __init__(
+        self,
+        sample_q: torch.Tensor,
+        sample_k: torch.Tensor,
+        sample_v: torch.Tensor,
+        sample_o: torch.Tensor,
+        sample_mask_plan: MaskPlan,
+        sample_lse: torch.Tensor | None = None,
+        *,
+        sm90_use_smem_mask_pipeline: bool = True,
+        sample_max_logit: torch.Tensor | None = None,
+    ) -> None:
+        if sm90_use_smem_mask_pipeline is not True:
+            raise InputValueError(
+                "sm90_use_smem_mask_pipeline=False is not offered here: the SM90 consumer always "
+                "stages the packed mask through SMEM (flexattn_sm90.fwd_launch.run_forward has the "
+                "direct-load variant for benchmarking)"
+            )
+        samples = dict(
+            q=sample_q, k=sample_k, v=sample_v, o=sample_o, lse=sample_lse, max_logit=sample_max_logit
+        )
+        super().__init__(samples, sample_mask_plan)
+
+    def _check_outputs(self, plan: MaskPlan, t: dict) -> None:
+        g, q = plan.geometry, t["q"]
+        _require_output("o", t["o"], (*q.shape[:-1], g.head_dim_v), q.dtype, q.device)
+        stat = ops.stat_dtype(q.dtype)
+        if t["lse"] is not None:
+            _require_output("lse", t["lse"], _lse_shape(g), stat, q.device)
+        if t["max_logit"] is not None:
+            _require_output("max_logit", t["max_logit"], (g.num_heads_q,), stat, q.device)
+
+    def execute(
+        self,
+        q_tensor: torch.Tensor,
+        k_tensor: torch.Tensor,
+        v_tensor: torch.Tensor,
+        o_tensor: torch.Tensor,
+        mask_plan: MaskPlan,
+        lse_tensor: torch.Tensor | None = None,
+        *,
+        workspace: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
+        current_stream=None,
+        max_logit_tensor: torch.Tensor | None = None,
+    ) -> None:
+        tensors = dict(
+            q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, lse=lse_tensor, max_logit=max_logit_tensor
+        )
+        consumer = self._prepare(tensors, mask_plan)
+        _require_no_workspace(workspace)
+        g = mask_plan.geometry
+        scale = _scale(softmax_scale, g.head_dim_qk)
+        if max_logit_tensor is not None and scale < 0:
+            raise InputValueError(f"max_logit_tensor needs a non-negative softmax_scale, got {scale}")
+        in_place_lse = lse_tensor if g.varlen else None
+        with _stream(current_stream, q_tensor.device), torch.no_grad():
+            res = consumer.forward(
+                mask_plan, _thd(q_tensor), _thd(k_tensor), _thd(v_tensor), softmax_scale=scale,
+                return_max_logit=max_logit_tensor is not None, out=_thd(o_tensor), lse=in_place_lse,
+            )  # fmt: skip
+            if lse_tensor is not None and in_place_lse is None:
+                lse_tensor.copy_(res.lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1))
+            if max_logit_tensor is not None:
+                max_logit_tensor.copy_(res.max_logit)
+
+
+class FlexAttentionBwd(_Explicit):
+    """Backward into caller-allocated ``dq`` / ``dk`` / ``dv`` (shaped and typed like q / k / v), from
+    the forward's ``o`` and fp32 ``lse`` (and optionally an LSE gradient ``dlse`` of the LSE's shape)."""
+
+    training = True
+
+    def __init__(
+        self,
+        sample_q: torch.Tensor,
+        sample_k: torch.Tensor,
+        sample_v: torch.Tensor,
+        sample_o: torch.Tensor,
+        sample_do: torch.Tensor,
+        sample_lse: torch.Tensor,
+        sample_dq: torch.Tensor,
+        sample_dk: torch.Tensor,
+        sample_dv: torch.Tensor,
+        sample_mask_plan: MaskPlan,
+        sample_dlse: torch.Tensor | None = None,
+        *,
+        deterministic: bool = False,
+    ) -> None:
+        if type(deterministic) is not bool:
+            raise InputTypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        self.deterministic = deterministic
+        samples = dict(
+            q=sample_q, k=sample_k, v=sample_v, o=sample_o, do=sample_do, lse=sample_lse,
+            dq=sample_dq, dk=sample_dk, dv=sample_dv, dlse=sample_dlse,
+        )  # fmt: skip
+        super().__init__(samples, sample_mask_plan)
+
+    def _check_outputs(self, plan: MaskPlan, t: dict) -> None:
+        g, q = plan.geometry, t["q"]
+        out_shape = (*q.shape[:-1], g.head_dim_v)
+        for name in ("o", "do"):
+            _require_output(name, t[name], out_shape, q.dtype, q.device)
+        for name in ("lse", "dlse"):
+            if t[name] is not None or name == "lse":
+                _require_output(name, t[name], _lse_shape(g), ops.stat_dtype(q.dtype), q.device)
+        for name, like in (("dq", q), ("dk", t["k"]), ("dv", t["v"])):
+            _require_output(name, t[name], like.shape, like.dtype, like.device)
+
+    def execute(
+        self,
+        q_tensor: torch.Tensor,
+        k_tensor: torch.Tensor,
+        v_tensor: torch.Tensor,
+        o_tensor: torch.Tensor,
+        do_tensor: torch.Tensor,
+        lse_tensor: torch.Tensor,
+        dq_tensor: torch.Tensor,
+        dk_tensor: torch.Tensor,
+        dv_tensor: torch.Tensor,
+        mask_plan: MaskPlan,
+        dlse_tensor: torch.Tensor | None = None,
+        *,
+        workspace: torch.Tensor | None = None,
+        softmax_scale: float | None = None,
+        current_stream=None,
+    ) -> None:
+        tensors = dict(
+            q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, do=do_tensor, lse=lse_tensor,
+            dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,
+        )  # fmt: skip
+        consumer = self._prepare(tensors, mask_plan)
+        _require_no_workspace(workspace)
+        g = mask_plan.geometry
+        scale = _scale(softmax_scale, g.head_dim_qk)
+        dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)
+        with _stream(current_stream, q_tensor.device), torch.no_grad():
+            consumer.backward(
+                mask_plan, *(_thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
+                _kernel_lse(lse_tensor, g), _thd(do_tensor), dlse, softmax_scale=scale,
+                deterministic=self.deterministic,
+                dq=_thd(dq_tensor), dk=_thd(dk_tensor), dv=_thd(dv_tensor),
+            )  # fmt: skip

@@ -1,0 +1,136 @@
+"""``FlexAttentionFwd`` / ``FlexAttentionBwd`` (cuDNN's explicit API) on the CPU reference: the
+results ``flex_attn_func`` gives, written into the caller's tensors, and errors that name what
+does not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn
+from flexattn import FlexAttentionBwd, FlexAttentionFwd, masks
+
+B, S, H, HKV, D, DV = 2, 50, 4, 2, 16, 8
+CU = [0, 30, 30, 75]  # varlen: an empty sample
+
+
+def fixed(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=gen, dtype=dtype)
+    k = torch.randn(B, S, HKV, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, S, HKV, DV, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def fixed_plan(q, k, v, **kw):
+    return flexattn.create_mask_plan(masks.sliding_window(S, window_left=11, batch=B), q, k, v, **kw)
+
+
+def varlen(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = CU[-1]
+    q, k = (torch.randn(total, n, D, generator=gen) for n in (H, HKV))
+    v = torch.randn(total, HKV, DV, generator=gen)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=45, max_seqlen_k=45)
+    mask = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    return (q, k, v), mask, args
+
+
+def run_fwd(q, k, v, plan, lse_shape, **kw):
+    o = torch.empty(*q.shape[:-1], DV)
+    lse, max_logit = torch.empty(lse_shape), torch.empty(H)
+    fwd = FlexAttentionFwd(q, k, v, o, plan, lse, sample_max_logit=max_logit)
+    assert fwd.check_support() and fwd.workspace_size == 0
+    fwd.compile()
+    ptr = o.data_ptr()
+    fwd.execute(q, k, v, o, plan, lse, max_logit_tensor=max_logit, **kw)
+    assert o.data_ptr() == ptr
+    return o, lse, max_logit
+
+
+def test_forward_fixed_matches_flex_attn_func():
+    q, k, v = fixed()
+    plan = fixed_plan(q, k, v)
+    got = run_fwd(q, k, v, plan, (B, H, S), softmax_scale=0.3)
+    want = flexattn.flex_attn_func(
+        q, k, v, mask_plan=plan, softmax_scale=0.3, return_lse=True, return_max_logit=True
+    )
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_forward_varlen_and_a_new_plan_per_call():
+    (q, k, v), mask, args = varlen()
+    plans = [flexattn.create_mask_plan(mask, q, k, v, **args) for _ in range(2)]
+    o, lse = torch.empty(CU[-1], H, DV), torch.empty(H, CU[-1])
+    fwd = FlexAttentionFwd(q, k, v, o, plans[0], lse)
+    fwd.compile()
+    for plan in plans:
+        o.zero_(), lse.zero_()
+        fwd.execute(q, k, v, o, plan, lse)
+        want, want_lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+        assert torch.equal(o, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("kind", ["fixed", "varlen"])
+def test_backward_matches_autograd(kind, with_dlse):
+    if kind == "fixed":
+        q, k, v = fixed(1)
+        plan = fixed_plan(q, k, v, build_backward=True)
+        lse_shape = (B, H, S)
+    else:
+        (q, k, v), mask, args = varlen(1)
+        plan = flexattn.create_mask_plan(mask, q, k, v, build_backward=True, **args)
+        lse_shape = (H, CU[-1])
+    gen = torch.Generator().manual_seed(2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True, softmax_scale=0.2)
+    do = torch.randn(o.shape, generator=gen)
+    dlse = torch.randn(lse_shape, generator=gen) if with_dlse else None
+    want = torch.autograd.grad((o, lse), leaves, (do, dlse if with_dlse else torch.zeros_like(lse)))
+    o, lse = o.detach(), lse.detach().contiguous()
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    bwd = FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv, plan, dlse, deterministic=True)
+    bwd.compile()
+    bwd.execute(q, k, v, o, do, lse, dq, dk, dv, plan, dlse, softmax_scale=0.2)
+    for name, got, ref in zip("qkv", (dq, dk, dv), want, strict=True):
+        torch.testing.assert_close(got, ref, msg=f"d{name}")
+
+
+def test_errors_name_what_does_not_fit():
+    q, k, v = fixed()
+    plan = fixed_plan(q, k, v)
+    o = torch.empty(B, S, H, DV)
+    fwd = FlexAttentionFwd(q, k, v, o, plan)
+    with pytest.raises(RuntimeError, match=r"call compile\(\) before execute"):
+        fwd.execute(q, k, v, o, plan)
+    with pytest.raises(flexattn.InputValueError, match=r"o must be torch.float32 of shape \(2, 50, 4, 8\)"):
+        FlexAttentionFwd(q, k, v, torch.empty(B, S, H, D), plan).check_support()
+    with pytest.raises(flexattn.InputValueError, match="lse must be"):
+        FlexAttentionFwd(q, k, v, o, plan, torch.empty(H, B * S)).compile()
+    with pytest.raises(flexattn.InputValueError, match="o must be contiguous"):
+        FlexAttentionFwd(q, k, v, torch.empty(B, S, DV, H).transpose(2, 3), plan).compile()
+    fwd.compile()
+    with pytest.raises(flexattn.InputValueError, match=r"q does not match its sample: shape \(2, 40, 4"):
+        fwd.execute(q[:, :40], k, v, o, plan)
+    with pytest.raises(flexattn.InputValueError, match="lse: a sample was not given"):
+        fwd.execute(q, k, v, o, plan, torch.empty(B, H, S))
+    with pytest.raises(flexattn.InputValueError, match="workspace must be None"):
+        fwd.execute(q, k, v, o, plan, workspace=torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(flexattn.InputValueError, match="current_stream is for CUDA tensors"):
+        fwd.execute(q, k, v, o, plan, current_stream=0)
+    with pytest.raises(flexattn.InputTypeError, match="mask_plan must be a MaskPlan"):
+        fwd.execute(q, k, v, o, "plan")
+    other = flexattn.create_mask_plan(masks.causal(S - 1, batch=B), q[:, 1:], k[:, 1:], v[:, 1:])
+    with pytest.raises(flexattn.PlanBindingError, match="q has shape"):
+        fwd.execute(q, k, v, o, other)
+    with pytest.raises(flexattn.InputValueError, match="sm90_use_smem_mask_pipeline=False"):
+        FlexAttentionFwd(q, k, v, o, plan, sm90_use_smem_mask_pipeline=False)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    lse = torch.empty(B, H, S)
+    with pytest.raises(flexattn.MissingBackwardViewError, match="build_backward=True"):
+        FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan).compile()
+    with pytest.raises(flexattn.InputTypeError, match="deterministic must be a bool"):
+        FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan, deterministic=1)
