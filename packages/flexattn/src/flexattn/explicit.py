@@ -73,14 +73,6 @@ def _stream(current_stream, device: torch.device):
     return torch.cuda.stream(current_stream)
 
 
-def _require_no_workspace(workspace) -> None:
-    if workspace is not None:
-        raise InputValueError(
-            "workspace must be None: flexattn's kernels take their workspace from PyTorch's caching "
-            "allocator (workspace_size is 0)"
-        )
-
-
 def _scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -131,14 +123,22 @@ class _Explicit:
         :meth:`execute`."""
         self.check_support()
 
-    def _prepare(self, tensors: dict, mask_plan: MaskPlan):
-        """The consumer for ``tensors`` (checked against the samples) and ``mask_plan``."""
+    def _prepare(self, tensors: dict, mask_plan: MaskPlan, workspace, softmax_scale):
+        """``(consumer, geometry, scale)`` of an ``execute`` call, its tensors checked against the
+        samples and ``mask_plan``."""
         if self._consumer is None:
             raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
         for name, t in tensors.items():
             _require_like(name, t, self._samples[name])
         self._check_plan(mask_plan, tensors["q"], tensors["k"], tensors["v"])
-        return ops.checked_consumer(mask_plan, tensors["q"].device, self.training)
+        if workspace is not None:
+            raise InputValueError(
+                "workspace must be None: flexattn's kernels take their workspace from PyTorch's "
+                "caching allocator (workspace_size is 0)"
+            )
+        g = mask_plan.geometry
+        consumer = ops.checked_consumer(mask_plan, tensors["q"].device, self.training)
+        return consumer, g, _scale(softmax_scale, g.head_dim_qk)
 
 
 def _lse_shape(g) -> tuple:
@@ -208,10 +208,7 @@ class FlexAttentionFwd(_Explicit):
         tensors = dict(
             q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, lse=lse_tensor, max_logit=max_logit_tensor
         )
-        consumer = self._prepare(tensors, mask_plan)
-        _require_no_workspace(workspace)
-        g = mask_plan.geometry
-        scale = _scale(softmax_scale, g.head_dim_qk)
+        consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
         if max_logit_tensor is not None and scale < 0:
             raise InputValueError(f"max_logit_tensor needs a non-negative softmax_scale, got {scale}")
         in_place_lse = lse_tensor if g.varlen else None
@@ -290,10 +287,7 @@ class FlexAttentionBwd(_Explicit):
             q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, do=do_tensor, lse=lse_tensor,
             dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,
         )  # fmt: skip
-        consumer = self._prepare(tensors, mask_plan)
-        _require_no_workspace(workspace)
-        g = mask_plan.geometry
-        scale = _scale(softmax_scale, g.head_dim_qk)
+        consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
         dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)
         with _stream(current_stream, q_tensor.device), torch.no_grad():
             consumer.backward(
