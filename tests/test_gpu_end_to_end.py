@@ -134,12 +134,13 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-def test_explicit_api_writes_in_place():
+@pytest.mark.parametrize("d", [D, 64])
+def test_explicit_api_writes_in_place(d):
     """FlexAttentionFwd / FlexAttentionBwd on the SM90 kernels write o, lse and dq/dk/dv into the
     caller's tensors, bit for bit what flex_attn_func gives (deterministic backward)."""
     torch.manual_seed(3)
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), q, k, v, build_backward=True)
     o, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
     fwd = flexattn.FlexAttentionFwd(q, k, v, o, plan, lse)

@@ -90,13 +90,38 @@ def test_backward_matches_autograd(kind, with_dlse):
     do = torch.randn(o.shape, generator=gen)
     dlse = torch.randn(lse_shape, generator=gen) if with_dlse else None
     want = torch.autograd.grad((o, lse), leaves, (do, dlse if with_dlse else torch.zeros_like(lse)))
-    o, lse = o.detach(), lse.detach().contiguous()
+    o, lse = o.detach(), lse.detach()  # flex_attn_func's fixed-length LSE: a transposed view
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     bwd = FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv, plan, dlse, deterministic=True)
     bwd.compile()
     bwd.execute(q, k, v, o, do, lse, dq, dk, dv, plan, dlse, softmax_scale=0.2)
     for name, got, ref in zip("qkv", (dq, dk, dv), want, strict=True):
         torch.testing.assert_close(got, ref, msg=f"d{name}")
+
+
+def test_strided_inputs_and_a_strided_lse():
+    """q/k/v as BHSD transposes (what flex_attn_func takes too) and an LSE that is a transposed view
+    (written through a copy) give the same results."""
+    q, k, v = fixed(3)
+    plan = fixed_plan(q, k, v, build_backward=True)
+    qs, ks, vs = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not qs.is_contiguous()
+    lse = torch.empty(H, B, S).transpose(0, 1)
+    got = run_fwd(qs, ks, vs, plan, (B, H, S))
+    fwd = FlexAttentionFwd(qs, ks, vs, got[0], plan, lse)
+    fwd.compile()
+    fwd.execute(qs, ks, vs, got[0], plan, lse)
+    want, want_lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    assert torch.equal(got[0], want) and torch.equal(got[1], want_lse) and torch.equal(lse, want_lse)
+    do = torch.randn(want.shape).transpose(1, 2).contiguous().transpose(1, 2)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    bwd = FlexAttentionBwd(qs, ks, vs, want, do, lse, *grads, plan)
+    bwd.compile()
+    bwd.execute(qs, ks, vs, want, do, lse, *grads, plan)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flexattn.flex_attn_func(*leaves, mask_plan=plan).backward(do)
+    for got_grad, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got_grad, leaf.grad)
 
 
 def test_errors_name_what_does_not_fit():

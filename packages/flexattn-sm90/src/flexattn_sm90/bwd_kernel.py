@@ -288,7 +288,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     def _tiled_mmas(self):
         """``(sdp, dk, dv, dq)``: S^T / dP^T (tile_n x tile_m, the payload layout's warpgroup tiling),
         dK / dV (tile_n x D: A from registers with the warpgroups on K rows, or from SMEM with the
-        warpgroups on D), dQ (tile_m x D, the warpgroups split D)."""
+        warpgroups on D), dQ (tile_m x D, each warpgroup on its bwd_helpers.dq_warpgroup_tile)."""
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         dt, wg, lay = self.dtype, self.num_mma_wg, self.payload_layout
         sdp = sm90_utils.make_trivial_tiled_mma(

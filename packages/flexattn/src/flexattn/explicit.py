@@ -8,9 +8,11 @@ caller allocates every output and the object is built once from sample tensors::
 
 ``execute`` takes tensors of the samples' shapes, dtypes, strides and devices and a plan of the
 sample plan's consumer and geometry (a new plan per batch is fine), and runs the same consumer
-``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` are written by the kernels themselves;
-a fixed-length LSE (``[B, Hq, Sq]``, which is not the kernels' ``[Hq, total_q]`` order) goes
-through a copy. No autograd: this is the inference / hand-written training-loop API.
+``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` (contiguous, 16-byte aligned) are written
+by the kernels themselves; a fixed-length LSE (``[B, Hq, Sq]``, which is not the kernels'
+``[Hq, total_q]`` order) goes through a copy. Inputs (q / k / v, and o / do / lse / dlse of the
+backward) may have any strides, as ``flex_attn_func``'s. With ``current_stream`` every tensor is
+recorded on that stream. No autograd: this is the inference / hand-written training-loop API.
 
 What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
 accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0 and ``execute`` takes
@@ -51,7 +53,7 @@ def _require_like(name: str, t: torch.Tensor | None, sample) -> None:
         raise InputValueError(f"{name} does not match its sample: " + "; ".join(diffs))
 
 
-def _require_output(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
+def _require_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
@@ -59,17 +61,43 @@ def _require_output(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype
             f"{name} must be {dtype} of shape {tuple(shape)} on {device}, got {t.dtype} of shape "
             f"{tuple(t.shape)} on {t.device}"
         )
+
+
+def _require_output(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
+    """An output the kernels write in place: contiguous, and 16-byte aligned (their vector stores)."""
+    _require_tensor(name, t, shape, dtype, device)
     if not t.is_contiguous():
         raise InputValueError(f"{name} must be contiguous: the kernels write it in place")
+    if t.device.type == "cuda" and t.data_ptr() % 16:
+        raise InputValueError(f"{name} must start 16-byte aligned: the kernels write it in 16-byte pieces")
 
 
-def _stream(current_stream, device: torch.device):
+def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` if the kernels can write it directly (contiguous, 16-byte aligned), else None (copy)."""
+    if t is None or not t.is_contiguous() or t.data_ptr() % 16:
+        return None
+    return t
+
+
+def _stream(current_stream, tensors, device: torch.device):
+    """The context that runs ``execute`` on ``current_stream`` (a ``torch.cuda.Stream`` or a raw
+    ``CUstream`` handle; 0, 1 and 2 name the default streams), the caller's tensors recorded on it
+    so that freeing them right after ``execute`` is safe."""
     if current_stream is None:
         return contextlib.nullcontext()
     if device.type != "cuda":
         raise InputValueError(f"current_stream is for CUDA tensors; these are on {device}")
-    if not isinstance(current_stream, torch.cuda.Stream):  # a raw CUstream handle
-        current_stream = torch.cuda.ExternalStream(int(current_stream), device=device)
+    if not isinstance(current_stream, torch.cuda.Stream):
+        handle = int(current_stream)
+        if handle in (0, 1, 2):
+            current_stream = torch.cuda.default_stream(device)
+        else:
+            current_stream = torch.cuda.ExternalStream(handle, device)
+    if current_stream.device != device:
+        raise InputValueError(f"current_stream is on {current_stream.device} but the tensors are on {device}")
+    for t in tensors:
+        if t is not None:
+            t.record_stream(current_stream)
     return torch.cuda.stream(current_stream)
 
 
@@ -146,12 +174,15 @@ def _lse_shape(g) -> tuple:
 
 
 def _kernel_lse(lse: torch.Tensor, g) -> torch.Tensor:
-    """A caller's LSE (or dLSE) in the kernels' ``[Hq, total_q]`` order (a copy for fixed length)."""
-    return lse if g.varlen else lse.transpose(0, 1).reshape(g.num_heads_q, g.total_q)
+    """A caller's LSE (or dLSE) in the kernels' contiguous ``[Hq, total_q]`` order (a copy for fixed
+    length)."""
+    return lse.contiguous() if g.varlen else lse.transpose(0, 1).reshape(g.num_heads_q, g.total_q)
 
 
 def _thd(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1, *t.shape[-2:])
+    """The ``[total, H, D]`` form of a BSHD / THD tensor: a view of an output (contiguous), a view or
+    a copy of an input (as ``flex_attn_func`` takes them)."""
+    return t.reshape(-1, *t.shape[-2:])
 
 
 class FlexAttentionFwd(_Explicit):
@@ -186,10 +217,10 @@ class FlexAttentionFwd(_Explicit):
         g, q = plan.geometry, t["q"]
         _require_output("o", t["o"], (*q.shape[:-1], g.head_dim_v), q.dtype, q.device)
         stat = ops.stat_dtype(q.dtype)
-        if t["lse"] is not None:
-            _require_output("lse", t["lse"], _lse_shape(g), stat, q.device)
+        if t["lse"] is not None:  # written in place where it can be, else copied
+            _require_tensor("lse", t["lse"], _lse_shape(g), stat, q.device)
         if t["max_logit"] is not None:
-            _require_output("max_logit", t["max_logit"], (g.num_heads_q,), stat, q.device)
+            _require_tensor("max_logit", t["max_logit"], (g.num_heads_q,), stat, q.device)
 
     def execute(
         self,
@@ -211,14 +242,17 @@ class FlexAttentionFwd(_Explicit):
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
         if max_logit_tensor is not None and scale < 0:
             raise InputValueError(f"max_logit_tensor needs a non-negative softmax_scale, got {scale}")
-        in_place_lse = lse_tensor if g.varlen else None
-        with _stream(current_stream, q_tensor.device), torch.no_grad():
+        in_place_lse = _in_place(lse_tensor) if g.varlen else None
+        with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             res = consumer.forward(
                 mask_plan, _thd(q_tensor), _thd(k_tensor), _thd(v_tensor), softmax_scale=scale,
                 return_max_logit=max_logit_tensor is not None, out=_thd(o_tensor), lse=in_place_lse,
             )  # fmt: skip
             if lse_tensor is not None and in_place_lse is None:
-                lse_tensor.copy_(res.lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1))
+                lse = res.lse
+                if not g.varlen:
+                    lse = lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
+                lse_tensor.copy_(lse)
             if max_logit_tensor is not None:
                 max_logit_tensor.copy_(res.max_logit)
 
@@ -257,11 +291,11 @@ class FlexAttentionBwd(_Explicit):
     def _check_outputs(self, plan: MaskPlan, t: dict) -> None:
         g, q = plan.geometry, t["q"]
         out_shape = (*q.shape[:-1], g.head_dim_v)
-        for name in ("o", "do"):
-            _require_output(name, t[name], out_shape, q.dtype, q.device)
+        for name in ("o", "do"):  # inputs: any strides
+            _require_tensor(name, t[name], out_shape, q.dtype, q.device)
         for name in ("lse", "dlse"):
             if t[name] is not None or name == "lse":
-                _require_output(name, t[name], _lse_shape(g), ops.stat_dtype(q.dtype), q.device)
+                _require_tensor(name, t[name], _lse_shape(g), ops.stat_dtype(q.dtype), q.device)
         for name, like in (("dq", q), ("dk", t["k"]), ("dv", t["v"])):
             _require_output(name, t[name], like.shape, like.dtype, like.device)
 
@@ -289,7 +323,7 @@ class FlexAttentionBwd(_Explicit):
         )  # fmt: skip
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
         dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)
-        with _stream(current_stream, q_tensor.device), torch.no_grad():
+        with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             consumer.backward(
                 mask_plan, *(_thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
                 _kernel_lse(lse_tensor, g), _thd(do_tensor), dlse, softmax_scale=scale,

@@ -97,16 +97,19 @@ class Consumer(ABC):
     def forward(
         self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None
     ) -> AttentionOutputs:
-        """``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse`` (``[Hq, total_q]`` fp32), when given,
-        are contiguous tensors the results must be written into (and returned)."""
+        """``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse`` (``[Hq, total_q]``, fp32; fp64 for
+        fp64 inputs), when given, are contiguous, 16-byte aligned tensors the results must be
+        written into (and returned). ``flex_attn_func`` never passes them; the facade's explicit
+        ``FlexAttentionFwd`` always does, so a consumer must accept them."""
 
     @abstractmethod
     def backward(
         self, plan: MaskPlan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
         dq=None, dk=None, dv=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``dq`` / ``dk`` / ``dv``, when given, are contiguous tensors shaped and typed like q / k / v
-        that the gradients must be written into (and returned)."""
+        """``dq`` / ``dk`` / ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and
+        typed like q / k / v that the gradients must be written into (and returned); the facade's
+        ``FlexAttentionBwd`` always passes them."""
 
 
 def require_supported(argument: str, value: object, supported: tuple, owner: str) -> None:

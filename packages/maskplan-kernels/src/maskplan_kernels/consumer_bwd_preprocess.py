@@ -1,8 +1,8 @@
 """Backward preprocess: per-row statistics and zeroed dQ workspace, per (q head, Q block).
 
 Architecture-neutral SIMT kernel (plain loads, stores and shuffles): the SM90 and SM100 backward
-launchers both run it before their main kernel, at their backward tile's ``tile_m`` (64 on SM90,
-128 on SM100). The workspace it writes is the main kernels' contract; only the dQ accumulator's
+launchers both run it before their main kernel, at their backward tile's ``tile_m`` (64 or 128
+on SM90, 128 on SM100). The workspace it writes is the main kernels' contract; only the dQ accumulator's
 order inside a block is the consumer's own, and this kernel zeroes the block as one run.
 
 One CTA of 256 threads per (sample-local Q block ``m``, q head ``hq``, sample ``b``) of the
