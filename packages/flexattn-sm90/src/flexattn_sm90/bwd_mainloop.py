@@ -1,10 +1,10 @@
 """MMA warpgroups of the SM90 backward kernel: the per-Q-block step and the dK/dV epilogue.
 
 A mixin of :class:`flexattn_sm90.bwd_kernel.Sm90BwdKernel` (it reads the static config from
-``self``). The two warpgroups split S^T as the payload layout says: 64 x 128 tile, 64 K rows each
-(P^T and dS^T stay in registers as the A of dK / dV); 64 x 64 tile (head dims 192 / 256), 32 Q
-columns each (P^T and dS^T meet in SMEM and dK / dV split the head dim). One step (one K2Q entry,
-Q block ``m`` of head ``hq``), in issue order::
+``self``). The two warpgroups split S^T as the payload layout says: 128 x 128 and 64 x 128 tiles,
+64 K rows each (P^T and dS^T stay in registers as the A of dK / dV); 64 x 64 tile (head dims
+192 / 256), 32 Q columns each (P^T and dS^T meet in SMEM and dK / dV split the head dim). One step
+(one K2Q entry, Q block ``m`` of head ``hq``), in issue order::
 
     wait Q          S^T  = K Q^T                  (async)
     wait dO         dP^T = V dO^T                 (async; S^T done)
