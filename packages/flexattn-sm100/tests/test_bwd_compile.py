@@ -48,10 +48,12 @@ pytestmark = pytest.mark.skipif(
 #: ((Dqk, Dv), dtype, deterministic[, variant]): each head-dim pair and dtype, both modes, about 3 s
 #: each; (256, 256) is the d256 variant, in both dtypes and both modes; k2q-2cta (named) for every
 #: head-dim pair in both dtypes, each dtype in both modes
-MAIN = [((64, 64), "bfloat16", False), ((96, 96), "bfloat16", False), ((128, 128), "bfloat16", False),
+MAIN = [((32, 32), "bfloat16", False), ((32, 32), "float16", True),
+        ((64, 64), "bfloat16", False), ((96, 96), "bfloat16", False), ((128, 128), "bfloat16", False),
         ((128, 128), "float16", True), ((64, 64), "float16", True), ((192, 128), "bfloat16", False),
         ((192, 128), "float16", True), ((256, 256), "bfloat16", False), ((256, 256), "bfloat16", True),
         ((256, 256), "float16", False), ((256, 256), "float16", True),
+        ((32, 32), "bfloat16", True, "k2q-2cta"), ((32, 32), "float16", False, "k2q-2cta"),
         ((64, 64), "bfloat16", False, "k2q-2cta"), ((64, 64), "float16", True, "k2q-2cta"),
         ((96, 96), "bfloat16", True, "k2q-2cta"), ((96, 96), "float16", False, "k2q-2cta"),
         ((128, 128), "bfloat16", False, "k2q-2cta"), ((128, 128), "float16", True, "k2q-2cta"),
@@ -171,7 +173,7 @@ def test_main_kernel_compiles(case, tmp_path):
     )
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
 def test_shared_preprocess_compiles(d, with_dlse, tmp_path):
     """The architecture-neutral preprocess (maskplan_kernels.consumer_bwd_preprocess) at this
@@ -181,7 +183,9 @@ def test_shared_preprocess_compiles(d, with_dlse, tmp_path):
     assert re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)  # sm_100a: 16-byte stores as v2.b64
 
 
-@pytest.mark.parametrize("d,dtype", [(64, "bfloat16"), (128, "float16"), (256, "bfloat16"), (256, "float16")])
+@pytest.mark.parametrize(
+    "d,dtype", [(32, "bfloat16"), (64, "bfloat16"), (128, "float16"), (256, "bfloat16"), (256, "float16")]
+)
 def test_postprocess_compiles(d, dtype, tmp_path):
     ptx = _ptx("post", d, dtype, tmp_path)
     # thread t reads accumulator row t, 16 bytes at a time: a dQ row (Dqk values), or d256's dQ^T row
@@ -231,7 +235,7 @@ def test_budgets():
 
 def test_unimplemented_variants_and_head_dims_are_refused():
     assert IMPLEMENTED_VARIANTS == ("k2q-1cta", "k2q-2cta", "d256")
-    k2q = ((64, 64), (96, 96), (128, 128), (192, 128))
+    k2q = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 128))
     assert HEAD_DIMS == {"k2q-1cta": k2q, "k2q-2cta": k2q, "d256": ((256, 256),)}
     for variant, pairs in HEAD_DIMS.items():  # the default wherever the kernel fits; never k2q-2cta
         for dq, dv in pairs:
@@ -255,8 +259,8 @@ def test_unimplemented_variants_and_head_dims_are_refused():
                                       variant=BWD_VARIANTS["d256"]))  # fmt: skip
 
 
-VIEWS = [((256, 256), "d256"), ((128, 128), "k2q-1cta"), ((128, 128), "k2q-2cta"), ((192, 128), "k2q-2cta"),
-         ((256, 256), "k2q-2cta")]  # fmt: skip
+VIEWS = [((256, 256), "d256"), ((32, 32), "k2q-1cta"), ((128, 128), "k2q-1cta"), ((128, 128), "k2q-2cta"),
+         ((192, 128), "k2q-2cta"), ((256, 256), "k2q-2cta")]  # fmt: skip
 
 
 @pytest.mark.parametrize("dims,variant", VIEWS)

@@ -72,7 +72,7 @@ generic = pytest.mark.parametrize("variant", sorted(GENERIC))
 
 
 @generic
-@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("d", [32, 64, 128], ids=["d32", "d64", "d128"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_causal(variant, dtype, d, deterministic):
@@ -170,6 +170,6 @@ def test_small_for_sanitizer(variant):
 
 
 # -- k2q-2cta: a cluster of two CTAs per 256-row K block (multicast Q / dO, dQ reduced in the pair) ----
-@pytest.mark.parametrize("dims", [(96, 96), (192, 128)], ids=["d96", "d192x128"])
+@pytest.mark.parametrize("dims", [(32, 32), (96, 96), (192, 128)], ids=["d32", "d96", "d192x128"])
 def test_pair_head_dims(dims):
     PAIR.head_dims(*dims, "random")

@@ -43,7 +43,8 @@ pytestmark = [
 
 PROBE = Path(__file__).with_name("bwd_fragment_probe.py")
 #: (variant, Dqk, Dv, dtype)
-CASES = (("k2q-1cta", 128, 128, "bfloat16"), ("k2q-1cta", 96, 96, "float16"), ("d256", 256, 256, "bfloat16"),
+CASES = (("k2q-1cta", 128, 128, "bfloat16"), ("k2q-1cta", 96, 96, "float16"),
+         ("k2q-1cta", 32, 32, "bfloat16"), ("d256", 256, 256, "bfloat16"),
          ("k2q-2cta", 128, 128, "bfloat16"), ("k2q-2cta", 192, 128, "float16"))  # fmt: skip
 
 
@@ -118,7 +119,7 @@ def test_dq_accumulator_order_is_a_bijection():
     """The dQ accumulator order of a Q block (bwd_helpers.dq_accum_offset, which the main kernel
     writes and the postprocess reads) covers the stored rows x cols matrix exactly once, a 4 KB run
     per (32 rows, chunk): dQ (128 x D) or d256's dQ^T (256 x 64, rows 128 h .. of half h)."""
-    for rows, cols in ((128, 64), (128, 96), (128, 128), (128, 192), (256, 64)):
+    for rows, cols in ((128, 32), (128, 64), (128, 96), (128, 128), (128, 192), (256, 64)):
         offsets = torch.tensor([[dq_accum_offset(r, c, rows) for c in range(cols)] for r in range(rows)])
         assert torch.equal(offsets.flatten().sort().values, torch.arange(rows * cols))
         run = offsets // (32 * DQ_CHUNK)

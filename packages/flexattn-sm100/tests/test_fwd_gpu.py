@@ -68,11 +68,12 @@ def check(mask_func, q, k, v, *, varlen=None, scale=None):
 #: the cases shared with the SM90 suite (maskplan_core.testing), on this consumer's check
 CASES = ForwardCases(check, run_forward, DEV)
 DTYPES = [torch.bfloat16, torch.float16]
-DIMS = [(64, 64), (128, 128)]
+DIMS = [(32, 32), (64, 64), (128, 128)]
+DIM_IDS = [f"d{dv}" for _, dv in DIMS]
 
 
 # -- masks, fixed length --------------------------------------------------------------------------
-@pytest.mark.parametrize("dims", DIMS, ids=["d64", "d128"])
+@pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_causal(dtype, dims):
     CASES.causal(dtype, dims)
@@ -88,7 +89,7 @@ def test_document(dtype):
     CASES.document(dtype)
 
 
-@pytest.mark.parametrize("dims", DIMS, ids=["d64", "d128"])
+@pytest.mark.parametrize("dims", DIMS, ids=DIM_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_random_multi_interval_per_head(dtype, dims):
     CASES.random_multi_interval_per_head(dtype, dims)

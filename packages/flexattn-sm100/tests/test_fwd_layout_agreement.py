@@ -44,13 +44,21 @@ PROBE = Path(__file__).with_name("fwd_fragment_probe.py")
 #: (head_dim_qk, head_dim_v, dtype, variant); one probe process for all
 CASES = [
     (128, 128, "bfloat16", "qstage1-1cta"),
+    (32, 32, "bfloat16", "qstage1-1cta"),
     (128, 128, "bfloat16", "qstage1-2cta"),
     (128, 128, "bfloat16", "qstage2-1cta"),
     (256, 256, "bfloat16", "d256"),
 ]
 #: payload subtiles of each variant: CTA ranks (2CTA) or q stages (qstage2)
 SUBTILES = {"qstage1-1cta": 1, "qstage1-2cta": 2, "qstage2-1cta": 2, "d256": 1}
-IDS = [case[3] for case in CASES]
+
+
+def case_id(case) -> str:
+    """``variant-DqkxDv``: the key of the case's probe result."""
+    return f"{case[3]}-{case[0]}x{case[1]}"
+
+
+IDS = [case_id(case) for case in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,7 @@ def test_bit_tested_is_bit_assigned(case, probed):
     ranks = SUBTILES[case[3]]
     assert (layout.subtiles, layout.groups, layout.words_per_group) == (ranks, 128, 4)
     subtile, group, word, bit = layout.element_coords()
-    per_rank = torch.tensor(probed[case[3]]["s"])  # [rank, thread, register, (m, n)]
+    per_rank = torch.tensor(probed[case_id(case)]["s"])  # [rank, thread, register, (m, n)]
     assert per_rank.shape == (ranks, layout.groups, layout.elements_per_thread, 2)
     for r in range(ranks):
         m, n = per_rank[r, ..., 0], per_rank[r, ..., 1]
@@ -95,7 +103,7 @@ def test_words_read_are_the_entry_plane_of_the_cta(case, probed):
     """The words the kernel reads for (entry, rank r, thread t), packed by the layout's own packer
     from a random tile, reproduce the tile at the elements of r's registers: plane index, in-plane
     (group, word) offset and, for the SMEM ring, the stage layout agree with ``mask_block_masks``."""
-    layout, got = layout_of(case), probed[case[3]]
+    layout, got = layout_of(case), probed[case_id(case)]
     plane_words = got["plane_words"]
     assert plane_words == layout.groups * layout.words_per_group
     entries = got["entries"]
@@ -119,7 +127,7 @@ def test_words_read_are_the_entry_plane_of_the_cta(case, probed):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_packed_p_and_o_chunk_registers_are_row_ordered(case, probed):
     for key in ("p", "o"):
-        per_rank = torch.tensor(probed[case[3]][key])  # [rank, thread, registers, (row, column)]
+        per_rank = torch.tensor(probed[case_id(case)][key])  # [rank, thread, registers, (row, column)]
         for r, regs in enumerate(per_rank):
             threads, count, _ = regs.shape
             assert threads == 128

@@ -22,13 +22,14 @@ from maskplan_core.consumer import Consumer, ViewRequest
 from maskplan_core.errors import ConsumerNotFoundError, UnsupportedConfigError
 from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
 
-PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+PAIRS = [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 # dims -> (kernel_family, (tile_m, tile_n), q_stage, cta_group_size, cluster_axis, layout_id suffix,
 #          (subtiles, groups, words))
 # the defaults are the variants with a kernel (heuristics.py): forward qstage1-1cta for Dv <= 128 and
 # d256 for (256, 256), backward k2q-1cta up to (192, 128) and d256 for (256, 256)
 FORWARD = {
+    (32, 32): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (64, 64): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (96, 96): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
     (128, 128): ("sm100-fwd-qstage1-1cta-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
@@ -36,6 +37,7 @@ FORWARD = {
     (256, 256): ("sm100-fwd-d256-v1", (128, 128), 1, 1, "none", "128x128", (1, 128, 4)),
 }  # fmt: skip
 BACKWARD = {
+    (32, 32): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
     (64, 64): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
     (96, 96): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
     (128, 128): ("sm100-bwd-k2q-v1", (128, 128), 1, 1, "none", "128x128-wg2-kq", (1, 256, 2)),
@@ -147,7 +149,7 @@ def test_pack_gqa_none_and_false_resolve_to_false():
         assert Sm100Consumer().resolve(request(pack_gqa=value)).signature.topology.pack_gqa is False
 
 
-@pytest.mark.parametrize("dims", [(80, 80), (128, 64), (256, 128), (32, 32)])
+@pytest.mark.parametrize("dims", [(80, 80), (128, 64), (256, 128), (48, 48)])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_rejects_head_dims(direction, dims):
     with pytest.raises(UnsupportedConfigError, match=r"head_dim_qk, head_dim_v") as info:
@@ -207,7 +209,7 @@ def test_variant_override_and_mask_delivery():
     for name in ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta"):
         cfg = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant=name)
         assert cfg.variant is FWD_VARIANTS[name]
-    for dims in ((64, 64), (96, 96), (128, 128), (192, 128)):  # the default: the kernel that exists
+    for dims in ((32, 32), (64, 64), (96, 96), (128, 128), (192, 128)):  # the default: the kernel that exists
         cfg = select_fwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
         assert cfg.variant is FWD_VARIANTS["qstage1-1cta"]
         assert cfg.mask_smem_bytes_per_cta == 0  # 1CTA loads payloads GMEM -> registers

@@ -21,7 +21,7 @@ each visited Q block's dQ goes to an fp32 accumulator in GMEM. k2q-1cta: 14 warp
     warp 12     (MMA)             one thread issues tcgen05.mma (below)
     warp 13     (load)            TMA: K, V once; Q and dO per step; LSE2 + D per step (bulk copy)
 
-TMEM (fp32 columns), overlapped plan (Dqk + Dv <= 256: (64, 64), (96, 96), (128, 128))::
+TMEM (fp32 columns), overlapped plan (Dqk + Dv <= 256: (32, 32), (64, 64), (96, 96), (128, 128))::
 
     S^T   [0, 128)        P^T (16-bit, packed): [32, 96)  WG w's P columns lie inside its own S
                           columns [64 w, 64 w + 64), so no thread overwrites S another still reads
@@ -78,8 +78,8 @@ sequences are identical::
     K rows   0..127 | subtile 0  ->    TMEM lanes = K rows 0..127          -
     K rows 128..255 | subtile 1  ->    -                                   TMEM lanes = K rows 128..255
     TMEM columns (each CTA, as k2q-1cta): S^T [0, 128), P^T [32, 96), dP^T / dQ [128, ...), dV from 256,
-    dK after it (overlapped: 384 / 448 / 512 of 512 columns for D = 64 / 96 / 128); serial (192, 128):
-    S^T, dP^T [0, 128), dQ [0, 192), P^T [128, 192), dV [192, 320), dK [320, 512)
+    dK after it (overlapped: 320 / 384 / 448 / 512 of 512 columns for D = 32 / 64 / 96 / 128);
+    serial (192, 128): S^T, dP^T [0, 128), dQ [0, 192), P^T [128, 192), dV [192, 320), dK [320, 512)
 
 MMA issue order: each MMA warp issues k2q-1cta's sequence on its own TMEM; the two warps are coupled
 only through the shared Q / dO stages (a stage is refilled once dK_j (Q) and dV_j (dO) of BOTH ranks
@@ -117,8 +117,8 @@ initialised before a cluster-wide barrier, and the kernel ends with another, so 
 while the peer may still commit to, multicast into or st.async into its SMEM.
 
 SMEM is k2q-1cta's (the peer's chunk lands in the leader's existing run: no extra buffer) plus 8
-mbarriers (64 B): K, V + Q, dO stages + dS^T + LSE2 / D + dQ runs = 130 / 170 / 210 / 209 KB for
-D = 64 / 96 / 128 / (192, 128) (two Q stages; (192, 128) one), plus under 2 KB of barriers and
+mbarriers (64 B): K, V + Q, dO stages + dS^T + LSE2 / D + dQ runs = 90 / 130 / 170 / 210 / 209 KB for
+D = 32 / 64 / 96 / 128 / (192, 128) (two Q stages; (192, 128) one), plus under 2 KB of barriers and
 alignment, of the 227 KB.
 
 Cost: each rank still computes S^T, dP^T, dV, dK and a 128 x Dqk dQ for its rows (the same MMA work as
@@ -192,7 +192,7 @@ IMPLEMENTED_VARIANTS = ("k2q-1cta", "k2q-2cta", "d256")
 #: (head_dim_qk, head_dim_v) per variant: k2q-1cta / k2q-2cta (the same CTA, paired) with Dqk + Dv <= 256
 #: the overlapped TMEM plan, with Dqk + Dv <= 320 (192, 128) the serial one; d256 the separate one over
 #: half the head dim (docstring)
-_K2Q_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+_K2Q_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 128))
 HEAD_DIMS = {"k2q-1cta": _K2Q_HEAD_DIMS, "k2q-2cta": _K2Q_HEAD_DIMS, "d256": ((256, 256),)}
 #: Dqk + Dv up to which S^T, dP^T, dV and dK get their own TMEM columns (256 + Dv + Dqk <= 512)
 OVERLAPPED_MAX_DQK_PLUS_DV = 256

@@ -17,7 +17,7 @@ Launches, all on the current stream::
     main         (K plan rows x CTAs per row, Hkv)  dK, dV stored; dQ bulk-added in fp32  bwd_kernel.py
     postprocess  (Q blocks, Hq, B)    dQ = scale * accumulator                bwd_postprocess.py
 
-The ``k2q-1cta`` variant has a kernel for head dims 64, 96, 128 and 192/128, the ``d256`` variant
+The ``k2q-1cta`` variant has a kernel for head dims 32, 64, 96, 128 and 192/128, the ``d256`` variant
 (two CTAs per K block, each owning half of the gradients' head-dim columns) for (256, 256); each is
 the heuristics' default for its pairs. The ``k2q-2cta`` variant (same head dims; never a default)
 runs explicitly built views: the main kernel launches as clusters of 2 CTAs along grid x (grid

@@ -5,10 +5,10 @@ kernel (compiled for sm_100a, never run), so a default plan on an SM100 device c
 
 * forward ``qstage1-1cta`` (``fwd_kernel.py``) for every head-dim pair with Dv <= 128, and ``d256``
   (the same kernel with O over TMEM columns 256..511 and one K/V stage) for (256, 256);
-* backward ``k2q-1cta`` (``bwd_kernel.py``) for (64, 64), (96, 96), (128, 128) and, with its serial
-  TMEM plan (dV and dK take 320 columns; S^T, P^T, dP^T and dQ share the rest), (192, 128); ``d256``
-  (the same kernel on 64-row Q blocks with the head dim of dV, dK and dQ split over two CTAs per K
-  block, each recomputing S^T and dP^T: 1.4x the MMA work) for (256, 256).
+* backward ``k2q-1cta`` (``bwd_kernel.py``) for (32, 32), (64, 64), (96, 96), (128, 128) and, with its
+  serial TMEM plan (dV and dK take 320 columns; S^T, P^T, dP^T and dQ share the rest), (192, 128);
+  ``d256`` (the same kernel on 64-row Q blocks with the head dim of dV, dK and dQ split over two CTAs
+  per K block, each recomputing S^T and dP^T: 1.4x the MMA work) for (256, 256).
 
 The forward ``qstage1-2cta`` variant (the spec's generic one: a CTA pair, cta_group::2 MMAs, SMEM
 payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kernels too
@@ -25,6 +25,7 @@ variant whose head dims have no kernel, ``bwd_launch.run_backward`` a k2q-2cta v
 ==============  =============================================  ==========================================
 (Dqk, Dv)       forward default (plan block, payload)          backward default (Q x K block, payload)
 ==============  =============================================  ==========================================
+(32, 32)        qstage1-1cta  (128x128, 1 x 128 x 4 words)     k2q-1cta  (128x128, 1 x 256 x 2 words)
 (64, 64)        qstage1-1cta  (128x128, 1 x 128 x 4 words)     k2q-1cta  (128x128, 1 x 256 x 2 words)
 (96, 96)        qstage1-1cta                                   k2q-1cta
 (128, 128)      qstage1-1cta                                   k2q-1cta
@@ -43,10 +44,13 @@ from maskplan_core.errors import UnsupportedConfigError
 
 from .config import BWD_VARIANTS, FWD_VARIANTS, Sm100BwdConfig, Sm100FwdConfig
 
-SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = (
+    (32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)
+)  # fmt: skip
 SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 _FWD_DEFAULT = {
+    (32, 32): "qstage1-1cta",
     (64, 64): "qstage1-1cta",
     (96, 96): "qstage1-1cta",
     (128, 128): "qstage1-1cta",
@@ -54,6 +58,7 @@ _FWD_DEFAULT = {
     (256, 256): "d256",
 }
 _BWD_DEFAULT = {
+    (32, 32): "k2q-1cta",
     (64, 64): "k2q-1cta",
     (96, 96): "k2q-1cta",
     (128, 128): "k2q-1cta",
