@@ -1,13 +1,14 @@
-"""SM90 and SM100 views of the same problem are different ABIs: their signatures must say where."""
+"""SM90 and SM100 views of the same problem are different ABIs: their signatures must say where.
+Cross-package (both consumers), so it runs in the integration session, where every package is
+installed (in the sm100 session it had skipped itself, and went stale unseen)."""
 
 from __future__ import annotations
 
 import pytest
 
+import flexattn_sm90 as sm90
 from flexattn_sm100 import Sm100Consumer
 from maskplan_core.consumer import ViewRequest
-
-sm90 = pytest.importorskip("flexattn_sm90")
 
 PAIRS = [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 ALWAYS_DIFFERENT = {"arch_family", "kernel_family", "mma_layout", "payload.layout_id"}
