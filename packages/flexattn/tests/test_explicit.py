@@ -65,10 +65,9 @@ def test_forward_varlen_and_a_new_plan_per_call():
     plans = [flexattn.create_mask_plan(mask, q, k, v, **args) for _ in range(2)]
     o, lse = torch.empty(CU[-1], H, DV), torch.empty(H, CU[-1])
     fwd = FlexAttentionFwd(q, k, v, o, plans[0], lse)
-    fwd.compile()
-    for plan in plans:
+    for plan in plans:  # calling the object compiles it first, then executes
         o.zero_(), lse.zero_()
-        fwd.execute(q, k, v, o, plan, lse)
+        fwd(q, k, v, o, plan, lse)
         want, want_lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
         assert torch.equal(o, want) and torch.equal(lse, want_lse)
 
@@ -142,8 +141,9 @@ def test_errors_name_what_does_not_fit():
         fwd.execute(q[:, :40], k, v, o, plan)
     with pytest.raises(flexattn.InputValueError, match="lse: a sample was not given"):
         fwd.execute(q, k, v, o, plan, torch.empty(B, H, S))
-    with pytest.raises(flexattn.InputValueError, match="workspace must be None"):
-        fwd.execute(q, k, v, o, plan, workspace=torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(flexattn.InputTypeError, match="workspace must be None or a torch.Tensor"):
+        fwd.execute(q, k, v, o, plan, workspace=16)
+    fwd.execute(q, k, v, o, plan, workspace=torch.empty(fwd.workspace_size, dtype=torch.uint8))  # cuDNN style
     with pytest.raises(flexattn.InputValueError, match="current_stream is for CUDA tensors"):
         fwd.execute(q, k, v, o, plan, current_stream=0)
     with pytest.raises(flexattn.InputTypeError, match="mask_plan must be a MaskPlan"):

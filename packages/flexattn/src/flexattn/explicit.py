@@ -15,8 +15,9 @@ backward) may have any strides, as ``flex_attn_func``'s. With ``current_stream``
 recorded on that stream. No autograd: this is the inference / hand-written training-loop API.
 
 What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
-accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0 and ``execute`` takes
-``workspace=None``; ``compile()`` checks and resolves, and the kernels are compiled (or loaded from
+accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0: ``execute`` takes
+``workspace=None`` or cuDNN-style code's ``workspace_size``-byte tensor, which it does not use;
+``compile()`` checks and resolves, and the kernels are compiled (or loaded from
 the disk cache) by the first ``execute``; ``sm90_use_smem_mask_pipeline=False`` is refused (it is a
 benchmarking switch of ``flexattn_sm90.fwd_launch.run_forward``).
 """
@@ -151,6 +152,12 @@ class _Explicit:
         :meth:`execute`."""
         self.check_support()
 
+    def __call__(self, *args, **kwargs) -> None:
+        """:meth:`compile` if not done yet, then ``execute(*args, **kwargs)`` (as cuDNN's)."""
+        if self._consumer is None:
+            self.compile()
+        self.execute(*args, **kwargs)
+
     def _prepare(self, tensors: dict, mask_plan: MaskPlan, workspace, softmax_scale):
         """``(consumer, geometry, scale)`` of an ``execute`` call, its tensors checked against the
         samples and ``mask_plan``."""
@@ -159,10 +166,11 @@ class _Explicit:
         for name, t in tensors.items():
             _require_like(name, t, self._samples[name])
         self._check_plan(mask_plan, tensors["q"], tensors["k"], tensors["v"])
-        if workspace is not None:
-            raise InputValueError(
-                "workspace must be None: flexattn's kernels take their workspace from PyTorch's "
-                "caching allocator (workspace_size is 0)"
+        if workspace is not None and not isinstance(workspace, torch.Tensor):
+            raise InputTypeError(
+                f"workspace must be None or a torch.Tensor (of workspace_size = 0 bytes or more: "
+                f"flexattn's kernels take theirs from PyTorch's caching allocator), got "
+                f"{type(workspace).__name__}"
             )
         g = mask_plan.geometry
         consumer = ops.checked_consumer(mask_plan, tensors["q"].device, self.training)
