@@ -17,9 +17,9 @@ recorded on that stream. No autograd: this is the inference / hand-written train
 What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
 accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0: ``execute`` takes
 ``workspace=None`` or cuDNN-style code's ``workspace_size``-byte tensor, which it does not use;
-``compile()`` checks and resolves, and the kernels are compiled (or loaded from
-the disk cache) by the first ``execute``; ``sm90_use_smem_mask_pipeline=False`` is refused (it is a
-benchmarking switch of ``flexattn_sm90.fwd_launch.run_forward``).
+``compile()`` checks and resolves, and the kernels are compiled (or loaded from the disk cache) by
+the first ``execute``; ``sm90_use_smem_mask_pipeline=False`` is refused (it is a benchmarking
+switch of ``flexattn_sm90.fwd_launch.run_forward``).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class _Explicit:
             self._check_plan(self._plan, t["q"], t["k"], t["v"])
             self._check_outputs(self._plan, t)
             self._consumer = ops.checked_consumer(self._plan, t["q"].device, self.training)
-            self._tensors = None  # the samples are not kept alive
+            self._tensors = self._plan = None  # the samples are not kept alive
         return True
 
     def compile(self) -> None:
