@@ -1,0 +1,64 @@
+"""A package's test that needs another local package skips itself in that package's CI session
+(which installs the package and its dependencies only), so CI must run it elsewhere: every such
+test (a ``pytest.importorskip`` of another local package) is in the noxfile's
+``CROSS_PACKAGE_TESTS``, which the integration session runs with every package installed. GPU test
+files are exempt: they run on the GPU machine, where every package is installed."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cross_package_tests() -> set[str]:
+    """``path::function`` of the package tests that import-or-skip another local package."""
+    own = {
+        pkg: {p.parent.name for p in (pkg / "src").glob("*/__init__.py")}
+        for pkg in (ROOT / "packages").iterdir()
+    }
+    local = set().union(*own.values())
+    found = set()
+    for pkg, modules in own.items():
+        for path in sorted((pkg / "tests").glob("test_*.py")):
+            if path.stem.endswith("_gpu"):
+                continue
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.FunctionDef):
+                    continue
+                for call in ast.walk(node):
+                    if (
+                        isinstance(call, ast.Call)
+                        and isinstance(call.func, ast.Attribute)
+                        and call.func.attr == "importorskip"
+                        and call.args
+                        and isinstance(call.args[0], ast.Constant)
+                    ):
+                        top = call.args[0].value.split(".")[0]
+                        if top in local and top not in modules:
+                            found.add(f"{path.relative_to(ROOT)}::{node.name}")
+            module_level = re.search(r"^\w+ = pytest\.importorskip\(\"(\w+)", path.read_text(), re.M)
+            if module_level and module_level.group(1) in local - modules:
+                found.add(str(path.relative_to(ROOT)))
+    return found
+
+
+def _listed() -> set[str]:
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "CROSS_PACKAGE_TESTS" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("noxfile.py lost CROSS_PACKAGE_TESTS")
+
+
+def test_every_cross_package_test_runs_in_ci():
+    found, listed = _cross_package_tests(), _listed()
+    assert found, "the scan found no cross-package test at all: it is broken"
+    assert found <= listed, f"not run by any CI session: {sorted(found - listed)}"
+    stale = sorted(listed - found)
+    assert not stale, f"CROSS_PACKAGE_TESTS names tests that are not cross-package: {stale}"
