@@ -30,13 +30,35 @@ def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -
     ):
         if type(value) is not bool:
             raise InputTypeError(f"{name} must be a bool, got {type(value).__name__}")
+    check_scale(softmax_scale, "return_max_logit" if return_max_logit else None)
+
+
+def check_scale(softmax_scale, max_logit_arg: str | None = None) -> None:
+    """``softmax_scale`` is None or a finite float, non-negative where the call returns the max
+    logit (``max_logit_arg`` names the argument that asks for it)."""
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
         if not math.isfinite(softmax_scale):
             raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
-        if return_max_logit and softmax_scale < 0:
-            raise InputValueError(f"return_max_logit needs a non-negative softmax_scale, got {softmax_scale}")
+        if max_logit_arg is not None and softmax_scale < 0:
+            raise InputValueError(f"{max_logit_arg} needs a non-negative softmax_scale, got {softmax_scale}")
+
+
+def resolve_scale(softmax_scale, g) -> float:
+    """A checked ``softmax_scale``, or ``1 / sqrt(head_dim_qk)`` of the plan's geometry ``g``."""
+    return 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
+
+
+def thd(t: torch.Tensor) -> torch.Tensor:
+    """The ``[total, H, D]`` form of a BSHD / THD tensor: a view where the strides allow, else a copy."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def caller_lse(lse: torch.Tensor, g) -> torch.Tensor:
+    """The kernels' ``[Hq, total_q]`` LSE in the caller's layout: ``[B, Hq, Sq]`` (a view) for fixed
+    length, itself for varlen."""
+    return lse if g.varlen else lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
 
 
 def flex_attn_func(
@@ -71,14 +93,13 @@ def flex_attn_func(
             "q/k/v require grad but the plan has no backward view; rebuild it with "
             "create_mask_plan(..., build_backward=True), or call under torch.no_grad()"
         )
-    scale = 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
-    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    scale = resolve_scale(softmax_scale, g)
     out, lse, max_logit = ops.attention(
-        q3, k3, v3, mask_plan, scale, training, deterministic, return_max_logit
+        thd(q), thd(k), thd(v), mask_plan, scale, training, deterministic, return_max_logit
     )
     if not g.varlen:
         out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
-        lse = lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
+    lse = caller_lse(lse, g)
     max_logit = max_logit.detach()  # a statistic, not differentiable
     results = (out,) + ((lse,) if return_lse else ()) + ((max_logit,) if return_max_logit else ())
     return results[0] if len(results) == 1 else results

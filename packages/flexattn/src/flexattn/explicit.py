@@ -25,13 +25,13 @@ switch of ``flexattn_sm90.fwd_launch.run_forward``).
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
 from maskplan_core import InputTypeError, InputValueError, MaskPlan, MissingBackwardViewError
 
 from . import ops
+from .attention import caller_lse, check_scale, resolve_scale, thd
 
 
 def _descriptor(t: torch.Tensor | None):
@@ -102,16 +102,6 @@ def _stream(current_stream, tensors, device: torch.device):
     return torch.cuda.stream(current_stream)
 
 
-def _scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return float(softmax_scale)
-
-
 class _Explicit:
     """What both directions share: the sample descriptors, the plan checks, the call stages."""
 
@@ -158,9 +148,9 @@ class _Explicit:
             self.compile()
         self.execute(*args, **kwargs)
 
-    def _prepare(self, tensors: dict, mask_plan: MaskPlan, workspace, softmax_scale):
+    def _prepare(self, tensors: dict, mask_plan: MaskPlan, workspace, softmax_scale, max_logit_arg=None):
         """``(consumer, geometry, scale)`` of an ``execute`` call, its tensors checked against the
-        samples and ``mask_plan``."""
+        samples and ``mask_plan`` (``max_logit_arg``: as :func:`flexattn.attention.check_scale`)."""
         if self._consumer is None:
             raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
         for name, t in tensors.items():
@@ -172,9 +162,10 @@ class _Explicit:
                 f"flexattn's kernels take theirs from PyTorch's caching allocator), got "
                 f"{type(workspace).__name__}"
             )
+        check_scale(softmax_scale, max_logit_arg)
         g = mask_plan.geometry
         consumer = ops.checked_consumer(mask_plan, tensors["q"].device, self.training)
-        return consumer, g, _scale(softmax_scale, g.head_dim_qk)
+        return consumer, g, resolve_scale(softmax_scale, g)
 
 
 def _lse_shape(g) -> tuple:
@@ -183,14 +174,8 @@ def _lse_shape(g) -> tuple:
 
 def _kernel_lse(lse: torch.Tensor, g) -> torch.Tensor:
     """A caller's LSE (or dLSE) in the kernels' contiguous ``[Hq, total_q]`` order (a copy for fixed
-    length)."""
+    length): the inverse of :func:`flexattn.attention.caller_lse`."""
     return lse.contiguous() if g.varlen else lse.transpose(0, 1).reshape(g.num_heads_q, g.total_q)
-
-
-def _thd(t: torch.Tensor) -> torch.Tensor:
-    """The ``[total, H, D]`` form of a BSHD / THD tensor: a view of an output (contiguous), a view or
-    a copy of an input (as ``flex_attn_func`` takes them)."""
-    return t.reshape(-1, *t.shape[-2:])
 
 
 class FlexAttentionFwd(_Explicit):
@@ -247,20 +232,16 @@ class FlexAttentionFwd(_Explicit):
         tensors = dict(
             q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, lse=lse_tensor, max_logit=max_logit_tensor
         )
-        consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
-        if max_logit_tensor is not None and scale < 0:
-            raise InputValueError(f"max_logit_tensor needs a non-negative softmax_scale, got {scale}")
+        max_logit_arg = None if max_logit_tensor is None else "max_logit_tensor"
+        consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale, max_logit_arg)
         in_place_lse = _in_place(lse_tensor) if g.varlen else None
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             res = consumer.forward(
-                mask_plan, _thd(q_tensor), _thd(k_tensor), _thd(v_tensor), softmax_scale=scale,
-                return_max_logit=max_logit_tensor is not None, out=_thd(o_tensor), lse=in_place_lse,
+                mask_plan, thd(q_tensor), thd(k_tensor), thd(v_tensor), softmax_scale=scale,
+                return_max_logit=max_logit_tensor is not None, out=thd(o_tensor), lse=in_place_lse,
             )  # fmt: skip
             if lse_tensor is not None and in_place_lse is None:
-                lse = res.lse
-                if not g.varlen:
-                    lse = lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
-                lse_tensor.copy_(lse)
+                lse_tensor.copy_(caller_lse(res.lse, g))
             if max_logit_tensor is not None:
                 max_logit_tensor.copy_(res.max_logit)
 
@@ -333,8 +314,8 @@ class FlexAttentionBwd(_Explicit):
         dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             consumer.backward(
-                mask_plan, *(_thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
-                _kernel_lse(lse_tensor, g), _thd(do_tensor), dlse, softmax_scale=scale,
+                mask_plan, *(thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
+                _kernel_lse(lse_tensor, g), thd(do_tensor), dlse, softmax_scale=scale,
                 deterministic=self.deterministic,
-                dq=_thd(dq_tensor), dk=_thd(dk_tensor), dv=_thd(dv_tensor),
+                dq=thd(dq_tensor), dk=thd(dk_tensor), dv=thd(dv_tensor),
             )  # fmt: skip
