@@ -20,7 +20,13 @@ from maskplan_kernels.consumer_plan import (
     sample_q,
 )
 
-from .bwd_helpers import dq_chunk_layout, make_dq_tiled_mma, stage_result, store_result_rows
+from .bwd_helpers import (
+    dq_chunk_layout,
+    dq_warpgroup_tile,
+    make_dq_tiled_mma,
+    stage_result,
+    store_result_rows,
+)
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -33,7 +39,8 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
         self.head_dim, self.tile_m = head_dim, tile_m
         self.num_wg = num_warpgroups
         self.num_threads = 128 * num_warpgroups
-        self.dq_chunk = tile_m * head_dim // num_warpgroups
+        rows, cols = dq_warpgroup_tile(tile_m, head_dim, num_warpgroups)
+        self.dq_chunk = rows * cols  # one warpgroup's chunk, as the main kernel writes it
         self.dq_elements = self.dq_chunk // 128
 
     def kernel_operands(self) -> tuple:
