@@ -157,3 +157,53 @@ def test_explicit_api_writes_in_place(d):
     bwd.execute(q, k, v, o, do, lse, dq, dk, dv, plan)
     for name, got, leaf in zip("qkv", (dq, dk, dv), leaves, strict=True):
         assert torch.equal(got, leaf.grad), f"d{name}"
+
+
+def _packed_batch(lens: list[int], varlen: bool):
+    """q/k/v and causal document endpoints of one batch of ``lens`` (documents of one sequence
+    when fixed, samples when varlen), with the create_mask_plan arguments for it."""
+    total = sum(lens)
+    if varlen:
+        local = torch.cat([torch.arange(n) for n in lens])
+        endpoints = (local + 1).reshape(1, 1, total).to(device="cuda", dtype=torch.int32)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+        shape = (total,)
+    else:
+        endpoints, args, shape = masks.document([lens], causal=True, device="cuda"), {}, (1, total)
+    q = torch.randn(*shape, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(*shape, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
+    )
+    return endpoints, (q, k, v), args
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_a_new_plan_trains_without_waiting_for_the_device(varlen, deterministic):
+    """A team builds a plan per batch. Once the kernels are compiled, forward and backward with a
+    new plan (other documents, other lengths) never wait for the device: torch's sync debug mode
+    raises on any synchronising call. Only create_mask_plan reads sizes back."""
+    torch.manual_seed(4)
+
+    def step(lens):
+        endpoints, qkv, args = _packed_batch(lens, varlen)
+        plan = flexattn.create_mask_plan(endpoints, *qkv, **args)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = flexattn.flex_attn_func(*qkv, mask_plan=plan, deterministic=deterministic)
+            out.backward(torch.ones_like(out))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return [t.grad for t in qkv]
+
+    with pytest.raises(RuntimeError, match="synchroniz"):  # the check itself is live
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            torch.zeros(1, device="cuda").item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    step([700, 300, 1000])  # compiles
+    grads = step([130, 900, 1, 969] if varlen else [130, 900, 970])
+    assert all(not g.isnan().any() for g in grads)

@@ -14,6 +14,7 @@ from maskplan_kernels.consumer_launch import (  # noqa: E402
     INT32_LIMIT,
     bwd_view_args,
     fwd_view_args,
+    q_block_bounds,
     require_int32_offsets,
 )
 
@@ -62,3 +63,38 @@ def test_launch_arguments_carry_the_descriptor_only_for_varlen(varlen):
         assert ("sequence_desc" in view.tensors) == varlen
         expected = view.tensors["sequence_desc"] if varlen else torch.zeros(1, 8, dtype=torch.int32)
         assert torch.equal(passed, expected), role
+
+
+@pytest.mark.parametrize(
+    "q_lens,max_q,varlen",
+    [
+        ([70, 70], None, False),  # fixed: exact
+        ([70, 0, 5, 129], None, True),  # an empty sample, a one-row sample, one just past a block
+        ([40, 1, 1, 1, 1], None, True),  # short samples: the token bound is the tighter one
+        ([64, 64, 64], 200, True),  # max_seqlen_q above every length: still an upper bound
+    ],
+)
+def test_backward_q_block_bounds_cover_every_sample_without_reading_the_plan(q_lens, max_q, varlen):
+    """The backward's workspace and pre/postprocess grid come from host geometry alone (no device
+    read per new plan): at least the view's own Q blocks, exact for fixed length."""
+    k_lens = [90] * len(q_lens)
+    g = make_geometry(q_lens, k_lens, hq=2, hkv=1, hmask=1, nfunc=1, varlen=varlen, max_q=max_q)
+    bwd = view_config(row_major(16, 32), "backward")
+    plan = build_plan(
+        make_mask(q_lens, k_lens, 1, 1, seed=5), g, view_config(row_major(32, 16), "forward"), bwd, "t"
+    )
+    view = plan.view("backward")
+    q_blocks = view.sequence_desc()[:, 6].to(torch.int64)
+    n_qblk, max_q_blocks = q_block_bounds(g, view.block_size[0])
+    args = bwd_view_args(view, torch.device("cpu"))
+    assert (args.n_qblk, args.max_q_blocks) == (n_qblk, max_q_blocks)
+    assert n_qblk >= int(q_blocks.sum()) and max_q_blocks >= int(q_blocks.max())
+    if not varlen:
+        assert (n_qblk, max_q_blocks) == (int(q_blocks.sum()), int(q_blocks.max()))
+    if q_lens[1:] == [1] * 4:
+        assert n_qblk == 7 < 5 * max_q_blocks  # 3 + 4 x 1 blocks, not 5 x 3
+    begin = args.tensors[11].to(torch.int64)
+    assert torch.equal(begin, torch.cumsum(q_blocks, 0) - q_blocks)  # exact, from the device table
+    assert torch.equal(
+        args.tensors[10], torch.repeat_interleave(torch.arange(len(q_lens)), view.sequence_desc()[:, 5]).int()
+    )

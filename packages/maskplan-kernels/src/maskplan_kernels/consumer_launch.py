@@ -350,15 +350,17 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
     """The backward view's tensors on ``device`` as kernel arguments
     (:class:`maskplan_kernels.consumer_plan.BwdPlanTensors` order), plus the sample of every K plan
     row and the first padded Q block of every sample."""
-    t = view.tensors
+    t, g = view.tensors, view.geometry
+    cnt = t["mask_block_cnt"]
     desc = view.sequence_desc().to(device=device, dtype=torch.int64)
     batch = desc.shape[0]
     # the sample of every K plan row; the first global (padded) Q block of every sample
-    k_row_batch = torch.repeat_interleave(torch.arange(batch, device=device), desc[:, 5])
+    k_row_batch = torch.repeat_interleave(
+        torch.arange(batch, device=device), desc[:, 5], output_size=cnt.shape[1]
+    )
     q_blocks = desc[:, 6]
     q_block_begin = torch.cumsum(q_blocks, 0) - q_blocks
-    n_qblk, max_q_blocks = (int(x) for x in torch.stack([q_blocks.sum(), q_blocks.max()]).tolist())
-    cnt = t["mask_block_cnt"]
+    n_qblk, max_q_blocks = q_block_bounds(g, view.block_size[0])
     tensors = (
         int32_tensor(cnt, device, (1, 1)),
         int32_tensor(t["mask_block_offset"], device, (1, 1)),
@@ -385,6 +387,21 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         max_q_blocks=max_q_blocks,
         varlen=int(view.geometry.varlen),
     )
+
+
+def q_block_bounds(g, tile_m: int) -> tuple[int, int]:
+    """Host-side bounds of a backward view's Q blocks, so a launch never reads the device:
+    ``(n_qblk, max_q_blocks)`` = (workspace Q blocks of all samples >= the sum of their
+    ``ceil(q_len / tile_m)``, Q blocks of the longest sample, the pre/postprocess grid). Exact for
+    fixed length; for varlen the sum of ceilings is at most ``(total_q + B (tile_m - 1)) // tile_m``
+    and ``B ceil(max_seqlen_q / tile_m)`` (the planner checked every ``q_len <= max_seqlen_q``).
+    Blocks past a sample's own are workspace nobody reads: the pre/postprocess exit past
+    ``q_len``, and the main kernel indexes from the exact ``q_block_begin``."""
+    max_q_blocks = -(-g.max_seqlen_q // tile_m)
+    n_qblk = g.batch * max_q_blocks
+    if g.varlen:
+        n_qblk = min(n_qblk, (g.total_q + g.batch * (tile_m - 1)) // tile_m)
+    return n_qblk, max_q_blocks
 
 
 #: deterministic mode puts the K plan rows on grid y (heads-major grid)
