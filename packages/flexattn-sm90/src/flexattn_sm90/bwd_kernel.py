@@ -58,6 +58,18 @@ mode also launches the CTAs kv heads first, so the resident ones form many short
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
 order takes ``DENSE_HEAD_GROUP`` kv heads at a time (:meth:`Sm90BwdKernel.launch_head_group`).
+
+Launch order (one grid dimension, ``Hkv x K rows`` CTAs, ``consumer_plan.grouped_launch_slot``)::
+
+    ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
+
+Atomic mode takes ``ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time (K rows first) left
+a tail: on causal masks a sample's longest K rows come first, so the last head's second sample
+started its longest CTAs in the last waves (a list-scheduling model of 132 SMs: 5.6% past the
+ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at a time fill the
+waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs still share few
+heads' Q and dO in L2; all heads at a time spread them over every head and lost more in L2 than it
+gained (benchmarks/RESULTS.md, session 18).
 """
 
 import cuda.bindings.driver as cuda
@@ -111,6 +123,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
     #: kv heads the deterministic launch order takes at a time on dense K2Q rows (launch_head_group)
     DENSE_HEAD_GROUP = 4
+    #: kv heads the atomic launch order takes at a time (module docstring)
+    ATOMIC_HEAD_GROUP = 2
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -256,7 +270,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             softmax_scale * Float32(LOG2_E), softmax_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, mmas,
         ).launch(
-            grid=self.grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
+            grid=[cute.size(plan.k_row_batch) * cute.size(mK, mode=[1]), 1, 1],  # decode_work's order
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -281,10 +295,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         if dense_k2q_rows(entries, k_rows, q_blocks):
             group = Int32(self.DENSE_HEAD_GROUP)
         return group
-
-    def grid(self, k_rows, kv_heads) -> list:
-        """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring)."""
-        return [kv_heads, k_rows, 1] if self.deterministic else [k_rows, kv_heads, 1]
 
     def _tiled_mmas(self):
         """``(sdp, dk, dv, dq)``: S^T / dP^T (tile_n x tile_m, the payload layout's warpgroup tiling),
@@ -392,10 +402,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
         }
         kv_heads = mK.shape[2]
-        group = None
+        group = Int32(self.ATOMIC_HEAD_GROUP)
         if const_expr(self.deterministic):
             group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
-        work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, self.deterministic, head_group=group)
+        work = decode_work(
+            plan, mQ.shape[2] // kv_heads, self.tile_n, False, head_group=group, kv_heads=kv_heads
+        )
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

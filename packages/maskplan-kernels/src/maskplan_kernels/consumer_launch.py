@@ -404,7 +404,7 @@ def q_block_bounds(g, tile_m: int) -> tuple[int, int]:
     return n_qblk, max_q_blocks
 
 
-#: deterministic mode puts the K plan rows on grid y (heads-major grid)
+#: a consumer whose deterministic grid is heads-major puts the K plan rows on grid y
 MAX_GRID_Y = 65535
 
 
@@ -436,11 +436,12 @@ class BackwardIO(NamedTuple):
 
 
 def backward_io(
-    view: PlanView, q, k, v, out, lse, dout, dlse, *, deterministic: bool, dq=None, dk=None, dv=None
+    view: PlanView, q, k, v, out, lse, dout, dlse, *, rows_on_grid_y: bool, dq=None, dk=None, dv=None
 ) -> BackwardIO:
     """Check a backward call's tensors against the view (:func:`check_inputs`, :func:`output`),
     allocate the gradients that were not given, align and convert the inputs. When nothing is
-    visible the gradients are zeroed and returned as they are (``nothing_visible``)."""
+    visible the gradients are zeroed and returned as they are (``nothing_visible``).
+    ``rows_on_grid_y``: the main kernel's grid puts the K plan rows on y (:data:`MAX_GRID_Y`)."""
     check_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
     g = view.geometry
     device = q.device
@@ -457,7 +458,7 @@ def backward_io(
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    if deterministic and prep.k_rows > MAX_GRID_Y:
+    if rows_on_grid_y and prep.k_rows > MAX_GRID_Y:
         raise UnsupportedConfigError(
             f"deterministic=True puts the {prep.k_rows} K blocks of this plan on grid y (at most "
             f"{MAX_GRID_Y}); split the batch or use deterministic=False"
@@ -520,6 +521,8 @@ class BackwardCompiler:
     #: the backward config a view was planned for (raising for views the consumer cannot run)
     config_for_view: Callable[[PlanView], Any]
     post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
+    #: the deterministic main kernel's grid puts the K plan rows on grid y (at most MAX_GRID_Y)
+    deterministic_rows_on_grid_y: bool = True
 
     def kernel_keys(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
         """Compile keys of the three kernels."""
@@ -575,8 +578,9 @@ class BackwardCompiler:
         shapes and q's dtype) to be written in place; every element of them is written.
         """
         config = self.config_for_view(view)
+        rows_on_grid_y = deterministic and self.deterministic_rows_on_grid_y
         io = backward_io(
-            view, q, k, v, out, lse, dout, dlse, deterministic=deterministic, dq=dq, dk=dk, dv=dv
+            view, q, k, v, out, lse, dout, dlse, rows_on_grid_y=rows_on_grid_y, dq=dq, dk=dk, dv=dv
         )
         if not io.nothing_visible:
             with_dlse = io.dlse is not None

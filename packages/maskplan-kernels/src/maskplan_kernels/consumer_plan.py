@@ -674,18 +674,19 @@ def decode_work(
     heads_major: cutlass.Constexpr[bool],
     splits: cutlass.Constexpr[int] = 1,
     head_group: Int32 | None = None,
+    kv_heads: Int32 | None = None,
 ) -> Work:
     """The CTA's K block from its block index: grid ``(splits * K rows, Hkv)``, or ``(splits * Hkv,
     K rows)`` with ``heads_major`` (deterministic mode, so the writers of a Q block run in
     ``dq_write_order``). The ``splits`` CTAs of one K block (a kernel splitting its outputs' head dim)
-    are adjacent in grid x, so they launch together. ``head_group`` (heads-major, no splits): the
-    launch order takes that many kv heads at a time (:func:`grouped_launch_slot`)."""
+    are adjacent in grid x, so they launch together. ``head_group`` (no splits; ``heads_major`` is
+    then unused): a 1-D grid of ``kv_heads * K rows`` CTAs whose launch order takes that many kv
+    heads at a time (:func:`grouped_launch_slot`); grid x holds up to 2^31 - 1 CTAs, grid y 65535."""
     x, y, _ = cute.arch.block_idx()
     row, kv_head = (y, x // splits) if const_expr(heads_major) else (x // splits, y)
     if const_expr(head_group is not None):
-        assert heads_major and splits == 1
-        kv_heads, k_rows, _ = cute.arch.grid_dim()
-        row, kv_head = grouped_launch_slot(x + kv_heads * y, kv_heads, k_rows, head_group)
+        assert splits == 1 and kv_heads is not None
+        row, kv_head = grouped_launch_slot(x, kv_heads, cute.size(plan.k_row_batch), head_group)
     b = plan.k_row_batch[row]
     n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
     k_len = desc_field(plan.sequence_desc, b, DESC_K_LEN)
