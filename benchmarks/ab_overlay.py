@@ -13,7 +13,8 @@ not favour one variant. The packages must be installed editable (as the GPU proc
 the replaced sources are what Python imports.
 
 Printed: each run's output under ``== NAME round R``, then every table row of the benchmark
-(``bench_fwd_sm90.py``'s final table: S, mask, system, TFLOP/s) per variant and round, side by side.
+(``bench_fwd_sm90.py``'s final table: S, mask, system, TFLOP/s; ``system@device`` rows hold its
+device-only TFLOP/s) per variant and round, side by side.
 Differences of a few percent between rounds are the machine's noise; compare the rounds.
 """
 
@@ -30,9 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: a row of bench_fwd_sm90.py's final table: "  8192 causal         flexattn        562.6     1.00x"
-#: (the ratio is "-" where flexattn itself did not run, e.g. ``--systems flexattn-det``)
-TABLE_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+(?:[\d.]+x|-)\s*$")
+#: a row of bench_fwd_sm90.py's final table: "  8192 causal  flexattn  562.6  1.00x  590.1  1.02x  0.407"
+#: (queued TFLOP/s and ratio, then device TFLOP/s, its ratio and host ms; older tables end after
+#: the first ratio; a ratio is "-" where flexattn itself did not run, e.g. ``--systems flexattn-det``)
+TABLE_ROW = re.compile(
+    r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+(?:[\d.]+x|-)(?:\s+([\d.]+)\s+(?:[\d.]+x|-)\s+[\d.]+)?\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -97,12 +101,15 @@ def schedule(variants: list[Variant], rounds: int) -> list[tuple[int, Variant]]:
 
 
 def table_rows(output: str) -> dict[tuple[str, str, str], float]:
-    """``(S, mask, system) -> TFLOP/s`` of the benchmark's final table in ``output``."""
+    """``(S, mask, system) -> TFLOP/s`` of the benchmark's final table in ``output``; where the
+    table has device timings, also ``(S, mask, system + "@device")`` -> device TFLOP/s."""
     rows = {}
     for line in output.splitlines():
         m = TABLE_ROW.match(line)
         if m:
             rows[m.group(1), m.group(2), m.group(3)] = float(m.group(4))
+            if m.group(5) is not None:
+                rows[m.group(1), m.group(2), m.group(3) + "@device"] = float(m.group(5))
     return rows
 
 

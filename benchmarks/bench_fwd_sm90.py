@@ -17,6 +17,14 @@ TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for 
 Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
 ``<mode>_tflops.png`` to ``--out``. ``--seqlen`` takes a comma-separated list for a sweep (one table
 row per length and mask).
+
+Two timings per system. ``queued``: 10 calls issued back to back between two CUDA events, as a
+training step issues them; when a call's host work (Python, argument checks, launches) outlasts
+its GPU work, this measures the host. ``device``: the same 10 calls queued behind a GPU sleep that
+outlasts their issue, so the events see only GPU work (the sleep is doubled and the timing
+repeated until the host had issued all 10 before the sleep ended). The table's TFLOP/s and ratios
+are from ``queued``; ``device`` TFLOP/s and ratios follow, and ``host ms`` is the issue time per
+call. Where ``host ms`` exceeds the device time, a system is host-bound at this size.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -52,6 +61,34 @@ def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(st.elapsed_time(en) / iters)
     return sorted(times)[len(times) // 2]
+
+
+def device_timed(fn, iters: int = 10, repeats: int = 5, sleep_ms: float = 20.0) -> tuple[float, float]:
+    """``(device ms, host ms)`` per call: ``iters`` calls issued while the GPU runs a sleep queued
+    ahead of them, so the events between the sleep and the last call time GPU work only; host ms
+    is the issue time. Medians over ``repeats``; a repeat whose issue outlasted the sleep is redone
+    with twice the sleep."""
+    fn()
+    torch.cuda.synchronize()
+    cycles_per_ms = 2_000_000  # about an H100/H200 SM clock; the sleep need only outlast the issue
+    device, host = [], []
+    while len(device) < repeats:
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        st.record()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        issued = time.perf_counter() - t0
+        started_late = st.query()  # the sleep ended before the last call was issued
+        en.record()
+        torch.cuda.synchronize()
+        if started_late:
+            sleep_ms *= 2
+            continue
+        device.append(st.elapsed_time(en) / iters)
+        host.append(issued * 1e3 / iters)
+    return sorted(device)[repeats // 2], sorted(host)[repeats // 2]
 
 
 def systems(args, q, k, v, name, endpoints):
@@ -171,24 +208,41 @@ def run_length(args, seqlen: int, train: bool) -> list[dict]:
         for system, fn in systems(args, q, k, v, name, endpoints).items():
             try:
                 ms = timed(fn)
+                device_ms, host_ms = device_timed(fn)
             except Exception as e:  # a peer failing must not hide the others' numbers
                 print(f"  {name} {system}: failed: {type(e).__name__}: {e}")
                 continue
-            tflops = flops / ms / 1e9
-            rows.append({"seqlen": seqlen, "mask": name, "system": system, "ms": ms, "tflops": tflops})
-            print(f"  {name:13s} {system:12s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s", flush=True)
+            tflops, device_tflops = flops / ms / 1e9, flops / device_ms / 1e9
+            rows.append({
+                "seqlen": seqlen, "mask": name, "system": system, "ms": ms, "tflops": tflops,
+                "device_ms": device_ms, "device_tflops": device_tflops, "host_ms": host_ms,
+            })  # fmt: skip
+            print(
+                f"  {name:13s} {system:12s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s   device {device_ms:8.3f} ms "
+                f"{device_tflops:7.1f} TFLOP/s   host {host_ms:6.3f} ms",
+                flush=True,
+            )
     return rows
 
 
 def report(rows: list[dict], out: Path, mode: str) -> None:
     if not rows:
         sys.exit("no system ran (see the failures above): nothing to report")
-    ours = {(r["seqlen"], r["mask"]): r["tflops"] for r in rows if r["system"] == "flexattn"}
-    print(f"\n{mode}:  S     mask           system        TFLOP/s   flexattn/system")
-    for r in rows:
+    ours = {(r["seqlen"], r["mask"]): r for r in rows if r["system"] == "flexattn"}
+
+    def ratio(r, field):  # "-" where flexattn itself did not run
         key = (r["seqlen"], r["mask"])
-        ratio = f"{ours[key] / r['tflops']:6.2f}x" if key in ours else "      -"  # flexattn did not run
-        print(f"{r['seqlen']:6d} {r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio}")
+        return f"{ours[key][field] / r[field]:6.2f}x" if key in ours else "      -"
+
+    print(
+        f"\n{mode}:  S     mask           system        TFLOP/s   flexattn/system"
+        "   device TFLOP/s   flexattn/system   host ms"
+    )
+    for r in rows:
+        print(
+            f"{r['seqlen']:6d} {r['mask']:14s} {r['system']:12s} {r['tflops']:8.1f}   {ratio(r, 'tflops')}"
+            f"          {r['device_tflops']:8.1f}           {ratio(r, 'device_tflops')}   {r['host_ms']:7.3f}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / f"results-{mode}.json").write_text(json.dumps(rows, indent=1))
     try:

@@ -83,6 +83,23 @@ def test_table_rows_reads_the_final_table_only():
     assert ab_overlay.table_rows(out) == {("8192", "causal", "flexattn-det"): 529.2}
 
 
+def test_table_rows_read_the_benchmarks_own_table_with_device_timings(tmp_path, capsys):
+    """The rows bench_fwd_sm90.report prints (queued and device TFLOP/s, host ms) parse back."""
+    import bench_fwd_sm90
+
+    def row(system, tflops, device_tflops):
+        return {"seqlen": 8192, "mask": "causal", "system": system, "ms": 1.0, "tflops": tflops,
+                "device_ms": 1.0, "device_tflops": device_tflops, "host_ms": 0.4}  # fmt: skip
+
+    bench_fwd_sm90.report([row("flexattn", 562.6, 590.1), row("cudnn", 540.0, 580.0)], tmp_path, "train")
+    assert ab_overlay.table_rows(capsys.readouterr().out) == {
+        ("8192", "causal", "flexattn"): 562.6,
+        ("8192", "causal", "flexattn@device"): 590.1,
+        ("8192", "causal", "cudnn"): 540.0,
+        ("8192", "causal", "cudnn@device"): 580.0,
+    }
+
+
 def test_rows_without_a_ratio(tree, capsys):
     """``--systems flexattn-det`` alone: the benchmark prints "-" for the ratio to flexattn."""
     row = BENCH.replace("flexattn        {value}     1.00x", "flexattn-det    {value}     -")

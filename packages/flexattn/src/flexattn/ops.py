@@ -202,30 +202,52 @@ bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, input
 
 
 # -- eager route ----------------------------------------------------------------------------------
+def _eager_setup(ctx, inputs, output):
+    q, k, v, mask_plan, *options = inputs
+    _setup_context(ctx, (q, k, v, mask_plan.handle, *options), output)
+    ctx.mask_plan = mask_plan
+    ctx.mark_non_differentiable(output[2])
+
+
+def _eager_backward(ctx, dout, dlse, _dmax):
+    with torch.no_grad():
+        grads = _gradients(ctx, dout, dlse, _backward_impl)
+    if torch.is_grad_enabled():  # create_graph=True
+        q, k, v = ctx.saved_tensors[:3]
+        grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
+    return grads
+
+
 class EagerAttention(torch.autograd.Function):
     """``flexattn::fwd`` with its autograd, for eager calls (module docstring). Unlike the op, it
     holds the plan object until the backward has run, so a plan built per step and never stored
-    (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long as the graph needs it."""
+    (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long as the graph needs it.
+
+    The classic ``forward(ctx, ...)`` form: ``Function.apply`` binds the arguments of a function
+    with a ``setup_context`` through ``inspect.signature`` on every call (30-40 us of host time per
+    call, measured on the CPU; a training step's attention is host-bound at a few ms of GPU work,
+    benchmarks/RESULTS.md, session 18). torch.func transforms need that form:
+    :class:`EagerAttentionTransforms` serves them with the same pieces."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
+        output = _forward_impl(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
+        _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output)
+        return output
+
+    backward = staticmethod(_eager_backward)
+
+
+class EagerAttentionTransforms(torch.autograd.Function):
+    """:class:`EagerAttention` in the ``setup_context`` form, for calls under torch.func transforms
+    (``torch.func.grad`` works; ``torch.vmap`` is refused with the alternative)."""
 
     @staticmethod
     def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
         return _forward_impl(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, mask_plan, *options = inputs
-        _setup_context(ctx, (q, k, v, mask_plan.handle, *options), output)
-        ctx.mask_plan = mask_plan
-        ctx.mark_non_differentiable(output[2])
-
-    @staticmethod
-    def backward(ctx, dout, dlse, _dmax):
-        with torch.no_grad():
-            grads = _gradients(ctx, dout, dlse, _backward_impl)
-        if torch.is_grad_enabled():  # create_graph=True
-            q, k, v = ctx.saved_tensors[:3]
-            grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
-        return grads
+    setup_context = staticmethod(_eager_setup)
+    backward = staticmethod(_eager_backward)
 
     @staticmethod
     def vmap(info, in_dims, *args):
@@ -262,5 +284,6 @@ def attention(
     implementation."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
     if plain and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
-        return EagerAttention.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
+        eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
+        return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
     return fwd(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
