@@ -404,6 +404,8 @@ def q_block_bounds(g, tile_m: int) -> tuple[int, int]:
     return n_qblk, max_q_blocks
 
 
+#: alignment (bytes) of each part of the backward's workspace (cp.reduce.async.bulk needs 16)
+WORKSPACE_ALIGN = 256
 #: a consumer whose deterministic grid is heads-major puts the K plan rows on grid y
 MAX_GRID_Y = 65535
 
@@ -467,19 +469,22 @@ def backward_io(
 
 
 def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: float) -> None:
-    """Allocate the fp32 workspace (LSE2 / D ``(Hq, n_qblk * tile_m)``, dQ accumulator
-    ``(Hq, n_qblk * tile_m * Dqk)``, turnstiles ``(Hq, n_qblk)``) and run ``compiled["pre"]``,
-    ``["main"]`` and ``["post"]`` on the current stream."""
+    """Allocate the workspace (fp32 LSE2 / D ``(Hq, n_qblk * tile_m)``, fp32 dQ accumulator
+    ``(Hq, n_qblk * tile_m * Dqk)``, int32 turnstiles ``(Hq, n_qblk)``) and run ``compiled["pre"]``,
+    ``["main"]`` and ``["post"]`` on the current stream. The four parts are one allocation, each at
+    a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
+    four is host time saved on every call)."""
     g, prep, device = io.view.geometry, io.prep, io.q.device
     hq, rows = g.num_heads_q, prep.n_qblk * tile_m
-    lse_log2 = torch.empty(hq, rows, dtype=torch.float32, device=device)
-    dsum = torch.empty(hq, rows, dtype=torch.float32, device=device)
-    dq_accum = torch.empty(hq, rows * g.head_dim_qk, dtype=torch.float32, device=device)
-    dq_semaphore = torch.empty(hq, prep.n_qblk, dtype=torch.int32, device=device)
+    offsets, size = [], 0
+    for elements in (hq * rows, hq * rows, hq * rows * g.head_dim_qk, hq * prep.n_qblk):  # all 4-byte
+        offsets.append(size)
+        size += -(-4 * elements // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)  # freed after the launches: stream-ordered
+    workspace = tuple(buffer.data_ptr() + offset for offset in offsets)
     stream = torch_stream(device)
     seq_ptr, qbb_ptr = prep.pointers[9], prep.pointers[11]
     sizes = (g.total_q, hq, prep.batch, prep.n_qblk, prep.max_q_blocks, prep.varlen)
-    workspace = tuple(x.data_ptr() for x in (lse_log2, dsum, dq_accum, dq_semaphore))
     softmax_scale = float(softmax_scale)
     dlse = None if io.dlse is None else io.dlse.data_ptr()
     compiled["pre"](
@@ -491,7 +496,7 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
         g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
         prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen, softmax_scale, stream,
     )  # fmt: skip
-    compiled["post"](dq_accum.data_ptr(), io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
+    compiled["post"](workspace[2], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
 
 
 # -- backward compile -----------------------------------------------------------------------------
