@@ -64,15 +64,17 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b
         for e in full_block_offset[h, r] + [0, full_block_cnt[h, r]):   # full Q blocks
             step(full_block_idx[e], no payload, rank = dq_write_order_full[e])
 
-Deterministic mode orders the grid kv-head-first (as SM90: resident CTAs form many short chains).
+Launch order (as SM90, ``consumer_plan.decode_work`` on a 1-D grid): deterministic mode takes all
+kv heads at a time (resident CTAs form many short turnstile chains), atomic mode
+``ATOMIC_HEAD_GROUP`` (the SM90 measurement; not measured on SM100).
 
 K2Q-2CTA (variant ``k2q-2cta``): the plan block is 128 Q x 256 K rows, run by a cluster of two CTAs
-along K (cluster (2, 1, 1) over grid x, the pair adjacent in x in both grid orders: decode_work with
-``splits = 2``). Rank ``c`` is a k2q-1cta CTA for K rows ``128 c .. 128 c + 127`` of the block: its
-own K, V, TMEM (the same column map as k2q-1cta), MMAs (cta_group::1, the same shapes and issue
-order), dK and dV rows, and payload subtile ``c`` (``TmemLoadLayout(128, 256, 2, transposed=True)``:
-``mask_block_masks[entry, c]``, 256 groups x 2 words). Both ranks walk the same K2Q row, so their step
-sequences are identical::
+along K (cluster (2, 1, 1) over grid x, the pair adjacent in x: decode_work with ``splits = 2``).
+Rank ``c`` is a k2q-1cta CTA for K rows ``128 c .. 128 c + 127`` of the block: its own K, V, TMEM
+(the same column map as k2q-1cta), MMAs (cta_group::1, the same shapes and issue order), dK and dV
+rows, and payload subtile ``c`` (``TmemLoadLayout(128, 256, 2, transposed=True)``:
+``mask_block_masks[entry, c]``, 256 groups x 2 words). Both ranks walk the same K2Q row, so their
+step sequences are identical::
 
     plan block: 128 Q x 256 K          rank 0 (cluster rank 0)             rank 1
     K rows   0..127 | subtile 0  ->    TMEM lanes = K rows 0..127          -
@@ -171,9 +173,11 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
+    ATOMIC_HEAD_GROUP,
     BwdHostEntry,
     BwdPlanTensors,
     decode_work,
+    launch_grid,
     select_modes,
     total_steps,
 )
@@ -368,19 +372,12 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             views["k"], views["kt"], views["v"], views["q"], views["qt"], views["do"], views["dot"],
             views["ds"], views["dsq"], views["tp"],
         ).launch(
-            grid=self.grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
+            grid=launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]), self.ctas_per_block),
             block=[self.num_threads, 1, 1],
             cluster=[self.pair, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
-
-    def grid(self, k_rows, kv_heads) -> list:
-        """(K plan rows, kv heads), kv heads first in deterministic mode (module docstring); the
-        ``splits`` CTAs of a K block (or the ``pair``, one cluster) adjacent in x (:func:`decode_work`)."""
-        if self.deterministic:
-            return [kv_heads * self.ctas_per_block, k_rows, 1]
-        return [k_rows * self.ctas_per_block, kv_heads, 1]
 
     def cta_layout_vmnk(self):
         """The cluster as ``((cta_group), M, N, K)``: one CTA per (cta_group::1) MMA, the pair along M
@@ -538,9 +535,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             ),
             allocator_warp_id=self.compute_warps[0],
         )
-        work = decode_work(
-            plan, mQ.shape[2] // mK.shape[2], self.tile_n, self.deterministic, self.ctas_per_block
-        )
+        kv_heads = mK.shape[2]
+        group = kv_heads if const_expr(self.deterministic) else Int32(ATOMIC_HEAD_GROUP)
+        work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, kv_heads, group, self.ctas_per_block)
         if const_expr(pair):  # from here on the CTA's own 128-row K block, as a k2q-1cta CTA sees it
             work = work._replace(
                 n_block=(work.n_block * self.tile_n + self.cta_k_rows(cta_rank)) // self.cta_n,

@@ -63,13 +63,13 @@ Launch order (one grid dimension, ``Hkv x K rows`` CTAs, ``consumer_plan.grouped
 
     ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
 
-Atomic mode takes ``ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time (K rows first) left
-a tail: on causal masks a sample's longest K rows come first, so the last head's second sample
-started its longest CTAs in the last waves (a list-scheduling model of 132 SMs: 5.6% past the
-ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at a time fill the
-waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs still share few
-heads' Q and dO in L2; all heads at a time spread them over every head and lost more in L2 than it
-gained (benchmarks/RESULTS.md, session 18).
+Atomic mode takes ``consumer_plan.ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time
+(K rows first) left a tail: on causal masks a sample's longest K rows come first, so the last
+head's second sample started its longest CTAs in the last waves (a list-scheduling model of 132
+SMs: 5.6% past the ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at
+a time fill the waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs
+still share few heads' Q and dO in L2; all heads at a time spread them over every head and lost
+more in L2 than it gained (benchmarks/RESULTS.md, session 18).
 """
 
 import cuda.bindings.driver as cuda
@@ -82,12 +82,14 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
+    ATOMIC_HEAD_GROUP,
     BwdHostEntry,
     BwdPlanTensors,
     bulk_reduce_add_f32,
     decode_work,
     element_ptr,
     head_range,
+    launch_grid,
     load_payload_plane,
     select_modes,
     total_steps,
@@ -123,8 +125,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
     #: kv heads the deterministic launch order takes at a time on dense K2Q rows (launch_head_group)
     DENSE_HEAD_GROUP = 4
-    #: kv heads the atomic launch order takes at a time (module docstring)
-    ATOMIC_HEAD_GROUP = 2
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -270,7 +270,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             softmax_scale * Float32(LOG2_E), softmax_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, mmas,
         ).launch(
-            grid=[cute.size(plan.k_row_batch) * cute.size(mK, mode=[1]), 1, 1],  # decode_work's order
+            grid=launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -402,12 +402,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
         }
         kv_heads = mK.shape[2]
-        group = Int32(self.ATOMIC_HEAD_GROUP)
+        group = Int32(ATOMIC_HEAD_GROUP)
         if const_expr(self.deterministic):
             group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
-        work = decode_work(
-            plan, mQ.shape[2] // kv_heads, self.tile_n, False, head_group=group, kv_heads=kv_heads
-        )
+        work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, kv_heads, group)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

@@ -87,7 +87,6 @@ COMPILER = BackwardCompiler(
     postprocess=_postprocess,
     main_key=_main_key,
     post_key=lambda config: (config.num_consumer_warpgroups,),
-    deterministic_rows_on_grid_y=False,  # a 1-D grid in both modes (bwd_kernel.py, launch order)
 )
 #: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
 kernel_keys = COMPILER.kernel_keys

@@ -406,8 +406,6 @@ def q_block_bounds(g, tile_m: int) -> tuple[int, int]:
 
 #: alignment (bytes) of each part of the backward's workspace (cp.reduce.async.bulk needs 16)
 WORKSPACE_ALIGN = 256
-#: a consumer whose deterministic grid is heads-major puts the K plan rows on grid y
-MAX_GRID_Y = 65535
 
 
 class BackwardIO(NamedTuple):
@@ -438,12 +436,11 @@ class BackwardIO(NamedTuple):
 
 
 def backward_io(
-    view: PlanView, q, k, v, out, lse, dout, dlse, *, rows_on_grid_y: bool, dq=None, dk=None, dv=None
+    view: PlanView, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None
 ) -> BackwardIO:
     """Check a backward call's tensors against the view (:func:`check_inputs`, :func:`output`),
     allocate the gradients that were not given, align and convert the inputs. When nothing is
-    visible the gradients are zeroed and returned as they are (``nothing_visible``).
-    ``rows_on_grid_y``: the main kernel's grid puts the K plan rows on y (:data:`MAX_GRID_Y`)."""
+    visible the gradients are zeroed and returned as they are (``nothing_visible``)."""
     check_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
     g = view.geometry
     device = q.device
@@ -460,11 +457,6 @@ def backward_io(
     q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    if rows_on_grid_y and prep.k_rows > MAX_GRID_Y:
-        raise UnsupportedConfigError(
-            f"deterministic=True puts the {prep.k_rows} K blocks of this plan on grid y (at most "
-            f"{MAX_GRID_Y}); split the batch or use deterministic=False"
-        )
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
 
 
@@ -526,8 +518,6 @@ class BackwardCompiler:
     #: the backward config a view was planned for (raising for views the consumer cannot run)
     config_for_view: Callable[[PlanView], Any]
     post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
-    #: the deterministic main kernel's grid puts the K plan rows on grid y (at most MAX_GRID_Y)
-    deterministic_rows_on_grid_y: bool = True
 
     def kernel_keys(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
         """Compile keys of the three kernels."""
@@ -583,10 +573,7 @@ class BackwardCompiler:
         shapes and q's dtype) to be written in place; every element of them is written.
         """
         config = self.config_for_view(view)
-        rows_on_grid_y = deterministic and self.deterministic_rows_on_grid_y
-        io = backward_io(
-            view, q, k, v, out, lse, dout, dlse, rows_on_grid_y=rows_on_grid_y, dq=dq, dk=dk, dv=dv
-        )
+        io = backward_io(view, q, k, v, out, lse, dout, dlse, dq=dq, dk=dk, dv=dv)
         if not io.nothing_visible:
             with_dlse = io.dlse is not None
             compiled = self.compile_backward(config, deterministic=deterministic, with_dlse=with_dlse)
@@ -613,7 +600,6 @@ class BackwardCompiler:
 __all__ = [
     "ALIGN",
     "FWD_PLAN_TENSORS",
-    "MAX_GRID_Y",
     "TINY_SCALE",
     "BackwardCompiler",
     "BackwardIO",

@@ -648,6 +648,12 @@ class HeadRange(NamedTuple):
     full_off: Int32
 
 
+#: kv heads the atomic (non-deterministic) backward launch takes at a time: K rows first (one head
+#: at a time) left the longest causal K rows of the last head in the last waves, all heads at a time
+#: spread a wave's Q / dO reads over every head in L2 (measured on SM90: flexattn_sm90.bwd_kernel)
+ATOMIC_HEAD_GROUP = 2
+
+
 def grouped_launch_slot(launch: Int32, kv_heads: Int32, k_rows: Int32, group: Int32) -> tuple[Int32, Int32]:
     """``(K row, kv head)`` of the ``launch``-th CTA (in launch order) when the launch order takes
     ``group`` kv heads at a time, K rows ascending within a group, heads ascending within a row::
@@ -671,22 +677,18 @@ def decode_work(
     plan: BwdPlanTensors,
     q_per_kv: Int32,
     tile_n: cutlass.Constexpr[int],
-    heads_major: cutlass.Constexpr[bool],
+    kv_heads: Int32,
+    head_group: Int32,
     splits: cutlass.Constexpr[int] = 1,
-    head_group: Int32 | None = None,
-    kv_heads: Int32 | None = None,
 ) -> Work:
-    """The CTA's K block from its block index: grid ``(splits * K rows, Hkv)``, or ``(splits * Hkv,
-    K rows)`` with ``heads_major`` (deterministic mode, so the writers of a Q block run in
-    ``dq_write_order``). The ``splits`` CTAs of one K block (a kernel splitting its outputs' head dim)
-    are adjacent in grid x, so they launch together. ``head_group`` (no splits; ``heads_major`` is
-    then unused): a 1-D grid of ``kv_heads * K rows`` CTAs whose launch order takes that many kv
-    heads at a time (:func:`grouped_launch_slot`); grid x holds up to 2^31 - 1 CTAs, grid y 65535."""
-    x, y, _ = cute.arch.block_idx()
-    row, kv_head = (y, x // splits) if const_expr(heads_major) else (x // splits, y)
-    if const_expr(head_group is not None):
-        assert splits == 1 and kv_heads is not None
-        row, kv_head = grouped_launch_slot(x, kv_heads, cute.size(plan.k_row_batch), head_group)
+    """The CTA's K block from its block index in a 1-D grid of ``splits * Hkv * K rows`` CTAs
+    (:func:`launch_grid`): launch slot ``x // splits`` is ``(K row, kv head)`` in the order of
+    :func:`grouped_launch_slot`, taking ``head_group`` kv heads at a time (deterministic mode:
+    ascending K rows per head, so the writers of a Q block run in ``dq_write_order``). The
+    ``splits`` CTAs of one K block (a kernel splitting its outputs' head dim, or a cluster along K)
+    are adjacent in x, so they launch together. Grid x holds 2^31 - 1 CTAs (grid y only 65535)."""
+    x, _, _ = cute.arch.block_idx()
+    row, kv_head = grouped_launch_slot(x // splits, kv_heads, cute.size(plan.k_row_batch), head_group)
     b = plan.k_row_batch[row]
     n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
     k_len = desc_field(plan.sequence_desc, b, DESC_K_LEN)
@@ -702,6 +704,11 @@ def decode_work(
         plan.mask_block_cnt.shape[0],
         x % splits,
     )
+
+
+def launch_grid(k_rows, kv_heads, splits: int = 1) -> list:
+    """The 1-D grid :func:`decode_work` decodes: ``splits`` CTAs per (K row, kv head)."""
+    return [k_rows * kv_heads * splits, 1, 1]
 
 
 @cute.jit
@@ -812,6 +819,7 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 
 
 __all__ = [
+    "ATOMIC_HEAD_GROUP",
     "CONSUMER_FIELDS",
     "TASK_WORDS",
     "BwdHostEntry",
@@ -830,6 +838,7 @@ __all__ = [
     "bwd_plan_tensors",
     "decode_task",
     "decode_work",
+    "launch_grid",
     "desc_field",
     "element_ptr",
     "fetch_task",
