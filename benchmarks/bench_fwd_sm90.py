@@ -63,11 +63,16 @@ def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+#: the longest GPU sleep device_timed queues ahead of the calls
+MAX_SLEEP_MS = 2000.0
+
+
 def device_timed(fn, iters: int = 10, repeats: int = 5, sleep_ms: float = 20.0) -> tuple[float, float]:
     """``(device ms, host ms)`` per call: ``iters`` calls issued while the GPU runs a sleep queued
     ahead of them, so the events between the sleep and the last call time GPU work only; host ms
     is the issue time. Medians over ``repeats``; a repeat whose issue outlasted the sleep is redone
-    with twice the sleep."""
+    with twice the sleep, up to ``MAX_SLEEP_MS`` (beyond it the calls wait for the GPU themselves, a
+    host sync, and there is no device-only time to take)."""
     fn()
     torch.cuda.synchronize()
     cycles_per_ms = 2_000_000  # about an H100/H200 SM clock; the sleep need only outlast the issue
@@ -85,6 +90,11 @@ def device_timed(fn, iters: int = 10, repeats: int = 5, sleep_ms: float = 20.0) 
         torch.cuda.synchronize()
         if started_late:
             sleep_ms *= 2
+            if sleep_ms > MAX_SLEEP_MS:
+                raise RuntimeError(
+                    f"{iters} calls took longer to issue than a {MAX_SLEEP_MS} ms GPU sleep: they wait "
+                    "for the GPU (a host sync), so they have no device-only time"
+                )
             continue
         device.append(st.elapsed_time(en) / iters)
         host.append(issued * 1e3 / iters)
@@ -208,10 +218,14 @@ def run_length(args, seqlen: int, train: bool) -> list[dict]:
         for system, fn in systems(args, q, k, v, name, endpoints).items():
             try:
                 ms = timed(fn)
-                device_ms, host_ms = device_timed(fn)
             except Exception as e:  # a peer failing must not hide the others' numbers
                 print(f"  {name} {system}: failed: {type(e).__name__}: {e}")
                 continue
+            try:
+                device_ms, host_ms = device_timed(fn)
+            except RuntimeError as e:  # a system that syncs: its queued time stands alone
+                print(f"  {name} {system}: no device-only time: {e}")
+                device_ms = host_ms = math.nan
             tflops, device_tflops = flops / ms / 1e9, flops / device_ms / 1e9
             rows.append({
                 "seqlen": seqlen, "mask": name, "system": system, "ms": ms, "tflops": tflops,
