@@ -207,3 +207,18 @@ def test_a_new_plan_trains_without_waiting_for_the_device(varlen, deterministic)
     step([700, 300, 1000])  # compiles
     grads = step([130, 900, 1, 969] if varlen else [130, 900, 970])
     assert all(not g.isnan().any() for g in grads)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_document_ids_builds_on_the_device_without_a_sync():
+    """Document endpoints from per-token ids already on the GPU (a data loader's) never read them
+    back: only create_mask_plan's header read waits for the device."""
+    lens = [300, 700, 1000]
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lens)).to("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        endpoints = masks.document_ids(ids.expand(B, -1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(endpoints.cpu(), masks.document([lens] * B))

@@ -241,6 +241,39 @@ def test_document_examples():
     assert torch.equal(two_d, masks.document([[1, 2], [2, 1]]))
 
 
+@FAST
+@given(doc_batches(), st.booleans(), st.one_of(st.none(), st.integers(0, 6)), st.integers(0, 2**31 - 2))
+def test_document_ids_is_document_of_the_runs(seqs, causal, wl, seed):
+    """Per-token ids (random values, each document's differing from its neighbour's) give the same
+    endpoints as the document lengths; empty documents have no tokens and leave no trace."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for seq in seqs:
+        ids, prev = [], None
+        for n in (n for n in seq if n):
+            value = int(torch.randint(0, 3, (1,), generator=gen))
+            value = value if value != prev else value + 1  # a new run
+            ids += [value] * n
+            prev = value
+        rows.append(ids)
+    doc_ids = torch.tensor(rows) if len(rows) > 1 else torch.tensor(rows[0])
+    got = masks.document_ids(doc_ids, causal=causal, window_left=wl)
+    assert torch.equal(got, masks.document(seqs, causal=causal, window_left=wl))
+
+
+def test_document_ids_takes_runs_and_checks_its_argument():
+    same = masks.document_ids(torch.tensor([[0, 0, 1, 1, 1], [4, 9, 9, 4, 4]], dtype=torch.int32))
+    assert torch.equal(same, masks.document([[2, 3], [1, 2, 2]]))
+    with pytest.raises(TypeError, match="doc_ids must be an integer tensor"):
+        masks.document_ids(torch.zeros(4))
+    with pytest.raises(TypeError, match="doc_ids must be a torch.Tensor"):
+        masks.document_ids([0, 0, 1])
+    with pytest.raises(ValueError, match=r"doc_ids must be \[S\] or \[B, S\]"):
+        masks.document_ids(torch.zeros(2, 2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="window_left"):
+        masks.document_ids(torch.zeros(3, dtype=torch.long), window_left=-1)
+
+
 # --------------------------------------------------------------------------------------------------
 # prefix_lm
 # --------------------------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ Examples (``.tolist()`` drops the tensor wrapper):
 >>> document([[2, 1], [1, 2]], causal=False).tolist()
 [[[0, 0, 0, 0, 0, 0], [0, 0, 2, 0, 1, 1], [2, 2, 3, 1, 3, 3]]]
 
+``document_ids`` -- the same from per-token document ids (runs of equal ids), on their device:
+
+>>> document_ids(torch.tensor([7, 7, 3, 3, 3])).tolist()
+[[[0, 0, 0, 0, 0], [0, 0, 2, 2, 2], [1, 2, 3, 4, 5]]]
+
 ``prefix_lm`` -- bidirectional prefix then causal, ``nfunc = 1``:
 
 >>> prefix_lm(4, 2).tolist()
@@ -71,6 +76,7 @@ __all__ = [
     "causal",
     "chunked",
     "document",
+    "document_ids",
     "from_block_mask",
     "from_dense",
     "from_mask_mod",
@@ -308,6 +314,46 @@ def document(
     lo = torch.cat(los)
     hi = torch.cat(his)
     return _finish([torch.zeros_like(lo), lo, hi], 1)
+
+
+def document_ids(
+    doc_ids: torch.Tensor, *, causal: bool = True, window_left: int | None = None
+) -> torch.Tensor:
+    """:func:`document` from per-token document ids, built on ``doc_ids``' device without reading
+    it back to the host (a CUDA tensor from the data loader stays on the GPU, with no sync).
+
+    ``doc_ids`` is an integer tensor ``[S]`` (one packed sequence) or ``[B, S]`` (one row per batch
+    sample); each maximal run of equal consecutive ids within a row is one document, so ids need
+    not be sorted or distinct across documents (``[7, 7, 3, 3, 3]`` is two documents; so is
+    ``[0, 0, 1, 1, 1]``). Rows see keys as :func:`document` describes. Returns ``[1, 3, B * S]``
+    int32 endpoints ``[0, lo, hi]``. Position ids that restart at 0 in every document give the ids
+    as ``(position_ids == 0).cumsum(-1)``.
+    """
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    if doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] == 0:
+        raise ValueError(f"doc_ids must be [S] or [B, S] with S >= 1, got shape {tuple(doc_ids.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window_left is not None:
+        window_left = _as_int("window_left", window_left, 0)
+    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+    seqlen = ids.shape[1]
+    i = torch.arange(seqlen, device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    lo = torch.where(starts, i, 0).cummax(dim=1).values  # the latest start at or before i
+    if causal:
+        hi = i + 1
+    else:  # one past the row's document: the earliest start after i, or S
+        next_start = torch.where(starts[:, 1:], i[:, 1:], seqlen)
+        hi = torch.cat([next_start, torch.full_like(ids[:, :1], seqlen)], dim=1)
+        hi = hi.flip(1).cummin(dim=1).values.flip(1)
+    if window_left is not None:
+        lo = torch.maximum(lo, i - window_left)
+    return _finish([torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)], 1)
 
 
 def prefix_lm(
