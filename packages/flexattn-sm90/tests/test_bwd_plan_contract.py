@@ -106,7 +106,7 @@ def test_prepared_tensors(problem):
     q_blocks = [math.ceil(int(n) / view.block_size[0]) for n in desc[:, 2]]
     assert q_blocks == desc[:, 6].tolist()
     assert q_block_begin[: desc.shape[0]].tolist() == [sum(q_blocks[:b]) for b in range(len(q_blocks))]
-    # host bounds (consumer_launch.q_block_bounds): the workspace holds every sample's Q blocks
+    # host bounds (geometry.ViewBounds): the workspace holds every sample's Q blocks
     assert prep.n_qblk >= sum(q_blocks) and prep.max_q_blocks >= max(q_blocks)
     if not varlen:
         assert (prep.n_qblk, prep.max_q_blocks) == (sum(q_blocks), max(q_blocks))

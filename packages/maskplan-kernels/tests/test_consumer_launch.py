@@ -14,9 +14,9 @@ from maskplan_kernels.consumer_launch import (  # noqa: E402
     INT32_LIMIT,
     bwd_view_args,
     fwd_view_args,
-    q_block_bounds,
     require_int32_offsets,
 )
+from maskplan_kernels.geometry import ViewBounds  # noqa: E402
 
 
 def geometry(total_q, total_k, hq=16, hkv=16, dqk=128, dv=128):
@@ -85,7 +85,8 @@ def test_backward_q_block_bounds_cover_every_sample_without_reading_the_plan(q_l
     )
     view = plan.view("backward")
     q_blocks = view.sequence_desc()[:, 6].to(torch.int64)
-    n_qblk, max_q_blocks = q_block_bounds(g, view.block_size[0])
+    bounds = ViewBounds.of(g, *view.block_size)
+    n_qblk, max_q_blocks = bounds.q_rows, bounds.max_q_blocks
     args = bwd_view_args(view, torch.device("cpu"))
     assert (args.n_qblk, args.max_q_blocks) == (n_qblk, max_q_blocks)
     assert n_qblk >= int(q_blocks.sum()) and max_q_blocks >= int(q_blocks.max())

@@ -289,7 +289,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         session 14. Any order gives the same bits (dq_write_order fixes the adds)."""
         entries = Float32(cute.size(plan.mask_block_idx) + cute.size(plan.full_block_idx))
         k_rows = Float32(cute.size(plan.mask_block_cnt))  # x mask heads
-        # per sample (varlen: from the host bound of consumer_launch.q_block_bounds, within 1 of exact)
+        # per sample (varlen: from the host bound geometry.ViewBounds.q_rows, within 1 of exact)
         q_blocks = Float32(n_qblk) / Float32(cute.size(plan.q_block_begin))
         group = kv_heads
         if dense_k2q_rows(entries, k_rows, q_blocks):

@@ -41,6 +41,7 @@ from maskplan_core.plan import PlanView
 from . import compile_cache
 from ._cute_args import torch_stream
 from .consumer_bwd_preprocess import BwdPreprocess
+from .geometry import ViewBounds
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
 ALIGN = 16
@@ -340,8 +341,8 @@ class BwdViewArgs:
     partial_nnz: int
     full_nnz: int
     batch: int
-    n_qblk: int  # padded Q blocks of all samples (workspace rows / tile_m)
-    max_q_blocks: int  # Q blocks of the longest sample (grid of pre/postprocess)
+    n_qblk: int  # padded Q blocks of all samples, a host bound (workspace rows / tile_m)
+    max_q_blocks: int  # Q blocks of the longest sample, a host bound (grid of pre/postprocess)
     varlen: int  # 1: the kernels read sequence_desc; 0: they derive it
 
 
@@ -360,7 +361,10 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
     )
     q_blocks = desc[:, 6]
     q_block_begin = torch.cumsum(q_blocks, 0) - q_blocks
-    n_qblk, max_q_blocks = q_block_bounds(g, view.block_size[0])
+    # host bounds (no device read per new plan): exact for fixed length; padding blocks past a
+    # sample's own are workspace nobody reads (the pre/postprocess exit past q_len, the main kernel
+    # indexes from the exact q_block_begin)
+    bounds = ViewBounds.of(g, *view.block_size)
     tensors = (
         int32_tensor(cnt, device, (1, 1)),
         int32_tensor(t["mask_block_offset"], device, (1, 1)),
@@ -383,25 +387,10 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         partial_nnz=t["mask_block_idx"].numel(),
         full_nnz=t["full_block_idx"].numel(),
         batch=batch,
-        n_qblk=n_qblk,
-        max_q_blocks=max_q_blocks,
+        n_qblk=bounds.q_rows,
+        max_q_blocks=bounds.max_q_blocks,
         varlen=int(view.geometry.varlen),
     )
-
-
-def q_block_bounds(g, tile_m: int) -> tuple[int, int]:
-    """Host-side bounds of a backward view's Q blocks, so a launch never reads the device:
-    ``(n_qblk, max_q_blocks)`` = (workspace Q blocks of all samples >= the sum of their
-    ``ceil(q_len / tile_m)``, Q blocks of the longest sample, the pre/postprocess grid). Exact for
-    fixed length; for varlen the sum of ceilings is at most ``(total_q + B (tile_m - 1)) // tile_m``
-    and ``B ceil(max_seqlen_q / tile_m)`` (the planner checked every ``q_len <= max_seqlen_q``).
-    Blocks past a sample's own are workspace nobody reads: the pre/postprocess exit past
-    ``q_len``, and the main kernel indexes from the exact ``q_block_begin``."""
-    max_q_blocks = -(-g.max_seqlen_q // tile_m)
-    n_qblk = g.batch * max_q_blocks
-    if g.varlen:
-        n_qblk = min(n_qblk, (g.total_q + g.batch * (tile_m - 1)) // tile_m)
-    return n_qblk, max_q_blocks
 
 
 #: alignment (bytes) of each part of the backward's workspace (cp.reduce.async.bulk needs 16)
