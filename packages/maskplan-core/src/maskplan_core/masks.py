@@ -292,28 +292,14 @@ def document(
     ``max(s, i - window_left)`` (for ``causal=False`` the right edge stays ``e``).
     Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
     """
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if window_left is not None:
-        window_left = _as_int("window_left", window_left, 0)
     dev = _as_device(device)
     seqs = _parse_doc_lens(doc_lens)
-    los, his = [], []
-    for seq in seqs:
-        lens = torch.tensor(seq, dtype=torch.int64, device=dev)
-        ends = lens.cumsum(0)
-        starts = ends - lens
-        doc_id = torch.repeat_interleave(torch.arange(len(seq), device=dev), lens)
-        i = torch.arange(int(ends[-1]), device=dev, dtype=torch.int64)
-        lo = starts[doc_id]
-        hi = i + 1 if causal else ends[doc_id]
-        if window_left is not None:
-            lo = torch.maximum(lo, i - window_left)
-        los.append(lo)
-        his.append(hi)
-    lo = torch.cat(los)
-    hi = torch.cat(his)
-    return _finish([torch.zeros_like(lo), lo, hi], 1)
+    # the index of each token's document (an empty document gets no token), one row per sample
+    ids = torch.stack([
+        torch.repeat_interleave(torch.arange(len(seq), device=dev), torch.tensor(seq, device=dev))
+        for seq in seqs
+    ])  # fmt: skip
+    return document_ids(ids, causal=causal, window_left=window_left)
 
 
 def document_ids(
