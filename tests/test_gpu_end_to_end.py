@@ -164,9 +164,8 @@ def _packed_batch(lens: list[int], varlen: bool):
     when fixed, samples when varlen), with the create_mask_plan arguments for it."""
     total = sum(lens)
     if varlen:
-        local = torch.cat([torch.arange(n) for n in lens])
-        endpoints = (local + 1).reshape(1, 1, total).to(device="cuda", dtype=torch.int32)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        endpoints = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu, device="cuda")
         args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
         shape = (total,)
     else:
