@@ -21,11 +21,13 @@ import torch
 pytest.importorskip("cutlass.cute")
 
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
+from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
 from flexattn_sm90.bwd_launch import config_for_view  # noqa: E402
 from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.errors import PlanSignatureMismatch  # noqa: E402
 from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
+from maskplan_kernels.consumer_plan import SPARSE_ROW_FILL, k2q_row_fill  # noqa: E402
 
 CPU = torch.device("cpu")
 CU_Q = [0, 100, 100, 164, 500, 700]
@@ -110,6 +112,32 @@ def test_prepared_tensors(problem):
     assert prep.n_qblk >= sum(q_blocks) and prep.max_q_blocks >= max(q_blocks)
     if not varlen:
         assert (prep.n_qblk, prep.max_q_blocks) == (sum(q_blocks), max(q_blocks))
+
+
+LAUNCH_MASKS = {
+    "causal": (masks.causal(8192, batch=2), "pairs"),
+    "sliding-1024": (masks.sliding_window(8192, window_left=1024, batch=2), "all"),
+    "document": (masks.document([[3000, 2000, 1500, 1692], [5000, 3192]]), "all"),
+    "random-5": (random_intervals(1, 5, torch.full((2 * 8192,), 8192), seed=3), "dense"),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCH_MASKS)
+def test_launch_head_group_follows_the_k2q_row_fill(name):
+    """The kernels' launch-order rule (``consumer_plan.view_row_fill``: entries over K rows x the
+    Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192 D=128:
+    causal rows are half full (atomic mode takes ATOMIC_HEAD_GROUP heads at a time), sliding-window
+    and document rows sparse (all heads at a time), random intervals dense (deterministic mode
+    takes DENSE_HEAD_GROUP)."""
+    ep, expected = LAUNCH_MASKS[name]
+    q = torch.zeros(2, 8192, 1, 128, dtype=torch.bfloat16)
+    view = plan_for(ep, q, q, q).view("backward")
+    stats = view.stats()
+    batch = view.sequence_desc().shape[0]
+    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(),
+                        bwd_view_args(view, CPU).n_qblk / batch)  # fmt: skip
+    sparse, dense = fill < SPARSE_ROW_FILL, fill >= Sm90BwdKernel.DENSE_ROW_FILL
+    assert (sparse, dense) == (expected == "all", expected == "dense"), fill
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])

@@ -66,7 +66,7 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b
 
 Launch order (as SM90, ``consumer_plan.decode_work`` on a 1-D grid): deterministic mode takes all
 kv heads at a time (resident CTAs form many short turnstile chains), atomic mode
-``ATOMIC_HEAD_GROUP`` (the SM90 measurement; not measured on SM100).
+``consumer_plan.atomic_head_group`` (the SM90 measurement; not measured on SM100).
 
 K2Q-2CTA (variant ``k2q-2cta``): the plan block is 128 Q x 256 K rows, run by a cluster of two CTAs
 along K (cluster (2, 1, 1) over grid x, the pair adjacent in x: decode_work with ``splits = 2``).
@@ -173,9 +173,9 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
-    ATOMIC_HEAD_GROUP,
     BwdHostEntry,
     BwdPlanTensors,
+    atomic_head_group,
     decode_work,
     launch_grid,
     select_modes,
@@ -536,7 +536,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             allocator_warp_id=self.compute_warps[0],
         )
         kv_heads = mK.shape[2]
-        group = kv_heads if const_expr(self.deterministic) else Int32(ATOMIC_HEAD_GROUP)
+        group = kv_heads
+        if const_expr(not self.deterministic):
+            group = atomic_head_group(plan, mdQsem.shape[1], kv_heads)
         work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, kv_heads, group, self.ctas_per_block)
         if const_expr(pair):  # from here on the CTA's own 128-row K block, as a k2q-1cta CTA sees it
             work = work._replace(

@@ -69,7 +69,9 @@ head's second sample started its longest CTAs in the last waves (a list-scheduli
 SMs: 5.6% past the ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at
 a time fill the waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs
 still share few heads' Q and dO in L2; all heads at a time spread them over every head and lost
-more in L2 than it gained (benchmarks/RESULTS.md, session 18).
+more in L2 than it gained (benchmarks/RESULTS.md, session 18). Except on sparse K2Q rows
+(documents, sliding windows: ``consumer_plan.atomic_head_group``), where a wave over all heads
+still fits L2 and all heads at a time measured 3-5% faster on documents (session 19).
 """
 
 import cuda.bindings.driver as cuda
@@ -82,9 +84,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
-    ATOMIC_HEAD_GROUP,
     BwdHostEntry,
     BwdPlanTensors,
+    atomic_head_group,
     bulk_reduce_add_f32,
     decode_work,
     element_ptr,
@@ -95,6 +97,7 @@ from maskplan_kernels.consumer_plan import (
     total_steps,
     turnstile_advance,
     turnstile_wait,
+    view_row_fill,
     walk_descending,
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
@@ -107,14 +110,6 @@ from .fwd_helpers import register_split
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-def dense_k2q_rows(entries, k_rows, q_blocks_per_sample):
-    """Whether a backward view's K2Q rows are dense: its ``entries`` (partial + full) over its
-    ``k_rows`` (K plan rows x mask heads) average 3/4 or more of a sample's Q blocks. Plain
-    arithmetic, so the kernel (:meth:`Sm90BwdKernel.launch_head_group`) and the host (tests) ask
-    the same question."""
-    return entries >= 0.75 * k_rows * q_blocks_per_sample
-
-
 class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     """Static configuration of one compiled backward main kernel; see the module docstring. Its host
     entry ``from_pointers`` is :class:`maskplan_kernels.consumer_plan.BwdHostEntry` (shared with SM100)."""
@@ -125,6 +120,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
     #: kv heads the deterministic launch order takes at a time on dense K2Q rows (launch_head_group)
     DENSE_HEAD_GROUP = 4
+    #: K2Q row fill (consumer_plan.k2q_row_fill) from which the rows count as dense
+    DENSE_ROW_FILL = 0.75
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -278,21 +275,20 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
 
     @cute.jit
     def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
-        """Kv heads the deterministic launch order takes at a time (``decode_work``): all of them,
-        unless the K2Q rows are dense (on average a K block visits 3/4 or more of its sample's Q
-        blocks), then ``DENSE_HEAD_GROUP``. With all heads, a wave of resident CTAs holds ~8 K
-        blocks per head, each streaming its head's Q, dO and dQ blocks: on dense rows that is every
-        head's whole Q range per wave, which spilled from L2 ((192, 128) random-5: DRAM 56% busy,
-        the dQ writers' adds slowed, 0.66 of atomic). Fewer heads at a time share those blocks
-        among more CTAs but make longer turnstile chains, which costs where a K block's walk is
-        short (document masks: 269 -> 218 TFLOP/s at 4 heads). Measured: benchmarks/RESULTS.md,
-        session 14. Any order gives the same bits (dq_write_order fixes the adds)."""
-        entries = Float32(cute.size(plan.mask_block_idx) + cute.size(plan.full_block_idx))
-        k_rows = Float32(cute.size(plan.mask_block_cnt))  # x mask heads
-        # per sample (varlen: from the host bound geometry.ViewBounds.q_rows, within 1 of exact)
-        q_blocks = Float32(n_qblk) / Float32(cute.size(plan.q_block_begin))
+        """Kv heads the launch order (``decode_work``) takes at a time. Atomic mode:
+        ``consumer_plan.atomic_head_group``. Deterministic mode: all of them, unless the K2Q rows
+        are dense (``k2q_row_fill`` of ``DENSE_ROW_FILL`` or more), then ``DENSE_HEAD_GROUP``.
+        With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
+        head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
+        which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
+        0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
+        turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
+        TFLOP/s at 4 heads). Measured: benchmarks/RESULTS.md, session 14. Any order gives the same
+        bits (dq_write_order fixes the adds)."""
+        if const_expr(not self.deterministic):
+            return atomic_head_group(plan, n_qblk, kv_heads)
         group = kv_heads
-        if dense_k2q_rows(entries, k_rows, q_blocks):
+        if view_row_fill(plan, n_qblk) >= self.DENSE_ROW_FILL:
             group = Int32(self.DENSE_HEAD_GROUP)
         return group
 
@@ -402,9 +398,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
         }
         kv_heads = mK.shape[2]
-        group = Int32(ATOMIC_HEAD_GROUP)
-        if const_expr(self.deterministic):
-            group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
+        group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
         work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, kv_heads, group)
 
         if warp_idx < 4:

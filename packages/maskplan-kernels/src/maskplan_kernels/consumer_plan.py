@@ -652,6 +652,37 @@ class HeadRange(NamedTuple):
 #: at a time) left the longest causal K rows of the last head in the last waves, all heads at a time
 #: spread a wave's Q / dO reads over every head in L2 (measured on SM90: flexattn_sm90.bwd_kernel)
 ATOMIC_HEAD_GROUP = 2
+#: below this K2Q row fill (:func:`k2q_row_fill`) the atomic launch takes all kv heads at a time:
+#: a K block then walks few Q blocks (documents, sliding windows), so a wave over every head stays
+#: small in L2, and the short rows of all heads even out the waves. SM90 fwd+bwd, device time:
+#: document +3% (D=128) and +4-5% (D=64 GQA 32/8), sliding-1024 within 1% (RESULTS.md, session 19)
+SPARSE_ROW_FILL = 0.25
+
+
+def k2q_row_fill(entries, k_rows, q_blocks_per_sample):
+    """The fraction of its sample's Q blocks a backward view's K2Q row visits on average: its
+    ``entries`` (partial + full) over ``k_rows`` (K plan rows x mask heads) x Q blocks per sample.
+    Plain arithmetic, so kernels and host tests ask the same question."""
+    return entries / (k_rows * q_blocks_per_sample)
+
+
+@cute.jit
+def view_row_fill(plan: BwdPlanTensors, n_qblk: Int32) -> Float32:
+    """:func:`k2q_row_fill` of the launched view; ``n_qblk`` is the padded Q blocks of all samples
+    (varlen: from the host bound ``geometry.ViewBounds.q_rows``, within one block per sample)."""
+    entries = Float32(cute.size(plan.mask_block_idx) + cute.size(plan.full_block_idx))
+    k_rows = Float32(cute.size(plan.mask_block_cnt))
+    return k2q_row_fill(entries, k_rows, Float32(n_qblk) / Float32(cute.size(plan.q_block_begin)))
+
+
+@cute.jit
+def atomic_head_group(plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
+    """Kv heads the atomic backward launch (:func:`decode_work`) takes at a time:
+    ``ATOMIC_HEAD_GROUP``, or all of them on sparse K2Q rows (``SPARSE_ROW_FILL``)."""
+    group = Int32(ATOMIC_HEAD_GROUP)
+    if view_row_fill(plan, n_qblk) < SPARSE_ROW_FILL:
+        group = kv_heads
+    return group
 
 
 def grouped_launch_slot(launch: Int32, kv_heads: Int32, k_rows: Int32, group: Int32) -> tuple[Int32, Int32]:
@@ -821,6 +852,7 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 __all__ = [
     "ATOMIC_HEAD_GROUP",
     "CONSUMER_FIELDS",
+    "SPARSE_ROW_FILL",
     "TASK_WORDS",
     "BwdHostEntry",
     "BwdPlanTensors",
@@ -833,6 +865,7 @@ __all__ = [
     "WalkStep",
     "Work",
     "apply_packed_predicate",
+    "atomic_head_group",
     "backward_q_desc",
     "bulk_reduce_add_f32",
     "bwd_plan_tensors",
@@ -846,6 +879,7 @@ __all__ = [
     "fwd_plan_tensors",
     "grouped_launch_slot",
     "head_range",
+    "k2q_row_fill",
     "load_payload_plane",
     "make_sequence_desc",
     "publish_task",
@@ -857,5 +891,6 @@ __all__ = [
     "turnstile_advance",
     "turnstile_wait",
     "vector",
+    "view_row_fill",
     "walk_descending",
 ]
