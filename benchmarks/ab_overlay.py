@@ -33,9 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 #: a row of bench_fwd_sm90.py's final table: "  8192 causal  flexattn  562.6  1.00x  590.1  1.02x  0.407"
 #: (queued TFLOP/s and ratio, then device TFLOP/s, its ratio and host ms; older tables end after
-#: the first ratio; a ratio is "-" where flexattn itself did not run, e.g. ``--systems flexattn-det``)
+#: the first ratio; a ratio is "-" where flexattn itself did not run, e.g. ``--systems flexattn-det``;
+#: the device fields are "nan" for a system without device-only time, one whose calls sync)
 TABLE_ROW = re.compile(
-    r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+(?:[\d.]+x|-)(?:\s+([\d.]+)\s+(?:[\d.]+x|-)\s+[\d.]+)?\s*$"
+    r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+(?:[\d.]+x|-)"
+    r"(?:\s+([\d.]+|nan)\s+(?:[\d.]+x|nanx|-)\s+(?:[\d.]+|nan))?\s*$"
 )
 
 
@@ -108,7 +110,7 @@ def table_rows(output: str) -> dict[tuple[str, str, str], float]:
         m = TABLE_ROW.match(line)
         if m:
             rows[m.group(1), m.group(2), m.group(3)] = float(m.group(4))
-            if m.group(5) is not None:
+            if m.group(5) not in (None, "nan"):
                 rows[m.group(1), m.group(2), m.group(3) + "@device"] = float(m.group(5))
     return rows
 

@@ -100,6 +100,24 @@ def test_table_rows_read_the_benchmarks_own_table_with_device_timings(tmp_path, 
     }
 
 
+def test_table_rows_keep_a_system_without_device_time(tmp_path, capsys):
+    """A system whose calls sync has no device-only time (bench_fwd_sm90.device_timed: NaN); its
+    queued TFLOP/s still parses, and it has no ``@device`` row."""
+    import bench_fwd_sm90
+
+    def row(system, device_tflops, host_ms):
+        return {"seqlen": 8192, "mask": "causal", "system": system, "ms": 1.0, "tflops": 500.0,
+                "device_ms": 1.0, "device_tflops": device_tflops, "host_ms": host_ms}  # fmt: skip
+
+    nan = float("nan")
+    bench_fwd_sm90.report([row("flexattn", 590.1, 0.4), row("torch-flex", nan, nan)], tmp_path, "fwd")
+    assert ab_overlay.table_rows(capsys.readouterr().out) == {
+        ("8192", "causal", "flexattn"): 500.0,
+        ("8192", "causal", "flexattn@device"): 590.1,
+        ("8192", "causal", "torch-flex"): 500.0,
+    }
+
+
 def test_rows_without_a_ratio(tree, capsys):
     """``--systems flexattn-det`` alone: the benchmark prints "-" for the ratio to flexattn."""
     row = BENCH.replace("flexattn        {value}     1.00x", "flexattn-det    {value}     -")
