@@ -109,6 +109,10 @@ class Sm90FwdConfig(_KernelConfig):
     #: stages of the SMEM packed-mask pipeline (spec 6.2); each stage holds one CTA payload plane
     mask_pipeline_stages: int = field(default=2, metadata=CONSTEXPR)
     kv_stages: int = field(default=2, metadata=CONSTEXPR)
+    #: SMEM buffers of the Q tile (its load pipeline's stages; not the plan topology's ``q_stage``,
+    #: which is Q tiles per CTA): with two, the producer loads a task's Q while the previous task
+    #: still holds its own, and goes on to the task's first K / V block
+    q_buffers: int = field(default=1, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -141,15 +145,15 @@ class Sm90FwdConfig(_KernelConfig):
 
     @property
     def operand_smem_bytes(self) -> int:
-        """SMEM of the Q tile, the K/V stages and the mask pipeline (2-byte elements)."""
+        """SMEM of the Q buffers, the K/V stages and the mask pipeline (2-byte elements)."""
         kv = self.kv_stages * self.tile_n * (self.head_dim_qk + self.head_dim_v)
-        return 2 * (self.tile_m * self.head_dim_qk + kv) + self.mask_smem_bytes
+        return 2 * (self.q_buffers * self.tile_m * self.head_dim_qk + kv) + self.mask_smem_bytes
 
     @property
     def o_chunk_cols(self) -> int:
         """Columns of O the epilogue stages through SMEM at a time: the largest power of two that
         divides Dv and whose ``tile_m x cols`` tile fits the SMEM left next to the operands (64: 64,
-        96: 32, 128: 128, (192, 128): 32, 256: 128). A power of two, so a warpgroup's 128 threads
+        96: 32, 128: 64, (192, 128): 32, 256: 128). A power of two, so a warpgroup's 128 threads
         tile the chunk's rows in whole 16-byte pieces. PackGQA at Dv = 256 takes 64: each row of a
         packed tile has its own (head, position) address, and with 128-column chunks ptxas spilled
         there (the compile tests check every config for spills)."""

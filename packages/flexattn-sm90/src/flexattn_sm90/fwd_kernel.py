@@ -21,7 +21,9 @@ Per task ``(m_block, head, batch, q_valid_rows)``::
 Pipelines (mbarrier based, all CTA-local)::
 
     sched  2 stages   producer lane 0 -> 256 consumer threads   decoded task record in SMEM
-    Q      1 stage    TMA                -> 8 consumer warps
+    Q      q_buffers  TMA                -> 8 consumer warps   (2 up to D = 128: a task's Q, then
+                                                                    its first K / V block, load
+                                                                    while the previous task runs)
     K, V   kv_stages  TMA                -> 8 consumer warps
     mask   2 stages   cp.async.bulk      -> 256 consumer threads   (spec 6.2; advances on partial
                                                                     blocks only)
@@ -90,6 +92,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.pack_group = config.qhead_per_kvhead if config.pack_gqa else 1
         self.tile_positions = config.plan_tile_m
         self.kv_stages = config.kv_stages
+        self.q_buffers = config.q_buffers
         self.o_chunk = config.o_chunk_cols
         # the epilogue's 16-byte pieces: a warpgroup covers whole rows of a chunk per pass
         assert self.o_chunk % 16 == 0 and 128 % (self.o_chunk // 8) == 0 and (1024 // self.o_chunk) <= 64
@@ -207,21 +210,24 @@ class Sm90FwdKernel(ConsumerMainloop):
             raise TypeError(f"q/k/v/o must be {self.dtype}")
         # TMA views: (rows, d, heads)
         mQ_t, mK_t, mV_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV))
-        # (tile_m, Dqk) / (tile_n, Dqk, stages) / (tile_n, Dv, stages)
-        sQ_layout = smem_layout_row_major(self.dtype, self.tile_m, self.head_dim_qk)
+        # (tile_m, Dqk, q_buffers) / (tile_n, Dqk, stages) / (tile_n, Dv, stages)
+        sQ_layout = smem_layout_row_major(self.dtype, self.tile_m, self.head_dim_qk, self.q_buffers)
         sK_layout = smem_layout_row_major(self.dtype, self.tile_n, self.head_dim_qk, self.kv_stages)
         sV_layout = smem_layout_row_major(self.dtype, self.tile_n, self.head_dim_v, self.kv_stages)
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         if const_expr(self.pack_gqa):
             # one (G, P, D) box of ((heads, positions), D), then mode 2 = kv head: ((G, total_q), D, Hkv)
             tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
-                load_op, heads_rows(mQ), sQ_layout, ((self.pack_group, self.tile_positions), self.head_dim_qk)
+                load_op,
+                heads_rows(mQ),
+                cute.select(sQ_layout, mode=[0, 1]),
+                ((self.pack_group, self.tile_positions), self.head_dim_qk),
             )
             tma_mQ = group_heads(tma_mQ, self.pack_group)
             mO = group_heads(heads_rows(mO), self.pack_group)  # ((G, total_q), Dv, Hkv)
         else:
             tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
-                load_op, mQ_t, sQ_layout, (self.tile_m, self.head_dim_qk)
+                load_op, mQ_t, cute.select(sQ_layout, mode=[0, 1]), (self.tile_m, self.head_dim_qk)
             )
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
             load_op, mK_t, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.head_dim_qk)
@@ -229,7 +235,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             load_op, mV_t, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.head_dim_v)
         )
-        self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         # S = Q K^T: (tile_m, tile_n), both K-major; O = P V: P from registers, V^T MN-major
@@ -300,7 +306,7 @@ class Sm90FwdKernel(ConsumerMainloop):
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
             mask: cute.struct.Align[cute.struct.MemRange[Int32, mask_words], 128]
             task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_buffers]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
@@ -412,7 +418,7 @@ class Sm90FwdKernel(ConsumerMainloop):
                 defer_sync=True,
             )
         return (
-            tma_pipe(storage.mbar_q, 1, self.bytes_q),
+            tma_pipe(storage.mbar_q, self.q_buffers, self.bytes_q),
             tma_pipe(storage.mbar_k, self.kv_stages, self.bytes_k),
             tma_pipe(storage.mbar_v, self.kv_stages, self.bytes_v),
             pipe_mask,
@@ -449,7 +455,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         num_tasks = plan.fwd_work_desc.shape[0]
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.sched_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_buffers)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
         bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
@@ -470,7 +476,8 @@ class Sm90FwdKernel(ConsumerMainloop):
             )
             if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
                 pipe_q.producer_acquire(q_state)
-                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                bar = pipe_q.producer_get_barrier(q_state)
+                cute.copy(tma_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=bar)
                 q_state.advance()
             # K/V tiles of this sample and kv head: (tile_n, D, n_blocks)
             gK = cute.local_tile(

@@ -7,8 +7,8 @@ applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows
     simple      per block: S = QK^T; wait; [mask]; softmax; O += PV; wait
     overlap     S_{i+1} is issued before O += P_i V_i and the softmax of S_{i+1} runs while
                 P_i V_i is still on the tensor cores; O is rescaled once P_i V_i retires (FA3's
-                intra-warpgroup overlap). Q is released before the last PV GEMM, so the next
-                task's Q load starts while this task finishes. Every GEMM is issued and waited
+                intra-warpgroup overlap). Q is released before the last PV GEMM, so with one Q
+                buffer the next task's Q load starts while this task finishes. Every GEMM is issued and waited
                 for within one step: ptxas serialises a WGMMA still in flight across a loop edge
                 (what a schedule issuing S_{i+1} at the end of step i, then consuming it in step
                 i + 1, ran into: C7517)
@@ -93,7 +93,7 @@ class ConsumerMainloop:
         ops = Operands(
             mma_qk=mma_qk,
             mma_pv=mma_pv,
-            tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),  # (MMA, MMA_M, MMA_K)
+            tSrQ=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),  # (MMA, MMA_M, MMA_K, q_buffers)
             tSrK=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),  # (MMA, MMA_N, MMA_K, stages)
             tOrV=wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(sV))),  # (MMA, MMA_N, MMA_K, stages)
             tOrP=thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n))),
@@ -114,7 +114,7 @@ class ConsumerMainloop:
         lse = cute.make_rmem_tensor(num_rows, Float32)
 
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.sched_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_buffers)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
 
@@ -126,12 +126,16 @@ class ConsumerMainloop:
             has_blocks = t.partial_cnt + t.full_cnt > 0
             if has_blocks:
                 pipe_q.consumer_wait(q_state)
+                # this task's Q buffer
+                task_ops = ops._replace(tSrQ=ops.tSrQ[None, None, None, q_state.index])
                 if const_expr(self.schedule == "overlap"):  # releases Q itself, before its last GEMM
                     kv_state, mask_state = self.mainloop_overlap(
-                        ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state
+                        task_ops, acc_s_shape, t, kv_state, mask_state, pipe_q, q_state
                     )
                 else:
-                    kv_state, mask_state = self.mainloop_simple(ops, acc_s_shape, t, kv_state, mask_state)
+                    kv_state, mask_state = self.mainloop_simple(
+                        task_ops, acc_s_shape, t, kv_state, mask_state
+                    )
                     pipe_q.consumer_release(q_state)
                 q_state.advance()
             finalize_softmax(ops.acc_o, ops.row_max, ops.row_sum, lse, scale_log2)

@@ -90,6 +90,12 @@ def select_fwd_config(
         pack_gqa=pack_gqa,
         qhead_per_kvhead=qhead_per_kvhead,
         varlen=varlen,
+        # with one Q buffer the producer's next Q load waited for this task's last S GEMM, and its
+        # first K / V block behind it, so a short task's consumers waited for both (ncu, D=128
+        # sliding-1024: 4.8% of samples); two buffers took the forward's device time up 3-4% (D=128)
+        # and 7-8% (D=64) on sliding-1024 and documents, causal and random-5 unchanged
+        # (benchmarks/RESULTS.md, session 20). From (192, 128) on the second buffer leaves no SMEM.
+        q_buffers=2 if max(head_dim_qk, head_dim_v) <= 128 else 1,
     )
 
 
