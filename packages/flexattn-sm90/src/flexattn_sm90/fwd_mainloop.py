@@ -8,10 +8,10 @@ applied) and then the full range (no mask work) of their 128-row Q tile, 64 rows
     overlap     S_{i+1} is issued before O += P_i V_i and the softmax of S_{i+1} runs while
                 P_i V_i is still on the tensor cores; O is rescaled once P_i V_i retires (FA3's
                 intra-warpgroup overlap). Q is released before the last PV GEMM, so with one Q
-                buffer the next task's Q load starts while this task finishes. Every GEMM is issued and waited
-                for within one step: ptxas serialises a WGMMA still in flight across a loop edge
-                (what a schedule issuing S_{i+1} at the end of step i, then consuming it in step
-                i + 1, ran into: C7517)
+                buffer the next task's Q load starts while this task finishes. Every GEMM is
+                issued and waited for within one step: ptxas serialises a WGMMA still in flight
+                across a loop edge (what a schedule issuing S_{i+1} at the end of step i, then
+                consuming it in step i + 1, ran into: C7517)
 
 Every schedule consumes the same pipelines in the same order; the payload of a partial block is
 read before its S is used and the mask pipeline advances only on partial blocks.
