@@ -128,19 +128,20 @@ def test_pack_gqa_compiles(dq, dv, group, smem, max_logit, tmp_path):
 
 @pytest.mark.parametrize(
     "dq,dv,pack_gqa,want",
-    [(64, 64, False, (2, 64)), (96, 96, False, (2, 32)), (128, 128, False, (2, 64)),
-     (192, 128, False, (1, 32)), (256, 256, False, (1, 128)), (256, 256, True, (1, 64)),
-     (128, 128, True, (2, 128))],
+    [(64, 64, False, (2, False, 64)), (96, 96, False, (2, False, 32)),
+     (128, 128, False, (2, False, 64)), (192, 128, False, (1, True, 32)),
+     (256, 256, False, (1, False, 128)), (256, 256, True, (1, False, 64)),
+     (128, 128, True, (2, False, 128))],
 )  # fmt: skip
 def test_q_buffers_and_o_epilogue_chunk_fit_smem(dq, dv, pack_gqa, want):
-    """Two Q buffers up to D = 128; the O staging chunk: a power of two dividing Dv, next to the
-    operand tiles within SMEM."""
+    """Two Q buffers up to D = 128, one with Q after the first K / V block at (192, 128); the O
+    staging chunk: a power of two dividing Dv, next to the operand tiles within SMEM."""
     group = 8 if pack_gqa else 1
     config = select_fwd_config(
         head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=pack_gqa, qhead_per_kvhead=group
     )
     chunk = config.o_chunk_cols
-    assert (config.q_buffers, chunk) == want
+    assert (config.q_buffers, config.q_after_first_kv, chunk) == want
     assert chunk & (chunk - 1) == 0 and dv % chunk == 0
     assert config.operand_smem_bytes + 2 * config.tile_m * chunk + SMEM_RESERVE <= SMEM_LIMIT
 

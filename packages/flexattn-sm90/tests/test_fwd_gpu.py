@@ -134,16 +134,19 @@ def test_schedules(schedule, mask_via_smem):
 
 @pytest.mark.parametrize("ctas", [1, 3])
 @pytest.mark.parametrize(
-    "schedule,d", [("overlap", 64), ("overlap", 96), ("overlap", 128), ("simple", 128)]
-)
-def test_task_handover(schedule, d, ctas, monkeypatch):
+    "schedule,d,dv",
+    [("overlap", 64, 64), ("overlap", 96, 96), ("overlap", 128, 128), ("simple", 128, 128),
+     ("overlap", 192, 128), ("overlap", 256, 256)],
+)  # fmt: skip
+def test_task_handover(schedule, d, dv, ctas, monkeypatch):
     """One CTA runs task after task: the grid is capped at 1 or 3 persistent CTAs (a grid of one
     CTA per SM gives every CTA of a test with fewer than 132 tasks a single task). Many short tasks:
     documents of 1-3 K blocks, one-block tasks, tasks without blocks before and after tasks with
-    blocks, GQA and PackGQA, per-head random masks."""
+    blocks, GQA and PackGQA, per-head random masks. Two Q buffers up to D = 128; one from (192, 128)
+    on, loaded after the task's first K / V block at (192, 128)."""
     monkeypatch.setattr(fwd_launch, "persistent_ctas", lambda device, items: min(items, ctas))
     B, S, H = 2, 1000, 4
-    q, k, v = qkv((B, S, H), (B, S, 2), d, d, torch.bfloat16, seed=30)
+    q, k, v = qkv((B, S, H), (B, S, 2), d, dv, torch.bfloat16, seed=30)
     ep = masks.document([[40, 300, 5, 128, 527], [130, 1, 869]], device=DEV)
     ep[..., 256:384] = 0  # Q block 2 of each sample visits no block
     ep[..., S + 896 :] = 0  # nor does the last Q block of the second sample

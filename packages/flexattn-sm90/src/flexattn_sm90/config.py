@@ -113,6 +113,8 @@ class Sm90FwdConfig(_KernelConfig):
     #: which is Q tiles per CTA): with two, the producer loads a task's Q while the previous task
     #: still holds its own, and goes on to the task's first K / V block
     q_buffers: int = field(default=1, metadata=CONSTEXPR)
+    #: with one Q buffer, issue a task's Q load after its first K / V block instead of before it
+    q_after_first_kv: bool = field(default=False, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()

@@ -23,7 +23,9 @@ Pipelines (mbarrier based, all CTA-local)::
     sched  2 stages   producer lane 0 -> 256 consumer threads   decoded task record in SMEM
     Q      q_buffers  TMA                -> 8 consumer warps   (2 up to D = 128: a task's Q, then
                                                                     its first K / V block, load
-                                                                    while the previous task runs)
+                                                                    while the previous task runs;
+                                                                    with one, q_after_first_kv
+                                                                    may issue Q after that block)
     K, V   kv_stages  TMA                -> 8 consumer warps
     mask   2 stages   cp.async.bulk      -> 256 consumer threads   (spec 6.2; advances on partial
                                                                     blocks only)
@@ -93,6 +95,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.tile_positions = config.plan_tile_m
         self.kv_stages = config.kv_stages
         self.q_buffers = config.q_buffers
+        self.q_after_first_kv = config.q_after_first_kv
         self.o_chunk = config.o_chunk_cols
         # the epilogue's 16-byte pieces: a warpgroup covers whole rows of a chunk per pass
         assert self.o_chunk % 16 == 0 and 128 % (self.o_chunk // 8) == 0 and (1024 // self.o_chunk) <= 64
@@ -474,11 +477,11 @@ class Sm90FwdKernel(ConsumerMainloop):
             tQsQ, tQgQ = cpasync.tma_partition(
                 tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
             )
-            if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
-                pipe_q.producer_acquire(q_state)
-                bar = pipe_q.producer_get_barrier(q_state)
-                cute.copy(tma_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=bar)
-                q_state.advance()
+            q_due = Int32(0)  # a task without blocks loads no Q: it writes O = 0, LSE = -inf only
+            if t.partial_cnt + t.full_cnt > 0:
+                q_due = Int32(1)
+            if const_expr(not self.q_after_first_kv):
+                q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
             # K/V tiles of this sample and kv head: (tile_n, D, n_blocks)
             gK = cute.local_tile(
                 cute.domain_offset((t.k_offset, 0), mK[None, None, t.kv_head]),
@@ -512,6 +515,8 @@ class Sm90FwdKernel(ConsumerMainloop):
                 kv_state = self.load_kv(
                     n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
                 )
+                if const_expr(self.q_after_first_kv):
+                    q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
                 n_block = n_next
             idx, last = plan.full_block_idx, cute.size(plan.full_block_idx) - 1
             if t.full_cnt > 0:
@@ -521,6 +526,8 @@ class Sm90FwdKernel(ConsumerMainloop):
                 kv_state = self.load_kv(
                     n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
                 )
+                if const_expr(self.q_after_first_kv):
+                    q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
                 n_block = n_next
             task = self.next_task(tile_counter, lane)
         # tell the consumers there is no more work
@@ -538,6 +545,16 @@ class Sm90FwdKernel(ConsumerMainloop):
             ticket = cute.arch.atomic_add(tile_counter.iterator, Int32(1))
         ticket = cute.arch.shuffle_sync(ticket, 0)
         return ticket + Int32(cute.arch.grid_dim()[0])
+
+    @cute.jit
+    def load_q(self, due: Int32, pipe_q, state, tma_q, tQgQ, tQsQ):
+        """The task's Q tile into the next Q buffer if ``due``; returns ``(state, 0)``."""
+        if due != 0:
+            pipe_q.producer_acquire(state)
+            bar = pipe_q.producer_get_barrier(state)
+            cute.copy(tma_q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
+            state.advance()
+        return state, Int32(0)
 
     @cute.jit
     def load_kv(self, n_block: Int32, pipe_k, pipe_v, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):

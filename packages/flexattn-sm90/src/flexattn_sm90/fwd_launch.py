@@ -50,7 +50,7 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
     """Everything the compiled kernel depends on. Varlen-ness, and the GQA ratio unless the tile
     packs heads (PackGQA), are runtime values."""
     static = ("head_dim_qk", "head_dim_v", "dtype", "tile_m", "tile_n", "num_consumer_warpgroups")
-    static += ("pack_gqa", "mask_pipeline_stages", "kv_stages", "q_buffers")
+    static += ("pack_gqa", "mask_pipeline_stages", "kv_stages", "q_buffers", "q_after_first_kv")
     if config.pack_gqa:  # the heads packed into a tile are compile-time (TMA box, payload layout)
         static += ("qhead_per_kvhead",)
     return (

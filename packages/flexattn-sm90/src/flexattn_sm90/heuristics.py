@@ -80,6 +80,12 @@ def select_fwd_config(
     tile_m, tile_n = fwd_tile(head_dim_qk, head_dim_v)
     if pack_gqa:
         require_pack_gqa_ratio(qhead_per_kvhead, tile_m)
+    # with one Q buffer the next Q load waited for this task's last S GEMM, and its first K / V
+    # block behind it, so a short task's consumers waited for both (ncu, D=128 sliding-1024: 4.8%
+    # of samples); two buffers took the forward's device time up 3-4% (D=128) and 7-8% (D=64) on
+    # sliding-1024 and documents, causal and random-5 unchanged (benchmarks/RESULTS.md, session
+    # 20). From (192, 128) on the second buffer leaves no SMEM.
+    q_buffers = 2 if max(head_dim_qk, head_dim_v) <= 128 else 1
     return Sm90FwdConfig(
         head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_v,
@@ -90,12 +96,11 @@ def select_fwd_config(
         pack_gqa=pack_gqa,
         qhead_per_kvhead=qhead_per_kvhead,
         varlen=varlen,
-        # with one Q buffer the producer's next Q load waited for this task's last S GEMM, and its
-        # first K / V block behind it, so a short task's consumers waited for both (ncu, D=128
-        # sliding-1024: 4.8% of samples); two buffers took the forward's device time up 3-4% (D=128)
-        # and 7-8% (D=64) on sliding-1024 and documents, causal and random-5 unchanged
-        # (benchmarks/RESULTS.md, session 20). From (192, 128) on the second buffer leaves no SMEM.
-        q_buffers=2 if max(head_dim_qk, head_dim_v) <= 128 else 1,
+        q_buffers=q_buffers,
+        # where one Q buffer remains, loading the first K / V block first measured +1-3% on
+        # (192, 128) (causal, sliding-1024, document) and -2% on (256, 256)'s sliding-1024 and
+        # documents (RESULTS.md, session 21)
+        q_after_first_kv=q_buffers == 1 and tile_n == 128,
     )
 
 
