@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maskplan_core import masks
+from maskplan_core.errors import FlexAttnError
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -626,11 +627,35 @@ def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
         (lambda: masks.chunked(4, 0), ValueError, "chunk_size"),
         (lambda: masks.chunked(4, 2, causal=1), TypeError, "causal"),
         (lambda: masks.chunked(4, 2, batch=-1), ValueError, "batch"),
+        # endpoints are int32: longer sequences are refused by name, not wrapped around
+        (lambda: masks.causal(4, 2**31), ValueError, "seqlen_k = 2147483648 exceeds the int32"),
+        (lambda: masks.sliding_window(2**33, window_left=1), ValueError, "seqlen_q = 8589934592"),
+        (lambda: masks.chunked(2**31, 4), ValueError, "seqlen = 2147483648"),
+        (lambda: masks.document([2**31, 5]), ValueError, "doc_lens sum to 2147483653"),
+        (lambda: masks.causal(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2**32]), ValueError, "= 4294967296"),
+        (lambda: masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 2, 2**31), ValueError, "Sk = "),
+        (lambda: masks.document_ids(torch.zeros(0, 5, dtype=torch.int64)), ValueError, "B, S >= 1"),
     ],
 )
 def test_builder_validation(call, exc, pattern):
-    with pytest.raises(exc, match=pattern):
+    with pytest.raises(exc, match=pattern) as info:
         call()
+    assert isinstance(info.value, FlexAttnError)  # one base class for every library error
+
+
+def test_windows_chunks_and_prefixes_beyond_int32_are_unbounded():
+    """A size beyond any sequence length means "no limit": the same endpoints as one of exactly
+    the sequence length, with no int64 overflow."""
+    huge = 2**70
+    assert torch.equal(masks.sliding_window(6, window_left=huge), masks.sliding_window(6, window_left=6))
+    assert torch.equal(
+        masks.sliding_window(6, window_left=1, window_right=huge),
+        masks.sliding_window(6, window_left=1, window_right=6),
+    )
+    assert torch.equal(masks.chunked(5, huge, causal=False), masks.chunked(5, 5, causal=False))
+    assert torch.equal(masks.prefix_lm(3, [1, huge]), masks.prefix_lm(3, [1, 3]))
+    ids = torch.tensor([4, 4, 4, 9, 9])
+    assert torch.equal(masks.document_ids(ids, window_left=huge), masks.document_ids(ids))
 
 
 def test_device_argument_forms():

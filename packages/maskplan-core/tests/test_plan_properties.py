@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from maskplan_core import PlanSignature, RowMajorLayout, Topology, ViewConfig, validate_plan_inputs
+from maskplan_core.errors import InputValueError
 from maskplan_core.reference import build_plan
 
 PROPS = settings(
@@ -546,6 +547,9 @@ def test_all_full_mask_has_no_payloads():
         assert view.mask_block_idx.numel() == 0
         assert view.mask_block_masks.shape[0] == 0
         assert view.full_block_idx.numel() == valid_pairs(p, *view.block_size)
+        assert view.entries("partial").head.numel() == 0
+        with pytest.raises(InputValueError, match="kind must be 'partial' or 'full', got 'Full'"):
+            view.entries("Full")
 
 
 @pytest.mark.parametrize("k_lens", [(64, 96), (96, 64), (160, 20)])

@@ -295,6 +295,7 @@ def test_cu_seqlens_shapes_differ():
         ("max_seqlen_q", 11.0, InputTypeError, ("int", "float")),
         ("max_seqlen_k", True, InputTypeError, ("int", "bool")),
         ("max_seqlen_k", torch.tensor(7), InputTypeError, ("int", "Tensor")),
+        ("max_seqlen_k", 2**31, InputValueError, ("2147483648", "int32")),
     ],
 )
 def test_max_seqlen_values(name, value, cls, needles):
@@ -361,11 +362,13 @@ def _replace(index: int, tensor):
         (_replace(1, torch.zeros(B, SK, HKV, D, device="meta")), InputValueError, ("k", "meta", "cpu")),
         (lambda: fixed_qkv(sq=0), InputValueError, ("q", "nonzero")),
         (lambda: fixed_qkv(b=0), InputValueError, ("q", "nonzero")),
+        (lambda: [t[..., :0] for t in fixed_qkv()], InputValueError, ("head dims", ">= 1", "q/k 0")),
+        (_replace(2, torch.zeros(B, SK, HKV, 0)), InputValueError, ("head dims", ">= 1", "v 0")),
     ],
     ids=[
         "q-rank3", "k-rank5", "v-rank3", "q-not-tensor", "v-none", "k-dtype", "v-dtype", "int-dtype",
         "head-dim", "hq-not-multiple", "hkv-gt-hq", "kv-seq", "kv-heads", "k-batch", "qk-batch",
-        "q-non-contiguous", "k-device", "sq-zero", "batch-zero",
+        "q-non-contiguous", "k-device", "sq-zero", "batch-zero", "qk-dim-zero", "v-dim-zero",
     ],
 )
 def test_qkv_structure(make, cls, needles):

@@ -72,6 +72,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .errors import InputTypeError, InputValueError
+from .validation import MAX_SEQLEN
+
 __all__ = [
     "causal",
     "chunked",
@@ -97,14 +100,28 @@ _CHUNK_ELEMENTS = 1 << 24
 def _as_int(name: str, value: object, minimum: int | None = None) -> int:
     """Return ``value`` as a Python int, raising TypeError / ValueError naming ``name``."""
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
     try:
         out = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if minimum is not None and out < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+        raise InputValueError(f"{name} must be >= {minimum}, got {out}")
     return out
+
+
+def _as_length(name: str, value: object) -> int:
+    """A sequence length: ``1 .. 2**31 - 1`` (int32 endpoints)."""
+    out = _as_int(name, value, 1)
+    if out > MAX_SEQLEN:
+        raise InputValueError(f"{name} = {out} exceeds the int32 endpoint range (<= {MAX_SEQLEN})")
+    return out
+
+
+def _as_extent(name: str, value: object, minimum: int = 0) -> int:
+    """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
+    clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow)."""
+    return min(_as_int(name, value, minimum), MAX_SEQLEN)
 
 
 def _as_device(device: object) -> torch.device:
@@ -116,20 +133,20 @@ def _as_device(device: object) -> torch.device:
         try:
             return torch.device(device)
         except RuntimeError as exc:
-            raise ValueError(f"device is not a valid device string: {device!r} ({exc})") from None
-    raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+            raise InputValueError(f"device is not a valid device string: {device!r} ({exc})") from None
+    raise InputTypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
 
 
 def _int_list(name: str, value: object) -> list[int]:
     """Validate a 1-D sequence (list/tuple/1-D integer tensor) of ints."""
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
-            raise TypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
+            raise InputTypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
         if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
+            raise InputValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
         return [int(v) for v in value.tolist()]
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
     return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
@@ -152,15 +169,15 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
     length from ``seqlen_q/k`` and ``batch``, varlen from ``cu_seqlens_q/k``."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if seqlen_q is None:
-            raise TypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
-        seqlen_q = _as_int("seqlen_q", seqlen_q, 1)
-        seqlen_k = seqlen_q if seqlen_k is None else _as_int("seqlen_k", seqlen_k, 1)
+            raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
+        seqlen_q = _as_length("seqlen_q", seqlen_q)
+        seqlen_k = seqlen_q if seqlen_k is None else _as_length("seqlen_k", seqlen_k)
         batch = _as_int("batch", batch, 1)
         i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
         d = (i + (seqlen_k - seqlen_q)).repeat(batch)
         return d, torch.full_like(d, seqlen_k)
     if seqlen_q is not None or seqlen_k is not None or batch != 1:
-        raise ValueError(
+        raise InputValueError(
             "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
         )
     if device is None and isinstance(cu_seqlens_q, torch.Tensor):
@@ -212,8 +229,8 @@ def sliding_window(
     Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen as
     :func:`causal`.
     """
-    window_left = _as_int("window_left", window_left, 0)
-    window_right = _as_int("window_right", window_right, 0)
+    window_left = _as_extent("window_left", window_left)
+    window_right = _as_extent("window_right", window_right)
     d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)
     hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
@@ -240,14 +257,16 @@ def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
         elif doc_lens.dim() == 2:
             seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
         else:
-            raise ValueError(f"doc_lens must be 1-D or 2-D, got a tensor of shape {tuple(doc_lens.shape)}")
+            raise InputValueError(
+                f"doc_lens must be 1-D or 2-D, got a tensor of shape {tuple(doc_lens.shape)}"
+            )
     elif isinstance(doc_lens, (str, bytes)) or not isinstance(doc_lens, Sequence):
-        raise TypeError(
+        raise InputTypeError(
             f"doc_lens must be a sequence of ints or a sequence of such sequences, "
             f"got {type(doc_lens).__name__}"
         )
     elif len(doc_lens) == 0:
-        raise ValueError("doc_lens must not be empty")
+        raise InputValueError("doc_lens must not be empty")
     else:
         nested = [_is_sequence(x) for x in doc_lens]
         if all(nested):
@@ -256,21 +275,27 @@ def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
         elif not any(nested):
             seqs = [_int_list("doc_lens", doc_lens)]
         else:
-            raise TypeError(
+            raise InputTypeError(
                 "doc_lens must be either a sequence of ints or a sequence of sequences, not a mix"
             )
     for b, seq in enumerate(seqs):
         name = f"doc_lens[{b}]" if nested_input else "doc_lens"
         if len(seq) == 0:
-            raise ValueError(f"{name} must contain at least one document length")
+            raise InputValueError(f"{name} must contain at least one document length")
         for j, n in enumerate(seq):
             if n < 0:
-                raise ValueError(f"{name}[{j}] must be >= 0, got {n}")
+                raise InputValueError(f"{name}[{j}] must be >= 0, got {n}")
         if sum(seq) == 0:
-            raise ValueError(f"{name} must have a positive total length, got 0")
+            raise InputValueError(f"{name} must have a positive total length, got 0")
     totals = [sum(seq) for seq in seqs]
+    if totals[0] > MAX_SEQLEN:
+        raise InputValueError(
+            f"doc_lens sum to {totals[0]}, beyond the int32 endpoint range (<= {MAX_SEQLEN})"
+        )
     if any(t != totals[0] for t in totals):
-        raise ValueError(f"every sample in doc_lens must have the same total length, got totals {totals}")
+        raise InputValueError(
+            f"every sample in doc_lens must have the same total length, got totals {totals}"
+        )
     return seqs
 
 
@@ -316,15 +341,17 @@ def document_ids(
     as ``(position_ids == 0).cumsum(-1)``.
     """
     if not isinstance(doc_ids, torch.Tensor):
-        raise TypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
+        raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
     if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
-        raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
-    if doc_ids.dim() not in (1, 2) or doc_ids.shape[-1] == 0:
-        raise ValueError(f"doc_ids must be [S] or [B, S] with S >= 1, got shape {tuple(doc_ids.shape)}")
+        raise InputTypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    if doc_ids.dim() not in (1, 2) or 0 in doc_ids.shape:
+        raise InputValueError(
+            f"doc_ids must be [S] or [B, S] with B, S >= 1, got shape {tuple(doc_ids.shape)}"
+        )
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     if window_left is not None:
-        window_left = _as_int("window_left", window_left, 0)
+        window_left = _as_extent("window_left", window_left)
     ids = doc_ids.reshape(-1, doc_ids.shape[-1])
     seqlen = ids.shape[1]
     i = torch.arange(seqlen, device=ids.device).expand_as(ids)
@@ -355,24 +382,24 @@ def prefix_lm(
     ``batch`` defaults to 1 for an int ``prefix_len`` and to ``len(prefix_len)`` for a sequence
     (if given, it must match).  Returns ``[1, 1, batch * seqlen]`` int32.
     """
-    seqlen = _as_int("seqlen", seqlen, 1)
+    seqlen = _as_length("seqlen", seqlen)
     dev = _as_device(device)
     if not _is_sequence(prefix_len):
-        prefixes = [_as_int("prefix_len", prefix_len, 0)]
+        prefixes = [_as_extent("prefix_len", prefix_len)]
         batch = 1 if batch is None else _as_int("batch", batch, 1)
         prefixes = prefixes * batch
     else:
         prefixes = _int_list("prefix_len", prefix_len)
         if len(prefixes) == 0:
-            raise ValueError("prefix_len must not be an empty sequence")
+            raise InputValueError("prefix_len must not be an empty sequence")
         for b, p in enumerate(prefixes):
             if p < 0:
-                raise ValueError(f"prefix_len[{b}] must be >= 0, got {p}")
+                raise InputValueError(f"prefix_len[{b}] must be >= 0, got {p}")
         if batch is not None:
             batch = _as_int("batch", batch, 1)
             if batch != len(prefixes):
-                raise ValueError(f"prefix_len has {len(prefixes)} entries but batch={batch}")
-    p = torch.tensor(prefixes, dtype=torch.int64, device=dev)[:, None]
+                raise InputValueError(f"prefix_len has {len(prefixes)} entries but batch={batch}")
+    p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
     f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
     return _finish([f0], 1)
@@ -392,10 +419,10 @@ def chunked(
     ``c = i // chunk_size``; the chunk is clipped to ``seqlen``; with ``causal=True`` keys are further
     limited to ``<= i``.  Returns ``[1, 3, batch * seqlen]`` int32 with endpoints ``[0, lo, hi]``.
     """
-    seqlen = _as_int("seqlen", seqlen, 1)
-    chunk_size = _as_int("chunk_size", chunk_size, 1)
+    seqlen = _as_length("seqlen", seqlen)
+    chunk_size = _as_extent("chunk_size", chunk_size, 1)
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     batch = _as_int("batch", batch, 1)
     dev = _as_device(device)
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)
@@ -466,29 +493,33 @@ def _encode(mask: torch.Tensor) -> torch.Tensor:
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
-            raise TypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+            raise InputTypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+            raise InputValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
         cu = value.to(device=device, dtype=torch.int64)
     else:
         cu = torch.tensor(_int_list(name, value), dtype=torch.int64, device=device)
     if cu.numel() < 2:
-        raise ValueError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
+        raise InputValueError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
     if int(cu[0]) != 0:
-        raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+        raise InputValueError(f"{name} must start at 0, got {int(cu[0])}")
     if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+        raise InputValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+    if int(cu[-1]) > MAX_SEQLEN:
+        raise InputValueError(
+            f"{name}[-1] = {int(cu[-1])} exceeds the int32 endpoint range (<= {MAX_SEQLEN})"
+        )
     return cu
 
 
 def _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Both prefix arrays, checked, as int64 on ``device``."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
+        raise InputValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
     cu_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
     cu_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
     if cu_q.numel() != cu_k.numel():
-        raise ValueError(
+        raise InputValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), "
             f"got {cu_q.numel()} and {cu_k.numel()}"
         )
@@ -514,30 +545,32 @@ def from_dense(
     The result lives on ``mask.device``.
     """
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        raise InputTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+        raise InputTypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
     if mask.dim() == 4 and cu_seqlens_q is None:  # SDPA's [B, H, Sq, Sk]: rows are batch-major
         mask = mask.transpose(0, 1).reshape(mask.shape[1], -1, mask.shape[3])
     if mask.dim() != 3:
-        raise ValueError(
+        raise InputValueError(
             f"mask must have rank 3 [Hmask, total_q, Sk] (or, fixed length, rank 4 [B, Hmask, Sq, Sk]), "
             f"got shape {tuple(mask.shape)}"
         )
     h, t, sk = mask.shape
     if h == 0:
-        raise ValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
+        raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
         cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
         if int(cu_q[-1]) != t:
-            raise ValueError(f"cu_seqlens_q[-1] = {int(cu_q[-1])} must equal mask.shape[1] (total_q) = {t}")
+            raise InputValueError(
+                f"cu_seqlens_q[-1] = {int(cu_q[-1])} must equal mask.shape[1] (total_q) = {t}"
+            )
         q_lens = cu_q.diff()
         k_lens = cu_k.diff()
         too_long = (q_lens > 0) & (k_lens > sk)
         if bool(too_long.any()):
             b = int(too_long.nonzero()[0, 0])
-            raise ValueError(
+            raise InputValueError(
                 f"mask has {sk} key columns but sample {b} has k_len {int(k_lens[b])} "
                 f"(cu_seqlens_k); the key axis must be at least max_seqlen_k"
             )
@@ -551,7 +584,7 @@ def from_dense(
                 hh, rr = (int(x) for x in bad.nonzero()[0])
                 row = r0 + rr
                 b = int(torch.searchsorted(cu_q, torch.tensor(row, device=dev), right=True)) - 1
-                raise ValueError(
+                raise InputValueError(
                     f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
                     f"k_len {int(row_klen[row])}"
                 )
@@ -576,15 +609,15 @@ def from_mask_mod(
     The arguments are ``create_block_mask``'s, ``device`` included.
     """
     if not callable(mask_mod):
-        raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+        raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
     if B is None:
-        raise TypeError(
+        raise InputTypeError(
             "B must be the batch size, not None: endpoints name every query row of the batch "
             "(row = b * Sq + q), so mask_mod is evaluated once per sample"
         )
     B = _as_int("B", B, 1)
     H = 1 if H is None else _as_int("H", H, 1)
-    shape = (H, _as_int("Sq", Sq, 1), _as_int("Sk", Sk, 1))
+    shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)
     return _join_samples([_encode(_mask_mod_sample(mask_mod, b, shape, dev)) for b in range(B)], H)
 
@@ -601,7 +634,7 @@ def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
     """
     for attr in ("mask_mod", "seq_lengths", "kv_num_blocks", "BLOCK_SIZE", "to_dense"):
         if not hasattr(block_mask, attr):
-            raise TypeError(
+            raise InputTypeError(
                 f"block_mask must be a torch FlexAttention BlockMask, got {type(block_mask).__name__}"
             )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
@@ -610,7 +643,7 @@ def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
         batch = mask_b
     batch = _as_int("batch", batch, 1)
     if mask_b not in (1, batch):
-        raise ValueError(f"block_mask has {mask_b} batch entries but batch={batch}")
+        raise InputValueError(f"block_mask has {mask_b} batch entries but batch={batch}")
     shape = (heads, *(int(n) for n in block_mask.seq_lengths))
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
     parts = []
@@ -619,7 +652,7 @@ def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
         pad = (0, -shape[2] % bk, 0, -shape[1] % bq)
         seen = torch.nn.functional.pad(dense, pad).unflatten(2, (-1, bk)).unflatten(1, (-1, bq)).any(4).any(2)
         if not torch.equal(seen, blocks[b if mask_b > 1 else 0]):
-            raise ValueError(
+            raise InputValueError(
                 f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes visible; "
                 "build the dense mask and use from_dense"
             )
@@ -636,13 +669,13 @@ def _mask_mod_sample(mask_mod, b: int, shape: tuple[int, int, int], dev: torch.d
     b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
     res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
     if not isinstance(res, torch.Tensor):
-        raise TypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
+        raise InputTypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
     if res.dtype != torch.bool:
-        raise TypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
+        raise InputTypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
     try:
         return torch.broadcast_to(res, (1, H, Sq, Sk))[0].to(dev)
     except RuntimeError:
-        raise ValueError(
+        raise InputValueError(
             f"mask_mod result of shape {tuple(res.shape)} does not broadcast to [1, H, Sq, Sk] = "
             f"{[1, H, Sq, Sk]}"
         ) from None

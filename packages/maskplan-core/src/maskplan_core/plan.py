@@ -131,6 +131,8 @@ class PlanView:
 
     def entries(self, kind: str) -> BlockEntries:
         """Decode the ``"partial"`` or ``"full"`` CSR into per-entry block coordinates."""
+        if kind not in ("partial", "full"):
+            raise InputValueError(f"kind must be 'partial' or 'full', got {kind!r}")
         prefix = "mask_block" if kind == "partial" else "full_block"
         cnt, idx = self.tensors[f"{prefix}_cnt"], self.tensors[f"{prefix}_idx"].to(torch.int64)
         hmask, rows = cnt.shape

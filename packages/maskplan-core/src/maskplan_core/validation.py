@@ -15,6 +15,8 @@ from .errors import InputTypeError, InputValueError
 from .geometry import PlanGeometry
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+#: endpoints, sequence lengths and prefixes are int32 in the plan ABI
+MAX_SEQLEN = 2**31 - 1
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -62,6 +64,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
         )
     if q.shape[-1] != k.shape[-1]:
         raise InputValueError(f"q and k head dims differ: q {q.shape[-1]}, k {k.shape[-1]}")
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise InputValueError(f"head dims must be >= 1, got q/k {q.shape[-1]}, v {v.shape[-1]}")
     hq, hkv = q.shape[-2], k.shape[-2]
     if hq == 0 or hkv == 0 or hq % hkv:
         raise InputValueError(f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv})")
@@ -132,6 +136,9 @@ def validate_plan_inputs(
             )
         max_q = require_int("max_seqlen_q", max_seqlen_q, minimum=1)
         max_k = require_int("max_seqlen_k", max_seqlen_k, minimum=1)
+        for name, n in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+            if n > MAX_SEQLEN:
+                raise InputValueError(f"{name} = {n} exceeds the int32 sequence range (<= {MAX_SEQLEN})")
         batch, total_q, total_k = cu_q.numel() - 1, q.shape[0], k.shape[0]
         cu_q, cu_k = cu_q.clone(), cu_k.clone()
     else:
