@@ -658,6 +658,15 @@ def test_windows_chunks_and_prefixes_beyond_int32_are_unbounded():
     assert torch.equal(masks.document_ids(ids, window_left=huge), masks.document_ids(ids))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda_is_named():
+    with pytest.raises(ValueError, match="device='cuda:0', but this torch has no CUDA device") as info:
+        masks.causal(8, device="cuda:0")
+    assert isinstance(info.value, FlexAttnError)
+    with pytest.raises(ValueError, match="device='cuda'"):
+        masks.document([2, 3], device=torch.device("cuda"))
+
+
 def test_device_argument_forms():
     for dev in (None, "cpu", torch.device("cpu")):
         for ep in (

@@ -127,14 +127,16 @@ def _as_extent(name: str, value: object, minimum: int = 0) -> int:
 def _as_device(device: object) -> torch.device:
     if device is None:
         return torch.device("cpu")
-    if isinstance(device, torch.device):
-        return device
     if isinstance(device, str):
         try:
-            return torch.device(device)
+            device = torch.device(device)
         except RuntimeError as exc:
             raise InputValueError(f"device is not a valid device string: {device!r} ({exc})") from None
-    raise InputTypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+    if not isinstance(device, torch.device):
+        raise InputTypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputValueError(f"device={str(device)!r}, but this torch has no CUDA device (use 'cpu')")
+    return device
 
 
 def _int_list(name: str, value: object) -> list[int]:
