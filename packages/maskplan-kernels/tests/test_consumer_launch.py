@@ -46,6 +46,13 @@ def test_int32_offsets_refuse_tensors_that_would_wrap(g, rows, name):
         require_int32_offsets(g, dq_accum_rows=rows)
 
 
+def test_int32_offsets_cover_the_mask_payload():
+    """A mostly partial mask at long S has more payload words than q has elements."""
+    require_int32_offsets(geometry(1024, 1024), payload_words=INT32_LIMIT - 1)
+    with pytest.raises(UnsupportedConfigError, match="the mask payload holds 2147483648 elements"):
+        require_int32_offsets(geometry(1024, 1024), payload_words=INT32_LIMIT)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_launch_arguments_carry_the_descriptor_only_for_varlen(varlen):
     """A fixed-length view retains no sequence_desc: its launches pass varlen = 0 and the int32 dummy

@@ -311,8 +311,8 @@ class FlexAttentionBwd(_Explicit):
             dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,
         )  # fmt: skip
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
-        dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
+            dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)  # a copy: on the stream
             consumer.backward(
                 mask_plan, *(thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
                 _kernel_lse(lse_tensor, g), thd(do_tensor), dlse, softmax_scale=scale,

@@ -120,14 +120,16 @@ def check_register_split(num_threads: int, split: tuple[tuple[int, int], ...], l
         raise ValueError(f"setmaxnreg counts must be multiples of 8 in [24, 256]: {split}")
 
 
-def require_int32_offsets(g, *, dq_accum_rows: int | None = None) -> None:
+def require_int32_offsets(g, *, payload_words: int = 0, dq_accum_rows: int | None = None) -> None:
     """Raise :class:`UnsupportedConfigError` when a tensor the kernels index is too large for their
-    32-bit element offsets: THD ``q/k/v/out`` (``total * heads * head_dim``) and, for the backward,
-    the fp32 dQ accumulator (``Hq * dq_accum_rows * head_dim_qk``). Better a clear refusal than a
-    wrapped offset writing elsewhere."""
+    32-bit element offsets: THD ``q/k/v/out`` (``total * heads * head_dim``), the view's packed
+    predicate payload (``payload_words``: a partial entry's plane starts at ``entry * plane_words``)
+    and, for the backward, the fp32 dQ accumulator (``Hq * dq_accum_rows * head_dim_qk``). Better a
+    clear refusal than a wrapped offset reading or writing elsewhere."""
     extents = {
         "q/out": g.total_q * g.num_heads_q * max(g.head_dim_qk, g.head_dim_v),
         "k/v": g.total_k * g.num_heads_kv * max(g.head_dim_qk, g.head_dim_v),
+        "the mask payload": payload_words,
     }
     if dq_accum_rows is not None:
         extents["the dQ accumulator"] = g.num_heads_q * dq_accum_rows * g.head_dim_qk
@@ -195,7 +197,7 @@ def forward_io(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logi
     (or check) ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`."""
     check_inputs(view, q=q, k=k, v=v)
     g, device = view.geometry, q.device
-    require_int32_offsets(g)
+    require_int32_offsets(g, payload_words=view.mask_block_masks.numel())
     q, k, v = aligned(q), aligned(k), aligned(v)
     q, softmax_scale = positive_softmax_scale(q, softmax_scale)
     total_q, num_heads_q = q.shape[0], q.shape[1]
@@ -437,7 +439,8 @@ def backward_io(
     dk = output(dk, "dk", (g.total_k, g.num_heads_kv, g.head_dim_qk), q.dtype, device)
     dv = output(dv, "dv", (g.total_k, g.num_heads_kv, g.head_dim_v), q.dtype, device)
     prep = bwd_view_args(view, device)
-    require_int32_offsets(g, dq_accum_rows=prep.n_qblk * view.signature.topology.tile_m)
+    dq_accum_rows = prep.n_qblk * view.signature.topology.tile_m
+    require_int32_offsets(g, payload_words=view.mask_block_masks.numel(), dq_accum_rows=dq_accum_rows)
     io = BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
     if io.nothing_visible:
         for x in io.grads:
