@@ -149,6 +149,10 @@ def test_explicit_api_writes_in_place(d):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     want, want_lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True, deterministic=True)
     assert torch.equal(o, want) and torch.equal(lse, want_lse)
+    for via_smem in (True, False):  # cuDNN's payload delivery switch: the same bits either way
+        o2 = torch.empty_like(o)
+        flexattn.FlexAttentionFwd(q, k, v, o2, plan, sm90_use_smem_mask_pipeline=via_smem)(q, k, v, o2, plan)
+        assert torch.equal(o2, o), f"sm90_use_smem_mask_pipeline={via_smem}"
     do = torch.randn_like(o)
     want.backward(do)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
@@ -157,6 +161,40 @@ def test_explicit_api_writes_in_place(d):
     bwd.execute(q, k, v, o, do, lse, dq, dk, dv, plan)
     for name, got, leaf in zip("qkv", (dq, dk, dv), leaves, strict=True):
         assert torch.equal(got, leaf.grad), f"d{name}"
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_explicit_api_on_two_streams_with_a_new_plan():
+    """A new plan's first backward on a stream still busy, then one on a second stream: the launch
+    arguments the first call derives from the plan (on its stream, behind the busy work) are
+    waited for by the second stream, whose gradients match those of the ambient stream."""
+    torch.manual_seed(4)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plan, twin = (
+        flexattn.create_mask_plan(MASKS["document"]("cuda"), q, k, v, build_backward=True) for _ in range(2)
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = flexattn.flex_attn_func(*leaves, mask_plan=twin, return_lse=True, deterministic=True)
+    do = torch.randn_like(o)
+    o.backward(do)  # the want, from an equal plan; compiles the kernels (no compile while busy)
+    o, lse = o.detach(), lse.detach()
+    bwd = flexattn.FlexAttentionBwd(q, k, v, o, do, lse, *(torch.empty_like(t) for t in (q, k, v)), plan,
+                                    deterministic=True)  # fmt: skip
+    bwd.compile()
+    busy, other = torch.cuda.Stream(), torch.cuda.Stream()
+    grads = {}
+    for stream in (busy, other):
+        stream.wait_stream(torch.cuda.current_stream())  # the inputs and the plan
+        grads[stream] = [torch.empty_like(t) for t in (q, k, v)]
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the plan's launch arguments are made after it
+    bwd.execute(q, k, v, o, do, lse, *grads[busy], plan, current_stream=busy)
+    bwd.execute(q, k, v, o, do, lse, *grads[other], plan, current_stream=other)
+    torch.cuda.synchronize()
+    for stream in (busy, other):
+        for name, got, leaf in zip("qkv", grads[stream], leaves, strict=True):
+            assert torch.equal(got, leaf.grad), f"d{name} on {'busy' if stream is busy else 'other'}"
 
 
 def _packed_batch(lens: list[int], varlen: bool):

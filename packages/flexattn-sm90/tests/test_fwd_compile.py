@@ -32,9 +32,11 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
     return shapes
 
 
+@pytest.mark.parametrize("smem", [True, False], ids=["smem-pipeline", "direct-payload"])
 @pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
-def test_compiles_every_head_dim(dq, dv, tmp_path):
-    config, compiled = _compile(dq, dv, tmp_path=tmp_path)
+def test_compiles_every_head_dim(dq, dv, smem, tmp_path):
+    """Both payload deliveries are production paths (run_forward picks one per view)."""
+    config, compiled = _compile(dq, dv, smem=smem, tmp_path=tmp_path)
     ptx = compiled.__ptx__
     assert ".target sm_90a" in ptx
     shapes = _wgmma_shapes(ptx)

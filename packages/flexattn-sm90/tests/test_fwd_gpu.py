@@ -107,6 +107,18 @@ def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
 
 
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
+def test_direct_payload_head_dims(dqk, dv):
+    """Direct GMEM->register payload loads (chosen where at least half of the blocks are partial)
+    at every head dim, on per-head random intervals: every block of them is partial."""
+    B, S, H = 2, 700, 4
+    q, k, v = qkv((B, S, H), (B, S, 2), dqk, dv, torch.bfloat16, seed=40)
+    mask = random_intervals(H, 5, torch.full((B * S,), S), seed=41)
+    plan = check(mask, q, k, v, mask_via_smem=None)
+    view = plan.view("forward")
+    assert view.mask_block_idx.numel() >= view.full_block_idx.numel()
+
+
 def test_softmax_scale_and_reuse():
     """A plan is reused with new values and another scale; two launches agree bit for bit."""
     CASES.softmax_scale_and_reuse(new_value_scales=(0.05,))

@@ -151,8 +151,11 @@ def test_errors_name_what_does_not_fit():
     other = flexattn.create_mask_plan(masks.causal(S - 1, batch=B), q[:, 1:], k[:, 1:], v[:, 1:])
     with pytest.raises(flexattn.PlanBindingError, match="q has shape"):
         fwd.execute(q, k, v, o, other)
-    with pytest.raises(flexattn.InputValueError, match="sm90_use_smem_mask_pipeline=False"):
-        FlexAttentionFwd(q, k, v, o, plan, sm90_use_smem_mask_pipeline=False)
+    with pytest.raises(flexattn.InputTypeError, match="sm90_use_smem_mask_pipeline must be True"):
+        FlexAttentionFwd(q, k, v, o, plan, sm90_use_smem_mask_pipeline="smem")
+    direct = torch.empty_like(o)
+    FlexAttentionFwd(q, k, v, direct, plan, sm90_use_smem_mask_pipeline=False)(q, k, v, direct, plan)
+    assert torch.equal(direct, o)  # a speed hint: the reference has no choice to make
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     lse = torch.empty(B, H, S)
     with pytest.raises(flexattn.MissingBackwardViewError, match="build_backward=True"):

@@ -31,7 +31,10 @@ class Sm100Consumer(KernelConsumer):
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
 
-    def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
+    def forward(
+        self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
+        payload_via_smem: bool | None = None,  # TMEM-fed kernels: no choice to make
+    ):  # fmt: skip
         if not _on_sm100(q):
             raise ConsumerNotFoundError(
                 f"flexattn-sm100 {__version__} has an SM100 forward kernel compiled for sm_100a, but it has "

@@ -36,12 +36,15 @@ class Sm90Consumer(KernelConsumer):
 
         return build_plan_gpu(mask_func, geometry, forward, backward, self.name)
 
-    def forward(self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
+    def forward(
+        self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
+        payload_via_smem: bool | None = None,
+    ):  # fmt: skip
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
         out, lse, max_logit = run_forward(
             plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit,
-            out=out, lse=lse,
+            mask_via_smem=payload_via_smem, out=out, lse=lse,
         )
         return AttentionOutputs(out, lse, max_logit)
 

@@ -122,7 +122,7 @@ def run_forward(
     *,
     softmax_scale: float,
     return_max_logit: bool = False,
-    mask_via_smem: bool = True,
+    mask_via_smem: bool | None = None,
     schedule: str | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -131,8 +131,9 @@ def run_forward(
 
     Returns ``(out [total_q, Hq, Dv], lse [Hq, total_q] fp32, max_logit [Hq] fp32 or None)``;
     ``out``/``lse`` may be given (contiguous, of those shapes) to be written in place. Every
-    element of them is written. ``mask_via_smem=False`` selects direct GMEM->register payload
-    delivery instead of the two-stage SMEM pipeline, ``schedule`` the consumer main loop
+    element of them is written. ``mask_via_smem`` picks the payload delivery: the two-stage SMEM
+    pipeline (True) or direct GMEM->register loads (False); None: direct where at least half of
+    the view's blocks are partial. ``schedule`` the consumer main loop
     (:data:`flexattn_sm90.fwd_mainloop.SCHEDULES`; None: :data:`DEFAULT_SCHEDULE`); results are the
     same.
     """
@@ -144,6 +145,10 @@ def run_forward(
         return io.out, io.lse, io.max_logit
     device = q.device
     prep = fwd_view_args(view, device)
+    if mask_via_smem is None:
+        # direct loads: +4.5% (D=64) / +1.5% (D=128) on random-5, where every block is partial, but
+        # -2..-4% on causal, sliding-1024 and documents (3-38% partial); RESULTS.md, session 22
+        mask_via_smem = prep.partial_nnz < prep.full_nnz
     compiled = compile_forward(
         config,
         mask_via_smem=mask_via_smem,

@@ -11,15 +11,19 @@ sample plan's consumer and geometry (a new plan per batch is fine), and runs the
 ``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` (contiguous, 16-byte aligned) are written
 by the kernels themselves; a fixed-length LSE (``[B, Hq, Sq]``, which is not the kernels'
 ``[Hq, total_q]`` order) goes through a copy. Inputs (q / k / v, and o / do / lse / dlse of the
-backward) may have any strides, as ``flex_attn_func``'s. With ``current_stream`` every tensor is
-recorded on that stream. No autograd: this is the inference / hand-written training-loop API.
+backward) may have any strides, as ``flex_attn_func``'s. With ``current_stream`` the work runs on
+that stream and every tensor it reads or writes, the plan's included, is recorded on it (freeing
+them right after ``execute`` is safe); like any CUDA stream, it must be ordered after the work
+that made them (``s.wait_stream(torch.cuda.current_stream())`` where they were made on the
+current stream). No autograd: this is the inference / hand-written training-loop API.
 
 What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
 accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0: ``execute`` takes
 ``workspace=None`` or cuDNN-style code's ``workspace_size``-byte tensor, which it does not use;
 ``compile()`` checks and resolves, and the kernels are compiled (or loaded from the disk cache) by
-the first ``execute``; ``sm90_use_smem_mask_pipeline=False`` is refused (it is a benchmarking
-switch of ``flexattn_sm90.fwd_launch.run_forward``).
+the first ``execute``; ``sm90_use_smem_mask_pipeline`` defaults to None, the SM90 consumer's own
+choice (SMEM staging unless at least half of the blocks are partial), and True / False force
+cuDNN's two delivery paths (other consumers have no choice to make and ignore it).
 """
 
 from __future__ import annotations
@@ -80,10 +84,11 @@ def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
     return t
 
 
-def _stream(current_stream, tensors, device: torch.device):
+def _stream(current_stream, tensors, plan_view, device: torch.device):
     """The context that runs ``execute`` on ``current_stream`` (a ``torch.cuda.Stream`` or a raw
-    ``CUstream`` handle; 0, 1 and 2 name the default streams), the caller's tensors recorded on it
-    so that freeing them right after ``execute`` is safe."""
+    ``CUstream`` handle; 0, 1 and 2 name the default streams), the caller's tensors and those of
+    the plan view the consumer reads recorded on it so that freeing them right after ``execute``
+    is safe."""
     if current_stream is None:
         return contextlib.nullcontext()
     if device.type != "cuda":
@@ -96,8 +101,8 @@ def _stream(current_stream, tensors, device: torch.device):
             current_stream = torch.cuda.ExternalStream(handle, device)
     if current_stream.device != device:
         raise InputValueError(f"current_stream is on {current_stream.device} but the tensors are on {device}")
-    for t in tensors:
-        if t is not None:
+    for t in (*tensors, *plan_view.tensors.values()):
+        if t is not None and t.is_cuda:
             t.record_stream(current_stream)
     return torch.cuda.stream(current_stream)
 
@@ -192,15 +197,15 @@ class FlexAttentionFwd(_Explicit):
         sample_mask_plan: MaskPlan,
         sample_lse: torch.Tensor | None = None,
         *,
-        sm90_use_smem_mask_pipeline: bool = True,
+        sm90_use_smem_mask_pipeline: bool | None = None,
         sample_max_logit: torch.Tensor | None = None,
     ) -> None:
-        if sm90_use_smem_mask_pipeline is not True:
-            raise InputValueError(
-                "sm90_use_smem_mask_pipeline=False is not offered here: the SM90 consumer always "
-                "stages the packed mask through SMEM (flexattn_sm90.fwd_launch.run_forward has the "
-                "direct-load variant for benchmarking)"
+        if sm90_use_smem_mask_pipeline is not None and type(sm90_use_smem_mask_pipeline) is not bool:
+            raise InputTypeError(
+                "sm90_use_smem_mask_pipeline must be True, False or None, got "
+                f"{type(sm90_use_smem_mask_pipeline).__name__}"
             )
+        self.payload_via_smem = sm90_use_smem_mask_pipeline
         samples = dict(
             q=sample_q, k=sample_k, v=sample_v, o=sample_o, lse=sample_lse, max_logit=sample_max_logit
         )
@@ -235,10 +240,12 @@ class FlexAttentionFwd(_Explicit):
         max_logit_arg = None if max_logit_tensor is None else "max_logit_tensor"
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale, max_logit_arg)
         in_place_lse = _in_place(lse_tensor) if g.varlen else None
-        with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
+        view = mask_plan.view("forward")
+        with _stream(current_stream, tensors.values(), view, q_tensor.device), torch.no_grad():
             res = consumer.forward(
                 mask_plan, thd(q_tensor), thd(k_tensor), thd(v_tensor), softmax_scale=scale,
                 return_max_logit=max_logit_tensor is not None, out=thd(o_tensor), lse=in_place_lse,
+                payload_via_smem=self.payload_via_smem,
             )  # fmt: skip
             if lse_tensor is not None and in_place_lse is None:
                 lse_tensor.copy_(caller_lse(res.lse, g))
@@ -311,7 +318,8 @@ class FlexAttentionBwd(_Explicit):
             dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,
         )  # fmt: skip
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
-        with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
+        view = mask_plan.view("backward")
+        with _stream(current_stream, tensors.values(), view, q_tensor.device), torch.no_grad():
             dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)  # a copy: on the stream
             consumer.backward(
                 mask_plan, *(thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),

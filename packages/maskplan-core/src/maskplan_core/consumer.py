@@ -95,12 +95,17 @@ class Consumer(ABC):
 
     @abstractmethod
     def forward(
-        self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None
-    ) -> AttentionOutputs:
+        self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
+        payload_via_smem: bool | None = None,
+    ) -> AttentionOutputs:  # fmt: skip
         """``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse`` (``[Hq, total_q]``, fp32; fp64 for
         fp64 inputs), when given, are contiguous, 16-byte aligned tensors the results must be
         written into (and returned). ``flex_attn_func`` never passes them; the facade's explicit
-        ``FlexAttentionFwd`` always does, so a consumer must accept them."""
+        ``FlexAttentionFwd`` always does, so a consumer must accept them. ``payload_via_smem``
+        (cuDNN's ``sm90_use_smem_mask_pipeline``) is a speed hint for a consumer that can deliver
+        the packed payload either way, staged through SMEM (True) or loaded straight into
+        registers (False), None letting it choose; the results are the same, and a consumer
+        without the choice ignores it."""
 
     @abstractmethod
     def backward(

@@ -14,7 +14,8 @@ placeholders assume 16 bytes (:data:`ALIGN`) and every address a launch passes i
 * a forward call at once: :func:`forward_io`;
 * the plan's tensors: :func:`int32_tensor`, and for a forward view :func:`fwd_view_args` (for a
   backward view :func:`bwd_view_args`), derived once per (view, device) through
-  :func:`cached_per_view` (a plan is immutable; entries die with the view);
+  :func:`cached_view_args` (a plan is immutable; entries die with the view; a stream other than
+  the creating one waits for it);
   :func:`fwd_placeholders` / :func:`bwd_placeholders` stand in for the pointers at compile time;
 * a backward call at once: :func:`backward_io`, then its three launches (preprocess, main,
   postprocess) on one workspace: :func:`launch_backward`;
@@ -66,7 +67,8 @@ def cute_dtype(dtype: torch.dtype):
 # -- the caller's tensors -------------------------------------------------------------------------
 def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
     """Raise :class:`InputValueError` unless every given tensor (``q, k, v, out, dout, lse, dlse``;
-    None is skipped) is a CUDA tensor of the THD shape and dtype the view's geometry expects."""
+    None is skipped) is a tensor of the THD shape and dtype the view's geometry expects, on ``q``'s
+    CUDA device."""
     g = view.geometry
     q_shape = (g.total_q, g.num_heads_q, g.head_dim_qk)
     k_shape = (g.total_k, g.num_heads_kv, g.head_dim_qk)
@@ -91,6 +93,8 @@ def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
                 f"{name} is {tuple(x.shape)} {x.dtype} on {x.device}; the plan expects {shape} "
                 f"{dtype or 'floating point'} on CUDA (THD layout)"
             )
+        if x.device != tensors["q"].device:
+            raise InputValueError(f"{name} is on {x.device} but q is on {tensors['q'].device}")
 
 
 INT32_LIMIT = 2**31
@@ -223,6 +227,48 @@ def cached_per_view(fn):
     return cached
 
 
+class _StreamEntry:
+    """Device launch arguments (``value.tensors``) and the streams that may read them: the one they
+    were made on, and each stream already joined to it (:func:`cached_view_args`)."""
+
+    def __init__(self, value, device: torch.device) -> None:
+        self.value = value
+        self.creator = torch.cuda.current_stream(device)
+        self.handles = {self.creator.cuda_stream}
+
+    def join(self, handle: int, device: torch.device) -> None:
+        """Order the current stream (``handle``) after the arguments' creation, and record their
+        tensors on it: they are freed with the view, maybe while this stream still reads them."""
+        stream = torch.cuda.current_stream(device)
+        stream.wait_stream(self.creator)
+        for t in self.value.tensors:
+            t.record_stream(stream)
+        self.handles.add(handle)
+
+
+def cached_view_args(fn):
+    """:func:`cached_per_view` for ``fn(view, device)`` returning device tensors (``.tensors``),
+    made on the stream of the first call and safe on any other: a call on a stream not seen
+    before makes it wait for the creating stream (once; later work on it stays ordered) and
+    records the tensors on it. The plan's own tensors are among them where they are used as they
+    are (:func:`int32_tensor`). A CUDA graph capture joins nothing: it may not depend on uncaptured
+    work, which ``torch.cuda.graph`` users order before it."""
+    entry = cached_per_view(lambda view, device: _StreamEntry(fn(view, device), device))
+    on_cpu = cached_per_view(fn)  # the CPU tests of the argument layout: no streams
+
+    @functools.wraps(fn)
+    def args(view: PlanView, device: torch.device):
+        if device.type != "cuda":
+            return on_cpu(view, device)
+        e = entry(view, device)
+        handle = torch_stream(device)
+        if handle not in e.handles and not torch.cuda.is_current_stream_capturing():
+            e.join(handle, device)  # (a capture may not wait for uncaptured work: it is done)
+        return e.value
+
+    return args
+
+
 def int32_tensor(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[int, ...]) -> torch.Tensor:
     """A contiguous, 16-byte aligned int32 tensor; empty ones become a small dummy (never read)."""
     if t.numel() == 0:
@@ -288,7 +334,7 @@ class FwdViewArgs:
     full_nnz: int
 
 
-@cached_per_view
+@cached_view_args
 def fwd_view_args(view: PlanView, device: torch.device) -> FwdViewArgs:
     """The forward view's tensors on ``device`` as kernel arguments (:data:`FWD_PLAN_TENSORS`)."""
     t, g = view.tensors, view.geometry
@@ -348,7 +394,7 @@ class BwdViewArgs:
     varlen: int  # 1: the kernels read sequence_desc; 0: they derive it
 
 
-@cached_per_view
+@cached_view_args
 def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
     """The backward view's tensors on ``device`` as kernel arguments
     (:class:`maskplan_kernels.consumer_plan.BwdPlanTensors` order), plus the sample of every K plan
@@ -603,6 +649,7 @@ __all__ = [
     "bwd_placeholders",
     "bwd_view_args",
     "cached_per_view",
+    "cached_view_args",
     "check_inputs",
     "cute_dtype",
     "forward_io",

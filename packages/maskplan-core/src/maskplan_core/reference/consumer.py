@@ -48,7 +48,9 @@ class ReferenceConsumer(Consumer):
         )
         return ViewConfig(signature, layout)
 
-    def forward(self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None):
+    def forward(
+        self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None, payload_via_smem=None
+    ):  # payload_via_smem: a kernel delivery hint, nothing to choose here
         o, stats, max_logit = attention_forward(
             plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
         )
