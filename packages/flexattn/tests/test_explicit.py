@@ -162,3 +162,19 @@ def test_errors_name_what_does_not_fit():
         FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan).compile()
     with pytest.raises(flexattn.InputTypeError, match="deterministic must be a bool"):
         FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan, deterministic=1)
+
+
+def test_payload_hint_reaches_only_consumers_that_take_it():
+    """sm90_use_smem_mask_pipeline goes to a consumer's forward as payload_via_smem when set, and
+    not at all to a plugin consumer written before the keyword existed."""
+    from flexattn.explicit import _payload_hint
+
+    class Old:
+        def forward(self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None): ...
+
+    class New:
+        def forward(self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None,
+                    payload_via_smem=None): ...  # fmt: skip
+
+    assert _payload_hint(Old, False) == {} and _payload_hint(New, None) == {}
+    assert _payload_hint(New, False) == {"payload_via_smem": False}

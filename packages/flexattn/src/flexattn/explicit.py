@@ -29,6 +29,8 @@ cuDNN's two delivery paths (other consumers have no choice to make and ignore it
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 
@@ -84,11 +86,11 @@ def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
     return t
 
 
-def _stream(current_stream, tensors, plan_view, device: torch.device):
+def _stream(current_stream, tensors, device: torch.device):
     """The context that runs ``execute`` on ``current_stream`` (a ``torch.cuda.Stream`` or a raw
-    ``CUstream`` handle; 0, 1 and 2 name the default streams), the caller's tensors and those of
-    the plan view the consumer reads recorded on it so that freeing them right after ``execute``
-    is safe."""
+    ``CUstream`` handle; 0, 1 and 2 name the default streams), the caller's tensors recorded on it
+    so that freeing them right after ``execute`` is safe (the consumers record the plan's, once
+    per stream: ``maskplan_kernels.consumer_launch.cached_view_args``)."""
     if current_stream is None:
         return contextlib.nullcontext()
     if device.type != "cuda":
@@ -101,10 +103,23 @@ def _stream(current_stream, tensors, plan_view, device: torch.device):
             current_stream = torch.cuda.ExternalStream(handle, device)
     if current_stream.device != device:
         raise InputValueError(f"current_stream is on {current_stream.device} but the tensors are on {device}")
-    for t in (*tensors, *plan_view.tensors.values()):
-        if t is not None and t.is_cuda:
+    for t in tensors:
+        if t is not None:
             t.record_stream(current_stream)
     return torch.cuda.stream(current_stream)
+
+
+@functools.cache
+def _takes_payload_hint(consumer_type: type) -> bool:
+    return "payload_via_smem" in inspect.signature(consumer_type.forward).parameters
+
+
+def _payload_hint(consumer_type: type, payload_via_smem: bool | None) -> dict:
+    """``payload_via_smem`` for a consumer's ``forward`` where it is set and the consumer takes it
+    (a plugin written before the keyword existed has no delivery choice to make)."""
+    if payload_via_smem is None or not _takes_payload_hint(consumer_type):
+        return {}
+    return {"payload_via_smem": payload_via_smem}
 
 
 class _Explicit:
@@ -240,12 +255,11 @@ class FlexAttentionFwd(_Explicit):
         max_logit_arg = None if max_logit_tensor is None else "max_logit_tensor"
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale, max_logit_arg)
         in_place_lse = _in_place(lse_tensor) if g.varlen else None
-        view = mask_plan.view("forward")
-        with _stream(current_stream, tensors.values(), view, q_tensor.device), torch.no_grad():
+        with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             res = consumer.forward(
                 mask_plan, thd(q_tensor), thd(k_tensor), thd(v_tensor), softmax_scale=scale,
                 return_max_logit=max_logit_tensor is not None, out=thd(o_tensor), lse=in_place_lse,
-                payload_via_smem=self.payload_via_smem,
+                **_payload_hint(type(consumer), self.payload_via_smem),
             )  # fmt: skip
             if lse_tensor is not None and in_place_lse is None:
                 lse_tensor.copy_(caller_lse(res.lse, g))
@@ -318,8 +332,7 @@ class FlexAttentionBwd(_Explicit):
             dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,
         )  # fmt: skip
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
-        view = mask_plan.view("backward")
-        with _stream(current_stream, tensors.values(), view, q_tensor.device), torch.no_grad():
+        with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)  # a copy: on the stream
             consumer.backward(
                 mask_plan, *(thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),

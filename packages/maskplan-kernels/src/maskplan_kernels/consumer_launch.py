@@ -233,25 +233,37 @@ class _StreamEntry:
 
     def __init__(self, value, device: torch.device) -> None:
         self.value = value
-        self.creator = torch.cuda.current_stream(device)
-        self.handles = {self.creator.cuda_stream}
+        creator = torch.cuda.current_stream(device)
+        self.handles = {creator.cuda_stream}
+        self.ready = None  # made inside a graph capture: nothing outside it may wait for that
+        if not _capturing(device):
+            self.ready = torch.cuda.Event()
+            self.ready.record(creator)
+            for t in value.tensors:  # the plan's own may come from another stream's allocations
+                t.record_stream(creator)
 
     def join(self, handle: int, device: torch.device) -> None:
         """Order the current stream (``handle``) after the arguments' creation, and record their
         tensors on it: they are freed with the view, maybe while this stream still reads them."""
         stream = torch.cuda.current_stream(device)
-        stream.wait_stream(self.creator)
+        if self.ready is not None:
+            stream.wait_event(self.ready)
         for t in self.value.tensors:
             t.record_stream(stream)
         self.handles.add(handle)
 
 
+def _capturing(device: torch.device) -> bool:
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def cached_view_args(fn):
     """:func:`cached_per_view` for ``fn(view, device)`` returning device tensors (``.tensors``),
     made on the stream of the first call and safe on any other: a call on a stream not seen
-    before makes it wait for the creating stream (once; later work on it stays ordered) and
-    records the tensors on it. The plan's own tensors are among them where they are used as they
-    are (:func:`int32_tensor`). A CUDA graph capture joins nothing: it may not depend on uncaptured
+    before makes it wait for their creation (once; later work on it stays ordered) and records
+    the tensors on it. The plan's own tensors are among them where they are used as they are
+    (:func:`int32_tensor`). A CUDA graph capture joins nothing: it may not depend on uncaptured
     work, which ``torch.cuda.graph`` users order before it."""
     entry = cached_per_view(lambda view, device: _StreamEntry(fn(view, device), device))
     on_cpu = cached_per_view(fn)  # the CPU tests of the argument layout: no streams
@@ -262,8 +274,8 @@ def cached_view_args(fn):
             return on_cpu(view, device)
         e = entry(view, device)
         handle = torch_stream(device)
-        if handle not in e.handles and not torch.cuda.is_current_stream_capturing():
-            e.join(handle, device)  # (a capture may not wait for uncaptured work: it is done)
+        if handle not in e.handles and not _capturing(device):
+            e.join(handle, device)
         return e.value
 
     return args
