@@ -256,7 +256,7 @@ def test_compiled_errors_are_the_eager_errors():
 def test_plans_are_built_outside_the_compiled_region():
     """``create_mask_plan`` refuses to be traced (a plan is host-side work on the mask's values):
     with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo breaks the graph
-    there and the plan is built eagerly."""
+    there, once, and the plan is built eagerly (traced, the planner broke it dozens of times)."""
     _, (q, k, v), _ = fixed_case(requires_grad=False)
 
     def attend(q, k, v):
@@ -268,6 +268,8 @@ def test_plans_are_built_outside_the_compiled_region():
         torch.compile(attend, fullgraph=True, backend="aot_eager")(q, k, v)
     torch._dynamo.reset()
     assert torch.equal(torch.compile(attend, backend="aot_eager")(q, k, v), attend(q, k, v))
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(attend)(q, k, v).graph_break_count == 1
 
 
 @pytest.mark.slow

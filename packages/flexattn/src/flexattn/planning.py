@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 
@@ -95,11 +96,34 @@ def create_mask_plan(
     Q block is then ``128 / (Hq / Hkv)`` positions. The backward view is the same either way (its
     kernel visits all q heads of a kv head in one CTA). ``None`` and ``False`` do not pack.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # Dynamo tracing the call: with fullgraph, its error quotes this
         raise InputValueError(
             "create_mask_plan runs outside torch.compile: build the plan before the compiled region "
             "(e.g. in the training step) and pass it to the compiled model as an argument"
         )
+    return _untraced(_plan)(
+        mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pack_gqa,
+        build_backward, target,
+    )  # fmt: skip
+
+
+def _untraced(fn):
+    """``fn``, under Dynamo's ``disable`` where Dynamo is loaded: without fullgraph, Dynamo breaks
+    the graph at a ``create_mask_plan`` in a compiled region and would trace the planner's frames
+    one by one (a dozen more breaks); eager code never imports Dynamo."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return fn if dynamo is None else _disabled(fn)
+
+
+@functools.cache
+def _disabled(fn):
+    return torch._dynamo.disable(fn)
+
+
+def _plan(
+    mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pack_gqa, build_backward,
+    target,
+) -> MaskPlan:  # fmt: skip
     require_optional_bool("pack_gqa", pack_gqa)
     require_optional_bool("build_backward", build_backward)
     geometry = validate_plan_inputs(
