@@ -169,6 +169,13 @@ def test_bhsd_q_gets_a_layout_hint():
         validate_plan_inputs(causal(sk=SQ), *(t.transpose(1, 2) for t in (q, k, v)))
 
 
+def test_a_bad_q_dtype_names_q():
+    """q of an unsupported dtype is named itself, not k / v for differing from it."""
+    q, k, v = fixed_qkv()
+    with expect(InputTypeError, TypeError, "q dtype", "int64"):
+        validate_plan_inputs(causal(), q.to(torch.int64), k, v)
+
+
 def test_mask_func_on_another_device():
     with expect(InputValueError, ValueError, "mask_func", "meta", "cpu"):
         validate_plan_inputs(causal().to("meta"), *fixed_qkv())

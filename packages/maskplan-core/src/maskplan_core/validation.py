@@ -51,13 +51,13 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
             )
         if t.device != q.device:
             raise InputValueError(f"{name} is on {t.device} but q is on {q.device}")
+        allowed = REFERENCE_DTYPES if t.device.type == "cpu" else KERNEL_DTYPES
+        if t.dtype not in allowed:  # each named for its own dtype, before comparing it with q's
+            raise InputTypeError(
+                f"{name} dtype must be one of {[str(d) for d in allowed]} on {t.device.type}, got {t.dtype}"
+            )
         if t.dtype != q.dtype:
             raise InputTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
-    allowed = REFERENCE_DTYPES if q.device.type == "cpu" else KERNEL_DTYPES
-    if q.dtype not in allowed:
-        raise InputTypeError(
-            f"q/k/v dtype must be one of {[str(d) for d in allowed]} on {q.device.type}, got {q.dtype}"
-        )
     if k.shape[:-1] != v.shape[:-1]:
         raise InputValueError(
             f"k and v must agree on every dimension but the last: k {tuple(k.shape)}, v {tuple(v.shape)}"
