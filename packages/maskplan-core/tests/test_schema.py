@@ -178,6 +178,18 @@ def test_header_fields_follow_spec_order():
 # --------------------------------------------------------------------------------------------------
 
 
+def test_pack_sets_every_byte_pattern_bit_for_bit():
+    """Each of the 256 patterns of eight flags becomes its own byte, in every byte of a word (the
+    packer's multiply must carry nothing into a neighbour's bits)."""
+    layout = RowMajorLayout(4, 32)
+    patterns = torch.arange(256)
+    flags = ((patterns.view(-1, 1) >> torch.arange(8)) & 1).bool()
+    tiles = flags.repeat(1, 16).view(256, 4, 32)  # row m, byte k of its word: the pattern
+    words = layout.pack(tiles)[:, 0, :, 0].to(torch.int64) & 0xFFFFFFFF
+    for k in range(4):
+        assert torch.equal((words >> (8 * k)) & 0xFF, patterns.view(-1, 1).expand(-1, 4)), f"byte {k}"
+
+
 @FAST
 @given(
     tm=st.integers(1, 40),

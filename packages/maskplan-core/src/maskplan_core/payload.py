@@ -70,13 +70,21 @@ class PayloadLayout(ABC):
         src[self.flat_bit_index.reshape(-1)] = torch.arange(n_elem)
         return src
 
+    @cached_property
+    def _has_padding_bits(self) -> bool:
+        return bool((self._bit_source == self.tile_m * self.tile_n).any())
+
     def pack(self, tiles: torch.Tensor) -> torch.Tensor:
         """bool ``[n, tile_m, tile_n]`` -> int32 ``[n, subtiles, groups, words_per_group]``."""
         n = tiles.shape[0]
-        padded = torch.nn.functional.pad(tiles.reshape(n, self.tile_m * self.tile_n).to(torch.uint8), (0, 1))
-        bits = padded[:, self._bit_source.to(tiles.device)].reshape(n, self.words_per_tile * 4, 8)
-        # little-endian bytes: byte k of a word holds bits 8k..8k+7
-        byte = (bits << _BYTE_SHIFTS.to(tiles.device)).sum(-1, dtype=torch.uint8)
+        flat = tiles.reshape(n, self.tile_m * self.tile_n).view(torch.uint8)
+        if self._has_padding_bits:  # they read the element past the last: a 0
+            flat = torch.nn.functional.pad(flat, (0, 1))
+        bits = flat[:, self._bit_source.to(tiles.device)]  # [n, words * 32] of 0 / 1, in bit order
+        # little-endian bytes: byte k of a word holds bits 8k..8k+7. Eight 0/1 bytes read as one
+        # int64 x = sum b_j << 8j; x * sum_j 2^(56 - 7j) puts b_j at bit 56 + j, and no other
+        # product term reaches bits 56..63 below the overflow (the usual pack-8-flags multiply)
+        byte = ((bits.view(torch.int64) * 0x0102040810204080) >> 56).to(torch.uint8)
         return byte.view(torch.int32).reshape(n, self.subtiles, self.groups, self.words_per_group)
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:

@@ -51,22 +51,31 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
     """bool ``[n, tile_m, tile_n]``: which score elements of each listed tile are visible and in bounds.
 
     With ``G = [0, F0, F1, ...]`` (sorted), key ``x`` is visible iff an odd number of ``G`` values
-    are ``<= x``: one binary search per element instead of a test per interval.
+    are ``<= x``, i.e. an even number of endpoints ``F``. Per row of a tile starting at key ``s``,
+    endpoint ``F`` is ``<= s + u`` for the columns ``u >= clamp(F - s, 0, tile_n)``: one mark per
+    endpoint at that column and a running count over the row give every element's count (its
+    parity survives the uint8 wrap-around), a pass per tile whatever the number of intervals.
+    The marks are an accumulating ``index_put_``, which has a deterministic CUDA implementation
+    (``torch.use_deterministic_algorithms``), unlike a 3-D ``scatter_add_``.
     """
     n, total_q = head.numel(), mask_func.shape[2]
-    out = torch.empty(n, geom.tile_m, geom.tile_n, dtype=torch.bool, device=head.device)
-    step = max(1, CHUNK_ELEMENTS // (geom.tile_m * geom.tile_n))
-    u = torch.arange(geom.tile_n, device=head.device, dtype=torch.int32)
-    zero = torch.zeros(1, dtype=torch.int32, device=head.device)
+    tm, tn = geom.tile_m, geom.tile_n
+    out = torch.empty(n, tm, tn, dtype=torch.bool, device=head.device)
+    step = max(1, CHUNK_ELEMENTS // (tm * tn))
+    u = torch.arange(tn, device=head.device, dtype=torch.int32)
     for c in range(0, n, step):
         sl = slice(c, c + step)
         h, b = head[sl], batch[sl]
         tok, row_ok = row_tokens(geom, b, m_block[sl], total_q)
-        ends = mask_func[h.unsqueeze(-1), :, tok]  # [c, tm, nfunc]
-        g = torch.cat([zero.expand(*ends.shape[:2], 1), ends], -1)
-        key = n_block[sl].to(torch.int32).unsqueeze(-1) * geom.tile_n + u  # [c, tn]
-        col_ok = key < geom.k_lens[b].unsqueeze(-1)
-        keys = key.unsqueeze(1).expand(-1, geom.tile_m, -1).contiguous()
-        hits = torch.searchsorted(g.contiguous(), keys, right=True, out_int32=True)
-        out[sl] = ((hits & 1) == 1) & row_ok.unsqueeze(-1) & col_ok.unsqueeze(1)
+        start = n_block[sl].to(torch.int32) * tn  # [c]
+        column = (mask_func[h.unsqueeze(-1), :, tok] - start[:, None, None]).clamp_(0, tn)  # [c, tm, nfunc]
+        rows = column.shape[0] * tm
+        at = torch.arange(rows, device=head.device).view(-1, tm, 1) * (tn + 1) + column  # flat marks
+        marks = torch.zeros(rows * (tn + 1), dtype=torch.uint8, device=head.device)
+        one = torch.ones(1, dtype=torch.uint8, device=head.device)
+        marks.index_put_((at.reshape(-1),), one.expand(at.numel()), accumulate=True)
+        counts = marks.view(-1, tm, tn + 1)[..., :tn].cumsum(-1, dtype=torch.uint8)
+        even = (counts & 1) == 0
+        col_ok = (start.unsqueeze(-1) + u) < geom.k_lens[b].unsqueeze(-1)  # [c, tn]
+        out[sl] = even & row_ok.unsqueeze(-1) & col_ok.unsqueeze(1)
     return out
