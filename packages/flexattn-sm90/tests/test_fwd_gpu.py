@@ -107,7 +107,7 @@ def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
 
 
-@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", Sm90Consumer.supported_head_dims)
 def test_direct_payload_head_dims(dqk, dv):
     """Direct GMEM->register payload loads (chosen where at least half of the blocks are partial)
     at every head dim, on per-head random intervals: every block of them is partial."""
