@@ -42,19 +42,23 @@ def _wgmma_shapes(ptx: str) -> dict[str, int]:
 
 
 def _expected_wgmma(dq: int, dv: int, dtype: str = "bfloat16") -> dict[str, int]:
-    """Per step: S^T and dP^T (each warpgroup's m64nN slab of the payload layout, dq/16 and dv/16
-    k-blocks), dK and dV (tile_m/16 k-blocks; N = D, or D/2 where the warpgroups split the head dim),
-    dQ (each warpgroup's bwd_helpers.dq_warpgroup_tile, tile_n/16 k-blocks per 64 rows); the
-    partial and the full loop each hold one step."""
+    """Per step: S^T and dP^T, or S and dP (each warpgroup's m64nN slab of the payload layout, dq/16
+    and dv/16 k-blocks), dK and dV (tile_m/16 k-blocks; N = D, or D/2 where the warpgroups split the
+    head dim) or dK^T and dV^T (D/64 atoms of N = the warpgroup's K columns, tile_m/16 k-blocks
+    each), dQ (each warpgroup's bwd_helpers.dq_warpgroup_tile, tile_n/16 k-blocks per 64 rows);
+    the partial and the full loop each hold one step."""
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     layout, tm, tn = config.payload_layout, config.tile_m, config.tile_n
     _, dq_cols = dq_warpgroup_tile(tm, dq)
     dkv_split = layout.wg_n  # 1: the warpgroups split S^T's K rows; 2: its Q columns and dK / dV's D
+    if config.transposed_scores:
+        dkv = ((f"m64n{dq // dkv_split}k16", tm // 16), (f"m64n{dv // dkv_split}k16", tm // 16))
+    else:
+        dkv = tuple((f"m64n{layout.wg_cols}k16", d // 64 * tm // 16) for d in (dq, dv))
     expect: dict[str, int] = {}
     for shape, count in (
         (f"m64n{layout.wg_cols}k16", (dq + dv) // 16),
-        (f"m64n{dq // dkv_split}k16", tm // 16),
-        (f"m64n{dv // dkv_split}k16", tm // 16),
+        *dkv,
         (f"m64n{dq_cols}k16", tn // 16),
     ):
         expect[shape] = expect.get(shape, 0) + 2 * count
@@ -72,11 +76,13 @@ def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     # the tiles, more where a width of 96 or 192 leaves threads over, which repeat a row piece)
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     tm, tn = config.tile_m, config.tile_n
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == tn * (dq + dv) // 2048
-    # dS (and P where they meet in SMEM) leave the S^T fragment by stmatrix.trans, in the partial
-    # and the full step: no element-wise 2-byte SMEM stores
-    transposed = 2 if config.payload_layout.wg_n > 1 else 1
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 2 * transposed * tm * tn // 2048
+    results = tn * (dq + dv) // 2048
+    # dS (and P where they meet in SMEM) leave the score fragment by stmatrix (.trans from S^T), in
+    # the partial and the full step: no element-wise 2-byte SMEM stores. dK^T / dV^T leave by .trans.
+    scores = 2 * (2 if config.payload_layout.wg_n > 1 else 1) * tm * tn // 2048
+    plain, trans = (results, scores) if config.transposed_scores else (scores, results)
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == plain
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == trans
     assert "st.shared.b16" not in ptx and "st.shared.u16" not in ptx
     stores = ptx.count("st.global.v4.b32")
     assert stores >= tn * (dq + dv) // 2048 and ptx.count("st.global") == stores
@@ -116,8 +122,9 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
         # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic / deterministic mode: a
         # deterministic kernel runs two dQ writers on alternate steps
         (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
-        (192, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
-        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        # one chunk, filled in turn, keeps 2 Q stages next to (192, 128)'s 96-row K / V and (256, 256)'s
+        (192, 128, ((1, 1, 2, 2), (1, 2, 2, 2))),
+        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1))),
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):

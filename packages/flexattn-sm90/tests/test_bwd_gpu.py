@@ -135,8 +135,9 @@ def test_head_dims(dqk, dv, kind):
 
 
 #: the head dims of the other backward tiles than the 64 x 128 one the default D = 128 cases run:
-#: 128 x 128 (D = 64: 128 Q rows, dQ split by rows) and 64 x 64 (the warpgroups split S^T's Q
-#: columns and dK / dV's head dim)
+#: 128 x 128 (D = 64: 128 Q rows, dQ split by rows), 64 x 96 as S ((192, 128): the warpgroups split
+#: S's K columns, dK^T / dV^T) and 64 x 64 (D = 256: the warpgroups split S^T's Q columns and dK /
+#: dV's head dim)
 OTHER_TILES = [(64, 64), (192, 128), (256, 256)]
 
 
@@ -188,12 +189,12 @@ def test_deterministic_grouped_launch_order(dqk, dv, kind):
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_planner_plan(D):
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128)])
+def test_gpu_planner_plan(dqk, dv):
     """The production path: the plan built by the GPU planner kernels (build_plan_gpu), on the
-    128 x 128 and the 64 x 128 backward tile."""
+    128 x 128, the 64 x 128 and the S-oriented 64 x 96 backward tile."""
     H, Hkv = 4, 2
-    q, k, v = CASES.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), D, D, torch.bfloat16, seed=13)
+    q, k, v = CASES.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), dqk, dv, torch.bfloat16, seed=13)
     ep = CASES.varlen_mask("random", seed=13)
     check(ep, q, k, v, varlen=varlen_args(DEV), gpu_planner=True)
     check(ep, q, k, v, varlen=varlen_args(DEV), gpu_planner=True, deterministic=True, repeats=2)
@@ -202,8 +203,8 @@ def test_gpu_planner_plan(D):
 @pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
 def test_small_for_sanitizer(dqk, dv):
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)
-    on each backward tile (128 x 128, 64 x 128, and 64 x 64 with P^T / dS^T through SMEM, with a dQ
-    chunk per warpgroup at (192, 128) and one shared chunk at (256, 256)). racecheck reports the D=256
+    on each backward tile (128 x 128, 64 x 128, 64 x 96 as S at (192, 128) and 64 x 64 at (256, 256),
+    the last two with P / dS through SMEM and one shared dQ chunk). racecheck reports the shared-chunk
     kernels' dQ chunk stores (the chunk the two warpgroups fill in turn, handed over through the dQ
     writer's named barriers): it does not take ``bar.arrive`` as ordering the arriving warps' writes
     (``benchmarks/sanitizer/barrier_chain.cu``)."""

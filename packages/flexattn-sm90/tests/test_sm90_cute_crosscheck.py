@@ -26,7 +26,8 @@ pytestmark = [
 ]
 
 CASES = [
-    (128, 128, 2, False), (128, 64, 2, False), (128, 128, 2, True), (64, 128, 2, True), (64, 64, 2, True)
+    (128, 128, 2, False), (128, 64, 2, False), (128, 128, 2, True), (64, 128, 2, True), (64, 64, 2, True),
+    (64, 96, 2, False),
 ]  # fmt: skip
 PROBE = Path(__file__).with_name("cute_probe_sm90.py")
 

@@ -20,7 +20,8 @@ CASES = [
     (128, 64, None, False, "sm90-wgmma-acc-v1-128x64", 256, 1, 32),  # forward D256
     (128, 128, None, True, "sm90-wgmma-acc-v1-128x128-kq", 256, 2, 64),  # backward D<=64, S^T 128x128
     (64, 128, None, True, "sm90-wgmma-acc-v1-64x128-kq", 256, 1, 32),  # backward D<=128, S^T 128x64
-    (64, 64, 2, True, "sm90-wgmma-acc-v1-64x64-wg1x2-kq", 256, 1, 16),  # backward D>128, S^T 64x64
+    (64, 64, 2, True, "sm90-wgmma-acc-v1-64x64-wg1x2-kq", 256, 1, 16),  # backward D256, S^T 64x64
+    (64, 96, 2, False, "sm90-wgmma-acc-v1-64x96-wg1x2", 256, 1, 24),  # backward (192, 128), S 64x96
     (64, 64, None, True, "sm90-wgmma-acc-v1-64x64-kq", 128, 1, 32),
     (64, 128, None, False, "sm90-wgmma-acc-v1-64x128", 128, 2, 64),
     (192, 96, None, False, "sm90-wgmma-acc-v1-192x96", 384, 2, 48),

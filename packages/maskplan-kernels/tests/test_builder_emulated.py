@@ -80,12 +80,13 @@ def test_matches_reference(twins, case, nfunc, heads, backward):
     assert len(twins) == 1  # exactly one header read per build
 
 
-def test_wgmma_layouts_and_tails(twins):
+@pytest.mark.parametrize("bwd", [(64, 64, 2, True), (64, 96, 2, False)], ids=["st-64x64", "s-64x96"])
+def test_wgmma_layouts_and_tails(twins, bwd):
     sm90 = pytest.importorskip("flexattn_sm90.payload_layout")
     q_lens, k_lens = [150, 0, 64], [200, 7, 130]
     g = make_geometry(q_lens, k_lens, hq=2, hkv=2, hmask=2, nfunc=3)
     mask = make_mask(q_lens, k_lens, 2, 3, seed=4)
-    ref, got = _build_both(g, mask, sm90.wgmma_layout(64, 64), sm90.wgmma_layout(64, 64, 2, True))
+    ref, got = _build_both(g, mask, sm90.wgmma_layout(64, 64), sm90.wgmma_layout(*bwd))
     assert_plans_equal(ref, got)
 
 

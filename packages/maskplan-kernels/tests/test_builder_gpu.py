@@ -30,16 +30,16 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 
 
-def _sm90_layouts():
-    sm90 = pytest.importorskip("flexattn_sm90.payload_layout")
-    return sm90.wgmma_layout(128, 128), sm90.wgmma_layout(64, 128, None, True)
-
-
 def _layouts(name: str):
+    """``rowmajor``; ``sm90``: the D=128 forward and (S^T, 64 x 128) backward layouts; ``sm90-s``: the
+    (192, 128) backward's S-oriented 64 x 96 one, whose warpgroups split the K columns."""
     if name == "rowmajor":
         return RowMajorLayout(128, 128), RowMajorLayout(128, 128)
+    sm90 = pytest.importorskip("flexattn_sm90.payload_layout")
     if name == "sm90":
-        return _sm90_layouts()
+        return sm90.wgmma_layout(128, 128), sm90.wgmma_layout(64, 128, None, True)
+    if name == "sm90-s":
+        return sm90.wgmma_layout(128, 128), sm90.wgmma_layout(64, 96, 2, False)
     raise ValueError(name)
 
 
@@ -93,7 +93,7 @@ def run_case(
 # bit-exact against the reference
 
 
-@pytest.mark.parametrize("layouts", ["rowmajor", "sm90"])
+@pytest.mark.parametrize("layouts", ["rowmajor", "sm90", "sm90-s"])
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("nfunc", [1, 3, 5, 9])
 @pytest.mark.parametrize("heads", [(4, 2, 1), (4, 2, 4)], ids=["hm1-gqa2", "hmq-gqa2"])
@@ -123,7 +123,7 @@ VARLEN = [
 
 
 @pytest.mark.parametrize("lens", VARLEN, ids=lambda x: f"B{len(x[0])}")
-@pytest.mark.parametrize("layouts", ["rowmajor", "sm90"])
+@pytest.mark.parametrize("layouts", ["rowmajor", "sm90", "sm90-s"])
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
 @pytest.mark.parametrize("nfunc", [1, 7])
 def test_varlen(lens, layouts, backward, nfunc):

@@ -19,20 +19,26 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
                         dV += P^T dO, dK += dS^T Q
                         dQ = dS K                         (dS^T stored transposed to SMEM, SS)
 
-Three tiles (heuristics.bwd_tile)::
+Four tiles (heuristics.bwd_tile)::
 
     128 x 128 (D <= 64)      as 64 x 128, with S^T m64n128 per warpgroup; dQ's warpgroups split its
     64 x 128 (D <= 128)      rows (64 x 128: its head dim). Each warpgroup: 64 K rows of S^T, of dK
                              and of dV; dK / dV are RS (P^T / dS^T straight from its registers)
-    64 x 64  (192/128, 256)  each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
+    64 x 64  (256)           each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
                              accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
-                             dS^T meet in SMEM and dK / dV are SS. At 256: 2 Q / 1 dO stages
-                             and SMEM for one dQ chunk, which the warpgroups fill in turn.
+                             dS^T meet in SMEM and dK / dV are SS. 2 Q / 1 dO stages and SMEM for
+                             one dQ chunk, which the warpgroups fill in turn.
+    64 x 96  (192/128), S    not transposed: S = Q K^T and dP = dO V^T with Q rows on WGMMA M, each
+                             warpgroup m64n48 on its 48 K columns; dK^T += Q^T dS and dV^T += dO^T P
+                             (SS, D x 48 per warpgroup: 72 + 48 accumulator registers), P and dS
+                             meet in SMEM; one shared dQ chunk. A 96-row K block per CTA moves each
+                             Q block's Q, dO and dQ through L2 for 1.5x the K rows of a 64-row one.
 
-The score tile is computed transposed, so the accumulator rows are K rows: exactly the ownership
-``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)`` (payload_layout.py) describes (its
-warpgroup tiling is the S^T MMA's), and the packed predicate's bit ``e`` guards accumulator
-register ``e`` of each thread.
+Except at 64 x 96, the score tile is computed transposed, so the accumulator rows are K rows:
+exactly the ownership ``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=True)``
+(payload_layout.py) describes (its warpgroup tiling is the S^T MMA's); at 64 x 96 it is
+``transposed=False``, S's. Either way the packed predicate's bit ``e`` guards accumulator register
+``e`` of each thread.
 
 Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_begin``::
 
@@ -104,7 +110,7 @@ from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_helpers import common_major, dq_warpgroup_tile, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
-from .config import SMEM_LIMIT, Sm90BwdConfig
+from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
 from .fwd_helpers import register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -136,8 +142,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
         # 64 x 128: the warpgroups split S^T's K rows and keep P^T / dS^T in registers for dK / dV.
         # 64 x 64: they split S^T's Q columns, so dK / dV (SS, the warpgroups split the head dim)
-        # read P^T and dS^T back from SMEM, where both warpgroups' halves meet.
+        # read P^T and dS^T back from SMEM, where both warpgroups' halves meet. 64 x 96 as S (not
+        # transposed): they split S's K columns, and dK^T / dV^T (SS, each warpgroup its K columns)
+        # read P and dS from SMEM too.
         self.pds_in_smem = layout.wg_n > 1
+        self.q_rows_on_m = not layout.transposed
         head_dims = (config.head_dim_qk, config.head_dim_v)
         if any(d % (16 * layout.wg_n * 2) for d in head_dims) or (
             not self.pds_in_smem and head_dims[0] != head_dims[1]
@@ -156,16 +165,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # dQ leaves through SMEM chunks that the dQ writer bulk-adds into the accumulator, in both
         # modes: at (192, 128) and (256, 256) that beat each MMA thread's own red.global.add.v4 of
         # its fragment by 11-19% and 4-5% fwd+bwd on the H200 (benchmarks/RESULTS.md, sessions 12
-        # and 13). One chunk per warpgroup; or, where the stages leave SMEM for one chunk only (fewer
-        # dO stages than Q stages, heuristics.bwd_stages), one that the warpgroups fill in turn (the
-        # second waits until the dQ writer's bulk add has read the first) rather than giving up Q's
-        # second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
-        self.dq_chunks = 1 if config.do_stages < config.q_stages else config.num_consumer_warpgroups
         # deterministic mode: two dQ writers on alternate steps (write_dq_block); 7-10% faster
         # than one at D=128 sliding, (256, 256) and 26% at (192, 128) (RESULTS, sessions 13-14)
         self.dq_writers = 2 if deterministic else 1
         self.mask_stages = config.mask_pipeline_stages
-        assert layout.transposed
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -185,9 +188,28 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_chunk = dq_rows * self.dq_cols  # fp32 values of one warpgroup's chunk
         self.dq_elements = self.dq_chunk // self.threads_per_wg  # per thread
         self.dq_block = self.tile_m * self.head_dim_qk  # fp32 values of one Q block
+        # dQ leaves through SMEM chunks that the dQ writer bulk-adds into the accumulator, in both
+        # modes: at (192, 128) and (256, 256) that beat each MMA thread's own red.global.add.v4 of
+        # its fragment by 11-19% and 4-5% fwd+bwd on the H200 (benchmarks/RESULTS.md, sessions 12
+        # and 13). One chunk per warpgroup; or, where the other tiles leave SMEM for one chunk only
+        # ((256, 256)'s two Q stages, (192, 128)'s 96-row K block), one that the warpgroups fill in
+        # turn (the second waits until the dQ writer's bulk add has read the first) rather than
+        # giving up Q's second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
+        two_chunks = self._operand_smem_bytes() + self.num_mma_wg * 4 * self.dq_chunk
+        self.dq_chunks = self.num_mma_wg if two_chunks <= SMEM_LIMIT - SMEM_RESERVE else 1
         # threads of a dQ FULL / EMPTY barrier: one MMA warpgroup and one dQ writer warp
         self.dq_pair_threads = self.threads_per_wg + 32
         assert self.payload_groups == self.num_mma_threads
+
+    def _operand_smem_bytes(self) -> int:
+        """SMEM of the staged tiles (Q, dO, K, V, dS [and P]), the payload planes and the row
+        statistics: everything but the dQ chunks."""
+        c = self.config
+        tm, tn, dqk, dv = c.tile_m, c.tile_n, c.head_dim_qk, c.head_dim_v
+        scores = c.q_stages * tm * tn * (2 if self.pds_in_smem else 1)
+        tiles = c.q_stages * tm * dqk + c.do_stages * tm * dv + tn * (dqk + dv) + scores
+        planes = c.mask_pipeline_stages * c.payload_layout.words_per_tile
+        return 2 * tiles + 4 * planes + 4 * tm * (c.q_stages + c.do_stages)
 
     def dq_writer_of(self, step):
         """The dQ writer of step ``step`` (the dQ writers and the MMA warpgroups both count steps
@@ -230,17 +252,21 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         dqk, dv, tm, tn = self.head_dim_qk, self.head_dim_v, self.tile_m, self.tile_n
         # TMA views: (rows, d, heads)
         mQ_t, mK_t, mV_t, mdO_t = (select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mdO))
-        # B of dK / dV (MN-major): all D columns per warpgroup, or D / 2 when they split the head dim
-        dkv_cols = self.num_mma_wg if self.pds_in_smem else 1
-        # (tile_m, D, q_stages): B of S^T / dP^T (K-major) and of dK / dV
-        sQ_layout = smem_layout(self.dtype, tm, dqk, self.q_stages, major=common_major(dqk, dqk // dkv_cols))
-        sdO_layout = smem_layout(self.dtype, tm, dv, self.do_stages, major=common_major(dv, dv // dkv_cols))
-        # (tile_n, D): A of S^T (K-major) and B of dQ (MN-major, D / 2 columns per warpgroup)
+        # Q / dO as the MN-major operand of dK / dV: B with all D columns per warpgroup, or D / 2 when
+        # they split the head dim; as dK^T / dV^T's A (S orientation), in 64-row WGMMA atoms
+        def dkv_run(d):
+            return 64 if self.q_rows_on_m else d // (self.num_mma_wg if self.pds_in_smem else 1)
+
+        # (tile_m, D, q_stages): the operand of S / dP (K-major) and of dK / dV
+        sQ_layout = smem_layout(self.dtype, tm, dqk, self.q_stages, major=common_major(dqk, dkv_run(dqk)))
+        sdO_layout = smem_layout(self.dtype, tm, dv, self.do_stages, major=common_major(dv, dkv_run(dv)))
+        # (tile_n, D): the operand of S (K-major) and B of dQ (MN-major, D / 2 columns per warpgroup)
         sK_layout = smem_layout(self.dtype, tn, dqk, major=common_major(dqk, self.dq_cols))
         sV_layout = smem_layout(self.dtype, tn, dv)
         # (tile_m, tile_n, q_stages): dS, A of dQ (K-major) [and, as dS^T, of dK (MN-major)]; P likewise
-        # for dV when P^T / dS^T go through SMEM
-        sdS_layout = smem_layout(self.dtype, tm, tn, self.q_stages)
+        # for dV when P / dS go through SMEM; in S orientation dK^T / dV^T take tile_n / 2 columns each
+        k_run = tn // self.num_mma_wg if self.q_rows_on_m else tn
+        sdS_layout = smem_layout(self.dtype, tm, tn, self.q_stages, major=common_major(tn, k_run))
         load_op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             load_op, mQ_t, cute.select(sQ_layout, mode=[0, 1]), (tm, dqk)
@@ -293,9 +319,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         return group
 
     def _tiled_mmas(self):
-        """``(sdp, dk, dv, dq)``: S^T / dP^T (tile_n x tile_m, the payload layout's warpgroup tiling),
-        dK / dV (tile_n x D: A from registers with the warpgroups on K rows, or from SMEM with the
-        warpgroups on D), dQ (tile_m x D, each warpgroup on its bwd_helpers.dq_warpgroup_tile)."""
+        """``(sdp, dk, dv, dq)``: S^T / dP^T (tile_n x tile_m) or S / dP (tile_m x tile_n), the payload
+        layout's warpgroup tiling; dK / dV (tile_n x D: A from registers with the warpgroups on K
+        rows, or from SMEM with the warpgroups on D) or dK^T / dV^T (D x tile_n, SS, the warpgroups
+        on K columns); dQ (tile_m x D, each warpgroup on its bwd_helpers.dq_warpgroup_tile)."""
         K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         dt, wg, lay = self.dtype, self.num_mma_wg, self.payload_layout
         sdp = sm90_utils.make_trivial_tiled_mma(
@@ -303,8 +330,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         )
 
         def dkv(d):
-            if const_expr(self.pds_in_smem):
-                return sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (1, wg, 1), (64, d // wg))
+            if const_expr(self.pds_in_smem):  # dK / dV over D, or dK^T / dV^T over S's K columns
+                n = lay.wg_cols if self.q_rows_on_m else d // wg
+                return sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (1, wg, 1), (64, n))
             return sm90_utils.make_trivial_tiled_mma(
                 dt, dt, K, MN, Float32, (wg, 1, 1), (64, d), warpgroup.OperandSource.RMEM
             )

@@ -2,9 +2,11 @@
 
 A mixin of :class:`flexattn_sm90.bwd_kernel.Sm90BwdKernel` (it reads the static config from
 ``self``). The two warpgroups split S^T as the payload layout says: 128 x 128 and 64 x 128 tiles,
-64 K rows each (P^T and dS^T stay in registers as the A of dK / dV); 64 x 64 tile (head dims
-192 / 256), 32 Q columns each (P^T and dS^T meet in SMEM and dK / dV split the head dim). One step
-(one K2Q entry, Q block ``m`` of head ``hq``), in issue order::
+64 K rows each (P^T and dS^T stay in registers as the A of dK / dV); 64 x 64 tile (head dim 256),
+32 Q columns each (P^T and dS^T meet in SMEM and dK / dV split the head dim). The 64 x 96 tile
+((192, 128)) computes S, not S^T: the Q side is each GEMM's A (``operands``), every S^T below reads
+S, dK / dV read dK^T / dV^T, and P / dS leave by plain stmatrix. One step (one K2Q entry, Q block
+``m`` of head ``hq``), in issue order::
 
     wait Q          S^T  = K Q^T                  (async)
     wait dO         dP^T = V dO^T                 (async; S^T done)
@@ -74,33 +76,49 @@ class BwdMainloop:
         slices = [(m.get_slice(wg * self.threads_per_wg), m.get_slice(tidx)) for m in mmas]
         (wg_sdp, thr_sdp), (wg_dk, thr_dk), (wg_dv, thr_dv), (wg_dq, thr_dq) = slices
         sQ, sdO, sK, sV, sdS = s["sQ"], s["sdO"], s["sK"], s["sV"], s["sdS"]
+
+        # the K side (K, V, P^T, dS^T: tile_n rows) is A of S^T, dP^T, dK and dV and the Q side (Q,
+        # dO, their transposes) is B; in S orientation the roles swap (self.operands says so)
+        def k_side(w, view):
+            if const_expr(self.q_rows_on_m):
+                return w.make_fragment_B(w.partition_B(view))
+            return w.make_fragment_A(w.partition_A(view))
+
+        def q_side(w, view):
+            if const_expr(self.q_rows_on_m):
+                return w.make_fragment_A(w.partition_A(view))
+            return w.make_fragment_B(w.partition_B(view))
+
         if const_expr(self.pds_in_smem):
-            # dS^T / P^T as the MN-major A of dK / dV: (tile_n, tile_m, stages) views of dS / P
-            tVrP = wg_dv.make_fragment_A(wg_dv.partition_A(transpose_view(s["sP"])))
-            tKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(transpose_view(sdS)))
+            # dS^T / P^T as the MN-major operand of dK / dV: (tile_n, tile_m, stages) views of dS / P
+            tVrP = k_side(wg_dv, transpose_view(s["sP"]))
+            tKrdS = k_side(wg_dk, transpose_view(sdS))
         else:
             tVrP = thr_dv.make_fragment_A(thr_dv.partition_shape_A((tn, tm)))
             tKrdS = thr_dk.make_fragment_A(thr_dk.partition_shape_A((tn, tm)))
+        dk_shape, dv_shape = (self.head_dim_qk, tn), (self.head_dim_v, tn)
+        if const_expr(not self.q_rows_on_m):
+            dk_shape, dv_shape = dk_shape[::-1], dv_shape[::-1]
         ops = StepOperands(
-            tSrK=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
-            tSrQ=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
-            tPrV=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
-            tPrdO=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
-            tVrdO=wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO))),
-            tKrQ=wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ))),
+            tSrK=k_side(wg_sdp, sK),
+            tSrQ=q_side(wg_sdp, sQ),
+            tPrV=k_side(wg_sdp, sV),
+            tPrdO=q_side(wg_sdp, sdO),
+            tVrdO=q_side(wg_dv, transpose_view(sdO)),
+            tKrQ=q_side(wg_dk, transpose_view(sQ)),
             tQrdS=wg_dq.make_fragment_A(wg_dq.partition_A(sdS)),
             tQrK=wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK))),
             tVrP=tVrP,
             tKrdS=tKrdS,
-            acc_dk=cute.make_rmem_tensor(thr_dk.partition_shape_C((tn, self.head_dim_qk)), Float32),
-            acc_dv=cute.make_rmem_tensor(thr_dv.partition_shape_C((tn, self.head_dim_v)), Float32),
+            acc_dk=cute.make_rmem_tensor(thr_dk.partition_shape_C(dk_shape), Float32),
+            acc_dv=cute.make_rmem_tensor(thr_dv.partition_shape_C(dv_shape), Float32),
             pipe_q=pipe_q,
             pipe_do=pipe_do,
             pipe_mask=pipe_mask,
         )
         ops.acc_dk.fill(0.0)
         ops.acc_dv.fill(0.0)
-        acc_s_shape = thr_sdp.partition_shape_C((tn, tm))
+        acc_s_shape = thr_sdp.partition_shape_C((tm, tn) if self.q_rows_on_m else (tn, tm))
         acc_dq_shape = thr_dq.partition_shape_C((tm, self.head_dim_qk))
         # this thread's slot of its warpgroup's dQ chunk, in fragment order: (4, elements / 4)
         chunk_layout = dq_chunk_layout(self.dq_elements)
@@ -135,25 +153,35 @@ class BwdMainloop:
                 step += 1
         # every GEMM reading K and V has retired in both warpgroups: sK and sV stage dK and dV
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
-        stage_result(mmas[1], ops.acc_dk, sK, tidx, softmax_scale)
-        stage_result(mmas[2], ops.acc_dv, sV, tidx, None)
+        results = ((mmas[1], ops.acc_dk, sK, softmax_scale), (mmas[2], ops.acc_dv, sV, None))
+        for mma, acc, s_x, scale in results:
+            if const_expr(self.q_rows_on_m):  # dK^T / dV^T: written transposed into the K / V tile
+                stage_result(mma, acc, transpose_view(s_x), tidx, scale, transpose=True)
+            else:
+                stage_result(mma, acc, s_x, tidx, scale)
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         # dK / dV of this block and kv head -> rows < k_valid
         first = work.k_offset + work.n_block * self.tile_n
         for s_x, m_x in ((sK, mdK), (sV, mdV)):
             store_result_rows(s_x, m_x, first, work.kv_head, tidx, self.num_mma_threads, work.k_valid)
 
+    def operands(self, k_side, q_side) -> tuple:
+        """``(A, B)`` of S, dP, dK or dV from its K-side operand (K, V, P, dS) and its Q-side one (Q,
+        dO): S^T = K Q^T puts the K side on WGMMA M, S = Q K^T (and dK^T = Q^T dS) the Q side."""
+        return (q_side, k_side) if self.q_rows_on_m else (k_side, q_side)
+
     @cute.jit
-    def stat_columns(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
-        """``out[c]`` = the per-Q-row statistic (LSE or D) of column ``c`` of this thread's S^T
-        fragment (a column of S^T is a Q row), read from SMEM stage ``stage``."""
-        # (tile_n, tile_m) broadcast of the stage's tile_m values along the K rows
-        bcast = cute.make_tensor(
-            s_stat[None, stage].iterator, cute.make_layout((self.tile_n, self.tile_m), stride=(0, 1))
-        )
+    def q_row_stats(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
+        """``out[i]`` = the per-Q-row statistic (LSE or D) of the ``i``-th Q row of this thread's
+        score fragment (a column of S^T, a row of S), read from SMEM stage ``stage``."""
+        # the stage's tile_m values broadcast along the K side of the score tile
+        shape, stride = ((self.tile_n, self.tile_m), (0, 1))
+        if const_expr(self.q_rows_on_m):
+            shape, stride = ((self.tile_m, self.tile_n), (1, 0))
+        bcast = cute.make_tensor(s_stat[None, stage].iterator, cute.make_layout(shape, stride=stride))
         t_mn = acc_mn_view(thr_sdp.partition_C(bcast))
-        for c in cutlass.range_constexpr(cute.size(out)):
-            out[c] = t_mn[0, c]
+        for i in cutlass.range_constexpr(cute.size(out)):
+            out[i] = t_mn[i, 0] if const_expr(self.q_rows_on_m) else t_mn[0, i]
 
     @cute.jit
     def step(
@@ -167,38 +195,42 @@ class BwdMainloop:
         acc_dp = cute.make_rmem_tensor(acc_s_shape, Float32)
         s_mn, dp_mn = acc_mn_view(acc_s), acc_mn_view(acc_dp)
         n_rows, n_cols = cute.size(s_mn, mode=[0]), cute.size(s_mn, mode=[1])
-        stat = cute.make_rmem_tensor(n_cols, Float32)
+        stat = cute.make_rmem_tensor(n_rows if const_expr(self.q_rows_on_m) else n_cols, Float32)
 
         ops.pipe_q.consumer_wait(q_state)
         # LSE [and the payload] are read before the S GEMM is issued: read after its wait, the loads
         # queued behind the GEMMs' issue and stalled the exponentials (MIO throttle, short scoreboard)
-        self.stat_columns(thr_sdp, s["sLSE"], stage, stat)
+        self.q_row_stats(thr_sdp, s["sLSE"], stage, stat)
         if const_expr(partial):
             ops.pipe_mask.consumer_wait(mask_state)
             cute.autovec_copy(s["sMask"][None, tidx, mask_state.index], words)
-        wgmma(mma_sdp, acc_s, ops.tSrK, ops.tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        s_ab = self.operands(ops.tSrK, ops.tSrQ[None, None, None, stage])
+        wgmma(mma_sdp, acc_s, *s_ab, zero_init=True, wait=-1)
         ops.pipe_do.consumer_wait(do_state)
-        wgmma(mma_sdp, acc_dp, ops.tPrV, ops.tPrdO[None, None, None, do_stage], zero_init=True, wait=1)
-        # P^T = exp2(S^T scale log2e - LSE2[q])
+        dp_ab = self.operands(ops.tPrV, ops.tPrdO[None, None, None, do_stage])
+        wgmma(mma_sdp, acc_dp, *dp_ab, zero_init=True, wait=1)
+        # P = exp2(S scale log2e - LSE2[q])
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - stat[c], fastmath=True)
-        if const_expr(partial):  # spec 5.1 on the transposed fragment: bit e guards register e
+                lse = stat[r] if const_expr(self.q_rows_on_m) else stat[c]
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+        if const_expr(partial):  # spec 5.1 on the fragment (S or S^T): bit e guards register e
             for w in cutlass.range_constexpr(self.payload_words):
                 for b in cutlass.range_constexpr(min(32, self.payload_elements - 32 * w)):
                     e = 32 * w + b
                     acc_s[e] = acc_s[e] if ((words[w] >> b) & 1) != 0 else Float32(0.0)
         if const_expr(self.pds_in_smem):
-            self.store_transposed(mma_sdp, acc_s, s["sP"], stage, tidx)
+            self.store_scores(mma_sdp, acc_s, s["sP"], stage, tidx)
         else:
             ops.tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-        # dS^T = P^T (dP^T - D[q])
-        self.stat_columns(thr_sdp, s["sDsum"], do_stage, stat)
+        # dS = P (dP - D[q])
+        self.q_row_stats(thr_sdp, s["sDsum"], do_stage, stat)
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - stat[c])
-        rdS = self.store_transposed(mma_sdp, acc_dp, s["sdS"], stage, tidx)
+                dsum = stat[r] if const_expr(self.q_rows_on_m) else stat[c]
+                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
+        rdS = self.store_scores(mma_sdp, acc_dp, s["sdS"], stage, tidx)
         if const_expr(self.pds_in_smem):
             tVrP, tKrdS = ops.tVrP[None, None, None, stage], ops.tKrdS[None, None, None, stage]
         else:
@@ -214,14 +246,16 @@ class BwdMainloop:
             mask_state.advance()
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         if const_expr(self.pds_in_smem):
-            wgmma(mma_dv, ops.acc_dv, tVrP, ops.tVrdO[None, None, None, do_stage], zero_init=False, wait=-1)
+            dv_ab = self.operands(tVrP, ops.tVrdO[None, None, None, do_stage])
+            wgmma(mma_dv, ops.acc_dv, *dv_ab, zero_init=False, wait=-1)
         # dQ = dS K
         acc_dq = cute.make_rmem_tensor(acc_dq_shape, Float32)
         wgmma(mma_dq, acc_dq, ops.tQrdS[None, None, None, stage], ops.tQrK, zero_init=True, wait=1)
         ops.pipe_do.consumer_release(do_state)  # dV has read dO
         do_state.advance()
-        # dK += dS^T Q
-        wgmma(mma_dk, ops.acc_dk, tKrdS, ops.tKrQ[None, None, None, stage], zero_init=False, wait=1)
+        # dK += dS^T Q (dK^T += Q^T dS)
+        dk_ab = self.operands(tKrdS, ops.tKrQ[None, None, None, stage])
+        wgmma(mma_dk, ops.acc_dk, *dk_ab, zero_init=False, wait=1)
         # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it (a chunk shared by
         # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it)
         cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=self.dq_pair_threads)
@@ -234,12 +268,15 @@ class BwdMainloop:
         return q_state, do_state, mask_state
 
     @cute.jit
-    def store_transposed(
+    def store_scores(
         self, mma_sdp, acc: cute.Tensor, s_x: cute.Tensor, stage: Int32, tidx: Int32
     ) -> cute.Tensor:
-        """The S^T-shaped fp32 fragment ``acc`` in the input dtype (returned) -> stage ``stage`` of the
-        (tile_m, tile_n) SMEM tile ``s_x``: fragment element (k, q) is element (q, k) of the tile. A
-        column of the fragment is a contiguous row piece of the tile, so stmatrix.trans writes each
-        8x8 matrix in 16-byte rows (element-wise 2-byte stores took twice the SMEM wavefronts and
-        8x the instructions; fwd+bwd at D=128 is 2.7-3.9% faster this way, benchmarks/RESULTS.md)."""
+        """The score-shaped fp32 fragment ``acc`` (P or dS) in the input dtype (returned) -> stage
+        ``stage`` of the (tile_m, tile_n) SMEM tile ``s_x``. As S^T, fragment element (k, q) is
+        element (q, k) of the tile: a column of the fragment is a contiguous row piece of the tile,
+        so stmatrix.trans writes each 8x8 matrix in 16-byte rows (element-wise 2-byte stores took
+        twice the SMEM wavefronts and 8x the instructions; fwd+bwd at D=128 is 2.7-3.9% faster this
+        way, benchmarks/RESULTS.md). As S, plain stmatrix."""
+        if const_expr(self.q_rows_on_m):
+            return stage_result(mma_sdp, acc, s_x[None, None, stage], tidx, None)
         return stage_result(mma_sdp, acc, transpose_view(s_x)[None, None, stage], tidx, None, transpose=True)

@@ -177,9 +177,11 @@ class Sm90FwdConfig(_KernelConfig):
 class Sm90BwdConfig(_KernelConfig):
     """K-major backward (dK/dV per K block, dQ accumulated in ``dq_write_order``).
 
-    ``tile_m`` Q rows x ``tile_n`` K columns is the score tile the planner classifies; the kernel
-    computes it transposed (``S^T``, K rows x Q columns) with warpgroups owning K rows, which is
-    why its payload layout is ``WgmmaAccumulatorLayout(..., transposed=True)``.
+    ``tile_m`` Q rows x ``tile_n`` K columns is the score tile the planner classifies. With
+    ``transposed_scores`` the kernel computes it transposed (``S^T``, K rows x Q columns on WGMMA
+    M x N), otherwise as ``S`` (Q rows on M, each warpgroup owning ``tile_n / 2`` K columns, and
+    dK / dV as dK^T / dV^T); its payload layout is ``WgmmaAccumulatorLayout(..., transposed=...)``
+    of that orientation.
     """
 
     direction = "backward"
@@ -200,11 +202,13 @@ class Sm90BwdConfig(_KernelConfig):
     #: after dV, so its next load already overlaps the step's second half
     q_stages: int = field(default=2, metadata=CONSTEXPR)
     do_stages: int = field(default=2, metadata=CONSTEXPR)
+    #: S^T (K rows on WGMMA M) rather than S (Q rows on M): heuristics.bwd_tile says which tile takes which
+    transposed_scores: bool = field(default=True, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()
-        self.payload_layout  # noqa: B018 - validates the warpgroup tiling of S^T
+        self.payload_layout  # noqa: B018 - validates the warpgroup tiling of the score tile
 
     @property
     def payload_layout(self) -> WgmmaAccumulatorLayout:
-        return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, True)
+        return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, self.transposed_scores)

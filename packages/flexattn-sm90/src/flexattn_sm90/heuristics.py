@@ -12,14 +12,15 @@ The tile is chosen by head dims only (so one plan serves every sequence length).
                                                           by rows (m64n64): see bwd_tile
 (96, 96)        128 x 128     64 x 128
 (128, 128)      128 x 128     64 x 128
-(192, 128)      128 x 128     64 x 64
+(192, 128)      128 x 128     64 x 96, S (not S^T)        see bwd_tile
 (256, 256)      128 x 64      64 x 64                     N64 leaves SMEM for the 2-stage mask
                                                           pipeline (spec 6.2)
 ==============  ============  ==========================  ====================================
 
 Backward: the tile is ``tile_m`` Q rows x ``tile_n`` K columns; the kernel's two consumer
 warpgroups compute ``S^T`` (K rows x Q columns): for 128x128 and 64x128 each takes 64 K rows, for
-64x64 they split the 64 Q columns (32 each) and dK / dV's head dim (``bwd_kernel.py``).
+64x64 they split the 64 Q columns (32 each) and dK / dV's head dim. At (192, 128) they compute
+``S`` (Q rows x K columns), 48 K columns each, and dK^T / dV^T (``bwd_kernel.py``).
 """
 
 from __future__ import annotations
@@ -49,15 +50,25 @@ def fwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     return (128, 64) if head_dim_qk > 192 else (128, 128)
 
 
-def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
-    """Backward ``(tile_m, tile_n)`` = (Q rows, K columns) of the score tile. Up to D = 64 a step
+def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int, bool]:
+    """Backward ``(tile_m, tile_n, transposed_scores)``: (Q rows, K columns) of the score tile and
+    whether the kernel computes it as S^T (K rows on WGMMA M). Up to D = 64 a step
     takes 128 Q rows: its S^T / dP^T GEMMs are m64n128 rather than m64n64 and dQ's are m64n64
     rather than m64n32 (whose operands need more SMEM bandwidth than the tensor cores' rate
     leaves), and the step's fixed costs (barriers, the dQ hand-over) spread over twice the FLOPs;
-    the registers still fit (no spills at 232 per MMA thread)."""
+    the registers still fit (no spills at 232 per MMA thread).
+
+    From (192, 128) on, S^T's 64 K rows per warpgroup would leave a whole-D dK and dV over the
+    registers, so the K block is 64 rows and each step moves a Q block's Q, dO and fp32 dQ through
+    L2 for only 64 K rows: L2-bound, 0.83-0.91x cuDNN fwd+bwd at (192, 128) (benchmarks/RESULTS.md,
+    session 21). Computing S instead (Q rows on M) lets the two warpgroups split a 96-row K block
+    (m64n48 each) with dK^T and dV^T as their accumulators (72 + 48 registers), 1.5x the K rows per
+    step. (256, 256) keeps 64 x 64: a 96-row K and V (96 KB) leave no SMEM for two Q stages."""
     check_head_dims(head_dim_qk, head_dim_v)
     d = max(head_dim_qk, head_dim_v)
-    return (128, 128) if d <= 64 else (64, 128) if d <= 128 else (64, 64)
+    if d <= 128:
+        return (128, 128, True) if d <= 64 else (64, 128, True)
+    return (64, 96, False) if head_dim_qk + head_dim_v <= 320 else (64, 64, True)
 
 
 def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
@@ -108,7 +119,7 @@ def select_bwd_config(
     *, head_dim_qk: int, head_dim_v: int, dtype: str, qhead_per_kvhead: int = 1, varlen: bool = False
 ) -> Sm90BwdConfig:
     check_dtype(dtype)
-    tile_m, tile_n = bwd_tile(head_dim_qk, head_dim_v)
+    tile_m, tile_n, transposed_scores = bwd_tile(head_dim_qk, head_dim_v)
     q_stages, do_stages = bwd_stages(head_dim_qk, head_dim_v)
     return Sm90BwdConfig(
         head_dim_qk=head_dim_qk,
@@ -121,4 +132,5 @@ def select_bwd_config(
         varlen=varlen,
         q_stages=q_stages,
         do_stages=do_stages,
+        transposed_scores=transposed_scores,
     )

@@ -50,7 +50,8 @@ fwd 128x128            2 (M)       64                       256 groups x 2 words
 fwd 128x64 (D256)      2 (M)       32                       256 groups x 1 word   (1 KB)
 bwd 128x128, S^T       2 (M)       64                       256 groups x 2 words  (D <= 64)
 bwd 64x128, S^T        2 (M)       32                       256 groups x 1 word
-bwd 64x64,  S^T        2 (N)       16 (16 padding bits)     256 groups x 1 word
+bwd 64x64,  S^T        2 (N)       16 (16 padding bits)     256 groups x 1 word   (D256)
+bwd 64x96,  S          2 (N)       24 (8 padding bits)      256 groups x 1 word   ((192, 128))
 =====================  ==========  =======================  ======================================
 
 PackGQA forward (:class:`WgmmaPackGqaLayout`): the ``G = Hq / Hkv`` q heads of one kv head share
@@ -77,7 +78,7 @@ accumulator ``(row, col) = (n, m)``. :class:`WgmmaAccumulatorLayout` takes ``tra
 that; its ``tile_m x tile_n`` is still the score tile (Q x K), as the planner classifies it.
 
 Checked (CPU, no GPU): ``tests/test_sm90_cute_crosscheck.py`` compares every thread's element list
-with ``partition_C`` of CuTe DSL's ``make_trivial_tiled_mma`` for the five tiles of the table.
+with ``partition_C`` of CuTe DSL's ``make_trivial_tiled_mma`` for the six tiles of the table.
 """
 
 from __future__ import annotations
