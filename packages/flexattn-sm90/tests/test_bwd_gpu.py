@@ -204,7 +204,7 @@ def test_gpu_planner_plan(dqk, dv):
 def test_small_for_sanitizer(dqk, dv):
     """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck`` (select with -k small)
     on each backward tile (128 x 128, 64 x 128, 64 x 96 as S at (192, 128) and 64 x 64 at (256, 256),
-    the last two with P / dS through SMEM and one shared dQ chunk). racecheck reports the shared-chunk
+    the last two with P / dS through SMEM, the last with one shared dQ chunk). racecheck reports the D=256
     kernels' dQ chunk stores (the chunk the two warpgroups fill in turn, handed over through the dQ
     writer's named barriers): it does not take ``bar.arrive`` as ordering the arriving warps' writes
     (``benchmarks/sanitizer/barrier_chain.cu``)."""

@@ -31,7 +31,7 @@ Four tiles (heuristics.bwd_tile)::
     64 x 96  (192/128), S    not transposed: S = Q K^T and dP = dO V^T with Q rows on WGMMA M, each
                              warpgroup m64n48 on its 48 K columns; dK^T += Q^T dS and dV^T += dO^T P
                              (SS, D x 48 per warpgroup: 72 + 48 accumulator registers), P and dS
-                             meet in SMEM; one shared dQ chunk. A 96-row K block per CTA moves each
+                             meet in SMEM; 1 dO stage. A 96-row K block per CTA moves each
                              Q block's Q, dO and dQ through L2 for 1.5x the K rows of a 64-row one.
 
 Except at 64 x 96, the score tile is computed transposed, so the accumulator rows are K rows:
@@ -192,9 +192,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # modes: at (192, 128) and (256, 256) that beat each MMA thread's own red.global.add.v4 of
         # its fragment by 11-19% and 4-5% fwd+bwd on the H200 (benchmarks/RESULTS.md, sessions 12
         # and 13). One chunk per warpgroup; or, where the other tiles leave SMEM for one chunk only
-        # ((256, 256)'s two Q stages, (192, 128)'s 96-row K block), one that the warpgroups fill in
-        # turn (the second waits until the dQ writer's bulk add has read the first) rather than
-        # giving up Q's second stage (deterministic D=256: 1.2x slower than atomic with one Q stage)
+        # ((256, 256)), one that the warpgroups fill in turn (the second waits until the dQ writer's
+        # bulk add has read the first) rather than giving up Q's second stage (deterministic D=256:
+        # 1.2x slower than atomic with one Q stage)
         two_chunks = self._operand_smem_bytes() + self.num_mma_wg * 4 * self.dq_chunk
         self.dq_chunks = self.num_mma_wg if two_chunks <= SMEM_LIMIT - SMEM_RESERVE else 1
         # threads of a dQ FULL / EMPTY barrier: one MMA warpgroup and one dQ writer warp

@@ -74,8 +74,11 @@ def bwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int, bool]:
 def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     """``(q_stages, do_stages)`` of the backward: at (256, 256) two Q stages and one dO stage
     (64 + 32 KB) next to K, V and two stages of P and dS fill the 227 KB of SMEM; two dO stages do
-    not fit. dQ goes through SMEM there one warpgroup chunk at a time (bwd_kernel.py)."""
-    return (2, 1) if head_dim_qk + head_dim_v > 384 else (2, 2)
+    not fit. dQ goes through SMEM there one warpgroup chunk at a time (bwd_kernel.py). At (192, 128)
+    the 96-row K / V tile leaves room for either a second dO stage or a dQ chunk per warpgroup: one
+    dO stage with two chunks measured 4-6% faster fwd+bwd on every mask than two dO stages with a
+    shared chunk (benchmarks/RESULTS.md, session 23)."""
+    return (2, 1) if head_dim_qk + head_dim_v > 256 else (2, 2)
 
 
 def select_fwd_config(
