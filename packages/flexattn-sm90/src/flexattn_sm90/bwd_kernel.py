@@ -162,9 +162,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         self.do_stages, self.q_stages = config.do_stages, config.q_stages
-        # dQ leaves through SMEM chunks that the dQ writer bulk-adds into the accumulator, in both
-        # modes: at (192, 128) and (256, 256) that beat each MMA thread's own red.global.add.v4 of
-        # its fragment by 11-19% and 4-5% fwd+bwd on the H200 (benchmarks/RESULTS.md, sessions 12
         # deterministic mode: two dQ writers on alternate steps (write_dq_block); 7-10% faster
         # than one at D=128 sliding, (256, 256) and 26% at (192, 128) (RESULTS, sessions 13-14)
         self.dq_writers = 2 if deterministic else 1
