@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flexattn
 from flexattn import InputValueError, PlanBindingError, masks
+from maskplan_core import MaskPlan
 from maskplan_core.plan import plan_for_handle
 
 B, S, H, HKV, D = 2, 72, 4, 2, 16
@@ -270,6 +271,34 @@ def test_plans_are_built_outside_the_compiled_region():
     assert torch.equal(torch.compile(attend, backend="aot_eager")(q, k, v), attend(q, k, v))
     torch._dynamo.reset()
     assert torch._dynamo.explain(attend)(q, k, v).graph_break_count == 1
+
+
+def _live_plans() -> int:
+    gc.collect()
+    return sum(type(o) is MaskPlan for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_plan_built_inside_the_compiled_region_trains(backend):
+    """``create_mask_plan`` inside the compiled function (one graph break): the plan, a local of the
+    eager frame between the graphs, lives on with the forward's saved LSE, so the compiled backward
+    finds it and gives eager's gradients; once the backward has run, nothing holds it any more."""
+    _, (q, k, v), _ = fixed_case()
+
+    def attend(q, k, v):
+        plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, build_backward=True)
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    want = torch.autograd.grad(attend(q, k, v).square().sum(), (q, k, v))
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend=backend)
+    before = _live_plans()
+    out = compiled(q, k, v)
+    assert _live_plans() == before + 1  # held by the saved LSE's storage alone
+    got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert _live_plans() == before
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -29,7 +29,9 @@ chose this over passing the plan's tensors explicitly because
 
 The cost: the plan must stay alive while a compiled graph that captured its handle runs (a
 collected plan raises a clear error naming the handle), and a graph cannot be exported to
-another process with a plan inside it.
+another process with a plan inside it. A training forward pins its plan to the storage of the
+LSE it saves for the backward (:func:`_pin_plan`), so the backward never outlives the plan, even
+one built inside the compiled region.
 
 Eager calls go around the ops
 -----------------------------
@@ -122,7 +124,22 @@ def _forward_impl(
     max_logit = res.max_logit
     if max_logit is None:
         max_logit = q.new_empty(0, dtype=stat_dtype(q.dtype))
-    return res.out.contiguous(), res.lse.contiguous(), max_logit.contiguous()
+    lse = res.lse.contiguous()
+    if training:
+        _pin_plan(lse, mask_plan)
+    return res.out.contiguous(), lse, max_logit.contiguous()
+
+
+def _pin_plan(lse: torch.Tensor, mask_plan: MaskPlan) -> None:
+    """Keep ``mask_plan`` alive as long as the storage of the training forward's ``lse``.
+
+    A compiled graph saves the op's LSE for its backward but carries only the plan's handle, so a
+    plan built inside the compiled region (a local of the eager frame between two graphs) would be
+    collected before a compiled backward needs it. The saved tensor need not be ``lse`` itself
+    (AOTAutograd may save another tensor object on the same memory), but it shares its storage,
+    whose Python object torch keeps, with its attributes, for as long as the storage lives: the
+    plan then lives exactly as long as a backward (or the caller's LSE) can still use it."""
+    lse.untyped_storage()._flexattn_plan = mask_plan
 
 
 def _backward_impl(
