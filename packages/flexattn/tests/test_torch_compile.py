@@ -301,6 +301,25 @@ def test_a_plan_built_inside_the_compiled_region_trains(backend):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+def test_a_copying_saved_tensor_hook_needs_the_callers_reference():
+    """The pin goes with the saved LSE's memory: a hook that copies saved tensors (as
+    ``save_on_cpu`` does) frees it, so a plan built inside the compiled region is gone by the
+    backward, which says what to do."""
+    _, (q, k, v), _ = fixed_case()
+
+    def attend(q, k, v):
+        plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, build_backward=True)
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="aot_eager")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out = compiled(q, k, v)
+        gc.collect()
+        with pytest.raises(InputValueError, match="saved-tensor hook"):
+            torch.autograd.grad(out.sum(), (q, k, v))
+
+
 @pytest.mark.slow
 def test_inductor_block_matches_eager():
     module, x, plan = _block_inputs("fixed")

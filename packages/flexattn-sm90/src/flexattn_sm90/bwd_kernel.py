@@ -5,7 +5,7 @@ accumulates dK/dV in registers over every Q head of its kv head (GQA needs no la
 while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. 384 threads::
 
     warp 0 (WG0)      producer: TMA loads of K, V (once), Q + LSE and dO + D (per Q block; 2
-                      stages each, dO 1 at D256), bulk copy of the partial payloads (2-stage SMEM
+                      stages each, dO 1 from (192, 128) on), bulk copy of the partial payloads (2-stage SMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first
@@ -147,6 +147,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # read P and dS from SMEM too.
         self.pds_in_smem = layout.wg_n > 1
         self.q_rows_on_m = not layout.transposed
+        if self.q_rows_on_m and not self.pds_in_smem:
+            raise NotImplementedError(
+                f"the SM90 backward kernel computes S (transposed_scores=False) only with the warpgroups "
+                f"on its K columns; {config.tile_m}x{config.tile_n} on {config.num_consumer_warpgroups} "
+                "warpgroups puts them on its Q rows"
+            )
         head_dims = (config.head_dim_qk, config.head_dim_v)
         if any(d % (16 * layout.wg_n * 2) for d in head_dims) or (
             not self.pds_in_smem and head_dims[0] != head_dims[1]
@@ -192,21 +198,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # ((256, 256)), one that the warpgroups fill in turn (the second waits until the dQ writer's
         # bulk add has read the first) rather than giving up Q's second stage (deterministic D=256:
         # 1.2x slower than atomic with one Q stage)
-        two_chunks = self._operand_smem_bytes() + self.num_mma_wg * 4 * self.dq_chunk
+        two_chunks = config.operand_smem_bytes + self.num_mma_wg * 4 * self.dq_chunk
         self.dq_chunks = self.num_mma_wg if two_chunks <= SMEM_LIMIT - SMEM_RESERVE else 1
         # threads of a dQ FULL / EMPTY barrier: one MMA warpgroup and one dQ writer warp
         self.dq_pair_threads = self.threads_per_wg + 32
         assert self.payload_groups == self.num_mma_threads
-
-    def _operand_smem_bytes(self) -> int:
-        """SMEM of the staged tiles (Q, dO, K, V, dS [and P]), the payload planes and the row
-        statistics: everything but the dQ chunks."""
-        c = self.config
-        tm, tn, dqk, dv = c.tile_m, c.tile_n, c.head_dim_qk, c.head_dim_v
-        scores = c.q_stages * tm * tn * (2 if self.pds_in_smem else 1)
-        tiles = c.q_stages * tm * dqk + c.do_stages * tm * dv + tn * (dqk + dv) + scores
-        planes = c.mask_pipeline_stages * c.payload_layout.words_per_tile
-        return 2 * tiles + 4 * planes + 4 * tm * (c.q_stages + c.do_stages)
 
     def dq_writer_of(self, step):
         """The dQ writer of step ``step`` (the dQ writers and the MMA warpgroups both count steps
@@ -279,7 +275,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.bytes_row_stats = tm * 4  # LSE or D of one Q block
         mmas = self._tiled_mmas()
         self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
-        if const_expr(self.shared_storage.size_in_bytes() > SMEM_LIMIT):
+        smem = self.shared_storage.size_in_bytes()
+        # the chunk count was chosen from the config's arithmetic: it must not miss the real layout
+        # (barriers, alignment) by more than the reserve
+        assert smem <= self.config.operand_smem_bytes + self.dq_chunks * 4 * self.dq_chunk + SMEM_RESERVE
+        if const_expr(smem > SMEM_LIMIT):
             raise ValueError(
                 f"the backward's SMEM ({self.shared_storage.size_in_bytes()} bytes at "
                 f"q_stages={self.q_stages}) exceeds the {SMEM_LIMIT} bytes of an SM90 CTA"

@@ -57,6 +57,7 @@ def _main_key(config: Sm90BwdConfig) -> tuple:
         ("tile_m", config.tile_m),
         ("tile_n", config.tile_n),
         ("warpgroups", config.num_consumer_warpgroups),
+        ("transposed_scores", config.transposed_scores),
     )
     stages = (
         ("q_stages", config.q_stages),

@@ -41,7 +41,8 @@ from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
 
 
 class StepOperands(NamedTuple):
-    """What one step works with: WGMMA fragments of every GEMM and the pipelines."""
+    """What one step works with: WGMMA fragments of every GEMM and the pipelines. The roles below
+    are S^T's; computing S, the K-side and Q-side operands swap A and B (``BwdMainloop.operands``)."""
 
     tSrK: cute.Tensor  # A of S^T: (MMA, MMA_M, MMA_K)
     tSrQ: cute.Tensor  # B of S^T: (MMA, MMA_N, MMA_K, stages)
@@ -49,8 +50,8 @@ class StepOperands(NamedTuple):
     tPrdO: cute.Tensor  # B of dP^T (stages)
     tVrdO: cute.Tensor  # B of dV: dO^T, MN-major (stages)
     tKrQ: cute.Tensor  # B of dK: Q^T, MN-major (stages)
-    tQrdS: cute.Tensor  # A of dQ: dS (stages)
-    tQrK: cute.Tensor  # B of dQ: K^T, MN-major
+    tQrdS: cute.Tensor  # A of dQ: dS (stages), in either orientation
+    tQrK: cute.Tensor  # B of dQ: K^T, MN-major, in either orientation
     tVrP: cute.Tensor  # A of dV: P^T in the input dtype (registers, or SMEM with stages)
     tKrdS: cute.Tensor  # A of dK: dS^T in the input dtype (registers, or SMEM with stages)
     acc_dk: cute.Tensor

@@ -198,7 +198,7 @@ class Sm90BwdConfig(_KernelConfig):
     qhead_per_kvhead: int = field(default=1, metadata=CONSTEXPR)
     varlen: bool = field(default=False, metadata=CONSTEXPR)
     mask_pipeline_stages: int = field(default=2, metadata=CONSTEXPR)
-    #: stages of Q (+ LSE) and of dO (+ D); Q is held for a whole step (S^T and dK), dO is released
+    #: stages of Q (+ LSE) and of dO (+ D); Q is held for a whole step (S or S^T, and dK), dO is released
     #: after dV, so its next load already overlaps the step's second half
     q_stages: int = field(default=2, metadata=CONSTEXPR)
     do_stages: int = field(default=2, metadata=CONSTEXPR)
@@ -212,3 +212,17 @@ class Sm90BwdConfig(_KernelConfig):
     @property
     def payload_layout(self) -> WgmmaAccumulatorLayout:
         return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, self.transposed_scores)
+
+    @property
+    def operand_smem_bytes(self) -> int:
+        """SMEM of the staged tiles (Q, dO, K, V, dS, and P where the warpgroups split the score
+        tile's N so P meets in SMEM), the payload planes and the row statistics: all but the dQ
+        chunks."""
+        tm, tn = self.tile_m, self.tile_n
+        scores = self.q_stages * tm * tn * (2 if self.payload_layout.wg_n > 1 else 1)
+        tiles = (
+            self.q_stages * tm * self.head_dim_qk + self.do_stages * tm * self.head_dim_v
+            + tn * (self.head_dim_qk + self.head_dim_v) + scores
+        )  # fmt: skip
+        planes = self.mask_pipeline_stages * self.payload_layout.words_per_tile
+        return 2 * tiles + 4 * planes + 4 * tm * (self.q_stages + self.do_stages)

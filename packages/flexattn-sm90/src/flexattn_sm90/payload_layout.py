@@ -102,8 +102,8 @@ class WgmmaAccumulatorLayout(PayloadLayout):
         tile_n: K columns of the score tile (the plan block's N).
         num_warpgroups: consumer warpgroups sharing the accumulator; default one per 64
             accumulator rows. More than that tiles the remaining warpgroups along N.
-        transposed: the accumulator holds ``S^T`` (rows = K, columns = Q), as in the K-major
-            backward kernel.
+        transposed: the accumulator holds ``S^T`` (rows = K, columns = Q), as the K-major
+            backward kernel's tiles do except at (192, 128), which computes ``S``.
     """
 
     def __init__(

@@ -138,7 +138,9 @@ def _pin_plan(lse: torch.Tensor, mask_plan: MaskPlan) -> None:
     collected before a compiled backward needs it. The saved tensor need not be ``lse`` itself
     (AOTAutograd may save another tensor object on the same memory), but it shares its storage,
     whose Python object torch keeps, with its attributes, for as long as the storage lives: the
-    plan then lives exactly as long as a backward (or the caller's LSE) can still use it."""
+    plan then lives as long as a backward (or the caller's LSE) can still use it. A saved-tensor
+    hook that copies the LSE (``torch.autograd.graph.save_on_cpu``) frees that storage, and with it
+    the pin: then the caller keeps the plan (the error of ``plan_for_handle`` says so)."""
     lse.untyped_storage()._flexattn_plan = mask_plan
 
 
@@ -236,9 +238,11 @@ def _eager_backward(ctx, dout, dlse, _dmax):
 
 
 class EagerAttention(torch.autograd.Function):
-    """``flexattn::fwd`` with its autograd, for eager calls (module docstring). Unlike the op, it
-    holds the plan object until the backward has run, so a plan built per step and never stored
-    (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long as the graph needs it.
+    """``flexattn::fwd`` with its autograd, for eager calls (module docstring). It holds the plan
+    object in its context until the backward has run, so a plan built per step and never stored
+    (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long as the graph needs it,
+    whatever saved-tensor hooks do with the LSE (the op's own pin, :func:`_pin_plan`, goes with the
+    LSE's storage, which a hook such as ``save_on_cpu`` replaces).
 
     The classic ``forward(ctx, ...)`` form: ``Function.apply`` binds the arguments of a function
     with a ``setup_context`` through ``inspect.signature`` on every call (30-40 us of host time per

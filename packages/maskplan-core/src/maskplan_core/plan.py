@@ -240,8 +240,9 @@ def plan_for_handle(handle: int) -> MaskPlan:
         raise InputValueError(
             f"no live MaskPlan has handle {handle}: the plan was garbage-collected (or built in another "
             "process). A torch.compile'd call carries only the plan's handle: keep a reference to the "
-            "plan until the backward of every compiled call that used it has run (eager calls keep "
-            "their plan alive themselves)"
+            "plan while compiled calls use it. A training forward keeps its plan for the backward with "
+            "the LSE it saves, unless a saved-tensor hook (e.g. torch.autograd.graph.save_on_cpu) "
+            "replaces that LSE: then keep the reference until the backward has run"
         )
     return plan
 
