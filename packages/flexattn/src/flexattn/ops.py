@@ -9,7 +9,7 @@ input shapes alone), so ``torch.compile(fullgraph=True)`` traces a model that ca
 
 How the MaskPlan crosses the op boundary
 ----------------------------------------
-A custom op takes tensors and plain values only. We pass the plan as an ``int``: every
+A custom op takes tensors and plain values only. We pass the plan as its handle: every
 :class:`~maskplan_core.MaskPlan` gets a process-unique :attr:`~maskplan_core.MaskPlan.handle` when
 it is built, and :func:`~maskplan_core.plan.plan_for_handle` maps it back through a
 ``WeakValueDictionary``, so the registry never keeps a plan (and its device tensors) alive. We
@@ -19,13 +19,16 @@ chose this over passing the plan's tensors explicitly because
   consumer's business (a forward view has 9 of them, a backward view more, a third-party
   consumer may add others), and the static half of a plan (geometry, signatures, payload
   layout) cannot be a tensor anyway, so a handle would be needed in any case;
-* a plan is immutable, so the int names fixed content; nothing the op reads can change between
-  tracing and running;
-* Dynamo reads ``plan.handle`` as a plain int attribute. The first graph is specialised on it
-  (a guard ``plan._handle == N``); a second plan of the same geometry recompiles once, after
-  which Dynamo's automatic-dynamic makes the handle a symbolic int and one graph serves every
-  further plan of that geometry (a new plan per batch, e.g. document masks, costs nothing).
-  Only the fake implementation sees the symbolic value, and it never reads it.
+* a plan is immutable, so the handle names fixed content; nothing the op reads can change
+  between tracing and running.
+
+The handle travels as :attr:`~maskplan_core.MaskPlan.handle_tensor`, a 0-d int64 CPU tensor made
+with the plan. Dynamo takes a tensor reached from the call's arguments, a module attribute or a
+global as a graph input (guarded on dtype and shape only), so one graph serves every plan of a
+geometry however the model holds it. As an int it was a constant: a plan passed as an argument
+recompiled once (then automatic-dynamic made it symbolic), one held by a module or a global
+recompiled for every plan, until Dynamo's recompile limit sent the frame back to eager. Only the
+fake implementation sees the traced value, and it never reads it.
 
 The cost: the plan must stay alive while a compiled graph that captured its handle runs (a
 collected plan raises a clear error naming the handle), and a graph cannot be exported to
@@ -109,16 +112,16 @@ def _forward_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    plan: int,
+    plan: torch.Tensor,
     scale: float,
     training: bool,
     deterministic: bool,
     want_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """THD in: ``out [total_q, Hq, Dv]``, ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
-    ``want_max``). ``plan`` is a :attr:`MaskPlan.handle`; ``training`` selects the signature check
+    ``want_max``). ``plan`` is a :attr:`MaskPlan.handle_tensor`; ``training`` selects the signature check
     (forward and backward views); ``deterministic`` is only kept for the backward."""
-    mask_plan = plan_for_handle(plan)
+    mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, training)
     res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
     max_logit = res.max_logit
@@ -152,12 +155,12 @@ def _backward_impl(
     lse: torch.Tensor,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
-    plan: int,
+    plan: torch.Tensor,
     scale: float,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` shaped like ``(q, k, v)`` (THD); ``dlse`` ``[Hq, total_q]`` or None."""
-    mask_plan = plan_for_handle(plan)
+    mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, True)
     dq, dk, dv = consumer.backward(
         mask_plan, q, k, v, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
@@ -191,18 +194,16 @@ def _bwd_fake(q, k, v, out, lse, dout, dlse, plan, scale, deterministic):
 def _setup_context(ctx, inputs, output):
     q, k, v, plan, scale, _training, deterministic, _want_max = inputs
     out, lse, _max_logit = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.plan, ctx.scale, ctx.deterministic = plan, scale, deterministic
+    ctx.save_for_backward(q, k, v, out, lse, plan)
+    ctx.scale, ctx.deterministic = scale, deterministic
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
 
 
 def _gradients(ctx, dout, dlse, backward_fn):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, plan = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = backward_fn(
-        q, k, v, out, lse, dout.contiguous(), dlse, ctx.plan, ctx.scale, ctx.deterministic
-    )
+    dq, dk, dv = backward_fn(q, k, v, out, lse, dout.contiguous(), dlse, plan, ctx.scale, ctx.deterministic)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -223,7 +224,7 @@ bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, input
 # -- eager route ----------------------------------------------------------------------------------
 def _eager_setup(ctx, inputs, output):
     q, k, v, mask_plan, *options = inputs
-    _setup_context(ctx, (q, k, v, mask_plan.handle, *options), output)
+    _setup_context(ctx, (q, k, v, mask_plan.handle_tensor, *options), output)
     ctx.mask_plan = mask_plan
     ctx.mark_non_differentiable(output[2])
 
@@ -252,7 +253,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
-        output = _forward_impl(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
+        output = _forward_impl(q, k, v, mask_plan.handle_tensor, scale, training, deterministic, want_max)
         _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output)
         return output
 
@@ -265,7 +266,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
-        return _forward_impl(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
+        return _forward_impl(q, k, v, mask_plan.handle_tensor, scale, training, deterministic, want_max)
 
     setup_context = staticmethod(_eager_setup)
     backward = staticmethod(_eager_backward)
@@ -300,11 +301,16 @@ def attention(
     q, k, v, mask_plan: MaskPlan, scale: float, training: bool, deterministic: bool, want_max: bool
 ):
     """``(out, lse, max_logit)`` THD: :class:`EagerAttention` for plain tensors in plain eager
-    mode; the custom op (which carries ``mask_plan.handle``) under ``torch.compile``, fake tensors,
+    mode; the custom op (which carries ``mask_plan.handle_tensor``) under ``torch.compile``, fake tensors,
     tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its fake
     implementation."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
     if plain and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
         eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
         return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
-    return fwd(q, k, v, mask_plan.handle, scale, training, deterministic, want_max)
+    handle = mask_plan.handle_tensor
+    if not torch.compiler.is_compiling() and is_in_torch_dispatch_mode():
+        # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
+        # constant of the traced graph under make_fx
+        handle = torch.tensor(mask_plan.handle, dtype=torch.int64)
+    return fwd(q, k, v, handle, scale, training, deterministic, want_max)

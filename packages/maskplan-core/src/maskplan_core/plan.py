@@ -234,7 +234,7 @@ _NEXT_HANDLE = itertools.count(1)
 
 
 def plan_for_handle(handle: int) -> MaskPlan:
-    """The live plan whose :attr:`MaskPlan.handle` is ``handle`` (custom ops carry the int, not the plan)."""
+    """The live plan whose :attr:`MaskPlan.handle` is ``handle`` (custom ops carry it, not the plan)."""
     plan = _LIVE_PLANS.get(int(handle))
     if plan is None:
         raise InputValueError(
@@ -255,7 +255,7 @@ class MaskPlan:
     names the plan where only plain values may travel (``torch.library`` custom ops).
     """
 
-    __slots__ = ("_geometry", "_views", "_header", "_handle", "_consumer", "__weakref__")
+    __slots__ = ("_geometry", "_views", "_header", "_handle", "_handle_tensor", "_consumer", "__weakref__")
 
     def __init__(
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
@@ -265,6 +265,7 @@ class MaskPlan:
         init(self, "_views", dict(views))
         init(self, "_header", tuple(header))
         init(self, "_handle", next(_NEXT_HANDLE))
+        init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64))
         init(self, "_consumer", consumer)
         _LIVE_PLANS[self._handle] = self
 
@@ -302,6 +303,13 @@ class MaskPlan:
     def handle(self) -> int:
         """Process-unique id of this plan; :func:`plan_for_handle` maps it back while the plan lives."""
         return self._handle
+
+    @property
+    def handle_tensor(self) -> torch.Tensor:
+        """:attr:`handle` as a 0-d int64 CPU tensor: how the plan crosses a ``torch.library`` custom
+        op. A compiled graph takes it as an input, so one graph serves every plan of a geometry (an
+        int would be a constant of the graph). Read-only by contract, like the plan."""
+        return self._handle_tensor
 
     @property
     def has_backward(self) -> bool:
