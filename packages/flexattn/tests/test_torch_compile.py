@@ -68,6 +68,9 @@ def test_ops_are_registered_with_their_schemas():
     assert len(fwd._schema.returns) == 3 and len(bwd._schema.returns) == 3
     assert "Tensor? dlse" in str(bwd._schema)
     assert not any(a.alias_info for a in (*fwd._schema.arguments, *bwd._schema.arguments))
+    # a CUDA graph replay would not see a new plan behind the same handle input: inductor must run
+    # the ops outside its CUDA graphs
+    assert all(torch.Tag.cudagraph_unsafe in op.tags for op in (fwd, bwd))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

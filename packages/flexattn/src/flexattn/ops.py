@@ -169,8 +169,13 @@ def _backward_impl(
 
 
 # -- the ops --------------------------------------------------------------------------------------
-fwd = torch.library.custom_op("flexattn::fwd", _forward_impl, mutates_args=())
-bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=())
+# cudagraph_unsafe: the launch arguments come from the plan the handle tensor names, read on the
+# host at each call; a CUDA graph replay (torch.compile's "reduce-overhead") would rerun the
+# recorded plan's launches whatever plan the input names, so inductor runs the ops between its
+# CUDA graphs instead (graph partition)
+_TAGS = (torch.Tag.cudagraph_unsafe,)
+fwd = torch.library.custom_op("flexattn::fwd", _forward_impl, mutates_args=(), tags=_TAGS)
+bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=(), tags=_TAGS)
 
 
 @fwd.register_fake
