@@ -134,6 +134,34 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
+def test_compiled_training_with_a_new_plan_per_batch(mode):
+    """torch.compile (inductor) of attention taking the batch's plan: every plan of the geometry,
+    each called twice, gives eager's outputs and gradients bit for bit (deterministic). Under
+    reduce-overhead the ops run between inductor's CUDA graphs (tagged cudagraph_unsafe): a replay
+    of recorded launches would keep the first plan's mask."""
+    torch.manual_seed(5)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan, deterministic=True) * 2
+
+    def run(fn, plan):
+        out = fn(q, k, v, plan)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        return [t.clone() for t in (out, *grads)]  # before a CUDA graph replay reuses the outputs
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, mode=mode)
+    plans = [flexattn.create_mask_plan(MASKS[m]("cuda"), q, k, v, build_backward=True) for m in MASKS]
+    for plan in plans * 2:
+        got, want = run(compiled, plan), run(attend, plan)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize("d", [D, 64])
 def test_explicit_api_writes_in_place(d):
     """FlexAttentionFwd / FlexAttentionBwd on the SM90 kernels write o, lse and dq/dk/dv into the
