@@ -13,8 +13,9 @@ took 9-10 ms a step too.
 Each sample packs documents of random lengths; every document repeats a short random token
 pattern, so a token is predictable only from earlier tokens of its own document, which is what the
 document (+ optional sliding window) mask lets attention see: the loss falls below ln(vocab) as the
-model learns to copy within documents. The plan is built outside the model and passed to it as an argument,
-which is what keeps a compiled model to one graph for every batch's new plan.
+model learns to copy within documents. The plan is built outside the model and passed to it as an
+argument; a compiled model runs one graph for every batch's new plan (the plan enters it as
+``plan.handle_tensor``, a graph input).
 """
 
 from __future__ import annotations
