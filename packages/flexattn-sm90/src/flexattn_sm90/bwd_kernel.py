@@ -145,7 +145,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # read P^T and dS^T back from SMEM, where both warpgroups' halves meet. 64 x 96 as S (not
         # transposed): they split S's K columns, and dK^T / dV^T (SS, each warpgroup its K columns)
         # read P and dS from SMEM too.
-        self.pds_in_smem = layout.wg_n > 1
+        self.pds_in_smem = config.scores_in_smem
         self.q_rows_on_m = not layout.transposed
         if self.q_rows_on_m and not self.pds_in_smem:
             raise NotImplementedError(
@@ -281,7 +281,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         assert smem <= self.config.operand_smem_bytes + self.dq_chunks * 4 * self.dq_chunk + SMEM_RESERVE
         if const_expr(smem > SMEM_LIMIT):
             raise ValueError(
-                f"the backward's SMEM ({self.shared_storage.size_in_bytes()} bytes at "
+                f"the backward's SMEM ({smem} bytes at "
                 f"q_stages={self.q_stages}) exceeds the {SMEM_LIMIT} bytes of an SM90 CTA"
             )
         self.kernel(

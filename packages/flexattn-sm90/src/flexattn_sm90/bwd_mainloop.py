@@ -171,6 +171,11 @@ class BwdMainloop:
         dO): S^T = K Q^T puts the K side on WGMMA M, S = Q K^T (and dK^T = Q^T dS) the Q side."""
         return (q_side, k_side) if self.q_rows_on_m else (k_side, q_side)
 
+    def q_of(self, r: int, c: int) -> int:
+        """Which index of the score fragment's (row ``r``, column ``c``) is its Q row's: the row of S,
+        the column of S^T: the index of its statistic in :meth:`q_row_stats`' ``out``."""
+        return r if self.q_rows_on_m else c
+
     @cute.jit
     def q_row_stats(self, thr_sdp, s_stat: cute.Tensor, stage: Int32, out: cute.Tensor):
         """``out[i]`` = the per-Q-row statistic (LSE or D) of the ``i``-th Q row of this thread's
@@ -213,8 +218,7 @@ class BwdMainloop:
         # P = exp2(S scale log2e - LSE2[q])
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
-                lse = stat[r] if const_expr(self.q_rows_on_m) else stat[c]
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - stat[self.q_of(r, c)], fastmath=True)
         if const_expr(partial):  # spec 5.1 on the fragment (S or S^T): bit e guards register e
             for w in cutlass.range_constexpr(self.payload_words):
                 for b in cutlass.range_constexpr(min(32, self.payload_elements - 32 * w)):
@@ -229,8 +233,7 @@ class BwdMainloop:
         warpgroup.wait_group(0)
         for c in cutlass.range_constexpr(n_cols):
             for r in cutlass.range_constexpr(n_rows):
-                dsum = stat[r] if const_expr(self.q_rows_on_m) else stat[c]
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
+                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - stat[self.q_of(r, c)])
         rdS = self.store_scores(mma_sdp, acc_dp, s["sdS"], stage, tidx)
         if const_expr(self.pds_in_smem):
             tVrP, tKrdS = ops.tVrP[None, None, None, stage], ops.tKrdS[None, None, None, stage]

@@ -214,12 +214,17 @@ class Sm90BwdConfig(_KernelConfig):
         return wgmma_layout(self.tile_m, self.tile_n, self.num_consumer_warpgroups, self.transposed_scores)
 
     @property
+    def scores_in_smem(self) -> bool:
+        """The warpgroups split the score tile's N, so P meets dS in SMEM (both halves are needed
+        there) instead of staying in registers as an operand of dV."""
+        return self.payload_layout.wg_n > 1
+
+    @property
     def operand_smem_bytes(self) -> int:
-        """SMEM of the staged tiles (Q, dO, K, V, dS, and P where the warpgroups split the score
-        tile's N so P meets in SMEM), the payload planes and the row statistics: all but the dQ
-        chunks."""
+        """SMEM of the staged tiles (Q, dO, K, V, dS, and P where :attr:`scores_in_smem`), the
+        payload planes and the row statistics: all but the dQ chunks."""
         tm, tn = self.tile_m, self.tile_n
-        scores = self.q_stages * tm * tn * (2 if self.payload_layout.wg_n > 1 else 1)
+        scores = self.q_stages * tm * tn * (2 if self.scores_in_smem else 1)
         tiles = (
             self.q_stages * tm * self.head_dim_qk + self.do_stages * tm * self.head_dim_v
             + tn * (self.head_dim_qk + self.head_dim_v) + scores

@@ -63,6 +63,7 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
     out = torch.empty(n, tm, tn, dtype=torch.bool, device=head.device)
     step = max(1, CHUNK_ELEMENTS // (tm * tn))
     u = torch.arange(tn, device=head.device, dtype=torch.int32)
+    one = torch.ones(1, dtype=torch.uint8, device=head.device)
     for c in range(0, n, step):
         sl = slice(c, c + step)
         h, b = head[sl], batch[sl]
@@ -72,7 +73,6 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
         rows = column.shape[0] * tm
         at = torch.arange(rows, device=head.device).view(-1, tm, 1) * (tn + 1) + column  # flat marks
         marks = torch.zeros(rows * (tn + 1), dtype=torch.uint8, device=head.device)
-        one = torch.ones(1, dtype=torch.uint8, device=head.device)
         marks.index_put_((at.reshape(-1),), one.expand(at.numel()), accumulate=True)
         counts = marks.view(-1, tm, tn + 1)[..., :tn].cumsum(-1, dtype=torch.uint8)
         even = (counts & 1) == 0
