@@ -91,7 +91,7 @@ def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=2)
@@ -105,6 +105,11 @@ def main() -> None:
     p.add_argument("--window", type=int, default=None, help="also limit attention to this many keys back")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model")
     args = p.parse_args()
+    for name in ("steps", "batch", "seqlen", "dim", "layers", "heads", "kv_heads", "vocab"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.seqlen < 16:  # documents of at least seqlen // 8 >= 2 tokens, so each has a target
+        p.error(f"--seqlen must be at least 16, got {args.seqlen}")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the GPU kernels take fp16/bf16

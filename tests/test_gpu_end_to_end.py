@@ -287,3 +287,26 @@ def test_document_ids_builds_on_the_device_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(endpoints.cpu(), masks.document([lens] * B))
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation of the SM90 kernels: a sample's tail tile loads the next sample's rows "
+    "(K/V past k_len, Q/dO past q_len) and multiplies them by zero probabilities, so a nan / inf "
+    "there reaches this sample (0 * inf = nan); the CPU reference keeps samples apart",
+)
+@pytest.mark.parametrize("poisoned", ["v", "dout"])
+def test_non_finite_values_stay_in_their_sample(poisoned):
+    """S = 1000 is not a multiple of the tiles: sample 0's last tiles read sample 1's first rows."""
+    torch.manual_seed(0)
+    q = torch.randn(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(B, S, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    dout = torch.randn_like(q)
+    {"v": v, "dout": dout}[poisoned][1] = float("nan")
+    qkv = [t.requires_grad_() for t in (q, k, v)]
+    plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), *qkv)
+    out = flexattn.flex_attn_func(*qkv, mask_plan=plan)
+    out.backward(dout)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), strict=True):
+        assert torch.isfinite(t[0]).all(), f"sample 0's {name} is not finite"

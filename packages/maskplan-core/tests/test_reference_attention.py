@@ -355,6 +355,73 @@ def test_plan_is_reused_with_new_values():
         torch.testing.assert_close(out, ref, **TOL[torch.float64])
 
 
+def _sample_rows(c: Case, b: int, t: torch.Tensor, keys: bool) -> torch.Tensor:
+    """Sample ``b``'s token rows of a public-layout Q-side (``keys=False``) or K-side tensor."""
+    if not c.varlen:
+        return t[b]
+    cu = c.cu_k if keys else c.cu_q
+    return t[cu[b] : cu[b + 1]]
+
+
+@needs_flexattn
+@pytest.mark.parametrize("poisoned", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        fixed(3, 100, 100, kinds=("causal",), nfunc=1, seed=21),
+        Case(True, (100, 77, 130), (90, 150, 60), seed=22),
+    ],
+    ids=["fixed-tails", "varlen"],
+)
+def test_non_finite_values_stay_in_their_sample(case, bad, poisoned):
+    """A sample's tail tiles index the next sample's tokens; a nan / inf there must not reach the
+    other samples' outputs or gradients (0 * inf = nan), as in dense attention per sample."""
+    ep = make_endpoints(case)
+    q, k, v = make_inputs(case, torch.float32)
+    plan = flexattn.create_mask_plan(ep, q, k, v, **plan_kwargs(case))
+    dout = torch.randn(*q.shape[:-1], case.dv, generator=torch.Generator().manual_seed(5))
+
+    def run(poison: bool):
+        tensors = {"q": q, "k": k, "v": v, "dout": dout}
+        tensors = {name: t.detach().clone() for name, t in tensors.items()}
+        if poison:
+            _sample_rows(case, 1, tensors[poisoned], keys=poisoned in "kv").fill_(bad)
+        qq, kk, vv = (tensors[n].requires_grad_() for n in "qkv")
+        out = flexattn.flex_attn_func(qq, kk, vv, mask_plan=plan)
+        return (out, *torch.autograd.grad(out, (qq, kk, vv), tensors["dout"]))
+
+    clean, dirty = run(False), run(True)
+    for b in (0, 2):
+        for name, c_t, d_t in zip(("out", "dq", "dk", "dv"), clean, dirty, strict=True):
+            keys = name in ("dk", "dv")
+            assert torch.equal(_sample_rows(case, b, d_t, keys), _sample_rows(case, b, c_t, keys)), (
+                f"sample {b}'s {name} changed when sample 1's {poisoned} became {bad}"
+            )
+    assert not bool(torch.isfinite(_sample_rows(case, 1, dirty[0], False)).all()) or poisoned == "dout"
+
+
+@needs_flexattn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_autocast_does_not_change_the_computation(dtype):
+    """On CPU the reference computes in fp32 under an enclosing autocast too (it crashed there: its
+    einsums were recast to bf16 next to fp32 buffers)."""
+    c = fixed(2, 150, 150, hq=4, hkv=2, kinds=("causal",), nfunc=1, seed=23)
+    ep = make_endpoints(c)
+    q, k, v = make_inputs(c, dtype)
+    plan = flexattn.create_mask_plan(ep, q, k, v)
+
+    def run():
+        out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+        return (out, lse, *torch.autograd.grad(out.float().square().sum() + lse.sum(), (q, k, v)))
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = run()
+    for a, b in zip(plain, under_autocast, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------------------------------
 # lower precision inputs
 # --------------------------------------------------------------------------------------------------

@@ -78,7 +78,12 @@ def flex_attn_func(
     (``[B, Hq, Sq]`` / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled
     logit over visible elements if ``return_max_logit``, as a tuple when more than ``out`` is
     asked for. LSE and max logit are fp32 (fp64 for fp64 inputs on the CPU reference).
-    Rows with no visible key give ``out = 0`` and ``lse = -inf``.
+    Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
+    under ``torch.autocast`` too (cast q/k/v yourself to change it).
+
+    Samples are independent on the CPU reference. On the GPU kernels a sample's last tiles also
+    load the next sample's first rows and weigh them by zero: values there must be finite, or
+    nan reaches this sample's tail rows and gradients (0 * inf = nan).
     """
     if not isinstance(mask_plan, MaskPlan):
         raise InputTypeError(

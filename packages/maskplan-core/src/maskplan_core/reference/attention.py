@@ -6,12 +6,18 @@ visited tile by tile. Accumulation is in fp32 (fp64 for fp64 inputs), in two pas
 tiles: row maxima, then exp-sums and P @ V (the backward recomputes P from the LSE).
 Rows with no visible key give O = 0 and LSE = -inf, and zero gradients.
 
+Samples stay independent, as in dense attention: a tile's rows and columns past its sample's end
+index a neighbouring sample's tokens, which are zeroed before use and whose results are dropped,
+so a non-finite value in one sample never reaches another through a zero probability
+(0 * inf = nan). An enclosing ``torch.autocast`` does not change the accumulation dtype.
+
 Q/K/V are THD (``[total, H, D]``); O is ``[total_q, Hq, Dv]``, LSE ``[Hq, total_q]`` and the max
 logit ``[Hq]`` in the accumulation dtype (fp32; fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,6 +38,8 @@ class _Tiles:
 
     q_tok: torch.Tensor  # [n, tm]
     k_tok: torch.Tensor  # [n, tn]
+    q_ok: torch.Tensor  # [n, tm]: the row lies in the tile's sample
+    k_ok: torch.Tensor  # [n, tn]: the column lies in the tile's sample
     keep: torch.Tensor  # [n, tm, tn]
     q_heads: torch.Tensor  # [hq']
     kv_heads: torch.Tensor  # [hq']
@@ -62,13 +70,33 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
                     if g.mask_heads == 1
                     else torch.tensor([h], device=dev)
                 )
-                yield _Tiles(q_tok[mine], k_tok[mine], keep[mine], q_heads, q_heads // g.qhead_per_kvhead)
+                yield _Tiles(
+                    q_tok[mine], k_tok[mine], row_ok[mine], col_ok[mine], keep[mine], q_heads,
+                    q_heads // g.qhead_per_kvhead,
+                )  # fmt: skip
+
+
+def _rows(x: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """``x[tok][:, :, heads]`` (``[n, t, h, d]``), zero where ``ok`` is False (another sample's token)."""
+    return torch.where(ok[:, :, None, None], x[tok][:, :, heads], 0)
+
+
+def _exact(fn):
+    """Run ``fn(view, q, ...)`` with autocast off: it computes in its own accumulation dtype, and an
+    enclosing ``torch.autocast`` would recast its einsums to half precision."""
+
+    @functools.wraps(fn)
+    def run(view, q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(view, q, *args, **kwargs)
+
+    return run
 
 
 def _scores(tl: _Tiles, q, k, scale) -> torch.Tensor:
     """Scaled scores ``[n, hq', tm, tn]`` with masked elements at -inf."""
-    qt = q[tl.q_tok][:, :, tl.q_heads]  # [n, tm, h, d]
-    kt = k[tl.k_tok][:, :, tl.kv_heads]  # [n, tn, h, d]
+    qt = _rows(q, tl.q_tok, tl.q_ok, tl.q_heads)  # [n, tm, h, d]
+    kt = _rows(k, tl.k_tok, tl.k_ok, tl.kv_heads)  # [n, tn, h, d]
     s = torch.einsum("nmhd,nkhd->nhmk", qt, kt) * scale
     return s.masked_fill(~tl.keep[:, None], float("-inf"))
 
@@ -78,6 +106,12 @@ def _row_index(tl: _Tiles, total_q: int) -> torch.Tensor:
     return tl.q_heads[None, :, None] * total_q + tl.q_tok[:, None, :]
 
 
+def _probabilities(tl: _Tiles, s: torch.Tensor, row_offset: torch.Tensor) -> torch.Tensor:
+    """``exp(s - row_offset)``, exactly 0 off the mask (a padding row's offset is another sample's)."""
+    return torch.exp(s - row_offset.unsqueeze(-1)).masked_fill(~tl.keep[:, None], 0.0)
+
+
+@_exact
 def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool = False):
     g = view.geometry
     cd = compute_dtype(q.dtype)
@@ -94,9 +128,10 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     acc = torch.zeros(g.num_heads_q, g.total_q, g.head_dim_v, dtype=cd, device=q.device)
     for tl in _tiles(view):
         idx = _row_index(tl, g.total_q)
-        p = torch.exp(_scores(tl, q, k, softmax_scale) - safe_max[idx].unsqueeze(-1))
+        p = _probabilities(tl, _scores(tl, q, k, softmax_scale), safe_max[idx])
         row_sum.index_add_(0, idx.reshape(-1), p.sum(-1).reshape(-1))
-        pv = torch.einsum("nhmk,nkhd->nhmd", p, v[tl.k_tok][:, :, tl.kv_heads])
+        pv = torch.einsum("nhmk,nkhd->nhmd", p, _rows(v, tl.k_tok, tl.k_ok, tl.kv_heads))
+        pv = pv.masked_fill(~tl.q_ok[:, None, :, None], 0.0)
         acc.view(rows, -1).index_add_(0, idx.reshape(-1), pv.reshape(-1, g.head_dim_v))
     empty = row_sum == 0
     out = acc / torch.where(empty, 1.0, row_sum).view(g.num_heads_q, g.total_q, 1)
@@ -108,6 +143,7 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     return out.transpose(0, 1).contiguous(), lse, max_logit
 
 
+@_exact
 def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax_scale: float):
     """Gradients (dq, dk, dv) in the inputs' dtype; ``dlse`` ``[Hq, total_q]`` or None."""
     g = view.geometry
@@ -123,23 +159,23 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
     dv = torch.zeros(g.total_k, g.num_heads_kv, g.head_dim_v, dtype=cd, device=q.device)
     for tl in _tiles(view):
         idx = _row_index(tl, g.total_q)
-        p = torch.exp(_scores(tl, qc, kc, softmax_scale) - safe_lse[idx].unsqueeze(-1))  # [n, h, tm, tn]
-        do_t = doc[tl.q_tok][:, :, tl.q_heads]  # [n, tm, h, dv]
-        v_t, k_t, q_t = (
-            vc[tl.k_tok][:, :, tl.kv_heads],
-            kc[tl.k_tok][:, :, tl.kv_heads],
-            qc[tl.q_tok][:, :, tl.q_heads],
-        )
+        p = _probabilities(tl, _scores(tl, qc, kc, softmax_scale), safe_lse[idx])  # [n, h, tm, tn]
+        do_t, q_t = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (doc, qc))  # [n, tm, h, d]
+        v_t, k_t = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vc, kc))  # [n, tn, h, d]
         dp = torch.einsum("nmhd,nkhd->nhmk", do_t, v_t)
-        ds = p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale
-        _add_rows(dq, tl.q_tok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))
-        _add_rows(dk, tl.k_tok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", ds, q_t))
-        _add_rows(dv, tl.k_tok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", p, do_t))
+        ds = (p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale).masked_fill(~tl.keep[:, None], 0.0)
+        _add_rows(dq, tl.q_tok, tl.q_ok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))
+        _add_rows(dk, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", ds, q_t))
+        _add_rows(dv, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", p, do_t))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _add_rows(dst: torch.Tensor, tok: torch.Tensor, heads: torch.Tensor, val: torch.Tensor) -> None:
-    """dst[tok, heads] += val for tiles ``[n, t, h, d]`` (GQA heads sharing a kv head accumulate)."""
+def _add_rows(
+    dst: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor, heads: torch.Tensor, val: torch.Tensor
+) -> None:
+    """dst[tok, heads] += val for tiles ``[n, t, h, d]`` (GQA heads sharing a kv head accumulate);
+    rows where ``ok`` is False (another sample's token) add nothing."""
     n_heads = dst.shape[1]
     flat = (tok[:, :, None] * n_heads + heads[None, None, :]).reshape(-1)
+    val = val.masked_fill(~ok[:, :, None, None], 0.0)
     dst.view(-1, dst.shape[-1]).index_add_(0, flat, val.reshape(-1, dst.shape[-1]))
