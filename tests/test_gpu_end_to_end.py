@@ -290,23 +290,46 @@ def test_document_ids_builds_on_the_device_without_a_sync():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation of the SM90 kernels: a sample's tail tile loads the next sample's rows "
-    "(K/V past k_len, Q/dO past q_len) and multiplies them by zero probabilities, so a nan / inf "
-    "there reaches this sample (0 * inf = nan); the CPU reference keeps samples apart",
-)
-@pytest.mark.parametrize("poisoned", ["v", "dout"])
-def test_non_finite_values_stay_in_their_sample(poisoned):
-    """S = 1000 is not a multiple of the tiles: sample 0's last tiles read sample 1's first rows."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["", "packgqa"])
+def test_forward_keeps_samples_apart(bad, pack_gqa):
+    """S = 1000 is not a multiple of the tiles: sample 0's last K block holds sample 1's first rows.
+    With sample 1's q, k and v non-finite, sample 0's outputs equal those of a clean run."""
     torch.manual_seed(0)
     q = torch.randn(B, S, H, D, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(B, S, HKV, D, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    dout = torch.randn_like(q)
-    {"v": v, "dout": dout}[poisoned][1] = float("nan")
-    qkv = [t.requires_grad_() for t in (q, k, v)]
-    plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), *qkv)
-    out = flexattn.flex_attn_func(*qkv, mask_plan=plan)
-    out.backward(dout)
-    for name, t in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), strict=True):
-        assert torch.isfinite(t[0]).all(), f"sample 0's {name} is not finite"
+    plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), q, k, v, pack_gqa=pack_gqa)
+    clean = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    for t in (q, k, v):
+        t[1] = bad
+    dirty = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    for name, c, d in zip(("out", "lse"), clean, dirty, strict=True):
+        assert torch.equal(d[0], c[0]), f"sample 0's {name} changed with sample 1 at {bad}"
+    assert not torch.isfinite(dirty[0][1]).all()  # the poison took
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256)], ids=str)
+@pytest.mark.parametrize("poisoned", ["qkv", "dout"])
+def test_backward_keeps_samples_apart(dims, poisoned):
+    """S = 1000: sample 0's last K and Q blocks hold sample 1's first rows. With sample 1's q, k, v
+    (or its dout) non-finite, sample 0's deterministic gradients equal those of a clean run."""
+    torch.manual_seed(0)
+    dqk, dv = dims
+    q = torch.randn(B, S, H, dqk, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(B, S, HKV, dqk, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(B, S, HKV, dv, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn(B, S, H, dv, dtype=torch.bfloat16, device="cuda")
+    plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), q, k, v, build_backward=True)
+
+    def grads(tensors):
+        qkv = [t.clone().requires_grad_() for t in tensors[:3]]
+        out = flexattn.flex_attn_func(*qkv, mask_plan=plan, deterministic=True)
+        return torch.autograd.grad(out, qkv, tensors[3])
+
+    clean = grads((q, k, v, dout))
+    for t in (q, k, v) if poisoned == "qkv" else (dout,):
+        t[1] = float("nan")
+    dirty = grads((q, k, v, dout))
+    for name, c, d in zip(("dq", "dk", "dv"), clean, dirty, strict=True):
+        assert torch.equal(d[0], c[0]), f"sample 0's {name} changed with sample 1's {poisoned} at nan"

@@ -119,6 +119,29 @@ def test_direct_payload_head_dims(dqk, dv):
     assert view.mask_block_idx.numel() >= view.full_block_idx.numel()
 
 
+@pytest.mark.parametrize("mask_via_smem", [True, False], ids=["smem", "direct"])
+@pytest.mark.parametrize("dqk,dv", Sm90Consumer.supported_head_dims)
+def test_samples_stay_apart(dqk, dv, mask_via_smem):
+    """A tail K block holds the next sample's first rows; with samples 1 and 4 of the varlen batch
+    non-finite (their Q, K and V rows), the other samples' O and LSE equal a clean run's."""
+    H, cu_q, cu_k = 4, testing.VARLEN_CU_Q, testing.VARLEN_CU_K
+    q, k, v = qkv((cu_q[-1], H), (cu_k[-1], 2), dqk, dv, torch.bfloat16, seed=42)
+    mask = random_intervals(H, 5, testing.varlen_k_len(), seed=43)
+    plan = sm90_plan(mask, q, k, v, **testing.varlen_args(DEV))
+    view = plan.view("forward")
+    run = functools.partial(run_forward, view, softmax_scale=dqk**-0.5, mask_via_smem=mask_via_smem)
+    clean_out, clean_lse, _ = run(q, k, v)
+    for b in (1, 4):
+        q[cu_q[b] : cu_q[b + 1]] = float("nan")
+        k[cu_k[b] : cu_k[b + 1]] = float("nan")
+        v[cu_k[b] : cu_k[b + 1]] = float("inf")
+    out, lse, _ = run(q, k, v)
+    for b in (0, 2, 3):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        assert torch.equal(out[rows], clean_out[rows]), f"sample {b}'s O changed"
+        assert torch.equal(lse[:, rows], clean_lse[:, rows]), f"sample {b}'s LSE changed"
+
+
 def test_softmax_scale_and_reuse():
     """A plan is reused with new values and another scale; two launches agree bit for bit."""
     CASES.softmax_scale_and_reuse(new_value_scales=(0.05,))

@@ -206,6 +206,61 @@ def stage_fragment(
 
 
 @cute.jit
+def zero_rows(s_tile: cute.Tensor, first_row: Int32, tidx: Int32, threads: cutlass.Constexpr[int]):
+    """Zero rows ``first_row`` and after of the SMEM tile ``s_tile`` (rows, cols) in 16-byte pieces:
+    each pass covers ``threads // (cols / 8)`` whole rows (it must divide ``rows``); the threads
+    past them idle."""
+    rows, cols = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
+    per_row = cols // PIECE
+    rows_per_pass = threads // per_row
+    assert rows_per_pass >= 1 and rows % rows_per_pass == 0
+    r2s = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_tile.element_type, num_bits_per_copy=128),
+        cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
+        cute.make_layout((1, PIECE)),
+    )
+    if tidx < rows_per_pass * per_row:
+        t_s = r2s.get_slice(tidx).partition_D(s_tile)  # (piece, pass, 1)
+        zero = cute.make_rmem_tensor_like(t_s[None, 0, None])
+        zero.fill(0)
+        for m in cutlass.range(first_row // rows_per_pass, rows // rows_per_pass, unroll=1):
+            # the pass holding first_row also holds rows before it: those stay
+            if m * rows_per_pass + tidx // per_row >= first_row:
+                cute.copy(r2s, zero, t_s[None, m, None])
+
+
+def land_zeroing_tail(
+    pipe, state, mbar_tail: cute.Pointer, tx_bytes: int, tma_copies, bulk_copies, tiles, valid_rows: Int32
+):
+    """Fill stage ``state`` of the TMA pipeline ``pipe`` like ``producer_acquire`` and its copies
+    (``(atom, src, dst)``: TMA tiles, then bulk copies issued by one lane; ``tx_bytes`` in all), but
+    with rows ``valid_rows`` and after of each SMEM tile in ``tiles`` (rows, cols) zeroed before the
+    consumers see the stage. Those rows belong to the next sample, and the consumers weigh them by
+    zero (0 * inf = nan). The copies land on ``mbar_tail`` (the calling warp's own barrier, count
+    1), the warp zeroes the rows, then arrives on the stage's full barrier with no transaction
+    bytes. Called by one whole warp, which alone uses ``mbar_tail``: idle between calls, its
+    current phase's parity is 1 exactly when the phase of parity 0 tests complete, so no parity
+    has to be carried in registers (the producer warps have 24)."""
+    phase = Int32(cute.arch.mbarrier_test_wait(mbar_tail, 0))
+    pipe.sync_object_empty.wait(state.index, state.phase)
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar_tail, tx_bytes)
+    for atom, src, dst in tma_copies:
+        cute.copy(atom, src, dst, tma_bar_ptr=mbar_tail)
+    for atom, src, dst in bulk_copies:
+        with cute.arch.elect_one():
+            cute.copy(atom, src, dst, mbar_ptr=mbar_tail)
+    cute.arch.mbarrier_wait(mbar_tail, phase)
+    for tile in tiles:
+        zero_rows(tile, valid_rows, cute.arch.lane_idx(), 32)
+    # generic-proxy zeros, read by the consumers' WGMMAs through the async proxy
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_warp()
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+
+
+@cute.jit
 def store_rows(
     s_tile: cute.Tensor, g_tile: cute.Tensor, tidx: Int32, threads: cutlass.Constexpr[int], row0: Int32,
     rows_per_position: cutlass.Constexpr[int], valid_positions: Int32,

@@ -44,7 +44,13 @@ and the max logit are written per row to that row's head and position.
 
 Physical rows are ``q_offset/k_offset + sample-local position``; Q/K/V tiles past the tensor end
 are zero-filled by TMA, partial payloads carry the K tail (bit 0), and output rows past
-``q_valid_rows`` are never stored.
+``q_valid_rows`` are never stored. A sample's tail K block (always partial) also holds the next
+sample's first rows: their scores are masked, but their V rows meet zero probabilities in P V, so a
+nan / inf there would reach this sample (0 * inf = nan). The producer therefore lands such a V
+block on a barrier of its own, zeroes the rows past the sample and only then signals the stage::
+
+    V stage (tile_n rows)      TMA -> mbar_tail; producer waits, zeroes rows >= k_len - n_block * tile_n,
+    [ k_len rows | next sample ]      fence.proxy.async, then a plain arrive on the stage's full barrier
 """
 
 import cuda.bindings.driver as cuda
@@ -71,7 +77,7 @@ from maskplan_kernels.consumer_plan import (
 )
 
 from .config import SMEM_LIMIT, Sm90FwdConfig
-from .fwd_helpers import register_split, smem_layout_row_major
+from .fwd_helpers import land_zeroing_tail, register_split, smem_layout_row_major
 from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -314,6 +320,7 @@ class Sm90FwdKernel(ConsumerMainloop):
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * self.sched_stages]
+            mbar_tail: cute.struct.MemRange[cutlass.Int64, 1]  # a tail V block lands here (producer)
 
         return SharedStorage
 
@@ -350,6 +357,10 @@ class Sm90FwdKernel(ConsumerMainloop):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
+        mbar_tail = storage.mbar_tail.data_ptr()
+        if warp_idx == self.producer_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_tail, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -370,8 +381,9 @@ class Sm90FwdKernel(ConsumerMainloop):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
                 self.producer(
-                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan, tile_counter, pipes
-                )
+                    tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan, tile_counter, pipes,
+                    mbar_tail,
+                )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer(
@@ -452,6 +464,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         plan: FwdPlanTensors,
         tile_counter: cute.Tensor,
         pipes,
+        mbar_tail: cute.Pointer,
     ):
         pipe_q, pipe_k, pipe_v, pipe_mask, pipe_sched = pipes
         lane = cute.arch.lane_idx()
@@ -513,8 +526,9 @@ class Sm90FwdKernel(ConsumerMainloop):
                         self.payload_plane,
                     )  # fmt: skip
                 kv_state = self.load_kv(
-                    n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
-                )
+                    n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV,
+                    (t.k_len - n_block * self.tile_n, sV, mbar_tail),
+                )  # fmt: skip
                 if const_expr(self.q_after_first_kv):
                     q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
                 n_block = n_next
@@ -524,7 +538,7 @@ class Sm90FwdKernel(ConsumerMainloop):
             for i in cutlass.range(t.full_cnt, unroll=1):
                 n_next = idx[cutlass.min(t.full_off + i + 1, last)]
                 kv_state = self.load_kv(
-                    n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV
+                    n_block, pipe_k, pipe_v, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, None
                 )
                 if const_expr(self.q_after_first_kv):
                     q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
@@ -557,7 +571,10 @@ class Sm90FwdKernel(ConsumerMainloop):
         return state, Int32(0)
 
     @cute.jit
-    def load_kv(self, n_block: Int32, pipe_k, pipe_v, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):
+    def load_kv(self, n_block: Int32, pipe_k, pipe_v, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, tail):
+        """K and V block ``n_block`` into stage ``state``; returns the next state. ``tail`` is None on
+        full blocks (never past the sample), else ``(valid_rows, sV, mbar_tail)``: where fewer than
+        ``tile_n`` rows belong to the sample, V takes the zeroing path of the module docstring."""
         pipe_k.producer_acquire(state)
         cute.copy(
             tma_k,
@@ -565,6 +582,23 @@ class Sm90FwdKernel(ConsumerMainloop):
             tKsK[None, state.index],
             tma_bar_ptr=pipe_k.producer_get_barrier(state),
         )
+        if const_expr(tail is None):
+            self.load_v(n_block, pipe_v, state, tma_v, tVgV, tVsV)
+        else:
+            valid_rows, sV, mbar_tail = tail
+            if valid_rows < self.tile_n:
+                land_zeroing_tail(
+                    pipe_v, state, mbar_tail, self.bytes_v,
+                    ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),), (),
+                    (sV[None, None, state.index],), valid_rows,
+                )  # fmt: skip
+            else:
+                self.load_v(n_block, pipe_v, state, tma_v, tVgV, tVsV)
+        state.advance()
+        return state
+
+    @cute.jit
+    def load_v(self, n_block: Int32, pipe_v, state, tma_v, tVgV, tVsV):
         pipe_v.producer_acquire(state)
         cute.copy(
             tma_v,
@@ -572,6 +606,4 @@ class Sm90FwdKernel(ConsumerMainloop):
             tVsV[None, state.index],
             tma_bar_ptr=pipe_v.producer_get_barrier(state),
         )
-        state.advance()
-        return state
 

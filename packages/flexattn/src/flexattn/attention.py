@@ -81,9 +81,9 @@ def flex_attn_func(
     Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
     under ``torch.autocast`` too (cast q/k/v yourself to change it).
 
-    Samples are independent on the CPU reference. On the GPU kernels a sample's last tiles also
-    load the next sample's first rows and weigh them by zero: values there must be finite, or
-    nan reaches this sample's tail rows and gradients (0 * inf = nan).
+    Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
+    gradient never reaches another sample's outputs or gradients (the tiles past a sample's end
+    hold the next sample's rows; the kernels zero them before use).
     """
     if not isinstance(mask_plan, MaskPlan):
         raise InputTypeError(

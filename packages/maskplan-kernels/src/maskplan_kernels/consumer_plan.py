@@ -164,6 +164,7 @@ class Task(NamedTuple):
     kv_head: Int32
     q_offset: Int32
     k_offset: Int32
+    k_len: Int32  # the sample's keys: a K block past them is a tail block
     q_valid: Int32
     partial_cnt: Int32
     partial_off: Int32
@@ -187,6 +188,7 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
     q_valid = plan.fwd_work_desc[task, 3]
     q_offset = desc_field(plan.sequence_desc, batch, DESC_Q_OFFSET)
     k_offset = desc_field(plan.sequence_desc, batch, DESC_K_OFFSET)
+    k_len = desc_field(plan.sequence_desc, batch, DESC_K_LEN)
     row = desc_field(plan.sequence_desc, batch, DESC_ROW_BEGIN) + m_block
     # Hmask is 1 (shared mask) or Hq
     h_mask = cutlass.min(head, plan.mask_block_cnt.shape[0] - 1)
@@ -197,6 +199,7 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
         kv_head,
         q_offset,
         k_offset,
+        k_len,
         q_valid,
         plan.mask_block_cnt[h_mask, row],
         plan.mask_block_offset[h_mask, row],
