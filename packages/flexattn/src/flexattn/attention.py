@@ -83,7 +83,8 @@ def flex_attn_func(
 
     Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
     gradient never reaches another sample's outputs or gradients (the tiles past a sample's end
-    hold the next sample's rows; the kernels zero them before use).
+    hold the next sample's rows; the reference and the SM90 kernels zero them before use, the
+    compile-checked SM100 kernels do not yet).
     """
     if not isinstance(mask_plan, MaskPlan):
         raise InputTypeError(
