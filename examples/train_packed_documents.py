@@ -108,8 +108,13 @@ def main() -> None:
     for name in ("steps", "batch", "seqlen", "dim", "layers", "heads", "kv_heads", "vocab"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.seqlen < 16:  # documents of at least seqlen // 8 >= 2 tokens, so each has a target
+    if args.seqlen < 16:  # most documents then have seqlen // 8 >= 2 tokens, so a target
         p.error(f"--seqlen must be at least 16, got {args.seqlen}")
+    if args.dim % args.heads or args.heads % args.kv_heads:
+        p.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads}), and --heads of --kv-heads "
+                f"({args.kv_heads})")  # fmt: skip
+    if args.window is not None and args.window < 1:
+        p.error(f"--window must be at least 1, got {args.window}")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the GPU kernels take fp16/bf16

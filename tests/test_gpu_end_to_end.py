@@ -333,3 +333,4 @@ def test_backward_keeps_samples_apart(dims, poisoned):
     dirty = grads((q, k, v, dout))
     for name, c, d in zip(("dq", "dk", "dv"), clean, dirty, strict=True):
         assert torch.equal(d[0], c[0]), f"sample 0's {name} changed with sample 1's {poisoned} at nan"
+    assert not torch.isfinite(dirty[0][1]).all()  # the poison took
