@@ -113,7 +113,7 @@ from maskplan_kernels.geometry import DESC_Q_LEN
 from .bwd_helpers import common_major, dq_warpgroup_tile, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
-from .fwd_helpers import land_zeroing_tail, register_split
+from .fwd_helpers import issue_copies, land_zeroing_tail, register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -509,14 +509,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 )
                 kv_copies.append((atom, t_g, t_s))
             if work.k_valid < tn:
-                land_zeroing_tail(
-                    pipe_kv, kv_state, mbar_tail, self.bytes_kv, kv_copies, (),
-                    (s["sK"], s["sV"]), work.k_valid,
-                )  # fmt: skip
+                tiles = (s["sK"], s["sV"])
+                land_zeroing_tail(pipe_kv, kv_state, mbar_tail, kv_copies, (), tiles, work.k_valid)
             else:
                 pipe_kv.producer_acquire(kv_state)
-                for atom, t_g, t_s in kv_copies:
-                    cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                issue_copies(pipe_kv.producer_get_barrier(kv_state), kv_copies)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             # (tile_m, D, n_q_blocks) of this sample and head
@@ -558,24 +555,19 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         stats = cute.make_layout(self.tile_m)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
         q_rows = q_len - m_block * self.tile_m
-        for pipe, state, atom, t_g, t_s, m_stat, s_stat, s_x, nbytes in (
-            (pipe_q, q_state, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"], s["sQ"], self.bytes_q),
-            (pipe_do, do_state, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"], s["sdO"], self.bytes_do),
+        for pipe, state, atom, t_g, t_s, m_stat, s_stat, s_x in (
+            (pipe_q, q_state, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"], s["sQ"]),
+            (pipe_do, do_state, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"], s["sdO"]),
         ):
-            tile = (atom, t_g[None, m_block], t_s[None, state.index])
+            tile = ((atom, t_g[None, m_block], t_s[None, state.index]),)
             src = cute.make_tensor(element_ptr(m_stat, first), stats)
-            row_stats = (bulk_f32, src, cute.make_tensor(s_stat[None, state.index].iterator, stats))
+            row_stats = ((bulk_f32, src, cute.make_tensor(s_stat[None, state.index].iterator, stats)),)
             if q_rows < self.tile_m:
-                land_zeroing_tail(
-                    pipe, state, mbar_tail, nbytes + self.bytes_row_stats, (tile,),
-                    (row_stats,), (s_x[None, None, state.index],), q_rows,
-                )  # fmt: skip
+                rows = (s_x[None, None, state.index],)
+                land_zeroing_tail(pipe, state, mbar_tail, tile, row_stats, rows, q_rows)
             else:
                 pipe.producer_acquire(state)
-                bar = pipe.producer_get_barrier(state)
-                cute.copy(*tile, tma_bar_ptr=bar)
-                with cute.arch.elect_one():
-                    cute.copy(*row_stats, mbar_ptr=bar)
+                issue_copies(pipe.producer_get_barrier(state), tile, row_stats)
             state.advance()
         return q_state, do_state
 

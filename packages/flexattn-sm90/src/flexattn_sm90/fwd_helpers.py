@@ -229,27 +229,33 @@ def zero_rows(s_tile: cute.Tensor, first_row: Int32, tidx: Int32, threads: cutla
                 cute.copy(r2s, zero, t_s[None, m, None])
 
 
+def issue_copies(bar: cute.Pointer, tma_copies, bulk_copies=()):
+    """Start a pipeline stage's copies on the barrier ``bar``: ``(atom, src, dst)`` each, TMA tiles
+    (they elect their issuing lane), then bulk copies (issued by one lane)."""
+    for atom, src, dst in tma_copies:
+        cute.copy(atom, src, dst, tma_bar_ptr=bar)
+    for atom, src, dst in bulk_copies:
+        with cute.arch.elect_one():
+            cute.copy(atom, src, dst, mbar_ptr=bar)
+
+
 def land_zeroing_tail(
-    pipe, state, mbar_tail: cute.Pointer, tx_bytes: int, tma_copies, bulk_copies, tiles, valid_rows: Int32
+    pipe, state, mbar_tail: cute.Pointer, tma_copies, bulk_copies, tiles, valid_rows: Int32
 ):
-    """Fill stage ``state`` of the TMA pipeline ``pipe`` like ``producer_acquire`` and its copies
-    (``(atom, src, dst)``: TMA tiles, then bulk copies issued by one lane; ``tx_bytes`` in all), but
-    with rows ``valid_rows`` and after of each SMEM tile in ``tiles`` (rows, cols) zeroed before the
-    consumers see the stage. Those rows belong to the next sample, and the consumers weigh them by
-    zero (0 * inf = nan). The copies land on ``mbar_tail`` (the calling warp's own barrier, count
-    1), the warp zeroes the rows, then arrives on the stage's full barrier with no transaction
-    bytes. Called by one whole warp, which alone uses ``mbar_tail``: idle between calls, its
-    current phase's parity is 1 exactly when the phase of parity 0 tests complete, so no parity
-    has to be carried in registers (the producer warps have 24)."""
+    """Fill stage ``state`` of the TMA pipeline ``pipe`` like ``producer_acquire`` and
+    :func:`issue_copies` (the pipeline's transaction bytes in all), but with rows ``valid_rows``
+    and after of each SMEM tile in ``tiles`` (rows, cols) zeroed before the consumers see the
+    stage. Those rows belong to the next sample, and the consumers weigh them by zero
+    (0 * inf = nan). The copies land on ``mbar_tail`` (the calling warp's own barrier, count 1),
+    the warp zeroes the rows, then arrives on the stage's full barrier with no transaction bytes.
+    Called by one whole warp, which alone uses ``mbar_tail``: idle between calls, its current
+    phase's parity is 1 exactly when the phase of parity 0 tests complete, so no parity has to be
+    carried in registers (the producer warps have 24)."""
     phase = Int32(cute.arch.mbarrier_test_wait(mbar_tail, 0))
     pipe.sync_object_empty.wait(state.index, state.phase)
     with cute.arch.elect_one():
-        cute.arch.mbarrier_arrive_and_expect_tx(mbar_tail, tx_bytes)
-    for atom, src, dst in tma_copies:
-        cute.copy(atom, src, dst, tma_bar_ptr=mbar_tail)
-    for atom, src, dst in bulk_copies:
-        with cute.arch.elect_one():
-            cute.copy(atom, src, dst, mbar_ptr=mbar_tail)
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar_tail, pipe.sync_object_full.tx_count)
+    issue_copies(mbar_tail, tma_copies, bulk_copies)
     cute.arch.mbarrier_wait(mbar_tail, phase)
     for tile in tiles:
         zero_rows(tile, valid_rows, cute.arch.lane_idx(), 32)

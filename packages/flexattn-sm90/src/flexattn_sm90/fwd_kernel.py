@@ -77,7 +77,7 @@ from maskplan_kernels.consumer_plan import (
 )
 
 from .config import SMEM_LIMIT, Sm90FwdConfig
-from .fwd_helpers import land_zeroing_tail, register_split, smem_layout_row_major
+from .fwd_helpers import issue_copies, land_zeroing_tail, register_split, smem_layout_row_major
 from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -582,28 +582,18 @@ class Sm90FwdKernel(ConsumerMainloop):
             tKsK[None, state.index],
             tma_bar_ptr=pipe_k.producer_get_barrier(state),
         )
+        v_copy = ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),)
         if const_expr(tail is None):
-            self.load_v(n_block, pipe_v, state, tma_v, tVgV, tVsV)
+            pipe_v.producer_acquire(state)
+            issue_copies(pipe_v.producer_get_barrier(state), v_copy)
         else:
             valid_rows, sV, mbar_tail = tail
             if valid_rows < self.tile_n:
-                land_zeroing_tail(
-                    pipe_v, state, mbar_tail, self.bytes_v,
-                    ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),), (),
-                    (sV[None, None, state.index],), valid_rows,
-                )  # fmt: skip
+                rows = (sV[None, None, state.index],)
+                land_zeroing_tail(pipe_v, state, mbar_tail, v_copy, (), rows, valid_rows)
             else:
-                self.load_v(n_block, pipe_v, state, tma_v, tVgV, tVsV)
+                pipe_v.producer_acquire(state)
+                issue_copies(pipe_v.producer_get_barrier(state), v_copy)
         state.advance()
         return state
-
-    @cute.jit
-    def load_v(self, n_block: Int32, pipe_v, state, tma_v, tVgV, tVsV):
-        pipe_v.producer_acquire(state)
-        cute.copy(
-            tma_v,
-            tVgV[None, n_block],
-            tVsV[None, state.index],
-            tma_bar_ptr=pipe_v.producer_get_barrier(state),
-        )
 
