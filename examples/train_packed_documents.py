@@ -3,11 +3,17 @@ forward and backward, the whole model optionally under ``torch.compile(fullgraph
 
     python examples/train_packed_documents.py                       # CPU reference path, ~1 min
     python examples/train_packed_documents.py --device cuda --seqlen 8192 --batch 2 --dim 1024 \\
-        --heads 8 --kv-heads 2 --lr 3e-4 --steps 60 [--compile]    # Hopper
+        --heads 8 --kv-heads 2 --lr 3e-4 --steps 60 [--compile] [--plan-ahead] [--layers 8]  # Hopper
 
-On the H200 (session 24) the Hopper command took the loss from 4.13 to 2.50 in 60 steps, at
-8.6-9.2 ms a step and 1.0-1.4 ms a plan after the first (which compiles the planner and the
-kernels); with ``--compile`` 7.8-8.9 ms a step, the losses within 0.002 of eager's.
+The loop waits for the GPU only where it prints (every 10 steps): the time a step is the average
+since the last print, plans included. On the H200 (session 25) the Hopper command took the loss
+from 4.13 to 2.50 in 60 steps at 10.0-11.3 ms a step (1.5-1.8 ms of host time a plan), the same
+with ``--compile`` (9.9-11.5 ms) or ``--plan-ahead`` (9.6-11.2 ms): with 2 layers the host issues
+work no faster than the GPU runs it, so there is nothing to overlap. With ``--layers 8`` (and
+``--steps 40``) the GPU runs ahead of the host, and ``--plan-ahead`` took a step from 31.8-34.6
+ms to 30.4-31.4 ms (two runs each, alternated): built in the step, a plan's one host read waits
+for the previous step to finish, so the GPU idles while the host completes the plan and issues
+the next step; built on a side stream, the read waits for the plan's own small kernels.
 
 Each sample packs documents of random lengths; every document repeats a short random token
 pattern, so a token is predictable only from earlier tokens of its own document, which is what the
@@ -104,6 +110,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (wider models want less)")
     p.add_argument("--window", type=int, default=None, help="also limit attention to this many keys back")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model")
+    p.add_argument("--plan-ahead", action="store_true", help="build the next plan on a side stream (CUDA)")
     args = p.parse_args()
     for name in ("steps", "batch", "seqlen", "dim", "layers", "heads", "kv_heads", "vocab"):
         if getattr(args, name) < 1:
@@ -115,6 +122,8 @@ def main() -> None:
                 f"({args.kv_heads})")  # fmt: skip
     if args.window is not None and args.window < 1:
         p.error(f"--window must be at least 1, got {args.window}")
+    if args.plan_ahead and torch.device(args.device).type != "cuda":
+        p.error(f"--plan-ahead builds plans on a CUDA side stream; --device is {args.device}")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the GPU kernels take fp16/bf16
@@ -128,27 +137,53 @@ def main() -> None:
     q_like = torch.empty(args.batch, args.seqlen, args.heads, head_dim, device=device, dtype=dtype)
     kv_like = torch.empty(args.batch, args.seqlen, args.kv_heads, head_dim, device=device, dtype=dtype)
 
-    print(f"{args.layers} layers, {args.heads}/{args.kv_heads} heads of {head_dim}, B={args.batch} "
-          f"S={args.seqlen}, {device} {dtype}; ln(vocab) = {math.log(args.vocab):.2f}")  # fmt: skip
-    for step in range(1, args.steps + 1):
+    # --plan-ahead: the next batch's plan is built on a side stream (high priority, so its small
+    # kernels start between the step's) while the step's work is queued on the main stream; the
+    # build's one host read then waits for the side stream only, not for the step. The attention
+    # calls of the next step wait for that plan on the GPU by themselves.
+    side = torch.cuda.Stream(device, priority=-1) if args.plan_ahead else None
+
+    def next_batch():
         tokens, targets, doc_lens = packed_batch(args.batch, args.seqlen, args.vocab, gen)
-        tokens, targets = tokens.to(device), targets.to(device)
-        t0 = time.perf_counter()
+        if device.type == "cuda":  # pinned, so the copies do not wait for the queued step
+            tokens, targets = (t.pin_memory().to(device, non_blocking=True) for t in (tokens, targets))
+        plan = None
+        if side is not None:
+            with torch.cuda.stream(side):
+                plan = make_plan(doc_lens)
+        return tokens, targets, doc_lens, plan
+
+    def make_plan(doc_lens):
         mask = masks.document(doc_lens, window_left=args.window, device=device)
-        plan = flexattn.create_mask_plan(mask, q_like, kv_like, kv_like, build_backward=True)
-        t1 = time.perf_counter()
+        return flexattn.create_mask_plan(mask, q_like, kv_like, kv_like, build_backward=True)
+
+    print(f"{args.layers} layers, {args.heads}/{args.kv_heads} heads of {head_dim}, B={args.batch} "
+          f"S={args.seqlen}, {device} {dtype}, plans built {'ahead' if side else 'in the step'}; "
+          f"ln(vocab) = {math.log(args.vocab):.2f}")  # fmt: skip
+    batch = next_batch()
+    since, plan_s, last = time.perf_counter(), 0.0, 0
+    for step in range(1, args.steps + 1):
+        tokens, targets, doc_lens, plan = batch
+        t0 = time.perf_counter()
+        if plan is None:
+            plan = make_plan(doc_lens)
+        plan_s += time.perf_counter() - t0
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
             logits = step_fn(tokens, plan)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        if step < args.steps:
+            t0 = time.perf_counter()
+            batch = next_batch()
+            plan_s += time.perf_counter() - t0 if side else 0.0
         if step == 1 or step % 10 == 0 or step == args.steps:
-            print(f"step {step:4d}  loss {loss.item():.3f}  plan {1e3 * (t1 - t0):7.2f} ms  "
-                  f"step {1e3 * (t2 - t1):8.1f} ms")  # fmt: skip
+            value = loss.item()  # waits for the step: the average below is of whole steps
+            n, now = step - last, time.perf_counter()
+            print(f"step {step:4d}  loss {value:.3f}  {1e3 * (now - since) / n:8.1f} ms a step, "
+                  f"{1e3 * plan_s / n:6.2f} ms of it building plans (host)")  # fmt: skip
+            since, plan_s, last = time.perf_counter(), 0.0, step
     if not math.isfinite(loss.item()):
         raise SystemExit("the loss is not finite")
 

@@ -3,6 +3,9 @@ against the CPU reference path of the same public calls."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 
@@ -278,6 +281,47 @@ def test_a_new_plan_trains_without_waiting_for_the_device(varlen, deterministic)
     step([700, 300, 1000])  # compiles
     grads = step([130, 900, 1, 969] if varlen else [130, 900, 970])
     assert all(not g.isnan().any() for g in grads)
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_a_plan_built_on_a_side_stream(monkeypatch):
+    """A team builds the next batch's plan on a side stream while the step runs. The build's
+    stages after its host read are held back there (a GPU sleep, ~0.5 s, before they start): the
+    forward and backward on the main stream wait for them without being told, and give exactly
+    what a plan built on the main stream gives."""
+    import maskplan_kernels
+
+    torch.manual_seed(5)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    dout = torch.randn_like(q)
+    endpoints = MASKS["document"]("cuda")
+
+    def grads(plan):
+        for t in (q, k, v):
+            t.grad = None
+        out = flexattn.flex_attn_func(q, k, v, mask_plan=plan, deterministic=True)
+        out.backward(dout)
+        return [out, q.grad, k.grad, v.grad]
+
+    want = grads(flexattn.create_mask_plan(endpoints, q, k, v))
+
+    @contextlib.contextmanager
+    def late(stage):
+        if stage == "materialize_q2k":  # the first stage after the header read
+            torch.cuda._sleep(1_000_000_000)
+        yield
+
+    held_back = functools.partial(maskplan_kernels.build_plan_gpu, stage_timer=late)
+    monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", held_back)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the endpoints
+    with torch.cuda.stream(side):
+        plan = flexattn.create_mask_plan(endpoints, q, k, v)
+    assert not side.query()  # the plan's last stages are still queued behind the sleep
+    got = grads(plan)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(g, w), f"{name} differs with the plan built on a side stream"
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")

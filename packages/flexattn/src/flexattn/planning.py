@@ -95,6 +95,13 @@ def create_mask_plan(
     head into one forward tile, so every K/V block is loaded once per kv head; the plan's forward
     Q block is then ``128 / (Hq / Hkv)`` positions. The backward view is the same either way (its
     kernel visits all q heads of a kv head in one CTA). ``None`` and ``False`` do not pack.
+
+    On a GPU the build runs on the current CUDA stream, and its one host read (8 sizes) waits for
+    that stream only: building the next batch's plan on a side stream (``with
+    torch.cuda.stream(side):``, its endpoints made there or ordered before it) overlaps the step
+    running on the main stream. Attention calls on any stream wait for the plan's build on the
+    GPU, without a host wait; a CUDA graph capture waits for nothing outside it, so a plan used
+    in one must be complete first (``torch.cuda.synchronize()`` or ``wait_stream``).
     """
     if torch.compiler.is_compiling():  # Dynamo tracing the call: with fullgraph, its error quotes this
         raise InputValueError(

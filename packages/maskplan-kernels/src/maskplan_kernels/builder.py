@@ -12,7 +12,9 @@ Before the header read every size is a host-known upper bound (:class:`ViewBound
 belong to an all-empty dummy sample, so they contribute zeros. After the read the plan tensors get
 their exact sizes. Everything runs on the caller's current CUDA stream; there is no other host
 read and no host synchronisation (the payload layout table is uploaded once per process and
-layout, outside any later build).
+layout, outside any later build). The header read waits for that stream only, so a plan built on
+a side stream does not wait for the work queued on the others; an event recorded after the last
+stage lets consumers on any stream wait for the plan (:mod:`maskplan_kernels.plan_ready`).
 
 A warm build is host-bound (each kernel runs for microseconds), so the host path is kept short:
 what depends only on the views and the problem's shape (compiled stages, payload tables, bounds,
@@ -57,6 +59,7 @@ from .k2q_count import K2QCountConfig, compile_k2q_count
 from .materialize_k2q import compile_k2q_materialize
 from .materialize_q2k import compile_q2k_materialize
 from .payload_table import device_source_table
+from .plan_ready import mark_ready
 from .scan_header import ScanConfig, compile_scan_header
 from .schedule_scatter import WORK_COLS, ScheduleScatterConfig, compile_schedule_scatter
 from .schedule_stats import STATS_COLS, ScheduleStatsConfig, compile_schedule_stats
@@ -330,6 +333,7 @@ def build_plan_gpu(
         with timer("materialize_k2q"):
             bwd_tensors = stage_materialize_k2q(build, header)
         views["backward"] = PlanView("backward", backward.signature, backward.layout, geometry, bwd_tensors)
+    mark_ready(views.values(), mask_func.device)  # consumers on other streams wait for this point
     return MaskPlan(geometry, views, tuple(header), consumer_name)
 
 

@@ -14,8 +14,9 @@ placeholders assume 16 bytes (:data:`ALIGN`) and every address a launch passes i
 * a forward call at once: :func:`forward_io`;
 * the plan's tensors: :func:`int32_tensor`, and for a forward view :func:`fwd_view_args` (for a
   backward view :func:`bwd_view_args`), derived once per (view, device) through
-  :func:`cached_view_args` (a plan is immutable; entries die with the view; a stream other than
-  the creating one waits for it);
+  :func:`cached_view_args` (a plan is immutable; entries die with the view; the creating stream
+  waits for the plan's build, which may have run on another stream, and any other stream for
+  the creation);
   :func:`fwd_placeholders` / :func:`bwd_placeholders` stand in for the pointers at compile time;
 * a backward call at once: :func:`backward_io`, then its three launches (preprocess, main,
   postprocess) on one workspace: :func:`launch_backward`;
@@ -43,6 +44,7 @@ from . import compile_cache
 from ._cute_args import torch_stream
 from .consumer_bwd_preprocess import BwdPreprocess
 from .geometry import ViewBounds
+from .plan_ready import wait_ready
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
 ALIGN = 16
@@ -229,14 +231,19 @@ def cached_per_view(fn):
 
 class _StreamEntry:
     """Device launch arguments (``value.tensors``) and the streams that may read them: the one they
-    were made on, and each stream already joined to it (:func:`cached_view_args`)."""
+    were made on, and each stream already joined to it (:func:`cached_view_args`). They are made
+    from the view's tensors on the current stream once it waits for the plan's build, which may
+    have run on another stream (:mod:`maskplan_kernels.plan_ready`)."""
 
-    def __init__(self, value, device: torch.device) -> None:
-        self.value = value
+    def __init__(self, fn, view: PlanView, device: torch.device) -> None:
         creator = torch.cuda.current_stream(device)
         self.handles = {creator.cuda_stream}
         self.ready = None  # made inside a graph capture: nothing outside it may wait for that
-        if not _capturing(device):
+        capturing = _capturing(device)
+        if not capturing:
+            wait_ready(view, device)
+        self.value = value = fn(view, device)
+        if not capturing:
             self.ready = torch.cuda.Event()
             self.ready.record(creator)
             for t in value.tensors:  # the plan's own may come from another stream's allocations
@@ -265,7 +272,7 @@ def cached_view_args(fn):
     the tensors on it. The plan's own tensors are among them where they are used as they are
     (:func:`int32_tensor`). A CUDA graph capture joins nothing: it may not depend on uncaptured
     work, which ``torch.cuda.graph`` users order before it."""
-    entry = cached_per_view(lambda view, device: _StreamEntry(fn(view, device), device))
+    entry = cached_per_view(lambda view, device: _StreamEntry(fn, view, device))
     on_cpu = cached_per_view(fn)  # the CPU tests of the argument layout: no streams
 
     @functools.wraps(fn)
