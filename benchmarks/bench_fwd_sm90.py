@@ -10,7 +10,10 @@
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
 ``dout``, plans with backward views); there ``flexattn-det`` is ``deterministic=True`` (the forward
 has no such mode, so ``--mode fwd`` skips it). With
-``--kv-heads`` below ``--heads`` (GQA) ``flexattn-pack`` runs a ``pack_gqa=True`` plan.
+``--kv-heads`` below ``--heads`` (GQA) ``flexattn-pack`` runs a ``pack_gqa=True`` plan. On the
+``document`` mask, ``flexattn-varlen`` and ``fa4-varlen`` (name them in ``--systems``) take its
+documents as the samples of a varlen THD batch, causal in each (the same visible pairs): ours
+through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel without a mask.
 TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for the forward,
 (8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
 ``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
@@ -40,9 +43,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from masks_bench import endpoint_mask, mask_mod_from_endpoints, visible_pairs  # noqa: E402
+from masks_bench import document_lengths, endpoint_mask, mask_mod_from_endpoints, visible_pairs  # noqa: E402
 
 import flexattn  # noqa: E402
+from flexattn import masks  # noqa: E402
 
 
 def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
@@ -147,6 +151,8 @@ def systems(args, q, k, v, name, endpoints):
             fwd["fa4-causal"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
         except ImportError as e:
             print(f"  FA4 unavailable: {e}")
+    if name == "document":
+        fwd.update(varlen_systems(args, q, k, v, scale))
     if not train:
         return fwd
     dout = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
@@ -154,12 +160,46 @@ def systems(args, q, k, v, name, endpoints):
     def step(f):
         out = f()
         out = out[0] if isinstance(out, tuple) else out
-        return torch.autograd.grad(out, (q, k, v), dout)
+        return torch.autograd.grad(out, (q, k, v), dout.view(out.shape))  # BSHD, or THD (varlen)
 
     return {name: (lambda f=f: step(f)) for name, f in fwd.items()}
 
 
 systems.flex = None
+
+
+def varlen_systems(args, q, k, v, scale):
+    """The document mask's documents as the samples of a varlen (THD) batch, causal in each: the
+    same visible pairs. ``flexattn-varlen`` plans them with ``cu_seqlens``; ``fa4-varlen`` is FA4's
+    dense varlen causal kernel, what packed-document training runs without a mask."""
+    lens = [n for row in document_lengths(args.batch, q.shape[1]) for n in row]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    longest = max(lens)
+
+    def thd(*ts):  # built per call: a view reused across calls would share one autograd graph
+        return [t.view(-1, *t.shape[2:]) for t in ts]
+
+    fwd = {}
+    if "flexattn-varlen" in args.systems:
+        endpoints = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu, device=q.device)
+        plan = flexattn.create_mask_plan(
+            endpoints, *thd(q, k, v), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+            max_seqlen_k=longest, build_backward=args.mode == "train",
+        )  # fmt: skip
+        fwd["flexattn-varlen"] = lambda: flexattn.flex_attn_func(
+            *thd(q, k, v), mask_plan=plan, softmax_scale=scale
+        )
+    if "fa4-varlen" in args.systems:
+        try:
+            from flash_attn.cute.interface import flash_attn_varlen_func
+
+            fwd["fa4-varlen"] = lambda: flash_attn_varlen_func(
+                *thd(q, k, v), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                max_seqlen_k=longest, softmax_scale=scale, causal=True,
+            )  # fmt: skip
+        except ImportError as e:
+            print(f"  FA4 unavailable: {e}")
+    return fwd
 
 
 def make_parser(description: str) -> argparse.ArgumentParser:
