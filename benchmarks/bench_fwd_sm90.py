@@ -4,7 +4,8 @@
                                         [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
                                         [--dim-v 128]
                                         [--masks causal,sliding-1024,document,random-5]
-                                        [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal]
+                                        [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal
+                                                   [,flexattn-varlen,fa4-varlen]]
                                         [--out DIR]
 
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
@@ -176,7 +177,7 @@ def varlen_systems(args, q, k, v, scale):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
     longest = max(lens)
 
-    def thd(*ts):  # built per call: a view reused across calls would share one autograd graph
+    def thd(*ts):
         return [t.view(-1, *t.shape[2:]) for t in ts]
 
     fwd = {}

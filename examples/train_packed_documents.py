@@ -144,14 +144,16 @@ def main() -> None:
     side = torch.cuda.Stream(device, priority=-1) if args.plan_ahead else None
 
     def next_batch():
+        """The next batch, and with --plan-ahead its plan and the host seconds building it took."""
         tokens, targets, doc_lens = packed_batch(args.batch, args.seqlen, args.vocab, gen)
         if device.type == "cuda":  # pinned, so the copies do not wait for the queued step
             tokens, targets = (t.pin_memory().to(device, non_blocking=True) for t in (tokens, targets))
-        plan = None
-        if side is not None:
-            with torch.cuda.stream(side):
-                plan = make_plan(doc_lens)
-        return tokens, targets, doc_lens, plan
+        if side is None:
+            return (tokens, targets, doc_lens, None), 0.0
+        t0 = time.perf_counter()
+        with torch.cuda.stream(side):
+            plan = make_plan(doc_lens)
+        return (tokens, targets, doc_lens, plan), time.perf_counter() - t0
 
     def make_plan(doc_lens):
         mask = masks.document(doc_lens, window_left=args.window, device=device)
@@ -160,7 +162,7 @@ def main() -> None:
     print(f"{args.layers} layers, {args.heads}/{args.kv_heads} heads of {head_dim}, B={args.batch} "
           f"S={args.seqlen}, {device} {dtype}, plans built {'ahead' if side else 'in the step'}; "
           f"ln(vocab) = {math.log(args.vocab):.2f}")  # fmt: skip
-    batch = next_batch()
+    batch, _ = next_batch()
     since, plan_s, last = time.perf_counter(), 0.0, 0
     for step in range(1, args.steps + 1):
         tokens, targets, doc_lens, plan = batch
@@ -175,9 +177,8 @@ def main() -> None:
         loss.backward()
         opt.step()
         if step < args.steps:
-            t0 = time.perf_counter()
-            batch = next_batch()
-            plan_s += time.perf_counter() - t0 if side else 0.0
+            batch, build_s = next_batch()
+            plan_s += build_s
         if step == 1 or step % 10 == 0 or step == args.steps:
             value = loss.item()  # waits for the step: the average below is of whole steps
             n, now = step - last, time.perf_counter()

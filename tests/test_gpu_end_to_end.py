@@ -284,27 +284,32 @@ def test_a_new_plan_trains_without_waiting_for_the_device(varlen, deterministic)
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-def test_a_plan_built_on_a_side_stream(monkeypatch):
+@pytest.mark.parametrize("first_use", ["training", "backward"])
+def test_a_plan_built_on_a_side_stream(monkeypatch, first_use):
     """A team builds the next batch's plan on a side stream while the step runs. The build's
-    stages after its host read are held back there (a GPU sleep, ~0.5 s, before they start): the
-    forward and backward on the main stream wait for them without being told, and give exactly
-    what a plan built on the main stream gives."""
+    stages after its host read are held back there (a GPU sleep, ~0.5 s, before they start), and
+    the main stream waits for them without being told: forward and backward through autograd, or
+    (``backward``, so that the backward view's own wait is what is tested) the explicit backward
+    as the plan's first use, give exactly what a plan built on the main stream gives."""
     import maskplan_kernels
 
     torch.manual_seed(5)
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     dout = torch.randn_like(q)
     endpoints = MASKS["document"]("cuda")
 
-    def grads(plan):
-        for t in (q, k, v):
-            t.grad = None
-        out = flexattn.flex_attn_func(q, k, v, mask_plan=plan, deterministic=True)
+    def training(plan):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True, deterministic=True)
         out.backward(dout)
-        return [out, q.grad, k.grad, v.grad]
+        return out.detach(), lse.detach(), [t.grad for t in leaves]
 
-    want = grads(flexattn.create_mask_plan(endpoints, q, k, v))
+    here = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=True)
+    out, lse, want = training(here)
+    bwd = flexattn.FlexAttentionBwd(q, k, v, out, dout, lse, *(torch.empty_like(t) for t in (q, k, v)), here,
+                                    deterministic=True)  # fmt: skip
+    bwd.compile()
 
     @contextlib.contextmanager
     def late(stage):
@@ -317,11 +322,16 @@ def test_a_plan_built_on_a_side_stream(monkeypatch):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the endpoints
     with torch.cuda.stream(side):
-        plan = flexattn.create_mask_plan(endpoints, q, k, v)
+        plan = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=True)
     assert not side.query()  # the plan's last stages are still queued behind the sleep
-    got = grads(plan)
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
-        assert torch.equal(g, w), f"{name} differs with the plan built on a side stream"
+    if first_use == "training":
+        got_out, got_lse, got = training(plan)
+        assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
+    else:
+        got = [torch.empty_like(t) for t in (q, k, v)]
+        bwd.execute(q, k, v, out, dout, lse, *got, plan)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert torch.equal(g, w), f"d{name} differs with the plan built on a side stream"
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
@@ -380,7 +390,7 @@ def test_backward_keeps_samples_apart(dims, layout, deterministic, poisoned):
         lens, shape, victim = [S] * B, (B, S), 1
         endpoints, args = MASKS["causal"]("cuda"), {}
     else:
-        lens, victim = [700, 0, 333, 967], 2  # sample 0's last blocks reach into sample 2
+        lens, victim = [700, 0, 333, 967], 2  # only sample 0's last blocks reach into sample 2
         shape = (sum(lens),)
         endpoints, args = _causal_samples(lens)
     starts = torch.tensor([0, *lens]).cumsum(0).tolist()

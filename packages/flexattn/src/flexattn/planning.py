@@ -98,10 +98,12 @@ def create_mask_plan(
 
     On a GPU the build runs on the current CUDA stream, and its one host read (8 sizes) waits for
     that stream only: building the next batch's plan on a side stream (``with
-    torch.cuda.stream(side):``, its endpoints made there or ordered before it) overlaps the step
-    running on the main stream. Attention calls on any stream wait for the plan's build on the
-    GPU, without a host wait; a CUDA graph capture waits for nothing outside it, so a plan used
-    in one must be complete first (``torch.cuda.synchronize()`` or ``wait_stream``).
+    torch.cuda.stream(side):``, its device inputs, the endpoints and any ``cu_seqlens``, made
+    there or ordered before it) overlaps the step running on the main stream. Attention calls on
+    any stream wait for the plan's build on the GPU, without a host wait; a CUDA graph capture
+    waits for nothing outside it, so a plan used in one must be complete first
+    (``torch.cuda.synchronize()`` or ``wait_stream``), as must one whose tensors are read
+    otherwise on another stream (``to_dense()``, ``stats()``, a library's own kernels).
     """
     if torch.compiler.is_compiling():  # Dynamo tracing the call: with fullgraph, its error quotes this
         raise InputValueError(

@@ -14,7 +14,7 @@ their exact sizes. Everything runs on the caller's current CUDA stream; there is
 read and no host synchronisation (the payload layout table is uploaded once per process and
 layout, outside any later build). The header read waits for that stream only, so a plan built on
 a side stream does not wait for the work queued on the others; an event recorded after the last
-stage lets consumers on any stream wait for the plan (:mod:`maskplan_kernels.plan_ready`).
+stage lets consumers on any stream wait for the plan (:mod:`maskplan_core.plan_ready`).
 
 A warm build is host-bound (each kernel runs for microseconds), so the host path is kept short:
 what depends only on the views and the problem's shape (compiled stages, payload tables, bounds,
@@ -35,6 +35,7 @@ from maskplan_core.consumer import ViewConfig
 from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
+from maskplan_core.plan_ready import mark_ready
 
 from ._cute_args import advance, cuda_index, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
@@ -59,7 +60,6 @@ from .k2q_count import K2QCountConfig, compile_k2q_count
 from .materialize_k2q import compile_k2q_materialize
 from .materialize_q2k import compile_q2k_materialize
 from .payload_table import device_source_table
-from .plan_ready import mark_ready
 from .scan_header import ScanConfig, compile_scan_header
 from .schedule_scatter import WORK_COLS, ScheduleScatterConfig, compile_schedule_scatter
 from .schedule_stats import STATS_COLS, ScheduleStatsConfig, compile_schedule_stats

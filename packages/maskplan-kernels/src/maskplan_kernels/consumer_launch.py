@@ -39,12 +39,12 @@ from cutlass import BFloat16, Float16, Float32, Int32
 
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
+from maskplan_core.plan_ready import wait_ready
 
 from . import compile_cache
 from ._cute_args import torch_stream
 from .consumer_bwd_preprocess import BwdPreprocess
 from .geometry import ViewBounds
-from .plan_ready import wait_ready
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
 ALIGN = 16
@@ -233,7 +233,7 @@ class _StreamEntry:
     """Device launch arguments (``value.tensors``) and the streams that may read them: the one they
     were made on, and each stream already joined to it (:func:`cached_view_args`). They are made
     from the view's tensors on the current stream once it waits for the plan's build, which may
-    have run on another stream (:mod:`maskplan_kernels.plan_ready`)."""
+    have run on another stream (:mod:`maskplan_core.plan_ready`)."""
 
     def __init__(self, fn, view: PlanView, device: torch.device) -> None:
         creator = torch.cuda.current_stream(device)

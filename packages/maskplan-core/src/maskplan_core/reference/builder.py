@@ -12,6 +12,7 @@ from ..consumer import ViewConfig
 from ..error_flags import raise_for_error_flags
 from ..geometry import PlanGeometry
 from ..plan import MaskPlan, PlanView
+from ..plan_ready import mark_ready
 from .block_geometry import BlockGeometry, block_geometry, geometry_error_flags
 from .classify import classify
 from .csr import allocation_header, materialize_q2k
@@ -41,6 +42,7 @@ def build_plan(
     views = {"forward": _forward_view(mask_func, geometry, forward, fwd_geom, fwd_cls)}
     if backward is not None:
         views["backward"] = _backward_view(mask_func, geometry, backward, bwd_geom, bwd_cls, counts)
+    mark_ready(views.values(), mask_func.device)  # CUDA: consumers on other streams wait for this point
     return MaskPlan(geometry, views, tuple(header), consumer)
 
 

@@ -1,15 +1,19 @@
-"""When a GPU-built plan's tensors are complete, so that a kernel on another stream waits for them.
+"""When a plan built on a GPU is complete, so that a kernel on another stream waits for it.
 
-A build runs on the caller's current stream, and its last stages are still queued when
-``build_plan_gpu`` returns. A training loop may build the next batch's plan on a side stream while
-the current step runs on the main one (the build's one host read then waits for the side stream
-only, not for the step). :func:`mark_ready` records an event on the building stream at the end of
-the build; :func:`wait_ready` makes the stream of a view's first use wait for it, before anything
-reads the view's tensors there (:func:`maskplan_kernels.consumer_launch.cached_view_args`; later
-streams are ordered after that first one). Nothing waits on the host::
+A build runs on the caller's current stream, and its last stages are still queued when it returns
+(the GPU planner, ``maskplan_kernels.build_plan_gpu``, and the reference planner on CUDA tensors
+alike). A training loop may build the next batch's plan on a side stream while the current step
+runs on the main one (the build's one host read then waits for the side stream only, not for the
+step). :func:`mark_ready` records an event on the building stream at the end of a build;
+:func:`wait_ready` makes the stream of a view's first use by a consumer wait for it, before
+anything reads the view's tensors there (``maskplan_kernels.consumer_launch.cached_view_args``;
+later streams are ordered after that first one). Nothing waits on the host::
 
     side stream:  geometry, classify, ..., header read, materialise, schedule, [ready]
     main stream:  ... step i ...                 wait(ready) -> attention with the new plan
+
+Other readers of a plan's tensors on another stream (``PlanView.to_dense()``, ``stats()``, a
+library's own kernels) order themselves as for any tensor: ``wait_stream`` on the building stream.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import weakref
 
 import torch
 
-from maskplan_core.plan import PlanView
+from .plan import PlanView
 
 #: view -> (the building stream's handle, the event recorded after its last stage)
 _READY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
