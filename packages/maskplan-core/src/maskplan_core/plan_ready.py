@@ -30,7 +30,7 @@ _READY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def mark_ready(views, device: torch.device) -> None:
     """Record, on the current stream of ``device``, that the build of ``views`` is complete (a CUDA
-    device; the CPU emulation of the planner kernels has no streams)."""
+    device; builds on the CPU, the reference's or the planner kernels' emulation, have no streams)."""
     if device.type != "cuda":
         return
     stream = torch.cuda.current_stream(device)
