@@ -6,7 +6,7 @@ while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM
 
     warp 0 (WG0)      producer: TMA loads of K, V (once), Q + LSE and dO + D (per Q block; 2
                       stages each, dO 1 from (192, 128) on), bulk copy of the partial payloads (2-stage SMEM
-                      mask pipeline); rows of a tile past the sample zeroed (producer())
+                      mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
                       from SMEM into the accumulator; deterministic mode takes a turnstile first
     warp 2 (WG0)      deterministic mode: a second dQ writer, which takes the odd steps
@@ -95,7 +95,6 @@ from maskplan_kernels.consumer_plan import (
     atomic_head_group,
     bulk_reduce_add_f32,
     decode_work,
-    desc_field,
     element_ptr,
     head_range,
     launch_grid,
@@ -108,12 +107,11 @@ from maskplan_kernels.consumer_plan import (
     walk_descending,
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
-from maskplan_kernels.geometry import DESC_Q_LEN
 
 from .bwd_helpers import common_major, dq_warpgroup_tile, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
-from .fwd_helpers import issue_copies, land_zeroing_tail, register_split
+from .fwd_helpers import issue_copies, register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -123,7 +121,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     entry ``from_pointers`` is :class:`maskplan_kernels.consumer_plan.BwdHostEntry` (shared with SM100)."""
 
     #: named barriers (0 is __syncthreads)
-    BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM
+    BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM, or a tail is zeroed (zero_tail)
     BAR_DQ_FULL = 2  # + wg + 2 * writer: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
     #: kv heads the deterministic launch order takes at a time on dense K2Q rows (launch_head_group)
@@ -352,7 +350,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
             mbar_mask: cute.struct.MemRange[cutlass.Int64, 2 * self.mask_stages]
-            mbar_tail: cute.struct.MemRange[cutlass.Int64, 1]  # tail tiles land here (producer)
             lse: cute.struct.Align[cute.struct.MemRange[Float32, q_stats], 128]
             dsum: cute.struct.Align[cute.struct.MemRange[Float32, do_stats], 128]
             mask: cute.struct.Align[cute.struct.MemRange[Int32, self.mask_stages * self.payload_plane], 128]
@@ -403,10 +400,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
-        mbar_tail = storage.mbar_tail.data_ptr()
-        if warp_idx == self.producer_warp:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_tail, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -437,7 +430,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
                 self.producer(
-                    tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes, mbar_tail
+                    tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes
                 )
             for writer in cutlass.range_constexpr(self.dq_writers):
                 if warp_idx == self.dq_warp + writer:
@@ -476,15 +469,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     # -- producer warp ------------------------------------------------------------------------------
     @cute.jit
     def producer(
-        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes, mbar_tail,
+        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes,
     ):  # fmt: skip
-        """TMA loads of K / V once and of each step's Q / dO (+ LSE / D), the partial payloads. Tiles
-        past the sample (K / V rows from ``k_valid`` on, Q / dO rows of the sample's last Q block
-        from ``q_len`` on) hold the next sample's rows, which meet zero probabilities: they are
-        zeroed before the MMA warpgroups see them (``fwd_helpers.land_zeroing_tail``)."""
+        """TMA loads of K / V once and of each step's Q / dO (+ LSE / D), the partial payloads. Rows
+        of a tile past the sample land as they are: the MMA warpgroups zero them
+        (``BwdMainloop.zero_tail``)."""
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
-        # the sample's queries (only this warp needs them: a Work field would live in every role)
-        q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
         tm, tn = self.tile_m, self.tile_n
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
@@ -508,12 +498,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                     atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
                 )
                 kv_copies.append((atom, t_g, t_s))
-            if work.k_valid < tn:
-                tiles = (s["sK"], s["sV"])
-                land_zeroing_tail(pipe_kv, kv_state, mbar_tail, kv_copies, (), tiles, work.k_valid)
-            else:
-                pipe_kv.producer_acquire(kv_state)
-                issue_copies(pipe_kv.producer_get_barrier(kv_state), kv_copies)
+            pipe_kv.producer_acquire(kv_state)
+            issue_copies(pipe_kv.producer_get_barrier(kv_state), kv_copies)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             # (tile_m, D, n_q_blocks) of this sample and head
@@ -541,33 +527,28 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                     )  # fmt: skip
                 q_state, do_state = self.load_q_block(
                     nxt.q_block, work, stats_row, pipe_q, pipe_do, q_state, do_state, tma_q, tQgQ, tQsQ,
-                    tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mbar_tail, q_len,
+                    tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
                 )  # fmt: skip
                 left_p, left_f = nxt.partial_left, nxt.full_left
 
     @cute.jit
     def load_q_block(
         self, m_block, work, stats_row, pipe_q, pipe_do, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do,
-        tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mbar_tail, q_len,
+        tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
     ):  # fmt: skip
-        """Q + its LSE into a stage of the Q pipeline, dO + its D into a stage of dO's; the Q / dO
-        rows of the sample's last Q block past ``q_len`` zeroed. Returns the two states."""
+        """Q + its LSE into a stage of the Q pipeline, dO + its D into a stage of dO's. Returns the
+        two states."""
         stats = cute.make_layout(self.tile_m)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
-        q_rows = q_len - m_block * self.tile_m
-        for pipe, state, atom, t_g, t_s, m_stat, s_stat, s_x in (
-            (pipe_q, q_state, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"], s["sQ"]),
-            (pipe_do, do_state, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"], s["sdO"]),
+        for pipe, state, atom, t_g, t_s, m_stat, s_stat in (
+            (pipe_q, q_state, tma_q, tQgQ, tQsQ, mLSE, s["sLSE"]),
+            (pipe_do, do_state, tma_do, tdOgdO, tdOsdO, mDsum, s["sDsum"]),
         ):
             tile = ((atom, t_g[None, m_block], t_s[None, state.index]),)
             src = cute.make_tensor(element_ptr(m_stat, first), stats)
             row_stats = ((bulk_f32, src, cute.make_tensor(s_stat[None, state.index].iterator, stats)),)
-            if q_rows < self.tile_m:
-                rows = (s_x[None, None, state.index],)
-                land_zeroing_tail(pipe, state, mbar_tail, tile, row_stats, rows, q_rows)
-            else:
-                pipe.producer_acquire(state)
-                issue_copies(pipe.producer_get_barrier(state), tile, row_stats)
+            pipe.producer_acquire(state)
+            issue_copies(pipe.producer_get_barrier(state), tile, row_stats)
             state.advance()
         return q_state, do_state
 

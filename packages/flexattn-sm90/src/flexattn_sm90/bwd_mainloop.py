@@ -8,6 +8,7 @@ A mixin of :class:`flexattn_sm90.bwd_kernel.Sm90BwdKernel` (it reads the static 
 S, dK / dV read dK^T / dV^T, and P / dS leave by plain stmatrix. One step (one K2Q entry, Q block
 ``m`` of head ``hq``), in issue order::
 
+    [the sample's last Q block: wait Q and dO, zero_tail(Q, dO)]
     wait Q          S^T  = K Q^T                  (async)
     wait dO         dP^T = V dO^T                 (async; S^T done)
     [wait payload]  P^T  = exp2(S^T * scale*log2e - LSE2[q])  [bit e == 0 -> P^T[e] = 0]
@@ -24,6 +25,18 @@ Steps follow the merged descending walk of the K row's partial and full lists
 entries apply the packed predicate to P^T after the exponential, so a masked element is
 exactly 0 whatever its score (tail rows of another sample, rows without a visible key). Full
 entries never touch the mask pipeline.
+
+Tiles reaching past the sample (K / V rows from ``k_valid`` on, Q / dO rows of its last Q block
+from ``q_len`` on) hold the next sample's rows, as TMA loaded them. They meet zero probabilities,
+but 0 * inf = nan, so both warpgroups zero them (``zero_tail``) before any GEMM reads the stage::
+
+    Q stage (tile_m rows)           all 256 threads: rows >= q_len - m * tile_m := 0,
+    [ sample's rows | next sample ]     fence.proxy.async, barrier of both warpgroups
+
+The MMA warpgroups do it rather than the producer warp: they are waiting for that stage anyway and
+zero it 8x as fast, while a producer round trip (land, zero, then signal) delayed the first step
+of nearly every K block of a varlen batch of short samples (fwd+bwd 3.7% slower on documents at
+S=8192 than without zeroing; benchmarks/RESULTS.md, session 26).
 """
 
 from typing import NamedTuple
@@ -34,10 +47,11 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import head_range, total_steps, walk_descending
+from maskplan_kernels.consumer_plan import desc_field, head_range, total_steps, walk_descending
+from maskplan_kernels.geometry import DESC_Q_LEN
 
 from .bwd_helpers import dq_chunk_layout, stage_result, store_result_rows
-from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
+from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma, zero_rows
 
 
 class StepOperands(NamedTuple):
@@ -70,6 +84,9 @@ class BwdMainloop:
         tidx: Int32,
     ):  # fmt: skip
         pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
+        # the sample's queries (for zero_tail), loaded first: its two dependent loads then overlap the
+        # wait for K / V (issued after that wait, they measured 1% slower on causal at S = 8192)
+        q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
         # warp-uniform, so the WGMMA descriptors of this warpgroup's operand slices are built in uniform
         # registers: as a per-thread value each descriptor took two R2UR moves before its WGMMA
         wg = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
@@ -132,6 +149,8 @@ class BwdMainloop:
         if total_steps(plan, work) > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)
+            if work.k_valid < tn:
+                self.zero_tail((sK, sV), work.k_valid, tidx)
         words = cute.make_rmem_tensor(self.payload_words, Int32)
         step = Int32(0)
         for g in cutlass.range(work.q_per_kv, unroll=1):
@@ -140,6 +159,12 @@ class BwdMainloop:
             for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
                 nxt = walk_descending(plan, hr, left_p, left_f)
                 dq_full = self.dq_full_barrier(wg, self.dq_writer_of(step))
+                q_rows = q_len - nxt.q_block * tm
+                if q_rows < tm:  # the step's own waits then find the stages landed
+                    ops.pipe_q.consumer_wait(q_state)
+                    ops.pipe_do.consumer_wait(do_state)
+                    stages = (sQ[None, None, q_state.index], sdO[None, None, do_state.index])
+                    self.zero_tail(stages, q_rows, tidx)
                 if nxt.partial != 0:
                     q_state, do_state, mask_state = self.step(
                         ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
@@ -270,6 +295,16 @@ class BwdMainloop:
         ops.pipe_q.consumer_release(q_state)
         q_state.advance()
         return q_state, do_state, mask_state
+
+    @cute.jit
+    def zero_tail(self, tiles, valid_rows: Int32, tidx: Int32):
+        """Rows ``valid_rows`` and after of each landed SMEM tile in ``tiles`` (rows, cols) := 0, by
+        all MMA threads, ordered before either warpgroup's next WGMMA (see the module docstring)."""
+        for tile in tiles:
+            zero_rows(tile, valid_rows, tidx, self.num_mma_threads)
+        # generic-proxy zeros, read by the WGMMAs through the async proxy
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def store_scores(

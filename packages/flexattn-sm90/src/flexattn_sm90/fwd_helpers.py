@@ -207,26 +207,30 @@ def stage_fragment(
 
 @cute.jit
 def zero_rows(s_tile: cute.Tensor, first_row: Int32, tidx: Int32, threads: cutlass.Constexpr[int]):
-    """Zero rows ``first_row`` and after of the SMEM tile ``s_tile`` (rows, cols) in 16-byte pieces:
-    each pass covers ``threads // (cols / 8)`` whole rows (it must divide ``rows``); the threads
-    past them idle."""
+    r"""Zero rows ``first_row`` (0 <= first_row <= rows) and after of the swizzled SMEM tile ``s_tile``
+    (rows, cols) by ``threads`` threads, ``tidx`` of them. The tile is laid out as
+    :func:`smem_layout_row_major` does: swizzle atoms of 8 rows x ``w`` columns stacked rows first,
+    and the swizzle moves 16-byte pieces only within their row, so each ``w``-column block is
+    ``rows`` runs of ``w`` contiguous elements and the rows to zero are one run per block::
+
+        column block 0                      column block 1
+        [ row 0 | ... | row first_row | ... ][ row 0 | ... | row first_row | ... ]
+                        \__ zeroed ________/                 \__ zeroed ________/
+
+    The threads store those runs in 16-byte pieces in turn: no per-thread swizzle or row arithmetic,
+    which would cost the MMA warpgroups registers they hold nothing spare for."""
     rows, cols = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
-    per_row = cols // PIECE
-    rows_per_pass = threads // per_row
-    assert rows_per_pass >= 1 and rows % rows_per_pass == 0
-    r2s = cute.make_tiled_copy_tv(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), s_tile.element_type, num_bits_per_copy=128),
-        cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0)),
-        cute.make_layout((1, PIECE)),
-    )
-    if tidx < rows_per_pass * per_row:
-        t_s = r2s.get_slice(tidx).partition_D(s_tile)  # (piece, pass, 1)
-        zero = cute.make_rmem_tensor_like(t_s[None, 0, None])
-        zero.fill(0)
-        for m in cutlass.range(first_row // rows_per_pass, rows // rows_per_pass, unroll=1):
-            # the pass holding first_row also holds rows before it: those stay
-            if m * rows_per_pass + tidx // per_row >= first_row:
-                cute.copy(r2s, zero, t_s[None, m, None])
+    w = cute.crd2idx((1, 0), s_tile.layout)  # a row's elements: the atom's width
+    assert cols % w == 0 and (cols == w or cute.crd2idx((0, w), s_tile.layout) == rows * w)
+    row_pieces = w * s_tile.element_type.width // 8 // 16
+    zero = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+    zero.fill(0)
+    pieces = (rows - first_row) * row_pieces
+    for c in cutlass.range_constexpr(cols // w):
+        run = (s_tile.iterator + (c * rows + first_row) * w).toint()
+        for p in cutlass.range(tidx, pieces, threads, unroll=1):
+            piece = cute.make_ptr(Int32, run + 16 * p, cute.AddressSpace.smem, assumed_align=16)
+            cute.autovec_copy(zero, cute.make_tensor(piece, cute.make_layout(4)))
 
 
 def issue_copies(bar: cute.Pointer, tma_copies, bulk_copies=()):
