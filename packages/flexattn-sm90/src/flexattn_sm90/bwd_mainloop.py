@@ -34,9 +34,10 @@ but 0 * inf = nan, so both warpgroups zero them (``zero_tail``) before any GEMM 
     [ sample's rows | next sample ]     fence.proxy.async, barrier of both warpgroups
 
 The MMA warpgroups do it rather than the producer warp: they are waiting for that stage anyway and
-zero it 8x as fast, while a producer round trip (land, zero, then signal) delayed the first step
-of nearly every K block of a varlen batch of short samples (fwd+bwd 3.7% slower on documents at
-S=8192 than without zeroing; benchmarks/RESULTS.md, session 26).
+have 8x its threads. The producer's round trip (land on its own barrier, zero, then signal) delayed
+the first step of nearly every K block of a varlen batch of short samples: fwd+bwd on 15 documents
+as samples (S = 8192) ran 3.7% below no zeroing that way, 1.3% below this way
+(benchmarks/RESULTS.md, session 26).
 """
 
 from typing import NamedTuple
