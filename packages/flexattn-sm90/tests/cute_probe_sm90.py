@@ -1,5 +1,10 @@
-"""Script (not a test module): print, as JSON, the accumulator coordinates CuTe DSL assigns to every
-register of every thread of the SM90 SS bf16 ``TiledMma`` for each case in ``argv[1]``.
+"""Script (not a test module): print, as JSON, what CuTe DSL makes of each case in ``argv[2]``.
+
+``fragments``: the accumulator coordinates it assigns to every register of every thread of the SM90
+SS bf16 ``TiledMma`` of a case ``(acc_m, acc_n, atom_layout)``.
+``smem_rows``: for a case ``(rows, cols, major)``, the SMEM layout ``bwd_helpers.smem_layout`` builds
+for a bf16 tile (the kernels' Q / dO / K / V tiles): the swizzle ``(bits, base, shift)`` and the
+unswizzled element offset of each 16-byte piece, ``offsets[r][c // 8]``.
 
 Run by ``test_sm90_cute_crosscheck.py`` in a fresh interpreter with ``CUTE_DSL_ARCH=sm_90a``: the DSL
 fixes its target architecture once per process.
@@ -14,6 +19,8 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import OperandMajorMode
+
+from flexattn_sm90.bwd_helpers import smem_layout
 
 
 def fragments(acc_m: int, acc_n: int, atom_layout: tuple[int, int, int]) -> list[list[tuple[int, int]]]:
@@ -40,5 +47,23 @@ def fragments(acc_m: int, acc_n: int, atom_layout: tuple[int, int, int]) -> list
     return [[(int(r), int(c)) for r, c in regs] for regs in result["threads"]]
 
 
+def smem_rows(rows: int, cols: int, major: int | None) -> dict:
+    result = {}
+
+    @cute.jit
+    def probe():
+        layout = smem_layout(cutlass.BFloat16, rows, cols, major=major)
+        swizzle = layout.inner
+        result["swizzle"] = (swizzle.num_bits, swizzle.num_base, swizzle.num_shift)
+        pieces = range(0, cols, 8)
+        result["offsets"] = [[cute.crd2idx((r, c), layout.outer) for c in pieces] for r in range(rows)]
+
+    probe()
+    offsets = [[int(o) for o in row] for row in result["offsets"]]
+    return {"swizzle": list(result["swizzle"]), "offsets": offsets}
+
+
+PROBES = {"fragments": fragments, "smem_rows": smem_rows}
+
 if __name__ == "__main__":
-    print(json.dumps([fragments(*case) for case in json.loads(sys.argv[1])]))
+    print(json.dumps([PROBES[sys.argv[1]](*case) for case in json.loads(sys.argv[2])]))
