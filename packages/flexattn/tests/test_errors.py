@@ -415,14 +415,15 @@ def test_plan_repr_and_metadata():
         (dict(return_max_logit=0), InputTypeError, ("return_max_logit", "bool")),
         (dict(softmax_scale=math.nan), InputValueError, ("softmax_scale", "finite", "nan")),
         (dict(softmax_scale=math.inf), InputValueError, ("softmax_scale", "finite")),
+        (dict(softmax_scale=10**400), InputValueError, ("softmax_scale", "finite", "float range")),
         (dict(softmax_scale="0.1"), InputTypeError, ("softmax_scale", "str")),
         (dict(softmax_scale=True), InputTypeError, ("softmax_scale", "bool")),
         (dict(softmax_scale=torch.tensor(0.1)), InputTypeError, ("softmax_scale",)),
         (dict(softmax_scale=-0.25, return_max_logit=True), InputValueError,
          ("return_max_logit", "softmax_scale", "-0.25")),
     ],
-    ids=["det-int", "det-none", "lse-str", "maxlogit-int", "scale-nan", "scale-inf", "scale-str",
-         "scale-bool", "scale-tensor", "maxlogit-negative-scale"],
+    ids=["det-int", "det-none", "lse-str", "maxlogit-int", "scale-nan", "scale-inf", "scale-huge-int",
+         "scale-str", "scale-bool", "scale-tensor", "maxlogit-negative-scale"],
 )
 def test_flex_attn_func_option_errors(kw, cls, needles):
     q, k, v = fixed_qkv()

@@ -162,6 +162,13 @@ def test_errors_name_what_does_not_fit():
         FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan).compile()
     with pytest.raises(flexattn.InputTypeError, match="deterministic must be a bool"):
         FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan, deterministic=1)
+    # a sample that is not a tensor is refused by name at construction (not an AttributeError)
+    with pytest.raises(flexattn.InputTypeError, match="sample_o must be a torch.Tensor, got list"):
+        FlexAttentionFwd(q, k, v, [0.0], plan)
+    with pytest.raises(flexattn.InputTypeError, match="sample_lse must be a torch.Tensor, got float"):
+        FlexAttentionFwd(q, k, v, o, plan, 0.0)
+    with pytest.raises(flexattn.InputTypeError, match="sample_dq must be a torch.Tensor, got list"):
+        FlexAttentionBwd(q, k, v, o, o, lse, [0.0], dk, dv, plan)
 
 
 def test_payload_hint_reaches_only_consumers_that_take_it():

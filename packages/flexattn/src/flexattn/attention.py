@@ -39,8 +39,12 @@ def check_scale(softmax_scale, max_logit_arg: str | None = None) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
-            raise InputValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        try:
+            finite, shown = math.isfinite(softmax_scale), repr(softmax_scale)
+        except OverflowError:
+            finite, shown = False, "an int beyond the float range"
+        if not finite:
+            raise InputValueError(f"softmax_scale must be finite, got {shown}")
         if max_logit_arg is not None and softmax_scale < 0:
             raise InputValueError(f"{max_logit_arg} needs a non-negative softmax_scale, got {softmax_scale}")
 

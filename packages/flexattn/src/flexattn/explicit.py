@@ -44,6 +44,11 @@ def _descriptor(t: torch.Tensor | None):
     return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+def _require_tensor_or_none(name: str, t) -> None:
+    if t is not None and not isinstance(t, torch.Tensor):
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
 def _require_like(name: str, t: torch.Tensor | None, sample) -> None:
     """``t`` must match the sample's shape, stride, dtype and device (or both be absent)."""
     if (t is None) != (sample is None):
@@ -51,8 +56,7 @@ def _require_like(name: str, t: torch.Tensor | None, sample) -> None:
         raise InputValueError(f"{name}: a sample {state} given at construction; execute must match it")
     if t is None:
         return
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require_tensor_or_none(name, t)
     got = _descriptor(t)
     if got != sample:
         fields = ("shape", "stride", "dtype", "device")
@@ -129,6 +133,8 @@ class _Explicit:
     training = False
 
     def __init__(self, samples: dict, mask_plan: MaskPlan) -> None:
+        for name, t in samples.items():
+            _require_tensor_or_none(f"sample_{name}", t)
         self._samples = {name: _descriptor(t) for name, t in samples.items()}
         self._tensors = samples  # until check_support has run
         self._plan = mask_plan
