@@ -440,6 +440,8 @@ def test_from_dense_validation():
         masks.from_dense(torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask"):
         masks.from_dense(torch.ones(0, 2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"at least one head \(Hmask >= 1\)"):  # SDPA's [B, 0, Sq, Sk]
+        masks.from_dense(torch.zeros(1, 0, 4, 4, dtype=torch.bool))
     m = torch.ones(1, 3, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="cu_seqlens"):
         masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))
@@ -567,6 +569,31 @@ def test_from_block_mask_is_its_mask_mod():
     assert torch.equal(masks.from_block_mask(shared, batch=3), masks.causal(200, batch=3))
     per_head = fa.create_block_mask(lambda b, h, q, kv: kv <= q + 50 * h, 1, 3, 200, 200, device="cpu")
     assert masks.from_block_mask(per_head).shape[0] == 3
+
+
+def test_from_block_mask_evaluates_the_heads_it_is_told():
+    """A block mask made with H=None holds head 0's blocks; ``heads`` evaluates its mask_mod at
+    every q head (torch calls it with the real head index), and refuses blocks that differ there."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def shifted(b, h, q, kv):  # head h sees 3h keys fewer; every head has the same visible blocks
+        return kv <= q - 3 * h
+
+    shared = fa.create_block_mask(shifted, None, None, 256, 256, device="cpu")
+    assert masks.from_block_mask(shared).shape[0] == 1  # one head entry: head 0's mask for all
+    per_head = masks.from_block_mask(shared, heads=2)
+    assert torch.equal(per_head, masks.from_mask_mod(shifted, 1, 2, 256, 256))
+    assert per_head.shape[0] == 2 and not torch.equal(per_head[0], per_head[1])
+    agreeing = fa.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 256, 256, device="cpu")
+    assert torch.equal(masks.from_block_mask(agreeing, heads=4), masks.causal(256))  # Hmask = 1 kept
+    widening = fa.create_block_mask(lambda b, h, q, kv: kv <= q + 150 * h, None, None, 256, 256, device="cpu")
+    with pytest.raises(ValueError, match="sample 0 differ .* at head 1"):
+        masks.from_block_mask(widening, heads=2)
+    three = fa.create_block_mask(lambda b, h, q, kv: kv <= q + h, 1, 3, 256, 256, device="cpu")
+    with pytest.raises(ValueError, match="3 head entries but heads=2"):
+        masks.from_block_mask(three, heads=2)
+    with pytest.raises(TypeError, match="heads"):
+        masks.from_block_mask(shared, heads=2.0)
 
 
 def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():

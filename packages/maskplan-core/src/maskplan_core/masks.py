@@ -550,16 +550,17 @@ def from_dense(
         raise InputTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise InputTypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
-    if mask.dim() == 4 and cu_seqlens_q is None:  # SDPA's [B, H, Sq, Sk]: rows are batch-major
-        mask = mask.transpose(0, 1).reshape(mask.shape[1], -1, mask.shape[3])
-    if mask.dim() != 3:
+    sdpa = mask.dim() == 4 and cu_seqlens_q is None  # SDPA's [B, H, Sq, Sk]
+    if mask.dim() != 3 and not sdpa:
         raise InputValueError(
             f"mask must have rank 3 [Hmask, total_q, Sk] (or, fixed length, rank 4 [B, Hmask, Sq, Sk]), "
             f"got shape {tuple(mask.shape)}"
         )
-    h, t, sk = mask.shape
-    if h == 0:
+    if mask.shape[1 if sdpa else 0] == 0:
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
+    if sdpa:  # rows are batch-major
+        mask = mask.transpose(0, 1).reshape(mask.shape[1], -1, mask.shape[3])
+    h, t, sk = mask.shape
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
         cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
@@ -624,15 +625,19 @@ def from_mask_mod(
     return _join_samples([_encode(_mask_mod_sample(mask_mod, b, shape, dev)) for b in range(B)], H)
 
 
-def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
+def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None = None) -> torch.Tensor:
     """Endpoints of a torch FlexAttention ``BlockMask`` (what ``create_block_mask`` returns): its
     ``mask_mod`` over its batch, heads and ``seq_lengths``, on its device, as :func:`from_mask_mod`.
 
     A block mask made with ``B=None`` holds one batch entry; ``batch`` then says how many samples
-    the endpoints cover (the mask_mod is evaluated for each). Every sample's blocks must be the ones
-    its mask_mod makes visible (true of ``create_block_mask``); a block mask whose block lists say
-    more than its mask_mod (``BlockMask.from_kv_blocks`` without one) is refused: build its dense
-    mask and use :func:`from_dense`.
+    the endpoints cover (the mask_mod is evaluated for each). Likewise one made with ``H=None``
+    holds one head entry, and its mask_mod is evaluated at head 0 only (``Hmask = 1``, one mask
+    for every head), unless ``heads`` says how many q heads to evaluate it for: pass ``heads=Hq``
+    for a mask_mod that reads its head index (the result keeps ``Hmask = 1`` where the heads
+    agree). Every sample's and head's blocks must be the ones its mask_mod makes visible (true of
+    ``create_block_mask``); a block mask whose block lists say more than its mask_mod
+    (``BlockMask.from_kv_blocks`` without one) is refused: build its dense mask and use
+    :func:`from_dense`.
     """
     for attr in ("mask_mod", "seq_lengths", "kv_num_blocks", "BLOCK_SIZE", "to_dense"):
         if not hasattr(block_mask, attr):
@@ -640,12 +645,13 @@ def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
                 f"block_mask must be a torch FlexAttention BlockMask, got {type(block_mask).__name__}"
             )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
-    mask_b, heads = blocks.shape[:2]
-    if batch is None:
-        batch = mask_b
-    batch = _as_int("batch", batch, 1)
-    if mask_b not in (1, batch):
-        raise InputValueError(f"block_mask has {mask_b} batch entries but batch={batch}")
+    counts = {}
+    for name, given, entries in (("batch", batch, blocks.shape[0]), ("heads", heads, blocks.shape[1])):
+        counts[name] = entries if given is None else _as_int(name, given, 1)
+        if entries not in (1, counts[name]):
+            noun = "batch entries" if name == "batch" else "head entries"
+            raise InputValueError(f"block_mask has {entries} {noun} but {name}={counts[name]}")
+    batch, heads = counts["batch"], counts["heads"]
     shape = (heads, *(int(n) for n in block_mask.seq_lengths))
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
     parts = []
@@ -653,10 +659,13 @@ def from_block_mask(block_mask, *, batch: int | None = None) -> torch.Tensor:
         dense = _mask_mod_sample(block_mask.mask_mod, b, shape, blocks.device)
         pad = (0, -shape[2] % bk, 0, -shape[1] % bq)
         seen = torch.nn.functional.pad(dense, pad).unflatten(2, (-1, bk)).unflatten(1, (-1, bq)).any(4).any(2)
-        if not torch.equal(seen, blocks[b if mask_b > 1 else 0]):
+        listed = blocks[b if blocks.shape[0] > 1 else 0].expand_as(seen)
+        differs = (seen != listed).flatten(1).any(1)
+        if bool(differs.any()):
+            at_head = f" at head {int(differs.nonzero()[0, 0])}" if heads > 1 else ""
             raise InputValueError(
-                f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes visible; "
-                "build the dense mask and use from_dense"
+                f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes "
+                f"visible{at_head}; build the dense mask and use from_dense"
             )
         parts.append(_encode(dense))
     return _join_samples(parts, heads)
