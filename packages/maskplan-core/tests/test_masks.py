@@ -175,6 +175,8 @@ def test_varlen_builder_argument_errors():
         masks.causal(cu_seqlens_q=[0, 2])
     with pytest.raises(ValueError, match="leave seqlen_q, seqlen_k and batch unset"):
         masks.sliding_window(4, window_left=1, cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2])
+    with pytest.raises(ValueError, match="leave seqlen_q, seqlen_k and batch unset"):  # True == 1
+        masks.causal(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2], batch=True)
     with pytest.raises(ValueError, match="same length"):
         masks.causal(cu_seqlens_q=[0, 2, 3], cu_seqlens_k=[0, 2])
     with pytest.raises(TypeError, match="seqlen_q is required"):

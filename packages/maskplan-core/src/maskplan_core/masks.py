@@ -178,7 +178,7 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
         i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
         d = (i + (seqlen_k - seqlen_q)).repeat(batch)
         return d, torch.full_like(d, seqlen_k)
-    if seqlen_q is not None or seqlen_k is not None or batch != 1:
+    if seqlen_q is not None or seqlen_k is not None or batch != 1 or isinstance(batch, bool):
         raise InputValueError(
             "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
         )
