@@ -269,3 +269,46 @@ def test_rowmajor_empty_batch(tm, tn):
     assert words.dtype == torch.int32
     assert tuple(words.shape) == (0, 1, tm, -(-tn // 32))
     assert tuple(layout.unpack(words).shape) == (0, tm, tn)
+
+
+class _OutOfRangeBits(RowMajorLayout):
+    """All of a 2 x 32 tile in group 0, word 0, bits 0..63: round-trips through pack / unpack, but
+    the ABI's ``(word >> bit) & 1`` cannot read bits past 31."""
+
+    def element_coords(self):
+        s, _, _, _ = super().element_coords()
+        flat = torch.arange(self.tile_m * self.tile_n).reshape(self.tile_m, self.tile_n)
+        return s, torch.zeros_like(flat), torch.zeros_like(flat), flat
+
+
+def test_layout_coordinates_must_fit_the_payload():
+    layout = _OutOfRangeBits(2, 32)
+    with pytest.raises(AssertionError, match=r"bit must be .* in \[0, 32\), got .* range \[0, 63\]"):
+        layout.pack(torch.ones(1, 2, 32, dtype=torch.bool))
+
+
+def test_a_view_carries_a_signature_of_its_own_direction_and_layout():
+    """The runtime dispatches on a view's signature alone, so a view config whose signature names
+    the other direction, or a payload other than the one it packs, is refused when the view is
+    made (the reference and GPU builders both make views this way)."""
+    from maskplan_core import masks, validate_plan_inputs
+    from maskplan_core.consumer import ViewConfig
+    from maskplan_core.reference import build_plan
+
+    q = torch.randn(1, 100, 1, 8)
+    g = validate_plan_inputs(masks.causal(100), q, q, q)
+    layout = RowMajorLayout(32, 32)
+
+    def config(direction, payload=layout.spec):
+        fields = dict(direction=direction, topology=Topology(tile_m=32, tile_n=32), payload=payload)
+        if direction == "backward":
+            fields["dq_order_format"] = "rank_int32"
+        return ViewConfig(signature(**fields), layout)
+
+    build_plan(masks.causal(100), g, config("forward"), config("backward"), "test")  # consistent
+    with pytest.raises(ValueError, match="forward view was given a backward signature"):
+        build_plan(masks.causal(100), g, config("backward"), None, "test")
+    with pytest.raises(ValueError, match="backward view was given a forward signature"):
+        build_plan(masks.causal(100), g, config("forward"), config("forward"), "test")
+    with pytest.raises(ValueError, match="signature.payload .* does not describe the layout"):
+        build_plan(masks.causal(100), g, config("forward", RowMajorLayout(16, 64).spec), None, "test")

@@ -55,7 +55,16 @@ class PayloadLayout(ABC):
     @cached_property
     def flat_bit_index(self) -> torch.Tensor:
         """int64 ``[tile_m, tile_n]``: position of each element's bit in the tile's flat bit string."""
-        s, g, w, b = self.element_coords()
+        coords = self.element_coords()
+        extents = (self.subtiles, self.groups, self.words_per_group, WORD_BITS)
+        for name, c, extent in zip(("subtile", "group", "word", "bit"), coords, extents, strict=True):
+            if tuple(c.shape) != (self.tile_m, self.tile_n) or bool(((c < 0) | (c >= extent)).any()):
+                raise AssertionError(
+                    f"payload layout {self.layout_id}: element_coords' {name} must be [tile_m, tile_n] = "
+                    f"[{self.tile_m}, {self.tile_n}] values in [0, {extent}), got shape {tuple(c.shape)}, "
+                    f"range [{int(c.min())}, {int(c.max())}]"
+                )
+        s, g, w, b = coords
         word = (s * self.groups + g) * self.words_per_group + w
         flat = word * WORD_BITS + b
         if flat.unique().numel() != flat.numel():

@@ -101,6 +101,15 @@ class PlanView:
     tensors: MappingProxyType = field(repr=False)  # read-only mapping; the tensors are plan storage
 
     def __post_init__(self):
+        # a consumer's view config must describe the view it makes: the runtime dispatches on the
+        # signature alone, so a wrong direction or payload spec would let a kernel misread the tensors
+        if self.signature.direction != self.role:
+            raise InputValueError(f"the {self.role} view was given a {self.signature.direction} signature")
+        if self.signature.payload != self.layout.spec:
+            raise InputValueError(
+                f"the {self.role} view's signature.payload ({self.signature.payload}) does not describe "
+                f"the layout it is packed with ({self.layout.spec})"
+            )
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
 
     def __getattr__(self, name: str):
