@@ -415,7 +415,7 @@ def test_plan_repr_and_metadata():
         (dict(return_max_logit=0), InputTypeError, ("return_max_logit", "bool")),
         (dict(softmax_scale=math.nan), InputValueError, ("softmax_scale", "finite", "nan")),
         (dict(softmax_scale=math.inf), InputValueError, ("softmax_scale", "finite")),
-        (dict(softmax_scale=10**400), InputValueError, ("softmax_scale", "finite", "float range")),
+        (dict(softmax_scale=10**400), InputValueError, ("softmax_scale", "finite", "past the float range")),
         (dict(softmax_scale="0.1"), InputTypeError, ("softmax_scale", "str")),
         (dict(softmax_scale=True), InputTypeError, ("softmax_scale", "bool")),
         (dict(softmax_scale=torch.tensor(0.1)), InputTypeError, ("softmax_scale",)),

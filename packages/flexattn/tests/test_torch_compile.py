@@ -258,6 +258,23 @@ def test_new_plans_of_one_geometry_reuse_the_graph(passed_as):
     assert len(graphs) == 1
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_float_scale_traces_without_a_graph_break(dynamic):
+    """Dynamo turns a float argument that changes between calls (or any, with dynamic=True) into a
+    SymFloat; the scale checks must take one (math.isfinite of a SymFloat broke the graph)."""
+    plan, (q, k, v), _ = fixed_case()
+
+    def attend(q, k, v, plan, scale):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for scale in (0.125, 0.25, 0.7):
+        out, want = compiled(q, k, v, plan, scale), attend(q, k, v, plan, scale)
+        assert torch.equal(out, want)
+        grads, wanted = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (out, want))
+        assert all(torch.equal(a, b) for a, b in zip(grads, wanted, strict=True))
+
+
 def test_compiled_errors_are_the_eager_errors():
     """A binding error is raised while Dynamo traces: the eager exception without fullgraph; with
     fullgraph, Dynamo's ``Unsupported`` ("Observed exception") quoting it -- Dynamo's rule for any

@@ -9,6 +9,7 @@ shapes, dtypes and Python values only, so ``torch.compile`` traces it without a 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -39,11 +40,10 @@ def check_scale(softmax_scale, max_logit_arg: str | None = None) -> None:
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        try:
-            finite, shown = math.isfinite(softmax_scale), repr(softmax_scale)
-        except OverflowError:
-            finite, shown = False, "an int beyond the float range"
+        # comparisons, not math.isfinite: torch.compile may trace a float argument as a SymFloat
+        finite = softmax_scale == softmax_scale and abs(softmax_scale) <= sys.float_info.max
         if not finite:
+            shown = repr(softmax_scale) if isinstance(softmax_scale, float) else "an int past the float range"
             raise InputValueError(f"softmax_scale must be finite, got {shown}")
         if max_logit_arg is not None and softmax_scale < 0:
             raise InputValueError(f"{max_logit_arg} needs a non-negative softmax_scale, got {softmax_scale}")
