@@ -44,8 +44,9 @@ def _descriptor(t: torch.Tensor | None):
     return None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def _require_tensor_or_none(name: str, t) -> None:
-    if t is not None and not isinstance(t, torch.Tensor):
+def _require_is_tensor(name: str, t, *, optional: bool = False) -> None:
+    """``t`` must be a torch.Tensor (or, ``optional``, None)."""
+    if not isinstance(t, torch.Tensor) and not (optional and t is None):
         raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
@@ -56,7 +57,7 @@ def _require_like(name: str, t: torch.Tensor | None, sample) -> None:
         raise InputValueError(f"{name}: a sample {state} given at construction; execute must match it")
     if t is None:
         return
-    _require_tensor_or_none(name, t)
+    _require_is_tensor(name, t)
     got = _descriptor(t)
     if got != sample:
         fields = ("shape", "stride", "dtype", "device")
@@ -65,8 +66,7 @@ def _require_like(name: str, t: torch.Tensor | None, sample) -> None:
 
 
 def _require_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require_is_tensor(name, t)
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
         raise InputValueError(
             f"{name} must be {dtype} of shape {tuple(shape)} on {device}, got {t.dtype} of shape "
@@ -134,7 +134,7 @@ class _Explicit:
 
     def __init__(self, samples: dict, mask_plan: MaskPlan) -> None:
         for name, t in samples.items():
-            _require_tensor_or_none(f"sample_{name}", t)
+            _require_is_tensor(f"sample_{name}", t, optional=True)
         self._samples = {name: _descriptor(t) for name, t in samples.items()}
         self._tensors = samples  # until check_support has run
         self._plan = mask_plan
