@@ -275,6 +275,21 @@ def test_a_float_scale_traces_without_a_graph_break(dynamic):
         assert all(torch.equal(a, b) for a, b in zip(grads, wanted, strict=True))
 
 
+def test_compiled_vmap_runs_one_call_per_slice():
+    """Compiled, ``torch.vmap`` reaches the custom op, not the eager Function that refuses it, and
+    torch's batching fallback calls the op once per slice: every slice has the plan's geometry, so
+    the result is the loop's, bit for bit."""
+    plan, (q, k, v), _ = fixed_case(requires_grad=False)
+    stacked = torch.stack([q, 2 * q, -q])
+
+    def attend(qs):
+        return torch.vmap(lambda x: flexattn.flex_attn_func(x, k, v, mask_plan=plan))(qs)
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, backend="aot_eager")(stacked)
+    assert torch.equal(got, torch.stack([flexattn.flex_attn_func(x, k, v, mask_plan=plan) for x in stacked]))
+
+
 def test_compiled_errors_are_the_eager_errors():
     """A binding error is raised while Dynamo traces: the eager exception without fullgraph; with
     fullgraph, Dynamo's ``Unsupported`` ("Observed exception") quoting it -- Dynamo's rule for any

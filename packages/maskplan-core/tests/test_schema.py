@@ -116,6 +116,8 @@ def test_extra_fields_are_forbidden(model, data):
         {"tile_m": 0, "tile_n": 128},
         {"tile_m": 128, "tile_n": -1},
         {"tile_m": 128, "tile_n": 128, "cluster_axis": "k"},
+        {"tile_m": 128, "tile_n": 128, "cta_group_size": 3},
+        {"tile_m": 128, "tile_n": 128, "cta_group_size": 0},
     ],
 )
 def test_topology_rejects_bad_values(data):
@@ -128,6 +130,13 @@ def test_signature_rejects_unknown_direction_and_dq_format():
         signature(direction="sideways")
     with pytest.raises(ValidationError):
         signature(dq_order_format="rank_int64")
+
+
+@pytest.mark.parametrize("version", [ABI_VERSION - 1, ABI_VERSION + 1])
+def test_signature_of_another_abi_version_fails_to_parse(version):
+    data = {**signature().model_dump(), "abi_version": version}
+    with pytest.raises(ValidationError, match="abi_version"):
+        PlanSignature.model_validate(data)
 
 
 def test_diff_of_equal_signatures_is_empty():

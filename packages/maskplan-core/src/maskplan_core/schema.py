@@ -41,7 +41,7 @@ class Topology(_Frozen):
     tile_m: int = Field(gt=0, description="Q rows per block (the M of the score tile).")
     tile_n: int = Field(gt=0, description="K columns per block (the N of the score tile).")
     q_stage: int = Field(1, gt=0, description="Q tiles in flight per CTA.")
-    cta_group_size: int = Field(1, gt=0, description="CTAs cooperating on one MMA (1 or 2).")
+    cta_group_size: Literal[1, 2] = Field(1, description="CTAs cooperating on one MMA.")
     cluster_axis: Literal["none", "m", "n"] = "none"
     pack_gqa: bool = False
     qhead_per_kvhead: int = Field(1, gt=0)
@@ -68,7 +68,9 @@ class SignatureDiff(_Frozen):
 class PlanSignature(_Frozen):
     """What one materialised view is for. Dispatch compares it field by field (spec section 7)."""
 
-    abi_version: int = ABI_VERSION
+    #: a plan of another ABI version fails to parse, naming this field, rather than being read
+    #: with this version's meaning of its tensors
+    abi_version: Literal[ABI_VERSION] = ABI_VERSION  # type: ignore[valid-type]
     arch_family: str = Field(description="'reference', 'sm90', 'sm100', ...")
     direction: Direction
     kernel_family: str
