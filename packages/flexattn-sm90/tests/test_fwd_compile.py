@@ -15,7 +15,7 @@ pytest.importorskip("cutlass.cute")
 from flexattn_sm90.config import SMEM_LIMIT, SMEM_RESERVE  # noqa: E402
 from flexattn_sm90.fwd_launch import DEFAULT_SCHEDULE, compile_uncached, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
-from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
+from maskplan_kernels.testing import assert_ptxas_clean, assert_waits_before_global_access  # noqa: E402
 
 
 def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tmp_path=None):
@@ -59,7 +59,8 @@ def test_d128_instructions(smem, tmp_path):
     _, compiled = _compile(smem=smem, tmp_path=tmp_path)
     ptx = compiled.__ptx__
     assert "cp.async.bulk.tensor" in ptx  # TMA loads of Q/K/V
-    assert "atom.global.add.u32" in ptx  # call-local scheduler counter
+    assert "atom.global.add.u32" in ptx  # the stream's scheduler counter
+    assert_waits_before_global_access(ptx)  # launched with PDL
     assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
     # spec 6.2: one 2 KB bulk copy per partial block into the SMEM mask stage; direct delivery

@@ -2,8 +2,9 @@
 
 One CTA = one producer warpgroup + two consumer (MMA/softmax) warpgroups, 384 threads::
 
-    warp 0 (producer WG)   scheduler: takes tasks from ``fwd_work_desc`` through a call-local
-                           atomic counter; TMA loads of Q, K, V; bulk copy of partial payloads
+    warp 0 (producer WG)   scheduler: takes tasks from ``fwd_work_desc`` through an atomic
+                           counter of the stream, zero again at exit (next_task); TMA loads of
+                           Q, K, V; bulk copy of partial payloads
     warps 1-3              idle (give their registers back and exit)
     WG1, WG2 (consumers)   64 Q rows each of the 128-row tile: S = Q K^T (WGMMA SS), packed
                            predicate (partial blocks), online softmax, O += P V (WGMMA RS), epilogue
@@ -63,8 +64,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
+    PDL,
     TASK_WORDS,
     FwdPlanTensors,
+    after_predecessor,
     decode_task,
     fwd_io_tensors,
     fwd_plan_tensors,
@@ -210,7 +213,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         mLSE: cute.Tensor,  # (Hq, total_q) fp32
         mMaxLogit: cute.Tensor | None,  # (Hq,) fp32, -inf at launch; None: not computed
         plan: FwdPlanTensors,
-        tile_counter: cute.Tensor,  # (1,) int32, zero at launch
+        tile_counter: cute.Tensor,  # (1,) int32, zero at launch and again at exit (next_task)
         softmax_scale: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
@@ -286,6 +289,7 @@ class Sm90FwdKernel(ConsumerMainloop):
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            **PDL,
         )
 
     def tiled_mma(self, cols: int, b_major, a_source) -> cute.TiledMma:
@@ -363,6 +367,7 @@ class Sm90FwdKernel(ConsumerMainloop):
                 cute.arch.mbarrier_init(mbar_tail, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        after_predecessor()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -543,7 +548,7 @@ class Sm90FwdKernel(ConsumerMainloop):
                 if const_expr(self.q_after_first_kv):
                     q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
                 n_block = n_next
-            task = self.next_task(tile_counter, lane)
+            task = self.next_task(tile_counter, num_tasks, lane)
         # tell the consumers there is no more work
         sched_state = publish_task(pipe_sched, sched_state, sTask, None, Int32(0), lane)
 
@@ -552,11 +557,17 @@ class Sm90FwdKernel(ConsumerMainloop):
         return ((0, position), 0) if const_expr(self.pack_gqa) else (position, 0)
 
     @cute.jit
-    def next_task(self, tile_counter: cute.Tensor, lane: Int32) -> Int32:
-        """The next task index: ``gridDim.x + atomicAdd(counter, 1)`` (the first task is blockIdx.x)."""
+    def next_task(self, tile_counter: cute.Tensor, num_tasks: Int32, lane: Int32) -> Int32:
+        """The next task index: ``gridDim.x + atomicAdd(counter, 1)`` (the first task is blockIdx.x).
+        Each CTA fetches until it gets no task, so a launch takes exactly ``num_tasks`` tickets
+        (``num_tasks - gridDim.x`` tasks and one miss per CTA). The last one is taken after every
+        other: its holder sets the counter back to zero for the next launch on the stream
+        (fwd_launch.scheduler_counter)."""
         ticket = Int32(0)
         if lane == 0:
             ticket = cute.arch.atomic_add(tile_counter.iterator, Int32(1))
+            if ticket == num_tasks - 1:
+                cute.arch.atomic_add(tile_counter.iterator, -num_tasks)
         ticket = cute.arch.shuffle_sync(ticket, 0)
         return ticket + Int32(cute.arch.grid_dim()[0])
 

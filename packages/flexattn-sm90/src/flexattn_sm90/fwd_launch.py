@@ -6,8 +6,9 @@
 
 ``q/k/v`` are THD (``[total, H, D]``, the consumer protocol; a fixed BSHD tensor is passed as its
 ``[B*S, H, D]`` view). ``out`` is ``[total_q, Hq, Dv]`` in q's dtype, ``lse`` ``[Hq, total_q]``
-fp32, ``max_logit`` ``[Hq]`` fp32 (or None). The scheduler counter is a fresh zeroed int32 per
-call, never plan state, so one plan may run on several streams at once.
+fp32, ``max_logit`` ``[Hq]`` fp32 (or None). The scheduler counter is runtime workspace of the
+stream the call runs on (:func:`scheduler_counter`), never plan state, so one plan may run on
+several streams at once.
 
 The kernel is launched through :meth:`Sm90FwdKernel.from_pointers` (raw global pointers plus
 int32 sizes, the convention of the project's planner kernels), so it is compiled once per
@@ -21,7 +22,7 @@ from cutlass import Float32, Int32
 
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
-from maskplan_kernels._cute_args import torch_stream
+from maskplan_kernels._cute_args import cuda_index, torch_stream
 from maskplan_kernels._launch import persistent_ctas
 from maskplan_kernels.consumer_launch import (
     cached_per_view,
@@ -39,6 +40,26 @@ from .fwd_mainloop import DEFAULT_SCHEDULE
 GPU_ARCH = "sm_90a"
 #: packages whose sources the forward kernel is built from (part of its on-disk cache key)
 SOURCE_PACKAGES = ("flexattn_sm90", "maskplan_kernels", "maskplan_core")
+
+
+#: (device index, stream handle) -> that stream's forward scheduler counter (scheduler_counter)
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def scheduler_counter(device: torch.device, stream: int) -> torch.Tensor:
+    """The forward scheduler's int32 atomic counter, zero at launch. Outside CUDA graph capture,
+    one per stream: the kernels on a stream run one after the other, and each launch's last ticket
+    sets the counter back to zero (:meth:`Sm90FwdKernel.next_task`), so no fill kernel runs before
+    every forward and the forward follows its predecessor by programmatic dependent launch. Under
+    capture, a fresh zeroed one per call, in the graph's memory: a graph may replay on any stream,
+    alongside others captured on the same one."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (cuda_index(device), stream)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -155,7 +176,8 @@ def run_forward(
         with_max_logit=return_max_logit,
         schedule=schedule or DEFAULT_SCHEDULE,
     )
-    counter = torch.zeros(1, dtype=torch.int32, device=device)  # call-local scheduler counter
+    stream = torch_stream(device)
+    counter = scheduler_counter(device, stream)
     compiled(
         *io.pointers(),
         *prep.pointers,
@@ -163,7 +185,7 @@ def run_forward(
         *prep.sizes,
         io.softmax_scale,
         persistent_ctas(device, prep.num_tasks),
-        torch_stream(device),
+        stream,
     )
     return io.out, io.lse, io.max_logit
 
@@ -175,4 +197,5 @@ __all__ = [
     "kernel_key",
     "placeholder_arguments",
     "run_forward",
+    "scheduler_counter",
 ]

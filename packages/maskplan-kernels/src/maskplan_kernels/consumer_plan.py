@@ -32,7 +32,7 @@ and each step bulk-adds its fp32 dQ into the (q head, Q block) accumulator
 (:func:`turnstile_wait` / :func:`turnstile_advance`). Both consumers' backward main kernels share
 their host entry, :class:`BwdHostEntry` (raw pointers -> :func:`bwd_plan_tensors` and the row-major
 views :func:`thd_tensor`, :func:`row_major`, :func:`vector`). The forward kernels' host entries differ
-(SM90: call-local atomic tile counter and a persistent grid; SM100: a CLC grid of one cluster per
+(SM90: a stream-local atomic tile counter and a persistent grid; SM100: a CLC grid of one cluster per
 task) and share only the tensors they build: :func:`fwd_io_tensors` and :func:`fwd_plan_tensors`.
 """
 
@@ -521,7 +521,9 @@ class DqPostprocessHostEntry:
             vector(q_block_begin, batch),
             *self.kernel_operands(),
             softmax_scale,
-        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
+        ).launch(
+            grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream, **PDL
+        )
 
 
 def backward_q_desc(sequence_desc: cute.Pointer, varlen: Int32, *, batch: Int32, total_q: Int32, tile_m: int):
@@ -807,6 +809,25 @@ def total_steps(plan: BwdPlanTensors, work: Work) -> Int32:
     return n
 
 
+# -- programmatic dependent launch ----------------------------------------------------------------------
+#: launch option of the attention kernels and the backward's pre- and postprocess: each may launch
+#: while the kernel before it on the stream finishes, and runs :func:`after_predecessor` first
+PDL = {"use_pdl": True}
+
+
+@cute.jit
+def after_predecessor():
+    """Wait until the kernel before this one on the stream has completed and its writes are
+    visible, then let the next kernel launch. Every thread calls it before its first global
+    access, read or write (the predecessor may still read a buffer this kernel writes), so a kernel
+    launched with :data:`PDL` overlaps only its launch and prologue (SMEM carve-up, barrier init,
+    TMA descriptor prefetch) with the predecessor's last wave. Because each kernel lets its
+    successor launch only after its own wait, everything older than the predecessor has completed
+    by then too. After a kernel launched without PDL (a torch op) the wait returns at once."""
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+
+
 # -- dQ accumulation: PTX the DSL has no op for, and the deterministic turnstile ----------------------
 @dsl_user_op
 def bulk_reduce_add_f32(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
@@ -854,6 +875,7 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 
 __all__ = [
     "ATOMIC_HEAD_GROUP",
+    "PDL",
     "CONSUMER_FIELDS",
     "SPARSE_ROW_FILL",
     "TASK_WORDS",
@@ -867,6 +889,7 @@ __all__ = [
     "Task",
     "WalkStep",
     "Work",
+    "after_predecessor",
     "apply_packed_predicate",
     "atomic_head_group",
     "backward_q_desc",

@@ -1,6 +1,7 @@
 """Test support shared by the compile tests of this package and of the consumers (flexattn-sm90,
-flexattn-sm100): ptxas's resource report on a compiled kernel's PTX. Standard library only; it needs
-``ptxas`` on PATH for a report, never a GPU.
+flexattn-sm100): ptxas's resource report on a compiled kernel's PTX, and the PTX-order check of a
+kernel launched with programmatic dependent launch. Standard library only; it needs ``ptxas`` on
+PATH for a report, never a GPU.
 
 ::
 
@@ -11,6 +12,7 @@ flexattn-sm100): ptxas's resource report on a compiled kernel's PTX. Standard li
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,4 +49,30 @@ def assert_ptxas_clean(ptx: str, arch: str, workdir: str | os.PathLike) -> None:
         assert not serialised, "\n".join(serialised)
 
 
-__all__ = ["NO_SPILLS", "assert_ptxas_clean", "ptxas_report"]
+#: PTX instructions that touch global memory: loads, stores, atomics and reductions, bulk and
+#: tensor copies, and the bulk reductions (a ``.param`` load or a descriptor prefetch is not one)
+GLOBAL_ACCESS = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st|atom|red)\.(?:[a-z:]+\.)*global\b|cp\.(?:reduce\.)?async\.bulk\b)",
+    re.MULTILINE,
+)
+
+
+def assert_waits_before_global_access(ptx: str) -> None:
+    """Assert the kernel waits for its predecessor (``griddepcontrol.wait``, then
+    ``launch_dependents``) before any instruction that reads or writes global memory: the rule of
+    ``consumer_plan.after_predecessor`` for a kernel launched with PDL. The kernels' prologue is
+    structured code, which the PTX lists in source order."""
+    wait = ptx.find("griddepcontrol.wait;")
+    assert wait >= 0, "no griddepcontrol.wait"
+    assert ptx.find("griddepcontrol.launch_dependents;") > wait
+    early = GLOBAL_ACCESS.search(ptx[:wait])
+    assert early is None, f"global access before griddepcontrol.wait: {early.group(0).strip()!r}"
+
+
+__all__ = [
+    "GLOBAL_ACCESS",
+    "NO_SPILLS",
+    "assert_ptxas_clean",
+    "assert_waits_before_global_access",
+    "ptxas_report",
+]
