@@ -197,7 +197,7 @@ def test_scheduler_counter_returns_to_zero(monkeypatch):
     task count and grid, so the next launch on the stream takes every task: outputs stay bit-equal
     to the first run's. Another stream has its own counter. Under CUDA graph capture each call gets
     a fresh counter, and replays match eager."""
-    B, S, H = 2, 700, 4
+    B, S, H, SCALE = 2, 700, 4, 128**-0.5
     q, k, v = qkv((B, S, H), (B, S, 2), 128, 128, torch.bfloat16, seed=40)
     views = [
         sm90_plan(mask, q, k, v).view("forward")
@@ -207,26 +207,27 @@ def test_scheduler_counter_returns_to_zero(monkeypatch):
             random_intervals(H, 5, torch.full((B * S,), S), seed=41),
         )
     ]
-    first = [run_forward(view, q, k, v)[0] for view in views]
+    q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # the consumer protocol's THD
+    first = [run_forward(view, q, k, v, softmax_scale=SCALE)[0] for view in views]
     counter = fwd_launch.scheduler_counter(DEV, torch.cuda.current_stream().cuda_stream)
     assert counter.item() == 0
     for ctas in (1, 3, 1000):
         monkeypatch.setattr(fwd_launch, "persistent_ctas", lambda device, items, c=ctas: min(items, c))
         for view, want in zip(views, first, strict=True):
-            assert torch.equal(run_forward(view, q, k, v)[0], want)
+            assert torch.equal(run_forward(view, q, k, v, softmax_scale=SCALE)[0], want)
             assert counter.item() == 0, f"counter left at {counter.item()} ({ctas} CTAs)"
     monkeypatch.undo()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        outs = [run_forward(view, q, k, v)[0] for view in views]
+        outs = [run_forward(view, q, k, v, softmax_scale=SCALE)[0] for view in views]
         side_counter = fwd_launch.scheduler_counter(DEV, side.cuda_stream)
     torch.cuda.current_stream().wait_stream(side)
     assert side_counter.data_ptr() != counter.data_ptr() and side_counter.item() == 0
     assert all(torch.equal(a, b) for a, b in zip(outs, first, strict=True))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = [run_forward(view, q, k, v)[0] for view in views]
+        captured = [run_forward(view, q, k, v, softmax_scale=SCALE)[0] for view in views]
     for _ in range(2):
         for out in captured:
             out.fill_(float("nan"))

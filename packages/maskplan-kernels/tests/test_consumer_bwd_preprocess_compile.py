@@ -20,7 +20,7 @@ from cutlass import BFloat16  # noqa: E402
 
 from maskplan_kernels.consumer_bwd_preprocess import BwdPreprocess  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_placeholders  # noqa: E402
-from maskplan_kernels.testing import assert_ptxas_clean, assert_waits_before_global_access  # noqa: E402
+from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
 ARCH = os.environ["CUTE_DSL_ARCH"]
 HEAD_DIMS = [(32, 32), (64, 64), (96, 96), (128, 128)]
@@ -44,7 +44,6 @@ def test_preprocess_compiles(dq, dv, tile_m, with_dlse, tmp_path):
     ptx = _ptx(dq, dv, tile_m, with_dlse, tmp_path)
     # the dQ accumulator is zeroed with 16-byte stores (sm_100a writes them as v2.b64)
     assert re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)
-    assert_waits_before_global_access(ptx)  # launched with PDL
     assert_ptxas_clean(ptx, ARCH, tmp_path)
 
 

@@ -24,7 +24,6 @@ from cutlass import Float32, const_expr
 from maskplan_kernels.consumer_plan import (
     DqPostprocessHostEntry,
     SequenceDesc,
-    after_predecessor,
     element_ptr,
     sample_q,
 )
@@ -62,7 +61,6 @@ class Sm100BwdPostprocess(DqPostprocessHostEntry):
         q_block_begin: cute.Tensor,
         softmax_scale: Float32,
     ):
-        after_predecessor()  # the host entry launches with PDL
         t, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
         sample = sample_q(sequence_desc, b)

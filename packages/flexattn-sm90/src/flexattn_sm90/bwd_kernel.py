@@ -90,10 +90,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
-    PDL,
     BwdHostEntry,
     BwdPlanTensors,
-    after_predecessor,
     atomic_head_group,
     bulk_reduce_add_f32,
     decode_work,
@@ -296,7 +294,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
-            **PDL,
         )  # fmt: skip
 
     @cute.jit
@@ -405,7 +402,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         pipes = self._make_pipelines(storage)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        after_predecessor()
 
         s = {
             "sQ": storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),

@@ -16,7 +16,6 @@ from cutlass import Float32
 from maskplan_kernels.consumer_plan import (
     DqPostprocessHostEntry,
     SequenceDesc,
-    after_predecessor,
     element_ptr,
     sample_q,
 )
@@ -57,7 +56,6 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
         mma_dq: cute.TiledMma,
         softmax_scale: Float32,
     ):
-        after_predecessor()  # the host entry launches with PDL
         tidx, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
         sample = sample_q(sequence_desc, b)

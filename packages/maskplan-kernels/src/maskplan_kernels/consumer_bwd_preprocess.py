@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .consumer_plan import PDL, SequenceDesc, after_predecessor, backward_q_desc, element_ptr, sample_q
+from .consumer_plan import SequenceDesc, backward_q_desc, element_ptr, sample_q
 from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -92,9 +92,7 @@ class BwdPreprocess:
             mat(dq_semaphore, num_heads_q, n_qblk),
             backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
             cute.make_tensor(q_block_begin, cute.make_layout(batch)),
-        ).launch(
-            grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream, **PDL
-        )
+        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(
@@ -110,7 +108,6 @@ class BwdPreprocess:
         sequence_desc: SequenceDesc,
         q_block_begin: cute.Tensor,
     ):
-        after_predecessor()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, q_head, b = cute.arch.block_idx()
         # Q blocks of the sample: the inner blocks of the K2Q view

@@ -521,9 +521,7 @@ class DqPostprocessHostEntry:
             vector(q_block_begin, batch),
             *self.kernel_operands(),
             softmax_scale,
-        ).launch(
-            grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream, **PDL
-        )
+        ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
 
 
 def backward_q_desc(sequence_desc: cute.Pointer, varlen: Int32, *, batch: Int32, total_q: Int32, tile_m: int):
@@ -810,8 +808,9 @@ def total_steps(plan: BwdPlanTensors, work: Work) -> Int32:
 
 
 # -- programmatic dependent launch ----------------------------------------------------------------------
-#: launch option of the attention kernels and the backward's pre- and postprocess: each may launch
-#: while the kernel before it on the stream finishes, and runs :func:`after_predecessor` first
+#: launch option of a kernel that may launch while the kernel before it on the stream finishes; it
+#: runs :func:`after_predecessor` first. The SM90 forward launches so (+0.3-1% on the H200); the
+#: backward's three kernels measured no gain from it (benchmarks/RESULTS.md, session 28)
 PDL = {"use_pdl": True}
 
 
@@ -875,8 +874,8 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 
 __all__ = [
     "ATOMIC_HEAD_GROUP",
-    "PDL",
     "CONSUMER_FIELDS",
+    "PDL",
     "SPARSE_ROW_FILL",
     "TASK_WORDS",
     "BwdHostEntry",
