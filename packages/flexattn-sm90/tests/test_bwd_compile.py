@@ -102,6 +102,8 @@ def test_main_kernel_d128_instructions(deterministic, tmp_path):
     # the turnstile: acquire spin, then a release increment, only in deterministic mode
     assert ("ld.acquire.gpu.global.b32" in ptx) == deterministic
     assert ("red.release.gpu.global.add.s32" in ptx) == deterministic
+    # deterministic mode stores each Q block's first contribution (rank 0) rather than adding it
+    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group ") == 4 * deterministic
     _assert_ptxas_clean(ptx, tmp_path)
 
 
@@ -145,13 +147,22 @@ def test_preprocess_is_the_shared_one(tmp_path):
 
 @pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_postprocess_compiles(dq, dv, dtype, tmp_path):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_postprocess_compiles(dq, dv, dtype, deterministic, tmp_path):
     """dQ leaves the fragment through SMEM (stmatrix) and reaches GMEM in 16-byte row pieces only."""
-    ptx = _ptx("post", dq, dv, dtype, tmp_path=tmp_path)
+    ptx = _ptx("post", dq, dv, dtype, tmp_path=tmp_path, deterministic=deterministic)
     assert "stmatrix.sync.aligned" in ptx
     stores = set(re.findall(r"st\.global\.\S+", ptx))
     assert stores == {"st.global.v4.b32"}, stores
     _assert_ptxas_clean(ptx, tmp_path)
+
+
+def test_deterministic_postprocess_reads_the_turnstile_count(tmp_path):
+    """Deterministic mode's postprocess loads one more int32, the block's turnstile count (0: no
+    K block visited the block, whose accumulator nothing wrote)."""
+    load = re.compile(r"ld\.global\.(?:[a-z]+\.)*[bsu]32\b")
+    loads = [len(load.findall(_ptx("post", tmp_path=tmp_path, deterministic=det))) for det in (False, True)]
+    assert loads[1] == loads[0] + 1, loads
 
 
 def test_unsupported_tiles_refused():
@@ -174,8 +185,10 @@ def test_kernel_keys_ignore_runtime_geometry():
     b = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", qhead_per_kvhead=4, varlen=True)
     kw = {"deterministic": False, "with_dlse": False}
     assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
-    det = kernel_keys(a, deterministic=True, with_dlse=False)
-    assert det["main"] != kernel_keys(a, **kw)["main"] and det["pre"] == kernel_keys(a, **kw)["pre"]
+    # deterministic mode: its main kernel stores each Q block's first dQ, so its preprocess does not
+    # zero the accumulator and its postprocess zeroes the blocks nothing visited
+    det, base = kernel_keys(a, deterministic=True, with_dlse=False), kernel_keys(a, **kw)
+    assert all(det[kind] != base[kind] for kind in ("pre", "main", "post"))
     dlse = kernel_keys(a, deterministic=False, with_dlse=True)
     assert dlse["pre"] != kernel_keys(a, **kw)["pre"] and dlse["main"] == kernel_keys(a, **kw)["main"]
 

@@ -26,8 +26,10 @@ ARCH = os.environ["CUTE_DSL_ARCH"]
 HEAD_DIMS = [(32, 32), (64, 64), (96, 96), (128, 128)]
 
 
-def _ptx(dq, dv, tile_m, with_dlse, tmp_path) -> str:
-    kernel = BwdPreprocess(dq, dv, "bfloat16", tile_m=tile_m, with_dlse=with_dlse)
+def _ptx(dq, dv, tile_m, with_dlse, tmp_path, zero_dq_accum=True) -> str:
+    kernel = BwdPreprocess(
+        dq, dv, "bfloat16", tile_m=tile_m, with_dlse=with_dlse, zero_dq_accum=zero_dq_accum
+    )
     compiled = cute.compile(
         kernel.from_pointers, *bwd_placeholders("pre", BFloat16, with_dlse=with_dlse),
         options=f"--gpu-arch {ARCH} --keep-ptx --dump-dir {tmp_path}",
@@ -44,6 +46,15 @@ def test_preprocess_compiles(dq, dv, tile_m, with_dlse, tmp_path):
     ptx = _ptx(dq, dv, tile_m, with_dlse, tmp_path)
     # the dQ accumulator is zeroed with 16-byte stores (sm_100a writes them as v2.b64)
     assert re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)
+    assert_ptxas_clean(ptx, ARCH, tmp_path)
+
+
+@pytest.mark.parametrize("zero_dq_accum", [True, False], ids=["zeroes", "leaves"])
+def test_dq_accumulator_zeroing_is_optional(zero_dq_accum, tmp_path):
+    """The 16-byte stores are the accumulator's zeroing; without it only LSE2, D and the turnstile
+    counts are written."""
+    ptx = _ptx(128, 128, 64, False, tmp_path, zero_dq_accum=zero_dq_accum)
+    assert bool(re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)) == zero_dq_accum
     assert_ptxas_clean(ptx, ARCH, tmp_path)
 
 

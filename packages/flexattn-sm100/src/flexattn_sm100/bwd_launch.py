@@ -86,7 +86,10 @@ COMPILER = BackwardCompiler(
     key_prefixes=("bwd-pre", "sm100-bwd", "sm100-bwd-post"),
     main_kernel=Sm100BwdKernel,
     config_for_view=_prepared_config,
-    postprocess=lambda config: Sm100BwdPostprocess(config.head_dim_qk, config.dtype, tile_m=config.tile_m),
+    # zero_unvisited is always False: this consumer does not store its first dQ (stores_first_dq)
+    postprocess=lambda config, zero_unvisited: Sm100BwdPostprocess(
+        config.head_dim_qk, config.dtype, tile_m=config.tile_m
+    ),
     main_key=lambda config: (config.variant.name, kernel_dims(config)),
 )
 #: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}

@@ -37,6 +37,9 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 class Sm100BwdPostprocess(DqPostprocessHostEntry):
     """Static configuration: head dim, dtype, block rows (128: dQ order; 64: dQ^T order)."""
 
+    #: this consumer's deterministic main kernel adds every contribution to a zeroed accumulator
+    zero_unvisited = False
+
     def __init__(self, head_dim: int, dtype: str, *, tile_m: int = TMEM_LANES):
         self.transposed = tile_m < TMEM_LANES
         self.rows, self.cols = (head_dim, tile_m) if self.transposed else (tile_m, head_dim)
@@ -56,6 +59,7 @@ class Sm100BwdPostprocess(DqPostprocessHostEntry):
     def kernel(
         self,
         mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor | None,  # None: zero_unvisited is False, the accumulator was zeroed
         mdQ: cute.Tensor,
         sequence_desc: SequenceDesc,
         q_block_begin: cute.Tensor,

@@ -54,12 +54,14 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_
 dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sample ``b`` is
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
 (P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
-whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds, waits for the add
-to complete and increments it: every run adds the contributions in ``dq_write_order`` (ascending
-K block). Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower CTA indices,
-it cannot deadlock as long as CTAs start in index order. Walking its Q blocks downwards, a CTA
-reaches each one no earlier than the CTA of the K block below it on causal, sliding-window and
-document masks (``consumer_plan.walk_descending``), so the turnstile rarely waits; deterministic
+whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds (rank 0 stores: the
+preprocess does not zero the accumulator in this mode, and the postprocess writes dQ = 0 where the
+count stayed 0), waits for the add to complete and increments it: every run adds the contributions
+in ``dq_write_order`` (ascending K block). Waiting only on lower K blocks of the same (sample, kv
+head), i.e. on lower CTA indices, it cannot deadlock as long as CTAs start in index order.
+Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block
+below it on causal, sliding-window and document masks (``consumer_plan.walk_descending``), so
+the turnstile rarely waits; deterministic
 mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
@@ -94,6 +96,7 @@ from maskplan_kernels.consumer_plan import (
     BwdPlanTensors,
     atomic_head_group,
     bulk_reduce_add_f32,
+    bulk_store,
     decode_work,
     element_ptr,
     head_range,
@@ -620,7 +623,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.arch.barrier(barrier_id=full, number_of_threads=self.dq_pair_threads)
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
-                bulk_reduce_add_f32(sdQ.iterator + self.dq_chunk_offset(wg), dst, self.dq_chunk * 4)
+                src = sdQ.iterator + self.dq_chunk_offset(wg)
+                if const_expr(self.deterministic):
+                    if rank == 0:  # the block's first contribution; its accumulator was not zeroed
+                        bulk_store(src, dst, self.dq_chunk * 4)
+                    else:
+                        bulk_reduce_add_f32(src, dst, self.dq_chunk * 4)
+                else:
+                    bulk_reduce_add_f32(src, dst, self.dq_chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
         if const_expr(two):
             if step < last:  # the next step is the other writer's

@@ -12,7 +12,7 @@ THD ``dq [total_q, Hq, Dqk]``, ``dk [total_k, Hkv, Dqk]``, ``dv [total_k, Hkv, D
 Launches, all on the current stream::
 
     preprocess   (Q blocks, Hq, B)    D = rowsum(dO O) - dlse, LSE in log2 (+inf: no key), dQ
-                                      accumulator and turnstiles zeroed       (shared with SM100:
+                                      accumulator (atomic mode) and turnstiles zeroed  (shared with SM100:
                                                           maskplan_kernels.consumer_bwd_preprocess)
     main         (K plan rows, Hkv)   dK, dV stored; dQ bulk-added in fp32    bwd_kernel.py
     postprocess  (Q blocks, Hq, B)    dQ = scale * accumulator, input dtype   bwd_postprocess.py
@@ -67,10 +67,11 @@ def _main_key(config: Sm90BwdConfig) -> tuple:
     return (kernel_dims(config), tile, stages)
 
 
-def _postprocess(config: Sm90BwdConfig) -> Sm90BwdPostprocess:
+def _postprocess(config: Sm90BwdConfig, zero_unvisited: bool) -> Sm90BwdPostprocess:
     return Sm90BwdPostprocess(
-        config.head_dim_qk, config.dtype, tile_m=config.tile_m, num_warpgroups=config.num_consumer_warpgroups
-    )
+        config.head_dim_qk, config.dtype, tile_m=config.tile_m, num_warpgroups=config.num_consumer_warpgroups,
+        zero_unvisited=zero_unvisited,
+    )  # fmt: skip
 
 
 @cached_per_view
@@ -88,6 +89,7 @@ COMPILER = BackwardCompiler(
     postprocess=_postprocess,
     main_key=_main_key,
     post_key=lambda config: (config.num_consumer_warpgroups,),
+    stores_first_dq=True,  # Sm90BwdKernel.write_dq_block
 )
 #: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
 kernel_keys = COMPILER.kernel_keys

@@ -7,11 +7,15 @@ the same builder): it reads its accumulator fragment from the fragment-ordered c
 padded SMEM tile by ``stmatrix``; the CTA then stores the rows of the block that lie inside the
 sample (``< q_len``) in 16-byte row pieces, so each warp store writes whole lines (the C fragment
 itself holds 4-byte row pieces). Rows of padding never leave the workspace.
+
+``zero_unvisited`` (deterministic mode, where the main kernel stores each block's first contribution
+and nothing zeroes the accumulator): a block whose turnstile count is 0 had no contribution, and
+its dQ is written as 0 without reading the accumulator.
 """
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
 
 from maskplan_kernels.consumer_plan import (
     DqPostprocessHostEntry,
@@ -32,10 +36,15 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 class Sm90BwdPostprocess(DqPostprocessHostEntry):
-    """Static configuration: head dim, dtype, block rows, MMA warpgroups of the main kernel."""
+    """Static configuration: head dim, dtype, block rows, MMA warpgroups of the main kernel, and
+    whether unvisited blocks are told by their turnstile count (module docstring)."""
 
-    def __init__(self, head_dim: int, dtype: str, *, tile_m: int = 64, num_warpgroups: int = 2):
+    def __init__(
+        self, head_dim: int, dtype: str, *, tile_m: int = 64, num_warpgroups: int = 2,
+        zero_unvisited: bool = False,
+    ):  # fmt: skip
         self.dtype = _DTYPES[dtype]
+        self.zero_unvisited = zero_unvisited
         self.head_dim, self.tile_m = head_dim, tile_m
         self.num_wg = num_warpgroups
         self.num_threads = 128 * num_warpgroups
@@ -50,6 +59,7 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
     def kernel(
         self,
         mdQaccum: cute.Tensor,
+        mdQsem: cute.Tensor | None,
         mdQ: cute.Tensor,
         sequence_desc: SequenceDesc,
         q_block_begin: cute.Tensor,
@@ -69,7 +79,12 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
             # (tile_m * D,) of this block -> this thread's slot of its warpgroup's chunk: (4, elements / 4)
             first = q_head * mdQaccum.shape[1] + blk * tm * d + wg * self.dq_chunk
             src = cute.make_tensor(element_ptr(mdQaccum, first), dq_chunk_layout(self.dq_elements))[t, None]
-            cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+            visited = Int32(1)
+            if const_expr(self.zero_unvisited):
+                acc.fill(0.0)
+                visited = mdQsem[q_head, blk]
+            if visited != 0:
+                cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
             # rows 2 D + 16 bytes apart: for D a multiple of 32 any 8 consecutive rows start at distinct
             # 16-byte bank offsets (an stmatrix 8x8 matrix has no bank conflict; no swizzle atom fits
             # D = 96), and every row stays 16-byte aligned for store_rows

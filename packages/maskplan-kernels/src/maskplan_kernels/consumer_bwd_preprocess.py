@@ -11,7 +11,9 @@ backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_
 
     D[hq, blk*tile_m + i]    = sum_d dO[q, hq, d] * O[q, hq, d]  - dlse[hq, q]     (0 past q_len)
     LSE2[hq, blk*tile_m + i] = lse[hq, q] * log2(e),  +inf where lse = -inf or past q_len
-    dQaccum[hq, blk]         = 0      (tile_m x D fp32, the main kernel bulk-adds into it)
+    dQaccum[hq, blk]         = 0      (tile_m x D fp32, the main kernel bulk-adds into it; not with
+                                       zero_dq_accum=False, where the main kernel stores the first
+                                       contribution: BackwardCompiler.stores_first_dq)
     dQsemaphore[hq, blk]     = 0      (deterministic mode's turnstile)
 
 ``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key
@@ -39,12 +41,17 @@ def quad_sum(x: Float32) -> Float32:
 
 
 class BwdPreprocess:
-    """Static configuration: head dims, dtype, block rows and whether a ``dlse`` is subtracted."""
+    """Static configuration: head dims, dtype, block rows, whether a ``dlse`` is subtracted and whether
+    the dQ accumulator is zeroed."""
 
     threads_per_row = 4
 
-    def __init__(self, head_dim_qk: int, head_dim_v: int, dtype: str, *, tile_m: int = 64, with_dlse: bool):
+    def __init__(
+        self, head_dim_qk: int, head_dim_v: int, dtype: str, *, tile_m: int = 64, with_dlse: bool,
+        zero_dq_accum: bool = True,
+    ):  # fmt: skip
         self.dtype = _DTYPES[dtype]
+        self.zero_dq_accum = zero_dq_accum
         self.head_dim_qk, self.head_dim_v = head_dim_qk, head_dim_v
         self.tile_m = tile_m
         self.with_dlse = with_dlse
@@ -145,13 +152,14 @@ class BwdPreprocess:
                         d = dot - mdLSE[q_head, token]
                 mLSE2[q_head, blk * tm + row] = lse2
                 mDsum[q_head, blk * tm + row] = d
-            # zero this block's dQ accumulator, one contiguous tile_m x Dqk fp32 run: thread t writes the
-            # 16-byte vectors t, t + threads, ..., so each warp store covers 512 contiguous bytes
-            run = cute.make_layout((4, self.zero_part // 4), stride=(1, 4 * self.num_threads))
-            zeros = cute.make_rmem_tensor(run.shape, Float32)
-            zeros.fill(0.0)
-            offset = (q_head * mdQaccum.shape[1] + blk * tm * self.head_dim_qk) + tidx * 4
-            cute.autovec_copy(zeros, cute.make_tensor(element_ptr(mdQaccum, offset), run))
+            if const_expr(self.zero_dq_accum):
+                # this block's dQ accumulator, one contiguous tile_m x Dqk fp32 run: thread t writes
+                # the 16-byte vectors t, t + threads, ..., so each warp store covers 512 contiguous bytes
+                run = cute.make_layout((4, self.zero_part // 4), stride=(1, 4 * self.num_threads))
+                zeros = cute.make_rmem_tensor(run.shape, Float32)
+                zeros.fill(0.0)
+                offset = (q_head * mdQaccum.shape[1] + blk * tm * self.head_dim_qk) + tidx * 4
+                cute.autovec_copy(zeros, cute.make_tensor(element_ptr(mdQaccum, offset), run))
             if tidx == 0:
                 mdQsem[q_head, blk] = Int32(0)
 

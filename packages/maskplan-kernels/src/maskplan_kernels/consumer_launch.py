@@ -394,7 +394,10 @@ def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
             i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
             *(Int32(1) for _ in range(11)), Float32(1.0), stream,
         ]  # fmt: skip
-    return [f32, gmem_ptr(dtype, align=ALIGN), i32, i32, *(Int32(1) for _ in range(6)), Float32(1.0), stream]
+    return [
+        f32, i32, gmem_ptr(dtype, align=ALIGN), i32, i32,  # dq_accum, dq_semaphore, dq, sequence_desc, qbb
+        *(Int32(1) for _ in range(6)), Float32(1.0), stream,
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -545,7 +548,7 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
         g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
         prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen, softmax_scale, stream,
     )  # fmt: skip
-    compiled["post"](workspace[2], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
+    compiled["post"](*workspace[2:], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
 
 
 # -- backward compile -----------------------------------------------------------------------------
@@ -564,36 +567,50 @@ class BackwardCompiler:
     ``config`` is the consumer's backward config (``head_dim_qk``, ``head_dim_v``, ``dtype``,
     ``tile_m`` and whatever its kernels read). GQA ratio, varlen-ness and all sizes are runtime
     values: no key holds them.
+
+    ``stores_first_dq``: the consumer's deterministic main kernel stores each Q block's first dQ
+    contribution (rank 0 of ``dq_write_order``) rather than adding it, so in deterministic mode the
+    preprocess leaves the fp32 accumulator unzeroed (half of its memory traffic) and the
+    postprocess writes dQ = 0 for the blocks whose turnstile count is 0 (no K block visited them).
     """
 
     gpu_arch: str  # e.g. "sm_90a", passed as --gpu-arch
     source_packages: tuple[str, ...]  # packages the kernels are built from (on-disk cache key)
     key_prefixes: tuple[str, str, str]  # first field of the "pre", "main" and "post" keys
     main_kernel: Callable[..., Any]  # main_kernel(config, deterministic=...) -> kernel with from_pointers
-    postprocess: Callable[[Any], Any]  # postprocess(config) -> kernel with from_pointers
+    #: postprocess(config, zero_unvisited) -> kernel with from_pointers (DqPostprocessHostEntry)
+    postprocess: Callable[[Any, bool], Any]
     main_key: Callable[[Any], tuple]  # static fields of the main kernel's key (before deterministic)
     #: the backward config a view was planned for (raising for views the consumer cannot run)
     config_for_view: Callable[[PlanView], Any]
     post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
+    stores_first_dq: bool = False
+
+    def first_dq_stored(self, deterministic: bool) -> bool:
+        """Whether the main kernel stores each Q block's first dQ contribution (class docstring)."""
+        return deterministic and self.stores_first_dq
 
     def kernel_keys(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
         """Compile keys of the three kernels."""
         dims, (pre, main, post) = kernel_dims(config), self.key_prefixes
+        stored = self.first_dq_stored(deterministic)
         return {
-            "pre": (pre, dims, config.tile_m, ("dlse", with_dlse)),
+            "pre": (pre, dims, config.tile_m, ("dlse", with_dlse), ("zero_dq_accum", not stored)),
             "main": (main, *self.main_key(config), ("deterministic", deterministic)),
-            "post": (post, dims, config.tile_m, *self.post_key(config)),
+            "post": (post, dims, config.tile_m, *self.post_key(config), ("zero_unvisited", stored)),
         }
 
     def build(self, kind: str, config, *, deterministic: bool, with_dlse: bool):
         """The kernel object of ``kind``."""
+        stored = self.first_dq_stored(deterministic)
         if kind == "pre":
             return BwdPreprocess(
-                config.head_dim_qk, config.head_dim_v, config.dtype, tile_m=config.tile_m, with_dlse=with_dlse
-            )
+                config.head_dim_qk, config.head_dim_v, config.dtype, tile_m=config.tile_m,
+                with_dlse=with_dlse, zero_dq_accum=not stored,
+            )  # fmt: skip
         if kind == "main":
             return self.main_kernel(config, deterministic=deterministic)
-        return self.postprocess(config)
+        return self.postprocess(config, stored)
 
     def jit_and_placeholders(self, kind: str, config, *, deterministic: bool, with_dlse: bool) -> tuple:
         """``(kernel.from_pointers, *placeholder arguments)``: what ``cute.compile`` takes."""

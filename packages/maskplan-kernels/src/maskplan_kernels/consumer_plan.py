@@ -486,21 +486,25 @@ def bwd_plan_tensors(
 
 class DqPostprocessHostEntry:
     """The host entry of a backward postprocess (fp32 dQ accumulator -> dQ), the same for every
-    consumer: raw pointers plus int32 sizes, turned into ``(mdQaccum, mdQ, sequence_desc,
+    consumer: raw pointers plus int32 sizes, turned into ``(mdQaccum, mdQsem, mdQ, sequence_desc,
     q_block_begin)`` (the fp32 accumulator ``(Hq, n_qblk * tile_m * head_dim)`` in the consumer's
-    own order inside a Q block, THD ``dq``, the backward view's :class:`SequenceDesc` with Q columns
-    only, the ``(B,)`` first padded Q block of each sample) for the class's
-    ``@cute.kernel kernel(*those, *self.kernel_operands(), softmax_scale)``, one CTA of
-    ``num_threads`` per (Q block, q head, sample).
+    own order inside a Q block; the turnstile counts ``(Hq, n_qblk)``, or None; THD ``dq``; the
+    backward view's :class:`SequenceDesc` with Q columns only; the ``(B,)`` first padded Q block of
+    each sample) for the class's ``@cute.kernel kernel(*those, *self.kernel_operands(),
+    softmax_scale)``, one CTA of ``num_threads`` per (Q block, q head, sample).
 
-    The kernel class provides ``tile_m``, ``head_dim``, ``num_threads`` and ``kernel_operands()``
-    (its compile-time operands, e.g. a ``TiledMma``).
+    The kernel class provides ``tile_m``, ``head_dim``, ``num_threads``, ``zero_unvisited`` and
+    ``kernel_operands()`` (its compile-time operands, e.g. a ``TiledMma``). With ``zero_unvisited``
+    the accumulator was not zeroed (a deterministic main kernel stored each Q block's first
+    contribution: ``BackwardCompiler.stores_first_dq``), and a block whose turnstile count is 0
+    had none: its dQ is 0. Otherwise ``mdQsem`` is None.
     """
 
     @cute.jit
     def from_pointers(
         self,
         dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * D)  16-byte aligned
+        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), the turnstile counts
         dq: cute.Pointer,  # (total_q, Hq, D)  output
         sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
         q_block_begin: cute.Pointer,  # (B,)
@@ -516,6 +520,7 @@ class DqPostprocessHostEntry:
         tm, d = self.tile_m, self.head_dim
         self.kernel(
             row_major(dq_accum, num_heads_q, n_qblk * tm * d),
+            row_major(dq_semaphore, num_heads_q, n_qblk) if const_expr(self.zero_unvisited) else None,
             thd_tensor(dq, total_q, num_heads_q, d),
             backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
             vector(q_block_begin, batch),
@@ -828,10 +833,7 @@ def after_predecessor():
 
 
 # -- dQ accumulation: PTX the DSL has no op for, and the deterministic turnstile ----------------------
-@dsl_user_op
-def bulk_reduce_add_f32(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
-    """``gmem[i] += smem[i]`` for ``num_bytes / 4`` fp32 values, by the bulk copy engine
-    (``cp.reduce.async.bulk``, completion through the issuing thread's bulk async-group)."""
+def _bulk_to_global(instruction: str, smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, loc, ip):  # noqa: E501
     llvm.inline_asm(
         None,
         [
@@ -839,12 +841,28 @@ def bulk_reduce_add_f32(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_byte
             smem_src.toint(loc=loc, ip=ip).ir_value(),
             Int32(num_bytes).ir_value(loc=loc, ip=ip),
         ],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        f"{instruction} [$0], [$1], $2;",
         "l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """``gmem[i] += smem[i]`` for ``num_bytes / 4`` fp32 values, by the bulk copy engine
+    (``cp.reduce.async.bulk``, completion through the issuing thread's bulk async-group)."""
+    _bulk_to_global(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32", smem_src, gmem_dst, num_bytes, loc, ip
+    )
+
+
+@dsl_user_op
+def bulk_store(smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """``gmem[i] = smem[i]`` for ``num_bytes`` bytes, by the bulk copy engine (``cp.async.bulk``;
+    completion as for :func:`bulk_reduce_add_f32`)."""
+    _bulk_to_global("cp.async.bulk.global.shared::cta.bulk_group", smem_src, gmem_dst, num_bytes, loc, ip)
 
 
 @cute.jit
@@ -893,6 +911,7 @@ __all__ = [
     "atomic_head_group",
     "backward_q_desc",
     "bulk_reduce_add_f32",
+    "bulk_store",
     "bwd_plan_tensors",
     "decode_task",
     "decode_work",
