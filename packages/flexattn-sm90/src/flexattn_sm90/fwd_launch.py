@@ -52,14 +52,25 @@ def scheduler_counter(device: torch.device, stream: int) -> torch.Tensor:
     sets the counter back to zero (:meth:`Sm90FwdKernel.next_task`), so no fill kernel runs before
     every forward and the forward follows its predecessor by programmatic dependent launch. Under
     capture, a fresh zeroed one per call, in the graph's memory: a graph may replay on any stream,
-    alongside others captured on the same one."""
-    if torch.cuda.is_current_stream_capturing():
+    alongside others captured on the same one. Keyed by the stream's handle: torch's streams live
+    as long as the process (an external stream destroyed while its forward runs could pass its
+    handle, and its counter, to a new one)."""
+    index = cuda_index(device)
+    if _capturing(index):
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (cuda_index(device), stream)
+    key = (index, stream)
     counter = _COUNTERS.get(key)
     if counter is None:
         counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
+
+
+def _capturing(index: int) -> bool:
+    """Whether device ``index``'s current stream (the launch's) is capturing a CUDA graph."""
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 # -- configuration --------------------------------------------------------------------------------

@@ -49,10 +49,12 @@ def assert_ptxas_clean(ptx: str, arch: str, workdir: str | os.PathLike) -> None:
         assert not serialised, "\n".join(serialised)
 
 
-#: PTX instructions that touch global memory: loads, stores, atomics and reductions, bulk and
-#: tensor copies, and the bulk reductions (a ``.param`` load or a descriptor prefetch is not one)
+#: PTX instructions that may touch global memory: loads, stores, atomics and reductions in the
+#: global or the generic state space (not ``.shared``, ``.param``, ``.local`` or ``.const``), and
+#: every ``cp.async`` / ``cp.reduce.async`` copy (a descriptor prefetch is not one)
 GLOBAL_ACCESS = re.compile(
-    r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st|atom|red)\.(?:[a-z:]+\.)*global\b|cp\.(?:reduce\.)?async\.bulk\b)",
+    r"^\s*(?:@!?%p\d+\s+)?(?:(?:ld|st|atom|red)(?![\w.:]*\.(?:shared|param|local|const)\b)\.[\w.:]+"
+    r"|cp\.(?:reduce\.)?async\b)",
     re.MULTILINE,
 )
 

@@ -1,0 +1,41 @@
+"""The test support of maskplan_kernels.testing on synthetic PTX (no compile, no GPU)."""
+
+import pytest
+
+from maskplan_kernels.testing import assert_waits_before_global_access
+
+PROLOGUE = "\tld.param.u64 \t%rd1, [k_param_0];\n\tprefetch.tensormap [%rd1];\n\tbar.sync \t0;\n"
+WAIT = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n"
+BODY = "\tld.global.b32 \t%r1, [%rd2];\n\tst.global.v4.b32 \t[%rd3], {%r1, %r1, %r1, %r1};\n"
+
+
+def test_a_kernel_that_waits_first_passes():
+    assert_waits_before_global_access(PROLOGUE + WAIT + BODY)
+
+
+@pytest.mark.parametrize(
+    "early",
+    [
+        "\tld.global.nc.v4.u32 \t{%r1, %r2, %r3, %r4}, [%rd2];\n",
+        "\t@%p1 st.global.b32 \t[%rd2], %r1;\n",
+        "\tld.u32 \t%r1, [%rd2];\n",  # generic address: may be global
+        "\tatom.global.add.u32 \t%r1, [%rd2], 1;\n",
+        "\tred.release.gpu.global.add.s32 \t[%rd2], 1;\n",
+        "\tcp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1];\n",
+        "\tcp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%rd2], [%r1], 512;\n",
+    ],
+    ids=["ld.global", "predicated st.global", "generic ld", "atom", "red", "TMA load", "bulk add"],
+)
+def test_a_global_access_before_the_wait_fails(early):
+    with pytest.raises(AssertionError, match="before griddepcontrol.wait"):
+        assert_waits_before_global_access(PROLOGUE + early + WAIT + BODY)
+
+
+@pytest.mark.parametrize("local", ["\tld.shared.u32 \t%r1, [%r2];\n", "\tst.local.u32 \t[%rd2], %r1;\n"])
+def test_shared_and_local_accesses_may_come_first(local):
+    assert_waits_before_global_access(PROLOGUE + local + WAIT + BODY)
+
+
+def test_a_kernel_without_the_wait_fails():
+    with pytest.raises(AssertionError, match="no griddepcontrol.wait"):
+        assert_waits_before_global_access(PROLOGUE + BODY)
