@@ -164,7 +164,8 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     row_max = torch.full((rows, tm), float("-inf"), dtype=cd, device=q.device)
     for tl in _tiles(view, blocks):
         s = _scores(tl, qb, kb, softmax_scale)
-        row_max.index_reduce_(0, tl.q_rows(g.num_heads_q), s.amax(-1).reshape(-1, tm), "amax")
+        rows_of = tl.q_rows(g.num_heads_q)[:, None].expand(-1, tm)
+        row_max.scatter_reduce_(0, rows_of, s.amax(-1).reshape(-1, tm), "amax")
     safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)
     row_sum = torch.zeros(rows, tm, dtype=cd, device=q.device)
     acc = torch.zeros(rows, tm, g.head_dim_v, dtype=cd, device=q.device)
