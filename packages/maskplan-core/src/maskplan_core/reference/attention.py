@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputValueError
 from ..plan import BlockEntries, PlanView
 
 _TILE_CHUNK = 64
@@ -46,9 +47,11 @@ class _Blocks:
     q_tok: torch.Tensor  # [NQB, tm]
     q_ok: torch.Tensor  # [NQB, tm]
     q_first: torch.Tensor  # [B]
+    q_count: torch.Tensor  # [B]
     k_tok: torch.Tensor  # [NKB, tn]
     k_ok: torch.Tensor  # [NKB, tn]
     k_first: torch.Tensor  # [B]
+    k_count: torch.Tensor  # [B]
 
     def gather(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """THD ``x`` as blocks ``[NB, H, t, d]``, zero on rows outside the block's sample (so a
@@ -76,12 +79,10 @@ def _blocks(view: PlanView) -> _Blocks:
         block = torch.arange(sample.numel(), device=dev) - first[sample]  # within its sample
         local = block[:, None] * t + torch.arange(t, device=dev)
         ok = local < length[sample, None]
-        return (offset[sample, None] + local).clamp(max=max(total - 1, 0)), ok, first
+        return (offset[sample, None] + local).clamp(max=max(total - 1, 0)), ok, first, count
 
     tm, tn = view.block_size
-    q_tok, q_ok, q_first = side(desc[:, 0], desc[:, 2], tm, g.total_q)
-    k_tok, k_ok, k_first = side(desc[:, 1], desc[:, 3], tn, g.total_k)
-    return _Blocks(q_tok, q_ok, q_first, k_tok, k_ok, k_first)
+    return _Blocks(*side(desc[:, 0], desc[:, 2], tm, g.total_q), *side(desc[:, 1], desc[:, 3], tn, g.total_k))
 
 
 @dataclass
@@ -113,6 +114,9 @@ def _tiles(view: PlanView, blocks: _Blocks) -> Iterator[_Tiles]:
     dev = blocks.q_tok.device
     for kind in ("partial", "full"):
         e: BlockEntries = view.entries(kind)
+        # a block past its sample's last one would index the next sample's blocks
+        if bool((e.q_block >= blocks.q_count[e.batch]).any() | (e.k_block >= blocks.k_count[e.batch]).any()):
+            raise InputValueError(f"the {view.role} view has {kind} entries past their sample's last block")
         for c in range(0, e.head.numel(), _TILE_CHUNK):
             sl = slice(c, c + _TILE_CHUNK)
             q_blk = blocks.q_first[e.batch[sl]] + e.q_block[sl]
