@@ -26,6 +26,7 @@ from maskplan_kernels._cute_args import cuda_index, torch_stream
 from maskplan_kernels._launch import persistent_ctas
 from maskplan_kernels.consumer_launch import (
     cached_per_view,
+    capturing,
     forward_io,
     fwd_placeholders,
     fwd_view_args,
@@ -55,22 +56,13 @@ def scheduler_counter(device: torch.device, stream: int) -> torch.Tensor:
     alongside others captured on the same one. Keyed by the stream's handle: torch's streams live
     as long as the process (an external stream destroyed while its forward runs could pass its
     handle, and its counter, to a new one)."""
-    index = cuda_index(device)
-    if _capturing(index):
+    if capturing(device):
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (index, stream)
+    key = (cuda_index(device), stream)
     counter = _COUNTERS.get(key)
     if counter is None:
         counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
-
-
-def _capturing(index: int) -> bool:
-    """Whether device ``index``'s current stream (the launch's) is capturing a CUDA graph."""
-    if index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(index):
-        return torch.cuda.is_current_stream_capturing()
 
 
 # -- configuration --------------------------------------------------------------------------------

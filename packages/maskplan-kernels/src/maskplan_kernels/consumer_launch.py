@@ -42,7 +42,7 @@ from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
 
 from . import compile_cache
-from ._cute_args import torch_stream
+from ._cute_args import cuda_index, torch_stream
 from .consumer_bwd_preprocess import BwdPreprocess
 from .geometry import ViewBounds
 
@@ -239,11 +239,11 @@ class _StreamEntry:
         creator = torch.cuda.current_stream(device)
         self.handles = {creator.cuda_stream}
         self.ready = None  # made inside a graph capture: nothing outside it may wait for that
-        capturing = _capturing(device)
-        if not capturing:
+        in_capture = capturing(device)
+        if not in_capture:
             wait_ready(view, device)
         self.value = value = fn(view, device)
-        if not capturing:
+        if not in_capture:
             self.ready = torch.cuda.Event()
             self.ready.record(creator)
             for t in value.tensors:  # the plan's own may come from another stream's allocations
@@ -260,8 +260,13 @@ class _StreamEntry:
         self.handles.add(handle)
 
 
-def _capturing(device: torch.device) -> bool:
-    with torch.cuda.device(device):
+def capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream (the one a launch on it uses) is capturing a CUDA graph;
+    without a device switch when ``device`` is the current one (every forward asks)."""
+    index = cuda_index(device)
+    if index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(index):
         return torch.cuda.is_current_stream_capturing()
 
 
@@ -281,7 +286,7 @@ def cached_view_args(fn):
             return on_cpu(view, device)
         e = entry(view, device)
         handle = torch_stream(device)
-        if handle not in e.handles and not _capturing(device):
+        if handle not in e.handles and not capturing(device):
             e.join(handle, device)
         return e.value
 
@@ -686,6 +691,7 @@ __all__ = [
     "bwd_view_args",
     "cached_per_view",
     "cached_view_args",
+    "capturing",
     "check_inputs",
     "cute_dtype",
     "forward_io",
