@@ -11,6 +11,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
@@ -81,9 +82,20 @@ def dq_chunk_layout(elements_per_thread: int, threads: int = 128) -> cute.Layout
     return cute.make_layout((threads, (v, elements_per_thread // v)), stride=(v, (1, v * threads)))
 
 
+# -- per-item pipeline states of the persistent main kernel -----------------------------------------
+def item_state(stages: int, item: Int32, user: pipeline.PipelineUserType) -> pipeline.PipelineState:
+    """The state of a pipeline used once per item at item ``item``: derived from the item count, so
+    the MMA warpgroups carry one register across items rather than a state per pipeline."""
+    phase = (item // stages) % 2
+    if user == pipeline.PipelineUserType.Producer:
+        phase = 1 - phase
+    return pipeline.PipelineState(stages, item, item % stages, phase)
+
+
 __all__ = [
     "common_major",
     "dq_warpgroup_tile",
+    "item_state",
     "make_dq_tiled_mma",
     "dq_chunk_layout",
     "smem_layout",

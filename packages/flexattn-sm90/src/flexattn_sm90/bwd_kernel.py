@@ -1,10 +1,13 @@
 """SM90 (Hopper) K-major attention backward that consumes a MaskPlan's K2Q backward view (spec 6.3).
 
-One CTA per (K plan row = K block of ``tile_n`` keys, kv head): it loads its K/V tile once and
-accumulates dK/dV in registers over every Q head of its kv head (GQA needs no later reduction),
-while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. 384 threads::
+Persistent: one CTA per SM takes work items, (K plan row = K block of ``tile_n`` keys, kv head),
+from a ticket counter (``consumer_plan.take_ticket``) until none is left. Per item it loads the
+K/V tile once and accumulates dK/dV in registers over every Q head of its kv head (GQA needs no
+later reduction), while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM.
+384 threads::
 
-    warp 0 (WG0)      producer: TMA loads of K, V (once), Q + LSE and dO + D (per Q block; 2
+    warp 0 (WG0)      producer: takes the tickets and hands them to the other roles (a 2-stage
+                      SMEM record); TMA loads of K, V (once per item), Q + LSE and dO + D (per Q block; 2
                       stages each, dO 1 from (192, 128) on), bulk copy of the partial payloads (2-stage SMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
@@ -40,7 +43,7 @@ exactly the ownership ``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=Tru
 ``transposed=False``, S's. Either way the packed predicate's bit ``e`` guards accumulator register
 ``e`` of each thread.
 
-Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_begin``::
+Per item ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_begin``::
 
     for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv
         h = hq if Hmask > 1 else 0
@@ -51,6 +54,13 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_
                                    step(m, no payload, rank = dq_write_order_full[e])
     dK = scale * dK, dV stored (rows < k_len of the sample); a K block without any entry stores 0
 
+Between items nothing waits for a whole CTA to finish: the MMA warpgroups release sK / sV after
+their last GEMMs of an item, so the next item's K / V (and its first Q / dO blocks) load while
+dK / dV leave through the SMEM of dS [, P] and the dQ chunks (``BwdMainloop.epilogue``; the
+epilogue takes the dQ chunks from the dQ writer as a step does). Short K2Q rows (documents: ~12
+steps per item) paid that per-CTA start and drain on every K block (benchmarks/RESULTS.md,
+session 27).
+
 dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sample ``b`` is
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
 (P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
@@ -58,7 +68,8 @@ whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds (r
 preprocess does not zero the accumulator in this mode, and the postprocess writes dQ = 0 where the
 count stayed 0), waits for the add to complete and increments it: every run adds the contributions
 in ``dq_write_order`` (ascending K block). Waiting only on lower K blocks of the same (sample, kv
-head), i.e. on lower CTA indices, it cannot deadlock as long as CTAs start in index order.
+head), i.e. on lower tickets, which running CTAs hold (every ticket comes from the counter), it
+cannot deadlock.
 Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block
 below it on causal, sliding-window and document masks (``consumer_plan.walk_descending``), so
 the turnstile rarely waits; deterministic
@@ -67,7 +78,7 @@ head). Where K blocks visit nearly all of their sample's Q blocks (random interv
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
 order takes ``DENSE_HEAD_GROUP`` kv heads at a time (:meth:`Sm90BwdKernel.launch_head_group`).
 
-Launch order (one grid dimension, ``Hkv x K rows`` CTAs, ``consumer_plan.grouped_launch_slot``)::
+Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_plan.grouped_launch_slot``)::
 
     ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
 
@@ -82,6 +93,8 @@ more in L2 than it gained (benchmarks/RESULTS.md, session 18). Except on sparse 
 still fits L2 and all heads at a time measured 3-5% faster on documents (session 19).
 """
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -94,29 +107,50 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from maskplan_kernels.consumer_plan import (
     BwdHostEntry,
     BwdPlanTensors,
+    Work,
     atomic_head_group,
     bulk_reduce_add_f32,
     bulk_store,
     decode_work,
+    desc_field,
     element_ptr,
+    fetch_record,
     head_range,
     launch_grid,
     load_payload_plane,
+    publish_record,
     select_modes,
-    total_steps,
+    take_ticket,
     turnstile_advance,
     turnstile_wait,
     view_row_fill,
     walk_descending,
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
+from maskplan_kernels.geometry import DESC_Q_LEN
 
-from .bwd_helpers import common_major, dq_warpgroup_tile, make_dq_tiled_mma, smem_layout
+from .bwd_helpers import common_major, dq_warpgroup_tile, item_state, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
 from .fwd_helpers import issue_copies, register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+#: the fields of a work item the producer hands to the MMA warpgroups and dQ writers, decoded once
+#: (``Sm90BwdKernel.next_work``); the sample's ``q_len`` follows them
+ITEM_FIELDS = ("row", "n_block", "kv_head", "k_offset", "k_valid", "qblk_base")
+
+
+class Items(NamedTuple):
+    """How the roles share the CTA's work items: the producer takes tickets and publishes each
+    decoded item through ``pipe`` (``sWork``: ``(1 + len(ITEM_FIELDS) + 1, stages)``, valid flag,
+    :data:`ITEM_FIELDS`, ``q_len``)."""
+
+    q_per_kv: Int32
+    mask_heads: Int32
+    pipe: object
+    sWork: cute.Tensor
 
 
 class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
@@ -131,6 +165,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     DENSE_HEAD_GROUP = 4
     #: K2Q row fill (consumer_plan.k2q_row_fill) from which the rows count as dense
     DENSE_ROW_FILL = 0.75
+    #: CTAs take their (K row, kv head) items from a ticket counter (BwdHostEntry.persistent)
+    persistent = True
+    #: stages of the item record (producer -> MMA warpgroups and dQ writers) and its int32 words
+    SCHED_STAGES = 2
+    ITEM_WORDS = 2 + len(ITEM_FIELDS)
 
     def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -240,6 +279,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         mdQaccum: cute.Tensor,  # (Hq, n_qblk * tile_m * D) fp32, fragment-ordered chunks
         mdQsem: cute.Tensor,  # (Hq, n_qblk) int32
         plan: BwdPlanTensors,
+        max_ctas: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -279,6 +319,13 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         mmas = self._tiled_mmas()
         self.shared_storage = self._shared_storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
         smem = self.shared_storage.size_in_bytes()
+        # dK / dV leave through dS [, P] and the dQ chunks (kernel: sdK, sdV): buffers of whole 1024-byte
+        # multiples, so contiguous in _shared_storage, that hold both tiles
+        width = self.dtype.width // 8
+        room = (cute.cosize(sdS_layout) * width, cute.cosize(sdS_layout) * width * self.pds_in_smem,
+                4 * self.dq_chunks * self.dq_chunk)  # fmt: skip
+        staged = (cute.cosize(sK_layout) + cute.cosize(sV_layout)) * width
+        assert all(b % 1024 == 0 for b in (*room, cute.cosize(sK_layout) * width)) and staged <= sum(room)
         # the chunk count was chosen from the config's arithmetic: it must not miss the real layout
         # (barriers, alignment) by more than the reserve
         assert smem <= self.config.operand_smem_bytes + self.dq_chunks * 4 * self.dq_chunk + SMEM_RESERVE
@@ -287,13 +334,16 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 f"the backward's SMEM ({smem} bytes at "
                 f"q_stages={self.q_stages}) exceeds the {SMEM_LIMIT} bytes of an SM90 CTA"
             )
+        # the ticket counter: the int32 after the turnstiles (BwdHostEntry), zeroed by the preprocess
+        counter = cute.make_tensor(element_ptr(mdQsem, cute.size(mdQsem), 4), cute.make_layout(1))
+        items = launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]))[0]
         self.kernel(
             tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
-            mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, plan,
+            mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, counter, plan,
             softmax_scale * Float32(LOG2_E), softmax_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, mmas,
         ).launch(
-            grid=launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1])),
+            grid=[cutlass.min(items, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -349,6 +399,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
 
         @cute.struct
         class SharedStorage:
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * self.SCHED_STAGES]
+            work: cute.struct.Align[cute.struct.MemRange[Int32, self.ITEM_WORDS * self.SCHED_STAGES], 16]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
@@ -384,6 +436,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         mDsum: cute.Tensor,
         mdQaccum: cute.Tensor,
         mdQsem: cute.Tensor,
+        counter: cute.Tensor,
         plan: BwdPlanTensors,
         scale_log2: Float32,
         softmax_scale: Float32,
@@ -424,23 +477,33 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             ),
             # fragment-ordered warpgroup chunks of dQ, dq_chunks of them
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
+            # (2, stages): the scheduler record, valid flag and ticket
+            "sWork": storage.work.get_tensor(cute.make_layout((self.ITEM_WORDS, self.SCHED_STAGES))),
         }
+        # dK / dV leave through the SMEM of dS [, P] and dQ (contiguous, see _shared_storage), so
+        # the next item's K / V may load into sK / sV meanwhile
+        s["sdK"] = storage.sdS.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        dv_ptr = storage.sdS.data_ptr() + cute.cosize(sK_layout)
+        s["sdV"] = cute.make_tensor(
+            cute.recast_ptr(dv_ptr, sV_layout.inner, dtype=self.dtype), sV_layout.outer
+        )
         kv_heads = mK.shape[2]
         group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
-        work = decode_work(plan, mQ.shape[2] // kv_heads, self.tile_n, kv_heads, group)
+        items = Items(mQ.shape[2] // kv_heads, plan.mask_block_cnt.shape[0], pipes[-1], s["sWork"])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
                 self.producer(
-                    tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes
-                )
+                    tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, items, group, counter,
+                    pipes,
+                )  # fmt: skip
             for writer in cutlass.range_constexpr(self.dq_writers):
                 if warp_idx == self.dq_warp + writer:
-                    self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, work, writer)
+                    self.dq_writer(s["sdQ"], mdQaccum, mdQsem, plan, items, writer)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma_warpgroups(mmas, mdK, mdV, s, plan, work, scale_log2, softmax_scale, pipes,
+            self.mma_warpgroups(mmas, mdK, mdV, s, plan, items, scale_log2, softmax_scale, pipes,
                                 tidx - self.threads_per_wg)  # fmt: skip
 
     def _make_pipelines(self, storage):
@@ -462,77 +525,122 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
 
         stats = self.bytes_row_stats
+        # the scheduler record is read by every MMA thread and every dQ writer lane
+        readers = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_mma_threads + 32 * self.dq_writers
+        )
         return (
             tma_pipe(storage.mbar_kv, 1, self.bytes_kv),
             tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + stats, every_thread=True),
             tma_pipe(storage.mbar_do, self.do_stages, self.bytes_do + stats, every_thread=True),
             tma_pipe(storage.mbar_mask, self.mask_stages, self.payload_plane * 4, every_thread=True),
+            pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_sched.data_ptr(),
+                num_stages=self.SCHED_STAGES,
+                producer_group=one_thread,
+                consumer_group=readers,
+                defer_sync=True,
+            ),
         )
+
+    # -- work items -------------------------------------------------------------------------------
+    @cute.jit
+    def next_work(self, items: Items, item: Int32):
+        """``(valid, work, q_len)``: the ``item``-th item the producer published (``valid == 0``:
+        none), as ``consumer_plan.Work`` (its fields outside :data:`ITEM_FIELDS` but ``q_per_kv``
+        and ``mask_heads`` are 0: the producer's alone) and its sample's ``q_len``."""
+        state = item_state(self.SCHED_STAGES, item, pipeline.PipelineUserType.Consumer)
+        valid, values, _ = fetch_record(items.pipe, state, items.sWork, len(ITEM_FIELDS) + 1)
+        # read from SMEM by every thread, so not provably warp-uniform: the loops they bound, and the
+        # WGMMA descriptors built inside them, would leave the uniform datapath (and spill at D = 64)
+        valid = cute.arch.make_warp_uniform(valid)
+        values = [cute.arch.make_warp_uniform(v) for v in values]
+        fields = dict(zip(ITEM_FIELDS, values[:-1], strict=True))
+        fields.update(q_per_kv=items.q_per_kv, mask_heads=items.mask_heads)
+        return valid, Work(**{f: fields.get(f, Int32(0)) for f in Work._fields}), values[-1]
 
     # -- producer warp ------------------------------------------------------------------------------
     @cute.jit
     def producer(
-        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, work, pipes,
+        self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, items, head_group, counter,
+        pipes,
     ):  # fmt: skip
-        """TMA loads of K / V once and of each step's Q / dO (+ LSE / D), the partial payloads. Rows
-        of a tile past the sample land as they are: the MMA warpgroups zero them
-        (``BwdMainloop.zero_tail``)."""
-        pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
+        """Takes the CTA's items (tickets, in the order of ``consumer_plan.decode_work`` with
+        ``head_group`` kv heads at a time) and publishes them decoded; per item, TMA loads
+        of K / V once and of each step's Q / dO (+ LSE / D), the partial payloads. Rows of a tile past
+        the sample land as they are: the MMA warpgroups zero them (``BwdMainloop.zero_tail``). The
+        next item's K / V load waits only for the MMA warpgroups' last GEMMs of the current one."""
+        pipe_kv, pipe_q, pipe_do, pipe_mask = pipes[:4]
         tm, tn = self.tile_m, self.tile_n
+        lane = cute.arch.lane_idx()
+        producer = pipeline.PipelineUserType.Producer
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
         bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
         bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        if total_steps(plan, work) > 0:
-            # K and V of this block, once
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_heads = mK.shape[2]
+        num_items = cute.size(plan.k_row_batch) * kv_heads
+        item = Int32(0)
+        ticket = take_ticket(counter, lane)
+        while ticket < num_items:
+            work = decode_work(plan, items.q_per_kv, tn, kv_heads, head_group, ticket=ticket)
+            q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
+            record = (*(getattr(work, f) for f in ITEM_FIELDS), q_len)
+            publish_record(items.pipe, item_state(self.SCHED_STAGES, item, producer), items.sWork, record,
+                           Int32(1), lane)  # fmt: skip
+            # K and V of this block, once (also for an item without steps, rare: one wait per item)
             kv_copies = []
-            for atom, m_x, s_x, d in (
+            for kv_atom, m_kv, s_kv, d_kv in (
                 (tma_k, mK, s["sK"], self.head_dim_qk),
                 (tma_v, mV, s["sV"], self.head_dim_v),
             ):
-                g_x = cute.local_tile(
-                    cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]),
-                    (tn, d),
+                g_kv = cute.local_tile(
+                    cute.domain_offset((work.k_offset, 0), m_kv[None, None, work.kv_head]),
+                    (tn, d_kv),
                     (work.n_block, 0),
                 )
                 t_s, t_g = cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+                    kv_atom, 0, cute.make_layout(1), cute.group_modes(s_kv, 0, 2), cute.group_modes(g_kv, 0, 2)
                 )
-                kv_copies.append((atom, t_g, t_s))
+                kv_copies.append((kv_atom, t_g, t_s))
+            kv_state = item_state(1, item, producer)
             pipe_kv.producer_acquire(kv_state)
             issue_copies(pipe_kv.producer_get_barrier(kv_state), kv_copies)
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = head_range(plan, work, g)
-            # (tile_m, D, n_q_blocks) of this sample and head
-            tiles = []
-            for atom, m_x, s_x, d in (
-                (tma_q, mQ, s["sQ"], self.head_dim_qk),
-                (tma_do, mdO, s["sdO"], self.head_dim_v),
-            ):
-                g_x = cute.local_tile(
-                    cute.domain_offset((work.q_offset, 0), m_x[None, None, hr.q_head]), (tm, d), (None, 0)
-                )
-                tiles.append(cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
-                ))  # fmt: skip
-            tQsQ, tQgQ = tiles[0]
-            tdOsdO, tdOgdO = tiles[1]
-            stats_row = hr.q_head * mLSE.shape[1]
-            left_p, left_f = hr.partial_cnt, hr.full_cnt
-            for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
-                nxt = walk_descending(plan, hr, left_p, left_f)
-                if nxt.partial != 0:
-                    mask_state = load_payload_plane(
-                        pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], nxt.entry,
-                        self.payload_plane,
+            for g in cutlass.range(work.q_per_kv, unroll=1):
+                hr = head_range(plan, work, g)
+                # (tile_m, D, n_q_blocks) of this sample and head
+                tiles = []
+                for atom, m_x, s_x, d in (
+                    (tma_q, mQ, s["sQ"], self.head_dim_qk),
+                    (tma_do, mdO, s["sdO"], self.head_dim_v),
+                ):
+                    g_x = cute.local_tile(
+                        cute.domain_offset((work.q_offset, 0), m_x[None, None, hr.q_head]), (tm, d), (None, 0)
+                    )
+                    tiles.append(cpasync.tma_partition(
+                        atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
+                    ))  # fmt: skip
+                tQsQ, tQgQ = tiles[0]
+                tdOsdO, tdOgdO = tiles[1]
+                stats_row = hr.q_head * mLSE.shape[1]
+                left_p, left_f = hr.partial_cnt, hr.full_cnt
+                for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
+                    nxt = walk_descending(plan, hr, left_p, left_f)
+                    if nxt.partial != 0:
+                        mask_state = load_payload_plane(
+                            pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], nxt.entry,
+                            self.payload_plane,
+                        )  # fmt: skip
+                    q_state, do_state = self.load_q_block(
+                        nxt.q_block, work, stats_row, pipe_q, pipe_do, q_state, do_state, tma_q, tQgQ, tQsQ,
+                        tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
                     )  # fmt: skip
-                q_state, do_state = self.load_q_block(
-                    nxt.q_block, work, stats_row, pipe_q, pipe_do, q_state, do_state, tma_q, tQgQ, tQsQ,
-                    tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s,
-                )  # fmt: skip
-                left_p, left_f = nxt.partial_left, nxt.full_left
+                    left_p, left_f = nxt.partial_left, nxt.full_left
+            item += 1
+            ticket = take_ticket(counter, lane)
+        # the end of work
+        publish_record(items.pipe, item_state(self.SCHED_STAGES, item, producer), items.sWork, (), Int32(0), lane)
 
     @cute.jit
     def load_q_block(
@@ -558,58 +666,52 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     # -- dQ writer warp -----------------------------------------------------------------------------
     @cute.jit
     def dq_writer(
-        self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, plan: BwdPlanTensors, work,
+        self, sdQ: cute.Tensor, mdQaccum: cute.Tensor, mdQsem: cute.Tensor, plan: BwdPlanTensors, items,
         writer: cutlass.Constexpr[int],
     ):  # fmt: skip
-        """Per step (of ``dq_writers``, every ``writer``-th): hand the SMEM chunks back to the MMA
-        warpgroups, [wait for this entry's turn,] bulk-add each chunk into the GMEM accumulator once
-        its warpgroup has written it. With one shared chunk (``dq_chunks == 1``) warpgroup 0 gets it
+        """Per step (of ``dq_writers``, every ``writer``-th) of every item: [wait for this entry's
+        turn,] bulk-add each chunk into the GMEM accumulator once its warpgroup has written it, then
+        hand the chunks back. With one shared chunk (``dq_chunks == 1``) warpgroup 0 gets it
         first and warpgroup 1 once the first add has read it, so warpgroup 1's dQ store also waits
         for the turnstile."""
         lane = cute.arch.lane_idx()
         step = Int32(0)
-        last = total_steps(plan, work) - 1
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = head_range(plan, work, g)
-            left_p, left_f = hr.partial_cnt, hr.full_cnt
-            for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
-                nxt = walk_descending(plan, hr, left_p, left_f)
-                if self.dq_writer_of(step) == writer:
-                    rank = Int32(0)
-                    if nxt.partial != 0:
-                        rank = plan.dq_write_order[nxt.entry]
-                    else:
-                        rank = plan.dq_write_order_full[nxt.entry]
-                    q_block = work.qblk_base + nxt.q_block
-                    self.write_dq_block(
-                        sdQ, mdQaccum, mdQsem, hr.q_head, q_block, rank, lane, step, last, writer
-                    )  # fmt: skip
-                left_p, left_f = nxt.partial_left, nxt.full_left
-                step += 1
+        item = Int32(0)
+        if const_expr(writer == 0):
+            for wg in cutlass.range_constexpr(self.dq_chunks):
+                self.dq_chunk_empty(wg)  # the chunks start empty
+        valid, work, _ = self.next_work(items, item)
+        while valid != 0:
+            for g in cutlass.range(work.q_per_kv, unroll=1):
+                hr = head_range(plan, work, g)
+                left_p, left_f = hr.partial_cnt, hr.full_cnt
+                for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
+                    nxt = walk_descending(plan, hr, left_p, left_f)
+                    if self.dq_writer_of(step) == writer:
+                        rank = Int32(0)
+                        if nxt.partial != 0:
+                            rank = plan.dq_write_order[nxt.entry]
+                        else:
+                            rank = plan.dq_write_order_full[nxt.entry]
+                        q_block = work.qblk_base + nxt.q_block
+                        self.write_dq_block(sdQ, mdQaccum, mdQsem, hr.q_head, q_block, rank, lane, writer)
+                    left_p, left_f = nxt.partial_left, nxt.full_left
+                    step += 1
+            item += 1
+            valid, work, _ = self.next_work(items, item)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def write_dq_block(
-        self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32, step: Int32,
-        last: Int32, writer: cutlass.Constexpr[int],
+        self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32,
+        writer: cutlass.Constexpr[int],
     ):  # fmt: skip
         """One step's dQ. Deterministic mode runs two writers on alternate steps, so one step's
         turnstile chain (adds complete, release, the next acquire: dependent L2 round trips)
-        overlaps the next step's: a writer hands the chunks on for the next step (the other
-        writer's) as soon as its adds have read them, then completes its turn. Atomic mode has one
-        writer, which hands them on at the start of the next step."""
+        overlaps the next step's: a writer hands the chunks back (to the next step, the other
+        writer's, or to the item's epilogue, which stages dV there) as soon as its adds have read
+        them, then completes its turn."""
         shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
-        two = self.dq_writers == 2
-        if const_expr(two):
-            if step == 0:
-                for wg in cutlass.range_constexpr(self.dq_chunks):
-                    self.dq_chunk_empty(wg)
-        else:
-            for wg in cutlass.range_constexpr(self.dq_chunks):
-                # the previous step's add of chunk wg has read its SMEM (of a shared chunk: both
-                # adds; own chunks keep the other one's add in flight)
-                cute.arch.cp_async_bulk_wait_group(0 if shared else self.num_mma_wg - 1 - wg, read=True)
-                self.dq_chunk_empty(wg)
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
         if const_expr(self.deterministic):
             turnstile_wait(counter, rank, lane)
@@ -632,11 +734,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 else:
                     bulk_reduce_add_f32(src, dst, self.dq_chunk * 4)
             cute.arch.cp_async_bulk_commit_group()
-        if const_expr(two):
-            if step < last:  # the next step is the other writer's
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                for wg in cutlass.range_constexpr(self.dq_chunks):
-                    self.dq_chunk_empty(wg)
+        # chunk wg is free once its add has read it (with two chunks, the second add stays in flight)
+        for wg in cutlass.range_constexpr(self.dq_chunks):
+            cute.arch.cp_async_bulk_wait_group(self.dq_chunks - 1 - wg, read=True)
+            self.dq_chunk_empty(wg)
         if const_expr(self.deterministic):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM
             turnstile_advance(counter, lane)

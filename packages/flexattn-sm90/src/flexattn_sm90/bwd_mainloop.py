@@ -48,10 +48,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import desc_field, head_range, total_steps, walk_descending
-from maskplan_kernels.geometry import DESC_Q_LEN
+from maskplan_kernels.consumer_plan import head_range, walk_descending
 
-from .bwd_helpers import dq_chunk_layout, stage_result, store_result_rows
+from .bwd_helpers import dq_chunk_layout, item_state, stage_result, store_result_rows
 from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma, zero_rows
 
 
@@ -81,13 +80,10 @@ class BwdMainloop:
 
     @cute.jit
     def mma_warpgroups(
-        self, mmas, mdK, mdV, s, plan, work, scale_log2: Float32, softmax_scale: Float32, pipes,
+        self, mmas, mdK, mdV, s, plan, items, scale_log2: Float32, softmax_scale: Float32, pipes,
         tidx: Int32,
     ):  # fmt: skip
-        pipe_kv, pipe_q, pipe_do, pipe_mask = pipes
-        # the sample's queries (for zero_tail), loaded first: its two dependent loads then overlap the
-        # wait for K / V (issued after that wait, they measured 1% slower on causal at S = 8192)
-        q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
+        pipe_kv, pipe_q, pipe_do, pipe_mask = pipes[:4]
         # warp-uniform, so the WGMMA descriptors of this warpgroup's operand slices are built in uniform
         # registers: as a per-thread value each descriptor took two R2UR moves before its WGMMA
         wg = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
@@ -135,8 +131,6 @@ class BwdMainloop:
             pipe_do=pipe_do,
             pipe_mask=pipe_mask,
         )
-        ops.acc_dk.fill(0.0)
-        ops.acc_dv.fill(0.0)
         acc_s_shape = thr_sdp.partition_shape_C((tm, tn) if self.q_rows_on_m else (tn, tm))
         acc_dq_shape = thr_dq.partition_shape_C((tm, self.head_dim_qk))
         # this thread's slot of its warpgroup's dQ chunk, in fragment order: (4, elements / 4)
@@ -147,40 +141,65 @@ class BwdMainloop:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.do_stages)
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.mask_stages)
-        if total_steps(plan, work) > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        words = cute.make_rmem_tensor(self.payload_words, Int32)
+        step = Int32(0)
+        item = Int32(0)
+        dq_owned = Int32(0)  # 1: this warpgroup holds its dQ chunk (taken by an epilogue)
+        valid, work, q_len = self.next_work(items, item)  # q_len: the sample's queries, for zero_tail
+        while valid != 0:
+            ops.acc_dk.fill(0.0)
+            ops.acc_dv.fill(0.0)
+            kv_state = item_state(1, item, pipeline.PipelineUserType.Consumer)
             pipe_kv.consumer_wait(kv_state)
             if work.k_valid < tn:
                 self.zero_tail((sK, sV), work.k_valid, tidx)
-        words = cute.make_rmem_tensor(self.payload_words, Int32)
-        step = Int32(0)
-        for g in cutlass.range(work.q_per_kv, unroll=1):
-            hr = head_range(plan, work, g)
-            left_p, left_f = hr.partial_cnt, hr.full_cnt
-            for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
-                nxt = walk_descending(plan, hr, left_p, left_f)
-                dq_full = self.dq_full_barrier(wg, self.dq_writer_of(step))
-                q_rows = q_len - nxt.q_block * tm
-                if q_rows < tm:  # the step's own waits then find the stages landed
-                    ops.pipe_q.consumer_wait(q_state)
-                    ops.pipe_do.consumer_wait(do_state)
-                    stages = (sQ[None, None, q_state.index], sdO[None, None, do_state.index])
-                    self.zero_tail(stages, q_rows, tidx)
-                if nxt.partial != 0:
-                    q_state, do_state, mask_state = self.step(
-                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                        q_state, do_state, mask_state, words, tidx, wg, dq_full, True,
-                    )  # fmt: skip
-                else:
-                    q_state, do_state, mask_state = self.step(
-                        ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
-                        q_state, do_state, mask_state, words, tidx, wg, dq_full, False,
-                    )  # fmt: skip
-                left_p, left_f = nxt.partial_left, nxt.full_left
-                step += 1
-        # every GEMM reading K and V has retired in both warpgroups: sK and sV stage dK and dV
+            for g in cutlass.range(work.q_per_kv, unroll=1):
+                hr = head_range(plan, work, g)
+                left_p, left_f = hr.partial_cnt, hr.full_cnt
+                for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
+                    nxt = walk_descending(plan, hr, left_p, left_f)
+                    dq_full = self.dq_full_barrier(wg, self.dq_writer_of(step))
+                    q_rows = q_len - nxt.q_block * tm
+                    if q_rows < tm:  # the step's own waits then find the stages landed
+                        ops.pipe_q.consumer_wait(q_state)
+                        ops.pipe_do.consumer_wait(do_state)
+                        stages = (sQ[None, None, q_state.index], sdO[None, None, do_state.index])
+                        self.zero_tail(stages, q_rows, tidx)
+                    if nxt.partial != 0:
+                        q_state, do_state, mask_state = self.step(
+                            ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                            q_state, do_state, mask_state, words, tidx, wg, dq_full, dq_owned, True,
+                        )  # fmt: skip
+                    else:
+                        q_state, do_state, mask_state = self.step(
+                            ops, mmas, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s, scale_log2,
+                            q_state, do_state, mask_state, words, tidx, wg, dq_full, dq_owned, False,
+                        )  # fmt: skip
+                    dq_owned = Int32(0)
+                    left_p, left_f = nxt.partial_left, nxt.full_left
+                    step += 1
+            # this warp's GEMMs reading K and V have retired (the step's last wait): the next item's
+            # K / V may land while this one's dK / dV leave
+            pipe_kv.consumer_release(kv_state)
+            dq_owned = self.epilogue(mmas, ops, mdK, mdV, s, work, tidx, wg, softmax_scale, dq_owned)
+            item += 1
+            valid, work, q_len = self.next_work(items, item)
+
+    @cute.jit
+    def epilogue(self, mmas, ops, mdK, mdV, s, work, tidx: Int32, wg: Int32, softmax_scale: Float32,
+                 dq_owned: Int32) -> Int32:  # fmt: skip
+        """dK / dV of the item -> rows < k_valid of its K block, staged in the SMEM of dS [, P] and the
+        dQ chunks (sK / sV are the next item's already). The dQ chunks are taken from the dQ writer
+        first, as for a step's dQ; the warpgroup's next step then finds its chunk its own. Returns
+        ``dq_owned``."""
+        owned = dq_owned
+        if wg < self.dq_chunks:  # a shared chunk (dq_chunks == 1): warpgroup 0 takes it
+            if dq_owned == 0:
+                cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=self.dq_pair_threads)
+            owned = Int32(1)
+        # both warpgroups' GEMMs have retired (dS [and P] are free) and the dQ chunks are taken
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
-        results = ((mmas[1], ops.acc_dk, sK, softmax_scale), (mmas[2], ops.acc_dv, sV, None))
+        results = ((mmas[1], ops.acc_dk, s["sdK"], softmax_scale), (mmas[2], ops.acc_dv, s["sdV"], None))
         for mma, acc, s_x, scale in results:
             if const_expr(self.q_rows_on_m):  # dK^T / dV^T: written transposed into the K / V tile
                 stage_result(mma, acc, transpose_view(s_x), tidx, scale, transpose=True)
@@ -189,8 +208,11 @@ class BwdMainloop:
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         # dK / dV of this block and kv head -> rows < k_valid
         first = work.k_offset + work.n_block * self.tile_n
-        for s_x, m_x in ((sK, mdK), (sV, mdV)):
+        for s_x, m_x in ((s["sdK"], mdK), (s["sdV"], mdV)):
             store_result_rows(s_x, m_x, first, work.kv_head, tidx, self.num_mma_threads, work.k_valid)
+        # the staging SMEM is dS and dQ's again
+        cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
+        return owned
 
     def operands(self, k_side, q_side) -> tuple:
         """``(A, B)`` of S, dP, dK or dV from its K-side operand (K, V, P, dS) and its Q-side one (Q,
@@ -219,7 +241,7 @@ class BwdMainloop:
     def step(
         self, ops: StepOperands, mma, thr_sdp, acc_s_shape, acc_dq_shape, tdQsdQ, s,
         scale_log2: Float32, q_state, do_state, mask_state, words, tidx: Int32, wg: Int32, dq_full: Int32,
-        partial: cutlass.Constexpr[bool],
+        dq_owned: Int32, partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
         mma_sdp, mma_dk, mma_dv, mma_dq = mma
         stage, do_stage = q_state.index, do_state.index
@@ -287,8 +309,10 @@ class BwdMainloop:
         dk_ab = self.operands(tKrdS, ops.tKrQ[None, None, None, stage])
         wgmma(mma_dk, ops.acc_dk, *dk_ab, zero_init=False, wait=1)
         # dQ -> this warpgroup's SMEM chunk, once the dQ writer has emptied it (a chunk shared by
-        # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it)
-        cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=self.dq_pair_threads)
+        # both warpgroups: warpgroup 1's turn comes once warpgroup 0's add has read it), unless
+        # the item's epilogue before took it
+        if dq_owned == 0:
+            cute.arch.barrier(barrier_id=self.BAR_DQ_EMPTY + wg, number_of_threads=self.dq_pair_threads)
         cute.autovec_copy(cute.make_tensor(acc_dq.iterator, tdQsdQ.layout.shape), tdQsdQ)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=dq_full, number_of_threads=self.dq_pair_threads)

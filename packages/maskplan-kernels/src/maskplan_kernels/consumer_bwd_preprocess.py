@@ -15,6 +15,7 @@ backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_
                                        zero_dq_accum=False, where the main kernel stores the first
                                        contribution: BackwardCompiler.stores_first_dq)
     dQsemaphore[hq, blk]     = 0      (deterministic mode's turnstile)
+    dQsemaphore[Hq * n_qblk] = 0      (by block (0, 0, 0): a persistent main kernel's ticket counter)
 
 ``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key
 and for padding rows, so they contribute nothing (and never NaN). Four threads share a row, each
@@ -162,6 +163,11 @@ class BwdPreprocess:
                 cute.autovec_copy(zeros, cute.make_tensor(element_ptr(mdQaccum, offset), run))
             if tidx == 0:
                 mdQsem[q_head, blk] = Int32(0)
+        if m_block + q_head + b == 0 and tidx == 0:
+            # the persistent main kernel's ticket counter, the int32 after the turnstiles
+            # (consumer_plan.BwdHostEntry); block (0, 0, 0) exists in every launch
+            counter = element_ptr(mdQsem, mdQsem.shape[0] * mdQsem.shape[1], 4)
+            cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
 
 
 __all__ = ["BwdPreprocess", "quad_sum"]

@@ -43,6 +43,7 @@ from maskplan_core.plan_ready import wait_ready
 
 from . import compile_cache
 from ._cute_args import cuda_index, torch_stream
+from ._launch import persistent_ctas
 from .consumer_bwd_preprocess import BwdPreprocess
 from .geometry import ViewBounds
 
@@ -397,7 +398,7 @@ def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
             i32, i32, i32, gmem_ptr(Int32, align=ALIGN),  # mask_block_cnt/offset/idx/masks
             i32, i32, i32, i32, i32,  # full_block_cnt/offset/idx, dq_write_order(_full)
             i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
-            *(Int32(1) for _ in range(11)), Float32(1.0), stream,
+            *(Int32(1) for _ in range(12)), Float32(1.0), stream,  # ... varlen, max_ctas
         ]  # fmt: skip
     return [
         f32, i32, gmem_ptr(dtype, align=ALIGN), i32, i32,  # dq_accum, dq_semaphore, dq, sequence_desc, qbb
@@ -527,14 +528,15 @@ def backward_io(
 
 def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: float) -> None:
     """Allocate the workspace (fp32 LSE2 / D ``(Hq, n_qblk * tile_m)``, fp32 dQ accumulator
-    ``(Hq, n_qblk * tile_m * Dqk)``, int32 turnstiles ``(Hq, n_qblk)``) and run ``compiled["pre"]``,
+    ``(Hq, n_qblk * tile_m * Dqk)``, int32 turnstiles ``(Hq, n_qblk)`` and a persistent main
+    kernel's ticket counter after them, all zeroed or written by the preprocess) and run ``compiled["pre"]``,
     ``["main"]`` and ``["post"]`` on the current stream. The four parts are one allocation, each at
     a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
     four is host time saved on every call)."""
     g, prep, device = io.view.geometry, io.prep, io.q.device
     hq, rows = g.num_heads_q, prep.n_qblk * tile_m
     offsets, size = [], 0
-    for elements in (hq * rows, hq * rows, hq * rows * g.head_dim_qk, hq * prep.n_qblk):  # all 4-byte
+    for elements in (hq * rows, hq * rows, hq * rows * g.head_dim_qk, hq * prep.n_qblk + 1):  # all 4-byte
         offsets.append(size)
         size += -(-4 * elements // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
     buffer = torch.empty(size, dtype=torch.uint8, device=device)  # freed after the launches: stream-ordered
@@ -551,7 +553,8 @@ def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: 
     compiled["main"](
         *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)), *workspace, *prep.pointers,
         g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
-        prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen, softmax_scale, stream,
+        prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen,
+        persistent_ctas(device, prep.k_rows * g.num_heads_kv), softmax_scale, stream,
     )  # fmt: skip
     compiled["post"](*workspace[2:], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
 

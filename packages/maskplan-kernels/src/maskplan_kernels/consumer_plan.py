@@ -209,31 +209,48 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
 
 
 @cute.jit
-def publish_task(pipe_sched, state, sTask: cute.Tensor, t: Task | None, valid: Int32, lane: Int32):
-    """Hand the decoded task (or, with ``valid = 0``, the end of work) to the other roles through
-    stage ``state`` of ``sTask`` ``(TASK_WORDS, stages)``; lane 0 writes and commits."""
+def publish_record(pipe_sched, state, sRecord: cute.Tensor, fields: tuple, valid: Int32, lane: Int32):
+    """Hand a scheduler record to the other roles through stage ``state`` of ``sRecord``
+    ``(words, stages)``: word 0 the valid flag (0: the end of work), then ``fields``; lane 0 writes
+    and commits. Returns the advanced state."""
     pipe_sched.producer_acquire(state)
     if lane == 0:
-        record = sTask[None, state.index]
+        record = sRecord[None, state.index]
         record[0] = valid
-        if const_expr(t is not None):
-            for w, field in enumerate(CONSUMER_FIELDS):
-                record[1 + w] = getattr(t, field)
+        for w, value in enumerate(fields):
+            record[1 + w] = value
         pipe_sched.producer_commit(state)
     state.advance()
     return state
 
 
 @cute.jit
+def fetch_record(pipe_sched, state, sRecord: cute.Tensor, num_fields: cutlass.Constexpr[int]):
+    """``(valid, fields, state)``: the next record :func:`publish_record` wrote, its first
+    ``num_fields`` fields as a list."""
+    pipe_sched.consumer_wait(state)
+    record = sRecord[None, state.index]
+    valid = record[0]
+    fields = [record[1 + w] for w in range(num_fields)]
+    pipe_sched.consumer_release(state)
+    state.advance()
+    return valid, fields, state
+
+
+@cute.jit
+def publish_task(pipe_sched, state, sTask: cute.Tensor, t: Task | None, valid: Int32, lane: Int32):
+    """Hand the decoded task (or, with ``valid = 0``, the end of work) to the other roles through
+    stage ``state`` of ``sTask`` ``(TASK_WORDS, stages)`` (:func:`publish_record`)."""
+    fields = () if const_expr(t is None) else tuple(getattr(t, field) for field in CONSUMER_FIELDS)
+    return publish_record(pipe_sched, state, sTask, fields, valid, lane)
+
+
+@cute.jit
 def fetch_task(pipe_sched, state, sTask: cute.Tensor):
     """``(valid, task, state)``: the next record :func:`publish_task` wrote (fields outside
     :data:`CONSUMER_FIELDS` are 0)."""
-    pipe_sched.consumer_wait(state)
-    record = sTask[None, state.index]
-    valid = record[0]
-    fields = {field: record[1 + w] for w, field in enumerate(CONSUMER_FIELDS)}
-    pipe_sched.consumer_release(state)
-    state.advance()
+    valid, values, state = fetch_record(pipe_sched, state, sTask, len(CONSUMER_FIELDS))
+    fields = dict(zip(CONSUMER_FIELDS, values, strict=True))
     zero = Int32(0)
     return valid, Task(**{f: fields.get(f, zero) for f in Task._fields}), state
 
@@ -546,8 +563,14 @@ class BwdHostEntry:
     mLSE, mDsum, mdQaccum, mdQsem, plan, softmax_scale, stream)``.
 
     The kernel class provides ``head_dim_qk``, ``head_dim_v``, ``tile_m``, ``tile_n`` and
-    ``payload_plane`` (int32 words of one partial entry).
+    ``payload_plane`` (int32 words of one partial entry). A ``persistent`` kernel (one whose CTAs take
+    (K row, kv head) items from :func:`take_ticket`) also takes ``max_ctas`` (its grid is at most
+    that) after ``plan``, and its ticket counter is the int32 after the turnstiles (the
+    preprocess zeroes both).
     """
+
+    #: the kernel class takes ``max_ctas`` (see above)
+    persistent = False
 
     @cute.jit
     def from_pointers(
@@ -561,7 +584,7 @@ class BwdHostEntry:
         lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
         dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
         dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk), zeroed by the preprocess
-        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk), zeroed by the preprocess
+        dq_semaphore: cute.Pointer,  # int32 (Hq, n_qblk) + the ticket counter, zeroed by the preprocess
         mask_block_cnt: cute.Pointer,
         mask_block_offset: cute.Pointer,
         mask_block_idx: cute.Pointer,
@@ -585,6 +608,7 @@ class BwdHostEntry:
         batch: Int32,
         n_qblk: Int32,
         varlen: Int32,
+        max_ctas: Int32,  # persistent kernels: at most this many CTAs (one per SM)
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -614,7 +638,7 @@ class BwdHostEntry:
             block=(self.tile_m, self.tile_n),
             plane=self.payload_plane,
         )
-        self.__call__(
+        tensors = (
             thd_tensor(q, total_q, num_heads_q, dqk),
             thd_tensor(k, total_k, num_heads_kv, dqk),
             thd_tensor(v, total_k, num_heads_kv, dv_),
@@ -626,9 +650,11 @@ class BwdHostEntry:
             row_major(dq_accum, num_heads_q, n_qblk * (self.tile_m * dqk)),
             row_major(dq_semaphore, num_heads_q, n_qblk),
             plan,
-            softmax_scale,
-            stream,
         )
+        if const_expr(self.persistent):
+            self.__call__(*tensors, max_ctas, softmax_scale, stream)
+        else:
+            self.__call__(*tensors, softmax_scale, stream)
 
 
 class Work(NamedTuple):
@@ -719,14 +745,20 @@ def decode_work(
     kv_heads: Int32,
     head_group: Int32,
     splits: cutlass.Constexpr[int] = 1,
+    ticket: Int32 | None = None,
 ) -> Work:
-    """The CTA's K block from its block index in a 1-D grid of ``splits * Hkv * K rows`` CTAs
-    (:func:`launch_grid`): launch slot ``x // splits`` is ``(K row, kv head)`` in the order of
-    :func:`grouped_launch_slot`, taking ``head_group`` kv heads at a time (deterministic mode:
-    ascending K rows per head, so the writers of a Q block run in ``dq_write_order``). The
-    ``splits`` CTAs of one K block (a kernel splitting its outputs' head dim, or a cluster along K)
-    are adjacent in x, so they launch together. Grid x holds 2^31 - 1 CTAs (grid y only 65535)."""
-    x, _, _ = cute.arch.block_idx()
+    """The CTA's K block from its block index ``x`` in a 1-D grid of ``splits * Hkv * K rows`` CTAs
+    (:func:`launch_grid`), or from ``ticket`` (:func:`take_ticket`) in a persistent kernel: launch
+    slot ``x // splits`` is ``(K row, kv head)`` in the order of :func:`grouped_launch_slot`, taking
+    ``head_group`` kv heads at a time (deterministic mode: ascending K rows per head, so the writers
+    of a Q block run in ``dq_write_order``). The ``splits`` CTAs of one K block (a kernel splitting
+    its outputs' head dim, or a cluster along K) are adjacent in x, so they launch together. Grid x
+    holds 2^31 - 1 CTAs (grid y only 65535)."""
+    x = Int32(0)
+    if const_expr(ticket is None):
+        x, _, _ = cute.arch.block_idx()
+    else:
+        x = ticket
     row, kv_head = grouped_launch_slot(x // splits, kv_heads, cute.size(plan.k_row_batch), head_group)
     b = plan.k_row_batch[row]
     n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
@@ -748,6 +780,18 @@ def decode_work(
 def launch_grid(k_rows, kv_heads, splits: int = 1) -> list:
     """The 1-D grid :func:`decode_work` decodes: ``splits`` CTAs per (K row, kv head)."""
     return [k_rows * kv_heads * splits, 1, 1]
+
+
+@cute.jit
+def take_ticket(counter: cute.Tensor, lane: Int32) -> Int32:
+    """The next work item of a persistent kernel: lane 0 takes ``atomicAdd(counter, 1)`` (the
+    counter is 0 at launch), broadcast to the warp. Every item, the first included, comes from the
+    counter, so items are taken in ticket order by CTAs that are running: a deterministic turnstile
+    waiting on a lower ticket waits on a CTA that holds it, whatever the residency."""
+    ticket = Int32(0)
+    if lane == 0:
+        ticket = cute.arch.atomic_add(counter.iterator, Int32(1))
+    return cute.arch.shuffle_sync(ticket, 0)
 
 
 @cute.jit
@@ -917,6 +961,7 @@ __all__ = [
     "decode_work",
     "desc_field",
     "element_ptr",
+    "fetch_record",
     "fetch_task",
     "fwd_io_tensors",
     "fwd_plan_tensors",
@@ -926,10 +971,12 @@ __all__ = [
     "launch_grid",
     "load_payload_plane",
     "make_sequence_desc",
+    "publish_record",
     "publish_task",
     "row_major",
     "sample_q",
     "select_modes",
+    "take_ticket",
     "thd_tensor",
     "total_steps",
     "turnstile_advance",
