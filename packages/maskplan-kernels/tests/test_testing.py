@@ -1,8 +1,9 @@
-"""The test support of maskplan_kernels.testing on synthetic PTX (no compile, no GPU)."""
+"""The test support of maskplan_kernels.testing on synthetic PTX and ptxas reports (no compile, no
+GPU)."""
 
 import pytest
 
-from maskplan_kernels.testing import assert_waits_before_global_access
+from maskplan_kernels.testing import assert_waits_before_global_access, spill_bytes
 
 PROLOGUE = "\tld.param.u64 \t%rd1, [k_param_0];\n\tprefetch.tensormap [%rd1];\n\tbar.sync \t0;\n"
 WAIT = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n"
@@ -39,3 +40,19 @@ def test_shared_and_local_accesses_may_come_first(local):
 def test_a_kernel_without_the_wait_fails():
     with pytest.raises(AssertionError, match="no griddepcontrol.wait"):
         assert_waits_before_global_access(PROLOGUE + BODY)
+
+
+def _report(*spills: tuple[int, int]) -> str:
+    """A ``ptxas -v`` report of one kernel per ``(store bytes, load bytes)``."""
+    return "".join(
+        f"ptxas info    : Function properties for k{i}\n    {st} bytes stack frame, {st} bytes spill stores, "
+        f"{ld} bytes spill loads\nptxas info    : Used 168 registers, used 16 barriers\n"
+        for i, (st, ld) in enumerate(spills)
+    )
+
+
+@pytest.mark.parametrize(
+    "spills,expect", [([(0, 0)], 0), ([(44, 68)], 68), ([(0, 0), (60, 12)], 60), ([], 0)]
+)
+def test_spill_bytes_is_the_largest_of_any_kernel(spills, expect):
+    assert spill_bytes(_report(*spills)) == expect

@@ -601,8 +601,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                     (work.n_block, 0),
                 )
                 t_s, t_g = cpasync.tma_partition(
-                    kv_atom, 0, cute.make_layout(1), cute.group_modes(s_kv, 0, 2), cute.group_modes(g_kv, 0, 2)
-                )
+                    kv_atom, 0, cute.make_layout(1), cute.group_modes(s_kv, 0, 2),
+                    cute.group_modes(g_kv, 0, 2),
+                )  # fmt: skip
                 kv_copies.append((kv_atom, t_g, t_s))
             kv_state = item_state(1, item, producer)
             pipe_kv.producer_acquire(kv_state)
@@ -640,7 +641,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             item += 1
             ticket = take_ticket(counter, lane)
         # the end of work
-        publish_record(items.pipe, item_state(self.SCHED_STAGES, item, producer), items.sWork, (), Int32(0), lane)
+        end = item_state(self.SCHED_STAGES, item, producer)
+        publish_record(items.pipe, end, items.sWork, (), Int32(0), lane)
 
     @cute.jit
     def load_q_block(

@@ -65,7 +65,8 @@ def sm_count(device_index: int) -> int:
 
 
 def persistent_ctas(device: torch.device, items: int, ctas_per_sm: int = 1) -> int:
-    """Grid of a persistent kernel: never more CTAs than can be resident (static item striding)."""
+    """Grid of a persistent kernel: never more CTAs than can be resident (static item striding), or
+    than an SM runs at once (items from a ticket counter)."""
     return max(1, min(items, sm_count(cuda_index(device)) * ctas_per_sm))
 
 
