@@ -110,6 +110,7 @@ from maskplan_kernels.consumer_plan import (
     fwd_plan_tensors,
     load_payload_plane,
     publish_task,
+    record_pipeline,
     select_modes,
 )
 
@@ -619,12 +620,8 @@ class Sm100FwdKernel(SoftmaxRole):
                 defer_sync=True,
             )
         return Pipes(
-            sched=pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_sched.data_ptr(),
-                num_stages=self.sched_stages,
-                producer_group=thread_group(1),
-                consumer_group=thread_group(self.num_softmax_threads + 32),
-                defer_sync=True,
+            sched=record_pipeline(
+                storage.mbar_sched.data_ptr(), self.sched_stages, self.num_softmax_threads + 32
             ),
             q=tma_umma(storage.mbar_q, 1, self.bytes_q),
             k=tma_umma(storage.mbar_k, self.kv_stages, self.bytes_k),

@@ -119,6 +119,7 @@ from maskplan_kernels.consumer_plan import (
     launch_grid,
     load_payload_plane,
     publish_record,
+    record_pipeline,
     select_modes,
     take_ticket,
     turnstile_advance,
@@ -336,14 +337,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
         # the ticket counter: the int32 after the turnstiles (BwdHostEntry), zeroed by the preprocess
         counter = cute.make_tensor(element_ptr(mdQsem, cute.size(mdQsem), 4), cute.make_layout(1))
-        items = launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]))[0]
+        num_items = launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]))[0]
         self.kernel(
             tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, counter, plan,
             softmax_scale * Float32(LOG2_E), softmax_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, mmas,
         ).launch(
-            grid=[cutlass.min(items, max_ctas), 1, 1],
+            grid=[cutlass.min(num_items, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -477,7 +478,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             ),
             # fragment-ordered warpgroup chunks of dQ, dq_chunks of them
             "sdQ": storage.sdQ.get_tensor(cute.make_layout(self.dq_chunks * self.dq_chunk)),
-            # (2, stages): the scheduler record, valid flag and ticket
+            # (ITEM_WORDS, stages): the item record (Items)
             "sWork": storage.work.get_tensor(cute.make_layout((self.ITEM_WORDS, self.SCHED_STAGES))),
         }
         # dK / dV leave through the SMEM of dS [, P] and dQ (contiguous, see _shared_storage), so
@@ -525,21 +526,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
 
         stats = self.bytes_row_stats
-        # the scheduler record is read by every MMA thread and every dQ writer lane
-        readers = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_mma_threads + 32 * self.dq_writers
-        )
         return (
             tma_pipe(storage.mbar_kv, 1, self.bytes_kv),
             tma_pipe(storage.mbar_q, self.q_stages, self.bytes_q + stats, every_thread=True),
             tma_pipe(storage.mbar_do, self.do_stages, self.bytes_do + stats, every_thread=True),
             tma_pipe(storage.mbar_mask, self.mask_stages, self.payload_plane * 4, every_thread=True),
-            pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_sched.data_ptr(),
-                num_stages=self.SCHED_STAGES,
-                producer_group=one_thread,
-                consumer_group=readers,
-                defer_sync=True,
+            # the item record, read by every MMA thread and every dQ writer lane
+            record_pipeline(
+                storage.mbar_sched.data_ptr(), self.SCHED_STAGES, self.num_mma_threads + 32 * self.dq_writers
             ),
         )
 
@@ -551,8 +545,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         and ``mask_heads`` are 0: the producer's alone) and its sample's ``q_len``."""
         state = item_state(self.SCHED_STAGES, item, pipeline.PipelineUserType.Consumer)
         valid, values, _ = fetch_record(items.pipe, state, items.sWork, len(ITEM_FIELDS) + 1)
-        # read from SMEM by every thread, so not provably warp-uniform: the loops they bound, and the
-        # WGMMA descriptors built inside them, would leave the uniform datapath (and spill at D = 64)
+        # every thread reads the same record: said so to the compiler (as of ``wg`` in mma_warpgroups),
+        # the loops these values bound may stay on the uniform datapath
         valid = cute.arch.make_warp_uniform(valid)
         values = [cute.arch.make_warp_uniform(v) for v in values]
         fields = dict(zip(ITEM_FIELDS, values[:-1], strict=True))

@@ -75,6 +75,7 @@ from maskplan_kernels.consumer_plan import (
     heads_rows,
     load_payload_plane,
     publish_task,
+    record_pipeline,
     select_modes,
     vector,
 )
@@ -442,13 +443,7 @@ class Sm90FwdKernel(ConsumerMainloop):
             tma_pipe(storage.mbar_k, self.kv_stages, self.bytes_k),
             tma_pipe(storage.mbar_v, self.kv_stages, self.bytes_v),
             pipe_mask,
-            pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_sched.data_ptr(),
-                num_stages=self.sched_stages,
-                producer_group=one_thread,
-                consumer_group=consumer_threads,
-                defer_sync=True,
-            ),
+            record_pipeline(storage.mbar_sched.data_ptr(), self.sched_stages, self.num_consumer_threads),
         )
 
     # -- producer warp ----------------------------------------------------------------------------

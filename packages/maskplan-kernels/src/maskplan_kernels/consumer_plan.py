@@ -41,6 +41,7 @@ from typing import NamedTuple
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -205,6 +206,18 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
         plan.mask_block_offset[h_mask, row],
         plan.full_block_cnt[h_mask, row],
         plan.full_block_offset[h_mask, row],
+    )
+
+
+def record_pipeline(barriers: cute.Pointer, stages: int, readers: int):
+    """The pipeline of :func:`publish_record` / :func:`fetch_record`: one thread publishes, ``readers``
+    threads each fetch and release every record."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, readers),
+        defer_sync=True,
     )
 
 
@@ -973,6 +986,7 @@ __all__ = [
     "make_sequence_desc",
     "publish_record",
     "publish_task",
+    "record_pipeline",
     "row_major",
     "sample_q",
     "select_modes",
