@@ -162,7 +162,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM, or a tail is zeroed (zero_tail)
     BAR_DQ_FULL = 2  # + wg + 2 * writer: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
-    #: kv heads the deterministic launch order takes at a time on dense K2Q rows (launch_head_group)
+    #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group)
     DENSE_HEAD_GROUP = 4
     #: K2Q row fill (consumer_plan.k2q_row_fill) from which the rows count as dense
     DENSE_ROW_FILL = 0.75
@@ -352,7 +352,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
 
     @cute.jit
     def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
-        """Kv heads the launch order (``decode_work``) takes at a time. Atomic mode:
+        """Kv heads the item order (tickets, ``decode_work``) takes at a time. Atomic mode:
         ``consumer_plan.atomic_head_group``. Deterministic mode: all of them, unless the K2Q rows
         are dense (``k2q_row_fill`` of ``DENSE_ROW_FILL`` or more), then ``DENSE_HEAD_GROUP``.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its

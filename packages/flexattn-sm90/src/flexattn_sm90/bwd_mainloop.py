@@ -201,7 +201,7 @@ class BwdMainloop:
         cute.arch.barrier(barrier_id=self.BAR_PDS, number_of_threads=self.num_mma_threads)
         results = ((mmas[1], ops.acc_dk, s["sdK"], softmax_scale), (mmas[2], ops.acc_dv, s["sdV"], None))
         for mma, acc, s_x, scale in results:
-            if const_expr(self.q_rows_on_m):  # dK^T / dV^T: written transposed into the K / V tile
+            if const_expr(self.q_rows_on_m):  # dK^T / dV^T: written transposed into the staging tile
                 stage_result(mma, acc, transpose_view(s_x), tidx, scale, transpose=True)
             else:
                 stage_result(mma, acc, s_x, tidx, scale)

@@ -733,15 +733,17 @@ def atomic_head_group(plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> I
 
 
 def grouped_launch_slot(launch: Int32, kv_heads: Int32, k_rows: Int32, group: Int32) -> tuple[Int32, Int32]:
-    """``(K row, kv head)`` of the ``launch``-th CTA (in launch order) when the launch order takes
+    """``(K row, kv head)`` of the ``launch``-th CTA (in launch order; a persistent kernel's
+    ``launch``-th ticket, :func:`take_ticket`) when the launch order takes
     ``group`` kv heads at a time, K rows ascending within a group, heads ascending within a row::
 
         kv_heads = 5, group = 2:   launch  0 1 2 3 ..      2R 2R+1 ..      4R   4R+1 ..
                                    (row, head) (0,0) (0,1) (1,0) (1,1) .. (0,2) (0,3) .. (0,4) (1,4) ..
 
     ``group >= kv_heads`` is heads-major order, ``group == 1`` rows-major. Every CTA of a head
-    launches after the CTAs of the same head with lower K rows, which the deterministic turnstiles
-    (``dq_write_order`` ranks ascend with the K block) need to never wait on a CTA not yet resident.
+    launches (or is taken) after the CTAs of the same head with lower K rows, which the
+    deterministic turnstiles (``dq_write_order`` ranks ascend with the K block) need to never wait on
+    a CTA not yet resident.
     A plain function of integers, so that it also runs on the CPU (its test)."""
     span = group * k_rows
     first = launch // span * group
