@@ -574,7 +574,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
         bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         kv_heads = mK.shape[2]
-        num_items = cute.size(plan.k_row_batch) * kv_heads
+        num_items = launch_grid(cute.size(plan.k_row_batch), kv_heads)[0]
         item = Int32(0)
         ticket = take_ticket(counter, lane)
         while ticket < num_items:

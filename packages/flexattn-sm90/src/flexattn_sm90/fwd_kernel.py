@@ -77,6 +77,7 @@ from maskplan_kernels.consumer_plan import (
     publish_task,
     record_pipeline,
     select_modes,
+    take_ticket,
     vector,
 )
 
@@ -558,12 +559,10 @@ class Sm90FwdKernel(ConsumerMainloop):
         (``num_tasks - gridDim.x`` tasks and one miss per CTA). The last one is taken after every
         other: its holder sets the counter back to zero for the next launch on the stream
         (fwd_launch.scheduler_counter)."""
-        ticket = Int32(0)
+        ticket = take_ticket(tile_counter, lane)
         if lane == 0:
-            ticket = cute.arch.atomic_add(tile_counter.iterator, Int32(1))
             if ticket == num_tasks - 1:
                 cute.arch.atomic_add(tile_counter.iterator, -num_tasks)
-        ticket = cute.arch.shuffle_sync(ticket, 0)
         return ticket + Int32(cute.arch.grid_dim()[0])
 
     @cute.jit

@@ -799,10 +799,10 @@ def launch_grid(k_rows, kv_heads, splits: int = 1) -> list:
 
 @cute.jit
 def take_ticket(counter: cute.Tensor, lane: Int32) -> Int32:
-    """The next work item of a persistent kernel: lane 0 takes ``atomicAdd(counter, 1)`` (the
-    counter is 0 at launch), broadcast to the warp. Every item, the first included, comes from the
-    counter, so items are taken in ticket order by CTAs that are running: a deterministic turnstile
-    waiting on a lower ticket waits on a CTA that holds it, whatever the residency."""
+    """The next ticket of a persistent kernel's counter: lane 0 takes ``atomicAdd(counter, 1)``,
+    broadcast to the warp. A backward whose every item, the first included, comes from the
+    counter (0 at launch) takes its items in ticket order by CTAs that are running: a deterministic
+    turnstile waiting on a lower ticket waits on a CTA that holds it, whatever the residency."""
     ticket = Int32(0)
     if lane == 0:
         ticket = cute.arch.atomic_add(counter.iterator, Int32(1))
