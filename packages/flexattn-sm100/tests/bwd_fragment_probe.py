@@ -16,7 +16,11 @@ Per case ``(variant, head_dim_qk, head_dim_v, dtype)``:
   at which each compute thread reads its words of partial entry 1 (:meth:`Sm100BwdKernel.payload_offset`);
 * ``smem``: for every buffer read through two MMA layouts (K, Q, dO, dS), the number of
   coordinates (every column of :data:`SAMPLE_ROWS`) where the second view does not address the
-  element the first one does, the swizzles of both, and the stage strides.
+  element the first one does, the swizzles of both, and the stage strides;
+* ``rows``: for K, V, Q and dO (their rows are sequence positions; the tail zeroing of the load
+  warp takes them through ``stage_fill.row_view``), the offset of every 8-element piece ``(row,
+  col)`` through ``operand_2d`` of stage 0, the swizzle, and on sampled elements the number where
+  ``operand_2d`` disagrees with the MMA's own partition of the tile.
 
     python bwd_fragment_probe.py '[["k2q-2cta", 128, 128, "bfloat16"]]'
 """
@@ -38,6 +42,8 @@ from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig
 SAMPLE_ROWS = (*range(16), *range(56, 72), *range(112, 128))
 #: (buffer, its second role): the second is the transpose of the first
 PAIRS = (("k", "kt"), ("q", "qt"), ("do", "dot"), ("ds", "dsq"))
+#: (buffer, the MMA of its first role, its operand there): rows are sequence positions
+ROW_BUFFERS = (("k", "s", "A"), ("v", "dp", "A"), ("q", "s", "B"), ("do", "dp", "B"))
 
 
 def probe(variant: str, head_dim_qk: int, head_dim_v: int, dtype: str) -> dict:
@@ -45,7 +51,7 @@ def probe(variant: str, head_dim_qk: int, head_dim_v: int, dtype: str) -> dict:
         head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, variant=BWD_VARIANTS[variant]
     )
     kernel = Sm100BwdKernel(config)
-    result: dict = {"s_chunk0": [], "p": [], "dq": [], "smem": {}}
+    result: dict = {"s_chunk0": [], "p": [], "dq": [], "smem": {}, "rows": {}}
 
     @cute.jit
     def run():
@@ -80,7 +86,27 @@ def probe(variant: str, head_dim_qk: int, head_dim_v: int, dtype: str) -> dict:
                 "stage_strides": [int(x) for x in stage],
             }
 
+        for name, mma, operand in ROW_BUFFERS:
+            layout = views[name]
+            flat = operand_2d(layout.outer)
+            rows, cols = cute.size(flat, mode=[0]), cute.size(flat, mode=[1])
+            ident = cute.make_identity_tensor((rows, cols))
+            part = thr[mma].partition_A(ident) if operand == "A" else thr[mma].partition_B(ident)
+            bad = sum(
+                cute.crd2idx(i, layout.outer) != cute.crd2idx(part[i], flat)
+                for i in range(0, cute.size(part), 61)
+            )
+            swizzle = layout.inner
+            result["rows"][name] = {
+                "offsets": [[cute.crd2idx((r, c), flat) for c in range(0, cols, 8)] for r in range(rows)],
+                "swizzle": [swizzle.num_bits, swizzle.num_base, swizzle.num_shift],
+                "partition_mismatches": bad,
+            }
+
     run()
+    for check in result["rows"].values():
+        check["offsets"] = [[int(o) for o in row] for row in check["offsets"]]
+        check["partition_mismatches"] = int(check["partition_mismatches"])
     chunk0 = result.pop("s_chunk0")
     chunk = len(chunk0[0])
     # score (m, n) = accumulator (col, row) of S^T, chunk c of warpgroup wg shifted 64 wg + chunk c columns

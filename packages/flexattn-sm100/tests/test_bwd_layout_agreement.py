@@ -33,6 +33,7 @@ import torch
 
 from flexattn_sm100.bwd_helpers import DQ_CHUNK, dq_accum_offset
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig
+from maskplan_kernels.testing import assert_row_view
 
 pytestmark = [
     pytest.mark.slow,
@@ -113,6 +114,16 @@ def test_each_smem_buffer_agrees_with_itself_in_both_roles(probed):
             assert check["mismatches"] == 0, (name, check)
             assert check["swizzles"][0] == check["swizzles"][1], (name, check)
             assert check["stage_strides"][0] == check["stage_strides"][1], (name, check)
+
+
+def test_sequence_row_buffers_are_the_row_view_the_tail_zeroing_takes(probed):
+    """The load warp zeroes the rows past the sample of K, V (a tail K block) and Q, dO (a sample's
+    last Q block) through ``stage_fill.row_view`` with the buffer's swizzle: each buffer's stage
+    must be that view (``operand_2d`` of it, itself checked against the MMA's partition)."""
+    for spec, case in zip(CASES, probed, strict=True):
+        for name, check in case["rows"].items():
+            assert check["partition_mismatches"] == 0, (spec, name)
+            assert_row_view(check["offsets"], tuple(check["swizzle"]), 16)
 
 
 def test_dq_accumulator_order_is_a_bijection():

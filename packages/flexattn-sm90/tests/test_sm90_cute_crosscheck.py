@@ -1,6 +1,6 @@
 """Layout maths against CuTe DSL itself: the TiledMma the kernel will build must own the same
-elements as the payload layout, and the rows ``fwd_helpers.zero_rows`` zeroes as contiguous runs
-must be exactly a swizzled SMEM tile's rows past the sample.
+elements as the payload layout, and the rows ``maskplan_kernels.stage_fill.zero_rows`` zeroes as
+contiguous runs must be exactly a swizzled SMEM tile's rows past the sample.
 
 Compile-time only (no GPU): ``cute_probe_sm90.py`` runs in a fresh interpreter with
 ``CUTE_DSL_ARCH=sm_90a`` and reports each thread's ``partition_C`` of an identity tensor (the

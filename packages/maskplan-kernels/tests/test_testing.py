@@ -1,9 +1,9 @@
-"""The test support of maskplan_kernels.testing on synthetic PTX and ptxas reports (no compile, no
-GPU)."""
+"""The test support of maskplan_kernels.testing on synthetic PTX, ptxas reports and SMEM offsets (no
+compile, no GPU)."""
 
 import pytest
 
-from maskplan_kernels.testing import assert_waits_before_global_access, spill_bytes
+from maskplan_kernels.testing import assert_row_view, assert_waits_before_global_access, spill_bytes
 
 PROLOGUE = "\tld.param.u64 \t%rd1, [k_param_0];\n\tprefetch.tensormap [%rd1];\n\tbar.sync \t0;\n"
 WAIT = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n"
@@ -56,3 +56,31 @@ def _report(*spills: tuple[int, int]) -> str:
 )
 def test_spill_bytes_is_the_largest_of_any_kernel(spills, expect):
     assert spill_bytes(_report(*spills)) == expect
+
+
+def _blocked_rows(rows: int, cols: int, w: int) -> list[list[int]]:
+    """Offsets of a tile laid out as blocks of ``w`` columns, each ``rows`` rows of ``w`` elements."""
+    return [[r * w + c % w + c // w * rows * w for c in range(0, cols, 8)] for r in range(rows)]
+
+
+@pytest.mark.parametrize(
+    "rows, cols, bits", [(128, 128, 3), (64, 256, 3), (128, 96, 2), (128, 32, 2), (64, 16, 0)]
+)
+def test_a_row_view_tile_passes(rows, cols, bits):
+    assert_row_view(_blocked_rows(rows, cols, (16 << bits) // 2), (bits, 4, 3))
+
+
+@pytest.mark.parametrize(
+    "offsets, swizzle",
+    [
+        (_blocked_rows(128, 128, 32), (3, 4, 3)),  # rows narrower than the swizzle's
+        ([[c + r * 128 for c in range(0, 128, 8)] for r in range(128)], (3, 4, 3)),  # plain row-major
+        ([[r + c * 128 for c in range(0, 128, 8)] for r in range(128)], (3, 4, 3)),  # column-major
+        (_blocked_rows(128, 128, 64), (3, 3, 3)),  # a swizzle that moves 8-byte pieces across rows
+    ],
+    ids=["narrow rows", "row-major", "column-major", "sub-piece swizzle"],
+)
+def test_a_tile_that_is_not_the_row_view_fails(offsets, swizzle):
+    with pytest.raises(AssertionError):
+        assert_row_view(offsets, swizzle)
+

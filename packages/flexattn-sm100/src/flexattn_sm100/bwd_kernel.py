@@ -362,6 +362,8 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
         self.bytes_q = cute.size_in_bytes(self.dtype, cute.select(views["q"], mode=one))
         self.bytes_do = cute.size_in_bytes(self.dtype, cute.select(views["do"], mode=one))
         self.bytes_stats = 2 * self.tile_m * 4  # LSE2 and D of one Q block
+        # the swizzle of each buffer whose rows are sequence positions (the load warp's tail zeroing)
+        self.swizzle_bits = {name: views[name].inner.num_bits for name in ("k", "v", "q", "do")}
         self.shared_storage = self._shared_storage(views)
         assert self.shared_storage.size_in_bytes() <= _SMEM_LIMIT
         self.kernel(
@@ -412,6 +414,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # dK_j, dQ_j done (commit)
             mbar_dq_empty: cute.struct.MemRange[cutlass.Int64, 1]  # dQ_j read out (dQ threads)
             mbar_dkv: cute.struct.MemRange[cutlass.Int64, 1]  # dK, dV final (commit)
+            mbar_tail: cute.struct.MemRange[cutlass.Int64, 1]  # 1 CTA: tiles past the sample land here
             if pair:  # the dQ handoff per dQ warp (dq_step): the peer's chunk is in the leader's run
                 # (st.async bytes); the leader's run is free for the peer's next chunk (remote arrive)
                 mbar_dq_peer_full: cute.struct.MemRange[cutlass.Int64, len(self.dq_warps)]
@@ -495,6 +498,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
                 cute.arch.mbarrier_init(bars.p, self.num_compute_threads)
                 cute.arch.mbarrier_init(bars.ds, self.num_compute_threads)
                 cute.arch.mbarrier_init(bars.dq_empty, self.num_dq_threads)
+                cute.arch.mbarrier_init(storage.mbar_tail.data_ptr(), 1)  # the load warp's own
                 if const_expr(pair):  # one arrival each: the leader warp's lane 0 (dq_step)
                     for w in cutlass.range_constexpr(len(self.dq_warps)):
                         cute.arch.mbarrier_init(bars.dq_peer_full + w, 1)
@@ -554,8 +558,9 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
 
         if warp_idx == self.load_warp:
             self.load_role(
-                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes, cta_rank
-            )
+                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes,
+                cta_rank, storage.mbar_tail.data_ptr(),
+            )  # fmt: skip
         elif warp_idx < len(self.compute_warps):
             set_max_registers(self.compute_regs, self.launch_regs)
             tmem.allocate(self.tmem_cols)

@@ -9,15 +9,28 @@ by bulk copy, that block's LSE2 and D (a pair: rank 0 LSE2, rank 1 D, multicast)
     for every K2Q entry j (partial then full, per Q head of the kv group):
         Q_j + LSE2_j, D_j -> Q stage / stats stage j % q_stages
         dO_j              -> dO stage
+
+A sample's last K block and last Q block also hold the next sample's first rows. They meet zero
+probabilities (keys: masked; queries: masked, never stored), but 0 * inf = nan in the MMAs, so a
+nan / inf there would reach this sample. A CTA without a pair therefore lands such a K / V, Q or dO
+tile on a barrier of its own, zeroes the rows past the sample (``stage_fill.land_zeroing_tail``,
+the rows through ``stage_fill.row_view``) and only then signals the stage::
+
+    K, V stage  [ k_valid rows | next sample ]   TMA -> mbar_tail; zero rows >= k_valid; fence.proxy.async;
+    Q / dO stage [ q_len - m_block tile_m rows | next sample ]   plain arrive on the stage's full barrier
+
+A ``k2q-2cta`` pair does not zero yet: its Q / dO halves are multicast onto both CTAs' barriers.
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from maskplan_kernels.consumer_plan import head_range, total_steps
+from maskplan_kernels.consumer_plan import desc_field, head_range, total_steps
+from maskplan_kernels.geometry import DESC_Q_LEN
+from maskplan_kernels.stage_fill import land_zeroing_tail, row_view
 
 
 class LoadRole:
@@ -25,8 +38,9 @@ class LoadRole:
 
     @cute.jit
     def load_role(
-        self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes, cta_rank
-    ):
+        self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes, cta_rank,
+        mbar_tail,
+    ):  # fmt: skip
         no_mcast = cute.make_layout(1)
         # Q and dO: this CTA's 1 / pair of each tile, multicast to the pair (mask: every rank)
         pair_layout = cute.make_layout(self.pair)
@@ -38,11 +52,10 @@ class LoadRole:
         if total_steps(plan, work) > 0:
             # K and V of this CTA's block, once: (cta_n, D, n_blocks, 1) of this sample and kv head
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipes.kv.producer_acquire(kv_state)
-            bar = pipes.kv.producer_get_barrier(kv_state)
-            for atom, m_x, s_x, t, d in (
-                (tma_k, mK, s["sK"], thr["s"], dqk),
-                (tma_v, mV, s["sV"], thr["dp"], dv_),
+            kv_copies, kv_rows = [], []
+            for atom, m_x, s_x, t, d, name in (
+                (tma_k, mK, s["sK"], thr["s"], dqk, "k"),
+                (tma_v, mV, s["sV"], thr["dp"], dv_, "v"),
             ):
                 g_x = cute.flat_divide(
                     cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]), (tn, d)
@@ -50,9 +63,12 @@ class LoadRole:
                 t_s, t_g = cpasync.tma_partition(
                     atom, 0, no_mcast, cute.group_modes(s_x, 0, 3), cute.group_modes(t.partition_A(g_x), 0, 3)
                 )
-                cute.copy(atom, t_g[None, work.n_block, 0], t_s[None, 0], tma_bar_ptr=bar)
+                kv_copies.append((atom, t_g[None, work.n_block, 0], t_s[None, 0]))
+                kv_rows.append(row_view(s_x[None, None, None, 0], tn, d, self.swizzle_bits[name]))
+            self.land(pipes.kv, kv_state, kv_copies, kv_rows, work.k_valid, tn, mbar_tail, {}, True)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
+        q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
             # Q, dO: (tile_m, D, q_blocks, 1) of this sample and q head
@@ -74,28 +90,35 @@ class LoadRole:
                 cute.group_modes(thr["dp"].partition_B(g_do), 0, 3),
             )  # fmt: skip
             stats_row = hr.q_head * mLSE.shape[1]
-            for i in cutlass.range(hr.partial_cnt, unroll=1):
+            tiles = (tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO)
+            for i in cutlass.range(hr.partial_cnt, unroll=1):  # a sample's last Q block is partial
                 q_state, do_state = self.load_step(
-                    plan.mask_block_idx[hr.partial_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast, cta_rank,
+                    plan.mask_block_idx[hr.partial_off + i], work, stats_row, pipes, q_state, do_state, tiles,
+                    bulk_f32, mLSE, mDsum, s, mcast, cta_rank, q_len, mbar_tail, True,
                 )  # fmt: skip
             for i in cutlass.range(hr.full_cnt, unroll=1):
                 q_state, do_state = self.load_step(
-                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipes, q_state, do_state,
-                    tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO, bulk_f32, mLSE, mDsum, s, mcast, cta_rank,
+                    plan.full_block_idx[hr.full_off + i], work, stats_row, pipes, q_state, do_state, tiles,
+                    bulk_f32, mLSE, mDsum, s, mcast, cta_rank, q_len, mbar_tail, False,
                 )  # fmt: skip
 
     @cute.jit
     def load_step(
-        self, m_block, work, stats_row, pipes, q_state, do_state, tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO,
-        bulk_f32, mLSE, mDsum, s, mcast, cta_rank,
+        self, m_block, work, stats_row, pipes, q_state, do_state, tiles, bulk_f32, mLSE, mDsum, s, mcast,
+        cta_rank, q_len, mbar_tail, partial: cutlass.Constexpr[bool],
     ):  # fmt: skip
         """Q + (LSE2, D) into stage ``q_state`` of the Q and stats pipelines, dO into its own; a CTA of
         a pair loads its half of Q and dO and one of LSE2 (rank 0) and D (rank 1) for both
-        (``mcast``)."""
-        pipes.q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index],
-                  tma_bar_ptr=pipes.q.producer_get_barrier(q_state), **mcast)  # fmt: skip
+        (``mcast``). A ``partial`` block may be the sample's last: Q and dO rows past ``q_len`` are
+        zeroed (module docstring); a full block never holds such rows."""
+        tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO = tiles
+        q_valid = Int32(self.tile_m)
+        if const_expr(partial):
+            q_valid = q_len - m_block * self.tile_m
+        q_copy = ((tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index]),)
+        q_rows = (row_view(s["sQ"][None, None, None, q_state.index], self.tile_m, self.head_dim_qk,
+                           self.swizzle_bits["q"]),)  # fmt: skip
+        self.land(pipes.q, q_state, q_copy, q_rows, q_valid, self.tile_m, mbar_tail, mcast, partial)
         pipes.stats.producer_acquire(q_state)
         bar = pipes.stats.producer_get_barrier(q_state)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
@@ -116,8 +139,33 @@ class LoadRole:
                 with cute.arch.elect_one():
                     cute.copy(bulk_f32, src, dst, mbar_ptr=bar)
         q_state.advance()
-        pipes.do.producer_acquire(do_state)
-        cute.copy(tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index],
-                  tma_bar_ptr=pipes.do.producer_get_barrier(do_state), **mcast)  # fmt: skip
+        do_copy = ((tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index]),)
+        do_rows = (row_view(s["sdO"][None, None, None, do_state.index], self.tile_m, self.head_dim_v,
+                            self.swizzle_bits["do"]),)  # fmt: skip
+        self.land(pipes.do, do_state, do_copy, do_rows, q_valid, self.tile_m, mbar_tail, mcast, partial)
         do_state.advance()
         return q_state, do_state
+
+    @cute.jit
+    def land(
+        self, pipe, state, copies, rows, valid_rows, tile_rows: int, mbar_tail, mcast,
+        may_hold_tail: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """Fill stage ``state`` of ``pipe`` with the TMA ``copies``: plainly (``mcast``: the kwargs of a
+        pair's multicast), or, without a pair, where the tile ``may_hold_tail`` and fewer than
+        ``tile_rows`` of its rows belong to the sample, through the zeroing fill of ``rows`` (the
+        SMEM tiles as row views) on ``mbar_tail``."""
+        if const_expr(self.pair == 1 and may_hold_tail):
+            if valid_rows < tile_rows:
+                land_zeroing_tail(pipe, state, mbar_tail, copies, (), rows, valid_rows)
+            else:
+                self.fill(pipe, state, copies, mcast)
+        else:
+            self.fill(pipe, state, copies, mcast)
+
+    @cute.jit
+    def fill(self, pipe, state, copies, mcast):
+        """Stage ``state`` of ``pipe`` := the TMA ``copies`` (``mcast``: a pair's multicast kwargs)."""
+        pipe.producer_acquire(state)
+        for atom, src, dst in copies:
+            cute.copy(atom, src, dst, tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)

@@ -84,7 +84,16 @@ multicasts to both CTAs)::
 
 Physical rows are ``q_offset/k_offset + sample-local position``; Q/K/V tiles past the tensor end
 are zero-filled by TMA, partial payloads carry the K tail (bit 0), and output rows past
-``q_valid_rows`` (of the whole plan block) are never stored.
+``q_valid_rows`` (of the whole plan block) are never stored. A sample's tail K block (always
+partial) also holds the next sample's first rows: their scores are masked, but their V rows meet
+zero probabilities in P V (0 * inf = nan), so without a CTA pair the load warp lands such a V block
+on a barrier of its own, zeroes V^T's columns past the sample and only then signals the stage
+(``stage_fill.land_zeroing_tail``; V^T's stage seen as key rows through ``stage_fill.row_view``)::
+
+    V^T stage (Dv x tile_n)    TMA -> mbar_tail; load warp waits, zeroes keys >= k_len - n_block * tile_n,
+    [ k_len keys | next sample ]      fence.proxy.async, then a plain arrive on the stage's full barrier
+
+The ``qstage1-2cta`` pair does not zero yet (each CTA's V share completes on the leader's barrier).
 """
 
 from dataclasses import dataclass
@@ -113,6 +122,7 @@ from maskplan_kernels.consumer_plan import (
     record_pipeline,
     select_modes,
 )
+from maskplan_kernels.stage_fill import issue_copies, land_zeroing_tail, row_view
 
 from .config import Sm100FwdConfig
 from .fwd_helpers import (
@@ -368,6 +378,9 @@ class Sm100FwdKernel(SoftmaxRole):
         sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, qk_tiler, self.dtype, self.q_stages)
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, qk_tiler, self.dtype, self.kv_stages)
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, pv_tiler, self.dtype, self.kv_stages)
+        # V^T is MN-major: a key's Dv values lie in rows of the swizzle atom, which the tail zeroing
+        # walks (stage_fill.row_view)
+        self.v_swizzle_bits = sV_layout.inner.num_bits
         # the P operand (K-major A of P V) as it lies in TMEM
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, pv_tiler, self.dtype, 1)
         # TMA views: Q, K (rows, D, heads); V^T (Dv, rows, heads), MN-major for the PV B operand
@@ -458,6 +471,7 @@ class Sm100FwdKernel(SoftmaxRole):
             mbar_clc: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_clc_read: cute.struct.MemRange[cutlass.Int64, 1]  # 2CTA: both CTAs read the response
             mbar_tmem_dealloc: cute.struct.MemRange[cutlass.Int64, 1]  # 2CTA TMEM free handshake
+            mbar_tail: cute.struct.MemRange[cutlass.Int64, 1]  # 1CTA: a tail V block lands here
             clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
             tmem_holding: Int32
             task: cute.struct.Align[cute.struct.MemRange[Int32, TASK_WORDS * self.sched_stages], 16]
@@ -510,6 +524,7 @@ class Sm100FwdKernel(SoftmaxRole):
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(clc.full, 1)
                 cute.arch.mbarrier_init(clc.read, self.cta_group_size)
+                cute.arch.mbarrier_init(storage.mbar_tail.data_ptr(), 1)
         # 2CTA: the allocator warp inits the TMEM-free handshake barrier here, before the cluster sync
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_holding.ptr,
@@ -543,7 +558,7 @@ class Sm100FwdKernel(SoftmaxRole):
             self.set_registers(softmax=False)
             self.load_role(
                 qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan, pipes, clc,
-                cta_rank,
+                cta_rank, storage.mbar_tail.data_ptr(),
             )  # fmt: skip
         elif warp_idx < self.mma_warp:
             self.set_registers(softmax=True)
@@ -680,7 +695,7 @@ class Sm100FwdKernel(SoftmaxRole):
     @cute.jit
     def load_role(
         self, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sTask, sMask, plan: FwdPlanTensors,
-        pipes, clc, cta_rank,
+        pipes, clc, cta_rank, mbar_tail,
     ):  # fmt: skip
         lane = cute.arch.lane_idx()
         qhead_per_kvhead = mQ.shape[2] // mK.shape[2]
@@ -700,7 +715,7 @@ class Sm100FwdKernel(SoftmaxRole):
             if t.partial_cnt + t.full_cnt > 0:  # a task without blocks writes O = 0, LSE = -inf only
                 q_state, kv_state, mask_state = self.load_task(
                     t, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sMask, plan, pipes,
-                    q_state, kv_state, mask_state, cta_rank,
+                    q_state, kv_state, mask_state, cta_rank, mbar_tail,
                 )  # fmt: skip
             task = self.next_task_clc(clc, query)
             query += 1
@@ -709,7 +724,7 @@ class Sm100FwdKernel(SoftmaxRole):
     @cute.jit
     def load_task(
         self, t: Task, qk_thr, pv_thr, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, sMask,
-        plan: FwdPlanTensors, pipes, q_state, kv_state, mask_state, cta_rank,
+        plan: FwdPlanTensors, pipes, q_state, kv_state, mask_state, cta_rank, mbar_tail,
     ):  # fmt: skip
         no_mcast = cute.make_layout(1)
         # Q: (mma_tile_m, Dqk) tiles of this sample and head -> (MMA, MMA_M, MMA_K, m_tiles, 1); the
@@ -754,14 +769,21 @@ class Sm100FwdKernel(SoftmaxRole):
                     self.payload_plane_index(entry, cta_rank), self.payload_plane,
                 )  # fmt: skip
             n_block = plan.mask_block_idx[entry]
-            kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
+            tail = None
+            if const_expr(self.cta_group_size == 1):
+                tail = (t.k_len - n_block * self.tile_n, sV, mbar_tail)
+            kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, tail)
         for i in cutlass.range(t.full_cnt, unroll=1):
             n_block = plan.full_block_idx[t.full_off + i]
-            kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV)
+            kv_state = self.load_kv(n_block, pipes, kv_state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, None)
         return q_state, kv_state, mask_state
 
     @cute.jit
-    def load_kv(self, n_block: Int32, pipes, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):
+    def load_kv(self, n_block: Int32, pipes, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV, tail):
+        """K and V block ``n_block`` into stage ``state``; returns the next state. ``tail`` is None on
+        full blocks (never past the sample) and with a CTA pair, else ``(valid_rows, sV, mbar_tail)``:
+        where fewer than ``tile_n`` rows belong to the sample, V^T's columns past them are zeroed
+        before the stage is signalled (``stage_fill.land_zeroing_tail``; module docstring)."""
         pipes.k.producer_acquire(state)
         cute.copy(
             tma_k,
@@ -769,13 +791,19 @@ class Sm100FwdKernel(SoftmaxRole):
             tKsK[None, state.index],
             tma_bar_ptr=pipes.k.producer_get_barrier(state),
         )
-        pipes.v.producer_acquire(state)
-        cute.copy(
-            tma_v,
-            tVgV[None, 0, n_block],
-            tVsV[None, state.index],
-            tma_bar_ptr=pipes.v.producer_get_barrier(state),
-        )
+        v_copy = ((tma_v, tVgV[None, 0, n_block], tVsV[None, state.index]),)
+        if const_expr(tail is None):
+            pipes.v.producer_acquire(state)
+            issue_copies(pipes.v.producer_get_barrier(state), v_copy)
+        else:
+            valid_rows, sV, mbar_tail = tail
+            if valid_rows < self.tile_n:
+                v_t = sV[None, None, None, state.index]
+                rows = (row_view(v_t, self.tile_n, self.head_dim_v, self.v_swizzle_bits),)
+                land_zeroing_tail(pipes.v, state, mbar_tail, v_copy, (), rows, valid_rows)
+            else:
+                pipes.v.producer_acquire(state)
+                issue_copies(pipes.v.producer_get_barrier(state), v_copy)
         state.advance()
         return state
 

@@ -129,11 +129,12 @@ from maskplan_kernels.consumer_plan import (
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
 from maskplan_kernels.geometry import DESC_Q_LEN
+from maskplan_kernels.stage_fill import issue_copies
 
 from .bwd_helpers import common_major, dq_warpgroup_tile, item_state, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
-from .fwd_helpers import issue_copies, register_split
+from .fwd_helpers import register_split
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 

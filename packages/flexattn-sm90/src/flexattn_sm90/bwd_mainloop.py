@@ -49,9 +49,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from maskplan_kernels.consumer_plan import head_range, walk_descending
+from maskplan_kernels.stage_fill import zero_rows
 
 from .bwd_helpers import dq_chunk_layout, item_state, stage_result, store_result_rows
-from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma, zero_rows
+from .fwd_helpers import acc_as_operand_a, acc_mn_view, transpose_view, wgmma
 
 
 class StepOperands(NamedTuple):

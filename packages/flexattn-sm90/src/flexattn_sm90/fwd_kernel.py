@@ -80,9 +80,10 @@ from maskplan_kernels.consumer_plan import (
     take_ticket,
     vector,
 )
+from maskplan_kernels.stage_fill import issue_copies, land_zeroing_tail
 
 from .config import SMEM_LIMIT, Sm90FwdConfig
-from .fwd_helpers import issue_copies, land_zeroing_tail, register_split, smem_layout_row_major
+from .fwd_helpers import register_split, smem_layout_row_major
 from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}

@@ -1,7 +1,8 @@
 """Test support shared by the compile tests of this package and of the consumers (flexattn-sm90,
-flexattn-sm100): ptxas's resource report on a compiled kernel's PTX, and the PTX-order check of a
-kernel launched with programmatic dependent launch. Standard library only; it needs ``ptxas`` on
-PATH for a report, never a GPU.
+flexattn-sm100): ptxas's resource report on a compiled kernel's PTX, the PTX-order check of a
+kernel launched with programmatic dependent launch, and the check that an SMEM operand tile is the
+row view the tail zeroing takes (``stage_fill.row_view``). Standard library only; it needs
+``ptxas`` on PATH for a report, never a GPU.
 
 ::
 
@@ -86,3 +87,20 @@ __all__ = [
     "ptxas_report",
     "spill_bytes",
 ]
+
+
+def assert_row_view(offsets: list[list[int]], swizzle: tuple[int, int, int], element_bits: int = 16) -> None:
+    """``offsets[row][col // 8]``, the element offsets CuTe gives each 8-element piece of an SMEM
+    operand tile (``rows x cols``, one stage, before the swizzle), and the tile's swizzle
+    ``(bits, base, shift)`` must be what ``stage_fill.row_view(stage, rows, cols, bits)`` assumes:
+    rows of ``w = (16 << bits)`` bytes, ``cols / w`` blocks of ``rows`` rows one after the other,
+    and a swizzle that keeps each such row in place (it XORs byte-address bits [base, base + bits)
+    with higher ones: base 4 moves 16-byte pieces only within a ``16 << bits``-byte row). Then
+    ``zero_rows``'s runs of whole rows past the sample are exactly those rows' bytes."""
+    bits, base, shift = swizzle
+    w = (16 << bits) * 8 // element_bits
+    rows, pieces = len(offsets), len(offsets[0])
+    want = [[r * w + (8 * p) % w + (8 * p) // w * rows * w for p in range(pieces)] for r in range(rows)]
+    assert offsets == want, "the tile is not the row view"
+    assert bits == 0 or (base == 4 and shift >= bits), f"swizzle {swizzle} moves bytes across rows"
+
