@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maskplan_core import masks
-from maskplan_core.errors import FlexAttnError
+from maskplan_core.errors import FlexAttnError, InputValueError
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -509,6 +509,19 @@ def test_from_mask_mod_head_and_batch_dependent():
     )
     assert ep.shape[1] == minimal_nfunc(ref)
     assert_matches(ep, ref, Sk)
+
+
+def test_from_mask_mod_with_python_control_flow_says_why():
+    """A mask_mod written for scalars (`and`, `if`) fails on the broadcast index tensors: the error
+    says so and names the tensor operators; other errors of the mask_mod pass through unchanged."""
+    with pytest.raises(InputValueError, match="broadcast index tensors.*`&`"):
+        masks.from_mask_mod(lambda b, h, q, kv: (q >= kv) and (q - kv < 4), 1, None, 8, 8)
+
+    def raises(b, h, q, kv):
+        raise RuntimeError("the user's own failure")
+
+    with pytest.raises(RuntimeError, match="the user's own failure"):
+        masks.from_mask_mod(raises, 1, None, 8, 8)
 
 
 @st.composite

@@ -592,3 +592,8 @@ def test_block_map_text_draws_the_block_map():
             view.block_map(sample=2)
         with pytest.raises(ValueError, match="head=1"):
             view.block_map(head=1)
+        for bad in (0.5, True, "0"):
+            with pytest.raises(TypeError, match="sample must be an int"):
+                view.block_map(sample=bad)
+        with pytest.raises(TypeError, match="head must be an int"):
+            view.block_map(head=1.0)

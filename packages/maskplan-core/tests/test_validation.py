@@ -8,6 +8,7 @@ word. Each case asserts the precise ``maskplan_core.errors`` class, the builtin
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import pytest
@@ -150,7 +151,8 @@ def test_error_hierarchy():
         (causal(nfunc=4), InputValueError, ValueError, ("mask_func", "nfunc", "4")),
         (causal(nfunc=3)[:, :0], InputValueError, ValueError, ("mask_func", "nfunc", "0")),
         (causal(total_q=B * SQ + 1), InputValueError, ValueError, ("mask_func", "total_q", str(B * SQ + 1))),
-        (causal(total_q=SQ), InputValueError, ValueError, ("mask_func", "total_q", str(B * SQ))),
+        (causal(total_q=SQ), InputValueError, ValueError,
+         ("mask_func", "total_q", str(B * SQ), "one sample", "batch=B")),
     ],
     ids=[
         "list", "none", "int64", "float32", "rank2", "rank4", "strided-rows", "transposed-heads",
@@ -167,6 +169,24 @@ def test_bhsd_q_gets_a_layout_hint():
     q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=4)
     with expect(InputValueError, ValueError, "total_q", "BHSD", "transpose(1, 2)"):
         validate_plan_inputs(causal(sk=SQ), *(t.transpose(1, 2) for t in (q, k, v)))
+
+
+def test_varlen_rows_mismatch_names_q_and_cu_seqlens_q():
+    """A varlen q shorter than its mask (and cu_seqlens_q) is not blamed on the mask alone."""
+    with expect(InputValueError, ValueError, "mask_func", "total_q=15", "q.shape[0]", "cu_seqlens_q[-1]"):
+        validate_plan_inputs(varlen_mask(), *varlen_qkv(total_q=15), **varlen_args())
+
+
+def test_bhsd_tensors_whose_mask_fits_draw_a_warning():
+    """BHSD tensors with a mask built for their (misread) S pass every shape check: many heads and
+    few positions per sample draw a warning naming the layout; a BSHD problem does not."""
+    q, k, v = fixed_qkv(sq=4, sk=4, hq=256, hkv=256)
+    with pytest.warns(UserWarning, match=r"256 heads and 4 positions.*transpose\(1, 2\)"):
+        validate_plan_inputs(causal(total_q=B * 4, sq=4, sk=4), q, k, v)
+    q, k, v = fixed_qkv(sq=256, sk=256, hq=256, hkv=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_plan_inputs(causal(total_q=B * 256, sq=256, sk=256), q, k, v)
 
 
 def test_a_bad_q_dtype_names_q():

@@ -678,7 +678,16 @@ def _mask_mod_sample(mask_mod, b: int, shape: tuple[int, int, int], dev: torch.d
     q_idx = torch.arange(Sq, device=dev).view(1, 1, Sq, 1)
     kv_idx = torch.arange(Sk, device=dev).view(1, 1, 1, Sk)
     b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
-    res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
+    try:
+        res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
+    except RuntimeError as err:
+        if "Boolean value of Tensor" not in str(err):
+            raise
+        raise InputValueError(
+            "mask_mod is called once with broadcast index tensors (b, h, q_idx, kv_idx), as torch "
+            "FlexAttention's create_block_mask does, so Python `and` / `or` / `if` on them fail: use "
+            f"`&`, `|` and torch.where ({err})"
+        ) from err
     if not isinstance(res, torch.Tensor):
         raise InputTypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
     if res.dtype != torch.bool:

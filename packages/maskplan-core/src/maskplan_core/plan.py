@@ -32,7 +32,7 @@ from types import MappingProxyType
 
 import torch
 
-from .errors import InputValueError, MissingBackwardViewError, PlanBindingError
+from .errors import InputTypeError, InputValueError, MissingBackwardViewError, PlanBindingError
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
@@ -163,6 +163,9 @@ class PlanView:
         ``[q_blocks, k_blocks]`` (Q block rows, whichever the view's major order), 0 empty,
         1 partial (a payload), 2 full. :meth:`block_map_text` draws it."""
         g = self.geometry
+        for name, value in (("sample", sample), ("head", head)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= sample < g.batch:
             raise InputValueError(f"sample={sample} is out of range for a batch of {g.batch}")
         if not 0 <= head < g.mask_heads:

@@ -8,6 +8,7 @@ allocation header's error word (:mod:`maskplan_core.error_flags`).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -18,6 +19,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 #: endpoints, sequence lengths and prefixes are int32 in the plan ABI
 MAX_SEQLEN = 2**31 - 1
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: from this many heads on, more heads than positions (fixed layout) draws a BHSD warning
+BHSD_SUSPECT_HEADS = 128
 
 
 def require_tensor(name: str, value: object) -> torch.Tensor:
@@ -169,9 +172,24 @@ def validate_plan_inputs(
         raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}")
     if rows != total_q:
         hint = ""
-        if not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
+        if varlen:
+            hint = "; with varlen input both are q.shape[0], which must equal cu_seqlens_q[-1]"
+        elif rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
+        elif rows == max_q and batch > 1:
+            hint = (
+                f"; mask_func covers one sample of {max_q} rows, q holds {batch}: build it for the batch "
+                "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded to B)"
+            )
         raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{hint}")
+    if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
+        warnings.warn(
+            f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "
+            "[B, S, H, D]; a [B, H, S, D] tensor shows up as many heads and few positions. If that is "
+            "what q, k and v are, pass q.transpose(1, 2) (and k, v alike) and build the mask for S",
+            UserWarning,
+            stacklevel=3,
+        )
     return PlanGeometry(
         batch=batch,
         varlen=varlen,
