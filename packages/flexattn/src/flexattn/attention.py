@@ -78,17 +78,18 @@ def flex_attn_func(
 ):
     """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
 
-    Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE
-    (``[B, Hq, Sq]`` / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled
-    logit over visible elements if ``return_max_logit``, as a tuple when more than ``out`` is
-    asked for. LSE and max logit are fp32 (fp64 for fp64 inputs on the CPU reference).
+    Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE (``[B, Hq, Sq]``
+    / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled logit over visible
+    elements if ``return_max_logit``, as a tuple when more than ``out`` is asked for. The fixed
+    length LSE is a transposed view of the kernels' ``[Hq, B * Sq]``: ``.contiguous()`` it before
+    ``.view`` or in-place ops. LSE and max logit are fp32 (fp64 for fp64 inputs on the CPU reference).
     Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
     under ``torch.autocast`` too (cast q/k/v yourself to change it).
 
     Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
     gradient never reaches another sample's outputs or gradients (the tiles past a sample's end
-    hold the next sample's rows; the reference and the SM90 kernels zero them before use, the
-    compile-checked SM100 kernels do not yet).
+    hold the next sample's rows; the reference and the SM90 kernels zero them before use, as do
+    the compile-checked SM100 kernels but their CTA-pair variants).
     """
     if not isinstance(mask_plan, MaskPlan):
         raise InputTypeError(
