@@ -21,6 +21,7 @@ What every attention consumer (flexattn_sm90, flexattn_sm100) does with a plan t
     consumer_plan                    device: forward view tensors, task decode and SMEM hand-off,
                                      payload plane copy, packed-predicate bit-select
     consumer_softmax                 device: log2-domain constants, row max
+    stage_fill                       device: TMA / bulk stage fills, zeroing a tile's rows past its sample
     consumer_launch                  host: pointers, input/output checks, view -> kernel arguments
 """
 
