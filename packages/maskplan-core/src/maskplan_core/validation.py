@@ -173,7 +173,7 @@ def validate_plan_inputs(
     if rows != total_q:
         hint = ""
         if varlen:
-            hint = "; with varlen input both are q.shape[0], which must equal cu_seqlens_q[-1]"
+            hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
         elif rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
         elif rows == max_q and batch > 1:
