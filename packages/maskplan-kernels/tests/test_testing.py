@@ -83,4 +83,3 @@ def test_a_row_view_tile_passes(rows, cols, bits):
 def test_a_tile_that_is_not_the_row_view_fails(offsets, swizzle):
     with pytest.raises(AssertionError):
         assert_row_view(offsets, swizzle)
-

@@ -25,12 +25,12 @@ A ``k2q-2cta`` pair does not zero yet: its Q / dO halves are multicast onto both
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from maskplan_kernels.consumer_plan import desc_field, head_range, total_steps
 from maskplan_kernels.geometry import DESC_Q_LEN
-from maskplan_kernels.stage_fill import land_zeroing_tail, row_view
+from maskplan_kernels.stage_fill import fill_stage, row_view
 
 
 class LoadRole:
@@ -65,7 +65,7 @@ class LoadRole:
                 )
                 kv_copies.append((atom, t_g[None, work.n_block, 0], t_s[None, 0]))
                 kv_rows.append(row_view(s_x[None, None, None, 0], tn, d, self.swizzle_bits[name]))
-            self.land(pipes.kv, kv_state, kv_copies, kv_rows, work.k_valid, tn, mbar_tail, {}, True)
+            fill_stage(pipes.kv, kv_state, kv_copies, self.tail_of(True, work.k_valid, kv_rows, mbar_tail))
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
@@ -112,13 +112,11 @@ class LoadRole:
         (``mcast``). A ``partial`` block may be the sample's last: Q and dO rows past ``q_len`` are
         zeroed (module docstring); a full block never holds such rows."""
         tma_q, tQgQ, tQsQ, tma_do, tdOgdO, tdOsdO = tiles
-        q_valid = Int32(self.tile_m)
-        if const_expr(partial):
-            q_valid = q_len - m_block * self.tile_m
+        q_valid = q_len - m_block * self.tile_m
         q_copy = ((tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index]),)
         q_rows = (row_view(s["sQ"][None, None, None, q_state.index], self.tile_m, self.head_dim_qk,
                            self.swizzle_bits["q"]),)  # fmt: skip
-        self.land(pipes.q, q_state, q_copy, q_rows, q_valid, self.tile_m, mbar_tail, mcast, partial)
+        fill_stage(pipes.q, q_state, q_copy, self.tail_of(partial, q_valid, q_rows, mbar_tail), **mcast)
         pipes.stats.producer_acquire(q_state)
         bar = pipes.stats.producer_get_barrier(q_state)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
@@ -142,30 +140,11 @@ class LoadRole:
         do_copy = ((tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index]),)
         do_rows = (row_view(s["sdO"][None, None, None, do_state.index], self.tile_m, self.head_dim_v,
                             self.swizzle_bits["do"]),)  # fmt: skip
-        self.land(pipes.do, do_state, do_copy, do_rows, q_valid, self.tile_m, mbar_tail, mcast, partial)
+        fill_stage(pipes.do, do_state, do_copy, self.tail_of(partial, q_valid, do_rows, mbar_tail), **mcast)
         do_state.advance()
         return q_state, do_state
 
-    @cute.jit
-    def land(
-        self, pipe, state, copies, rows, valid_rows, tile_rows: int, mbar_tail, mcast,
-        may_hold_tail: cutlass.Constexpr[bool],
-    ):  # fmt: skip
-        """Fill stage ``state`` of ``pipe`` with the TMA ``copies``: plainly (``mcast``: the kwargs of a
-        pair's multicast), or, without a pair, where the tile ``may_hold_tail`` and fewer than
-        ``tile_rows`` of its rows belong to the sample, through the zeroing fill of ``rows`` (the
-        SMEM tiles as row views) on ``mbar_tail``."""
-        if const_expr(self.pair == 1 and may_hold_tail):
-            if valid_rows < tile_rows:
-                land_zeroing_tail(pipe, state, mbar_tail, copies, (), rows, valid_rows)
-            else:
-                self.fill(pipe, state, copies, mcast)
-        else:
-            self.fill(pipe, state, copies, mcast)
-
-    @cute.jit
-    def fill(self, pipe, state, copies, mcast):
-        """Stage ``state`` of ``pipe`` := the TMA ``copies`` (``mcast``: a pair's multicast kwargs)."""
-        pipe.producer_acquire(state)
-        for atom, src, dst in copies:
-            cute.copy(atom, src, dst, tma_bar_ptr=pipe.producer_get_barrier(state), **mcast)
+    def tail_of(self, may_hold_tail: bool, valid_rows, rows, mbar_tail):
+        """``stage_fill.fill_stage``'s ``tail`` of a tile that ``may_hold_tail``: None with a pair
+        (it does not zero, module docstring) or for a tile that never holds rows past the sample."""
+        return (valid_rows, rows, mbar_tail) if self.pair == 1 and may_hold_tail else None

@@ -122,7 +122,7 @@ from maskplan_kernels.consumer_plan import (
     record_pipeline,
     select_modes,
 )
-from maskplan_kernels.stage_fill import issue_copies, land_zeroing_tail, row_view
+from maskplan_kernels.stage_fill import fill_stage, row_view
 
 from .config import Sm100FwdConfig
 from .fwd_helpers import (
@@ -783,7 +783,7 @@ class Sm100FwdKernel(SoftmaxRole):
         """K and V block ``n_block`` into stage ``state``; returns the next state. ``tail`` is None on
         full blocks (never past the sample) and with a CTA pair, else ``(valid_rows, sV, mbar_tail)``:
         where fewer than ``tile_n`` rows belong to the sample, V^T's columns past them are zeroed
-        before the stage is signalled (``stage_fill.land_zeroing_tail``; module docstring)."""
+        before the stage is signalled (``stage_fill.fill_stage``; module docstring)."""
         pipes.k.producer_acquire(state)
         cute.copy(
             tma_k,
@@ -791,19 +791,13 @@ class Sm100FwdKernel(SoftmaxRole):
             tKsK[None, state.index],
             tma_bar_ptr=pipes.k.producer_get_barrier(state),
         )
-        v_copy = ((tma_v, tVgV[None, 0, n_block], tVsV[None, state.index]),)
-        if const_expr(tail is None):
-            pipes.v.producer_acquire(state)
-            issue_copies(pipes.v.producer_get_barrier(state), v_copy)
-        else:
+        v_tail = None
+        if const_expr(tail is not None):
             valid_rows, sV, mbar_tail = tail
-            if valid_rows < self.tile_n:
-                v_t = sV[None, None, None, state.index]
-                rows = (row_view(v_t, self.tile_n, self.head_dim_v, self.v_swizzle_bits),)
-                land_zeroing_tail(pipes.v, state, mbar_tail, v_copy, (), rows, valid_rows)
-            else:
-                pipes.v.producer_acquire(state)
-                issue_copies(pipes.v.producer_get_barrier(state), v_copy)
+            v_t = sV[None, None, None, state.index]
+            rows = row_view(v_t, self.tile_n, self.head_dim_v, self.v_swizzle_bits)
+            v_tail = (valid_rows, (rows,), mbar_tail)
+        fill_stage(pipes.v, state, ((tma_v, tVgV[None, 0, n_block], tVsV[None, state.index]),), v_tail)
         state.advance()
         return state
 

@@ -122,6 +122,7 @@ from maskplan_kernels.consumer_plan import (
     record_pipeline,
     select_modes,
     take_ticket,
+    ticket_counter,
     turnstile_advance,
     turnstile_wait,
     view_row_fill,
@@ -337,7 +338,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 f"q_stages={self.q_stages}) exceeds the {SMEM_LIMIT} bytes of an SM90 CTA"
             )
         # the ticket counter: the int32 after the turnstiles (BwdHostEntry), zeroed by the preprocess
-        counter = cute.make_tensor(element_ptr(mdQsem, cute.size(mdQsem), 4), cute.make_layout(1))
+        counter = ticket_counter(mdQsem)
         num_items = launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]))[0]
         self.kernel(
             tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,

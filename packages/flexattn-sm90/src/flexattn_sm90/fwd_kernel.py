@@ -80,7 +80,7 @@ from maskplan_kernels.consumer_plan import (
     take_ticket,
     vector,
 )
-from maskplan_kernels.stage_fill import issue_copies, land_zeroing_tail
+from maskplan_kernels.stage_fill import fill_stage
 
 from .config import SMEM_LIMIT, Sm90FwdConfig
 from .fwd_helpers import register_split, smem_layout_row_major
@@ -588,18 +588,11 @@ class Sm90FwdKernel(ConsumerMainloop):
             tKsK[None, state.index],
             tma_bar_ptr=pipe_k.producer_get_barrier(state),
         )
-        v_copy = ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),)
-        if const_expr(tail is None):
-            pipe_v.producer_acquire(state)
-            issue_copies(pipe_v.producer_get_barrier(state), v_copy)
-        else:
+        v_tail = None
+        if const_expr(tail is not None):
             valid_rows, sV, mbar_tail = tail
-            if valid_rows < self.tile_n:
-                rows = (sV[None, None, state.index],)
-                land_zeroing_tail(pipe_v, state, mbar_tail, v_copy, (), rows, valid_rows)
-            else:
-                pipe_v.producer_acquire(state)
-                issue_copies(pipe_v.producer_get_barrier(state), v_copy)
+            v_tail = (valid_rows, (sV[None, None, state.index],), mbar_tail)
+        fill_stage(pipe_v, state, ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),), v_tail)
         state.advance()
         return state
 

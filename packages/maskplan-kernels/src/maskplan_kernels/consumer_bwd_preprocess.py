@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .consumer_plan import SequenceDesc, backward_q_desc, element_ptr, sample_q
+from .consumer_plan import SequenceDesc, backward_q_desc, element_ptr, sample_q, ticket_counter
 from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -164,10 +164,8 @@ class BwdPreprocess:
             if tidx == 0:
                 mdQsem[q_head, blk] = Int32(0)
         if m_block + q_head + b == 0 and tidx == 0:
-            # the persistent main kernel's ticket counter, the int32 after the turnstiles
-            # (consumer_plan.BwdHostEntry); block (0, 0, 0) exists in every launch
-            counter = element_ptr(mdQsem, mdQsem.shape[0] * mdQsem.shape[1], 4)
-            cute.make_tensor(counter, cute.make_layout(1))[0] = Int32(0)
+            # the persistent main kernel's ticket counter; block (0, 0, 0) exists in every launch
+            ticket_counter(mdQsem)[0] = Int32(0)
 
 
 __all__ = ["BwdPreprocess", "quad_sum"]

@@ -797,6 +797,12 @@ def launch_grid(k_rows, kv_heads, splits: int = 1) -> list:
     return [k_rows * kv_heads * splits, 1, 1]
 
 
+def ticket_counter(dq_semaphore: cute.Tensor) -> cute.Tensor:
+    """A persistent backward's ticket counter: the int32 after the ``(Hq, n_qblk)`` turnstiles of
+    ``dq_semaphore`` (:class:`BwdHostEntry`; the preprocess zeroes it), as a one-element tensor."""
+    return cute.make_tensor(element_ptr(dq_semaphore, cute.size(dq_semaphore), 4), cute.make_layout(1))
+
+
 @cute.jit
 def take_ticket(counter: cute.Tensor, lane: Int32) -> Int32:
     """The next ticket of a persistent kernel's counter: lane 0 takes ``atomicAdd(counter, 1)``,
@@ -993,6 +999,7 @@ __all__ = [
     "sample_q",
     "select_modes",
     "take_ticket",
+    "ticket_counter",
     "thd_tensor",
     "total_steps",
     "turnstile_advance",

@@ -9,7 +9,7 @@ zeroes the rows past the sample before the consumers see the stage (:func:`land_
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 
 def row_view(s_stage: cute.Tensor, rows: int, cols: int, swizzle_bits: int) -> cute.Tensor:
@@ -57,11 +57,12 @@ def zero_rows(s_tile: cute.Tensor, first_row: Int32, tidx: Int32, threads: cutla
             cute.autovec_copy(zero, cute.make_tensor(piece, cute.make_layout(4)))
 
 
-def issue_copies(bar: cute.Pointer, tma_copies, bulk_copies=()):
+def issue_copies(bar: cute.Pointer, tma_copies, bulk_copies=(), **tma_kwargs):
     """Start a pipeline stage's copies on the barrier ``bar``: ``(atom, src, dst)`` each, TMA tiles
-    (they elect their issuing lane), then bulk copies (issued by one lane)."""
+    (they elect their issuing lane; ``tma_kwargs``, e.g. a multicast mask, go to each), then bulk
+    copies (issued by one lane)."""
     for atom, src, dst in tma_copies:
-        cute.copy(atom, src, dst, tma_bar_ptr=bar)
+        cute.copy(atom, src, dst, tma_bar_ptr=bar, **tma_kwargs)
     for atom, src, dst in bulk_copies:
         with cute.arch.elect_one():
             cute.copy(atom, src, dst, mbar_ptr=bar)
@@ -92,3 +93,22 @@ def land_zeroing_tail(
     cute.arch.sync_warp()
     with cute.arch.elect_one():
         cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+
+
+@cute.jit
+def fill_stage(pipe, state, tma_copies, tail=None, **tma_kwargs):
+    """Fill stage ``state`` of the TMA pipeline ``pipe`` with ``tma_copies``: plainly
+    (``producer_acquire`` and :func:`issue_copies`), or through :func:`land_zeroing_tail` where the
+    tile may hold rows past its sample. ``tail`` is None for a tile that never does, else
+    ``(valid_rows, tiles, mbar_tail)``: the zeroing fill runs when fewer than the tiles' rows
+    (``tiles``: the SMEM tiles as (rows, cols), :func:`zero_rows`'s) belong to the sample."""
+    if const_expr(tail is None):
+        pipe.producer_acquire(state)
+        issue_copies(pipe.producer_get_barrier(state), tma_copies, **tma_kwargs)
+    else:
+        valid_rows, tiles, mbar_tail = tail
+        if valid_rows < cute.size(tiles[0], mode=[0]):
+            land_zeroing_tail(pipe, state, mbar_tail, tma_copies, (), tiles, valid_rows)
+        else:
+            pipe.producer_acquire(state)
+            issue_copies(pipe.producer_get_barrier(state), tma_copies, **tma_kwargs)

@@ -79,16 +79,6 @@ def assert_waits_before_global_access(ptx: str) -> None:
     assert early is None, f"global access before griddepcontrol.wait: {early.group(0).strip()!r}"
 
 
-__all__ = [
-    "GLOBAL_ACCESS",
-    "SPILLS",
-    "assert_ptxas_clean",
-    "assert_waits_before_global_access",
-    "ptxas_report",
-    "spill_bytes",
-]
-
-
 def assert_row_view(offsets: list[list[int]], swizzle: tuple[int, int, int], element_bits: int = 16) -> None:
     """``offsets[row][col // 8]``, the element offsets CuTe gives each 8-element piece of an SMEM
     operand tile (``rows x cols``, one stage, before the swizzle), and the tile's swizzle
@@ -104,3 +94,13 @@ def assert_row_view(offsets: list[list[int]], swizzle: tuple[int, int, int], ele
     assert offsets == want, "the tile is not the row view"
     assert bits == 0 or (base == 4 and shift >= bits), f"swizzle {swizzle} moves bytes across rows"
 
+
+__all__ = [
+    "GLOBAL_ACCESS",
+    "SPILLS",
+    "assert_ptxas_clean",
+    "assert_row_view",
+    "assert_waits_before_global_access",
+    "ptxas_report",
+    "spill_bytes",
+]
