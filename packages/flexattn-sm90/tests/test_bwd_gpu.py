@@ -29,6 +29,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
 from flexattn_sm90.bwd_launch import run_backward  # noqa: E402
+from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
 from maskplan_core import masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.reference import build_plan  # noqa: E402
 from maskplan_core.testing import (  # noqa: E402
@@ -39,7 +40,7 @@ from maskplan_core.testing import (  # noqa: E402
     resolve_view,
     varlen_args,
 )
-from maskplan_kernels.consumer_plan import k2q_row_fill  # noqa: E402
+from maskplan_kernels.consumer_plan import SPARSE_ROW_FILL, k2q_row_fill  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -187,6 +188,27 @@ def test_deterministic_grouped_launch_order(dqk, dv, kind):
     )
     assert H > Sm90BwdKernel.DENSE_HEAD_GROUP
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
+
+
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (256, 256)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
+    """Sparse K2Q rows (a sliding window) and 6 kv heads on the tiles whose Q blocks are large in
+    L2: the atomic launch order takes SPARSE_HEAD_CAP (4) kv heads at a time, then the remaining
+    2 (``Sm90BwdKernel.launch_head_group``); deterministic mode all 6. Matches the reference, and
+    deterministic runs are bit-identical."""
+    B, S, H = 2, 1000, 6
+    q, k, v = CASES.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=16)
+    plan = sm90_plan(masks.sliding_window(S, window_left=40, batch=B, device=DEV), q, k, v)
+    view = plan.view("backward")
+    stats = view.stats()
+    q_blocks = -(-S // view.block_size[0])  # per sample
+    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
+    assert fill < SPARSE_ROW_FILL, fill
+    kernel = Sm90BwdKernel(select_bwd_config(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16"))
+    assert 0 < kernel.sparse_heads < H
+    repeats = 3 if deterministic else 1
+    check_backward(run_backward, plan, q, k, v, deterministic=deterministic, repeats=repeats)
 
 
 @pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128)])

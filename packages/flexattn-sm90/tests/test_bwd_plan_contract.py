@@ -23,6 +23,7 @@ pytest.importorskip("cutlass.cute")
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
 from flexattn_sm90.bwd_launch import config_for_view  # noqa: E402
+from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # noqa: E402
 from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.errors import PlanSignatureMismatch  # noqa: E402
 from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
@@ -138,6 +139,15 @@ def test_launch_head_group_follows_the_k2q_row_fill(name):
                         bwd_view_args(view, CPU).n_qblk / batch)  # fmt: skip
     sparse, dense = fill < SPARSE_ROW_FILL, fill >= Sm90BwdKernel.DENSE_ROW_FILL
     assert (sparse, dense) == (expected == "all", expected == "dense"), fill
+
+
+@pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
+def test_sparse_rows_head_cap_follows_the_q_block_size(dims):
+    """Atomic mode takes all kv heads at a time on sparse K2Q rows only where a Q block's Q, dO and
+    fp32 dQ take at most SPARSE_ALL_HEADS_BYTES (up to D = 128), SPARSE_HEAD_CAP heads above
+    (``Sm90BwdKernel.launch_head_group``)."""
+    kernel = Sm90BwdKernel(select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16"))
+    assert kernel.sparse_heads == (0 if max(dims) <= 128 else Sm90BwdKernel.SPARSE_HEAD_CAP)
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])

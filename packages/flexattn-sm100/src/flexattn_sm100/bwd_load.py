@@ -65,7 +65,8 @@ class LoadRole:
                 )
                 kv_copies.append((atom, t_g[None, work.n_block, 0], t_s[None, 0]))
                 kv_rows.append(row_view(s_x[None, None, None, 0], tn, d, self.swizzle_bits[name]))
-            fill_stage(pipes.kv, kv_state, kv_copies, self.tail_of(True, work.k_valid, kv_rows, mbar_tail))
+            kv_tail = self.tail_of(True, work.k_valid, kv_rows, mbar_tail)
+            fill_stage(pipes.kv, kv_state, kv_copies, tail=kv_tail)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.do_stages)
         q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
@@ -116,7 +117,7 @@ class LoadRole:
         q_copy = ((tma_q, tQgQ[None, m_block, 0], tQsQ[None, q_state.index]),)
         q_rows = (row_view(s["sQ"][None, None, None, q_state.index], self.tile_m, self.head_dim_qk,
                            self.swizzle_bits["q"]),)  # fmt: skip
-        fill_stage(pipes.q, q_state, q_copy, self.tail_of(partial, q_valid, q_rows, mbar_tail), **mcast)
+        fill_stage(pipes.q, q_state, q_copy, tail=self.tail_of(partial, q_valid, q_rows, mbar_tail), **mcast)
         pipes.stats.producer_acquire(q_state)
         bar = pipes.stats.producer_get_barrier(q_state)
         first = stats_row + (work.qblk_base + m_block) * self.tile_m
@@ -140,7 +141,8 @@ class LoadRole:
         do_copy = ((tma_do, tdOgdO[None, m_block, 0], tdOsdO[None, do_state.index]),)
         do_rows = (row_view(s["sdO"][None, None, None, do_state.index], self.tile_m, self.head_dim_v,
                             self.swizzle_bits["do"]),)  # fmt: skip
-        fill_stage(pipes.do, do_state, do_copy, self.tail_of(partial, q_valid, do_rows, mbar_tail), **mcast)
+        do_tail = self.tail_of(partial, q_valid, do_rows, mbar_tail)
+        fill_stage(pipes.do, do_state, do_copy, tail=do_tail, **mcast)
         do_state.advance()
         return q_state, do_state
 

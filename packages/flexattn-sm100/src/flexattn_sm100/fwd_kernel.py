@@ -797,7 +797,7 @@ class Sm100FwdKernel(SoftmaxRole):
             v_t = sV[None, None, None, state.index]
             rows = row_view(v_t, self.tile_n, self.head_dim_v, self.v_swizzle_bits)
             v_tail = (valid_rows, (rows,), mbar_tail)
-        fill_stage(pipes.v, state, ((tma_v, tVgV[None, 0, n_block], tVsV[None, state.index]),), v_tail)
+        fill_stage(pipes.v, state, ((tma_v, tVgV[None, 0, n_block], tVsV[None, state.index]),), tail=v_tail)
         state.advance()
         return state
 

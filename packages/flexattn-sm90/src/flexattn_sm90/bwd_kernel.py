@@ -90,7 +90,8 @@ a time fill the waves with half-length rows in between (model: 0.1-0.6%) while e
 still share few heads' Q and dO in L2; all heads at a time spread them over every head and lost
 more in L2 than it gained (benchmarks/RESULTS.md, session 18). Except on sparse K2Q rows
 (documents, sliding windows: ``consumer_plan.atomic_head_group``), where a wave over all heads
-still fits L2 and all heads at a time measured 3-5% faster on documents (session 19).
+still fits L2 and all heads at a time measured 3-5% faster on documents (session 19); from (192,
+128) on it does not, and those rows take ``SPARSE_HEAD_CAP`` heads (``launch_head_group``).
 """
 
 from typing import NamedTuple
@@ -130,7 +131,7 @@ from maskplan_kernels.consumer_plan import (
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
 from maskplan_kernels.geometry import DESC_Q_LEN
-from maskplan_kernels.stage_fill import issue_copies
+from maskplan_kernels.stage_fill import fill_stage
 
 from .bwd_helpers import common_major, dq_warpgroup_tile, item_state, make_dq_tiled_mma, smem_layout
 from .bwd_mainloop import BwdMainloop
@@ -168,6 +169,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     DENSE_HEAD_GROUP = 4
     #: K2Q row fill (consumer_plan.k2q_row_fill) from which the rows count as dense
     DENSE_ROW_FILL = 0.75
+    #: atomic mode on sparse K2Q rows: all kv heads at a time while a Q block's Q, dO and fp32 dQ
+    #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
+    SPARSE_ALL_HEADS_BYTES = 64 * 1024
+    SPARSE_HEAD_CAP = 4
     #: CTAs take their (K row, kv head) items from a ticket counter (BwdHostEntry.persistent)
     persistent = True
     #: stages of the item record (producer -> MMA warpgroups and dQ writers) and its int32 words
@@ -217,6 +222,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # than one at D=128 sliding, (256, 256) and 26% at (192, 128) (RESULTS, sessions 13-14)
         self.dq_writers = 2 if deterministic else 1
         self.mask_stages = config.mask_pipeline_stages
+        # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
+        q_block_bytes = self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v)
+        self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -355,17 +363,24 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     @cute.jit
     def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
         """Kv heads the item order (tickets, ``decode_work``) takes at a time. Atomic mode:
-        ``consumer_plan.atomic_head_group``. Deterministic mode: all of them, unless the K2Q rows
+        ``consumer_plan.atomic_head_group``, all heads on sparse K2Q rows only while a Q block
+        (its Q, dO and fp32 dQ) takes at most ``SPARSE_ALL_HEADS_BYTES``, so up to D = 128. With
+        larger blocks a wave over all heads no longer fits L2: (256, 256) fwd+bwd on sliding-1024
+        (16 heads, S = 8192) had its main kernel at 39% DRAM throughput and a 76% L2 hit rate
+        (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
+        documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
+        session 31). Deterministic mode: all of them, unless the K2Q rows
         are dense (``k2q_row_fill`` of ``DENSE_ROW_FILL`` or more), then ``DENSE_HEAD_GROUP``.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
         0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
-        TFLOP/s at 4 heads). Measured: benchmarks/RESULTS.md, session 14. Any order gives the same
-        bits (dq_write_order fixes the adds)."""
+        TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
+        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. Any order
+        gives the same bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
-            return atomic_head_group(plan, n_qblk, kv_heads)
+            return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
         if view_row_fill(plan, n_qblk) >= self.DENSE_ROW_FILL:
             group = Int32(self.DENSE_HEAD_GROUP)
@@ -602,8 +617,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 )  # fmt: skip
                 kv_copies.append((kv_atom, t_g, t_s))
             kv_state = item_state(1, item, producer)
-            pipe_kv.producer_acquire(kv_state)
-            issue_copies(pipe_kv.producer_get_barrier(kv_state), kv_copies)
+            fill_stage(pipe_kv, kv_state, kv_copies)
             for g in cutlass.range(work.q_per_kv, unroll=1):
                 hr = head_range(plan, work, g)
                 # (tile_m, D, n_q_blocks) of this sample and head
@@ -656,8 +670,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             tile = ((atom, t_g[None, m_block], t_s[None, state.index]),)
             src = cute.make_tensor(element_ptr(m_stat, first), stats)
             row_stats = ((bulk_f32, src, cute.make_tensor(s_stat[None, state.index].iterator, stats)),)
-            pipe.producer_acquire(state)
-            issue_copies(pipe.producer_get_barrier(state), tile, row_stats)
+            fill_stage(pipe, state, tile, row_stats)
             state.advance()
         return q_state, do_state
 

@@ -592,7 +592,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         if const_expr(tail is not None):
             valid_rows, sV, mbar_tail = tail
             v_tail = (valid_rows, (sV[None, None, state.index],), mbar_tail)
-        fill_stage(pipe_v, state, ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),), v_tail)
+        fill_stage(pipe_v, state, ((tma_v, tVgV[None, n_block], tVsV[None, state.index]),), tail=v_tail)
         state.advance()
         return state
 

@@ -723,12 +723,17 @@ def view_row_fill(plan: BwdPlanTensors, n_qblk: Int32) -> Float32:
 
 
 @cute.jit
-def atomic_head_group(plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
+def atomic_head_group(
+    plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32, sparse_heads: cutlass.Constexpr[int] = 0
+) -> Int32:
     """Kv heads the atomic backward launch (:func:`decode_work`) takes at a time:
-    ``ATOMIC_HEAD_GROUP``, or all of them on sparse K2Q rows (``SPARSE_ROW_FILL``)."""
+    ``ATOMIC_HEAD_GROUP``, or on sparse K2Q rows (``SPARSE_ROW_FILL``) all of them, at most
+    ``sparse_heads`` where that is given (> 0): a kernel whose Q blocks are large in L2 caps it."""
     group = Int32(ATOMIC_HEAD_GROUP)
     if view_row_fill(plan, n_qblk) < SPARSE_ROW_FILL:
         group = kv_heads
+        if const_expr(sparse_heads > 0):
+            group = cutlass.min(kv_heads, Int32(sparse_heads))
     return group
 
 

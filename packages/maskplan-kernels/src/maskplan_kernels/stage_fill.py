@@ -95,20 +95,23 @@ def land_zeroing_tail(
         cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
 
 
+def _fill_plain(pipe, state, tma_copies, bulk_copies, **tma_kwargs):
+    pipe.producer_acquire(state)
+    issue_copies(pipe.producer_get_barrier(state), tma_copies, bulk_copies, **tma_kwargs)
+
+
 @cute.jit
-def fill_stage(pipe, state, tma_copies, tail=None, **tma_kwargs):
-    """Fill stage ``state`` of the TMA pipeline ``pipe`` with ``tma_copies``: plainly
-    (``producer_acquire`` and :func:`issue_copies`), or through :func:`land_zeroing_tail` where the
-    tile may hold rows past its sample. ``tail`` is None for a tile that never does, else
+def fill_stage(pipe, state, tma_copies, bulk_copies=(), tail=None, **tma_kwargs):
+    """Fill stage ``state`` of the TMA pipeline ``pipe`` with ``tma_copies`` and ``bulk_copies``:
+    plainly (``producer_acquire`` and :func:`issue_copies`), or through :func:`land_zeroing_tail`
+    where the tile may hold rows past its sample. ``tail`` is None for a tile that never does, else
     ``(valid_rows, tiles, mbar_tail)``: the zeroing fill runs when fewer than the tiles' rows
     (``tiles``: the SMEM tiles as (rows, cols), :func:`zero_rows`'s) belong to the sample."""
     if const_expr(tail is None):
-        pipe.producer_acquire(state)
-        issue_copies(pipe.producer_get_barrier(state), tma_copies, **tma_kwargs)
+        _fill_plain(pipe, state, tma_copies, bulk_copies, **tma_kwargs)
     else:
         valid_rows, tiles, mbar_tail = tail
         if valid_rows < cute.size(tiles[0], mode=[0]):
-            land_zeroing_tail(pipe, state, mbar_tail, tma_copies, (), tiles, valid_rows)
+            land_zeroing_tail(pipe, state, mbar_tail, tma_copies, bulk_copies, tiles, valid_rows)
         else:
-            pipe.producer_acquire(state)
-            issue_copies(pipe.producer_get_barrier(state), tma_copies, **tma_kwargs)
+            _fill_plain(pipe, state, tma_copies, bulk_copies, **tma_kwargs)
