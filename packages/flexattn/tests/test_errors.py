@@ -6,6 +6,7 @@ the builtin ``ValueError``/``TypeError``, with a message naming the culprit.
 
 from __future__ import annotations
 
+import fractions
 import math
 from contextlib import contextmanager
 
@@ -201,6 +202,15 @@ def test_pack_gqa_on_cpu_plans_the_packed_blocks_and_computes_the_same():
     grads = [torch.autograd.grad(o.sum(), (q, k, v)) for o in outs]
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_device_without_a_consumer_is_named_before_any_dtype_rule(dtype):
+    """On meta tensors the error names the device, whatever the dtype (fp32 used to be told to
+    become fp16 / bf16 first, which then failed on the device)."""
+    q = torch.empty(1, 128, 2, 64, device="meta", dtype=dtype)
+    with expect(ConsumerNotFoundError, RuntimeError, "meta", "CPU", "CUDA"):
+        flexattn.create_mask_plan(flexattn.masks.causal(128, device="meta"), q, q, q)
 
 
 def test_unknown_target_has_no_consumer():
@@ -416,6 +426,7 @@ def test_plan_repr_and_metadata():
         (dict(softmax_scale=math.nan), InputValueError, ("softmax_scale", "finite", "nan")),
         (dict(softmax_scale=math.inf), InputValueError, ("softmax_scale", "finite")),
         (dict(softmax_scale=10**400), InputValueError, ("softmax_scale", "finite", "past the float range")),
+        (dict(softmax_scale=fractions.Fraction(10**400)), InputValueError, ("softmax_scale", "finite")),
         (dict(softmax_scale="0.1"), InputTypeError, ("softmax_scale", "str")),
         (dict(softmax_scale=True), InputTypeError, ("softmax_scale", "bool")),
         (dict(softmax_scale=torch.tensor(0.1)), InputTypeError, ("softmax_scale",)),
@@ -423,7 +434,7 @@ def test_plan_repr_and_metadata():
          ("return_max_logit", "softmax_scale", "-0.25")),
     ],
     ids=["det-int", "det-none", "lse-str", "maxlogit-int", "scale-nan", "scale-inf", "scale-huge-int",
-         "scale-str", "scale-bool", "scale-tensor", "maxlogit-negative-scale"],
+         "scale-huge-fraction", "scale-str", "scale-bool", "scale-tensor", "maxlogit-negative-scale"],
 )
 def test_flex_attn_func_option_errors(kw, cls, needles):
     q, k, v = fixed_qkv()
@@ -431,6 +442,33 @@ def test_flex_attn_func_option_errors(kw, cls, needles):
     builtin = TypeError if issubclass(cls, TypeError) else ValueError
     with expect(cls, builtin, *needles):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, **kw)
+
+
+@pytest.mark.parametrize("kind", ["fraction", "float32", "float64"])
+def test_flex_attn_func_takes_a_real_scale_of_any_type(kind):
+    """A numpy scalar or another real number works as ``softmax_scale``, as its float does (fp64
+    reference; two CPU calls may differ in the last bits, so not ``torch.equal``)."""
+    # numpy only where a test needs it: the facade's test extra installs it, a GPU machine may not
+    if kind == "fraction":
+        scale = fractions.Fraction(1, 8)
+    else:
+        scale = getattr(pytest.importorskip("numpy"), kind)(0.125)
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    want = flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=0.125)
+    torch.testing.assert_close(flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale), want)
+
+
+def test_varlen_lengths_and_block_map_take_numpy_integers():
+    """``max_seqlen_*`` (and ``block_map``'s sample / head) accept numpy integers, as ints."""
+    np = pytest.importorskip("numpy")
+    ep, qkv, args = varlen_case()
+    want = flexattn.create_mask_plan(ep, *qkv, **args)
+    args.update(max_seqlen_q=np.int64(args["max_seqlen_q"]), max_seqlen_k=np.int32(args["max_seqlen_k"]))
+    plan = flexattn.create_mask_plan(ep, *qkv, **args)
+    assert type(plan.geometry.max_seqlen_q) is int and type(plan.geometry.max_seqlen_k) is int
+    view, want_view = plan.view("forward"), want.view("forward")
+    assert torch.equal(view.block_map(np.int64(1), np.int32(0)), want_view.block_map(1, 0))
 
 
 @pytest.mark.parametrize("bad", [None, {}, "plan", causal_mask()])

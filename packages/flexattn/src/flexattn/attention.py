@@ -9,6 +9,7 @@ shapes, dtypes and Python values only, so ``torch.compile`` traces it without a 
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 
 import torch
@@ -35,11 +36,17 @@ def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -
 
 
 def check_scale(softmax_scale, max_logit_arg: str | None = None) -> None:
-    """``softmax_scale`` is None or a finite float, non-negative where the call returns the max
-    logit (``max_logit_arg`` names the argument that asks for it)."""
+    """``softmax_scale`` is None or a finite real number (a float, an int, a numpy scalar),
+    non-negative where the call returns the max logit (``max_logit_arg`` names the argument that
+    asks for it)."""
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not isinstance(softmax_scale, (int, float)):  # a numpy scalar, a fraction: checked as a float
+            try:
+                softmax_scale = float(softmax_scale)
+            except OverflowError:
+                softmax_scale = math.inf
         # comparisons, not math.isfinite: torch.compile may trace a float argument as a SymFloat
         finite = softmax_scale == softmax_scale and abs(softmax_scale) <= sys.float_info.max
         if not finite:

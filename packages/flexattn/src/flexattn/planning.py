@@ -135,6 +135,8 @@ def _plan(
 ) -> MaskPlan:  # fmt: skip
     require_optional_bool("pack_gqa", pack_gqa)
     require_optional_bool("build_backward", build_backward)
+    # the device first: on one no consumer runs on (meta, mps) the input rules of another would mislead
+    family, cc = arch_family(q.device) if isinstance(q, torch.Tensor) else (None, None)
     geometry = validate_plan_inputs(
         mask_func,
         q,
@@ -147,7 +149,6 @@ def _plan(
     )
     if build_backward is None:
         build_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    family, cc = arch_family(q.device)
     if target is not None:
         if not isinstance(target, str):
             raise InputTypeError(

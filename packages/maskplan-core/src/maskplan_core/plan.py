@@ -32,10 +32,11 @@ from types import MappingProxyType
 
 import torch
 
-from .errors import InputTypeError, InputValueError, MissingBackwardViewError, PlanBindingError
+from .errors import InputValueError, MissingBackwardViewError, PlanBindingError
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
+from .validation import require_int
 
 _ENTRY_CHUNK = 4096
 VIEW_TENSORS = (
@@ -163,12 +164,10 @@ class PlanView:
         ``[q_blocks, k_blocks]`` (Q block rows, whichever the view's major order), 0 empty,
         1 partial (a payload), 2 full. :meth:`block_map_text` draws it."""
         g = self.geometry
-        for name, value in (("sample", sample), ("head", head)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
-        if not 0 <= sample < g.batch:
+        sample, head = require_int("sample", sample), require_int("head", head)
+        if sample >= g.batch:
             raise InputValueError(f"sample={sample} is out of range for a batch of {g.batch}")
-        if not 0 <= head < g.mask_heads:
+        if head >= g.mask_heads:
             raise InputValueError(f"head={head} is out of range for Hmask={g.mask_heads}")
         desc = self.sequence_desc()[sample].tolist()
         outer, inner = desc[5], desc[6]

@@ -8,6 +8,7 @@ allocation header's error word (:mod:`maskplan_core.error_flags`).
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 
 import torch
@@ -30,11 +31,12 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def require_int(name: str, value: object, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int: an int or another integral number (a numpy integer), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise InputValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def require_optional_bool(name: str, value: object) -> None:
