@@ -17,6 +17,7 @@ from maskplan_kernels.consumer_launch import (  # noqa: E402
     require_int32_offsets,
 )
 from maskplan_kernels.geometry import ViewBounds  # noqa: E402
+from maskplan_kernels.schedule_scatter import ScheduleScatterConfig  # noqa: E402
 
 
 def geometry(total_q, total_k, hq=16, hkv=16, dqk=128, dv=128):
@@ -106,3 +107,23 @@ def test_backward_q_block_bounds_cover_every_sample_without_reading_the_plan(q_l
     assert torch.equal(
         args.tensors[10], torch.repeat_interleave(torch.arange(len(q_lens)), view.sequence_desc()[:, 5]).int()
     )
+
+
+@pytest.mark.parametrize("tile", [(128, 128), (64, 96)])
+def test_view_bounds_do_not_grow_with_a_generous_max_seqlen(tile):
+    """FlashAttention callers often pass a model's context length as ``max_seqlen_*``: the planner's
+    workspace (bitset words per row, per-sample block bounds, the schedule's histogram bins) stays
+    what the tokens need, and still bounds every sample."""
+    q_lens, k_lens = [64, 30, 100], [90, 10, 200]
+
+    def bounds(max_len):
+        return ViewBounds.of(make_geometry(q_lens, k_lens, max_q=max_len, max_k=max_len), *tile)
+
+    loose = bounds(1 << 30)
+    assert loose == bounds(4096)
+    tm, tn = tile
+    assert loose.max_q_blocks >= max(-(-n // tm) for n in q_lens)
+    assert loose.max_k_blocks >= max(-(-n // tn) for n in k_lens)
+    assert loose.k_words == 1
+    assert ScheduleScatterConfig.for_max_k_blocks(loose.max_k_blocks).bins == 32
+

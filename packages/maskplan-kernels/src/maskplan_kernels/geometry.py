@@ -78,7 +78,10 @@ class ViewBounds:
 
     For fixed-length input they are exact. For varlen, ``q_rows`` bounds
     ``sum_b ceil(q_len_b / tile_m)`` by both ``B * ceil(max_seqlen_q / tile_m)`` and
-    ``(total_q + B * (tile_m - 1)) // tile_m``; both hold for every well-formed prefix.
+    ``(total_q + B * (tile_m - 1)) // tile_m``; both hold for every well-formed prefix. A sample
+    is no longer than the total either, so a generous ``max_seqlen_*`` (a model's context length
+    for a short batch, as FlashAttention callers pass it) sizes nothing past the tokens there are:
+    the per-sample block bounds take the smaller of the two as well.
     """
 
     tile_m: int
@@ -101,6 +104,8 @@ class ViewBounds:
         if g.varlen:
             q_rows = min(q_rows, (g.total_q + g.batch * (tile_m - 1)) // tile_m)
             k_rows = min(k_rows, (g.total_k + g.batch * (tile_n - 1)) // tile_n)
+            mq = min(mq, max(1, _cdiv(g.total_q, tile_m)))
+            mk = min(mk, max(1, _cdiv(g.total_k, tile_n)))
         return cls(tile_m, tile_n, g.batch, q_rows, k_rows, mq, mk)
 
 
