@@ -750,14 +750,9 @@ class Sm100FwdKernel(SoftmaxRole):
         tVsV, tVgV = cpasync.tma_partition(
             tma_v, 0, no_mcast, cute.group_modes(sV, 0, 3), cute.group_modes(pv_thr.partition_B(gV), 0, 3)
         )
-        pipes.q.producer_acquire(q_state)
-        for q in cutlass.range_constexpr(self.q_stages):  # every q stage's tile on the one Q barrier
-            cute.copy(
-                tma_q,
-                tQgQ[None, t.m_block * self.q_stages + q, 0],
-                tQsQ[None, q],
-                tma_bar_ptr=pipes.q.producer_get_barrier(q_state),
-            )
+        first_q = t.m_block * self.q_stages  # every q stage's tile on the one Q barrier
+        q_copies = tuple((tma_q, tQgQ[None, first_q + q, 0], tQsQ[None, q]) for q in range(self.q_stages))
+        fill_stage(pipes.q, q_state, q_copies)
         q_state.advance()
         # partial blocks, then full blocks: the consumers walk the same order
         bulk_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
@@ -784,13 +779,7 @@ class Sm100FwdKernel(SoftmaxRole):
         full blocks (never past the sample) and with a CTA pair, else ``(valid_rows, sV, mbar_tail)``:
         where fewer than ``tile_n`` rows belong to the sample, V^T's columns past them are zeroed
         before the stage is signalled (``stage_fill.fill_stage``; module docstring)."""
-        pipes.k.producer_acquire(state)
-        cute.copy(
-            tma_k,
-            tKgK[None, n_block, 0],
-            tKsK[None, state.index],
-            tma_bar_ptr=pipes.k.producer_get_barrier(state),
-        )
+        fill_stage(pipes.k, state, ((tma_k, tKgK[None, n_block, 0], tKsK[None, state.index]),))
         v_tail = None
         if const_expr(tail is not None):
             valid_rows, sV, mbar_tail = tail

@@ -570,9 +570,7 @@ class Sm90FwdKernel(ConsumerMainloop):
     def load_q(self, due: Int32, pipe_q, state, tma_q, tQgQ, tQsQ):
         """The task's Q tile into the next Q buffer if ``due``; returns ``(state, 0)``."""
         if due != 0:
-            pipe_q.producer_acquire(state)
-            bar = pipe_q.producer_get_barrier(state)
-            cute.copy(tma_q, tQgQ, tQsQ[None, state.index], tma_bar_ptr=bar)
+            fill_stage(pipe_q, state, ((tma_q, tQgQ, tQsQ[None, state.index]),))
             state.advance()
         return state, Int32(0)
 
@@ -581,13 +579,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         """K and V block ``n_block`` into stage ``state``; returns the next state. ``tail`` is None on
         full blocks (never past the sample), else ``(valid_rows, sV, mbar_tail)``: where fewer than
         ``tile_n`` rows belong to the sample, V takes the zeroing path of the module docstring."""
-        pipe_k.producer_acquire(state)
-        cute.copy(
-            tma_k,
-            tKgK[None, n_block],
-            tKsK[None, state.index],
-            tma_bar_ptr=pipe_k.producer_get_barrier(state),
-        )
+        fill_stage(pipe_k, state, ((tma_k, tKgK[None, n_block], tKsK[None, state.index]),))
         v_tail = None
         if const_expr(tail is not None):
             valid_rows, sV, mbar_tail = tail

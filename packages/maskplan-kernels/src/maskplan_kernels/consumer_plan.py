@@ -57,6 +57,7 @@ from .geometry import (
     DESC_ROW_BEGIN,
     DESC_ROW_COUNT,
 )
+from .stage_fill import fill_stage
 
 
 # -- the per-sample descriptor ----------------------------------------------------------------------
@@ -294,9 +295,7 @@ def load_payload_plane(
     plane = cute.make_layout(plane_words)
     src = cute.make_tensor(element_ptr(masks, entry * plane_words, 16), plane)
     dst = cute.make_tensor(sMask[None, None, state.index].iterator, plane)
-    pipe_mask.producer_acquire(state)
-    with cute.arch.elect_one():
-        cute.copy(bulk_atom, src, dst, mbar_ptr=pipe_mask.producer_get_barrier(state))
+    fill_stage(pipe_mask, state, (), ((bulk_atom, src, dst),))
     state.advance()
     return state
 
