@@ -128,8 +128,9 @@ def test_errors_name_what_does_not_fit():
     plan = fixed_plan(q, k, v)
     o = torch.empty(B, S, H, DV)
     fwd = FlexAttentionFwd(q, k, v, o, plan)
-    with pytest.raises(RuntimeError, match=r"call compile\(\) before execute"):
+    with pytest.raises(flexattn.UnsupportedCallError, match=r"call compile\(\) before execute") as info:
         fwd.execute(q, k, v, o, plan)
+    assert isinstance(info.value, RuntimeError)  # cuDNN's type for it
     with pytest.raises(flexattn.InputValueError, match=r"o must be torch.float32 of shape \(2, 50, 4, 8\)"):
         FlexAttentionFwd(q, k, v, torch.empty(B, S, H, D), plan).check_support()
     with pytest.raises(flexattn.InputValueError, match="lse must be"):

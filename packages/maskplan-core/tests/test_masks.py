@@ -602,8 +602,11 @@ def test_from_block_mask_evaluates_the_heads_it_is_told():
     agreeing = fa.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 256, 256, device="cpu")
     assert torch.equal(masks.from_block_mask(agreeing, heads=4), masks.causal(256))  # Hmask = 1 kept
     widening = fa.create_block_mask(lambda b, h, q, kv: kv <= q + 150 * h, None, None, 256, 256, device="cpu")
-    with pytest.raises(ValueError, match="sample 0 differ .* at head 1"):
+    with pytest.raises(ValueError, match="sample 0 differ .* at head 1; the block mask was made") as info:
         masks.from_block_mask(widening, heads=2)
+    assert "from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)" in str(info.value)
+    widening_mod = masks.from_mask_mod(widening.mask_mod, 1, 2, 256, 256)  # the way the hint names
+    assert widening_mod.shape[0] == 2
     three = fa.create_block_mask(lambda b, h, q, kv: kv <= q + h, 1, 3, 256, 256, device="cpu")
     with pytest.raises(ValueError, match="3 head entries but heads=2"):
         masks.from_block_mask(three, heads=2)
@@ -619,7 +622,7 @@ def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
         return doc[b, q] == doc[b, kv]
 
     one_entry = fa.create_block_mask(packed_docs, None, None, 300, 300, device="cpu")  # sample 0 only
-    with pytest.raises(ValueError, match="sample 1 differ"):
+    with pytest.raises(ValueError, match="sample 1 differ .*made with B=None"):
         masks.from_block_mask(one_entry, batch=2)
     with pytest.raises(ValueError, match="batch entries"):
         masks.from_block_mask(fa.create_block_mask(packed_docs, 2, None, 300, 300, device="cpu"), batch=3)
@@ -629,10 +632,20 @@ def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
         BLOCK_SIZE=128,
         seq_lengths=(300, 300),
     )
-    with pytest.raises(ValueError, match="use from_dense"):
+    with pytest.raises(ValueError, match="its mask_mod makes visible; build the dense"):
         masks.from_block_mask(listed_only)
     with pytest.raises(TypeError, match="BlockMask"):
         masks.from_block_mask(packed_docs)
+
+
+def test_from_block_mask_names_a_sliced_block_mask():
+    """torch drops a sliced block mask's mask_mod (it raises a RuntimeError when called): the error
+    is the library's, naming the slice and the way round it."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    whole = fa.create_block_mask(lambda b, h, q, kv: kv <= q, 2, 1, 256, 256, device="cpu")
+    with pytest.raises(InputValueError, match=r"sliced BlockMask .* convert the unsliced"):
+        masks.from_block_mask(whole[0])
+    assert torch.equal(masks.from_block_mask(whole)[:, :, :256], masks.causal(256))  # sample 0's rows
 
 
 # --------------------------------------------------------------------------------------------------

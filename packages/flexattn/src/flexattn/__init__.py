@@ -20,6 +20,7 @@ from maskplan_core import (
     PlanSignatureMismatch,
     PlanView,
     SeqlenError,
+    UnsupportedCallError,
     UnsupportedConfigError,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "PlanSignatureMismatch",
     "PlanView",
     "SeqlenError",
+    "UnsupportedCallError",
     "UnsupportedConfigError",
     "create_mask_plan",
     "flex_attn_func",

@@ -34,7 +34,13 @@ import inspect
 
 import torch
 
-from maskplan_core import InputTypeError, InputValueError, MaskPlan, MissingBackwardViewError
+from maskplan_core import (
+    InputTypeError,
+    InputValueError,
+    MaskPlan,
+    MissingBackwardViewError,
+    UnsupportedCallError,
+)
 
 from . import ops
 from .attention import caller_lse, check_scale, resolve_scale, thd
@@ -178,7 +184,7 @@ class _Explicit:
         """``(consumer, geometry, scale)`` of an ``execute`` call, its tensors checked against the
         samples and ``mask_plan`` (``max_logit_arg``: as :func:`flexattn.attention.check_scale`)."""
         if self._consumer is None:
-            raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
+            raise UnsupportedCallError(f"{type(self).__name__}: call compile() before execute()")
         for name, t in tensors.items():
             _require_like(name, t, self._samples[name])
         self._check_plan(mask_plan, tensors["q"], tensors["k"], tensors["v"])

@@ -60,7 +60,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from maskplan_core import MaskPlan, PlanSignatureMismatch
+from maskplan_core import MaskPlan, PlanSignatureMismatch, UnsupportedCallError
 from maskplan_core.plan import plan_for_handle
 
 from .planning import resolve_views
@@ -220,7 +220,7 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _not_twice_differentiable(ctx, *grads):
-    raise RuntimeError("flexattn::bwd is not differentiable (no double backward through attention)")
+    raise UnsupportedCallError("flexattn::bwd is not differentiable (no double backward through attention)")
 
 
 bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, inputs, output: None)

@@ -15,6 +15,7 @@ from .errors import (
     PlanBindingError,
     PlanSignatureMismatch,
     SeqlenError,
+    UnsupportedCallError,
     UnsupportedConfigError,
 )
 from .geometry import PlanGeometry
@@ -49,6 +50,7 @@ __all__ = [
     "SeqlenError",
     "SignatureDiff",
     "Topology",
+    "UnsupportedCallError",
     "UnsupportedConfigError",
     "ViewConfig",
     "ViewRequest",

@@ -50,3 +50,8 @@ class ConsumerNotFoundError(FlexAttnError, RuntimeError):
 
 class UnsupportedConfigError(InputValueError):
     """A consumer exists for the device but does not support this configuration."""
+
+
+class UnsupportedCallError(FlexAttnError, RuntimeError):
+    """A call the library does not serve in the state it is made in: ``execute()`` before
+    ``compile()``, a double backward through attention."""

@@ -609,7 +609,9 @@ def from_mask_mod(
     broadcast to ``[1, H, Sq, Sk]``.  The dense ``[H, Sq, Sk]`` mask of one sample is then encoded
     like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head gives the
     same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one head.
-    The arguments are ``create_block_mask``'s, ``device`` included.
+    The positional arguments are ``create_block_mask``'s (``Sq`` and ``Sk`` its ``Q_LEN`` and
+    ``KV_LEN``), ``device`` included; its ``BLOCK_SIZE`` has no counterpart (endpoints are per
+    element), and ``B`` cannot be None.
     """
     if not callable(mask_mod):
         raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
@@ -635,15 +637,30 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     for every head), unless ``heads`` says how many q heads to evaluate it for: pass ``heads=Hq``
     for a mask_mod that reads its head index (the result keeps ``Hmask = 1`` where the heads
     agree). Every sample's and head's blocks must be the ones its mask_mod makes visible (true of
-    ``create_block_mask``); a block mask whose block lists say more than its mask_mod
-    (``BlockMask.from_kv_blocks`` without one) is refused: build its dense mask and use
-    :func:`from_dense`.
+    ``create_block_mask``), else the block mask is refused rather than converted to another mask
+    than torch computes with it:
+
+    - one batch / head entry (``B=None`` / ``H=None``) holds sample 0's / head 0's blocks, which
+      torch applies to every sample / head, so ``batch=`` / ``heads=`` are refused where another
+      sample's or head's visible blocks differ (documents that move, a window that grows with the
+      head): make the block mask with ``B`` / ``H`` given, or take the endpoints of the mask_mod
+      alone, ``from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)``;
+    - block lists that say more than the mask_mod (``BlockMask.from_kv_blocks`` without one):
+      build its dense mask and use :func:`from_dense`;
+    - a sliced block mask (``block_mask[...]``) has no mask_mod (torch replaces it with one that
+      raises): convert the unsliced one and take the rows the slice keeps (``row = b * Sq + q``).
     """
     for attr in ("mask_mod", "seq_lengths", "kv_num_blocks", "BLOCK_SIZE", "to_dense"):
         if not hasattr(block_mask, attr):
             raise InputTypeError(
                 f"block_mask must be a torch FlexAttention BlockMask, got {type(block_mask).__name__}"
             )
+    if getattr(block_mask.mask_mod, "__name__", None) == "_sliced_mask_mod_error":
+        raise InputValueError(
+            "block_mask is a sliced BlockMask (block_mask[...]), whose mask_mod torch replaces with one "
+            "that raises: convert the unsliced block mask and take the query rows the slice keeps from "
+            "the endpoints' last dimension (row = b * Sq + q)"
+        )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
     counts = {}
     for name, given, entries in (("batch", batch, blocks.shape[0]), ("heads", heads, blocks.shape[1])):
@@ -662,10 +679,23 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
         listed = blocks[b if blocks.shape[0] > 1 else 0].expand_as(seen)
         differs = (seen != listed).flatten(1).any(1)
         if bool(differs.any()):
-            at_head = f" at head {int(differs.nonzero()[0, 0])}" if heads > 1 else ""
+            head = int(differs.nonzero()[0, 0])
+            at_head = f" at head {head}" if heads > 1 else ""
+            # a shared entry (B=None / H=None) holds sample 0's, head 0's blocks: torch applies them
+            # to the others, which their own mask_mod contradicts here
+            entries = (("B", blocks.shape[0], b), ("H", blocks.shape[1], head))
+            shared = [f"{noun}=None" for noun, count, i in entries if count == 1 and i > 0]
+            if shared:
+                hint = (
+                    f"the block mask was made with {' and '.join(shared)}, so it lists sample 0's / head 0's "
+                    f"blocks for every one; make it with them given, or convert the mask_mod alone: "
+                    f"masks.from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)"
+                )
+            else:
+                hint = "build the dense mask and use from_dense"
             raise InputValueError(
                 f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes "
-                f"visible{at_head}; build the dense mask and use from_dense"
+                f"visible{at_head}; {hint}"
             )
         parts.append(_encode(dense))
     return _join_samples(parts, heads)
