@@ -70,6 +70,39 @@ def test_torch_func_grad_matches_autograd():
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["is_grads_batched", "jacobian-vectorize", "jacrev"])
+def test_batched_gradients_are_refused_with_the_alternative(how):
+    """A vmapped backward (one vector-Jacobian product per batch entry) is refused by the library,
+    not left to fail inside torch's batching rules; unbatched ``jacobian`` still works."""
+    q, k, v = inputs(5)
+    plan = plan_for(q, k, v)
+
+    def attend(x):
+        return flexattn.flex_attn_func(x, k, v, mask_plan=plan)
+
+    calls = {
+        "is_grads_batched": lambda: torch.autograd.grad(
+            attend(q), q, torch.randn(3, *q.shape, dtype=q.dtype), is_grads_batched=True
+        ),
+        "jacobian-vectorize": lambda: torch.autograd.functional.jacobian(attend, q, vectorize=True),
+        "jacrev": lambda: torch.func.jacrev(attend)(q),
+    }
+    with pytest.raises(flexattn.UnsupportedCallError, match="one gradient at a time"):
+        calls[how]()
+
+
+def test_forward_mode_is_refused_with_the_alternative():
+    q, k, v = (t.detach() for t in inputs(6))
+    plan = plan_for(q, k, v)
+    tangent = torch.ones_like(q)
+    with pytest.raises(flexattn.UnsupportedCallError, match="no forward-mode derivative"):
+        torch.func.jvp(lambda x: flexattn.flex_attn_func(x, k, v, mask_plan=plan), (q,), (tangent,))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(flexattn.UnsupportedCallError, match="reverse mode"):
+            flexattn.flex_attn_func(dual, k, v, mask_plan=plan)
+
+
 def test_vmap_is_refused_with_the_alternative():
     q, k, v = (t.detach() for t in inputs(4))
     plan = plan_for(q, k, v)

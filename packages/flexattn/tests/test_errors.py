@@ -292,6 +292,19 @@ def test_plan_refuses_other_geometry_or_dtype(make, needles):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
 
+def test_a_head_dim_of_one_is_contiguous_whatever_its_stride():
+    """A transposed ``[..., 1]`` tensor keeps its old stride on the size-1 dimension (and
+    ``.contiguous()`` returns it as it is): its head dimension is still contiguous."""
+    q, k, _ = fixed_qkv(hkv=2)
+    v = torch.randn(B, SK, 1, 2, dtype=torch.float64).transpose(-1, -2)  # Dv = 1, strides (.., 2, 1, 2)
+    assert v.stride(-1) == 2 and v.contiguous() is v
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    v_plain = v.new_empty(v.shape).copy_(v)
+    assert v_plain.stride(-1) == 1
+    assert torch.equal(out, flexattn.flex_attn_func(q, k, v_plain, mask_plan=plan))
+
+
 def test_varlen_plan_refuses_other_totals():
     ep, (q, k, v), args = varlen_case()
     plan = flexattn.create_mask_plan(ep, q, k, v, **args)
@@ -469,6 +482,16 @@ def test_varlen_lengths_and_block_map_take_numpy_integers():
     assert type(plan.geometry.max_seqlen_q) is int and type(plan.geometry.max_seqlen_k) is int
     view, want_view = plan.view("forward"), want.view("forward")
     assert torch.equal(view.block_map(np.int64(1), np.int32(0)), want_view.block_map(1, 0))
+
+
+def test_to_dense_is_as_wide_as_the_longest_sample_not_a_loose_max_seqlen():
+    """A generous ``max_seqlen_k`` (a model's context length) bounds the samples; the decoded mask
+    is as wide as the longest one, as with the exact bound (it used to allocate the bound's width)."""
+    ep, qkv, args = varlen_case()
+    want = flexattn.create_mask_plan(ep, *qkv, **args).view("forward").to_dense()
+    args.update(max_seqlen_q=1 << 30, max_seqlen_k=1 << 30)
+    dense = flexattn.create_mask_plan(ep, *qkv, **args).view("forward").to_dense()
+    assert dense.shape == (1, 200, 200) and torch.equal(dense, want)
 
 
 @pytest.mark.parametrize("bad", [None, {}, "plan", causal_mask()])

@@ -133,6 +133,25 @@ def test_fake_tensor_shapes_and_dtypes_match_the_real_call(case, dtype):
     assert fake[0].requires_grad and not fake[2].requires_grad  # max logit is not differentiable
 
 
+@pytest.mark.parametrize("how", ["mode", "tensors"])
+def test_plans_are_not_built_from_fake_tensors(how):
+    """The planner reads values: under a FakeTensorMode (or from fake tensors made in one) the
+    build is refused with the library's error, and leaves nothing behind that breaks a later real
+    build of the same shape (a fake prefix in the shared cache used to)."""
+    mask = masks.causal(40, batch=2)
+    q = torch.randn(2, 40, 2, 16)
+    with pytest.raises(flexattn.UnsupportedCallError, match="built from real tensors") as info:
+        with FakeTensorMode() as mode:
+            fq = mode.from_tensor(q)
+            if how == "mode":
+                flexattn.create_mask_plan(mask, fq, fq, fq)
+        if how == "tensors":
+            flexattn.create_mask_plan(mask, fq, fq, fq)
+    assert isinstance(info.value, RuntimeError)
+    plan = flexattn.create_mask_plan(mask, q, q, q)
+    assert torch.equal(plan.view("forward").to_dense()[0, :40], torch.ones(40, 40).tril().bool())
+
+
 _EAGER_SCRIPT = """
 import sys, torch, flexattn
 from flexattn import masks

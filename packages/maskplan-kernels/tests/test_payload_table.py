@@ -111,3 +111,38 @@ def test_view_bounds_hold_the_exact_geometry(case, tile):
             exact.n_k_rows,
             exact.k_words,
         )
+
+
+def _fresh_layout_makers():
+    """Makers of new layout instances: the shared ones (``@cache``) may hold their tables already."""
+    makers = [("rowmajor", lambda: RowMajorLayout(64, 96))]
+    try:
+        from flexattn_sm90.payload_layout import wgmma_layout
+
+        fresh = wgmma_layout.__wrapped__
+        makers += [("wgmma", lambda: fresh(128, 128)), ("wgmma-transposed", lambda: fresh(64, 64, 2, True))]
+    except ImportError:
+        pass
+    try:
+        from flexattn_sm100.payload_layout import tmem_layout
+
+        makers += [("tmem-transposed", lambda: tmem_layout.__wrapped__(128, 128, 1, True))]
+    except (ImportError, ValueError):
+        pass
+    return makers
+
+
+@pytest.mark.parametrize("name,make", _fresh_layout_makers(), ids=[m[0] for m in _fresh_layout_makers()])
+def test_layout_tables_are_host_tensors_whatever_the_default_device(name, make):
+    """Made under another default device (``meta`` stands in for ``cuda``), a layout's tables and
+    the packer's twin are still the CPU tensors they are outside it."""
+    want_layout = make()
+    gen = torch.Generator().manual_seed(0)
+    tiles = torch.rand(3, want_layout.tile_m, want_layout.tile_n, generator=gen) < 0.5
+    with torch.device("meta"):
+        layout = make()
+        table = payload_source_table(layout)
+        packed = pack_with_table(tiles, layout)
+        unpacked = layout.unpack(layout.pack(tiles))
+    assert torch.equal(table, payload_source_table(want_layout))
+    assert torch.equal(packed, want_layout.pack(tiles)) and torch.equal(unpacked, tiles)

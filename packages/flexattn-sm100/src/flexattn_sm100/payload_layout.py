@@ -103,9 +103,9 @@ class TmemLoadLayout(PayloadLayout):
 
     @cached_property
     def _fragment(self) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.arange(self.subtiles).view(-1, 1, 1)
-        t = torch.arange(self.groups).view(1, -1, 1)
-        e = torch.arange(self.elements_per_thread).view(1, 1, -1)
+        s = torch.arange(self.subtiles, device="cpu").view(-1, 1, 1)
+        t = torch.arange(self.groups, device="cpu").view(1, -1, 1)
+        e = torch.arange(self.elements_per_thread, device="cpu").view(1, 1, -1)
         row = TMEM_LANES * s + t % WARPGROUP_THREADS + 0 * e  # (S, T, E)
         col = (t // WARPGROUP_THREADS) * self.elements_per_thread + e + 0 * s
         m, n = (col, row) if self.transposed else (row, col)
@@ -120,16 +120,16 @@ class TmemLoadLayout(PayloadLayout):
     def _inverse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = self._fragment
         shape = m.shape
-        s = torch.arange(shape[0]).view(-1, 1, 1).expand(shape)
-        t = torch.arange(shape[1]).view(1, -1, 1).expand(shape)
-        e = torch.arange(shape[2]).view(1, 1, -1).expand(shape)
+        s = torch.arange(shape[0], device="cpu").view(-1, 1, 1).expand(shape)
+        t = torch.arange(shape[1], device="cpu").view(1, -1, 1).expand(shape)
+        e = torch.arange(shape[2], device="cpu").view(1, 1, -1).expand(shape)
         flat = (m * self.tile_n + n).reshape(-1)
         hits = torch.bincount(flat, minlength=self.tile_m * self.tile_n)
         if hits.numel() != self.tile_m * self.tile_n or not bool((hits == 1).all()):
             raise AssertionError(f"{self.layout_id}: fragment map is not a bijection onto the tile")
         out = []
         for value in (s, t, e // WORD_BITS, e % WORD_BITS):
-            dense = torch.empty(self.tile_m * self.tile_n, dtype=torch.int64)
+            dense = torch.empty(self.tile_m * self.tile_n, dtype=torch.int64, device="cpu")
             dense[flat] = value.reshape(-1)
             out.append(dense.reshape(self.tile_m, self.tile_n))
         return tuple(out)

@@ -158,8 +158,8 @@ class WgmmaAccumulatorLayout(PayloadLayout):
     @cached_property
     def _accumulator(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulator ``(row, col)``, int64 ``[threads, elements_per_thread]`` (the ownership picture)."""
-        t = torch.arange(self.threads).unsqueeze(1)  # (T, 1)
-        e = torch.arange(self.elements_per_thread).unsqueeze(0)  # (1, E)
+        t = torch.arange(self.threads, device="cpu").unsqueeze(1)  # (T, 1)
+        e = torch.arange(self.elements_per_thread, device="cpu").unsqueeze(0)  # (1, E)
         wg, warp, lane = t // WARPGROUP_THREADS, (t // 32) % 4, t % 32
         wm, wn = wg % self.wg_m, wg // self.wg_m
         j, half, c = e // 4, (e // 2) % 2, e % 2
@@ -181,8 +181,8 @@ class WgmmaAccumulatorLayout(PayloadLayout):
     @cached_property
     def _inverse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m, n = self._fragment
-        t = torch.arange(self.threads).unsqueeze(1).expand_as(m)
-        e = torch.arange(self.elements_per_thread).unsqueeze(0).expand_as(m)
+        t = torch.arange(self.threads, device="cpu").unsqueeze(1).expand_as(m)
+        e = torch.arange(self.elements_per_thread, device="cpu").unsqueeze(0).expand_as(m)
         slot, bit = self.register_bit(e)
         group, word = self.register_source(t, slot)
         holders = self.threads * self.elements_per_thread // (self.tile_m * self.tile_n)
@@ -305,7 +305,7 @@ def _invert(tile_m, tile_n, m, n, coords, holders: int, layout_id):
         )
     out = []
     for value in coords:
-        dense = torch.empty(tile_m * tile_n, dtype=torch.int64)
+        dense = torch.empty(tile_m * tile_n, dtype=torch.int64, device="cpu")
         dense[flat] = value.reshape(-1)
         if not bool((dense[flat] == value.reshape(-1)).all()):
             raise AssertionError(f"{layout_id}: two holders of one element read different bits")

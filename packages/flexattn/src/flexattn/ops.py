@@ -227,6 +227,13 @@ bwd.register_autograd(_not_twice_differentiable, setup_context=lambda ctx, input
 
 
 # -- eager route ----------------------------------------------------------------------------------
+def _no_forward_mode(ctx, *tangents):
+    raise UnsupportedCallError(
+        "flex_attn_func has no forward-mode derivative (torch.func.jvp, torch.autograd.forward_ad): "
+        "use reverse mode (backward, torch.func.vjp / grad)"
+    )
+
+
 def _eager_setup(ctx, inputs, output):
     q, k, v, mask_plan, *options = inputs
     _setup_context(ctx, (q, k, v, mask_plan.handle_tensor, *options), output)
@@ -235,6 +242,14 @@ def _eager_setup(ctx, inputs, output):
 
 
 def _eager_backward(ctx, dout, dlse, _dmax):
+    functorch = torch._C._functorch  # vmap's batched tensors, and the autograd engine's own (legacy)
+    if any(g is not None and (functorch.is_batchedtensor(g) or functorch.is_legacy_batchedtensor(g))
+           for g in (dout, dlse)):  # fmt: skip
+        raise UnsupportedCallError(
+            "flex_attn_func's backward takes one gradient at a time, not a vmapped batch of them "
+            "(is_grads_batched=True, jacobian(vectorize=True), torch.func.jacrev): loop over the "
+            "gradients, or batch through the B dimension of q/k/v"
+        )
     with torch.no_grad():
         grads = _gradients(ctx, dout, dlse, _backward_impl)
     if torch.is_grad_enabled():  # create_graph=True
@@ -263,6 +278,7 @@ class EagerAttention(torch.autograd.Function):
         return output
 
     backward = staticmethod(_eager_backward)
+    jvp = staticmethod(_no_forward_mode)
 
 
 class EagerAttentionTransforms(torch.autograd.Function):
@@ -275,6 +291,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     setup_context = staticmethod(_eager_setup)
     backward = staticmethod(_eager_backward)
+    jvp = staticmethod(_no_forward_mode)
 
     @staticmethod
     def vmap(info, in_dims, *args):

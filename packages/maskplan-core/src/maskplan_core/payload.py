@@ -22,7 +22,7 @@ import torch
 from .schema import PayloadLayoutSpec
 
 WORD_BITS = 32
-_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8, device="cpu")
 
 
 class PayloadLayout(ABC):
@@ -75,8 +75,8 @@ class PayloadLayout(ABC):
     def _bit_source(self) -> torch.Tensor:
         """int64 ``[words_per_tile * 32]``: the element feeding each bit (``tile_m * tile_n`` = padding)."""
         n_elem = self.tile_m * self.tile_n
-        src = torch.full((self.words_per_tile * WORD_BITS,), n_elem, dtype=torch.int64)
-        src[self.flat_bit_index.reshape(-1)] = torch.arange(n_elem)
+        src = torch.full((self.words_per_tile * WORD_BITS,), n_elem, dtype=torch.int64, device="cpu")
+        src[self.flat_bit_index.reshape(-1)] = torch.arange(n_elem, device="cpu")
         return src
 
     @cached_property
@@ -132,6 +132,6 @@ class RowMajorLayout(PayloadLayout):
         self.layout_id = f"rowmajor-v1-{tile_m}x{tile_n}"
 
     def element_coords(self):
-        m = torch.arange(self.tile_m).unsqueeze(1).expand(self.tile_m, self.tile_n)
-        n = torch.arange(self.tile_n).unsqueeze(0).expand(self.tile_m, self.tile_n)
+        m = torch.arange(self.tile_m, device="cpu").unsqueeze(1).expand(self.tile_m, self.tile_n)
+        n = torch.arange(self.tile_n, device="cpu").unsqueeze(0).expand(self.tile_m, self.tile_n)
         return torch.zeros_like(m), m, n // WORD_BITS, n % WORD_BITS

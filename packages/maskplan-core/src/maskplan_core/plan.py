@@ -36,7 +36,7 @@ from .errors import InputValueError, MissingBackwardViewError, PlanBindingError
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
-from .validation import require_int
+from .validation import head_dim_contiguous, require_int
 
 _ENTRY_CHUNK = 4096
 VIEW_TENSORS = (
@@ -184,9 +184,11 @@ class PlanView:
         return "\n".join("".join(".+#"[c] for c in row) for row in self.block_map(sample, head).tolist())
 
     def to_dense(self) -> torch.Tensor:
-        """bool ``[Hmask, total_q, Sk]`` (varlen: ``max_seqlen_k``, False past each sample's k_len)."""
+        """bool ``[Hmask, total_q, Sk]``; varlen: ``Sk`` is the longest sample's k_len (not the
+        declared ``max_seqlen_k``, which may be a loose bound), False past each sample's k_len."""
         g = self.geometry
-        dense = torch.zeros(g.mask_heads, g.total_q, g.max_seqlen_k, dtype=torch.bool, device=g.device)
+        sk = int(self.sequence_desc()[:, 3].max()) if g.varlen else g.max_seqlen_k
+        dense = torch.zeros(g.mask_heads, g.total_q, sk, dtype=torch.bool, device=g.device)
         for kind in ("partial", "full"):
             self._scatter_tiles(dense, self.entries(kind))
         return dense
@@ -276,7 +278,7 @@ class MaskPlan:
         init(self, "_views", dict(views))
         init(self, "_header", tuple(header))
         init(self, "_handle", next(_NEXT_HANDLE))
-        init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64))
+        init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
         init(self, "_consumer", consumer)
         _LIVE_PLANS[self._handle] = self
 
@@ -404,5 +406,5 @@ class MaskPlan:
                 raise PlanBindingError(f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}")
             if t.device != g.device:
                 raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
-            if t.stride(-1) != 1:
+            if not head_dim_contiguous(t):
                 raise PlanBindingError(f"{name} must have a contiguous last (head) dimension")

@@ -12,8 +12,9 @@ import numbers
 import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from .errors import InputTypeError, InputValueError
+from .errors import InputTypeError, InputValueError, UnsupportedCallError
 from .geometry import PlanGeometry
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -44,13 +45,19 @@ def require_optional_bool(name: str, value: object) -> None:
         raise InputTypeError(f"{name} must be a bool or None, got {type(value).__name__}")
 
 
+def head_dim_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t``'s last (head) dimension is contiguous; a dimension of one element always is,
+    whatever stride torch gives it (a transposed ``[..., 1]`` tensor keeps the old one)."""
+    return t.stride(-1) == 1 or t.size(-1) <= 1
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
     layout = "BSHD [B, S, H, D]" if rank == 4 else "THD [total, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         require_tensor(name, t)
         if t.dim() != rank:
             raise InputValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(t.shape)}")
-        if t.stride(-1) != 1:
+        if not head_dim_contiguous(t):
             raise InputValueError(
                 f"{name} must have a contiguous last (head) dimension, got strides {t.stride()}"
             )
@@ -91,6 +98,19 @@ def _check_prefix(name: str, cu: object, device: torch.device) -> torch.Tensor:
     return cu
 
 
+def _require_real(*args: object) -> None:
+    """Plans are built from real tensors: the planner reads the endpoints' and prefixes' values,
+    which fake tensors (a FakeTensorMode: ``torch.export``, fake tracing) do not have, and a fake
+    prefix kept by :func:`fixed_prefixes`' cache would break later real builds of that shape."""
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    if fake_mode or any(isinstance(a, FakeTensor) for a in args):
+        raise UnsupportedCallError(
+            "a mask plan is built from real tensors (the planner reads the endpoints), not under a "
+            "FakeTensorMode or from fake tensors (torch.export, fake tracing): build the plan outside "
+            "and pass it in"
+        )
+
+
 @functools.lru_cache(maxsize=64)
 def fixed_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``arange(B + 1) * S`` for Q and K: made once per shape and device and shared by every plan of
@@ -116,6 +136,7 @@ def validate_plan_inputs(
     max_seqlen_k: int | None = None,
 ) -> PlanGeometry:
     """Check the structure of ``create_mask_plan``'s arguments and derive the plan geometry."""
+    _require_real(mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen_args = {
         "cu_seqlens_q": cu_seqlens_q,
         "cu_seqlens_k": cu_seqlens_k,

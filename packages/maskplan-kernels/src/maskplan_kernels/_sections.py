@@ -38,9 +38,7 @@ class ScheduleParams:
 
     @classmethod
     def of(cls, g: PlanGeometry, pack_gqa: bool) -> ScheduleParams:
-        import torch
-
-        element = torch.empty((), dtype=g.dtype).element_size()
+        element = g.dtype.itemsize
         return cls(
             num_sections=g.batch * g.num_heads_kv,
             num_heads_kv=g.num_heads_kv,

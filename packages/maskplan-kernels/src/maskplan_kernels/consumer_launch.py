@@ -312,7 +312,7 @@ def sequence_desc_source(view: PlanView) -> torch.Tensor:
     ``consumer_plan.desc_field``)."""
     if view.geometry.varlen:
         return view.tensors["sequence_desc"]
-    return torch.empty(0, dtype=torch.int32)
+    return torch.empty(0, dtype=torch.int32, device="cpu")
 
 
 def plan_pointers(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:

@@ -59,10 +59,10 @@ def payload_source_table(layout: PayloadLayout) -> torch.Tensor:
     n_bits = layout.words_per_tile * WORD_BITS
     if flat.numel() != tm * tn or int(flat.min()) < 0 or int(flat.max()) >= n_bits:
         raise ValueError(f"{layout!r}: flat_bit_index must map the {tm}x{tn} tile into {n_bits} payload bits")
-    m = torch.arange(tm, dtype=torch.int64).unsqueeze(1)
-    n = torch.arange(tn, dtype=torch.int64).unsqueeze(0)
+    m = torch.arange(tm, dtype=torch.int64, device="cpu").unsqueeze(1)
+    n = torch.arange(tn, dtype=torch.int64, device="cpu").unsqueeze(0)
     address = ((bitmap_row_base(m, tn) + n // WORD_BITS) * WORD_BITS + n % WORD_BITS).reshape(-1)
-    table = torch.full((n_bits,), zero_address(tm, tn), dtype=torch.int64)
+    table = torch.full((n_bits,), zero_address(tm, tn), dtype=torch.int64, device="cpu")
     table[flat] = address
     return table.to(torch.int32)
 
@@ -72,9 +72,11 @@ def tile_bitmaps(tiles: torch.Tensor) -> torch.Tensor:
     n, tm, tn = tiles.shape
     rw = row_words(tn)
     bits = torch.nn.functional.pad(tiles.to(torch.int64), (0, rw * WORD_BITS - tn))
-    words = (bits.reshape(n, tm, rw, WORD_BITS) << torch.arange(WORD_BITS)).sum(-1)  # [n, tm, rw]
-    out = torch.zeros(n, bitmap_words(tm, tn), dtype=torch.int64)
-    index = bitmap_row_base(torch.arange(tm).unsqueeze(1), tn) + torch.arange(rw)  # [tm, rw]
+    shifts = torch.arange(WORD_BITS, device=tiles.device)
+    words = (bits.reshape(n, tm, rw, WORD_BITS) << shifts).sum(-1)  # [n, tm, rw]
+    out = torch.zeros(n, bitmap_words(tm, tn), dtype=torch.int64, device=tiles.device)
+    rows = torch.arange(tm, device=tiles.device).unsqueeze(1)
+    index = bitmap_row_base(rows, tn) + torch.arange(rw, device=tiles.device)  # [tm, rw]
     out[:, index.reshape(-1)] = words.reshape(n, tm * rw)
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
@@ -89,7 +91,8 @@ def pack_with_table(tiles: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
     bitmap = tile_bitmaps(tiles.cpu()).to(torch.int64) & 0xFFFFFFFF
     table = payload_source_table(layout).to(torch.int64)
     bits = (bitmap[:, table // WORD_BITS] >> (table % WORD_BITS)) & 1  # [n, words * 32]
-    words = (bits.reshape(n, layout.words_per_tile, WORD_BITS) << torch.arange(WORD_BITS)).sum(-1)
+    shifts = torch.arange(WORD_BITS, device="cpu")
+    words = (bits.reshape(n, layout.words_per_tile, WORD_BITS) << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.reshape(n, layout.subtiles, layout.groups, layout.words_per_group)
 

@@ -54,7 +54,7 @@ def _forward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeomet
     kv_head_of = sched if pack else sched // g.qhead_per_kvhead
     mask_head = sched if g.mask_heads > 1 and not pack else torch.zeros_like(sched)
     costs = (cls.partial_counts + cls.full_counts).to(torch.int64)[mask_head]
-    element = torch.empty((), dtype=g.dtype).element_size()
+    element = g.dtype.itemsize
     work = forward_schedule(
         costs,
         geom,
