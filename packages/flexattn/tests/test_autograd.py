@@ -106,5 +106,5 @@ def test_forward_mode_is_refused_with_the_alternative():
 def test_vmap_is_refused_with_the_alternative():
     q, k, v = (t.detach() for t in inputs(4))
     plan = plan_for(q, k, v)
-    with pytest.raises(NotImplementedError, match="torch.vmap"):
+    with pytest.raises(flexattn.UnsupportedCallError, match="torch.vmap"):
         torch.vmap(lambda x: flexattn.flex_attn_func(x, k, v, mask_plan=plan))(q[None])

@@ -295,7 +295,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, *args):
-        raise NotImplementedError(
+        raise UnsupportedCallError(
             "flex_attn_func does not support torch.vmap: batch through the B dimension of q/k/v "
             "(or THD with cu_seqlens) and one plan"
         )

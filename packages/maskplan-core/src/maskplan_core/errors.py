@@ -54,5 +54,5 @@ class UnsupportedConfigError(InputValueError):
 
 class UnsupportedCallError(FlexAttnError, RuntimeError):
     """A call the library does not serve in the state it is made in: ``execute()`` before
-    ``compile()``, a double backward, a vmapped backward or forward-mode derivative through
-    attention, a plan built from fake tensors."""
+    ``compile()``, eager ``torch.vmap``, a double backward, a vmapped backward or forward-mode
+    derivative through attention, a plan built from fake tensors."""
