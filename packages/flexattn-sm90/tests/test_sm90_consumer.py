@@ -228,7 +228,7 @@ def test_view_config_accepts_its_own_views_and_refuses_others():
     reference = plan_with(ReferenceConsumer(), "reference")
     with pytest.raises(PlanSignatureMismatch, match="arch_family") as info:
         config_for_view(reference.view("forward"), "forward")
-    assert "rebuild the plan with create_mask_plan on an SM90 device" in str(info.value)
+    assert "rebuild the plan with create_mask_plan for SM90" in str(info.value)
 
 
 def test_resolve_is_memoised_and_refusals_repeat():

@@ -17,3 +17,5 @@ def test_readme_consumer_example_runs():
         exec(compile(block, str(README), "exec"), scope)
     assert scope["fwd"].signature.kernel_family == "mine-v1"
     assert scope["out"].shape == (2 * 200, 2, 16)
+    fields = {d.field for d in scope["refused"].diffs}  # the reference's plan, refused by MyConsumer
+    assert {"arch_family", "kernel_family", "topology.tile_m", "topology.tile_n"} <= fields

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from maskplan_core import (
     ABI_VERSION,
     HEADER_FIELDS,
+    InputValueError,
     PayloadLayoutSpec,
     PlanSignature,
     RowMajorLayout,
@@ -292,7 +293,7 @@ class _OutOfRangeBits(RowMajorLayout):
 
 def test_layout_coordinates_must_fit_the_payload():
     layout = _OutOfRangeBits(2, 32)
-    with pytest.raises(AssertionError, match=r"bit must be .* in \[0, 32\), got .* range \[0, 63\]"):
+    with pytest.raises(InputValueError, match=r"bit must be .* in \[0, 32\), got .* range \[0, 63\]"):
         layout.pack(torch.ones(1, 2, 32, dtype=torch.bool))
 
 
@@ -321,3 +322,5 @@ def test_a_view_carries_a_signature_of_its_own_direction_and_layout():
         build_plan(masks.causal(100), g, config("forward"), config("forward"), "test")
     with pytest.raises(ValueError, match="signature.payload .* does not describe the layout"):
         build_plan(masks.causal(100), g, config("forward", RowMajorLayout(16, 64).spec), None, "test")
+    with pytest.raises(InputValueError, match="packs 32x32 tiles but the signature's topology tiles 64x48"):
+        ViewConfig(signature(topology=Topology(tile_m=64, tile_n=48), payload=layout.spec), layout)

@@ -4,7 +4,14 @@ Depends on torch and pydantic only; never imports CuTe DSL.
 """
 
 from . import masks
-from .consumer import ENTRY_POINT_GROUP, AttentionOutputs, Consumer, ViewConfig, ViewRequest
+from .consumer import (
+    ENTRY_POINT_GROUP,
+    AttentionOutputs,
+    Consumer,
+    ViewConfig,
+    ViewRequest,
+    require_view_signature,
+)
 from .errors import (
     ConsumerNotFoundError,
     EndpointError,
@@ -55,5 +62,6 @@ __all__ = [
     "ViewConfig",
     "ViewRequest",
     "masks",
+    "require_view_signature",
     "validate_plan_inputs",
 ]

@@ -52,6 +52,16 @@ class ViewConfig:
     signature: PlanSignature
     layout: PayloadLayout
 
+    def __post_init__(self):
+        # the planner tiles by the signature's topology and packs with the layout, so they must agree
+        # before it runs (PlanView checks the payload spec against the layout)
+        topology = self.signature.topology
+        if (self.layout.tile_m, self.layout.tile_n) != (topology.tile_m, topology.tile_n):
+            raise InputValueError(
+                f"ViewConfig: the layout {self.layout!r} packs {self.layout.tile_m}x{self.layout.tile_n} "
+                f"tiles but the signature's topology tiles {topology.tile_m}x{topology.tile_n}"
+            )
+
     @property
     def tile_m(self) -> int:
         return self.signature.topology.tile_m
@@ -239,22 +249,28 @@ def view_problem(view: PlanView, kernel: str) -> dict:
 
 
 def require_view_signature(view: PlanView, direction: str, config, *, arch: str, note: str = ""):
-    """``config`` if ``view`` is a ``direction`` view carrying exactly ``config.plan_signature()``.
+    """``config`` if ``view`` is a ``direction`` view carrying exactly its signature: a
+    :class:`ViewConfig`'s ``signature``, or a kernel config's ``plan_signature()``.
 
     A view is runnable by a kernel only if re-selecting the config from the view gives the
     signature it carries; anything else is a plan for another consumer (or direction) and raises
     :class:`PlanSignatureMismatch` with the differing fields. ``config=None``: the consumer has no
-    config for this view (``note`` says why, e.g. its kernel family); ``arch`` names the consumer's
-    devices ("SM90") in the message.
+    config for this view (``note`` says why, e.g. its kernel family); ``arch`` names the consumer
+    ("SM90") in the message. A consumer of one's own runs it first thing in ``forward`` /
+    ``backward``, with the :class:`ViewConfig` its ``resolve`` gives for the view's problem.
     """
-    diffs = [] if config is None else config.plan_signature().diff(view.signature)
+    if config is None:
+        diffs = []
+    else:
+        expected = config.signature if isinstance(config, ViewConfig) else config.plan_signature()
+        diffs = expected.diff(view.signature)
     if config is None or view.role != direction or diffs:
         why = f"role is {view.role!r}" + (f", {note}" if note else "")
         listing = "; ".join(str(d) for d in diffs) or why
         rebuild = "create_mask_plan" + ("(..., build_backward=True)" if direction == "backward" else "")
         raise PlanSignatureMismatch(
             f"this view cannot be run by the {arch} {direction} kernel ({listing}); rebuild the plan with "
-            f"{rebuild} on an {arch} device",
+            f"{rebuild} for {arch}",
             diffs,
         )
     return config

@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 
+from .errors import InputValueError
 from .schema import PayloadLayoutSpec
 
 WORD_BITS = 32
@@ -59,7 +60,7 @@ class PayloadLayout(ABC):
         extents = (self.subtiles, self.groups, self.words_per_group, WORD_BITS)
         for name, c, extent in zip(("subtile", "group", "word", "bit"), coords, extents, strict=True):
             if tuple(c.shape) != (self.tile_m, self.tile_n) or bool(((c < 0) | (c >= extent)).any()):
-                raise AssertionError(
+                raise InputValueError(
                     f"payload layout {self.layout_id}: element_coords' {name} must be [tile_m, tile_n] = "
                     f"[{self.tile_m}, {self.tile_n}] values in [0, {extent}), got shape {tuple(c.shape)}, "
                     f"range [{int(c.min())}, {int(c.max())}]"
@@ -68,7 +69,7 @@ class PayloadLayout(ABC):
         word = (s * self.groups + g) * self.words_per_group + w
         flat = word * WORD_BITS + b
         if flat.unique().numel() != flat.numel():
-            raise AssertionError(f"payload layout {self.layout_id} maps two elements to one bit")
+            raise InputValueError(f"payload layout {self.layout_id} maps two elements to one bit")
         return flat
 
     @cached_property

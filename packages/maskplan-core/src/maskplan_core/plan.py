@@ -20,6 +20,24 @@ The reconstruction loop below is the spec of the format (``to_dense`` runs it ve
 ``sequence_desc`` (int32 ``[B, 8]``) is retained by varlen views only (spec 4.8); a fixed-length
 view's descriptor is affine in ``b`` and follows from the geometry and the view's block, by the
 formula of :func:`fixed_sequence_desc`. ``PlanView.sequence_desc()`` returns either.
+
+What a kernel may rely on besides the loop above (the ABI a consumer's kernels read):
+
+- Within a row's range, ``*_block_idx`` are sample-local inner block indices (K blocks of the
+  forward view, Q blocks of the backward view), ascending.
+- A payload's bits are 0 for every element past its sample's ``q_len`` / ``k_len``, so inside a
+  partial tile the predicate alone masks the keys past ``k_len`` (rows past ``q_len`` must still
+  not be stored).
+- ``fwd_work_desc`` (forward view), int32 ``[tasks, 4]``: one task ``(m_block, head, batch,
+  q_valid_rows)`` per Q block of a sample and scheduled head, with or without visible blocks
+  (those write ``O = 0``, ``LSE = -inf``). ``m_block`` is sample-local; ``head`` is the q head, or
+  with ``pack_gqa`` the kv head whose q heads share the tile; ``q_valid_rows`` is the block's
+  positions inside the sample (at most the view's ``tile_m``). Kernels take tasks in queue order,
+  which the reference fixes (``reference/schedule.py``: by L2 section and cost, empty rows last).
+- ``dq_write_order`` / ``dq_write_order_full`` (backward view), int32, one per partial / full
+  entry ``e`` (K block ``j`` -> Q block ``i``): ``j``'s rank among all K blocks, partial or full,
+  that reach Q block ``i``, ascending in ``j``. Deterministic dQ accumulation adds Q block ``i``'s
+  contributions in rank order, so every run gives the same bits.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """The reference consumer: row-major payload bits, 128x128 tiles, pure-torch attention.
 
-The facade uses it for CPU tensors; it is also the executable spec every kernel is tested against.
+The facade uses it for CPU tensors; it is also the executable spec every kernel is tested against,
+so its attention reads any consumer's view (it decodes payloads through the view's own layout) and
+checks no signature: the facade refuses a plan made for another consumer before dispatching here.
 """
 
 from __future__ import annotations
