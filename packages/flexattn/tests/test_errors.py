@@ -214,8 +214,12 @@ def test_a_device_without_a_consumer_is_named_before_any_dtype_rule(dtype):
 
 
 def test_unknown_target_has_no_consumer():
-    with pytest.raises(ConsumerNotFoundError, match="sm999"):
+    with pytest.raises(ConsumerNotFoundError, match="sm999") as info:
         flexattn.create_mask_plan(causal_mask(), *fixed_qkv(), target="sm999")
+    assert "'reference'" in str(info.value)  # the names a target can take
+    for name in ("hopper", "SM90"):  # a name nothing claims: the installed ones are listed
+        with pytest.raises(ConsumerNotFoundError, match=f"'{name}'.*installed consumers serve 'reference'"):
+            flexattn.create_mask_plan(causal_mask(), *fixed_qkv(), target=name)
 
 
 # --------------------------------------------------------------------------------------------------

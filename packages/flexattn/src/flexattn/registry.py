@@ -64,8 +64,11 @@ def installed_consumers() -> dict[str, Consumer]:
 def consumer_for(family: str) -> Consumer:
     consumer = installed_consumers().get(family)
     if consumer is None:
-        hint = _INSTALL_HINT.get(family, "install a package that registers one")
-        raise ConsumerNotFoundError(f"no installed consumer serves {family}: {hint}")
+        hint = _INSTALL_HINT.get(family)
+        if hint is None:  # a target name nothing claims: say which ones are there
+            names = ", ".join(repr(f) for f in sorted(installed_consumers()))
+            hint = f"the installed consumers serve {names}; a package may register another"
+        raise ConsumerNotFoundError(f"no installed consumer serves {family!r}: {hint}")
     if not consumer.hardware_verified:
         log.warning("%s has been compiled for %s but never run on that hardware", consumer.name, family)
     return consumer

@@ -198,7 +198,9 @@ class PlanView:
         return out
 
     def block_map_text(self, sample: int = 0, head: int = 0) -> str:
-        """:meth:`block_map` as text, a line per Q block: ``#`` full, ``+`` partial, ``.`` empty."""
+        """:meth:`block_map` as text, a line per Q block: ``#`` full, ``+`` partial, ``.`` empty. A
+        full tile lies wholly inside its sample, so one reaching past the sample's end is ``+``
+        even where every element inside the sample is visible."""
         return "\n".join("".join(".+#"[c] for c in row) for row in self.block_map(sample, head).tolist())
 
     def to_dense(self) -> torch.Tensor:
