@@ -255,11 +255,13 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks: every benchmarks/bench_*.py except the CPU-only ones (bench_*cpu*.py)."""
+    """GPU benchmarks: every benchmarks/bench_*.py except the CPU-only ones (bench_*cpu*.py), each
+    with its defaults; arguments after ``--`` go to bench_fwd_sm90.py only (the scripts' flags differ)."""
     install_layer(session, "flexattn", extras=("all",))
     _require_cuda(session)
     scripts = sorted(p for p in (ROOT / "benchmarks").glob("bench_*.py") if "cpu" not in p.stem)
     if not scripts:
         session.skip("no GPU benchmark scripts in benchmarks/ yet")
     for script in scripts:
-        session.run("python", os.path.relpath(script, ROOT), *session.posargs)
+        args = session.posargs if script.name == "bench_fwd_sm90.py" else ()
+        session.run("python", os.path.relpath(script, ROOT), *args)

@@ -9,13 +9,15 @@ an empty ``DIR`` is the tree as it is. Each run gets its variant's own compile c
 (``FLEXATTN_CACHE_DIR``), so no variant loads another's kernels (``--cache DIR`` keeps them for a
 later call), and every replaced file is put back after each run, also after a failure or a
 timeout. Rounds alternate the order (A B, B A, ...) so drift of the machine over the session does
-not favour one variant. The packages must be installed editable (as the GPU procedure does), so
-the replaced sources are what Python imports.
+not favour one variant. The packages must be installed editable from this tree (as the GPU
+procedure does), so the replaced sources are what Python imports; a variant replacing a package's
+source is refused where Python would import that package from elsewhere.
 
 Printed: each run's output under ``== NAME round R``, then every table row of the benchmark
 (``bench_fwd_sm90.py``'s final table: S, mask, system, TFLOP/s; ``system@device`` rows hold its
 device-only TFLOP/s) per variant and round, side by side.
-Differences of a few percent between rounds are the machine's noise; compare the rounds.
+Differences of a few percent between rounds are the machine's noise; compare the rounds. Exits 1
+where a run failed or timed out, or no run printed a table row.
 """
 
 from __future__ import annotations
@@ -71,8 +73,37 @@ def parse_variant(text: str, root: Path) -> Variant:
     return variant
 
 
-def run_variant(variant: Variant, root: Path, command: list[str], cache: Path, timeout: float) -> str:
-    """Run ``command`` (from ``root``) with ``variant``'s files in place; returns its output."""
+def foreign_imports(variants: list[Variant], root: Path) -> list[str]:
+    """The packages whose sources a variant replaces (``packages/*/src/MODULE/...``) that Python,
+    started from ``root``, imports from elsewhere: an A/B there would time one tree twice."""
+    sources = {}
+    for v in variants:
+        for p in v.files():
+            if len(p.parts) > 4 and p.parts[0] == "packages" and p.parts[2] == "src":
+                sources[p.parts[3]] = root / Path(*p.parts[:4])
+    if not sources:
+        return []
+    code = (
+        "import importlib.util, sys\n"
+        "for m in sys.argv[1:]:\n"
+        "    spec = importlib.util.find_spec(m)\n"
+        "    where = spec.submodule_search_locations if spec else None\n"
+        "    print(m, where[0] if where else '-')"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *sources], cwd=root, capture_output=True, text=True)
+    found = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    return [
+        f"{m} from {found.get(m, '-')} (not {src})"
+        for m, src in sources.items()
+        if found.get(m, "-") == "-" or Path(found[m]).resolve() != src.resolve()
+    ]
+
+
+def run_variant(
+    variant: Variant, root: Path, command: list[str], cache: Path, timeout: float
+) -> tuple[str, bool]:
+    """Run ``command`` (from ``root``) with ``variant``'s files in place; returns its output and
+    whether it exited 0 in time."""
     saved = {p: (root / p).read_bytes() for p in variant.files()}
     try:
         for p in saved:
@@ -85,10 +116,10 @@ def run_variant(variant: Variant, root: Path, command: list[str], cache: Path, t
             out = done.stdout + done.stderr
             if done.returncode:
                 out += f"\n[exit status {done.returncode}]"
+            return out, done.returncode == 0
         except subprocess.TimeoutExpired as e:  # its captured output is bytes, whatever text= says
             out = b"".join(x for x in (e.stdout, e.stderr) if x).decode(errors="replace")
-            out += f"\n[timed out after {timeout:.0f} s]"
-        return out
+            return out + f"\n[timed out after {timeout:.0f} s]", False
     finally:
         for p, data in saved.items():
             (root / p).write_bytes(data)
@@ -132,10 +163,9 @@ def summary(results: dict[tuple[str, int], dict], variants: list[Variant], round
 
 def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        sys.exit("usage: ab_overlay.py --variant NAME=DIR ... -- SCRIPT [ARGS]  (see the docstring)")
-    split = argv.index("--")
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    split = argv.index("--") if "--" in argv else len(argv)
+    usage = "%(prog)s --variant NAME=DIR ... [options] -- SCRIPT [ARGS]"
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage=usage)
     p.add_argument("--variant", action="append", required=True, type=lambda t: parse_variant(t, root))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
@@ -143,16 +173,24 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     args = p.parse_args(argv[:split])
     if len({v.name for v in args.variant}) != len(args.variant):
         p.error("variant names must differ")
+    if split >= len(argv) - 1:
+        p.error("give the benchmark to run after --, e.g. -- benchmarks/bench_fwd_sm90.py --mode train")
+    elsewhere = foreign_imports(args.variant, root)
+    if elsewhere:
+        p.error(f"Python imports {'; '.join(elsewhere)}: install the packages editable from {root}")
     command = [sys.executable, *argv[split + 1 :]]
-    results = {}
+    results, failed = {}, 0
     with tempfile.TemporaryDirectory(prefix="ab_cache_") as tmp:
         cache = Path(args.cache or tmp)
         for r, variant in schedule(args.variant, args.rounds):
-            out = run_variant(variant, root, command, cache, args.timeout)
+            out, ok = run_variant(variant, root, command, cache, args.timeout)
             print(f"== {variant.name} round {r}\n{out.rstrip()}", flush=True)
             results[variant.name, r] = table_rows(out)
+            failed += not ok
     print("\n" + summary(results, args.variant, args.rounds))
-    return 0
+    if failed:
+        print(f"{failed} of {len(results)} runs failed or timed out")
+    return 1 if failed or not any(results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 cuDNN ``flex_attention``, each run twice in its own child process.
 
     python benchmarks/bench_first_call.py [--seqlen 4096] [--batch 2] [--heads 16] [--dim 128]
+                                          [--systems flexattn,cudnn]
 
 A child process times, after its imports: the first plan build (with backward views), the first
 forward, then the first backward (``torch.autograd.grad``), each synchronised. flexattn's runs
@@ -18,6 +19,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd_sm90 import require_cuda  # noqa: E402
 
 CHILD = """
 import json, time
@@ -66,14 +71,16 @@ def run_child(system: str, args, env: dict) -> dict | str:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--systems", default="flexattn,cudnn")
     args = p.parse_args()
+    require_cuda(p.prog)
+    failed = 0
     print(f"first call of a process: B={args.batch} S={args.seqlen} H={args.heads} D={args.dim} bf16 causal")
     heads = ("import s", "plan s", "fwd s", "bwd s", "total s")
     print(f"{'system':10s} {'process':8s} " + " ".join(f"{h:>9s}" for h in heads))
@@ -84,12 +91,14 @@ def main() -> None:
                 r = run_child(system, args, env)
                 if isinstance(r, str):
                     print(f"{system:10s} {run:8s} failed: {r}")
+                    failed += 1
                     break
                 total = r["plan_s"] + r["forward_s"] + r["backward_s"]
                 values = (r["import_s"], r["plan_s"], r["forward_s"], r["backward_s"], total)
                 cache = f"  cache {r['cache']}" if r["cache"] else ""
                 print(f"{system:10s} {run:8s} " + " ".join(f"{x:9.3f}" for x in values) + cache, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

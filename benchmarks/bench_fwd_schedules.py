@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import timed  # noqa: E402
+from bench_fwd_sm90 import require_cuda, timed  # noqa: E402
 from masks_bench import endpoint_mask, visible_pairs  # noqa: E402
 
 import flexattn  # noqa: E402
@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     args = p.parse_args()
+    require_cuda(p.prog)
     schedules = args.schedules.split(",")
     b, s, h = args.batch, args.seqlen, args.heads
     print(f"{torch.cuda.get_device_name()}  B={b} S={s} H={h} bf16, TFLOP/s")

@@ -19,8 +19,8 @@ TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for 
 (8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
 ``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
 Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
-``<mode>_tflops.png`` to ``--out``. ``--seqlen`` takes a comma-separated list for a sweep (one table
-row per length and mask).
+``<mode>_tflops.png`` to ``--out`` (``$OUT``, else ``benchmarks/results``). ``--seqlen`` takes a
+comma-separated list for a sweep (one table row per length and mask).
 
 Two timings per system. ``queued``: 10 calls issued back to back between two CUDA events, as a
 training step issues them; when a call's host work (Python, argument checks, launches) outlasts
@@ -44,10 +44,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from masks_bench import document_lengths, endpoint_mask, mask_mod_from_endpoints, visible_pairs  # noqa: E402
+from masks_bench import (  # noqa: E402
+    MASK_NAMES,
+    document_lengths,
+    endpoint_mask,
+    mask_mod_from_endpoints,
+    visible_pairs,
+)
 
 import flexattn  # noqa: E402
 from flexattn import masks  # noqa: E402
+
+#: what ``--systems`` can name (``flexattn-pack`` joins ``flexattn`` by itself under GQA)
+SYSTEMS = ("flexattn", "flexattn-det", "cudnn", "torch-flex", "fa4-causal", "flexattn-varlen", "fa4-varlen")
+
+
+def require_cuda(prog: str) -> None:
+    """Exit with a one-line message where there is no CUDA GPU to time (not a torch traceback)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{prog}: needs a CUDA GPU (torch.cuda.is_available() is False here)")
 
 
 def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
@@ -203,23 +218,34 @@ def varlen_systems(args, q, k, v, scale):
     return fwd
 
 
-def make_parser(description: str) -> argparse.ArgumentParser:
-    """The problem and peer options (shared with ``bench_kernels.py``); :func:`finish` the result."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--seqlen", default="8192", help="one length, or a comma-separated sweep")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--dim-v", type=int, default=None, help="V's head dim; default: --dim")
-    p.add_argument("--mode", choices=("fwd", "train"), default="fwd")
-    p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
-    p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser:
+    """The problem and peer options (shared with ``bench_kernels.py``, which times one length and
+    writes no files: ``sweep=False``); :func:`finish` the parsed arguments."""
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(description=description, formatter_class=defaults)
+    p.add_argument("--seqlen", default="8192", help="tokens per sample" + (", or a sweep: 2048,4096" * sweep))
+    p.add_argument("--batch", type=int, default=2, help="samples")
+    p.add_argument("--heads", type=int, default=16, help="q heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads, fewer for GQA; None: --heads")
+    p.add_argument("--dim", type=int, default=128, help="head dim of Q and K")
+    p.add_argument("--dim-v", type=int, default=None, help="head dim of V; None: --dim")
+    p.add_argument("--mode", choices=("fwd", "train"), default="fwd", help="train: forward + backward")
+    p.add_argument("--masks", default=",".join(MASK_NAMES), help=f"of {', '.join(MASK_NAMES)}")
+    p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal",
+                   help=f"of {', '.join(SYSTEMS)}")  # fmt: skip
+    if sweep:
+        results = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
+        p.add_argument("--out", default=results, help="folder of the JSON and chart ($OUT if set)")
     return p
 
 
-def finish(args: argparse.Namespace) -> argparse.Namespace:
+def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Checked names and defaults filled in; exits where there is no GPU to time."""
+    for option, names, known in (("--masks", args.masks, MASK_NAMES), ("--systems", args.systems, SYSTEMS)):
+        unknown = [n for n in names.split(",") if n not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    require_cuda(parser.prog)
     args.systems = args.systems.split(",")
     args.kv_heads = args.kv_heads or args.heads
     args.dim_v = args.dim_v or args.dim
@@ -227,7 +253,8 @@ def finish(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = finish(make_parser(__doc__.splitlines()[0]).parse_args())
+    parser = make_parser(__doc__.splitlines()[0])
+    args = finish(parser, parser.parse_args())
     torch.manual_seed(0)
     train = args.mode == "train"
     rows = []

@@ -4,8 +4,8 @@
                                        [--systems flexattn,flexattn-det,cudnn,fa4-causal]
                                        [--steps 5] [--plain]
 
-The same problem, masks, peers and options as ``bench_fwd_sm90.py`` (its first length only;
-``--out`` is not used). Each system's step is warmed up 3 times, then ``--steps`` steps run under
+The same problem, masks, peers and options as ``bench_fwd_sm90.py``, at one length, writing no
+files. Each system's step is warmed up 3 times, then ``--steps`` steps run under
 ``torch.profiler``; the table lists every GPU kernel (name cut to 100 characters) with its time per
 step, largest first, and the sum. The profiler adds little to kernels of this length, but compare
 kernels within one run. ``--plain`` runs the same steps without ``torch.profiler`` and prints
@@ -47,12 +47,12 @@ def kernel_times(fn, steps: int) -> list[tuple[float, str]]:
 
 
 def main() -> None:
-    p = make_parser(__doc__.splitlines()[0])
+    p = make_parser(__doc__.splitlines()[0], sweep=False)
     p.set_defaults(masks="causal", systems="flexattn,flexattn-det,cudnn,fa4-causal")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per system")
     p.add_argument("--plain", action="store_true", help="no torch.profiler (run under ncu)")
-    args = finish(p.parse_args())
-    seqlen = int(args.seqlen.split(",")[0])
+    args = finish(p, p.parse_args())
+    seqlen = int(args.seqlen)
     torch.manual_seed(0)
     q, k, v = inputs(args, seqlen, args.mode == "train")
     for name in args.masks.split(","):

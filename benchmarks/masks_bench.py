@@ -29,6 +29,10 @@ def random_endpoints(batch: int, seqlen: int, nfunc: int = 5, seed: int = 0, dev
     return torch.floor(u * (seqlen + 1)).clamp(max=seqlen).to(torch.int32).sort(dim=1).values.contiguous()
 
 
+#: the masks endpoint_mask builds, by the name the benchmarks' ``--masks`` take
+MASK_NAMES = ("causal", "sliding-1024", "document", "random-5")
+
+
 def endpoint_mask(name: str, batch: int, seqlen: int, device="cuda") -> torch.Tensor:
     if name == "causal":
         return masks.causal(seqlen, batch=batch, device=device)
@@ -38,7 +42,7 @@ def endpoint_mask(name: str, batch: int, seqlen: int, device="cuda") -> torch.Te
         return masks.document(document_lengths(batch, seqlen), causal=True, device=device)
     if name == "random-5":
         return random_endpoints(batch, seqlen, device=device)
-    raise ValueError(f"unknown mask {name!r}")
+    raise ValueError(f"unknown mask {name!r}; masks: {', '.join(MASK_NAMES)}")
 
 
 def mask_mod_from_endpoints(endpoints: torch.Tensor, seqlen: int):

@@ -100,11 +100,20 @@ def _line(ins: Instruction, total: int) -> str:
     return f"{head}  {ins.source[:64]:64s} {stalls}"
 
 
+def _offsets(text: str) -> tuple[int, int]:
+    """``--window``'s ``LO:HI``, checked before the report is read."""
+    try:
+        lo, hi = (int(x, 0) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LO:HI, e.g. 0x2000:0x2400") from None
+    return lo, hi
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", help="ncu --page source --csv --print-source sass output")
     p.add_argument("--top", type=int, default=30, help="instructions to list, most samples first")
-    p.add_argument("--window", default=None, help="LO:HI offsets (hex or decimal) to list in full")
+    p.add_argument("--window", type=_offsets, help="LO:HI offsets (hex or decimal) to list in full")
     args = p.parse_args()
     kernel, instructions = read_source(args.csv)
     total = sum(i.samples for i in instructions)
@@ -114,7 +123,7 @@ def main() -> None:
     for ins in top_instructions(instructions, args.top):
         print(_line(ins, total))
     if args.window:
-        lo, hi = (int(x, 0) for x in args.window.split(":"))
+        lo, hi = args.window
         part = window(instructions, lo, hi)
         print(f"window {lo:#x}:{hi:#x}: {sum(i.samples for i in part)} samples")
         for ins in part:

@@ -43,8 +43,9 @@ def overlay(tmp_path, name, value):
 
 def test_alternates_rounds_swaps_files_and_restores_them(tree, tmp_path, capsys):
     new = overlay(tmp_path, "new", "120.5")
-    ab_overlay.main(["--variant", "base=", "--variant", f"new={new}", "--rounds", "3", "--", "bench.py"],
-                    tree)  # fmt: skip
+    rc = ab_overlay.main(["--variant", "base=", "--variant", f"new={new}", "--rounds", "3", "--", "bench.py"],
+                         tree)  # fmt: skip
+    assert rc == 0
     out = capsys.readouterr().out
     runs = [line for line in out.splitlines() if line.startswith("== ")]
     assert runs == ["== base round 1", "== new round 1", "== new round 2", "== base round 2",
@@ -60,10 +61,10 @@ def test_failures_and_timeouts_restore_the_tree_and_show_in_the_table(tree, tmp_
     fail, hang = overlay(tmp_path, "fail", "fail"), overlay(tmp_path, "hang", "hang")
     args = ["--variant", f"f={fail}", "--variant", f"h={hang}", "--rounds", "1", "--timeout", "2",
             "--", "bench.py"]  # fmt: skip
-    ab_overlay.main(args, tree)
+    assert ab_overlay.main(args, tree) == 1
     out = capsys.readouterr().out
     assert "[exit status 3]" in out and "[timed out after 2 s]" in out
-    assert "no table rows found" in out
+    assert "no table rows found" in out and "2 of 2 runs failed or timed out" in out
     assert (tree / "pkg" / "mod.txt").read_text() == "100.0\n"
 
 
@@ -125,3 +126,35 @@ def test_rows_without_a_ratio(tree, capsys):
     ab_overlay.main(["--variant", "base=", "--rounds", "1", "--", "bench.py"], tree)
     table = capsys.readouterr().out.split("\n\n")[-1].splitlines()
     assert table[1].split() == ["8192", "causal", "flexattn-det", "100.0"]
+
+
+def test_refuses_a_package_python_imports_from_another_tree(tree, tmp_path, monkeypatch, capsys):
+    """A variant replacing ``packages/*/src/MODULE/...`` times nothing new where Python imports
+    MODULE from elsewhere (an editable install of another checkout): refused before any run."""
+    src = tree / "packages" / "foo" / "src" / "foomod"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "k.py").write_text("VALUE = 1\n")
+    other = tmp_path / "other" / "foomod"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    new = tmp_path / "new" / "packages" / "foo" / "src" / "foomod"
+    new.mkdir(parents=True)
+    (new / "k.py").write_text("VALUE = 2\n")
+    args = ["--variant", "base=", "--variant", f"new={tmp_path / 'new'}", "--rounds", "1", "--", "bench.py"]
+    monkeypatch.setenv("PYTHONPATH", str(other.parent))
+    with pytest.raises(SystemExit) as info:
+        ab_overlay.main(args, tree)
+    assert info.value.code == 2 and "foomod from" in capsys.readouterr().err
+    assert (src / "k.py").read_text() == "VALUE = 1\n"  # nothing ran, nothing swapped
+    monkeypatch.setenv("PYTHONPATH", str(src.parent))  # the tree's own source: runs
+    assert ab_overlay.main(args, tree) == 0
+
+
+def test_help_and_a_missing_benchmark(tree, capsys):
+    with pytest.raises(SystemExit) as info:
+        ab_overlay.main(["--help"], tree)
+    assert info.value.code == 0 and "--variant" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        ab_overlay.main(["--variant", "base="], tree)
+    assert info.value.code == 2 and "give the benchmark to run after --" in capsys.readouterr().err
