@@ -124,6 +124,8 @@ def main() -> None:
         p.error(f"--window must be at least 1, got {args.window}")
     if args.plan_ahead and torch.device(args.device).type != "cuda":
         p.error(f"--plan-ahead builds plans on a CUDA side stream; --device is {args.device}")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch.cuda.is_available() is False (--device cpu runs anywhere)")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the GPU kernels take fp16/bf16
