@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,33 @@ def test_forward_off_sm100_and_backward_say_so():
         match=r"backward kernel \(k2q-1cta, k2q-2cta, d256\) compiled for sm_100a.*never run on SM100",
     ):
         c.backward(None, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=True)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_on_sm100_the_never_run_kernels_need_an_opt_in(direction, monkeypatch):
+    """On a compute-capability 10.x GPU (stood in for here) the kernels run only when the caller
+    opts in by name: they have never run on hardware. With the opt-in the call reaches the launch."""
+    from flexattn_sm100 import consumer as sm100_consumer
+
+    monkeypatch.setattr(sm100_consumer, "_on_sm100", lambda t: True)
+    monkeypatch.delenv(sm100_consumer.UNVERIFIED_ENV, raising=False)
+    c = Sm100Consumer()
+    plan = types.SimpleNamespace(view=lambda role: role)  # the launch (stubbed below) gets the view
+    call = {
+        "forward": lambda: c.forward(plan, None, None, None, softmax_scale=1.0, return_max_logit=False),
+        "backward": lambda: c.backward(
+            plan, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=True
+        ),
+    }[direction]
+    with pytest.raises(ConsumerNotFoundError, match=f"{direction} kernel .* FLEXATTN_SM100_UNVERIFIED=1"):
+        call()
+    monkeypatch.setenv(sm100_consumer.UNVERIFIED_ENV, "1")
+    launches = []
+    module = pytest.importorskip(f"flexattn_sm100.{'fwd' if direction == 'forward' else 'bwd'}_launch")
+    name = "run_forward" if direction == "forward" else "run_backward"
+    monkeypatch.setattr(module, name, lambda view, *a, **kw: launches.append(view) or (None, None, None))
+    call()
+    assert launches == [direction]
 
 
 def test_variant_override_and_mask_delivery():

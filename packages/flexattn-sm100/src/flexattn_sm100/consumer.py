@@ -5,17 +5,24 @@ kernels are specified to consume. ``hardware_verified`` is False: this consumer 
 SM100 hardware. ``forward`` launches the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`,
 compiled for sm_100a, generic qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA or D256 variant) and
 ``backward`` the K-major backward (:mod:`flexattn_sm100.bwd_launch`, k2q-1cta, k2q-2cta or d256
-variant, compile-only too) only where the tensors live on a compute-capability 10.x GPU; everywhere
-else it raises :class:`ConsumerNotFoundError`. It never falls back to a computation of its own.
+variant, compile-only too) only where the tensors live on a compute-capability 10.x GPU and the
+caller has opted in to kernels that have never run (``FLEXATTN_SM100_UNVERIFIED=1``); everywhere
+else it raises :class:`ConsumerNotFoundError` saying which. It never falls back to a computation of
+its own.
 """
 
 from __future__ import annotations
+
+import os
 
 from maskplan_core.consumer import AttentionOutputs, KernelConsumer
 from maskplan_core.errors import ConsumerNotFoundError
 
 from ._version import __version__
 from .heuristics import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, select_bwd_config, select_fwd_config
+
+#: set to 1 to run the kernels on a compute-capability 10.x GPU although no SM100 hardware has run them
+UNVERIFIED_ENV = "FLEXATTN_SM100_UNVERIFIED"
 
 
 class Sm100Consumer(KernelConsumer):
@@ -41,6 +48,7 @@ class Sm100Consumer(KernelConsumer):
                 "never run on SM100 hardware (hardware_verified=False) and runs only on a compute-capability "
                 "10.x GPU; these tensors are not on one. Run on CPU tensors for the reference path."
             )
+        _require_opt_in("forward")
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
         out, lse, max_logit = run_forward(
@@ -60,12 +68,24 @@ class Sm100Consumer(KernelConsumer):
                 "runs only on a compute-capability 10.x GPU; these tensors are not on one. Run on CPU "
                 "tensors for the reference path."
             )
+        _require_opt_in("backward")
         from .bwd_launch import run_backward  # CuTe DSL loads on first use, not on import
 
         return run_backward(
             plan.view("backward"), q, k, v, out, lse, dout, dlse,
             softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
+
+
+def _require_opt_in(direction: str) -> None:
+    """Kernels nobody has run give a training run no reason to trust them: they run only when the
+    caller says so, by name."""
+    if os.environ.get(UNVERIFIED_ENV) != "1":
+        raise ConsumerNotFoundError(
+            f"flexattn-sm100 {__version__}'s {direction} kernel is compiled for sm_100a but has never run "
+            f"on SM100 hardware (hardware_verified=False), so it does not run by default: set "
+            f"{UNVERIFIED_ENV}=1 to run it anyway and check its results against CPU tensors (the reference)"
+        )
 
 
 def _on_sm100(t) -> bool:
