@@ -488,6 +488,38 @@ def test_varlen_lengths_and_block_map_take_numpy_integers():
     assert torch.equal(view.block_map(np.int64(1), np.int32(0)), want_view.block_map(1, 0))
 
 
+@pytest.mark.parametrize("layout", ["fixed", "varlen"])
+def test_a_plan_whose_prefixes_were_written_is_refused(layout):
+    """Spec 8's versioned binding: the plan's own sample prefixes (handed out through
+    ``plan.geometry``) written in place would move its samples, so the plan refuses to run; a new
+    plan of the same shape gets prefixes of its own (fixed-length plans share theirs) and runs."""
+    if layout == "fixed":
+        ep, qkv, args = causal_mask(), fixed_qkv(), {}
+    else:
+        ep, qkv, args = varlen_case()
+    plan = flexattn.create_mask_plan(ep, *qkv, **args)
+    want = flexattn.flex_attn_func(*qkv, mask_plan=plan)
+    plan.geometry.cu_seqlens_k[1] += 0  # any in-place write counts
+    with expect(PlanBindingError, ValueError, "cu_seqlens", "written in place", "build a new one"):
+        flexattn.flex_attn_func(*qkv, mask_plan=plan)
+    fresh = flexattn.create_mask_plan(ep, *qkv, **args)
+    assert fresh.geometry.cu_seqlens_k is not plan.geometry.cu_seqlens_k
+    assert torch.equal(flexattn.flex_attn_func(*qkv, mask_plan=fresh), want)
+
+
+def test_plans_made_under_inference_mode():
+    """Inference tensors keep no version counter: plans built and run under ``inference_mode``
+    work, and a fixed-length plan of the same shape built after it trains."""
+    ep, qkv, args = varlen_case()
+    with torch.inference_mode():
+        for e, tensors, a in ((causal_mask(), fixed_qkv(), {}), (ep, qkv, args)):
+            flexattn.flex_attn_func(*tensors, mask_plan=flexattn.create_mask_plan(e, *tensors, **a))
+    q, k, v = fixed_qkv(requires_grad=True)
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    flexattn.flex_attn_func(q, k, v, mask_plan=plan).sum().backward()
+    assert q.grad is not None
+
+
 def test_to_dense_is_as_wide_as_the_longest_sample_not_a_loose_max_seqlen():
     """A generous ``max_seqlen_k`` (a model's context length) bounds the samples; the decoded mask
     is as wide as the longest one, as with the exact bound (it used to allocate the bound's width)."""

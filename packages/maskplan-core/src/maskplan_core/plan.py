@@ -54,7 +54,7 @@ from .errors import InputValueError, MissingBackwardViewError, PlanBindingError
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
-from .validation import head_dim_contiguous, require_int
+from .validation import head_dim_contiguous, require_int, write_count
 
 _ENTRY_CHUNK = 4096
 VIEW_TENSORS = (
@@ -280,6 +280,11 @@ def plan_for_handle(handle: int) -> MaskPlan:
     return plan
 
 
+def _prefix_versions(g: PlanGeometry) -> tuple[int, int]:
+    """The in-place write counters of the plan's sample prefixes (spec 8: versioned binding)."""
+    return write_count(g.cu_seqlens_q), write_count(g.cu_seqlens_k)
+
+
 class MaskPlan:
     """Opaque, read-only owner of a mask's plan views and the geometry they are bound to.
 
@@ -288,7 +293,10 @@ class MaskPlan:
     names the plan where only plain values may travel (``torch.library`` custom ops).
     """
 
-    __slots__ = ("_geometry", "_views", "_header", "_handle", "_handle_tensor", "_consumer", "__weakref__")
+    __slots__ = (
+        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_prefix_versions", "_consumer",
+        "__weakref__",
+    )  # fmt: skip
 
     def __init__(
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
@@ -299,6 +307,7 @@ class MaskPlan:
         init(self, "_header", tuple(header))
         init(self, "_handle", next(_NEXT_HANDLE))
         init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
+        init(self, "_prefix_versions", _prefix_versions(geometry))
         init(self, "_consumer", consumer)
         _LIVE_PLANS[self._handle] = self
 
@@ -399,8 +408,15 @@ class MaskPlan:
         return self.summary()
 
     def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device."""
+        """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device, and
+        the plan's own sample prefixes (``geometry.cu_seqlens_q/k``) are as it was built with: a
+        write into them (they are plan storage, handed out read-only) would move its samples."""
         g = self._geometry
+        if not torch.compiler.is_compiling() and _prefix_versions(g) != self._prefix_versions:
+            raise PlanBindingError(
+                "the plan's cu_seqlens (plan.geometry.cu_seqlens_q/k) were written in place after it was "
+                "built; a plan is read-only: build a new one"
+            )
         if g.varlen:
             expect = {
                 "q": (g.total_q, g.num_heads_q, g.head_dim_qk),

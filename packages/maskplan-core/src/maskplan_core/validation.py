@@ -111,12 +111,27 @@ def _require_real(*args: object) -> None:
         )
 
 
-@functools.lru_cache(maxsize=64)
+def write_count(t: torch.Tensor) -> int:
+    """How many in-place writes ``t`` has had (its version counter); 0 for an inference tensor,
+    which keeps none (made under ``torch.inference_mode``)."""
+    return 0 if t.is_inference() else t._version
+
+
 def fixed_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``arange(B + 1) * S`` for Q and K: made once per shape and device and shared by every plan of
     that shape (no plan stage writes them). Every plan build of fixed-length input needs them, and
     two tensor ops per build were a tenth of a warm GPU build's host time. On a GPU the first use
-    waits for them, so a build on any stream reads complete prefixes."""
+    waits for them, so a build on any stream reads complete prefixes. Prefixes written in place
+    through a plan's geometry (which the plans that hold them then refuse) are made anew."""
+    prefixes = _shared_prefixes(batch, max_q, max_k, device)
+    if any(write_count(t) for t in prefixes):
+        _shared_prefixes.cache_clear()
+        prefixes = _shared_prefixes(batch, max_q, max_k, device)
+    return prefixes
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
     cu_q, cu_k = steps * max_q, steps * max_k
     if cu_q.is_cuda:
