@@ -582,6 +582,30 @@ def test_schedule_sections_follow_the_l2_budget(k_lens):
     assert work == order_tasks(tasks)
 
 
+@pytest.mark.parametrize("width", [1, 3, 4, 100])
+def test_block_map_text_draws_long_maps_coarser(width):
+    """``width``: a character per f x f blocks, f the smallest factor fitting the K blocks in
+    ``width``; '#' all full, '.' all empty, '+' otherwise (an edge group counts its real blocks)."""
+    p = _fixed(230, 250, batch=1, kinds=("causal",))  # full, partial and empty blocks, and groups of each
+    _, plan, _ = small_plan(p, SMALL_TILES[0], build_backward=False)
+    view = plan.view("forward")
+    blocks = view.block_map().tolist()
+    n_rows, n_cols = len(blocks), len(blocks[0])
+    f = -(-n_cols // width)
+    want = []
+    for r in range(0, n_rows, f):
+        line = ""
+        for c in range(0, n_cols, f):
+            group = {blocks[i][j] for i in range(r, min(r + f, n_rows)) for j in range(c, min(c + f, n_cols))}
+            line += "#" if group == {2} else "." if group == {0} else "+"
+        want.append(line)
+    text = view.block_map_text(width=width)
+    assert text.splitlines() == want and max(map(len, want)) <= width
+    assert view.block_map_text(width=None) == view.block_map_text()
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        view.block_map_text(width=0)
+
+
 def test_block_map_text_draws_the_block_map():
     p = _fixed(40, 40, batch=2)
     ep, plan, _ = small_plan(p, SMALL_TILES[0], build_backward=True)

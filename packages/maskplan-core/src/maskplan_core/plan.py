@@ -197,11 +197,27 @@ class PlanView:
             out[e.q_block[mine], e.k_block[mine]] = code
         return out
 
-    def block_map_text(self, sample: int = 0, head: int = 0) -> str:
+    def block_map_text(self, sample: int = 0, head: int = 0, width: int | None = None) -> str:
         """:meth:`block_map` as text, a line per Q block: ``#`` full, ``+`` partial, ``.`` empty. A
         full tile lies wholly inside its sample, so one reaching past the sample's end is ``+``
-        even where every element inside the sample is visible."""
-        return "\n".join("".join(".+#"[c] for c in row) for row in self.block_map(sample, head).tolist())
+        even where every element inside the sample is visible.
+
+        ``width`` (characters a line at most; None: a character per block) draws a long sequence
+        coarser: a character then stands for ``f x f`` blocks (``f`` the smallest factor that fits
+        the K blocks in ``width``), ``#`` where all of them are full, ``.`` where all are empty,
+        ``+`` otherwise."""
+        blocks = self.block_map(sample, head)
+        if width is not None:
+            width = require_int("width", width, minimum=1)
+            f = -(-blocks.shape[1] // width)
+            if f > 1:
+                rows, cols = -(-blocks.shape[0] // f) * f, -(-blocks.shape[1] // f) * f
+                cells = torch.full((rows, cols), -1, dtype=blocks.dtype, device=blocks.device)
+                cells[: blocks.shape[0], : blocks.shape[1]] = blocks  # -1: past the map, neither
+                cells = cells.view(rows // f, f, cols // f, f).transpose(1, 2).flatten(2)
+                full, empty = (((cells == c) | (cells < 0)).all(-1) for c in (2, 0))
+                blocks = torch.where(full, 2, torch.where(empty, 0, 1))
+        return "\n".join("".join(".+#"[c] for c in row) for row in blocks.tolist())
 
     def to_dense(self) -> torch.Tensor:
         """bool ``[Hmask, total_q, Sk]``; varlen: ``Sk`` is the longest sample's k_len (not the
