@@ -223,7 +223,10 @@ def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser
     writes no files: ``sweep=False``); :func:`finish` the parsed arguments."""
     defaults = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(description=description, formatter_class=defaults)
-    p.add_argument("--seqlen", default="8192", help="tokens per sample" + (", or a sweep: 2048,4096" * sweep))
+    if sweep:
+        p.add_argument("--seqlen", default="8192", help="tokens per sample, or a sweep: 2048,4096")
+    else:
+        p.add_argument("--seqlen", type=int, default=8192, help="tokens per sample")
     p.add_argument("--batch", type=int, default=2, help="samples")
     p.add_argument("--heads", type=int, default=16, help="q heads")
     p.add_argument("--kv-heads", type=int, default=None, help="kv heads, fewer for GQA; None: --heads")

@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="profiled steps per system")
     p.add_argument("--plain", action="store_true", help="no torch.profiler (run under ncu)")
     args = finish(p, p.parse_args())
-    seqlen = int(args.seqlen)
+    seqlen = args.seqlen
     torch.manual_seed(0)
     q, k, v = inputs(args, seqlen, args.mode == "train")
     for name in args.masks.split(","):

@@ -70,7 +70,7 @@ def test_torch_func_grad_matches_autograd():
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("how", ["is_grads_batched", "jacobian-vectorize", "jacrev"])
+@pytest.mark.parametrize("how", ["is_grads_batched", "jacobian-vectorize", "jacrev", "vmap-grad"])
 def test_batched_gradients_are_refused_with_the_alternative(how):
     """A vmapped backward (one vector-Jacobian product per batch entry) is refused by the library,
     not left to fail inside torch's batching rules; unbatched ``jacobian`` still works."""
@@ -80,12 +80,18 @@ def test_batched_gradients_are_refused_with_the_alternative(how):
     def attend(x):
         return flexattn.flex_attn_func(x, k, v, mask_plan=plan)
 
+    weighted_grad = torch.func.grad(lambda x, w: (attend(x) * w).sum())
+
     calls = {
         "is_grads_batched": lambda: torch.autograd.grad(
             attend(q), q, torch.randn(3, *q.shape, dtype=q.dtype), is_grads_batched=True
         ),
         "jacobian-vectorize": lambda: torch.autograd.functional.jacobian(attend, q, vectorize=True),
         "jacrev": lambda: torch.func.jacrev(attend)(q),
+        # the cotangent batched under a grad wrapper, the attention inputs not
+        "vmap-grad": lambda: torch.func.vmap(weighted_grad, in_dims=(None, 0))(
+            q.detach(), torch.randn(3, *q.shape, dtype=q.dtype)
+        ),
     }
     with pytest.raises(flexattn.UnsupportedCallError, match="one gradient at a time"):
         calls[how]()

@@ -507,6 +507,19 @@ def test_a_plan_whose_prefixes_were_written_is_refused(layout):
     assert torch.equal(flexattn.flex_attn_func(*qkv, mask_plan=fresh), want)
 
 
+def test_a_prefix_write_under_inference_mode_is_counted():
+    """The prefixes are normal tensors even when the plan (and the shared fixed-length prefixes) are
+    made under ``inference_mode``, so a write there is seen too: the plan refuses, and the next plan
+    of that shape gets prefixes of its own."""
+    ep, qkv = causal_mask(b=3, sq=40, sk=40), fixed_qkv(b=3, sq=40, sk=40)
+    with torch.inference_mode():
+        plan = flexattn.create_mask_plan(ep, *qkv)
+        plan.geometry.cu_seqlens_q[1] = 7
+    with expect(PlanBindingError, ValueError, "written in place"):
+        flexattn.flex_attn_func(*qkv, mask_plan=plan)
+    assert flexattn.create_mask_plan(ep, *qkv).geometry.cu_seqlens_q.tolist() == [0, 40, 80, 120]
+
+
 def test_plans_made_under_inference_mode():
     """Inference tensors keep no version counter: plans built and run under ``inference_mode``
     work, and a fixed-length plan of the same shape built after it trains."""

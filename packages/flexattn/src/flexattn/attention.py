@@ -92,8 +92,9 @@ def flex_attn_func(
     ``.view`` or in-place ops. LSE and max logit are fp32 (fp64 for fp64 inputs on the CPU reference).
     Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
     under ``torch.autocast`` too (cast q/k/v yourself to change it). Differentiable once, in
-    reverse mode: a double backward, a vmapped backward (``is_grads_batched``, ``jacrev``), forward
-    mode (``jvp``) and eager ``torch.vmap`` raise :class:`~maskplan_core.UnsupportedCallError`.
+    reverse mode: a double backward, and in eager code a vmapped backward (``is_grads_batched``,
+    ``jacrev``, ``vmap(grad(...))``), forward mode (``jvp``) and ``torch.vmap``, raise
+    :class:`~maskplan_core.UnsupportedCallError`.
 
     Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
     gradient never reaches another sample's outputs or gradients (the tiles past a sample's end

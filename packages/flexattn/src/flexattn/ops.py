@@ -241,10 +241,20 @@ def _eager_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
 
 
+def _vmapped(g) -> bool:
+    """Whether a vmap batch sits in ``g`` at any depth of its functorch wrappers (``vmap(grad(f))``
+    hands the backward a grad wrapper around a batched tensor), the autograd engine's own batching
+    (``is_grads_batched``) included."""
+    functorch = torch._C._functorch
+    while g is not None:
+        if functorch.is_batchedtensor(g) or functorch.is_legacy_batchedtensor(g):
+            return True
+        g = functorch.get_unwrapped(g) if functorch.is_functorch_wrapped_tensor(g) else None
+    return False
+
+
 def _eager_backward(ctx, dout, dlse, _dmax):
-    functorch = torch._C._functorch  # vmap's batched tensors, and the autograd engine's own (legacy)
-    if any(g is not None and (functorch.is_batchedtensor(g) or functorch.is_legacy_batchedtensor(g))
-           for g in (dout, dlse)):  # fmt: skip
+    if _vmapped(dout) or _vmapped(dlse):
         raise UnsupportedCallError(
             "flex_attn_func's backward takes one gradient at a time, not a vmapped batch of them "
             "(is_grads_batched=True, jacobian(vectorize=True), torch.func.jacrev): loop over the "

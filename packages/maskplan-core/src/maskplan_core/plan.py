@@ -426,7 +426,8 @@ class MaskPlan:
     def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device, and
         the plan's own sample prefixes (``geometry.cu_seqlens_q/k``) are as it was built with: a
-        write into them (they are plan storage, handed out read-only) would move its samples."""
+        write into them (they are plan storage, handed out read-only) would move its samples. The
+        prefix check runs on eager calls; a compiled graph checks what it traced only once."""
         g = self._geometry
         if not torch.compiler.is_compiling() and _prefix_versions(g) != self._prefix_versions:
             raise PlanBindingError(

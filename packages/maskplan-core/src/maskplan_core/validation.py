@@ -113,7 +113,7 @@ def _require_real(*args: object) -> None:
 
 def write_count(t: torch.Tensor) -> int:
     """How many in-place writes ``t`` has had (its version counter); 0 for an inference tensor,
-    which keeps none (made under ``torch.inference_mode``)."""
+    which keeps none (made under ``torch.inference_mode``; the planner makes its prefixes outside it)."""
     return 0 if t.is_inference() else t._version
 
 
@@ -132,8 +132,10 @@ def fixed_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -> 
 
 @functools.lru_cache(maxsize=64)
 def _shared_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    cu_q, cu_k = steps * max_q, steps * max_k
+    # normal tensors, whatever mode the first build ran in, so writes into them are counted
+    with torch.inference_mode(False):
+        steps = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        cu_q, cu_k = steps * max_q, steps * max_k
     if cu_q.is_cuda:
         torch.cuda.current_stream(cu_q.device).synchronize()
     return cu_q, cu_k
@@ -181,7 +183,8 @@ def validate_plan_inputs(
             if n > MAX_SEQLEN:
                 raise InputValueError(f"{name} = {n} exceeds the int32 sequence range (<= {MAX_SEQLEN})")
         batch, total_q, total_k = cu_q.numel() - 1, q.shape[0], k.shape[0]
-        cu_q, cu_k = cu_q.clone(), cu_k.clone()
+        with torch.inference_mode(False):  # normal tensors: a version counter for the plan's binding
+            cu_q, cu_k = cu_q.clone(), cu_k.clone()
     else:
         batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
         if batch == 0 or max_q == 0 or max_k == 0:
