@@ -335,6 +335,43 @@ def test_a_plan_built_on_a_side_stream(monkeypatch, first_use):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_sm100_plans_build_on_the_device(monkeypatch, varlen):
+    """``target="sm100"`` with CUDA tensors (what a Blackwell GPU runs) builds with the GPU planner
+    kernels, one build, and the plan holds the blocks the CPU reference plans for the same call."""
+    import maskplan_kernels
+
+    calls = []
+    counted = maskplan_kernels.build_plan_gpu
+
+    def counting(*args, **kwargs):
+        calls.append(args[-1])
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", counting)
+    lens = [300, 700, 1000]
+    plans = {}
+    for dev in ("cpu", "cuda"):
+        if varlen:
+            q = torch.randn(sum(lens), H, D, device=dev, dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(lens), HKV, D, device=dev, dtype=torch.bfloat16) for _ in "kv")
+            cu = torch.tensor([0, 300, 1000, 2000], dtype=torch.int32, device=dev)
+            extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000, max_seqlen_k=1000)
+            endpoints = masks.sliding_window(window_left=200, cu_seqlens_q=cu, cu_seqlens_k=cu, device=dev)
+        else:
+            q = torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16)
+            k, v = (torch.randn(B, S, HKV, D, device=dev, dtype=torch.bfloat16) for _ in "kv")
+            extra = {}
+            endpoints = MASKS["document"](dev)
+        plans[dev] = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=True, target="sm100",
+                                               **extra)  # fmt: skip
+    assert calls == ["flexattn-sm100"]
+    cpu, gpu = plans["cpu"], plans["cuda"]
+    assert gpu.view("forward").signature == cpu.view("forward").signature
+    for direction in ("forward", "backward"):
+        assert torch.equal(gpu.view(direction).to_dense().cpu(), cpu.view(direction).to_dense()), direction
+
+
 def test_document_ids_builds_on_the_device_without_a_sync():
     """Document endpoints from per-token ids already on the GPU (a data loader's) never read them
     back: only create_mask_plan's header read waits for the device."""

@@ -233,6 +233,20 @@ def test_on_sm100_the_never_run_kernels_need_an_opt_in(direction, monkeypatch):
     assert launches == [direction]
 
 
+def test_cuda_endpoints_plan_with_the_gpu_planner(monkeypatch):
+    """CUDA endpoints (stood in for here) go to the GPU planner kernels with this consumer's name;
+    the planner's results for SM100 views are checked on a GPU (maskplan-kernels
+    ``test_builder_gpu.py::test_sm100_consumer_views``, ``tests/test_gpu_end_to_end.py``)."""
+    import maskplan_kernels
+    import torch
+
+    builds = []
+    monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", lambda *args: builds.append(args) or "plan")
+    mask = types.SimpleNamespace(device=torch.device("cuda"))
+    assert Sm100Consumer().build_plan(mask, "geometry", "fwd", "bwd") == "plan"
+    assert builds == [(mask, "geometry", "fwd", "bwd", "flexattn-sm100")]
+
+
 def test_variant_override_and_mask_delivery():
     for name in ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta"):
         cfg = select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant=name)

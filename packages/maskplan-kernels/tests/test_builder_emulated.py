@@ -80,13 +80,26 @@ def test_matches_reference(twins, case, nfunc, heads, backward):
     assert len(twins) == 1  # exactly one header read per build
 
 
-@pytest.mark.parametrize("bwd", [(64, 64, 2, True), (64, 96, 2, False)], ids=["st-64x64", "s-64x96"])
-def test_wgmma_layouts_and_tails(twins, bwd):
-    sm90 = pytest.importorskip("flexattn_sm90.payload_layout")
-    q_lens, k_lens = [150, 0, 64], [200, 7, 130]
+#: (forward, backward) layout arguments of the consumer's maker, by consumer
+CONSUMER_LAYOUTS = {
+    "sm90-st-64x64": ((64, 64), (64, 64, 2, True)),
+    "sm90-s-64x96": ((64, 64), (64, 96, 2, False)),
+    "sm100-256x128+128x256": ((256, 128, 1, False), (128, 256, 2, True)),  # two q subtiles; a K pair
+    "sm100-d256": ((128, 128, 1, False), (64, 128, 1, True)),
+}
+
+
+@pytest.mark.parametrize("layouts", sorted(CONSUMER_LAYOUTS))
+def test_consumer_layouts_and_tails(twins, layouts):
+    if layouts.startswith("sm90-"):  # a consumer package: skipped where it is not installed
+        make = pytest.importorskip("flexattn_sm90.payload_layout").wgmma_layout
+    else:
+        make = pytest.importorskip("flexattn_sm100.payload_layout").tmem_layout
+    fwd_args, bwd_args = CONSUMER_LAYOUTS[layouts]
+    q_lens, k_lens = [150, 0, 64, 300], [200, 7, 130, 290]
     g = make_geometry(q_lens, k_lens, hq=2, hkv=2, hmask=2, nfunc=3)
     mask = make_mask(q_lens, k_lens, 2, 3, seed=4)
-    ref, got = _build_both(g, mask, sm90.wgmma_layout(64, 64), sm90.wgmma_layout(*bwd))
+    ref, got = _build_both(g, mask, make(*fwd_args), make(*bwd_args))
     assert_plans_equal(ref, got)
 
 

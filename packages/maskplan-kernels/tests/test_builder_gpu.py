@@ -4,9 +4,9 @@ Every tensor of every view (CSR cnt/offset/idx, ``mask_block_masks``, ``sequence
 views only), ``fwd_work_desc``, ``dq_write_order(_full)``) and the allocation header are compared with
 ``torch.equal`` for fixed and varlen inputs (empty samples, Sq != Sk, Hmask 1 and Hq, nfunc 1..9,
 GQA, PackGQA scheduling, several L2 sections, S = 32k), forward-only and with backward, with the
-reference row-major layout and the SM90 WGMMA layouts. Malformed endpoints / prefixes must raise
-the reference's exception class and message; a build reads the device exactly once; two builds
-on two streams at once give the reference plans.
+reference row-major layout, the SM90 WGMMA layouts and the SM100 consumer's views. Malformed
+endpoints / prefixes must raise the reference's exception class and message; a build reads the
+device exactly once; two builds on two streams at once give the reference plans.
 """
 
 from __future__ import annotations
@@ -293,6 +293,40 @@ def test_sm90_consumer_views(hq, hkv, hmask, pack_gqa):
     assert fwd.tile_m == (128 // (hq // hkv) if pack_gqa else 128)
     ref = build_plan(mask, g, fwd, bwd, consumer.name)
     got = build_plan_gpu(mask, g, fwd, bwd, consumer.name)
+    assert_plans_equal(ref, got)
+
+
+#: (forward variant, backward variant, head dims): every SM100 kernel topology, each of its payload
+#: shapes (128 x 128; 256 x 128 over two subtiles; the backward's 128 x 256 pair and 64 x 128 D256)
+SM100_VIEWS = [
+    ("qstage1-1cta", "k2q-1cta", (128, 128)),
+    ("qstage2-1cta", "k2q-2cta", (64, 64)),
+    ("qstage1-2cta", "k2q-2cta", (128, 128)),
+    ("d256", "d256", (256, 256)),
+]
+
+
+@pytest.mark.parametrize("variants", SM100_VIEWS, ids=lambda v: f"{v[0]}+{v[1]}")
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_sm100_consumer_views(variants, varlen):
+    """The SM100 consumer's views (never run on SM100 hardware, but its plans are built by these
+    kernels there): the same tensors as the reference planner's."""
+    sm100 = pytest.importorskip("flexattn_sm100")
+    from maskplan_core.consumer import ViewConfig
+    from maskplan_kernels.builder import build_plan_gpu
+
+    fwd_variant, bwd_variant, (dqk, dv) = variants
+    problem = dict(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16", qhead_per_kvhead=2, varlen=varlen)
+    fwd = sm100.Sm100FwdConfig(variant=sm100.FWD_VARIANTS[fwd_variant], **problem)
+    bwd = sm100.Sm100BwdConfig(variant=sm100.BWD_VARIANTS[bwd_variant], **problem)
+    fwd, bwd = (ViewConfig(c.plan_signature(), c.payload_layout) for c in (fwd, bwd))
+    lens_q, lens_k = ([2048, 777, 0, 300], [777, 2048, 100, 0]) if varlen else ([1000] * 2, [1500] * 2)
+    g = make_geometry(lens_q, lens_k, hq=4, hkv=2, hmask=4, nfunc=3, varlen=varlen, device=DEVICE,
+                      head_dim=dqk)  # fmt: skip
+    mask = make_mask(lens_q, lens_k, 4, 3, seed=len(lens_q), device=DEVICE)
+    name = sm100.Sm100Consumer.name
+    ref = build_plan(mask, g, fwd, bwd, name)
+    got = build_plan_gpu(mask, g, fwd, bwd, name)
     assert_plans_equal(ref, got)
 
 

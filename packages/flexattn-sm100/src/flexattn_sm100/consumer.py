@@ -1,21 +1,21 @@
 """The SM100/SM103 (Blackwell) consumer: resolves plan views; its forward kernel is compile-only.
 
 ``resolve`` is complete: a plan built for SM100 carries the signature and TMEM payload layout the
-kernels are specified to consume. ``hardware_verified`` is False: this consumer has never run on
-SM100 hardware. ``forward`` launches the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`,
-compiled for sm_100a, generic qstage1 + 1CTA, qstage2 + 1CTA, qstage1 + 2CTA or D256 variant) and
-``backward`` the K-major backward (:mod:`flexattn_sm100.bwd_launch`, k2q-1cta, k2q-2cta or d256
-variant, compile-only too) only where the tensors live on a compute-capability 10.x GPU and the
-caller has opted in to kernels that have never run (``FLEXATTN_SM100_UNVERIFIED=1``); everywhere
-else it raises :class:`ConsumerNotFoundError` saying which. It never falls back to a computation of
-its own.
-"""
+kernels are specified to consume; CUDA tensors are planned by the GPU planner kernels, which are
+architecture-neutral (their SM100 views are tested on an H200 against the reference planner).
+``hardware_verified`` is False: this consumer has never run on SM100 hardware. ``forward`` launches
+the tcgen05 forward kernel (:mod:`flexattn_sm100.fwd_launch`, compiled for sm_100a, generic qstage1 +
+1CTA, qstage2 + 1CTA, qstage1 + 2CTA or D256 variant) and ``backward`` the K-major backward
+(:mod:`flexattn_sm100.bwd_launch`, k2q-1cta, k2q-2cta or d256 variant, compile-only too) only where
+the tensors live on a compute-capability 10.x GPU and the caller has opted in to kernels that have
+never run (``FLEXATTN_SM100_UNVERIFIED=1``); everywhere else it raises :class:`ConsumerNotFoundError`
+saying which. It never falls back to a computation of its own."""
 
 from __future__ import annotations
 
 import os
 
-from maskplan_core.consumer import AttentionOutputs, KernelConsumer
+from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
 from maskplan_core.errors import ConsumerNotFoundError
 
 from ._version import __version__
@@ -37,6 +37,15 @@ class Sm100Consumer(KernelConsumer):
     supported_head_dims = SUPPORTED_HEAD_DIMS
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
+
+    def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None):
+        """CUDA tensors plan with the GPU planner kernels (architecture-neutral, and tested on an H200
+        against the reference planner with these views), CPU tensors with the reference planner."""
+        if mask_func.device.type != "cuda":
+            return super().build_plan(mask_func, geometry, forward, backward)
+        from maskplan_kernels import build_plan_gpu  # CuTe DSL loads on first use
+
+        return build_plan_gpu(mask_func, geometry, forward, backward, self.name)
 
     def forward(
         self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
