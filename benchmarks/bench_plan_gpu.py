@@ -3,6 +3,8 @@
     python benchmarks/bench_plan_gpu.py                          # B=2, S=8192, Hq=16, D=128, bf16
     python benchmarks/bench_plan_gpu.py --sweep                  # + causal S = 1k .. 128k
     python benchmarks/bench_plan_gpu.py --json $OUT/plan_gpu.json
+    python benchmarks/bench_plan_gpu.py --target sm100           # the SM100 consumer's views
+    python benchmarks/bench_plan_gpu.py --with-reference         # + the reference planner on CUDA
 
 Masks (Hmask = 1, as the peers share one mask across heads): causal, sliding window (left 1024),
 packed documents (random lengths, fixed seed), random 5-endpoint (nfunc = 5, sorted random
@@ -12,8 +14,9 @@ Columns, all synchronised wall time of a warm build (median of ``--repeats``, af
 ours and cuDNN take turns in five rounds, so drift during the run reaches both alike):
 
 * ``ours``: validate_plan_inputs + consumer view resolution (memoised, as in ``create_mask_plan``)
-  + ``build_plan_gpu`` (what a ``create_mask_plan`` call costs), with the SM90 consumer's views
-  when ``flexattn_sm90`` is installed (else the reference consumer's 128x128 row-major views);
+  + ``build_plan_gpu`` (what a ``create_mask_plan`` call costs), with the views of ``--target``:
+  ``sm90`` (the default), ``sm100`` (what a Blackwell GPU plans, built here on any GPU) or
+  ``reference`` (128x128 row-major);
 * ``cudnn``: ``cudnn.flex_attention.create_mask_plan(mask_func, q, k, v, build_backward=...)``
   (skipped when cudnn is not importable);
 * ``torch``: ``torch.nn.attention.flex_attention.create_block_mask`` for the equivalent mask_mod
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import os
 import statistics
@@ -37,6 +41,12 @@ import time
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 MASKS = ("causal", "sliding-1024", "document", "random-5")
+#: --target: (module, class, the compute capability its views are requested for)
+CONSUMERS = {
+    "sm90": ("flexattn_sm90.consumer", "Sm90Consumer", (9, 0)),
+    "sm100": ("flexattn_sm100.consumer", "Sm100Consumer", (10, 0)),
+    "reference": ("maskplan_core.reference", "ReferenceConsumer", None),
+}
 STAGES = (
     "geometry",
     "classify_fwd",
@@ -111,20 +121,15 @@ def mask_mod(name: str, mask, seqlen: int, doc_id):
 class Ours:
     name = "ours"
 
-    def __init__(self):
+    def __init__(self, family: str):
         from maskplan_core import validate_plan_inputs
         from maskplan_kernels.builder import build_plan_gpu
 
         self._validate, self._build = validate_plan_inputs, build_plan_gpu
         self._resolved = {}
-        try:
-            from flexattn_sm90.consumer import Sm90Consumer
-
-            self.consumer, self.family, self.cc = Sm90Consumer(), "sm90", (9, 0)
-        except ImportError:
-            from maskplan_core.reference import ReferenceConsumer
-
-            self.consumer, self.family, self.cc = ReferenceConsumer(), "reference", None
+        self.family, self.cc = family, CONSUMERS[family][2]
+        module, cls = CONSUMERS[family][:2]
+        self.consumer = getattr(importlib.import_module(module), cls)()
 
     def _request(self, g, direction):
         from maskplan_core.consumer import ViewRequest
@@ -324,7 +329,10 @@ def run(args) -> dict:
     if not torch.cuda.is_available():
         print("bench_plan_gpu: no CUDA device; nothing to measure")
         return {}
-    ours = Ours()
+    try:
+        ours = Ours(args.target)
+    except ImportError as exc:
+        raise SystemExit(f"bench_plan_gpu: --target {args.target} needs its package ({exc})") from None
     peers = {}
     try:
         peers["cudnn"] = Cudnn()
@@ -396,7 +404,35 @@ def run(args) -> dict:
             cells.append(f"{st['device_ms']:6.3f}/{st['host_ms']:6.3f}  " if st else f"{'-':>15}")
         print(f"{r['mask']:<13} {r['views']:<8} " + " ".join(f"{c:>15}" for c in cells))
     sweep = run_sweep(args, ours, peers) if args.sweep else []
-    return {"config": vars(args), "rows": rows, "sweep": sweep}
+    reference = run_reference(args, ours) if args.with_reference else []
+    return {"config": vars(args), "rows": rows, "sweep": sweep, "reference": reference}
+
+
+def run_reference(args, ours: Ours) -> list[dict]:
+    """The pure-torch reference planner on the same CUDA tensors and views: what a consumer without
+    planner kernels builds with (a library author's on maskplan-core alone; SM100's until session 33)."""
+    from maskplan_core.reference import build_plan
+
+    def reference(mask, q, k, v, backward):
+        g = ours._validate(mask, q, k, v)
+        return build_plan(mask, g, *ours._views(g, backward), ours.consumer.name)
+
+    print()
+    print(f"reference planner on the same CUDA tensors (median of {max(3, args.repeats // 10)} builds)")
+    print(f"{'mask':<13} {'views':<8} {'ours ms':>8} {'ref ms':>8} {'ours/ref':>9}")
+    out = []
+    for mask_name in args.masks:
+        problem = make_problem(mask_name, args.batch, args.seqlen, args.heads, args.head_dim, args.seed)
+        mask, q, k, v = problem[:4]
+        for backward in (False, True):
+            (t_ours, t_ref), _ = timed_together(
+                [functools.partial(f, mask, q, k, v, backward) for f in (ours.plan, reference)],
+                max(3, args.repeats // 10), 1, rounds=1,
+            )  # fmt: skip
+            views = "fwd+bwd" if backward else "fwd"
+            print(f"{mask_name:<13} {views:<8} {fmt(t_ours)} {fmt(t_ref)} {ratio(t_ours, t_ref):>9}")
+            out.append({"mask": mask_name, "views": views, "ours_ms": t_ours, "reference_ms": t_ref})
+    return out
 
 
 def run_sweep(args, ours: Ours, peers: dict) -> list[dict]:
@@ -434,6 +470,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", action="store_true", help="also time causal plans for S = 1k .. 128k")
     p.add_argument("--sweep-lengths", type=int, nargs="+", default=[1 << i for i in range(10, 18)])
+    p.add_argument("--target", choices=sorted(CONSUMERS), default="sm90", help="whose views to plan")
+    p.add_argument(
+        "--with-reference", action="store_true", help="also time the reference planner on these CUDA tensors"
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     result = run(args)

@@ -237,8 +237,9 @@ def test_cuda_endpoints_plan_with_the_gpu_planner(monkeypatch):
     """CUDA endpoints (stood in for here) go to the GPU planner kernels with this consumer's name;
     the planner's results for SM100 views are checked on a GPU (maskplan-kernels
     ``test_builder_gpu.py::test_sm100_consumer_views``, ``tests/test_gpu_end_to_end.py``)."""
-    import maskplan_kernels
     import torch
+
+    import maskplan_kernels
 
     builds = []
     monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", lambda *args: builds.append(args) or "plan")

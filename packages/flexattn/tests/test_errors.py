@@ -428,6 +428,35 @@ def test_plan_repr_and_metadata():
     assert meta["allocation_header"]["error_flags"] == 0
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_plan_metadata_has_cudnn_fields(varlen):
+    """Code written for cudnn.flex_attention reads plan.metadata.<field>; a forward-only plan, and
+    a varlen one with GQA packing, say so."""
+    if varlen:
+        q, k, v = (torch.randn(700, h, 32) for h in (4, 2, 2))
+        cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+        seqlens = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=400, max_seqlen_k=400)
+        mask = flexattn.masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    else:
+        q, k, v = (torch.randn(2, 300, h, 32) for h in (4, 2, 2))
+        seqlens, mask = {}, flexattn.masks.causal(300, batch=2)
+    meta = flexattn.create_mask_plan(mask, q, k, v, build_backward=False, pack_gqa=varlen, **seqlens).metadata
+    got = {name: getattr(meta, name) for name in (
+        "mode", "arch", "device", "dtype", "batch_size", "total_q", "total_k", "max_seqlen_q", "max_seqlen_k",
+        "num_q_heads", "num_kv_heads", "head_dim", "head_dim_v", "hmask", "nfunc", "pack_gqa", "has_backward",
+    )}  # fmt: skip
+    total, longest = (700, 400) if varlen else (600, 300)
+    assert got == {
+        "mode": "varlen" if varlen else "fixed", "arch": None, "device": torch.device("cpu"),
+        "dtype": torch.float32, "batch_size": 2, "total_q": total, "total_k": total, "max_seqlen_q": longest,
+        "max_seqlen_k": longest, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 32, "head_dim_v": 32,
+        "hmask": 1, "nfunc": 1, "pack_gqa": varlen, "has_backward": False,
+    }  # fmt: skip
+    assert meta["consumer"] == "maskplan-reference"  # and still the dict it was
+    with pytest.raises(AttributeError, match="no field 'total_kv'.*total_k"):
+        getattr(meta, "total_kv")  # noqa: B009 - the attribute lookup is what is tested
+
+
 # --------------------------------------------------------------------------------------------------
 # flex_attn_func options
 # --------------------------------------------------------------------------------------------------

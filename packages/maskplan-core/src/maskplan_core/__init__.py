@@ -27,7 +27,7 @@ from .errors import (
 )
 from .geometry import PlanGeometry
 from .payload import PayloadLayout, RowMajorLayout
-from .plan import MaskPlan, PlanView
+from .plan import MaskPlan, PlanMetadata, PlanView
 from .schema import ABI_VERSION, HEADER_FIELDS, PayloadLayoutSpec, PlanSignature, SignatureDiff, Topology
 from .validation import validate_plan_inputs
 
@@ -45,6 +45,7 @@ __all__ = [
     "InputTypeError",
     "InputValueError",
     "MaskPlan",
+    "PlanMetadata",
     "MissingBackwardViewError",
     "PayloadLayout",
     "PayloadLayoutSpec",

@@ -301,6 +301,31 @@ def _prefix_versions(g: PlanGeometry) -> tuple[int, int]:
     return write_count(g.cu_seqlens_q), write_count(g.cu_seqlens_k)
 
 
+class PlanMetadata(dict):
+    """:attr:`MaskPlan.metadata`: a dict (``consumer``, ``geometry``, ``allocation_header``,
+    ``signatures``) whose attributes are the fields of ``cudnn.flex_attention``'s plan metadata
+    (``mode`` ``"fixed"`` / ``"varlen"``, ``arch`` (the CUDA device's compute capability as
+    ``10 * major + minor``, None off CUDA), ``device``, ``dtype``, ``batch_size``, ``total_q``,
+    ``total_k``, ``max_seqlen_q``, ``max_seqlen_k``, ``num_q_heads``, ``num_kv_heads``, ``head_dim``,
+    ``head_dim_v``, ``hmask``, ``nfunc``, ``pack_gqa``, ``has_backward``), so code written for cuDNN
+    reads them unchanged. Each access builds a new one: writing to it changes nothing."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, items: dict, fields: dict):
+        super().__init__(items)
+        self._fields = fields
+
+    def __getattr__(self, name: str):
+        fields = object.__getattribute__(self, "_fields")
+        if name in fields:
+            return fields[name]
+        raise AttributeError(f"plan metadata has no field {name!r}; its fields are {', '.join(fields)}")
+
+    def __dir__(self):
+        return [*super().__dir__(), *self._fields]
+
+
 class MaskPlan:
     """Opaque, read-only owner of a mask's plan views and the geometry they are bound to.
 
@@ -388,14 +413,38 @@ class MaskPlan:
         return self._views[role]
 
     @property
-    def metadata(self) -> dict:
+    def metadata(self) -> PlanMetadata:
         g = self._geometry
-        return {
+        items = {
             "consumer": self._consumer,
             "geometry": g.describe(),
             "allocation_header": dict(zip(HEADER_FIELDS, self._header, strict=False)),
             "signatures": {role: v.signature.model_dump() for role, v in self._views.items()},
         }
+        arch = None
+        if g.device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(g.device)
+            arch = 10 * major + minor
+        fields = {
+            "mode": "varlen" if g.varlen else "fixed",
+            "arch": arch,
+            "device": g.device,
+            "dtype": g.dtype,
+            "batch_size": g.batch,
+            "total_q": g.total_q,
+            "total_k": g.total_k,
+            "max_seqlen_q": g.max_seqlen_q,
+            "max_seqlen_k": g.max_seqlen_k,
+            "num_q_heads": g.num_heads_q,
+            "num_kv_heads": g.num_heads_kv,
+            "head_dim": g.head_dim_qk,
+            "head_dim_v": g.head_dim_v,
+            "hmask": g.mask_heads,
+            "nfunc": g.nfunc,
+            "pack_gqa": self._views["forward"].signature.topology.pack_gqa,
+            "has_backward": self.has_backward,
+        }
+        return PlanMetadata(items, fields)
 
     def debug_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
         """Clones of every view tensor (mutating them cannot affect the plan)."""
