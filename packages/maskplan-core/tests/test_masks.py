@@ -511,10 +511,28 @@ def test_from_mask_mod_head_and_batch_dependent():
     assert_matches(ep, ref, Sk)
 
 
+def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
+    """mask_mods written for torch see 0-d indices: chained indexing works; H=None with a mask_mod
+    that reads its head index is refused (torch calls it per head), H given is not."""
+    docs = torch.tensor([[0] * 32 + [1] * 32, [0] * 16 + [1] * 48])
+    chained = masks.from_mask_mod(lambda b, h, q, kv: docs[b][q] == docs[b][kv], 2, None, 64, 64)
+    indexed = masks.from_mask_mod(lambda b, h, q, kv: docs[b, q] == docs[b, kv], 2, None, 64, 64)
+    assert torch.equal(chained, indexed)
+    assert torch.equal(decode(chained, 64), decode(masks.document([[32, 32], [16, 48]], causal=False), 64))
+
+    def window_per_head(b, h, q, kv):
+        return (q >= kv) & (q - kv < 4 + 8 * h)
+
+    with pytest.raises(InputValueError, match="reads its head index.*pass H=Hq"):
+        masks.from_mask_mod(window_per_head, 1, None, 64, 64)
+    assert masks.from_mask_mod(window_per_head, 1, 4, 64, 64).shape[0] == 4
+    assert masks.from_mask_mod(window_per_head, 1, 1, 64, 64).shape[0] == 1
+
+
 def test_from_mask_mod_with_python_control_flow_says_why():
-    """A mask_mod written for scalars (`and`, `if`) fails on the broadcast index tensors: the error
-    says so and names the tensor operators; other errors of the mask_mod pass through unchanged."""
-    with pytest.raises(InputValueError, match="broadcast index tensors.*`&`"):
+    """Python `and` / `if` on the index tensors fail under torch.vmap, as in torch: the error says
+    so and names the tensor operators; other errors of the mask_mod pass through unchanged."""
+    with pytest.raises(InputValueError, match="under torch.vmap.*`&`"):
         masks.from_mask_mod(lambda b, h, q, kv: (q >= kv) and (q - kv < 4), 1, None, 8, 8)
 
     def raises(b, h, q, kv):
@@ -559,7 +577,7 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: (kv <= q).int(), 1, 1, 2, 2)
     with pytest.raises(TypeError, match="mask_mod"):
         masks.from_mask_mod(lambda b, h, q, kv: True, 1, 1, 2, 2)
-    with pytest.raises(ValueError, match="broadcast"):
+    with pytest.raises(ValueError, match=r"one bool per .* shape \(3, 3\) for each"):
         masks.from_mask_mod(lambda b, h, q, kv: torch.ones(3, 3, dtype=torch.bool), 1, 1, 2, 2)
     with pytest.raises(ValueError, match="Sq"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 0, 2)
@@ -591,11 +609,14 @@ def test_from_block_mask_evaluates_the_heads_it_is_told():
     every q head (torch calls it with the real head index), and refuses blocks that differ there."""
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
 
-    def shifted(b, h, q, kv):  # head h sees 3h keys fewer; every head has the same visible blocks
-        return kv <= q - 3 * h
+    def shifted(b, h, q, kv):  # a hole h + 1 keys left of the diagonal: every head has the same
+        return (kv <= q) & (kv != q - 1 - h)  # visible blocks, and none is full (torch's full blocks
+        # skip the mask_mod, so one full only for head 0 would be refused, below)
 
     shared = fa.create_block_mask(shifted, None, None, 256, 256, device="cpu")
-    assert masks.from_block_mask(shared).shape[0] == 1  # one head entry: head 0's mask for all
+    with pytest.raises(InputValueError, match="reads its head index.*pass heads=Hq"):
+        masks.from_block_mask(shared)  # one head entry, but torch calls the mask_mod per head
+    assert masks.from_block_mask(shared, heads=1).shape[0] == 1  # a model of one head
     per_head = masks.from_block_mask(shared, heads=2)
     assert torch.equal(per_head, masks.from_mask_mod(shifted, 1, 2, 256, 256))
     assert per_head.shape[0] == 2 and not torch.equal(per_head[0], per_head[1])
@@ -608,6 +629,9 @@ def test_from_block_mask_evaluates_the_heads_it_is_told():
     widening_mod = masks.from_mask_mod(widening.mask_mod, 1, 2, 256, 256)  # the way the hint names
     assert widening_mod.shape[0] == 2
     three = fa.create_block_mask(lambda b, h, q, kv: kv <= q + h, 1, 3, 256, 256, device="cpu")
+    diagonal = fa.create_block_mask(lambda b, h, q, kv: kv <= q - 3 * h, None, None, 256, 256, device="cpu")
+    with pytest.raises(ValueError, match="wholly visible.* at head 1"):  # block (1, 0): full at head 0 only
+        masks.from_block_mask(diagonal, heads=2)
     with pytest.raises(ValueError, match="3 head entries but heads=2"):
         masks.from_block_mask(three, heads=2)
     with pytest.raises(TypeError, match="heads"):
@@ -632,10 +656,27 @@ def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
         BLOCK_SIZE=128,
         seq_lengths=(300, 300),
     )
-    with pytest.raises(ValueError, match="its mask_mod makes visible; build the dense"):
+    with pytest.raises(ValueError, match=r"its mask_mod makes visible .*; build the dense"):
         masks.from_block_mask(listed_only)
     with pytest.raises(TypeError, match="BlockMask"):
         masks.from_block_mask(packed_docs)
+
+
+def test_from_block_mask_refuses_full_blocks_that_are_partial_for_another_sample():
+    """torch applies no mask_mod in a block listed full: a B=None block mask's sample-0 full block
+    that is only partly visible for sample 1 is refused (torch would show sample 1 all of it)."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    docs = torch.tensor([[0] * 256, [0] * 64 + [1] * 192])
+
+    def packed_docs(b, h, q, kv):
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+
+    one_entry = fa.create_block_mask(packed_docs, None, None, 256, 256, device="cpu")
+    assert one_entry.to_dense()[0, 0].tolist() == [[1, 0], [1, 1]]  # sample 1's visible blocks too
+    with pytest.raises(InputValueError, match="sample 1 differ .*wholly visible.*made with B=None"):
+        masks.from_block_mask(one_entry, batch=2)
+    per_sample = fa.create_block_mask(packed_docs, 2, None, 256, 256, device="cpu")
+    assert torch.equal(masks.from_block_mask(per_sample), masks.from_mask_mod(packed_docs, 2, None, 256, 256))
 
 
 def test_from_block_mask_names_a_sliced_block_mask():

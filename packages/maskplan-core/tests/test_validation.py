@@ -137,6 +137,9 @@ def test_error_hierarchy():
     [
         (causal().tolist(), InputTypeError, TypeError, ("mask_func", "Tensor", "list")),
         (None, InputTypeError, TypeError, ("mask_func", "Tensor")),
+        (torch.ones(B * SQ, SK, dtype=torch.bool), InputTypeError, TypeError,
+         ("mask_func", "bool tensor", "from_dense")),
+        (lambda b, h, q, kv: q >= kv, InputTypeError, TypeError, ("mask_func", "function", "from_mask_mod")),
         (causal().to(torch.int64), InputTypeError, TypeError, ("mask_func", "int32", "int64")),
         (causal().float(), InputTypeError, TypeError, ("mask_func", "int32", "float32")),
         (causal()[0], InputValueError, ValueError, ("mask_func", "rank 3")),
@@ -155,7 +158,8 @@ def test_error_hierarchy():
          ("mask_func", "total_q", str(B * SQ), "one sample", "batch=B")),
     ],
     ids=[
-        "list", "none", "int64", "float32", "rank2", "rank4", "strided-rows", "transposed-heads",
+        "list", "none", "dense-bool", "mask-mod", "int64", "float32", "rank2", "rank4", "strided-rows",
+        "transposed-heads",
         "hmask-3", "hmask-hkv", "nfunc-2", "nfunc-4", "nfunc-0", "total_q-plus-1", "total_q-one-sample",
     ],
 )

@@ -604,14 +604,17 @@ def from_mask_mod(
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
-    ``mask_mod`` is called once per batch sample with broadcastable int64 index tensors of shapes
-    ``[1, 1, 1, 1]`` (b), ``[1, H, 1, 1]``, ``[1, 1, Sq, 1]`` and ``[1, 1, 1, Sk]``; its result must
-    broadcast to ``[1, H, Sq, Sk]``.  The dense ``[H, Sq, Sk]`` mask of one sample is then encoded
-    like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head gives the
-    same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one head.
-    The positional arguments are ``create_block_mask``'s (``Sq`` and ``Sk`` its ``Q_LEN`` and
-    ``KV_LEN``), ``device`` included; its ``BLOCK_SIZE`` has no counterpart (endpoints are per
-    element), and ``B`` cannot be None.
+    ``mask_mod`` is evaluated as torch's ``create_block_mask`` evaluates it: under ``torch.vmap``,
+    so it sees 0-d int64 index tensors and returns a 0-d bool tensor (``docs[b][q_idx]`` works;
+    Python ``and`` / ``if`` on the indices do not). The dense ``[H, Sq, Sk]`` mask of each sample is
+    then encoded like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head
+    gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one
+    mask for every head, as in torch; a mask_mod that reads its head index is refused there (torch
+    would still call it with each head's index): pass ``H = Hq``. The positional arguments are
+    ``create_block_mask``'s (``Sq`` and ``Sk`` its ``Q_LEN`` and ``KV_LEN``), ``device`` included;
+    its ``BLOCK_SIZE`` has no counterpart (endpoints are per element), and ``B`` cannot be None.
+    The endpoints do not record ``Sk``: used with more keys than ``Sk``, they hide the keys past it
+    (torch refuses a block mask made for another ``KV_LEN``).
     """
     if not callable(mask_mod):
         raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
@@ -621,10 +624,12 @@ def from_mask_mod(
             "(row = b * Sq + q), so mask_mod is evaluated once per sample"
         )
     B = _as_int("B", B, 1)
+    shared_heads = "H=None: pass H=Hq" if H is None else None
     H = 1 if H is None else _as_int("H", H, 1)
     shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)
-    return _join_samples([_encode(_mask_mod_sample(mask_mod, b, shape, dev)) for b in range(B)], H)
+    dense = [_mask_mod_sample(mask_mod, b, shape, dev, shared_heads if b == 0 else None) for b in range(B)]
+    return _join_samples([_encode(d) for d in dense], H)
 
 
 def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None = None) -> torch.Tensor:
@@ -633,18 +638,19 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
 
     A block mask made with ``B=None`` holds one batch entry; ``batch`` then says how many samples
     the endpoints cover (the mask_mod is evaluated for each). Likewise one made with ``H=None``
-    holds one head entry, and its mask_mod is evaluated at head 0 only (``Hmask = 1``, one mask
-    for every head), unless ``heads`` says how many q heads to evaluate it for: pass ``heads=Hq``
-    for a mask_mod that reads its head index (the result keeps ``Hmask = 1`` where the heads
-    agree). Every sample's and head's blocks must be the ones its mask_mod makes visible (true of
-    ``create_block_mask``), else the block mask is refused rather than converted to another mask
-    than torch computes with it:
+    holds one head entry, and its mask_mod gives one mask for every head (``Hmask = 1``), refused
+    where it reads its head index (head 1's mask differs from head 0's: torch calls the mask_mod
+    with each head's index), unless ``heads`` says how many q heads to evaluate it for: pass
+    ``heads=Hq`` for such a mask_mod (the result keeps ``Hmask = 1`` where the heads agree). Every
+    sample's and head's blocks must be the ones its mask_mod makes visible, and the blocks listed
+    full (where torch skips the mask_mod) wholly visible (true of ``create_block_mask``), else the
+    block mask is refused rather than converted to another mask than torch computes with it:
 
     - one batch / head entry (``B=None`` / ``H=None``) holds sample 0's / head 0's blocks, which
       torch applies to every sample / head, so ``batch=`` / ``heads=`` are refused where another
-      sample's or head's visible blocks differ (documents that move, a window that grows with the
-      head): make the block mask with ``B`` / ``H`` given, or take the endpoints of the mask_mod
-      alone, ``from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)``;
+      sample's or head's visible or full blocks differ (documents that move, a window that grows
+      with the head): make the block mask with ``B`` / ``H`` given, or take the endpoints of the
+      mask_mod alone, ``from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)``;
     - block lists that say more than the mask_mod (``BlockMask.from_kv_blocks`` without one):
       build its dense mask and use :func:`from_dense`;
     - a sliced block mask (``block_mask[...]``) has no mask_mod (torch replaces it with one that
@@ -662,6 +668,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
             "the endpoints' last dimension (row = b * Sq + q)"
         )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
+    # one head entry standing for every head (H=None) unless ``heads`` says how many there are
+    shared_heads = "H=None: pass heads=Hq" if heads is None and blocks.shape[1] == 1 else None
     counts = {}
     for name, given, entries in (("batch", batch, blocks.shape[0]), ("heads", heads, blocks.shape[1])):
         counts[name] = entries if given is None else _as_int(name, given, 1)
@@ -671,13 +679,17 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     batch, heads = counts["batch"], counts["heads"]
     shape = (heads, *(int(n) for n in block_mask.seq_lengths))
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
+    full = _full_blocks(block_mask, blocks.shape[-1])
     parts = []
     for b in range(batch):
-        dense = _mask_mod_sample(block_mask.mask_mod, b, shape, blocks.device)
-        pad = (0, -shape[2] % bk, 0, -shape[1] % bq)
-        seen = torch.nn.functional.pad(dense, pad).unflatten(2, (-1, bk)).unflatten(1, (-1, bq)).any(4).any(2)
-        listed = blocks[b if blocks.shape[0] > 1 else 0].expand_as(seen)
-        differs = (seen != listed).flatten(1).any(1)
+        sample_heads = shared_heads if b == 0 else None
+        dense = _mask_mod_sample(block_mask.mask_mod, b, shape, blocks.device, sample_heads)
+        entry = b if blocks.shape[0] > 1 else 0
+        seen = _per_block(dense, (bq, bk), torch.any)
+        differs = seen != blocks[entry].expand_as(seen)
+        if full is not None:  # torch skips mask_mod in a full block: every element there must be visible
+            differs |= full[entry].expand_as(seen) & ~_per_block(dense, (bq, bk), torch.all)
+        differs = differs.flatten(1).any(1)
         if bool(differs.any()):
             head = int(differs.nonzero()[0, 0])
             at_head = f" at head {head}" if heads > 1 else ""
@@ -695,40 +707,78 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
                 hint = "build the dense mask and use from_dense"
             raise InputValueError(
                 f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes "
-                f"visible{at_head}; {hint}"
+                f"visible (or wholly visible, where it lists them full){at_head}; {hint}"
             )
         parts.append(_encode(dense))
     return _join_samples(parts, heads)
 
 
-def _mask_mod_sample(mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device) -> torch.Tensor:
-    """``mask_mod`` of batch sample ``b`` as a dense bool ``[H, Sq, Sk]``."""
+def _per_block(dense: torch.Tensor, block: tuple[int, int], reduce) -> torch.Tensor:
+    """``reduce`` (torch.any / torch.all) of ``[H, Sq, Sk]`` over each ``block``, edge blocks over
+    their elements only: ``[H, Q blocks, KV blocks]``."""
+    (bq, bk), (_, sq, sk) = block, dense.shape
+    padded = torch.nn.functional.pad(dense, (0, -sk % bk, 0, -sq % bq), value=reduce is torch.all)
+    return reduce(reduce(padded.unflatten(2, (-1, bk)).unflatten(1, (-1, bq)), 4), 2)
+
+
+def _full_blocks(block_mask, kv_blocks: int) -> torch.Tensor | None:
+    """bool ``[B, H, Q blocks, kv_blocks]``: the blocks ``block_mask`` lists as full (torch applies no
+    mask_mod there); None where it lists none."""
+    num, idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    if num is None or idx is None:
+        return None
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    spare = max(kv_blocks, idx.shape[-1])  # a column for the unlisted slots
+    dense = torch.zeros(*idx.shape[:-1], spare + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where(listed, idx, spare).long(), listed)
+    return dense[..., :kv_blocks]
+
+
+#: torch.vmap's in_dims over (b, h, q_idx, kv_idx), innermost first: kv_idx, q_idx, then h (b is one
+#: sample's 0-d index), so mask_mod sees 0-d indices, as under torch's create_block_mask
+_VMAP_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None))
+
+
+def _mask_mod_sample(
+    mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None
+) -> torch.Tensor:
+    """``mask_mod`` of batch sample ``b`` as a dense bool ``[H, Sq, Sk]``. ``shared_heads`` (one head
+    standing for every head, ``H = 1``) also evaluates head 1 and refuses a mask_mod that differs
+    there, the string saying how to give the heads."""
     H, Sq, Sk = shape
-    h_idx = torch.arange(H, device=dev).view(1, H, 1, 1)
-    q_idx = torch.arange(Sq, device=dev).view(1, 1, Sq, 1)
-    kv_idx = torch.arange(Sk, device=dev).view(1, 1, 1, Sk)
-    b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
+    heads = 2 if shared_heads else H
+    fn = mask_mod
+    for in_dims in _VMAP_DIMS:
+        fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
+    idx = (torch.tensor(b, device=dev), *(torch.arange(n, device=dev) for n in (heads, Sq, Sk)))
     try:
-        res = mask_mod(b_idx, h_idx, q_idx, kv_idx)
+        res = fn(*idx)
     except RuntimeError as err:
-        if "Boolean value of Tensor" not in str(err):
+        if "data-dependent control flow" not in str(err) and "Boolean value of Tensor" not in str(err):
             raise
         raise InputValueError(
-            "mask_mod is called once with broadcast index tensors (b, h, q_idx, kv_idx), as torch "
-            "FlexAttention's create_block_mask does, so Python `and` / `or` / `if` on them fail: use "
-            f"`&`, `|` and torch.where ({err})"
+            "mask_mod is evaluated as torch FlexAttention's create_block_mask evaluates it (under "
+            "torch.vmap), so Python `and` / `or` / `if` on its index tensors fail: use `&`, `|` and "
+            f"torch.where ({err})"
         ) from err
-    if not isinstance(res, torch.Tensor):
-        raise InputTypeError(f"mask_mod must return a torch.Tensor, got {type(res).__name__}")
+    except ValueError as err:
+        if "must only return Tensors" not in str(err):
+            raise
+        raise InputTypeError(f"mask_mod must return a bool torch.Tensor ({err})") from err
     if res.dtype != torch.bool:
         raise InputTypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
-    try:
-        return torch.broadcast_to(res, (1, H, Sq, Sk))[0].to(dev)
-    except RuntimeError:
+    if res.shape != (heads, Sq, Sk):
         raise InputValueError(
-            f"mask_mod result of shape {tuple(res.shape)} does not broadcast to [1, H, Sq, Sk] = "
-            f"{[1, H, Sq, Sk]}"
-        ) from None
+            f"mask_mod must return one bool per (b, h, q_idx, kv_idx), got a result of shape "
+            f"{tuple(res.shape[3:])} for each"
+        )
+    if shared_heads and not torch.equal(res[0], res[1]):
+        raise InputValueError(
+            "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
+            f"flex_attention calls it with each head's index, so one mask for all heads would differ "
+            f"from what torch computes; {shared_heads}"
+        )
+    return res[:H].to(dev)
 
 
 def _join_samples(parts: list[torch.Tensor], H: int) -> torch.Tensor:

@@ -194,7 +194,19 @@ def validate_plan_inputs(
             )
         total_q, total_k = batch * max_q, batch * max_k
         cu_q, cu_k = fixed_prefixes(batch, max_q, max_k, device)
-    mask_func = require_tensor("mask_func", mask_func)
+    if not isinstance(mask_func, torch.Tensor) or mask_func.dtype == torch.bool:
+        # other forms of a mask: name the conversion to endpoints
+        kind = "a bool tensor" if isinstance(mask_func, torch.Tensor) else type(mask_func).__name__
+        convert = {
+            "BlockMask": "masks.from_block_mask(block_mask)",
+            "function": "masks.from_mask_mod(mask_mod, B, H, Sq, Sk)",
+            "a bool tensor": "masks.from_dense(mask)",
+        }.get(kind)
+        hint = f"; convert it with {convert}" if convert else ""
+        raise InputTypeError(
+            f"mask_func must be an int32 torch.Tensor of interval endpoints [Hmask, nfunc, total_q], got "
+            f"{kind}{hint}"
+        )
     hq = q.shape[-2]
     if mask_func.dtype != torch.int32:
         raise InputTypeError(f"mask_func must be int32, got {mask_func.dtype}")
