@@ -7,8 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from flexattn_sm90 import Sm90BwdConfig, Sm90Consumer, Sm90FwdConfig, __version__, select_fwd_config
+from flexattn_sm90.heuristics import kernel_head_dims
 from maskplan_core.consumer import Consumer, ViewRequest
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
@@ -105,14 +107,103 @@ def test_varlen_and_dtype_do_not_change_the_signature():
     assert c.resolve(request(dtype="float16")).signature == base
 
 
-@pytest.mark.parametrize("dims", [(80, 80), (128, 64), (256, 128), (16, 16), (192, 192)])
+@pytest.mark.parametrize("dims", [(320, 320), (64, 300), (257, 16)])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_rejects_head_dims(direction, dims):
     with pytest.raises(UnsupportedConfigError, match=r"head_dim_qk, head_dim_v") as info:
         Sm90Consumer().resolve(request(direction, dims))
     assert isinstance(info.value, ValueError)
     assert f"({dims[0]}, {dims[1]})" in str(info.value)
-    assert "(192, 128)" in str(info.value)  # lists the supported pairs
+    assert "(192, 128)" in str(info.value) and "zero-padded" in str(info.value)  # lists what runs
+
+
+@pytest.mark.parametrize(
+    "dims, kernel",
+    [((80, 80), (96, 96)), ((8, 8), (32, 32)), ((48, 48), (64, 64)), ((64, 128), (128, 128)),
+     ((128, 64), (128, 128)), ((112, 112), (128, 128)), ((160, 128), (192, 128)), ((192, 192), (256, 256)),
+     ((256, 128), (256, 256)), ((96, 96), (96, 96))],
+)  # fmt: skip
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_head_dims_without_a_kernel_resolve_to_the_next_kernel_up(direction, dims, kernel):
+    """A pair without a kernel of its own plans with the views of the cheapest kernel that holds it
+    (its tensors are zero-padded at run time, test_head_dims_without_a_kernel_run_padded)."""
+    assert kernel_head_dims(*dims) == kernel
+    c = Sm90Consumer()
+    assert c.resolve(request(direction, dims)) == c.resolve(request(direction, kernel))
+
+
+def test_padded_head_dims_say_so_once(recwarn):
+    import flexattn_sm90.consumer as consumer_module
+
+    consumer_module._warn_padded.cache_clear()
+    for _ in range(2):
+        Sm90Consumer().check_head_dims(72, 72)
+        Sm90Consumer().check_head_dims(128, 128)
+    (warning,) = recwarn.list
+    assert re.search(r"\(72, 72\): they run on the \(96, 96\) kernels .* zero-padded", str(warning.message))
+
+
+def _thd(total: int, heads: int, dim: int, seed: int) -> torch.Tensor:
+    return torch.randn(total, heads, dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_head_dims_without_a_kernel_run_padded(monkeypatch):
+    """The consumer hands the (96, 96) kernels a view with those head dims over the plan's tensors
+    and q, k, v, out, dout with zero columns; it returns the first 80 columns of the kernels'
+    outputs, or writes them into the caller's buffers (the explicit API). The kernels are stood in
+    for (their GPU tests run them): what they receive and what the caller gets is checked here."""
+    import flexattn
+    import flexattn_sm90.bwd_launch as bwd_launch
+    import flexattn_sm90.fwd_launch as fwd_launch
+
+    total, hq, hkv, d = 200, 4, 2, 80
+    q, k, v = _thd(total, hq, d, 0), _thd(total, hkv, d, 1), _thd(total, hkv, d, 2)
+    cu = torch.tensor([0, 120, 200], dtype=torch.int32)
+    plan = flexattn.create_mask_plan(
+        flexattn.masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        max_seqlen_q=120, max_seqlen_k=120, build_backward=True, target="sm90",
+    )  # fmt: skip
+    seen = {}
+
+    def kernel_output(*shape):
+        return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(torch.bfloat16)
+
+    def forward(view, q, k, v, *, out=None, lse=None, **kwargs):
+        seen["forward"] = view, (q, k, v), out
+        return kernel_output(total, hq, 96), torch.zeros(hq, total), None
+
+    def backward(view, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None, **kwargs):
+        seen["backward"] = view, (q, k, v, out, dout), (dq, dk, dv)
+        return kernel_output(total, hq, 96), kernel_output(total, hkv, 96), kernel_output(total, hkv, 96)
+
+    monkeypatch.setattr(fwd_launch, "run_forward", forward)
+    monkeypatch.setattr(bwd_launch, "run_backward", backward)
+    consumer = Sm90Consumer()
+    got = consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False)
+    view, padded, given = seen["forward"]
+    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == (96, 96) and given is None
+    assert view.tensors == plan.view("forward").tensors and view.signature == plan.view("forward").signature
+    for t, p in zip((q, k, v), padded, strict=True):
+        assert p.shape[-1] == 96 and torch.equal(p[..., :d], t) and not p[..., d:].any()
+    assert torch.equal(got.out, kernel_output(total, hq, 96)[..., :d]) and got.out.is_contiguous()
+    out = torch.empty(total, hq, d, dtype=torch.bfloat16)
+    assert consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False, out=out).out is out
+    assert torch.equal(out, got.out)
+    assert seen["forward"][0] is view  # one padded view per plan view
+
+    dout = _thd(total, hq, d, 3)
+    call = (plan, q, k, v, got.out, got.lse, dout, None)
+    grads = consumer.backward(*call, softmax_scale=0.1, deterministic=True)
+    view, padded, given = seen["backward"]
+    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == (96, 96) and given == (None, None, None)
+    for t, p in zip((q, k, v, got.out, dout), padded, strict=True):
+        assert p.shape[-1] == 96 and torch.equal(p[..., :d], t) and not p[..., d:].any()
+    buffers = [torch.empty_like(t) for t in (q, k, v)]
+    into = consumer.backward(*call, softmax_scale=0.1, deterministic=True, dq=buffers[0], dk=buffers[1],
+                             dv=buffers[2])  # fmt: skip
+    for g, b, heads in zip(grads, into, (hq, hkv, hkv), strict=True):
+        assert torch.equal(g, kernel_output(total, heads, 96)[..., :d]) and torch.equal(b, g)
+    assert all(b is i for b, i in zip(buffers, into, strict=True))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -8,9 +8,20 @@ never computed another way.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
 
-from .heuristics import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, select_bwd_config, select_fwd_config
+from .head_dim_padding import cut_head_dim, kernel_view, pad_head_dim
+from .heuristics import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    check_head_dims,
+    kernel_head_dims,
+    select_bwd_config,
+    select_fwd_config,
+)
 
 
 class Sm90Consumer(KernelConsumer):
@@ -27,6 +38,13 @@ class Sm90Consumer(KernelConsumer):
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
 
+    def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
+        """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it,
+        zero-padded (:mod:`flexattn_sm90.head_dim_padding`), and says so once per process."""
+        check_head_dims(head_dim_qk, head_dim_v)
+        if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
+            _warn_padded(head_dim_qk, head_dim_v)
+
     def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None):
         """CUDA tensors plan with the GPU planner kernels; CPU tensors (``target="sm90"`` on a
         machine without a GPU) with the reference planner, which builds the same tensors."""
@@ -42,11 +60,15 @@ class Sm90Consumer(KernelConsumer):
     ):  # fmt: skip
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
-        out, lse, max_logit = run_forward(
-            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit,
-            mask_via_smem=payload_via_smem, out=out, lse=lse,
-        )
-        return AttentionOutputs(out, lse, max_logit)
+        view = kernel_view(plan.view("forward"))
+        dqk, dv = view.geometry.head_dim_qk, view.geometry.head_dim_v
+        native = v.shape[-1] == dv and q.shape[-1] == dqk
+        o, lse, max_logit = run_forward(
+            view, pad_head_dim(q, dqk), pad_head_dim(k, dqk), pad_head_dim(v, dv),
+            softmax_scale=softmax_scale, return_max_logit=return_max_logit, mask_via_smem=payload_via_smem,
+            out=out if native else None, lse=lse,
+        )  # fmt: skip
+        return AttentionOutputs(cut_head_dim(o, v.shape[-1], out), lse, max_logit)
 
     def backward(
         self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
@@ -54,8 +76,26 @@ class Sm90Consumer(KernelConsumer):
     ):  # fmt: skip
         from .bwd_launch import run_backward
 
-        return run_backward(
-            plan.view("backward"), q, k, v, out, lse, dout, dlse,
-            softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        view = kernel_view(plan.view("backward"))
+        dims_qk, dims_v = view.geometry.head_dim_qk, view.geometry.head_dim_v
+        padded_q, padded_k = (pad_head_dim(t, dims_qk) for t in (q, k))
+        padded_v, padded_out, padded_dout = (pad_head_dim(t, dims_v) for t in (v, out, dout))
+        native = padded_q is q and padded_v is v  # the caller's buffers take the kernels' writes
+        buffers = dict(dq=dq, dk=dk, dv=dv) if native else {}
+        grads = run_backward(
+            view, padded_q, padded_k, padded_v, padded_out, lse, padded_dout, dlse,
+            softmax_scale=softmax_scale, deterministic=deterministic, **buffers,
         )  # fmt: skip
+        inputs, into = (q, k, v), (dq, dk, dv)
+        return tuple(cut_head_dim(g, t.shape[-1], i) for g, t, i in zip(grads, inputs, into, strict=True))
 
+
+@functools.cache
+def _warn_padded(head_dim_qk: int, head_dim_v: int) -> None:
+    kernel = kernel_head_dims(head_dim_qk, head_dim_v)
+    warnings.warn(
+        f"flexattn-sm90 has no kernel for (head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}): they run "
+        f"on the {kernel} kernels with q, k, v (and out, dout) zero-padded per call, correct but slower "
+        "(fwd+bwd at (80, 80): 0.46-0.70x cuDNN's speed, benchmarks/RESULTS.md, session 33)",
+        stacklevel=2,
+    )

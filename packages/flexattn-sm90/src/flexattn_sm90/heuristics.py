@@ -26,9 +26,12 @@ warpgroups compute ``S^T`` (K rows x Q columns): for 128x128 and 64x128 each tak
 from __future__ import annotations
 
 from maskplan_core.consumer import require_pack_gqa_ratio, require_supported
+from maskplan_core.errors import UnsupportedConfigError
 
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
+#: the head dims the kernels are built for; any other pair runs on the cheapest of them that holds
+#: it (:func:`kernel_head_dims`), its tensors zero-padded (:mod:`flexattn_sm90.head_dim_padding`)
 SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = (
     (32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)
 )  # fmt: skip
@@ -39,9 +42,25 @@ def check_dtype(dtype: str) -> None:
     require_supported("dtype", dtype, SUPPORTED_DTYPES, "flexattn-sm90")
 
 
+def kernel_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """The kernels' head dims that run ``(head_dim_qk, head_dim_v)``: the pair itself where the
+    kernels are built for it, else the one of :data:`SUPPORTED_HEAD_DIMS` with the fewest head-dim
+    columns that holds both (``(80, 80)`` on ``(96, 96)``, ``(64, 128)`` on ``(128, 128)``, ``(160,
+    128)`` on ``(192, 128)``). Zero columns change no score, probability or output column, so the
+    padded problem's results are the pair's; it costs the padded dims' time and a copy of q, k, v
+    (and out, dout in the backward) per call."""
+    fits = [d for d in SUPPORTED_HEAD_DIMS if d[0] >= head_dim_qk and d[1] >= head_dim_v]
+    if not fits:
+        raise UnsupportedConfigError(
+            f"(head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}) is not supported by flexattn-sm90: "
+            f"its kernels run {', '.join(map(repr, SUPPORTED_HEAD_DIMS))} and, zero-padded, any pair "
+            "that one of them holds"
+        )
+    return min(fits, key=lambda d: (d[0] + d[1], d))
+
+
 def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
-    head_dims = (head_dim_qk, head_dim_v)
-    require_supported("(head_dim_qk, head_dim_v)", head_dims, SUPPORTED_HEAD_DIMS, "flexattn-sm90")
+    kernel_head_dims(head_dim_qk, head_dim_v)
 
 
 def fwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
@@ -90,7 +109,9 @@ def select_fwd_config(
     qhead_per_kvhead: int = 1,
     varlen: bool = False,
 ) -> Sm90FwdConfig:
+    """The forward config of a problem; head dims without a kernel get the one that holds them."""
     check_dtype(dtype)
+    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
     tile_m, tile_n = fwd_tile(head_dim_qk, head_dim_v)
     if pack_gqa:
         require_pack_gqa_ratio(qhead_per_kvhead, tile_m)
@@ -121,7 +142,9 @@ def select_fwd_config(
 def select_bwd_config(
     *, head_dim_qk: int, head_dim_v: int, dtype: str, qhead_per_kvhead: int = 1, varlen: bool = False
 ) -> Sm90BwdConfig:
+    """The backward config of a problem; head dims without a kernel get the one that holds them."""
     check_dtype(dtype)
+    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
     tile_m, tile_n, transposed_scores = bwd_tile(head_dim_qk, head_dim_v)
     q_stages, do_stages = bwd_stages(head_dim_qk, head_dim_v)
     return Sm90BwdConfig(

@@ -188,14 +188,20 @@ class KernelConsumer(Consumer):
             config = self.select_backward(**problem)
         return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
 
+    def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
+        """Raise :class:`UnsupportedConfigError` unless this consumer runs these head dims; by
+        default those of :attr:`supported_head_dims` (a consumer that also runs others, e.g. on a
+        larger kernel, says so here)."""
+        head_dims = (head_dim_qk, head_dim_v)
+        require_supported("(head_dim_qk, head_dim_v)", head_dims, self.supported_head_dims, self.name)
+
     def check_request(self, request: ViewRequest) -> None:
         require_supported("arch_family", request.arch_family, self.arch_families, self.name)
         if request.compute_capability is not None:
             cc = tuple(request.compute_capability)
             require_supported("compute_capability", cc, self.compute_capabilities, self.name)
         require_supported("dtype", request.dtype, self.supported_dtypes, self.name)
-        head_dims = (request.head_dim_qk, request.head_dim_v)
-        require_supported("(head_dim_qk, head_dim_v)", head_dims, self.supported_head_dims, self.name)
+        self.check_head_dims(request.head_dim_qk, request.head_dim_v)
         if request.num_heads_q % request.num_heads_kv:
             raise UnsupportedConfigError(
                 f"num_heads_q={request.num_heads_q} is not a multiple of num_heads_kv={request.num_heads_kv}"

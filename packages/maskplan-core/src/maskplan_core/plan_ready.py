@@ -40,6 +40,14 @@ def mark_ready(views, device: torch.device) -> None:
         _READY[view] = (stream.cuda_stream, event)
 
 
+def share_ready(view: PlanView, derived: PlanView) -> None:
+    """``derived`` reads ``view``'s tensors (a consumer's copy of the view with another geometry):
+    it is ready when ``view`` is."""
+    ready = _READY.get(view)
+    if ready is not None:
+        _READY[derived] = ready
+
+
 def wait_ready(view: PlanView, device: torch.device) -> None:
     """Order the current stream of ``device`` after the build of ``view`` where another stream made
     it. Not inside a graph capture, which may not wait for work outside it: there the plan must be
