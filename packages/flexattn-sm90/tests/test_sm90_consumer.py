@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -132,32 +133,34 @@ def test_head_dims_without_a_kernel_resolve_to_the_next_kernel_up(direction, dim
     assert c.resolve(request(direction, dims)) == c.resolve(request(direction, kernel))
 
 
-def test_padded_head_dims_say_so_once(recwarn):
-    import flexattn_sm90.consumer as consumer_module
-
-    consumer_module._warn_padded.cache_clear()
-    for _ in range(2):
+def test_padded_head_dims_say_so():
+    with pytest.warns(UserWarning, match=r"\(72, 72\): they run on the \(96, 96\) kernels .* zero-padded"):
         Sm90Consumer().check_head_dims(72, 72)
-        Sm90Consumer().check_head_dims(128, 128)
-    (warning,) = recwarn.list
-    assert re.search(r"\(72, 72\): they run on the \(96, 96\) kernels .* zero-padded", str(warning.message))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Sm90Consumer().check_head_dims(128, 128)  # a kernel's own: nothing to say
 
 
 def _thd(total: int, heads: int, dim: int, seed: int) -> torch.Tensor:
     return torch.randn(total, heads, dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def test_head_dims_without_a_kernel_run_padded(monkeypatch):
-    """The consumer hands the (96, 96) kernels a view with those head dims over the plan's tensors
-    and q, k, v, out, dout with zero columns; it returns the first 80 columns of the kernels'
-    outputs, or writes them into the caller's buffers (the explicit API). The kernels are stood in
-    for (their GPU tests run them): what they receive and what the caller gets is checked here."""
+@pytest.mark.parametrize(
+    "dims, kernel", [((80, 80), (96, 96)), ((64, 128), (128, 128)), ((128, 64), (128, 128))]
+)
+def test_head_dims_without_a_kernel_run_padded(monkeypatch, dims, kernel):
+    """The consumer hands the kernels of the next head dims up a view with those head dims over the
+    plan's tensors and q, k, v, out, dout with zero columns; it returns the caller's columns of the
+    kernels' outputs, or has them in the caller's buffers (the explicit API): written by the kernel
+    where that buffer's head dim is not padded, copied where it is. The kernels are stood in for
+    (their GPU tests run them): what they receive and what the caller gets is checked here."""
     import flexattn
     import flexattn_sm90.bwd_launch as bwd_launch
     import flexattn_sm90.fwd_launch as fwd_launch
 
-    total, hq, hkv, d = 200, 4, 2, 80
-    q, k, v = _thd(total, hq, d, 0), _thd(total, hkv, d, 1), _thd(total, hkv, d, 2)
+    (dqk, dv), (kqk, kv) = dims, kernel
+    total, hq, hkv = 200, 4, 2
+    q, k, v = _thd(total, hq, dqk, 0), _thd(total, hkv, dqk, 1), _thd(total, hkv, dv, 2)
     cu = torch.tensor([0, 120, 200], dtype=torch.int32)
     plan = flexattn.create_mask_plan(
         flexattn.masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -165,45 +168,50 @@ def test_head_dims_without_a_kernel_run_padded(monkeypatch):
     )  # fmt: skip
     seen = {}
 
-    def kernel_output(*shape):
-        return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(torch.bfloat16)
+    def kernel_output(given, *shape):  # what a kernel writes, into the buffer it was given if any
+        t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape).to(torch.bfloat16)
+        return t if given is None else given.copy_(t)
 
     def forward(view, q, k, v, *, out=None, lse=None, **kwargs):
         seen["forward"] = view, (q, k, v), out
-        return kernel_output(total, hq, 96), torch.zeros(hq, total), None
+        return kernel_output(out, total, hq, kv), torch.zeros(hq, total), None
 
     def backward(view, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None, **kwargs):
         seen["backward"] = view, (q, k, v, out, dout), (dq, dk, dv)
-        return kernel_output(total, hq, 96), kernel_output(total, hkv, 96), kernel_output(total, hkv, 96)
+        shapes = ((dq, hq, kqk), (dk, hkv, kqk), (dv, hkv, kv))
+        return tuple(kernel_output(given, total, heads, d) for given, heads, d in shapes)
 
     monkeypatch.setattr(fwd_launch, "run_forward", forward)
     monkeypatch.setattr(bwd_launch, "run_backward", backward)
     consumer = Sm90Consumer()
     got = consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False)
     view, padded, given = seen["forward"]
-    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == (96, 96) and given is None
+    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel and given is None
     assert view.tensors == plan.view("forward").tensors and view.signature == plan.view("forward").signature
-    for t, p in zip((q, k, v), padded, strict=True):
-        assert p.shape[-1] == 96 and torch.equal(p[..., :d], t) and not p[..., d:].any()
-    assert torch.equal(got.out, kernel_output(total, hq, 96)[..., :d]) and got.out.is_contiguous()
-    out = torch.empty(total, hq, d, dtype=torch.bfloat16)
+    for t, p, d in zip((q, k, v), padded, (kqk, kqk, kv), strict=True):
+        assert p.shape[-1] == d and torch.equal(p[..., : t.shape[-1]], t) and not p[..., t.shape[-1] :].any()
+    assert torch.equal(got.out, kernel_output(None, total, hq, kv)[..., :dv]) and got.out.is_contiguous()
+    out = torch.full((total, hq, dv), float("nan"), dtype=torch.bfloat16)
     assert consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False, out=out).out is out
     assert torch.equal(out, got.out)
     assert seen["forward"][0] is view  # one padded view per plan view
+    assert seen["forward"][2] is (out if dv == kv else None)  # the kernel writes out where Dv is its own
 
-    dout = _thd(total, hq, d, 3)
+    dout = _thd(total, hq, dv, 3)
     call = (plan, q, k, v, got.out, got.lse, dout, None)
     grads = consumer.backward(*call, softmax_scale=0.1, deterministic=True)
     view, padded, given = seen["backward"]
-    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == (96, 96) and given == (None, None, None)
-    for t, p in zip((q, k, v, got.out, dout), padded, strict=True):
-        assert p.shape[-1] == 96 and torch.equal(p[..., :d], t) and not p[..., d:].any()
-    buffers = [torch.empty_like(t) for t in (q, k, v)]
+    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel and given == (None, None, None)
+    for t, p, d in zip((q, k, v, got.out, dout), padded, (kqk, kqk, kv, kv, kv), strict=True):
+        assert p.shape[-1] == d and torch.equal(p[..., : t.shape[-1]], t) and not p[..., t.shape[-1] :].any()
+    buffers = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     into = consumer.backward(*call, softmax_scale=0.1, deterministic=True, dq=buffers[0], dk=buffers[1],
                              dv=buffers[2])  # fmt: skip
-    for g, b, heads in zip(grads, into, (hq, hkv, hkv), strict=True):
-        assert torch.equal(g, kernel_output(total, heads, 96)[..., :d]) and torch.equal(b, g)
-    assert all(b is i for b, i in zip(buffers, into, strict=True))
+    for g, b, i, heads, d in zip(grads, buffers, into, (hq, hkv, hkv), (kqk, kqk, kv), strict=True):
+        assert torch.equal(g, kernel_output(None, total, heads, d)[..., : b.shape[-1]])
+        assert i is b and torch.equal(b, g)
+    native = (dqk == kqk, dqk == kqk, dv == kv)
+    assert [b is g for b, g in zip(buffers, seen["backward"][2], strict=True)] == list(native)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fractions
 import math
+import pickle
 from contextlib import contextmanager
 
 import pytest
@@ -453,6 +454,9 @@ def test_plan_metadata_has_cudnn_fields(varlen):
         "hmask": 1, "nfunc": 1, "pack_gqa": varlen, "has_backward": False,
     }  # fmt: skip
     assert meta["consumer"] == "maskplan-reference"  # and still the dict it was
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        again = pickle.loads(pickle.dumps(meta, protocol))
+        assert again == meta and again.total_q == total, protocol
     with pytest.raises(AttributeError, match="no field 'total_kv'.*total_k"):
         getattr(meta, "total_kv")  # noqa: B009 - the attribute lookup is what is tested
 

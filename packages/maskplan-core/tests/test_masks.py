@@ -527,6 +527,15 @@ def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
         masks.from_mask_mod(window_per_head, 1, None, 64, 64)
     assert masks.from_mask_mod(window_per_head, 1, 4, 64, 64).shape[0] == 4
     assert masks.from_mask_mod(window_per_head, 1, 1, 64, 64).shape[0] == 1
+    window = torch.tensor([6])  # one entry per head, of one head
+
+    def table_per_head(b, h, q, kv):
+        return (q >= kv) & (q - kv < window[h])
+
+    phantom = r"evaluated at head 1 .* raised there \(IndexError.*1 for a model of one"
+    with pytest.raises(InputValueError, match=phantom):
+        masks.from_mask_mod(table_per_head, 1, None, 64, 64)
+    assert masks.from_mask_mod(table_per_head, 1, 1, 64, 64).shape[0] == 1
 
 
 def test_from_mask_mod_with_python_control_flow_says_why():

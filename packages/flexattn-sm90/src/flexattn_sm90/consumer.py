@@ -8,7 +8,6 @@ never computed another way.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
@@ -62,11 +61,11 @@ class Sm90Consumer(KernelConsumer):
 
         view = kernel_view(plan.view("forward"))
         dqk, dv = view.geometry.head_dim_qk, view.geometry.head_dim_v
-        native = v.shape[-1] == dv and q.shape[-1] == dqk
+        padded_v = pad_head_dim(v, dv)
         o, lse, max_logit = run_forward(
-            view, pad_head_dim(q, dqk), pad_head_dim(k, dqk), pad_head_dim(v, dv),
+            view, pad_head_dim(q, dqk), pad_head_dim(k, dqk), padded_v,
             softmax_scale=softmax_scale, return_max_logit=return_max_logit, mask_via_smem=payload_via_smem,
-            out=out if native else None, lse=lse,
+            out=out if padded_v is v else None, lse=lse,
         )  # fmt: skip
         return AttentionOutputs(cut_head_dim(o, v.shape[-1], out), lse, max_logit)
 
@@ -80,18 +79,20 @@ class Sm90Consumer(KernelConsumer):
         dims_qk, dims_v = view.geometry.head_dim_qk, view.geometry.head_dim_v
         padded_q, padded_k = (pad_head_dim(t, dims_qk) for t in (q, k))
         padded_v, padded_out, padded_dout = (pad_head_dim(t, dims_v) for t in (v, out, dout))
-        native = padded_q is q and padded_v is v  # the caller's buffers take the kernels' writes
-        buffers = dict(dq=dq, dk=dk, dv=dv) if native else {}
+        # a caller's buffer takes the kernels' writes where its head dim is not padded
+        qk_native, v_native = padded_q is q, padded_v is v
         grads = run_backward(
             view, padded_q, padded_k, padded_v, padded_out, lse, padded_dout, dlse,
-            softmax_scale=softmax_scale, deterministic=deterministic, **buffers,
+            softmax_scale=softmax_scale, deterministic=deterministic,
+            dq=dq if qk_native else None, dk=dk if qk_native else None, dv=dv if v_native else None,
         )  # fmt: skip
         inputs, into = (q, k, v), (dq, dk, dv)
         return tuple(cut_head_dim(g, t.shape[-1], i) for g, t, i in zip(grads, inputs, into, strict=True))
 
 
-@functools.cache
 def _warn_padded(head_dim_qk: int, head_dim_v: int) -> None:
+    # once per pair: resolve is memoised per request, and Python's default filter shows a message
+    # once per place
     kernel = kernel_head_dims(head_dim_qk, head_dim_v)
     warnings.warn(
         f"flexattn-sm90 has no kernel for (head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}): they run "

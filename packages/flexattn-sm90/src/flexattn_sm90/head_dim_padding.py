@@ -50,10 +50,10 @@ def pad_head_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def cut_head_dim(padded: torch.Tensor, dim: int, into: torch.Tensor | None) -> torch.Tensor:
-    """The first ``dim`` columns of ``padded``: written into ``into`` (a caller's buffer) and
-    returned, else as a new contiguous tensor; ``padded`` itself where it has ``dim`` columns
-    (the kernel then wrote ``into`` directly)."""
-    if padded.shape[-1] == dim:
-        return padded
-    cut = padded[..., :dim]
-    return into.copy_(cut) if into is not None else cut.contiguous()
+    """The first ``dim`` columns of ``padded`` (all of them where it has ``dim``): written into
+    ``into`` (a caller's buffer, unless the kernel wrote it: ``padded is into``) and returned, else
+    as a contiguous tensor."""
+    cut = padded[..., :dim] if padded.shape[-1] != dim else padded
+    if into is None:
+        return cut.contiguous()
+    return into if cut is into else into.copy_(cut)

@@ -610,7 +610,8 @@ def from_mask_mod(
     then encoded like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head
     gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one
     mask for every head, as in torch; a mask_mod that reads its head index is refused there (torch
-    would still call it with each head's index): pass ``H = Hq``. The positional arguments are
+    would still call it with each head's index): pass ``H = Hq`` (the check compares head 1's mask
+    with head 0's; heads past 1 are not evaluated). The positional arguments are
     ``create_block_mask``'s (``Sq`` and ``Sk`` its ``Q_LEN`` and ``KV_LEN``), ``device`` included;
     its ``BLOCK_SIZE`` has no counterpart (endpoints are per element), and ``B`` cannot be None.
     The endpoints do not record ``Sk``: used with more keys than ``Sk``, they hide the keys past it
@@ -639,9 +640,10 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     A block mask made with ``B=None`` holds one batch entry; ``batch`` then says how many samples
     the endpoints cover (the mask_mod is evaluated for each). Likewise one made with ``H=None``
     holds one head entry, and its mask_mod gives one mask for every head (``Hmask = 1``), refused
-    where it reads its head index (head 1's mask differs from head 0's: torch calls the mask_mod
-    with each head's index), unless ``heads`` says how many q heads to evaluate it for: pass
-    ``heads=Hq`` for such a mask_mod (the result keeps ``Hmask = 1`` where the heads agree). Every
+    where it reads its head index (head 1's mask differs from head 0's, or head 1 fails: torch
+    calls the mask_mod with each head's index; heads past 1 are not evaluated), unless ``heads``
+    says how many q heads to evaluate it for: pass ``heads=Hq`` for such a mask_mod (the result
+    keeps ``Hmask = 1`` where the heads agree). Every
     sample's and head's blocks must be the ones its mask_mod makes visible, and the blocks listed
     full (where torch skips the mask_mod) wholly visible (true of ``create_block_mask``), else the
     block mask is refused rather than converted to another mask than torch computes with it:
@@ -744,15 +746,37 @@ def _mask_mod_sample(
 ) -> torch.Tensor:
     """``mask_mod`` of batch sample ``b`` as a dense bool ``[H, Sq, Sk]``. ``shared_heads`` (one head
     standing for every head, ``H = 1``) also evaluates head 1 and refuses a mask_mod that differs
-    there, the string saying how to give the heads."""
+    there (or fails there), the string saying how to give the heads."""
     H, Sq, Sk = shape
-    heads = 2 if shared_heads else H
+    res = _evaluate(mask_mod, b, torch.arange(H, device=dev), Sq, Sk)
+    if shared_heads:
+        try:
+            other = _evaluate(mask_mod, b, torch.ones(1, dtype=torch.int64, device=dev), Sq, Sk)
+        except Exception as err:  # noqa: BLE001 - the probe's failure is the user's answer, named
+            raise InputValueError(
+                f"one mask stands for every head, so mask_mod is also evaluated at head 1 to check that it "
+                f"does not read its head index, and it raised there ({type(err).__name__}: {err}); "
+                f"{shared_heads}, or 1 for a model of one head"
+            ) from err
+        if not torch.equal(res[0], other[0]):
+            raise InputValueError(
+                "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
+                "flex_attention calls it with each head's index, so one mask for all heads would differ "
+                f"from what torch computes; {shared_heads}"
+            )
+    return res.to(dev)
+
+
+def _evaluate(mask_mod, b: int, heads: torch.Tensor, Sq: int, Sk: int) -> torch.Tensor:
+    """``mask_mod`` at sample ``b``, the head indices ``heads``, every q_idx and kv_idx: bool
+    ``[len(heads), Sq, Sk]``."""
+    dev = heads.device
     fn = mask_mod
     for in_dims in _VMAP_DIMS:
         fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
-    idx = (torch.tensor(b, device=dev), *(torch.arange(n, device=dev) for n in (heads, Sq, Sk)))
+    q_idx, kv_idx = torch.arange(Sq, device=dev), torch.arange(Sk, device=dev)
     try:
-        res = fn(*idx)
+        res = fn(torch.tensor(b, device=dev), heads, q_idx, kv_idx)
     except RuntimeError as err:
         if "data-dependent control flow" not in str(err) and "Boolean value of Tensor" not in str(err):
             raise
@@ -767,18 +791,12 @@ def _mask_mod_sample(
         raise InputTypeError(f"mask_mod must return a bool torch.Tensor ({err})") from err
     if res.dtype != torch.bool:
         raise InputTypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
-    if res.shape != (heads, Sq, Sk):
+    if res.shape != (heads.numel(), Sq, Sk):
         raise InputValueError(
             f"mask_mod must return one bool per (b, h, q_idx, kv_idx), got a result of shape "
             f"{tuple(res.shape[3:])} for each"
         )
-    if shared_heads and not torch.equal(res[0], res[1]):
-        raise InputValueError(
-            "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
-            f"flex_attention calls it with each head's index, so one mask for all heads would differ "
-            f"from what torch computes; {shared_heads}"
-        )
-    return res[:H].to(dev)
+    return res
 
 
 def _join_samples(parts: list[torch.Tensor], H: int) -> torch.Tensor:

@@ -325,6 +325,9 @@ class PlanMetadata(dict):
     def __dir__(self):
         return [*super().__dir__(), *self._fields]
 
+    def __reduce__(self):  # every pickle protocol (the default one would drop the fields below 2)
+        return PlanMetadata, (dict(self), self._fields)
+
 
 class MaskPlan:
     """Opaque, read-only owner of a mask's plan views and the geometry they are bound to.
