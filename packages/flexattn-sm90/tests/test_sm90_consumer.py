@@ -154,17 +154,21 @@ def test_head_dims_without_a_kernel_run_padded(monkeypatch, dims, kernel):
     kernels' outputs, or has them in the caller's buffers (the explicit API): written by the kernel
     where that buffer's head dim is not padded, copied where it is. The kernels are stood in for
     (their GPU tests run them): what they receive and what the caller gets is checked here."""
-    import flexattn
     import flexattn_sm90.bwd_launch as bwd_launch
     import flexattn_sm90.fwd_launch as fwd_launch
+    from maskplan_core import masks
+    from maskplan_core.testing import reference_plan, resolve_view
 
     (dqk, dv), (kqk, kv) = dims, kernel
     total, hq, hkv = 200, 4, 2
     q, k, v = _thd(total, hq, dqk, 0), _thd(total, hkv, dqk, 1), _thd(total, hkv, dv, 2)
     cu = torch.tensor([0, 120, 200], dtype=torch.int32)
-    plan = flexattn.create_mask_plan(
-        flexattn.masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-        max_seqlen_q=120, max_seqlen_k=120, build_backward=True, target="sm90",
+    consumer = Sm90Consumer()
+    plan = reference_plan(
+        masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, consumer=consumer.name,
+        forward=lambda g: resolve_view(consumer, g, "forward"),
+        backward=lambda g: resolve_view(consumer, g, "backward"),
+        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120,
     )  # fmt: skip
     seen = {}
 
@@ -183,7 +187,6 @@ def test_head_dims_without_a_kernel_run_padded(monkeypatch, dims, kernel):
 
     monkeypatch.setattr(fwd_launch, "run_forward", forward)
     monkeypatch.setattr(bwd_launch, "run_backward", backward)
-    consumer = Sm90Consumer()
     got = consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False)
     view, padded, given = seen["forward"]
     assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel and given is None
