@@ -39,7 +39,7 @@ class Sm90Consumer(KernelConsumer):
 
     def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
         """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it,
-        zero-padded (:mod:`flexattn_sm90.head_dim_padding`), and says so once per process."""
+        zero-padded (:mod:`flexattn_sm90.head_dim_padding`), and a warning says so."""
         check_head_dims(head_dim_qk, head_dim_v)
         if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
             _warn_padded(head_dim_qk, head_dim_v)
