@@ -171,16 +171,21 @@ def test_compiled_training_with_a_new_plan_per_batch(mode):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("d", [D, 64, 80])
-def test_explicit_api_writes_in_place(d):
+@pytest.mark.parametrize("dims", [(D, D), (64, 64), (80, 80), (64, 128), (128, 64)], ids=str)
+def test_explicit_api_writes_in_place(dims):
     """FlexAttentionFwd / FlexAttentionBwd on the SM90 kernels write o, lse and dq/dk/dv into the
-    caller's tensors, bit for bit what flex_attn_func gives (deterministic backward; 80: through
-    the zero-padded (96, 96) kernels)."""
+    caller's tensors, bit for bit what flex_attn_func gives (deterministic backward; 80, 64/128 and
+    128/64: through the zero-padded (96, 96) / (128, 128) kernels, one head dim padded or both)."""
     torch.manual_seed(3)
-    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, HKV, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dqk, dv = dims
+    q = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, S, HKV, dqk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, S, HKV, dv, device="cuda", dtype=torch.bfloat16)
     plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), q, k, v, build_backward=True)
-    o, lse = torch.empty_like(q), torch.empty(B, H, S, device="cuda")
+    # NaN-filled buffers: one the kernels leave unwritten fails (a reused allocation could hold the
+    # very values expected)
+    o = torch.full((B, S, H, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((B, H, S), float("nan"), device="cuda")
     fwd = flexattn.FlexAttentionFwd(q, k, v, o, plan, lse)
     fwd.compile()
     fwd.execute(q, k, v, o, plan, lse, current_stream=torch.cuda.current_stream())
@@ -188,16 +193,17 @@ def test_explicit_api_writes_in_place(d):
     want, want_lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True, deterministic=True)
     assert torch.equal(o, want) and torch.equal(lse, want_lse)
     for via_smem in (True, False):  # cuDNN's payload delivery switch: the same bits either way
-        o2 = torch.empty_like(o)
+        o2 = torch.full_like(o, float("nan"))
         flexattn.FlexAttentionFwd(q, k, v, o2, plan, sm90_use_smem_mask_pipeline=via_smem)(q, k, v, o2, plan)
         assert torch.equal(o2, o), f"sm90_use_smem_mask_pipeline={via_smem}"
     do = torch.randn_like(o)
     want.backward(do)
-    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    bwd = flexattn.FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv, plan, deterministic=True)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    dq, dk, dv_buffer = grads
+    bwd = flexattn.FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv_buffer, plan, deterministic=True)
     bwd.compile()
-    bwd.execute(q, k, v, o, do, lse, dq, dk, dv, plan)
-    for name, got, leaf in zip("qkv", (dq, dk, dv), leaves, strict=True):
+    bwd.execute(q, k, v, o, do, lse, dq, dk, dv_buffer, plan)
+    for name, got, leaf in zip("qkv", grads, leaves, strict=True):
         assert torch.equal(got, leaf.grad), f"d{name}"
 
 
