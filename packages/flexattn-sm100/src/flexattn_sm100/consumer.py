@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
+from maskplan_core.consumer import AttentionOutputs, KernelConsumer
 from maskplan_core.errors import ConsumerNotFoundError
 
 from ._version import __version__
@@ -37,15 +37,7 @@ class Sm100Consumer(KernelConsumer):
     supported_head_dims = SUPPORTED_HEAD_DIMS
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
-
-    def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None):
-        """CUDA tensors plan with the GPU planner kernels (architecture-neutral, and tested on an H200
-        against the reference planner with these views), CPU tensors with the reference planner."""
-        if mask_func.device.type != "cuda":
-            return super().build_plan(mask_func, geometry, forward, backward)
-        from maskplan_kernels import build_plan_gpu  # CuTe DSL loads on first use
-
-        return build_plan_gpu(mask_func, geometry, forward, backward, self.name)
+    gpu_planner = "maskplan_kernels"  # its SM100 views are tested on an H200 against the reference
 
     def forward(
         self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 
-from maskplan_core.consumer import AttentionOutputs, KernelConsumer, ViewConfig
+from maskplan_core.consumer import AttentionOutputs, KernelConsumer
 
 from .head_dim_padding import cut_head_dim, kernel_view, pad_head_dim
 from .heuristics import (
@@ -34,6 +34,7 @@ class Sm90Consumer(KernelConsumer):
     supported_dtypes = SUPPORTED_DTYPES
     supported_head_dims = SUPPORTED_HEAD_DIMS
     pack_gqa_forward = True
+    gpu_planner = "maskplan_kernels"  # CPU tensors (target="sm90" on a laptop): the reference planner
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
 
@@ -43,15 +44,6 @@ class Sm90Consumer(KernelConsumer):
         check_head_dims(head_dim_qk, head_dim_v)
         if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
             _warn_padded(head_dim_qk, head_dim_v)
-
-    def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None):
-        """CUDA tensors plan with the GPU planner kernels; CPU tensors (``target="sm90"`` on a
-        machine without a GPU) with the reference planner, which builds the same tensors."""
-        if mask_func.device.type != "cuda":
-            return super().build_plan(mask_func, geometry, forward, backward)
-        from maskplan_kernels import build_plan_gpu  # CuTe DSL loads on first use
-
-        return build_plan_gpu(mask_func, geometry, forward, backward, self.name)
 
     def forward(
         self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,

@@ -8,6 +8,7 @@ needs (tile geometry, payload layout) plus the :class:`PlanSignature` the view w
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -96,9 +97,18 @@ class Consumer(ABC):
     def resolve(self, request: ViewRequest) -> ViewConfig:
         """Return the view config for ``request`` or raise ``UnsupportedConfigError``."""
 
+    #: the module whose ``build_plan_gpu`` (the reference ``build_plan``'s arguments) plans CUDA
+    #: endpoints for this consumer, imported on first use (e.g. ``"maskplan_kernels"``, whose kernels
+    #: are architecture-neutral); None: the reference planner on every device
+    gpu_planner: ClassVar[str | None] = None
+
     def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None) -> MaskPlan:
-        """Plan with this consumer's views. The default runs the reference planner (any device);
-        a consumer with GPU planner kernels overrides it."""
+        """Plan with this consumer's views: CUDA endpoints with :attr:`gpu_planner`'s kernels where
+        the consumer names one, else the reference planner (any device), which builds the same
+        tensors."""
+        if self.gpu_planner is not None and mask_func.device.type == "cuda":
+            planner = importlib.import_module(self.gpu_planner)
+            return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
         from .reference.builder import build_plan
 
         return build_plan(mask_func, geometry, forward, backward, self.name)
