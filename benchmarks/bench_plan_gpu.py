@@ -148,9 +148,14 @@ class Ours:
         )
 
     def plan(self, mask, q, k, v, backward: bool, stage_timer=None):
+        return self.plan_with(self._build, mask, q, k, v, backward, stage_timer=stage_timer)
+
+    def plan_with(self, build, mask, q, k, v, backward: bool, **options):
+        """A build with ``build`` (``build_plan_gpu`` or the reference ``build_plan``) as
+        ``create_mask_plan`` makes it: checked inputs, the consumer's memoised views."""
         g = self._validate(mask, q, k, v)
         fwd, bwd = self._views(g, backward)
-        return self._build(mask, g, fwd, bwd, self.consumer.name, stage_timer=stage_timer)
+        return build(mask, g, fwd, bwd, self.consumer.name, **options)
 
     def _views(self, g, backward: bool):
         """The consumer's views, memoised per problem shape as ``create_mask_plan`` memoises them."""
@@ -413,10 +418,7 @@ def run_reference(args, ours: Ours) -> list[dict]:
     planner kernels builds with (a library author's on maskplan-core alone; SM100's until session 33)."""
     from maskplan_core.reference import build_plan
 
-    def reference(mask, q, k, v, backward):
-        g = ours._validate(mask, q, k, v)
-        return build_plan(mask, g, *ours._views(g, backward), ours.consumer.name)
-
+    reference = functools.partial(ours.plan_with, build_plan)
     print()
     print(f"reference planner on the same CUDA tensors (median of {max(3, args.repeats // 10)} builds)")
     print(f"{'mask':<13} {'views':<8} {'ours ms':>8} {'ref ms':>8} {'ours/ref':>9}")
