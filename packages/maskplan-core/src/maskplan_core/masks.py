@@ -643,10 +643,10 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     where it reads its head index (head 1's mask differs from head 0's, or head 1 fails: torch
     calls the mask_mod with each head's index; heads past 1 are not evaluated), unless ``heads``
     says how many q heads to evaluate it for: pass ``heads=Hq`` for such a mask_mod (the result
-    keeps ``Hmask = 1`` where the heads agree). Every
-    sample's and head's blocks must be the ones its mask_mod makes visible, and the blocks listed
-    full (where torch skips the mask_mod) wholly visible (true of ``create_block_mask``), else the
-    block mask is refused rather than converted to another mask than torch computes with it:
+    keeps ``Hmask = 1`` where the heads agree). Every sample's and head's blocks must be the ones
+    its mask_mod makes visible, and the blocks listed full (where torch skips the mask_mod) wholly
+    visible (true of ``create_block_mask``), else the block mask is refused rather than converted
+    to another mask than torch computes with it:
 
     - one batch / head entry (``B=None`` / ``H=None``) holds sample 0's / head 0's blocks, which
       torch applies to every sample / head, so ``batch=`` / ``heads=`` are refused where another
