@@ -212,3 +212,19 @@ def test_register_split_must_fit_the_launch_allocation():
     with pytest.raises(ValueError, match="does not fit 3 x 168"):
         register_split(2, 32, 240)
 
+
+@pytest.mark.parametrize("dq,dv", [(80, 80), (48, 48), (64, 128), (160, 128)])
+@pytest.mark.parametrize("kind", ["pre", "main", "post"])
+def test_compiles_tensors_narrower_than_the_kernel(kind, dq, dv, tmp_path):
+    """Head dims without a kernel: the next kernel up's three kernels read and write the tensors at
+    their own head dims (the preprocess's O / dO rows, the main kernel's TMA loads and dK / dV
+    stores, the postprocess's dQ), each under its own compile key."""
+    config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
+    assert config.io_head_dims == (dq, dv)
+    native = select_bwd_config(head_dim_qk=config.head_dim_qk, head_dim_v=config.head_dim_v, dtype="bfloat16")
+    keys = kernel_keys(config, deterministic=True, with_dlse=False)
+    assert keys[kind] != kernel_keys(native, deterministic=True, with_dlse=False)[kind]
+    ptx = _ptx(kind, dq, dv, tmp_path=tmp_path, deterministic=True)
+    if kind == "main":
+        assert _wgmma_shapes(ptx) == _expected_wgmma(config.head_dim_qk, config.head_dim_v)
+    _assert_ptxas_clean(ptx, tmp_path, dq, dv)

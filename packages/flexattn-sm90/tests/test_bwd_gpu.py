@@ -129,10 +129,21 @@ def test_varlen_with_empty_samples(dtype, kind):
 
 
 # -- other head dims ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256)])
+#: head dims without a kernel of their own, run by the next kernel up on the tensors as they are
+#: (heuristics.io_head_dims): on the 64 x 128 tile, the 128 x 128 one, Dqk alone, and the 64 x 96 one
+NARROWER = [(80, 80), (48, 48), (64, 128), (160, 128)]
+
+
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256), *NARROWER])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
+
+
+@pytest.mark.parametrize("dqk,dv", NARROWER)
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_narrower_head_dims_varlen_with_empty_samples(dqk, dv, kind):
+    CASES.varlen_with_empty_samples(kind, dims=(dqk, dv))
 
 
 #: the head dims of the other backward tiles than the 64 x 128 one the default D = 128 cases run:

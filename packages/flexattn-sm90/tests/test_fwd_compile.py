@@ -54,6 +54,23 @@ def test_compiles_every_head_dim(dq, dv, smem, tmp_path):
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)
 
 
+@pytest.mark.parametrize("dq,dv", [(80, 80), (48, 48), (64, 128), (128, 64), (160, 128)])
+def test_compiles_tensors_narrower_than_the_kernel(dq, dv, tmp_path):
+    """Head dims without a kernel run on the next kernel up, reading the tensors at their own head
+    dims (TMA zero-fills the rest of each tile) and storing only O's columns: its chunks that hold
+    any (16-byte pieces past Dv skipped per thread), no more stores than the kernel's own."""
+    config, compiled = _compile(dq, dv, tmp_path=tmp_path)
+    assert config.io_head_dims == (dq, dv) and (config.head_dim_qk, config.head_dim_v) != (dq, dv)
+    native = select_fwd_config(head_dim_qk=config.head_dim_qk, head_dim_v=config.head_dim_v, dtype="bfloat16")
+    kw = {"mask_via_smem": True, "with_max_logit": False, "schedule": DEFAULT_SCHEDULE}
+    assert kernel_key(config, **kw) != kernel_key(native, **kw)
+    ptx = compiled.__ptx__
+    chunk = config.o_chunk_cols
+    assert ptx.count("st.global.v4.b32") == -(-dv // chunk) * chunk // 16
+    assert "cp.async.bulk.tensor" in ptx
+    assert_ptxas_clean(ptx, "sm_90a", tmp_path)
+
+
 @pytest.mark.parametrize("smem", [True, False], ids=["smem-pipeline", "direct-payload"])
 def test_d128_instructions(smem, tmp_path):
     _, compiled = _compile(smem=smem, tmp_path=tmp_path)

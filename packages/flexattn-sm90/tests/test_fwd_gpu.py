@@ -101,7 +101,12 @@ def test_varlen_with_empty_samples(dtype, kind):
 
 
 # -- other head dims ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256)])
+#: head dims without a kernel of their own, run by the next kernel up on the tensors as they are
+#: (heuristics.io_head_dims): one per forward tile and per backward tile family, and Dqk alone
+NARROWER = [(80, 80), (48, 48), (64, 128), (160, 128)]
+
+
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256), *NARROWER])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
@@ -120,7 +125,7 @@ def test_direct_payload_head_dims(dqk, dv):
 
 
 @pytest.mark.parametrize("mask_via_smem", [True, False], ids=["smem", "direct"])
-@pytest.mark.parametrize("dqk,dv", Sm90Consumer.supported_head_dims)
+@pytest.mark.parametrize("dqk,dv", [*Sm90Consumer.supported_head_dims, *NARROWER])
 def test_samples_stay_apart(dqk, dv, mask_via_smem):
     """A tail K block holds the next sample's first rows; with samples 1 and 4 of the varlen batch
     non-finite (their Q, K and V rows), the other samples' O and LSE equal a clean run's."""
@@ -256,7 +261,7 @@ def test_pack_gqa(hq, hkv, kind):
     assert plan.view("forward").signature.topology.tile_m == 128 // (hq // hkv)
 
 
-@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256)])
+@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256), (80, 80), (48, 48)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_pack_gqa_head_dims(dqk, dv, dtype):
     B, S, hq, hkv = 1, 900, 8, 1

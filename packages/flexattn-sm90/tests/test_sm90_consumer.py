@@ -127,15 +127,18 @@ def test_rejects_head_dims(direction, dims):
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_head_dims_without_a_kernel_resolve_to_the_next_kernel_up(direction, dims, kernel):
     """A pair without a kernel of its own plans with the views of the cheapest kernel that holds it
-    (its tensors are zero-padded at run time, test_head_dims_without_a_kernel_run_padded)."""
+    (and runs on it: test_head_dims_without_a_kernel_run_on_the_next_kernel_up)."""
     assert kernel_head_dims(*dims) == kernel
     c = Sm90Consumer()
     assert c.resolve(request(direction, dims)) == c.resolve(request(direction, kernel))
 
 
 def test_padded_head_dims_say_so():
-    with pytest.warns(UserWarning, match=r"\(72, 72\): they run on the \(96, 96\) kernels .* zero-padded"):
+    with pytest.warns(UserWarning, match=r"\(72, 72\): they run on the \(96, 96\) kernels") as seen:
         Sm90Consumer().check_head_dims(72, 72)
+    assert "copied" not in str(seen[0].message)  # multiples of 8: read in place
+    with pytest.warns(UserWarning, match=r"\(36, 60\): they run on the \(64, 64\) kernels.* copied per call"):
+        Sm90Consumer().check_head_dims(36, 60)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Sm90Consumer().check_head_dims(128, 128)  # a kernel's own: nothing to say
@@ -146,20 +149,24 @@ def _thd(total: int, heads: int, dim: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "dims, kernel", [((80, 80), (96, 96)), ((64, 128), (128, 128)), ((128, 64), (128, 128))]
-)
-def test_head_dims_without_a_kernel_run_padded(monkeypatch, dims, kernel):
-    """The consumer hands the kernels of the next head dims up a view with those head dims over the
-    plan's tensors and q, k, v, out, dout with zero columns; it returns the caller's columns of the
-    kernels' outputs, or has them in the caller's buffers (the explicit API): written by the kernel
-    where that buffer's head dim is not padded, copied where it is. The kernels are stood in for
-    (their GPU tests run them): what they receive and what the caller gets is checked here."""
+    "dims, io, kernel",
+    [((80, 80), (80, 80), (96, 96)), ((64, 128), (64, 128), (128, 128)),
+     ((128, 64), (128, 64), (128, 128)), ((36, 36), (40, 40), (64, 64)), ((60, 124), (64, 128), (128, 128))],
+)  # fmt: skip
+def test_head_dims_without_a_kernel_run_on_the_next_kernel_up(monkeypatch, dims, io, kernel):
+    """Head dims that are multiples of 8 reach the kernels as they are: the plan's views, the caller's
+    tensors and buffers, and configs of the next kernel up whose io head dims are the tensors'
+    (TMA fills the tiles' columns past them with zeros). Others go as a view with their head dims
+    rounded up to a multiple of 8 and q, k, v, out, dout copied with zero columns up to it; the
+    caller gets its columns of the outputs, in its buffers where it gave them. The kernels are
+    stood in for (their GPU tests run them): what they receive and what the caller gets is checked
+    here."""
     import flexattn_sm90.bwd_launch as bwd_launch
     import flexattn_sm90.fwd_launch as fwd_launch
     from maskplan_core import masks
     from maskplan_core.testing import reference_plan, resolve_view
 
-    (dqk, dv), (kqk, kv) = dims, kernel
+    (dqk, dv), (iqk, iv) = dims, io
     total, hq, hkv = 200, 4, 2
     q, k, v = _thd(total, hq, dqk, 0), _thd(total, hkv, dqk, 1), _thd(total, hkv, dv, 2)
     cu = torch.tensor([0, 120, 200], dtype=torch.int32)
@@ -170,6 +177,7 @@ def test_head_dims_without_a_kernel_run_padded(monkeypatch, dims, kernel):
         backward=lambda g: resolve_view(consumer, g, "backward"),
         cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120,
     )  # fmt: skip
+    copied = io != dims
     seen = {}
 
     def kernel_output(given, *shape):  # what a kernel writes, into the buffer it was given if any
@@ -178,42 +186,55 @@ def test_head_dims_without_a_kernel_run_padded(monkeypatch, dims, kernel):
 
     def forward(view, q, k, v, *, out=None, lse=None, **kwargs):
         seen["forward"] = view, (q, k, v), out
-        return kernel_output(out, total, hq, kv), torch.zeros(hq, total), None
+        return kernel_output(out, total, hq, iv), torch.zeros(hq, total), None
 
     def backward(view, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None, **kwargs):
         seen["backward"] = view, (q, k, v, out, dout), (dq, dk, dv)
-        shapes = ((dq, hq, kqk), (dk, hkv, kqk), (dv, hkv, kv))
+        shapes = ((dq, hq, iqk), (dk, hkv, iqk), (dv, hkv, iv))
         return tuple(kernel_output(given, total, heads, d) for given, heads, d in shapes)
+
+    def check_view(view, direction):
+        plan_view = plan.view(direction)
+        assert (view is plan_view) != copied
+        assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == io
+        assert view.tensors == plan_view.tensors and view.signature == plan_view.signature
+        config = (fwd_launch if direction == "forward" else bwd_launch).config_for_view(view)
+        assert (config.head_dim_qk, config.head_dim_v) == kernel and config.io_head_dims == io
+
+    def check_inputs(given, inputs, dims):
+        for t, p, d in zip(inputs, given, dims, strict=True):
+            assert (p is t) != copied
+            assert p.shape[-1] == d and torch.equal(p[..., : t.shape[-1]], t)
+            assert not p[..., t.shape[-1] :].any()
 
     monkeypatch.setattr(fwd_launch, "run_forward", forward)
     monkeypatch.setattr(bwd_launch, "run_backward", backward)
     got = consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False)
-    view, padded, given = seen["forward"]
-    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel and given is None
-    assert view.tensors == plan.view("forward").tensors and view.signature == plan.view("forward").signature
-    for t, p, d in zip((q, k, v), padded, (kqk, kqk, kv), strict=True):
-        assert p.shape[-1] == d and torch.equal(p[..., : t.shape[-1]], t) and not p[..., t.shape[-1] :].any()
-    assert torch.equal(got.out, kernel_output(None, total, hq, kv)[..., :dv]) and got.out.is_contiguous()
+    view, given, given_out = seen["forward"]
+    check_view(view, "forward")
+    check_inputs(given, (q, k, v), (iqk, iqk, iv))
+    assert given_out is None
+    assert torch.equal(got.out, kernel_output(None, total, hq, iv)[..., :dv]) and got.out.is_contiguous()
     out = torch.full((total, hq, dv), float("nan"), dtype=torch.bfloat16)
     assert consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False, out=out).out is out
     assert torch.equal(out, got.out)
-    assert seen["forward"][0] is view  # one padded view per plan view
-    assert seen["forward"][2] is (out if dv == kv else None)  # the kernel writes out where Dv is its own
+    assert seen["forward"][0] is view  # one view per plan view
+    assert seen["forward"][2] is (None if dv != iv else out)  # the kernel writes out where Dv is its own
 
     dout = _thd(total, hq, dv, 3)
     call = (plan, q, k, v, got.out, got.lse, dout, None)
     grads = consumer.backward(*call, softmax_scale=0.1, deterministic=True)
-    view, padded, given = seen["backward"]
-    assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel and given == (None, None, None)
-    for t, p, d in zip((q, k, v, got.out, dout), padded, (kqk, kqk, kv, kv, kv), strict=True):
-        assert p.shape[-1] == d and torch.equal(p[..., : t.shape[-1]], t) and not p[..., t.shape[-1] :].any()
+    view, given, given_grads = seen["backward"]
+    check_view(view, "backward")
+    check_inputs(given, (q, k, v, got.out, dout), (iqk, iqk, iv, iv, iv))
+    assert given_grads == (None, None, None)
     buffers = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     into = consumer.backward(*call, softmax_scale=0.1, deterministic=True, dq=buffers[0], dk=buffers[1],
                              dv=buffers[2])  # fmt: skip
-    for g, b, i, heads, d in zip(grads, buffers, into, (hq, hkv, hkv), (kqk, kqk, kv), strict=True):
+    for g, b, i, heads, d in zip(grads, buffers, into, (hq, hkv, hkv), (iqk, iqk, iv), strict=True):
         assert torch.equal(g, kernel_output(None, total, heads, d)[..., : b.shape[-1]])
         assert i is b and torch.equal(b, g)
-    native = (dqk == kqk, dqk == kqk, dv == kv)
+    native = (dqk == iqk, dqk == iqk, dv == iv)
     assert [b is g for b, g in zip(buffers, seen["backward"][2], strict=True)] == list(native)
 
 

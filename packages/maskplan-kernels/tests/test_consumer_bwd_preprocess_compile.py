@@ -58,6 +58,16 @@ def test_dq_accumulator_zeroing_is_optional(zero_dq_accum, tmp_path):
     assert_ptxas_clean(ptx, ARCH, tmp_path)
 
 
+@pytest.mark.parametrize("dq,dv", [(96, 80), (64, 48), (128, 72)])
+def test_o_rows_of_any_multiple_of_8(dq, dv, tmp_path):
+    """O / dO rows whose 16-byte pieces do not split evenly over a row's 4 threads (the SM90 kernels
+    run such head dims on the next kernel up, whose dQ accumulator is ``dq`` wide): each thread
+    loads its pieces inside the row, one 16-byte load per piece and tensor."""
+    ptx = _ptx(dq, dv, 64, False, tmp_path)
+    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.[bu]32", ptx)) == 2 * -(-dv // 32)
+    assert_ptxas_clean(ptx, ARCH, tmp_path)
+
+
 def test_head_dims_must_split_into_vectors():
     with pytest.raises(ValueError, match="16-byte vectors"):
-        BwdPreprocess(64, 48, "bfloat16", tile_m=64, with_dlse=False)
+        BwdPreprocess(64, 44, "bfloat16", tile_m=64, with_dlse=False)

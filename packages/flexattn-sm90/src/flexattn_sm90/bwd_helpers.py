@@ -127,10 +127,12 @@ def store_result_rows(
 ):  # fmt: skip
     """The staged ``(rows, D)`` tile ``s_x`` -> rows ``first_row, ...`` of head ``head`` of the THD
     tensor ``m_x`` (a row starts 16-byte aligned), the first ``valid_rows`` (at most the tile) only,
-    in 16-byte row pieces so a warp store writes whole 128-byte lines (as the forward's O)."""
+    and the tile's first ``m_x`` head dim columns (all, unless the kernel runs narrower tensors), in
+    16-byte row pieces so a warp store writes whole 128-byte lines (as the forward's O)."""
     rows, d = cute.size(s_x, mode=[0]), cute.size(s_x, mode=[1])
-    heads = m_x.shape[1]
+    heads, io_d = m_x.shape[1], m_x.shape[2]
     g_x = cute.make_tensor(
-        element_ptr(m_x, (first_row * heads + head) * d), cute.make_layout((rows, d), stride=(heads * d, 1))
+        element_ptr(m_x, (first_row * heads + head) * io_d),
+        cute.make_layout((rows, d), stride=(heads * io_d, 1)),
     )
-    store_rows(s_x, g_x, tidx, threads, Int32(0), 1, valid_rows)
+    store_rows(s_x, g_x, tidx, threads, Int32(0), 1, valid_rows, valid_cols=io_d)

@@ -257,6 +257,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_pair_threads = self.threads_per_wg + 32
         assert self.payload_groups == self.num_mma_threads
 
+    def io_head_dims(self) -> tuple[int, int]:
+        """The tensors' head dims (:attr:`Sm90BwdConfig.io_head_dims`): TMA zero-fills the tiles'
+        columns past them, and dK / dV leave them out."""
+        return self.config.io_head_dims
+
     def dq_writer_of(self, step):
         """The dQ writer of step ``step`` (the dQ writers and the MMA warpgroups both count steps
         over the same K2Q walk): the writers take the steps in turn."""

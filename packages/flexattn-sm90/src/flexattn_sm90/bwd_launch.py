@@ -70,7 +70,7 @@ def _main_key(config: Sm90BwdConfig) -> tuple:
 def _postprocess(config: Sm90BwdConfig, zero_unvisited: bool) -> Sm90BwdPostprocess:
     return Sm90BwdPostprocess(
         config.head_dim_qk, config.dtype, tile_m=config.tile_m, num_warpgroups=config.num_consumer_warpgroups,
-        zero_unvisited=zero_unvisited,
+        zero_unvisited=zero_unvisited, io_head_dim=config.io_head_dims[0],
     )  # fmt: skip
 
 
@@ -90,6 +90,7 @@ COMPILER = BackwardCompiler(
     main_key=_main_key,
     post_key=lambda config: (config.num_consumer_warpgroups,),
     stores_first_dq=True,  # Sm90BwdKernel.write_dq_block
+    io_head_dims=lambda config: config.io_head_dims,
 )
 #: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
 kernel_keys = COMPILER.kernel_keys

@@ -41,16 +41,21 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
 
     def __init__(
         self, head_dim: int, dtype: str, *, tile_m: int = 64, num_warpgroups: int = 2,
-        zero_unvisited: bool = False,
+        zero_unvisited: bool = False, io_head_dim: int | None = None,
     ):  # fmt: skip
         self.dtype = _DTYPES[dtype]
         self.zero_unvisited = zero_unvisited
         self.head_dim, self.tile_m = head_dim, tile_m
+        self._io_head_dim = io_head_dim or head_dim
         self.num_wg = num_warpgroups
         self.num_threads = 128 * num_warpgroups
         rows, cols = dq_warpgroup_tile(tile_m, head_dim, num_warpgroups)
         self.dq_chunk = rows * cols  # one warpgroup's chunk, as the main kernel writes it
         self.dq_elements = self.dq_chunk // 128
+
+    def io_head_dim(self) -> int:
+        """dQ's head dim: the accumulator's, or narrower (its columns past dQ's are not stored)."""
+        return self._io_head_dim
 
     def kernel_operands(self) -> tuple:
         return (make_dq_tiled_mma(self.dtype, self.head_dim, self.tile_m, self.num_wg),)

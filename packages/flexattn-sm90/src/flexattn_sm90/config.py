@@ -43,6 +43,14 @@ class _KernelConfig:
         """The plan's Q block in query positions (the score tile's M)."""
         return self.tile_m
 
+    @property
+    def io_head_dims(self) -> tuple[int, int]:
+        """``(Dqk, Dv)`` of the THD tensors the kernels read and write: :attr:`head_dim_qk` /
+        :attr:`head_dim_v` (the tiles'), or narrower where ``io_head_dim_qk`` / ``io_head_dim_v``
+        say so. TMA fills a tile's columns past a tensor's head dim with zeros (which change no
+        score, probability or result column) and the stores leave them out."""
+        return self.io_head_dim_qk or self.head_dim_qk, self.io_head_dim_v or self.head_dim_v
+
     def topology(self) -> Topology:
         return Topology(
             tile_m=self.plan_tile_m,
@@ -74,6 +82,13 @@ class _KernelConfig:
             raise ValueError(f"tile {self.tile_m}x{self.tile_n} / warpgroups must be positive")
         if self.mask_pipeline_stages < 1:
             raise ValueError(f"mask_pipeline_stages={self.mask_pipeline_stages} must be >= 1")
+        for io, tile in zip(self.io_head_dims, (self.head_dim_qk, self.head_dim_v), strict=True):
+            # a THD row of a head is 16-byte aligned for TMA: a multiple of 8 two-byte elements
+            if not 0 < io <= tile or io % 8:
+                raise ValueError(
+                    f"io head dims {self.io_head_dims} must be multiples of 8 of at most the kernel's "
+                    f"({self.head_dim_qk}, {self.head_dim_v})"
+                )
 
 
 #: dynamic SMEM one SM90 CTA may use
@@ -115,6 +130,9 @@ class Sm90FwdConfig(_KernelConfig):
     q_buffers: int = field(default=1, metadata=CONSTEXPR)
     #: with one Q buffer, issue a task's Q load after its first K / V block instead of before it
     q_after_first_kv: bool = field(default=False, metadata=CONSTEXPR)
+    #: the tensors' head dims where they are narrower than the kernel's (:attr:`io_head_dims`); None: equal
+    io_head_dim_qk: int | None = field(default=None, metadata=CONSTEXPR)
+    io_head_dim_v: int | None = field(default=None, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -204,6 +222,9 @@ class Sm90BwdConfig(_KernelConfig):
     do_stages: int = field(default=2, metadata=CONSTEXPR)
     #: S^T (K rows on WGMMA M) rather than S (Q rows on M): heuristics.bwd_tile says which tile takes which
     transposed_scores: bool = field(default=True, metadata=CONSTEXPR)
+    #: the tensors' head dims where they are narrower than the kernel's (:attr:`io_head_dims`); None: equal
+    io_head_dim_qk: int | None = field(default=None, metadata=CONSTEXPR)
+    io_head_dim_v: int | None = field(default=None, metadata=CONSTEXPR)
 
     def __post_init__(self) -> None:
         self._check_common()

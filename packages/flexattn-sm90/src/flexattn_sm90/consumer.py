@@ -39,8 +39,8 @@ class Sm90Consumer(KernelConsumer):
     select_backward = staticmethod(select_bwd_config)
 
     def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
-        """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it,
-        zero-padded (:mod:`flexattn_sm90.head_dim_padding`), and a warning says so."""
+        """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it (the
+        tiles' columns past the tensors' head dims read as zeros), and a warning says so."""
         check_head_dims(head_dim_qk, head_dim_v)
         if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
             _warn_padded(head_dim_qk, head_dim_v)
@@ -88,7 +88,8 @@ def _warn_padded(head_dim_qk: int, head_dim_v: int) -> None:
     kernel = kernel_head_dims(head_dim_qk, head_dim_v)
     warnings.warn(
         f"flexattn-sm90 has no kernel for (head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}): they run "
-        f"on the {kernel} kernels with q, k, v (and out, dout) zero-padded per call, correct but slower "
-        "(fwd+bwd at (80, 80): 0.46-0.70x cuDNN's speed, benchmarks/RESULTS.md, session 33)",
+        f"on the {kernel} kernels, at those head dims' cost"
+        + ("" if head_dim_qk % 8 == 0 and head_dim_v % 8 == 0 else
+           " and with q, k, v (and out, dout) copied per call, zero-padded to a multiple of 8"),
         stacklevel=2,
     )

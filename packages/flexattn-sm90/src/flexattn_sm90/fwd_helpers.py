@@ -209,10 +209,13 @@ def stage_fragment(
 def store_rows(
     s_tile: cute.Tensor, g_tile: cute.Tensor, tidx: Int32, threads: cutlass.Constexpr[int], row0: Int32,
     rows_per_position: cutlass.Constexpr[int], valid_positions: Int32,
+    valid_cols: cutlass.Constexpr[int | None] = None,
 ):  # fmt: skip
     """Copy the SMEM tile ``s_tile`` (rows, cols) to ``g_tile`` in 16-byte row pieces, ``threads``
     consecutive threads along the rows (so each warp store writes whole 128-byte lines), skipping
-    row ``r`` unless ``(row0 + r) // rows_per_position < valid_positions``. ``g_tile``'s rows start
+    row ``r`` unless ``(row0 + r) // rows_per_position < valid_positions``, and the columns from
+    ``valid_cols`` on (a multiple of 8; None: every column) where the tensor's head dim ends inside
+    the tile. ``g_tile``'s rows start
     16-byte aligned (the tensor base is, and rows are whole multiples of 8 elements apart). Where
     ``threads`` do not cover whole rows per pass (the backward's 96- and 192-column tiles) the
     last pass runs past the tile, so there the caller must pass ``valid_positions`` of at most the
@@ -229,7 +232,13 @@ def store_rows(
     t_s = thr.partition_S(s_tile)
     t_g = thr.partition_D(g_tile)
     t_c = thr.partition_S(cute.make_identity_tensor((rows, cols)))
+    # a piece is stored where its row is valid and, with valid_cols inside the tile, its column
+    col_limit = cols if const_expr(valid_cols is None) else min(valid_cols, cols)
     for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
-        if (row0 + t_c[0, m, 0][0]) // rows_per_position < valid_positions:
+        row, col = t_c[0, m, 0]
+        keep = (row0 + row) // rows_per_position < valid_positions
+        if const_expr(col_limit < cols):
+            keep = keep & (col < col_limit)
+        if keep:
             dst = t_g[None, m, None]  # its alignment is lost to the dynamic row stride: restate it
             cute.copy(s2g, t_s[None, m, None], cute.make_tensor(element_ptr(dst, 0, 16), dst.layout))

@@ -100,6 +100,7 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
+        self.io_head_dim_qk, self.io_head_dim_v = config.io_head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         # PackGQA: G q heads x (tile_m / G) positions per tile; otherwise G = 1 head per tile
         self.pack_gqa = config.pack_gqa
@@ -197,7 +198,7 @@ class Sm90FwdKernel(ConsumerMainloop):
             *fwd_io_tensors(
                 q, k, v, o, lse, max_logit,
                 total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
-                head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v,
+                head_dim_qk=self.io_head_dim_qk, head_dim_v=self.io_head_dim_v,
             ),
             plan,
             vector(tile_counter, 1),

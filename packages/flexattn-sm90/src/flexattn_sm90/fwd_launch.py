@@ -75,6 +75,7 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
     packs heads (PackGQA), are runtime values."""
     static = ("head_dim_qk", "head_dim_v", "dtype", "tile_m", "tile_n", "num_consumer_warpgroups")
     static += ("pack_gqa", "mask_pipeline_stages", "kv_stages", "q_buffers", "q_after_first_kv")
+    static += ("io_head_dim_qk", "io_head_dim_v")
     if config.pack_gqa:  # the heads packed into a tile are compile-time (TMA box, payload layout)
         static += ("qhead_per_kvhead",)
     return (

@@ -340,13 +340,17 @@ class ConsumerMainloop:
         wg_rows = 64
         s_rows = cute.local_tile(sO, (wg_rows, self.o_chunk), (ops.wg, 0))
         tid = ops.tidx % self.threads_per_wg  # the thread's index in its warpgroup
-        for c in cutlass.range_constexpr(self.head_dim_v // self.o_chunk):
+        # the chunks holding O's columns (its head dim may end inside the tile: io_head_dims)
+        for c in cutlass.range_constexpr(-(-self.io_head_dim_v // self.o_chunk)):
             self.warpgroup_barrier(ops.wg)  # the warpgroup's last reads of sO are done
             r_chunk = cute.make_tensor(r_o.iterator + c * cute.size(chunk_layout), chunk_layout)
             stage_fragment(mma_o, r_chunk, sO, ops.tidx)
             self.warpgroup_barrier(ops.wg)  # the chunk is in sO
             g_rows = cute.local_tile(gO, (wg_rows, self.o_chunk), (ops.wg, c))
-            store_rows(s_rows, g_rows, tid, self.threads_per_wg, ops.wg * wg_rows, g, t.q_valid)
+            store_rows(
+                s_rows, g_rows, tid, self.threads_per_wg, ops.wg * wg_rows, g, t.q_valid,
+                valid_cols=self.io_head_dim_v - c * self.o_chunk,
+            )  # fmt: skip
 
     @cute.jit
     def warpgroup_barrier(self, wg: Int32):

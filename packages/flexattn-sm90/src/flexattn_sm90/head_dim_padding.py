@@ -1,15 +1,14 @@
-"""Head dims without a kernel of their own, run on the kernel of the next head dims up.
+"""Head dims that are not a multiple of 8, run on tensors zero-padded to one.
 
-:func:`flexattn_sm90.heuristics.kernel_head_dims` picks the kernel's head dims; a plan for such a
-problem carries that kernel's views (tile and payload layout) over the problem's own geometry.
-The consumer runs the kernel on a copy of the view whose geometry has the kernel's head dims
-(:func:`kernel_view`) and on zero-padded tensors (:func:`pad_head_dim`)::
+The kernels read q, k, v, out and dout at any head dims that are multiples of 8 (a 16-byte aligned
+row, as TMA needs) up to their own (:attr:`flexattn_sm90.config.Sm90FwdConfig.io_head_dims`).
+Other head dims take a copy per call: the consumer runs the kernels on a copy of the view whose
+geometry has the head dims rounded up to a multiple of 8 (:func:`kernel_view`) and on tensors
+zero-padded to them (:func:`pad_head_dim`)::
 
     q, k  [T, H, Dqk] -> [T, H, Dqk' ]   zero columns: Q K^T, the softmax, LSE and D = rowsum(dO O)
     v     [T, H, Dv ] -> [T, H, Dv'  ]   unchanged; O's and dV's extra columns are 0, dQ's / dK's
     out, dout likewise                   extra columns are 0 too; all are cut off
-
-The padded tensors are copies made per call (the padded dims' time plus a copy of each input).
 """
 
 from __future__ import annotations
@@ -22,16 +21,16 @@ import torch
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import share_ready
 
-from .heuristics import kernel_head_dims
+from .heuristics import io_head_dims
 
 _KERNEL_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def kernel_view(view: PlanView) -> PlanView:
-    """``view`` where its head dims have a kernel, else (once per view) a copy with the kernel's
-    head dims in its geometry, reading the same tensors."""
+    """``view`` where its head dims are multiples of 8, else (once per view) a copy with them
+    rounded up to one in its geometry, reading the same tensors."""
     g = view.geometry
-    dims = kernel_head_dims(g.head_dim_qk, g.head_dim_v)
+    dims = io_head_dims(g.head_dim_qk, g.head_dim_v)
     if dims == (g.head_dim_qk, g.head_dim_v):
         return view
     padded = _KERNEL_VIEWS.get(view)

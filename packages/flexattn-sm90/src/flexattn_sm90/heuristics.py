@@ -31,7 +31,7 @@ from maskplan_core.errors import UnsupportedConfigError
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
 #: the head dims the kernels are built for; any other pair runs on the cheapest of them that holds
-#: it (:func:`kernel_head_dims`), its tensors zero-padded (:mod:`flexattn_sm90.head_dim_padding`)
+#: it (:func:`kernel_head_dims`), its tensors' columns past their head dims read as zeros
 SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = (
     (32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)
 )  # fmt: skip
@@ -47,8 +47,9 @@ def kernel_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     kernels are built for it, else the one of :data:`SUPPORTED_HEAD_DIMS` with the fewest head-dim
     columns that holds both (``(80, 80)`` on ``(96, 96)``, ``(64, 128)`` on ``(128, 128)``, ``(160,
     128)`` on ``(192, 128)``). Zero columns change no score, probability or output column, so the
-    padded problem's results are the pair's; it costs the padded dims' time and a copy of q, k, v
-    (and out, dout in the backward) per call."""
+    padded problem's results are the pair's, at the cost of the kernel's head dims. The kernels
+    read the tensors at their own head dims (:func:`io_head_dims`): TMA fills the columns past them
+    with zeros and the stores leave those out."""
     fits = [d for d in SUPPORTED_HEAD_DIMS if d[0] >= head_dim_qk and d[1] >= head_dim_v]
     if not fits:
         raise UnsupportedConfigError(
@@ -61,6 +62,20 @@ def kernel_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
 
 def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
     kernel_head_dims(head_dim_qk, head_dim_v)
+
+
+def io_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """The head dims of the tensors the kernels take for a problem's: each rounded up to a multiple
+    of 8 (a 16-byte aligned row, as TMA needs); only head dims that are not take a zero-padded copy
+    of the tensors (:mod:`flexattn_sm90.head_dim_padding`)."""
+    return -(-head_dim_qk // 8) * 8, -(-head_dim_v // 8) * 8
+
+
+def _io_fields(head_dim_qk: int, head_dim_v: int, kernel: tuple[int, int]) -> dict:
+    """A config's ``io_head_dim_qk`` / ``io_head_dim_v``: None where the tensors' head dim is the kernel's."""
+    io = io_head_dims(head_dim_qk, head_dim_v)
+    fields = zip(("io_head_dim_qk", "io_head_dim_v"), io, kernel, strict=True)
+    return {name: None if d == k else d for name, d, k in fields}
 
 
 def fwd_tile(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
@@ -111,7 +126,9 @@ def select_fwd_config(
 ) -> Sm90FwdConfig:
     """The forward config of a problem; head dims without a kernel get the one that holds them."""
     check_dtype(dtype)
-    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
+    kernel = kernel_head_dims(head_dim_qk, head_dim_v)
+    io = _io_fields(head_dim_qk, head_dim_v, kernel)
+    head_dim_qk, head_dim_v = kernel
     tile_m, tile_n = fwd_tile(head_dim_qk, head_dim_v)
     if pack_gqa:
         require_pack_gqa_ratio(qhead_per_kvhead, tile_m)
@@ -136,6 +153,7 @@ def select_fwd_config(
         # (192, 128) (causal, sliding-1024, document) and -2% on (256, 256)'s sliding-1024 and
         # documents (RESULTS.md, session 21)
         q_after_first_kv=q_buffers == 1 and tile_n == 128,
+        **io,
     )
 
 
@@ -144,7 +162,9 @@ def select_bwd_config(
 ) -> Sm90BwdConfig:
     """The backward config of a problem; head dims without a kernel get the one that holds them."""
     check_dtype(dtype)
-    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
+    kernel = kernel_head_dims(head_dim_qk, head_dim_v)
+    io = _io_fields(head_dim_qk, head_dim_v, kernel)
+    head_dim_qk, head_dim_v = kernel
     tile_m, tile_n, transposed_scores = bwd_tile(head_dim_qk, head_dim_v)
     q_stages, do_stages = bwd_stages(head_dim_qk, head_dim_v)
     return Sm90BwdConfig(
@@ -159,4 +179,5 @@ def select_bwd_config(
         q_stages=q_stages,
         do_stages=do_stages,
         transposed_scores=transposed_scores,
+        **io,
     )

@@ -19,7 +19,7 @@ backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_
 
 ``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key
 and for padding rows, so they contribute nothing (and never NaN). Four threads share a row, each
-reducing ``Dv / 4`` products, then a quad shuffle.
+reducing every fourth 16-byte piece of it, then a quad shuffle.
 """
 
 import cuda.bindings.driver as cuda
@@ -42,7 +42,8 @@ def quad_sum(x: Float32) -> Float32:
 
 
 class BwdPreprocess:
-    """Static configuration: head dims, dtype, block rows, whether a ``dlse`` is subtracted and whether
+    """Static configuration: head dims (``head_dim_qk`` the dQ accumulator's, ``head_dim_v`` the O /
+    dO tensors', a multiple of 8), dtype, block rows, whether a ``dlse`` is subtracted and whether
     the dQ accumulator is zeroed."""
 
     threads_per_row = 4
@@ -57,9 +58,11 @@ class BwdPreprocess:
         self.tile_m = tile_m
         self.with_dlse = with_dlse
         self.num_threads = tile_m * self.threads_per_row
-        self.row_part = head_dim_v // self.threads_per_row  # O / dO elements per thread
+        # 16-byte pieces of an O / dO row per thread (the last ones past the row where its pieces do
+        # not split evenly over the row's threads: skipped)
+        self.row_pieces = -(-head_dim_v // (VECTOR * self.threads_per_row))
         self.zero_part = tile_m * head_dim_qk // self.num_threads  # dQ accumulator values per thread
-        if head_dim_v % (8 * self.threads_per_row) or self.zero_part % 4:
+        if head_dim_v % VECTOR or self.zero_part % 4:
             raise ValueError(f"head dims ({head_dim_qk}, {head_dim_v}) do not split into 16-byte vectors")
 
     @cute.jit
@@ -129,15 +132,25 @@ class BwdPreprocess:
             token = q_offset + q_local
             dot = Float32(0.0)
             if q_local < q_len:
-                # this thread's Dv / 4 elements of the row: 16-byte pieces ``part``, ``part + 4``, ...
-                # so a row's 4 threads read 64 contiguous bytes per load (whole sectors)
-                pieces = self.row_part // VECTOR
-                seg = cute.make_layout((VECTOR, pieces), stride=(1, VECTOR * self.threads_per_row))
+                # this thread's 16-byte pieces of the row: ``part``, ``part + 4``, ... so a row's 4
+                # threads read 64 contiguous bytes per load (whole sectors)
+                pieces, stride = self.row_pieces, VECTOR * self.threads_per_row
+                seg = cute.make_layout((VECTOR, pieces), stride=(1, stride))
                 offset = (token * mO.shape[1] + q_head) * self.head_dim_v + part * VECTOR
                 r_o = cute.make_rmem_tensor(seg.shape, self.dtype)
                 r_do = cute.make_rmem_tensor(seg.shape, self.dtype)
-                cute.autovec_copy(cute.make_tensor(element_ptr(mO, offset), seg), r_o)
-                cute.autovec_copy(cute.make_tensor(element_ptr(mdO, offset), seg), r_do)
+                if const_expr(self.head_dim_v % stride == 0):
+                    cute.autovec_copy(cute.make_tensor(element_ptr(mO, offset), seg), r_o)
+                    cute.autovec_copy(cute.make_tensor(element_ptr(mdO, offset), seg), r_do)
+                else:
+                    r_o.fill(0.0)
+                    r_do.fill(0.0)
+                    piece = cute.make_layout(VECTOR)
+                    for p in cutlass.range_constexpr(pieces):
+                        if part * VECTOR + p * stride < self.head_dim_v:
+                            at = offset + p * stride
+                            cute.autovec_copy(cute.make_tensor(element_ptr(mO, at), piece), r_o[None, p])
+                            cute.autovec_copy(cute.make_tensor(element_ptr(mdO, at), piece), r_do[None, p])
                 prod = r_o.load().to(Float32) * r_do.load().to(Float32)
                 dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             dot = quad_sum(dot)

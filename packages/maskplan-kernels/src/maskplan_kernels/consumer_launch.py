@@ -526,17 +526,18 @@ def backward_io(
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
 
 
-def launch_backward(compiled: dict, io: BackwardIO, tile_m: int, softmax_scale: float) -> None:
+def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float) -> None:
     """Allocate the workspace (fp32 LSE2 / D ``(Hq, n_qblk * tile_m)``, fp32 dQ accumulator
-    ``(Hq, n_qblk * tile_m * Dqk)``, int32 turnstiles ``(Hq, n_qblk)`` and a persistent main
-    kernel's ticket counter after them, all zeroed or written by the preprocess) and run ``compiled["pre"]``,
-    ``["main"]`` and ``["post"]`` on the current stream. The four parts are one allocation, each at
+    ``(Hq, n_qblk * tile_m * Dqk)`` with ``config``'s ``tile_m`` and ``head_dim_qk``, int32
+    turnstiles ``(Hq, n_qblk)`` and a persistent main kernel's ticket counter after them, all
+    zeroed or written by the preprocess) and run ``compiled["pre"]``, ``["main"]`` and ``["post"]``
+    on the current stream. The four parts are one allocation, each at
     a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
     four is host time saved on every call)."""
     g, prep, device = io.view.geometry, io.prep, io.q.device
-    hq, rows = g.num_heads_q, prep.n_qblk * tile_m
+    hq, rows = g.num_heads_q, prep.n_qblk * config.tile_m
     offsets, size = [], 0
-    for elements in (hq * rows, hq * rows, hq * rows * g.head_dim_qk, hq * prep.n_qblk + 1):  # all 4-byte
+    for elements in (hq * rows, hq * rows, hq * rows * config.head_dim_qk, hq * prep.n_qblk + 1):  # 4-byte
         offsets.append(size)
         size += -(-4 * elements // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
     buffer = torch.empty(size, dtype=torch.uint8, device=device)  # freed after the launches: stream-ordered
@@ -593,6 +594,9 @@ class BackwardCompiler:
     config_for_view: Callable[[PlanView], Any]
     post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
     stores_first_dq: bool = False
+    #: ``(Dqk, Dv)`` of the THD tensors a config's kernels take (narrower than its head dims where
+    #: the kernels zero-fill the rest of their tiles); default: the config's head dims
+    io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
 
     def first_dq_stored(self, deterministic: bool) -> bool:
         """Whether the main kernel stores each Q block's first dQ contribution (class docstring)."""
@@ -602,10 +606,11 @@ class BackwardCompiler:
         """Compile keys of the three kernels."""
         dims, (pre, main, post) = kernel_dims(config), self.key_prefixes
         stored = self.first_dq_stored(deterministic)
+        io = ("io_head_dims", self.io_head_dims(config))
         return {
-            "pre": (pre, dims, config.tile_m, ("dlse", with_dlse), ("zero_dq_accum", not stored)),
-            "main": (main, *self.main_key(config), ("deterministic", deterministic)),
-            "post": (post, dims, config.tile_m, *self.post_key(config), ("zero_unvisited", stored)),
+            "pre": (pre, dims, io, config.tile_m, ("dlse", with_dlse), ("zero_dq_accum", not stored)),
+            "main": (main, *self.main_key(config), io, ("deterministic", deterministic)),
+            "post": (post, dims, io, config.tile_m, *self.post_key(config), ("zero_unvisited", stored)),
         }
 
     def build(self, kind: str, config, *, deterministic: bool, with_dlse: bool):
@@ -613,7 +618,7 @@ class BackwardCompiler:
         stored = self.first_dq_stored(deterministic)
         if kind == "pre":
             return BwdPreprocess(
-                config.head_dim_qk, config.head_dim_v, config.dtype, tile_m=config.tile_m,
+                config.head_dim_qk, self.io_head_dims(config)[1], config.dtype, tile_m=config.tile_m,
                 with_dlse=with_dlse, zero_dq_accum=not stored,
             )  # fmt: skip
         if kind == "main":
@@ -659,7 +664,7 @@ class BackwardCompiler:
         if not io.nothing_visible:
             with_dlse = io.dlse is not None
             compiled = self.compile_backward(config, deterministic=deterministic, with_dlse=with_dlse)
-            launch_backward(compiled, io, config.tile_m, softmax_scale)
+            launch_backward(compiled, io, config, softmax_scale)
         return io.grads
 
     def compile_backward(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, object]:

@@ -523,11 +523,16 @@ class DqPostprocessHostEntry:
     softmax_scale)``, one CTA of ``num_threads`` per (Q block, q head, sample).
 
     The kernel class provides ``tile_m``, ``head_dim``, ``num_threads``, ``zero_unvisited`` and
-    ``kernel_operands()`` (its compile-time operands, e.g. a ``TiledMma``). With ``zero_unvisited``
+    ``kernel_operands()`` (its compile-time operands, e.g. a ``TiledMma``); ``dq``'s head dim is
+    :meth:`io_head_dim` (``head_dim`` unless a class overrides it). With ``zero_unvisited``
     the accumulator was not zeroed (a deterministic main kernel stored each Q block's first
     contribution: ``BackwardCompiler.stores_first_dq``), and a block whose turnstile count is 0
     had none: its dQ is 0. Otherwise ``mdQsem`` is None.
     """
+
+    def io_head_dim(self) -> int:
+        """Head dim of the THD ``dq`` (the accumulator's is ``head_dim``)."""
+        return self.head_dim
 
     @cute.jit
     def from_pointers(
@@ -550,7 +555,7 @@ class DqPostprocessHostEntry:
         self.kernel(
             row_major(dq_accum, num_heads_q, n_qblk * tm * d),
             row_major(dq_semaphore, num_heads_q, n_qblk) if const_expr(self.zero_unvisited) else None,
-            thd_tensor(dq, total_q, num_heads_q, d),
+            thd_tensor(dq, total_q, num_heads_q, self.io_head_dim()),
             backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
             vector(q_block_begin, batch),
             *self.kernel_operands(),
@@ -575,7 +580,8 @@ class BwdHostEntry:
     mLSE, mDsum, mdQaccum, mdQsem, plan, softmax_scale, stream)``.
 
     The kernel class provides ``head_dim_qk``, ``head_dim_v``, ``tile_m``, ``tile_n`` and
-    ``payload_plane`` (int32 words of one partial entry). A ``persistent`` kernel (one whose CTAs take
+    ``payload_plane`` (int32 words of one partial entry); the THD tensors' head dims are
+    :meth:`io_head_dims`. A ``persistent`` kernel (one whose CTAs take
     (K row, kv head) items from :func:`take_ticket`) also takes ``max_ctas`` (its grid is at most
     that) after ``plan``, and its ticket counter is the int32 after the turnstiles (the
     preprocess zeroes both).
@@ -583,6 +589,11 @@ class BwdHostEntry:
 
     #: the kernel class takes ``max_ctas`` (see above)
     persistent = False
+
+    def io_head_dims(self) -> tuple[int, int]:
+        """``(Dqk, Dv)`` of the THD tensors: the kernel's, unless a class that reads narrower ones
+        into its tiles (TMA fills the columns past them with zeros) overrides this."""
+        return self.head_dim_qk, self.head_dim_v
 
     @cute.jit
     def from_pointers(
@@ -625,7 +636,7 @@ class BwdHostEntry:
         stream: cuda.CUstream,
     ):
         """Builds the tensors and calls ``self.__call__``."""
-        dqk, dv_ = self.head_dim_qk, self.head_dim_v
+        dqk, dv_ = self.io_head_dims()
         plan = bwd_plan_tensors(
             mask_block_cnt,
             mask_block_offset,
@@ -659,7 +670,7 @@ class BwdHostEntry:
             thd_tensor(dv, total_k, num_heads_kv, dv_),
             row_major(lse_log2, num_heads_q, n_qblk * self.tile_m),
             row_major(dsum, num_heads_q, n_qblk * self.tile_m),
-            row_major(dq_accum, num_heads_q, n_qblk * (self.tile_m * dqk)),
+            row_major(dq_accum, num_heads_q, n_qblk * (self.tile_m * self.head_dim_qk)),  # the tiles' D
             row_major(dq_semaphore, num_heads_q, n_qblk),
             plan,
         )
