@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192[,16384,...]]
                                         [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
-                                        [--dim-v 128]
+                                        [--dim-v 128] [--layout contiguous|packed]
                                         [--masks causal,sliding-1024,document,random-5]
                                         [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal
                                                    [,flexattn-varlen,fa4-varlen]]
@@ -15,6 +15,8 @@ has no such mode, so ``--mode fwd`` skips it). With
 ``document`` mask, ``flexattn-varlen`` and ``fa4-varlen`` (name them in ``--systems``) take its
 documents as the samples of a varlen THD batch, causal in each (the same visible pairs): ours
 through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel without a mask.
+``--layout packed`` makes q, k, v slices along the heads of one ``[B, S, Hq + 2 Hkv, D]`` tensor, a
+fused QKV projection's output, for every system (strided views: no system gets contiguous ones).
 TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for the forward,
 (8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
 ``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
@@ -233,6 +235,8 @@ def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser
     p.add_argument("--dim", type=int, default=128, help="head dim of Q and K")
     p.add_argument("--dim-v", type=int, default=None, help="head dim of V; None: --dim")
     p.add_argument("--mode", choices=("fwd", "train"), default="fwd", help="train: forward + backward")
+    p.add_argument("--layout", choices=("contiguous", "packed"), default="contiguous",
+                   help="packed: q, k, v slices of one [B, S, Hq + 2 Hkv, D] tensor")  # fmt: skip
     p.add_argument("--masks", default=",".join(MASK_NAMES), help=f"of {', '.join(MASK_NAMES)}")
     p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal",
                    help=f"of {', '.join(SYSTEMS)}")  # fmt: skip
@@ -252,6 +256,8 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     args.systems = args.systems.split(",")
     args.kv_heads = args.kv_heads or args.heads
     args.dim_v = args.dim_v or args.dim
+    if args.layout == "packed" and args.dim_v != args.dim:
+        parser.error(f"--layout packed: q, k, v share a head dim, not {args.dim} and {args.dim_v}")
     return args
 
 
@@ -267,15 +273,18 @@ def main() -> None:
 
 
 def inputs(args, seqlen: int, train: bool):
-    """Random bf16 ``q, k, v`` (BSHD) of the problem, leaves with grad for ``train``; prints the
-    problem line."""
+    """Random bf16 ``q, k, v`` (BSHD) of the problem, leaves with grad for ``train`` (``--layout
+    packed``: views of one such leaf); prints the problem line."""
 
     def leaf(heads, dim):
         t = torch.randn(args.batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16)
         return t.requires_grad_(train)
 
     print(f"{torch.cuda.get_device_name()}  {args.mode}  B={args.batch} S={seqlen} Hq={args.heads} "
-          f"Hkv={args.kv_heads} D={args.dim}/{args.dim_v} bf16")
+          f"Hkv={args.kv_heads} D={args.dim}/{args.dim_v} bf16 {args.layout}")
+    if args.layout == "packed":
+        packed = leaf(args.heads + 2 * args.kv_heads, args.dim)
+        return packed.split([args.heads, args.kv_heads, args.kv_heads], dim=2)
     return leaf(args.heads, args.dim), leaf(args.kv_heads, args.dim), leaf(args.kv_heads, args.dim_v)
 
 

@@ -34,7 +34,7 @@ from flexattn_sm100.bwd_launch import run_backward  # noqa: E402
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
 from maskplan_core.consumer import KERNEL_DTYPE_NAMES, ViewConfig  # noqa: E402
-from maskplan_core.testing import BackwardCases, check_backward, reference_plan  # noqa: E402
+from maskplan_core.testing import STRIDED_CASES, BackwardCases, check_backward, reference_plan  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -63,9 +63,9 @@ def check(mask_func, q, k, v, *, varlen=None, bwd_variant=None, **options):
 
 
 #: the cases shared with the SM90 suite (maskplan_core.testing), on this consumer's check
-CASES = BackwardCases(check, DEV)
+CASES = BackwardCases(check, run_backward, DEV)
 #: the same cases on k2q-2cta backward views (a cluster of two CTAs per 256-row K block)
-PAIR = BackwardCases(functools.partial(check, bwd_variant="k2q-2cta"), DEV)
+PAIR = BackwardCases(functools.partial(check, bwd_variant="k2q-2cta"), run_backward, DEV)
 #: the generic variants every shared case runs on
 GENERIC = {"k2q-1cta": CASES, "k2q-2cta": PAIR}
 generic = pytest.mark.parametrize("variant", sorted(GENERIC))
@@ -150,6 +150,12 @@ def test_head_dims_256_gqa_per_head_masks(deterministic):
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims_256_varlen_with_empty_samples(kind):
     CASES.varlen_with_empty_samples(kind, dims=(256, 256))
+
+
+@pytest.mark.parametrize("layout,varlen", STRIDED_CASES.values(), ids=list(STRIDED_CASES))
+def test_strided_inputs(layout, varlen):
+    """q, k, v as slices of a packed QKV tensor or transposed BHSD tensors, read in place."""
+    CASES.strided_inputs(layout, varlen)
 
 
 def test_head_dims_256_small_for_sanitizer():

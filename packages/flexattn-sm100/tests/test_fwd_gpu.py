@@ -28,7 +28,7 @@ from flexattn_sm100.fwd_launch import run_forward  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
 from maskplan_core import masks, testing  # noqa: E402
 from maskplan_core.consumer import KERNEL_DTYPE_NAMES, ViewConfig  # noqa: E402
-from maskplan_core.testing import ForwardCases, check_forward, reference_plan  # noqa: E402
+from maskplan_core.testing import STRIDED_CASES, ForwardCases, check_forward, reference_plan  # noqa: E402
 
 DEV = torch.device("cuda")
 VARIANTS = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta")
@@ -143,6 +143,12 @@ def test_softmax_scale_and_reuse():
     """A plan is reused with new values and other scales (a negative one: the launcher negates q);
     two launches agree bit for bit."""
     CASES.softmax_scale_and_reuse(new_value_scales=(0.05, -0.2))
+
+
+@pytest.mark.parametrize("layout,varlen", STRIDED_CASES.values(), ids=list(STRIDED_CASES))
+def test_strided_inputs(layout, varlen):
+    """q, k, v as slices of a packed QKV tensor or transposed BHSD tensors, read in place."""
+    CASES.strided_inputs(layout, varlen)
 
 
 def test_many_tasks_exercise_the_clc_queue():

@@ -33,6 +33,7 @@ from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
 from maskplan_core import masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.reference import build_plan  # noqa: E402
 from maskplan_core.testing import (  # noqa: E402
+    STRIDED_CASES,
     VARLEN_CU_K,
     VARLEN_CU_Q,
     BackwardCases,
@@ -67,7 +68,7 @@ def check(mask_func, q, k, v, *, varlen=None, gpu_planner=False, **options):
 
 
 #: the cases shared with the SM100 suite (maskplan_core.testing), on this consumer's check
-CASES = BackwardCases(check, DEV)
+CASES = BackwardCases(check, run_backward, DEV)
 
 
 # -- masks, fixed length --------------------------------------------------------------------------
@@ -171,6 +172,12 @@ def test_other_tiles_varlen_with_empty_samples(dqk, dv, kind):
 
 
 # -- deterministic mode ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layout,varlen", STRIDED_CASES.values(), ids=list(STRIDED_CASES))
+def test_strided_inputs(layout, varlen):
+    """q, k, v as slices of a packed QKV tensor or transposed BHSD tensors, read in place."""
+    CASES.strided_inputs(layout, varlen)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_deterministic_bit_identical(dtype):
     """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,

@@ -23,7 +23,13 @@ from flexattn_sm90 import Sm90Consumer, fwd_launch  # noqa: E402
 from flexattn_sm90.fwd_launch import run_forward  # noqa: E402
 from flexattn_sm90.fwd_mainloop import SCHEDULES  # noqa: E402
 from maskplan_core import masks, testing  # noqa: E402
-from maskplan_core.testing import ForwardCases, check_forward, reference_plan, resolve_view  # noqa: E402
+from maskplan_core.testing import (  # noqa: E402
+    STRIDED_CASES,
+    ForwardCases,
+    check_forward,
+    reference_plan,
+    resolve_view,
+)
 
 DEV = torch.device("cuda")
 qkv = functools.partial(testing.qkv, device=DEV)
@@ -150,6 +156,13 @@ def test_samples_stay_apart(dqk, dv, mask_via_smem):
 def test_softmax_scale_and_reuse():
     """A plan is reused with new values and another scale; two launches agree bit for bit."""
     CASES.softmax_scale_and_reuse(new_value_scales=(0.05,))
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["heads", "pack-gqa"])
+@pytest.mark.parametrize("layout,varlen", STRIDED_CASES.values(), ids=list(STRIDED_CASES))
+def test_strided_inputs(layout, varlen, pack_gqa):
+    """q, k, v as slices of a packed QKV tensor or transposed BHSD tensors, read in place."""
+    CASES.strided_inputs(layout, varlen, pack_gqa=pack_gqa)
 
 
 # -- consumer schedules ---------------------------------------------------------------------------

@@ -14,7 +14,9 @@ from maskplan_kernels.consumer_launch import (  # noqa: E402
     INT32_LIMIT,
     bwd_view_args,
     fwd_view_args,
+    qkv_strides,
     require_int32_offsets,
+    tma_operand,
 )
 from maskplan_kernels.geometry import ViewBounds  # noqa: E402
 from maskplan_kernels.schedule_scatter import ScheduleScatterConfig  # noqa: E402
@@ -24,6 +26,46 @@ def geometry(total_q, total_k, hq=16, hkv=16, dqk=128, dv=128):
     return SimpleNamespace(
         total_q=total_q, total_k=total_k, num_heads_q=hq, num_heads_kv=hkv, head_dim_qk=dqk, head_dim_v=dv
     )
+
+
+def test_strided_views_go_to_the_kernels_as_they_are():
+    """Slices of a packed QKV tensor and a transposed BHSD tensor (at B = 1) are read in place, their
+    row and head strides passed to the kernels; a size-1 mode's stride is the contiguous one."""
+    T, hq, hkv, d = 48, 4, 2, 64
+    packed = torch.empty(T, hq + 2 * hkv, d, dtype=torch.bfloat16)
+    q, k, v = packed[:, :hq], packed[:, hq : hq + hkv], packed[:, hq + hkv :]
+    assert all(tma_operand(t) is t for t in (q, k, v))
+    width = (hq + 2 * hkv) * d
+    assert qkv_strides(q, k, v) == (width, d, width, d, width, d)
+    bhsd = torch.empty(1, hq, T, d, dtype=torch.float16).transpose(1, 2).reshape(T, hq, d)
+    assert tma_operand(bhsd) is bhsd and qkv_strides(bhsd, bhsd, bhsd)[:2] == (d, T * d)
+    one_head = torch.empty(T, 3, d, dtype=torch.bfloat16)[:, 1:2].as_strided((T, 1, d), (3 * d, 5, 1))
+    assert tma_operand(one_head) is one_head and qkv_strides(one_head, q, q)[:2] == (3 * d, d)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(48, 4, 68, dtype=torch.bfloat16)[:, :, :64],  # head stride of 136 bytes
+        lambda: torch.randn(48 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(48, 4, 64),  # base off 16 bytes
+        lambda: torch.randn(48, 64, 4, dtype=torch.bfloat16).transpose(1, 2),  # head dim strided
+        lambda: torch.randn(1, 4, 64, dtype=torch.bfloat16).expand(48, 4, 64),  # rows on one another
+    ],
+    ids=["row-stride", "base", "head-dim", "stride-0"],
+)
+def test_views_tma_cannot_read_are_copied(make):
+    t = make()
+    copy = tma_operand(t)
+    assert copy is not t and copy.is_contiguous() and torch.equal(copy, t)
+    assert copy.data_ptr() % 16 == 0
+
+
+def test_views_spanning_past_32_bit_offsets_are_copied():
+    """Each element must lie within 32-bit offsets of the base, as a contiguous tensor's do."""
+    wide = torch.empty(2**16, 2**16, dtype=torch.bfloat16, device="meta")[:, :128].view(2**16, 1, 128)
+    narrow = wide[: 2**15 - 1]  # spans just under 2**31 elements
+    assert tma_operand(narrow) is narrow
+    assert tma_operand(wide).is_contiguous()
 
 
 def test_int32_offsets_accept_the_largest_tensors_that_fit():

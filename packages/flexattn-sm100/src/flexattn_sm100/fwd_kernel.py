@@ -285,7 +285,7 @@ class Sm100FwdKernel(SoftmaxRole):
     @cute.jit
     def from_pointers(
         self,
-        q: cute.Pointer,  # contiguous THD (total_q, Hq, Dqk), 16-byte aligned
+        q: cute.Pointer,  # THD (total_q, Hq, Dqk), 16-byte aligned, strided (see q_row_stride)
         k: cute.Pointer,  # (total_k, Hkv, Dqk)
         v: cute.Pointer,  # (total_k, Hkv, Dv)
         o: cute.Pointer,  # (total_q, Hq, Dv)
@@ -311,6 +311,12 @@ class Sm100FwdKernel(SoftmaxRole):
         batch: Int32,
         num_tasks: Int32,
         varlen: Int32,  # runtime, so fixed and varlen views share one compiled kernel
+        q_row_stride: Int32,  # q, k, v: strides in elements, multiples of 16 bytes (qkv_strides)
+        q_head_stride: Int32,
+        k_row_stride: Int32,
+        k_head_stride: Int32,
+        v_row_stride: Int32,
+        v_head_stride: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -344,6 +350,8 @@ class Sm100FwdKernel(SoftmaxRole):
                 q, k, v, o, lse, max_logit,
                 total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
                 head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v,
+                qkv_strides=(q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride,
+                             v_head_stride),
             ),
             plan,
             softmax_scale,

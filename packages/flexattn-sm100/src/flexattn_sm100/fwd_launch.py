@@ -32,7 +32,13 @@ from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
 from maskplan_kernels._cute_args import torch_stream
-from maskplan_kernels.consumer_launch import cached_per_view, forward_io, fwd_placeholders, fwd_view_args
+from maskplan_kernels.consumer_launch import (
+    cached_per_view,
+    forward_io,
+    fwd_placeholders,
+    fwd_view_args,
+    qkv_stride_placeholders,
+)
 
 from . import view_config
 from .config import Sm100FwdConfig
@@ -72,7 +78,7 @@ def placeholder_arguments(kernel: Sm100FwdKernel, *, with_max_logit: bool) -> li
     return [
         *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
         *(Int32(1) for _ in range(11)),  # sizes (the last: varlen)
-        Float32(1.0), cute.runtime.make_fake_stream(),
+        *qkv_stride_placeholders(), Float32(1.0), cute.runtime.make_fake_stream(),
     ]  # fmt: skip
 
 
@@ -145,7 +151,9 @@ def run_forward(
         return io.out, io.lse, io.max_logit
     prep = fwd_view_args(view, q.device)
     compiled = compile_forward(config, with_max_logit=return_max_logit)
-    compiled(*io.pointers(), *prep.pointers, *prep.sizes, io.softmax_scale, torch_stream(q.device))
+    compiled(
+        *io.pointers(), *prep.pointers, *prep.sizes, *io.strides(), io.softmax_scale, torch_stream(q.device)
+    )
     return io.out, io.lse, io.max_logit
 
 

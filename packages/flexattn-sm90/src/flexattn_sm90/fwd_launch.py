@@ -31,6 +31,7 @@ from maskplan_kernels.consumer_launch import (
     fwd_placeholders,
     fwd_view_args,
     gmem_ptr,
+    qkv_stride_placeholders,
 )
 
 from . import view_config
@@ -94,6 +95,7 @@ def placeholder_arguments(kernel: Sm90FwdKernel, *, with_max_logit: bool) -> lis
         *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
         gmem_ptr(Int32),  # tile counter
         *(Int32(1) for _ in range(11)),  # sizes (the last: varlen)
+        *qkv_stride_placeholders(),
         Float32(1.0), Int32(1), cute.runtime.make_fake_stream(),
     ]  # fmt: skip
 
@@ -187,6 +189,7 @@ def run_forward(
         *prep.pointers,
         counter.data_ptr(),
         *prep.sizes,
+        *io.strides(),
         io.softmax_scale,
         persistent_ctas(device, prep.num_tasks),
         stream,

@@ -11,7 +11,9 @@ sample plan's consumer and geometry (a new plan per batch is fine), and runs the
 ``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` (contiguous, 16-byte aligned) are written
 by the kernels themselves; a fixed-length LSE (``[B, Hq, Sq]``, which is not the kernels'
 ``[Hq, total_q]`` order) goes through a copy. Inputs (q / k / v, and o / do / lse / dlse of the
-backward) may have any strides, as ``flex_attn_func``'s. With ``current_stream`` the work runs on
+backward) may have any strides, as ``flex_attn_func``'s; the kernels read q / k / v in place where
+their head dim is contiguous and their base, row and head strides are 16-byte multiples (slices
+of one packed QKV tensor), and a copy otherwise. With ``current_stream`` the work runs on
 that stream and every tensor it reads or writes, the plan's included, is recorded on it (freeing
 them right after ``execute`` is safe); like any CUDA stream, it must be ordered after the work
 that made them (``s.wait_stream(torch.cuda.current_stream())`` where they were made on the

@@ -48,6 +48,36 @@ def qkv(shape_q, shape_k, dqk: int, dv: int, dtype: torch.dtype, seed: int = 0, 
     return q, k, v
 
 
+#: how :func:`strided_qkv` lays q, k, v out
+STRIDED_LAYOUTS = ("packed", "bhsd")
+#: test id -> ``(layout, varlen)`` of the ``strided_inputs`` cases
+STRIDED_CASES = {"packed": ("packed", False), "packed-varlen": ("packed", True), "bhsd": ("bhsd", False)}
+
+
+def strided_qkv(layout: str, shape_q, shape_k, d: int, dtype: torch.dtype, seed: int = 0, *, device="cuda"):
+    """Random normal ``q [*rows_q, Hq, d]``, ``k`` and ``v [*rows_k, Hkv, d]`` (``shape_q = (*rows_q,
+    Hq)``) as strided views: ``"packed"``, slices along the heads of one ``[*rows, Hq + 2 Hkv, d]``
+    tensor (a fused QKV projection's output; q gets one of its own where its rows differ from k's);
+    ``"bhsd"``, ``[B, H, S, d]`` tensors transposed to BSHD."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    *rows_q, hq = shape_q
+    *rows_k, hkv = shape_k
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    if layout == "packed":
+        width = hq + 2 * hkv
+        packed_k = randn(*rows_k, width, d)
+        packed_q = packed_k if rows_q == rows_k else randn(*rows_q, width, d)
+        return packed_q[..., :hq, :], packed_k[..., hq : hq + hkv, :], packed_k[..., hq + hkv :, :]
+    if layout == "bhsd":
+        (b, s), (bk, sk) = rows_q, rows_k
+        q, k, v = randn(b, hq, s, d), randn(bk, hkv, sk, d), randn(bk, hkv, sk, d)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    raise ValueError(f"layout must be one of {STRIDED_LAYOUTS}, got {layout!r}")
+
+
 def random_intervals(hmask: int, nfunc: int, row_k_len: torch.Tensor, seed: int = 0, *, device="cuda"):
     """Endpoints ``[hmask, nfunc, rows]``: sorted uniform draws in ``[0, k_len]`` of each row."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -252,6 +282,20 @@ class _Cases:
     def random_intervals(self, *args, **kwargs):
         return random_intervals(*args, device=self.device, **kwargs)
 
+    def strided_problem(self, layout: str, varlen: bool):
+        """``(mask_func, q, k, v, varlen kwargs or None)``: GQA 4 / 2, D = 128, random intervals, with
+        q, k, v strided views (:func:`strided_qkv`; ``"bhsd"`` at B = 1, where its THD view is one)."""
+        if varlen:
+            shapes = ((VARLEN_CU_Q[-1], 4), (VARLEN_CU_K[-1], 2))
+            ep, extra = self.varlen_mask("random", seed=15), varlen_args(self.device)
+        else:
+            B, S = (1, 900) if layout == "bhsd" else (2, 700)
+            shapes = ((B, S, 4), (B, S, 2))
+            ep, extra = self.random_intervals(1, 5, torch.full((B * S,), S), seed=15), None
+        q, k, v = strided_qkv(layout, *shapes, 128, torch.bfloat16, seed=15, device=self.device)
+        assert not any(t.reshape(-1, *t.shape[-2:]).is_contiguous() for t in (q, k, v))
+        return ep, q, k, v, extra
+
     def causal_mask(self, sq, sk=None, *, batch=1):
         return masks.causal(sq, sk, batch=batch, device=self.device)
 
@@ -346,11 +390,26 @@ class ForwardCases(_Cases):
         b = self.run(view, q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D), softmax_scale=0.3)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
+    def strided_inputs(self, layout: str, varlen: bool = False, **options):
+        """q, k, v as strided views (:meth:`strided_problem`), which the kernels read in place: within
+        tolerance of the reference, and bit for bit what contiguous copies of them give."""
+        ep, q, k, v, extra = self.strided_problem(layout, varlen)
+        view = self.check(ep, q, k, v, varlen=extra, **options).view("forward")
+        strided = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
+        a = self.run(view, *strided, softmax_scale=0.1, return_max_logit=True)
+        b = self.run(view, *(t.contiguous() for t in strided), softmax_scale=0.1, return_max_logit=True)
+        for name, x, y in zip(("out", "lse", "max_logit"), a, b, strict=True):
+            assert torch.equal(x, y), f"{name} differs from the contiguous inputs' ({int((x != y).sum())})"
+
 
 class BackwardCases(_Cases):
     """The backward test cases of the consumers' GPU suites. ``check(mask_func, q, k, v, *, varlen=None,
     **options)`` builds the suite's plan (forward and backward views), runs :func:`check_backward`
-    with ``options`` and returns ``(plan, runs)``."""
+    with ``options`` and returns ``(plan, runs)``; ``run`` is the consumer's ``run_backward``."""
+
+    def __init__(self, check: Callable, run: Callable, device):
+        super().__init__(check, device)
+        self.run = run
 
     def causal(self, dtype, deterministic, d=128):
         B, S, H = 2, 1000, 4
@@ -427,6 +486,25 @@ class BackwardCases(_Cases):
         q, k, v = self.qkv((B, S, H), (B, S, Hkv), D, D, dtype, seed=12)
         self.check(self.causal_mask(S, batch=B), q, k, v, deterministic=True, repeats=3)
 
+    def strided_inputs(self, layout: str, varlen: bool = False):
+        """q, k, v as strided views (:meth:`strided_problem`), which the kernels read in place: within
+        tolerance of the reference, and (deterministic mode) bit for bit what contiguous copies give."""
+        ep, q, k, v, extra = self.strided_problem(layout, varlen)
+        plan, _ = self.check(ep, q, k, v, varlen=extra)
+        # one O / LSE / dO for both runs (the fp32 reference on the GPU is not bit-repeatable)
+        strided = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
+        ref_out, lse, _ = attention_forward(plan.view("forward"), *strided, softmax_scale=0.1)
+        out = ref_out.to(q.dtype)
+        dout = torch.randn(out.shape, device=self.device, dtype=q.dtype, generator=torch.Generator(
+            device=self.device).manual_seed(16))
+        view = plan.view("backward")
+        runs = [
+            self.run(view, *qkv3, out, lse, dout, None, softmax_scale=0.1, deterministic=True)
+            for qkv3 in (strided, [t.contiguous() for t in strided])
+        ]
+        for name, x, y in zip(("dq", "dk", "dv"), *runs, strict=True):
+            assert torch.equal(x, y), f"{name} differs from the contiguous inputs' ({int((x != y).sum())})"
+
     def small_for_sanitizer(self, dims=(128, 128)):
         """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck``."""
         B, S, H = 1, 200, 2
@@ -439,6 +517,8 @@ __all__ = [
     "BWD_MAX_ABS",
     "BWD_REL_L2",
     "FWD_TOLERANCE",
+    "STRIDED_CASES",
+    "STRIDED_LAYOUTS",
     "VARLEN_CU_K",
     "VARLEN_CU_Q",
     "VARLEN_MAX_SEQLEN",
@@ -452,6 +532,7 @@ __all__ = [
     "random_intervals",
     "reference_plan",
     "resolve_view",
+    "strided_qkv",
     "unseen_keys",
     "varlen_args",
     "varlen_k_len",

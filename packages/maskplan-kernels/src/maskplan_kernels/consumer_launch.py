@@ -6,11 +6,12 @@ global pointers plus int32 sizes, layouts derived in the ``@cute.jit`` host entr
 launches with ``int`` addresses, ``int`` sizes and ``float`` scalars. What differs is alignment:
 Q/K/V/O and the payload tensor are read by TMA, bulk copies or vector loads, so the compile-time
 placeholders assume 16 bytes (:data:`ALIGN`) and every address a launch passes is made so
-(:func:`aligned`, :func:`int32_tensor`, fresh allocations). Here:
+(:func:`aligned`, :func:`tma_operand`, :func:`int32_tensor`, fresh allocations). Here:
 
 * placeholder pointers and dtypes: :func:`gmem_ptr`, :func:`cute_dtype`;
 * the caller's tensors: :func:`check_inputs` (THD shapes against the plan geometry),
-  :func:`aligned`, :func:`output`, :func:`positive_softmax_scale`;
+  :func:`aligned`, :func:`tma_operand` (q, k, v may be strided views: :func:`qkv_strides`),
+  :func:`output`, :func:`positive_softmax_scale`;
 * a forward call at once: :func:`forward_io`;
 * the plan's tensors: :func:`int32_tensor`, and for a forward view :func:`fwd_view_args` (for a
   backward view :func:`bwd_view_args`), derived once per (view, device) through
@@ -156,6 +157,33 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """A THD ``q``, ``k`` or ``v`` as the kernels' TMA loads read it: ``t`` itself where its head
+    dim is contiguous and its base, row stride and head stride are 16-byte multiples (a slice of a
+    packed QKV tensor, a ``[B, S, H, D]`` view of ``[B, H, S, D]`` at B = 1), and every element it
+    spans lies within 32-bit offsets; else a contiguous copy. Its strides go to the kernels as
+    :func:`qkv_strides`."""
+    if t.stride(2) == 1 and t.data_ptr() % ALIGN == 0 and t.numel() > 0:
+        row, head = _thd_strides(t)
+        span = (t.shape[0] - 1) * row + (t.shape[1] - 1) * head + t.shape[2]
+        if all(s > 0 and s * t.element_size() % ALIGN == 0 for s in (row, head)) and span < INT32_LIMIT:
+            return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _thd_strides(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s row and head strides, a size-1 mode's taken as the contiguous one (torch gives those
+    any stride)."""
+    rows, heads, d = t.shape
+    return (t.stride(0) if rows > 1 else heads * d), (t.stride(1) if heads > 1 else d)
+
+
+def qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """The row and head strides (elements) of :func:`tma_operand` ``q``, ``k``, ``v``, in the
+    kernels' ``from_pointers`` order: q row, q head, k row, k head, v row, v head."""
+    return (*_thd_strides(q), *_thd_strides(k), *_thd_strides(v))
+
+
 def output(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
     """A new output tensor, or ``t`` checked to be one the kernel can write in place."""
     if t is None:
@@ -182,7 +210,7 @@ def positive_softmax_scale(q: torch.Tensor, softmax_scale: float) -> tuple[torch
 class ForwardIO(NamedTuple):
     """A forward call's tensors, ready for the kernel (:func:`forward_io`)."""
 
-    q: torch.Tensor  # THD, contiguous, 16-byte aligned; negated for a negative softmax_scale
+    q: torch.Tensor  # THD, a tma_operand; negated for a negative softmax_scale
     k: torch.Tensor
     v: torch.Tensor
     softmax_scale: float  # > 0
@@ -198,6 +226,10 @@ class ForwardIO(NamedTuple):
             None if self.max_logit is None else self.max_logit.data_ptr(),
         )
 
+    def strides(self) -> tuple[int, ...]:
+        """:func:`qkv_strides` of q, k, v: the six arguments after a forward ``from_pointers``' sizes."""
+        return qkv_strides(self.q, self.k, self.v)
+
 
 def forward_io(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
     """Check a forward call's THD ``q/k/v`` against the view, make them kernel-ready and allocate
@@ -205,8 +237,8 @@ def forward_io(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logi
     check_inputs(view, q=q, k=k, v=v)
     g, device = view.geometry, q.device
     require_int32_offsets(g, payload_words=view.mask_block_masks.numel())
-    q, k, v = aligned(q), aligned(k), aligned(v)
     q, softmax_scale = positive_softmax_scale(q, softmax_scale)
+    q, k, v = tma_operand(q), tma_operand(k), tma_operand(v)
     total_q, num_heads_q = q.shape[0], q.shape[1]
     out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
     lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
@@ -336,6 +368,11 @@ FWD_PLAN_TENSORS = (
 )
 
 
+def qkv_stride_placeholders() -> list:
+    """Compile-time stand-ins for :func:`qkv_strides` (six ``Int32``)."""
+    return [Int32(8) for _ in range(6)]
+
+
 def fwd_placeholders(dtype, *, with_max_logit: bool) -> list[cute.Pointer]:
     """Compile-time stand-ins for :meth:`ForwardIO.pointers` followed by :attr:`FwdViewArgs.pointers`
     (same types): the first 15 arguments of a forward ``from_pointers``."""
@@ -398,7 +435,8 @@ def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
             i32, i32, i32, gmem_ptr(Int32, align=ALIGN),  # mask_block_cnt/offset/idx/masks
             i32, i32, i32, i32, i32,  # full_block_cnt/offset/idx, dq_write_order(_full)
             i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
-            *(Int32(1) for _ in range(12)), Float32(1.0), stream,  # ... varlen, max_ctas
+            *(Int32(1) for _ in range(12)),  # ... varlen, max_ctas
+            *qkv_stride_placeholders(), Float32(1.0), stream,
         ]  # fmt: skip
     return [
         f32, i32, gmem_ptr(dtype, align=ALIGN), i32, i32,  # dq_accum, dq_semaphore, dq, sequence_desc, qbb
@@ -478,7 +516,7 @@ class BackwardIO(NamedTuple):
 
     view: PlanView
     prep: BwdViewArgs
-    q: torch.Tensor  # q, k, v, out, dout: 16-byte aligned, contiguous
+    q: torch.Tensor  # q, k, v: tma_operand; out, dout: 16-byte aligned, contiguous
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
@@ -520,7 +558,8 @@ def backward_io(
         for x in io.grads:
             x.zero_()
         return io
-    q, k, v, out, dout = (aligned(x) for x in (q, k, v, out, dout))
+    q, k, v = (tma_operand(x) for x in (q, k, v))
+    out, dout = aligned(out), aligned(dout)  # read by the preprocess, which takes contiguous rows
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
@@ -555,7 +594,8 @@ def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float
         *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)), *workspace, *prep.pointers,
         g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
         prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen,
-        persistent_ctas(device, prep.k_rows * g.num_heads_kv), softmax_scale, stream,
+        persistent_ctas(device, prep.k_rows * g.num_heads_kv), *qkv_strides(io.q, io.k, io.v),
+        softmax_scale, stream,
     )  # fmt: skip
     compiled["post"](*workspace[2:], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
 
@@ -712,5 +752,8 @@ __all__ = [
     "output",
     "plan_pointers",
     "positive_softmax_scale",
+    "qkv_stride_placeholders",
+    "qkv_strides",
     "sequence_desc_source",
+    "tma_operand",
 ]

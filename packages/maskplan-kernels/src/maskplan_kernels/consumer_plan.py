@@ -357,9 +357,16 @@ class BwdPlanTensors(NamedTuple):
 
 # -- tensor views a host entry builds from raw pointers and int32 sizes -----------------------------
 # Plain helpers, traced inline by the ``@cute.jit`` host entry that calls them.
-def thd_tensor(ptr: cute.Pointer, total, heads, d: int) -> cute.Tensor:
-    """Contiguous THD ``(total, heads, d)``, row-major."""
-    return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=(heads * d, d, 1)))
+def thd_tensor(ptr: cute.Pointer, total, heads, d: int, strides: tuple | None = None) -> cute.Tensor:
+    """THD ``(total, heads, d)``: contiguous, or with ``strides = (row, head)`` (Int32 elements, each a
+    multiple of 16 bytes, as a TMA operand's are) where the caller's tensor is a strided view, e.g.
+    q, k and v as slices of one packed QKV tensor."""
+    if const_expr(strides is None):
+        stride = (heads * d, d, 1)
+    else:
+        per_16_bytes = 128 // ptr.dtype.width
+        stride = (*(cute.assume(s, divby=per_16_bytes) for s in strides), 1)
+    return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=stride))
 
 
 def row_major(ptr: cute.Pointer, rows, cols) -> cute.Tensor:
@@ -453,13 +460,15 @@ def fwd_io_tensors(
     num_heads_kv: Int32,
     head_dim_qk: int,
     head_dim_v: int,
+    qkv_strides: tuple,
 ) -> tuple:
-    """``(mQ, mK, mV, mO, mLSE, mMaxLogit)`` of a forward kernel's ``__call__``: THD ``q/k/v/o``,
-    fp32 ``lse (Hq, total_q)`` and ``max_logit (Hq,)`` (None when not computed)."""
+    """``(mQ, mK, mV, mO, mLSE, mMaxLogit)`` of a forward kernel's ``__call__``: THD ``q/k/v`` with
+    ``qkv_strides`` (their row and head strides: :func:`maskplan_kernels.consumer_launch.qkv_strides`),
+    contiguous THD ``o``, fp32 ``lse (Hq, total_q)`` and ``max_logit (Hq,)`` (None when not computed)."""
     return (
-        thd_tensor(q, total_q, num_heads_q, head_dim_qk),
-        thd_tensor(k, total_k, num_heads_kv, head_dim_qk),
-        thd_tensor(v, total_k, num_heads_kv, head_dim_v),
+        thd_tensor(q, total_q, num_heads_q, head_dim_qk, qkv_strides[0:2]),
+        thd_tensor(k, total_k, num_heads_kv, head_dim_qk, qkv_strides[2:4]),
+        thd_tensor(v, total_k, num_heads_kv, head_dim_v, qkv_strides[4:6]),
         thd_tensor(o, total_q, num_heads_q, head_dim_v),
         row_major(lse, num_heads_q, total_q),
         vector(max_logit, num_heads_q) if max_logit is not None else None,
@@ -598,10 +607,10 @@ class BwdHostEntry:
     @cute.jit
     def from_pointers(
         self,
-        q: cute.Pointer,  # (total_q, Hq, Dqk)   contiguous THD, 16-byte aligned
+        q: cute.Pointer,  # (total_q, Hq, Dqk)   THD, 16-byte aligned, strided (see q_row_stride)
         k: cute.Pointer,  # (total_k, Hkv, Dqk)
         v: cute.Pointer,  # (total_k, Hkv, Dv)
-        dout: cute.Pointer,  # (total_q, Hq, Dv)
+        dout: cute.Pointer,  # (total_q, Hq, Dv)  contiguous
         dk: cute.Pointer,  # (total_k, Hkv, Dqk)  output, input dtype
         dv: cute.Pointer,  # (total_k, Hkv, Dv)  output
         lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
@@ -632,6 +641,12 @@ class BwdHostEntry:
         n_qblk: Int32,
         varlen: Int32,
         max_ctas: Int32,  # persistent kernels: at most this many CTAs (one per SM)
+        q_row_stride: Int32,  # q, k, v: strides in elements, multiples of 16 bytes (qkv_strides)
+        q_head_stride: Int32,
+        k_row_stride: Int32,
+        k_head_stride: Int32,
+        v_row_stride: Int32,
+        v_head_stride: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -662,9 +677,9 @@ class BwdHostEntry:
             plane=self.payload_plane,
         )
         tensors = (
-            thd_tensor(q, total_q, num_heads_q, dqk),
-            thd_tensor(k, total_k, num_heads_kv, dqk),
-            thd_tensor(v, total_k, num_heads_kv, dv_),
+            thd_tensor(q, total_q, num_heads_q, dqk, (q_row_stride, q_head_stride)),
+            thd_tensor(k, total_k, num_heads_kv, dqk, (k_row_stride, k_head_stride)),
+            thd_tensor(v, total_k, num_heads_kv, dv_, (v_row_stride, v_head_stride)),
             thd_tensor(dout, total_q, num_heads_q, dv_),
             thd_tensor(dk, total_k, num_heads_kv, dqk),
             thd_tensor(dv, total_k, num_heads_kv, dv_),
