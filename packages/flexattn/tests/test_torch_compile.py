@@ -238,6 +238,44 @@ def test_compiled_block_matches_eager(case):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_ops_take_strided_views_as_they_are(backend, monkeypatch):
+    """k and v split from one projection reach the consumer as the same strided views in eager and
+    compiled calls, forward and backward (the GPU kernels read such views in place: a compiled
+    graph that made them contiguous would add copies)."""
+    from flexattn import ops
+
+    seen, checked = [], ops.checked_consumer
+
+    class Recording:
+        def __init__(self, consumer):
+            self.consumer = consumer
+
+        def forward(self, plan, q, k, v, **kw):
+            seen.append(("forward", k.stride(), v.stride()))
+            return self.consumer.forward(plan, q, k, v, **kw)
+
+        def backward(self, plan, q, k, v, *args, **kw):
+            seen.append(("backward", k.stride(), v.stride()))
+            return self.consumer.backward(plan, q, k, v, *args, **kw)
+
+    monkeypatch.setattr(ops, "checked_consumer", lambda *a: Recording(checked(*a)))
+    module, x, plan = _block_inputs("fixed")
+    if backend == "inductor":
+        module, x = module.float(), x.detach().float().requires_grad_()
+        plan = flexattn.create_mask_plan(
+            masks.sliding_window(S, window_left=20, batch=B), *fixed_case(torch.float32)[1]
+        )
+    _step(module, x, plan)
+    eager = list(seen)
+    kv_rows = (2 * HKV * D, D, 1)  # the THD view of [B, S, 2, HKV, D] split along its 2
+    assert eager == [("forward", kv_rows, kv_rows), ("backward", kv_rows, kv_rows)]
+    seen.clear()
+    torch._dynamo.reset()
+    _step(torch.compile(module, fullgraph=True, backend=backend), x, plan)
+    assert seen == eager
+
+
 class _PlanHolder(torch.nn.Module):
     """A model that keeps its batch's plan as an attribute (set before each call)."""
 
