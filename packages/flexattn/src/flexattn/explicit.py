@@ -8,9 +8,10 @@ caller allocates every output and the object is built once from sample tensors::
 
 ``execute`` takes tensors of the samples' shapes, dtypes, strides and devices and a plan of the
 sample plan's consumer and geometry (a new plan per batch is fine), and runs the same consumer
-``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` (contiguous, 16-byte aligned) are written
-by the kernels themselves; a fixed-length LSE (``[B, Hq, Sq]``, which is not the kernels'
-``[Hq, total_q]`` order) goes through a copy. Inputs (q / k / v, and o / do / lse / dlse of the
+``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` need a unit last stride, as cuDNN's; contiguous,
+16-byte aligned ones are written by the kernels themselves, others (e.g. slices of one packed
+``dqkv`` buffer) take the kernels' result through a copy, as a fixed-length LSE does (``[B, Hq, Sq]``
+is not the kernels' ``[Hq, total_q]`` order). Inputs (q / k / v, and o / do / lse / dlse of the
 backward) may have any strides, as ``flex_attn_func``'s; the kernels read q / k / v in place where
 their head dim is contiguous and their base, row and head strides are 16-byte multiples (slices
 of one packed QKV tensor), and a copy otherwise. With ``current_stream`` the work runs on
@@ -83,12 +84,10 @@ def _require_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype
 
 
 def _require_output(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device) -> None:
-    """An output the kernels write in place: contiguous, and 16-byte aligned (their vector stores)."""
+    """An output buffer: of the shape, dtype and device, with a unit last stride (cuDNN's rule)."""
     _require_tensor(name, t, shape, dtype, device)
-    if not t.is_contiguous():
-        raise InputValueError(f"{name} must be contiguous: the kernels write it in place")
-    if t.device.type == "cuda" and t.data_ptr() % 16:
-        raise InputValueError(f"{name} must start 16-byte aligned: the kernels write it in 16-byte pieces")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise InputValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
 
 
 def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -96,6 +95,12 @@ def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or not t.is_contiguous() or t.data_ptr() % 16:
         return None
     return t
+
+
+def _write(buffer: torch.Tensor, result: torch.Tensor) -> None:
+    """The kernels' THD ``result`` into the caller's ``buffer`` unless they wrote it themselves."""
+    if result.data_ptr() != buffer.data_ptr():
+        buffer.copy_(result.view(buffer.shape))
 
 
 def _stream(current_stream, tensors, device: torch.device):
@@ -269,12 +274,15 @@ class FlexAttentionFwd(_Explicit):
         max_logit_arg = None if max_logit_tensor is None else "max_logit_tensor"
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale, max_logit_arg)
         in_place_lse = _in_place(lse_tensor) if g.varlen else None
+        in_place_o = _in_place(o_tensor)
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             res = consumer.forward(
                 mask_plan, thd(q_tensor), thd(k_tensor), thd(v_tensor), softmax_scale=scale,
-                return_max_logit=max_logit_tensor is not None, out=thd(o_tensor), lse=in_place_lse,
+                return_max_logit=max_logit_tensor is not None,
+                out=None if in_place_o is None else thd(in_place_o), lse=in_place_lse,
                 **_payload_hint(type(consumer), self.payload_via_smem),
             )  # fmt: skip
+            _write(o_tensor, res.out)
             if lse_tensor is not None and in_place_lse is None:
                 lse_tensor.copy_(caller_lse(res.lse, g))
             if max_logit_tensor is not None:
@@ -346,11 +354,14 @@ class FlexAttentionBwd(_Explicit):
             dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,
         )  # fmt: skip
         consumer, g, scale = self._prepare(tensors, mask_plan, workspace, softmax_scale)
+        buffers = (dq_tensor, dk_tensor, dv_tensor)
+        in_place = [None if b is None else thd(b) for b in map(_in_place, buffers)]
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)  # a copy: on the stream
-            consumer.backward(
+            grads = consumer.backward(
                 mask_plan, *(thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
                 _kernel_lse(lse_tensor, g), thd(do_tensor), dlse, softmax_scale=scale,
-                deterministic=self.deterministic,
-                dq=thd(dq_tensor), dk=thd(dk_tensor), dv=thd(dv_tensor),
+                deterministic=self.deterministic, dq=in_place[0], dk=in_place[1], dv=in_place[2],
             )  # fmt: skip
+            for buffer, grad in zip(buffers, grads, strict=True):
+                _write(buffer, grad)
