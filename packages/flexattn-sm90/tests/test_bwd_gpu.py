@@ -178,6 +178,12 @@ def test_strided_inputs(layout, varlen):
     CASES.strided_inputs(layout, varlen)
 
 
+@pytest.mark.parametrize("d", [64, 256])
+def test_strided_inputs_head_dims(d):
+    """Packed QKV slices on the other backward tiles (128 x 128 at 64, 64 x 64 at 256)."""
+    CASES.strided_inputs("packed", d=d)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_deterministic_bit_identical(dtype):
     """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,

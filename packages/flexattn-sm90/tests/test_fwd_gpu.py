@@ -165,6 +165,12 @@ def test_strided_inputs(layout, varlen, pack_gqa):
     CASES.strided_inputs(layout, varlen, pack_gqa=pack_gqa)
 
 
+@pytest.mark.parametrize("d", [64, 256])
+def test_strided_inputs_head_dims(d):
+    """Packed QKV slices on the other forward tiles (two Q buffers at 64, the 128 x 64 tile at 256)."""
+    CASES.strided_inputs("packed", d=d)
+
+
 # -- consumer schedules ---------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("mask_via_smem", [True, False], ids=["smem", "direct"])

@@ -282,9 +282,9 @@ class _Cases:
     def random_intervals(self, *args, **kwargs):
         return random_intervals(*args, device=self.device, **kwargs)
 
-    def strided_problem(self, layout: str, varlen: bool):
-        """``(mask_func, q, k, v, varlen kwargs or None)``: GQA 4 / 2, D = 128, random intervals, with
-        q, k, v strided views (:func:`strided_qkv`; ``"bhsd"`` at B = 1, where its THD view is one)."""
+    def strided_problem(self, layout: str, varlen: bool, d: int = 128):
+        """``(mask_func, q, k, v, varlen kwargs or None)``: GQA 4 / 2, head dim ``d``, random intervals,
+        with q, k, v strided views (:func:`strided_qkv`; ``"bhsd"`` at B = 1, where its THD view is one)."""
         if varlen:
             shapes = ((VARLEN_CU_Q[-1], 4), (VARLEN_CU_K[-1], 2))
             ep, extra = self.varlen_mask("random", seed=15), varlen_args(self.device)
@@ -292,7 +292,7 @@ class _Cases:
             B, S = (1, 900) if layout == "bhsd" else (2, 700)
             shapes = ((B, S, 4), (B, S, 2))
             ep, extra = self.random_intervals(1, 5, torch.full((B * S,), S), seed=15), None
-        q, k, v = strided_qkv(layout, *shapes, 128, torch.bfloat16, seed=15, device=self.device)
+        q, k, v = strided_qkv(layout, *shapes, d, torch.bfloat16, seed=15, device=self.device)
         assert not any(t.reshape(-1, *t.shape[-2:]).is_contiguous() for t in (q, k, v))
         return ep, q, k, v, extra
 
@@ -390,10 +390,10 @@ class ForwardCases(_Cases):
         b = self.run(view, q.view(-1, H, D), k.view(-1, H, D), v.view(-1, H, D), softmax_scale=0.3)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
-    def strided_inputs(self, layout: str, varlen: bool = False, **options):
+    def strided_inputs(self, layout: str, varlen: bool = False, d: int = 128, **options):
         """q, k, v as strided views (:meth:`strided_problem`), which the kernels read in place: within
         tolerance of the reference, and bit for bit what contiguous copies of them give."""
-        ep, q, k, v, extra = self.strided_problem(layout, varlen)
+        ep, q, k, v, extra = self.strided_problem(layout, varlen, d)
         view = self.check(ep, q, k, v, varlen=extra, **options).view("forward")
         strided = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
         a = self.run(view, *strided, softmax_scale=0.1, return_max_logit=True)
@@ -486,10 +486,10 @@ class BackwardCases(_Cases):
         q, k, v = self.qkv((B, S, H), (B, S, Hkv), D, D, dtype, seed=12)
         self.check(self.causal_mask(S, batch=B), q, k, v, deterministic=True, repeats=3)
 
-    def strided_inputs(self, layout: str, varlen: bool = False):
+    def strided_inputs(self, layout: str, varlen: bool = False, d: int = 128):
         """q, k, v as strided views (:meth:`strided_problem`), which the kernels read in place: within
         tolerance of the reference, and (deterministic mode) bit for bit what contiguous copies give."""
-        ep, q, k, v, extra = self.strided_problem(layout, varlen)
+        ep, q, k, v, extra = self.strided_problem(layout, varlen, d)
         plan, _ = self.check(ep, q, k, v, varlen=extra)
         # one O / LSE / dO for both runs (the fp32 reference on the GPU is not bit-repeatable)
         strided = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
