@@ -118,10 +118,12 @@ class Consumer(ABC):
         self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
         payload_via_smem: bool | None = None,
     ) -> AttentionOutputs:  # fmt: skip
-        """``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse`` (``[Hq, total_q]``, fp32; fp64 for
-        fp64 inputs), when given, are contiguous, 16-byte aligned tensors the results must be
-        written into (and returned). ``flex_attn_func`` never passes them; the facade's explicit
-        ``FlexAttentionFwd`` always does, so a consumer must accept them. ``payload_via_smem``
+        """``q``, ``k``, ``v`` are THD views with a contiguous head dim and any other strides (e.g.
+        slices of one fused QKV tensor). ``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse``
+        (``[Hq, total_q]``, fp32; fp64 for fp64 inputs), when given, are contiguous, 16-byte aligned
+        tensors the results must be written into (and returned). ``flex_attn_func`` never passes
+        them; the facade's explicit ``FlexAttentionFwd`` does where the caller's buffers are such
+        (else it copies the results into them), so a consumer must accept them. ``payload_via_smem``
         (cuDNN's ``sm90_use_smem_mask_pipeline``) is a speed hint for a consumer that can deliver
         the packed payload either way, staged through SMEM (True) or loaded straight into
         registers (False), None letting it choose; the results are the same, and a consumer
@@ -134,7 +136,7 @@ class Consumer(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """``dq`` / ``dk`` / ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and
         typed like q / k / v that the gradients must be written into (and returned); the facade's
-        ``FlexAttentionBwd`` always passes them."""
+        ``FlexAttentionBwd`` passes the caller's buffers that are such (and copies into the others)."""
 
 
 def require_supported(argument: str, value: object, supported: tuple, owner: str) -> None:
