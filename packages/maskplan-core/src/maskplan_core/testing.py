@@ -118,6 +118,11 @@ def reference_plan(
     return build_plan(mask_func, g, forward(g), backward(g) if backward else None, consumer)
 
 
+def thd(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The ``[total, H, D]`` form of BSHD / THD tensors (views where their strides allow)."""
+    return [t.reshape(-1, *t.shape[-2:]) for t in tensors]
+
+
 # -- the forward check ----------------------------------------------------------------------------
 def check_forward(run: Callable, view: PlanView, q, k, v, *, scale: float | None = None) -> None:
     """Run ``run(view, q, k, v, softmax_scale=, return_max_logit=True, out=, lse=)`` (a consumer's
@@ -126,7 +131,7 @@ def check_forward(run: Callable, view: PlanView, q, k, v, *, scale: float | None
     written, O within :data:`FWD_TOLERANCE`, LSE = -inf exactly and O = 0 on rows with no visible
     key, LSE and max logit within 1e-2."""
     g = view.geometry
-    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    q3, k3, v3 = thd(q, k, v)
     scale = 1.0 / math.sqrt(g.head_dim_qk) if scale is None else scale
     out = torch.full((g.total_q, g.num_heads_q, g.head_dim_v), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((g.num_heads_q, g.total_q), float("nan"), dtype=torch.float32, device=q.device)
@@ -212,6 +217,18 @@ def unseen_keys(plan: MaskPlan) -> torch.Tensor | None:
     return (~seen)[:, None].expand(g.total_k, g.num_heads_kv)
 
 
+def backward_inputs(plan: MaskPlan, q3, k3, v3, scale: float, *, seed: int = 0, with_dlse: bool = False):
+    """``(out, lse, dout, dlse)`` a backward runs on for THD ``q3/k3/v3``: O and LSE from the fp32
+    reference forward of the plan (O rounded to q's dtype), a random ``dout`` and, ``with_dlse``, a
+    random ``dlse`` (else None), both from ``seed``."""
+    ref_out, lse, _ = attention_forward(plan.view("forward"), q3, k3, v3, softmax_scale=scale)
+    out = ref_out.to(q3.dtype)
+    gen = torch.Generator(device=q3.device).manual_seed(seed + 1000)
+    dout = torch.randn(out.shape, device=q3.device, dtype=q3.dtype, generator=gen)
+    dlse = torch.randn(lse.shape, device=q3.device, dtype=torch.float32, generator=gen) if with_dlse else None
+    return out, lse, dout, dlse
+
+
 def check_backward(
     run: Callable, plan: MaskPlan, q, k, v, *, scale: float | None = None, deterministic: bool = False,
     with_dlse: bool = False, repeats: int = 1, seed: int = 0,
@@ -224,14 +241,9 @@ def check_backward(
     tolerance, dq = 0 exactly on queries without a visible key, dk = dv = 0 exactly on keys no
     query sees, and (``repeats > 1``) bit-identical runs. Returns the runs' ``(dq, dk, dv)``."""
     g = plan.geometry
-    device = q.device
-    q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
+    q3, k3, v3 = thd(q, k, v)
     scale = 1.0 / math.sqrt(g.head_dim_qk) if scale is None else scale
-    ref_out, lse, _ = attention_forward(plan.view("forward"), q3, k3, v3, softmax_scale=scale)
-    out = ref_out.to(q.dtype)
-    gen = torch.Generator(device=device).manual_seed(seed + 1000)
-    dout = torch.randn(out.shape, device=device, dtype=q.dtype, generator=gen)
-    dlse = torch.randn(lse.shape, device=device, dtype=torch.float32, generator=gen) if with_dlse else None
+    out, lse, dout, dlse = backward_inputs(plan, q3, k3, v3, scale, seed=seed, with_dlse=with_dlse)
     view = plan.view("backward")
     ref = attention_backward(
         view, q3.float(), k3.float(), v3.float(), out.float(), lse, dout.float(), dlse, softmax_scale=scale
@@ -293,7 +305,7 @@ class _Cases:
             shapes = ((B, S, 4), (B, S, 2))
             ep, extra = self.random_intervals(1, 5, torch.full((B * S,), S), seed=15), None
         q, k, v = strided_qkv(layout, *shapes, d, torch.bfloat16, seed=15, device=self.device)
-        assert not any(t.reshape(-1, *t.shape[-2:]).is_contiguous() for t in (q, k, v))
+        assert not any(t.is_contiguous() for t in thd(q, k, v))
         return ep, q, k, v, extra
 
     def causal_mask(self, sq, sk=None, *, batch=1):
@@ -395,7 +407,7 @@ class ForwardCases(_Cases):
         tolerance of the reference, and bit for bit what contiguous copies of them give."""
         ep, q, k, v, extra = self.strided_problem(layout, varlen, d)
         view = self.check(ep, q, k, v, varlen=extra, **options).view("forward")
-        strided = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
+        strided = thd(q, k, v)
         a = self.run(view, *strided, softmax_scale=0.1, return_max_logit=True)
         b = self.run(view, *(t.contiguous() for t in strided), softmax_scale=0.1, return_max_logit=True)
         for name, x, y in zip(("out", "lse", "max_logit"), a, b, strict=True):
@@ -492,11 +504,8 @@ class BackwardCases(_Cases):
         ep, q, k, v, extra = self.strided_problem(layout, varlen, d)
         plan, _ = self.check(ep, q, k, v, varlen=extra)
         # one O / LSE / dO for both runs (the fp32 reference on the GPU is not bit-repeatable)
-        strided = [t.reshape(-1, *t.shape[-2:]) for t in (q, k, v)]
-        ref_out, lse, _ = attention_forward(plan.view("forward"), *strided, softmax_scale=0.1)
-        out = ref_out.to(q.dtype)
-        dout = torch.randn(out.shape, device=self.device, dtype=q.dtype, generator=torch.Generator(
-            device=self.device).manual_seed(16))
+        strided = thd(q, k, v)
+        out, lse, dout, _ = backward_inputs(plan, *strided, 0.1, seed=16)
         view = plan.view("backward")
         runs = [
             self.run(view, *qkv3, out, lse, dout, None, softmax_scale=0.1, deterministic=True)
@@ -524,6 +533,7 @@ __all__ = [
     "VARLEN_MAX_SEQLEN",
     "BackwardCases",
     "ForwardCases",
+    "backward_inputs",
     "check_backward",
     "check_forward",
     "compare_gradient",
@@ -533,6 +543,7 @@ __all__ = [
     "reference_plan",
     "resolve_view",
     "strided_qkv",
+    "thd",
     "unseen_keys",
     "varlen_args",
     "varlen_k_len",
