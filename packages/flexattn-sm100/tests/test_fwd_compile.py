@@ -274,11 +274,11 @@ SM103_SCRIPTS = {
     "forward": """
 from flexattn_sm100.heuristics import select_fwd_config
 from flexattn_sm100.fwd_kernel import Sm100FwdKernel
-from flexattn_sm100.fwd_launch import placeholder_arguments
+from maskplan_kernels.consumer_launch import fwd_placeholders
 import cutlass.cute as cute
 cfg = select_fwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", variant="qstage1-1cta")
 kernel = Sm100FwdKernel(cfg)
-args = placeholder_arguments(kernel, with_max_logit=False)
+args = fwd_placeholders(kernel, with_max_logit=False)
 options = "--gpu-arch sm_103a --keep-ptx --dump-dir {dump}"
 compiled = cute.compile(kernel.from_pointers, *args, options=options)
 print(".target sm_103a" in compiled.__ptx__)

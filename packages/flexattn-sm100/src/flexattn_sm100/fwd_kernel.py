@@ -111,12 +111,11 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
     TASK_WORDS,
+    FwdHostEntry,
     FwdPlanTensors,
     Task,
     decode_task,
     fetch_task,
-    fwd_io_tensors,
-    fwd_plan_tensors,
     load_payload_plane,
     publish_task,
     record_pipeline,
@@ -211,7 +210,7 @@ def unsupported(config: Sm100FwdConfig) -> str | None:
     return None
 
 
-class Sm100FwdKernel(SoftmaxRole):
+class Sm100FwdKernel(FwdHostEntry, SoftmaxRole):
     """Static configuration of one compiled forward kernel; see the module docstring."""
 
     def __init__(self, config: Sm100FwdConfig):
@@ -281,84 +280,6 @@ class Sm100FwdKernel(SoftmaxRole):
         assert self.q_stages * self.s_stages * self.tile_n == _TMEM_S_COLS
         assert self.tmem_o_offsets[-1] + self.head_dim_v <= self.tmem_cols
 
-    # -- host entries -----------------------------------------------------------------------------
-    @cute.jit
-    def from_pointers(
-        self,
-        q: cute.Pointer,  # THD (total_q, Hq, Dqk), 16-byte aligned, strided (see q_row_stride)
-        k: cute.Pointer,  # (total_k, Hkv, Dqk)
-        v: cute.Pointer,  # (total_k, Hkv, Dv)
-        o: cute.Pointer,  # (total_q, Hq, Dv)
-        lse: cute.Pointer,  # fp32 (Hq, total_q)
-        max_logit: cute.Pointer | None,  # fp32 (Hq,)
-        mask_block_cnt: cute.Pointer,  # int32 (Hmask, rows)
-        mask_block_offset: cute.Pointer,  # (Hmask, rows)
-        mask_block_idx: cute.Pointer,  # (partial_nnz,)
-        mask_block_masks: cute.Pointer,  # (partial_nnz * plane,), 16-byte aligned
-        full_block_cnt: cute.Pointer,  # (Hmask, rows)
-        full_block_offset: cute.Pointer,  # (Hmask, rows)
-        full_block_idx: cute.Pointer,  # (full_nnz,)
-        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
-        fwd_work_desc: cute.Pointer,  # (tasks, 4)
-        total_q: Int32,
-        total_k: Int32,
-        num_heads_q: Int32,
-        num_heads_kv: Int32,
-        mask_heads: Int32,
-        q_rows: Int32,
-        partial_nnz: Int32,
-        full_nnz: Int32,
-        batch: Int32,
-        num_tasks: Int32,
-        varlen: Int32,  # runtime, so fixed and varlen views share one compiled kernel
-        q_row_stride: Int32,  # q, k, v: strides in elements, multiples of 16 bytes (qkv_strides)
-        q_head_stride: Int32,
-        k_row_stride: Int32,
-        k_head_stride: Int32,
-        v_row_stride: Int32,
-        v_head_stride: Int32,
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        """The launch convention of the project's kernels: raw global pointers plus int32 sizes, so
-        no plan size, sequence length or head count triggers a recompile; builds row-major
-        tensors and calls :meth:`__call__`."""
-        plan = fwd_plan_tensors(
-            mask_block_cnt,
-            mask_block_offset,
-            mask_block_idx,
-            mask_block_masks,
-            full_block_cnt,
-            full_block_offset,
-            full_block_idx,
-            sequence_desc,
-            fwd_work_desc,
-            mask_heads=mask_heads,
-            q_rows=q_rows,
-            partial_nnz=partial_nnz,
-            full_nnz=full_nnz,
-            batch=batch,
-            num_tasks=num_tasks,
-            varlen=varlen,
-            total_q=total_q,
-            total_k=total_k,
-            block=(self.tile_m, self.tile_n),
-            plane=self.payload_entry,
-        )
-        self.__call__(
-            *fwd_io_tensors(
-                q, k, v, o, lse, max_logit,
-                total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
-                head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v,
-                qkv_strides=(q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride,
-                             v_head_stride),
-            ),
-            plan,
-            softmax_scale,
-            num_tasks,
-            stream,
-        )  # fmt: skip
-
     @cute.jit
     def __call__(
         self,
@@ -370,7 +291,7 @@ class Sm100FwdKernel(SoftmaxRole):
         mMaxLogit: cute.Tensor | None,  # (Hq,) fp32, -inf at launch; None: not computed
         plan: FwdPlanTensors,
         softmax_scale: Float32,
-        num_tasks: Int32,
+        num_ctas: Int32,  # one CTA (cluster) per task: the view's task count
         stream: cuda.CUstream,
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
@@ -438,7 +359,7 @@ class Sm100FwdKernel(SoftmaxRole):
             tP_layout,
         ).launch(  # fmt: skip
             # one cluster per task; CLC turns running clusters into persistent ones
-            grid=[num_tasks * self.cta_group_size, 1, 1],
+            grid=[num_ctas * self.cta_group_size, 1, 1],
             block=[self.num_threads, 1, 1],
             cluster=list(self.cluster_shape),
             stream=stream,

@@ -26,7 +26,6 @@ triggers a recompile.
 
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
 
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
@@ -37,7 +36,6 @@ from maskplan_kernels.consumer_launch import (
     forward_io,
     fwd_placeholders,
     fwd_view_args,
-    qkv_stride_placeholders,
 )
 
 from . import view_config
@@ -73,15 +71,6 @@ def supports(config: Sm100FwdConfig) -> bool:
 
 
 # -- compile --------------------------------------------------------------------------------------
-def placeholder_arguments(kernel: Sm100FwdKernel, *, with_max_logit: bool) -> list:
-    """Compile-time stand-ins for :meth:`Sm100FwdKernel.from_pointers`' arguments (same types)."""
-    return [
-        *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
-        *(Int32(1) for _ in range(11)),  # sizes (the last: varlen)
-        *qkv_stride_placeholders(), Float32(1.0), cute.runtime.make_fake_stream(),
-    ]  # fmt: skip
-
-
 def compile_forward(config: Sm100FwdConfig, *, with_max_logit: bool = False):
     """The compiled kernel for ``config``: compiled on first use, then served by the project's
     compile cache (:mod:`maskplan_kernels.compile_cache`: in process, and on disk across
@@ -90,7 +79,7 @@ def compile_forward(config: Sm100FwdConfig, *, with_max_logit: bool = False):
 
     def build():
         kernel = Sm100FwdKernel(config)
-        return (kernel.from_pointers, *placeholder_arguments(kernel, with_max_logit=with_max_logit))
+        return (kernel.from_pointers, *fwd_placeholders(kernel, with_max_logit=with_max_logit))
 
     options = f"--gpu-arch {GPU_ARCH}"
     return compile_cache.compile_cached(key, build, options=options, packages=SOURCE_PACKAGES)
@@ -99,7 +88,7 @@ def compile_forward(config: Sm100FwdConfig, *, with_max_logit: bool = False):
 def compile_uncached(config: Sm100FwdConfig, *, with_max_logit: bool = False, extra_options: str = ""):
     """Trace and compile one kernel for sm_100a (no GPU needed); ``extra_options`` e.g. ``--keep-ptx``."""
     kernel = Sm100FwdKernel(config)
-    args = placeholder_arguments(kernel, with_max_logit=with_max_logit)
+    args = fwd_placeholders(kernel, with_max_logit=with_max_logit)
     options = f"--gpu-arch {GPU_ARCH} {extra_options}".strip()
     return cute.compile(kernel.from_pointers, *args, options=options)
 
@@ -151,9 +140,7 @@ def run_forward(
         return io.out, io.lse, io.max_logit
     prep = fwd_view_args(view, q.device)
     compiled = compile_forward(config, with_max_logit=return_max_logit)
-    compiled(
-        *io.pointers(), *prep.pointers, *prep.sizes, *io.strides(), io.softmax_scale, torch_stream(q.device)
-    )
+    compiled(*io.arguments(prep, tile_counter=None, num_ctas=prep.num_tasks, stream=torch_stream(q.device)))
     return io.out, io.lse, io.max_logit
 
 
@@ -162,7 +149,6 @@ __all__ = [
     "compile_uncached",
     "config_for_view",
     "kernel_key",
-    "placeholder_arguments",
     "require_kernel",
     "run_forward",
     "supports",

@@ -66,11 +66,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from maskplan_kernels.consumer_plan import (
     PDL,
     TASK_WORDS,
+    FwdHostEntry,
     FwdPlanTensors,
     after_predecessor,
     decode_task,
-    fwd_io_tensors,
-    fwd_plan_tensors,
     group_heads,
     heads_rows,
     load_payload_plane,
@@ -78,7 +77,6 @@ from maskplan_kernels.consumer_plan import (
     record_pipeline,
     select_modes,
     take_ticket,
-    vector,
 )
 from maskplan_kernels.stage_fill import fill_stage
 
@@ -89,8 +87,11 @@ from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-class Sm90FwdKernel(ConsumerMainloop):
+class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
     """Static configuration of one compiled forward kernel; see the module docstring."""
+
+    #: CTAs take tasks from the stream's scheduler counter (:meth:`next_task`)
+    persistent = True
 
     def __init__(
         self, config: Sm90FwdConfig, *, mask_via_smem: bool = True, schedule: str = DEFAULT_SCHEDULE
@@ -134,86 +135,11 @@ class Sm90FwdKernel(ConsumerMainloop):
         self.sched_stages = 2
         assert layout.threads == self.num_consumer_threads
 
-    # -- host entries -----------------------------------------------------------------------------
-    @cute.jit
-    def from_pointers(
-        self,
-        q: cute.Pointer,  # THD (total_q, Hq, Dqk), 16-byte aligned, strided (see q_row_stride)
-        k: cute.Pointer,  # (total_k, Hkv, Dqk)
-        v: cute.Pointer,  # (total_k, Hkv, Dv)
-        o: cute.Pointer,  # (total_q, Hq, Dv)
-        lse: cute.Pointer,  # fp32 (Hq, total_q)
-        max_logit: cute.Pointer | None,  # fp32 (Hq,)
-        mask_block_cnt: cute.Pointer,  # int32 (Hmask, rows)
-        mask_block_offset: cute.Pointer,  # (Hmask, rows)
-        mask_block_idx: cute.Pointer,  # (partial_nnz,)
-        mask_block_masks: cute.Pointer,  # (partial_nnz * groups * words,), 16-byte aligned
-        full_block_cnt: cute.Pointer,  # (Hmask, rows)
-        full_block_offset: cute.Pointer,  # (Hmask, rows)
-        full_block_idx: cute.Pointer,  # (full_nnz,)
-        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
-        fwd_work_desc: cute.Pointer,  # (tasks, 4)
-        tile_counter: cute.Pointer,  # (1,)
-        total_q: Int32,
-        total_k: Int32,
-        num_heads_q: Int32,
-        num_heads_kv: Int32,
-        mask_heads: Int32,
-        q_rows: Int32,
-        partial_nnz: Int32,
-        full_nnz: Int32,
-        batch: Int32,
-        num_tasks: Int32,
-        varlen: Int32,  # runtime, so fixed and varlen views share one compiled kernel
-        q_row_stride: Int32,  # q, k, v: strides in elements, multiples of 16 bytes (qkv_strides)
-        q_head_stride: Int32,
-        k_row_stride: Int32,
-        k_head_stride: Int32,
-        v_row_stride: Int32,
-        v_head_stride: Int32,
-        softmax_scale: Float32,
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        """The launch convention of the project's kernels: raw global pointers plus int32 sizes
-        (no tensor descriptor whose compile-time type could drift from the caller's, ~2 us per
-        argument); builds row-major tensors and calls :meth:`__call__`."""
-        plan = fwd_plan_tensors(
-            mask_block_cnt,
-            mask_block_offset,
-            mask_block_idx,
-            mask_block_masks,
-            full_block_cnt,
-            full_block_offset,
-            full_block_idx,
-            sequence_desc,
-            fwd_work_desc,
-            mask_heads=mask_heads,
-            q_rows=q_rows,
-            partial_nnz=partial_nnz,
-            full_nnz=full_nnz,
-            batch=batch,
-            num_tasks=num_tasks,
-            varlen=varlen,
-            total_q=total_q,
-            total_k=total_k,
-            block=(self.tile_positions, self.tile_n),
-            plane=self.payload_plane,
-        )
-        self.__call__(
-            *fwd_io_tensors(
-                q, k, v, o, lse, max_logit,
-                total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
-                head_dim_qk=self.io_head_dim_qk, head_dim_v=self.io_head_dim_v,
-                qkv_strides=(q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride,
-                             v_head_stride),
-            ),
-            plan,
-            vector(tile_counter, 1),
-            softmax_scale,
-            num_ctas,
-            stream,
-        )  # fmt: skip
+    # -- host entry: FwdHostEntry.from_pointers ----------------------------------------------------
+    def io_head_dims(self) -> tuple[int, int]:
+        """The tensors' head dims (:attr:`Sm90FwdConfig.io_head_dims`): TMA zero-fills the tiles'
+        columns past them and the O stores leave those out."""
+        return self.config.io_head_dims
 
     @cute.jit
     def __call__(

@@ -18,7 +18,6 @@ plan, a sequence length, a head count or a batch size never triggers a recompile
 
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
 
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
@@ -30,8 +29,6 @@ from maskplan_kernels.consumer_launch import (
     forward_io,
     fwd_placeholders,
     fwd_view_args,
-    gmem_ptr,
-    qkv_stride_placeholders,
 )
 
 from . import view_config
@@ -89,17 +86,6 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
 
 
 # -- compile --------------------------------------------------------------------------------------
-def placeholder_arguments(kernel: Sm90FwdKernel, *, with_max_logit: bool) -> list:
-    """Compile-time stand-ins for :meth:`Sm90FwdKernel.from_pointers`' arguments (same types)."""
-    return [
-        *fwd_placeholders(kernel.dtype, with_max_logit=with_max_logit),  # q, k, v, o, lse, max_logit, plan
-        gmem_ptr(Int32),  # tile counter
-        *(Int32(1) for _ in range(11)),  # sizes (the last: varlen)
-        *qkv_stride_placeholders(),
-        Float32(1.0), Int32(1), cute.runtime.make_fake_stream(),
-    ]  # fmt: skip
-
-
 def compile_forward(
     config: Sm90FwdConfig,
     *,
@@ -114,7 +100,7 @@ def compile_forward(
 
     def build():
         kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule)
-        return (kernel.from_pointers, *placeholder_arguments(kernel, with_max_logit=with_max_logit))
+        return (kernel.from_pointers, *fwd_placeholders(kernel, with_max_logit=with_max_logit))
 
     options = f"--gpu-arch {GPU_ARCH}"
     return compile_cache.compile_cached(key, build, options=options, packages=SOURCE_PACKAGES)
@@ -130,7 +116,7 @@ def compile_uncached(
 ):
     """Trace and compile one kernel for sm_90a (no GPU needed); ``extra_options`` e.g. ``--keep-ptx``."""
     kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule)
-    args = placeholder_arguments(kernel, with_max_logit=with_max_logit)
+    args = fwd_placeholders(kernel, with_max_logit=with_max_logit)
     options = f"--gpu-arch {GPU_ARCH} {extra_options}".strip()
     return cute.compile(kernel.from_pointers, *args, options=options)
 
@@ -183,17 +169,9 @@ def run_forward(
         schedule=schedule or DEFAULT_SCHEDULE,
     )
     stream = torch_stream(device)
-    counter = scheduler_counter(device, stream)
-    compiled(
-        *io.pointers(),
-        *prep.pointers,
-        counter.data_ptr(),
-        *prep.sizes,
-        *io.strides(),
-        io.softmax_scale,
-        persistent_ctas(device, prep.num_tasks),
-        stream,
-    )
+    counter = scheduler_counter(device, stream).data_ptr()
+    num_ctas = persistent_ctas(device, prep.num_tasks)
+    compiled(*io.arguments(prep, tile_counter=counter, num_ctas=num_ctas, stream=stream))
     return io.out, io.lse, io.max_logit
 
 
@@ -202,7 +180,6 @@ __all__ = [
     "compile_uncached",
     "config_for_view",
     "kernel_key",
-    "placeholder_arguments",
     "run_forward",
     "scheduler_counter",
 ]

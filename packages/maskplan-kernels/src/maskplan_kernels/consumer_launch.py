@@ -18,7 +18,7 @@ placeholders assume 16 bytes (:data:`ALIGN`) and every address a launch passes i
   :func:`cached_view_args` (a plan is immutable; entries die with the view; the creating stream
   waits for the plan's build, which may have run on another stream, and any other stream for
   the creation);
-  :func:`fwd_placeholders` / :func:`bwd_placeholders` stand in for the pointers at compile time;
+  :func:`fwd_placeholders` / :func:`bwd_placeholders` stand in for the arguments at compile time;
 * a backward call at once: :func:`backward_io`, then its three launches (preprocess, main,
   postprocess) on one workspace: :func:`launch_backward`;
 * the three backward kernels' compile keys and compiles (uncached, or through
@@ -218,17 +218,21 @@ class ForwardIO(NamedTuple):
     lse: torch.Tensor  # (Hq, total_q) fp32
     max_logit: torch.Tensor | None  # (Hq,) fp32, -inf
 
-    def pointers(self) -> tuple:
-        """Addresses of q, k, v, o, lse, max_logit (or None): the first arguments of a forward
-        ``from_pointers`` launch."""
+    def arguments(self, prep: FwdViewArgs, *, tile_counter: int | None, num_ctas: int, stream) -> tuple:
+        """The arguments of a forward kernel's ``from_pointers`` (``FwdHostEntry``): these tensors,
+        the view's (``prep``), the tile counter's address (None unless the kernel is persistent),
+        sizes, :func:`qkv_strides`, then the scale, the grid and the stream."""
         return (
             *(x.data_ptr() for x in (self.q, self.k, self.v, self.out, self.lse)),
             None if self.max_logit is None else self.max_logit.data_ptr(),
+            *prep.pointers,
+            tile_counter,
+            *prep.sizes,
+            *qkv_strides(self.q, self.k, self.v),
+            self.softmax_scale,
+            num_ctas,
+            stream,
         )
-
-    def strides(self) -> tuple[int, ...]:
-        """:func:`qkv_strides` of q, k, v: the six arguments after a forward ``from_pointers``' sizes."""
-        return qkv_strides(self.q, self.k, self.v)
 
 
 def forward_io(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
@@ -373,15 +377,21 @@ def qkv_stride_placeholders() -> list:
     return [Int32(8) for _ in range(6)]
 
 
-def fwd_placeholders(dtype, *, with_max_logit: bool) -> list[cute.Pointer]:
-    """Compile-time stand-ins for :meth:`ForwardIO.pointers` followed by :attr:`FwdViewArgs.pointers`
-    (same types): the first 15 arguments of a forward ``from_pointers``."""
+def fwd_placeholders(kernel, *, with_max_logit: bool) -> list:
+    """Compile-time stand-ins for the arguments of a forward kernel's ``from_pointers``
+    (:class:`maskplan_kernels.consumer_plan.FwdHostEntry`; same types as
+    :meth:`ForwardIO.arguments` passes). ``kernel`` gives the dtype and whether it is
+    ``persistent`` (a tile counter, else None)."""
     return [
-        *(gmem_ptr(dtype, align=ALIGN) for _ in range(4)),  # q, k, v, o
+        *(gmem_ptr(kernel.dtype, align=ALIGN) for _ in range(4)),  # q, k, v, o
         gmem_ptr(Float32),  # lse
         gmem_ptr(Float32) if with_max_logit else None,
         *(gmem_ptr(Int32, align=ALIGN if i == 3 else 4) for i in range(len(FWD_PLAN_TENSORS))),
-    ]
+        gmem_ptr(Int32) if kernel.persistent else None,  # tile counter
+        *(Int32(1) for _ in range(11)),  # sizes (FwdViewArgs.sizes; the last: varlen)
+        *qkv_stride_placeholders(),
+        Float32(1.0), Int32(1), cute.runtime.make_fake_stream(),  # softmax_scale, num_ctas, stream
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)

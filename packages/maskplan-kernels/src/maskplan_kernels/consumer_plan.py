@@ -29,11 +29,10 @@ of the ``G = Hq / Hkv`` q heads sharing the kv head (:func:`head_range`)::
 
 and each step bulk-adds its fp32 dQ into the (q head, Q block) accumulator
 (:func:`bulk_reduce_add_f32`), in deterministic mode in ``dq_write_order`` behind a turnstile
-(:func:`turnstile_wait` / :func:`turnstile_advance`). Both consumers' backward main kernels share
-their host entry, :class:`BwdHostEntry` (raw pointers -> :func:`bwd_plan_tensors` and the row-major
-views :func:`thd_tensor`, :func:`row_major`, :func:`vector`). The forward kernels' host entries differ
-(SM90: a stream-local atomic tile counter and a persistent grid; SM100: a CLC grid of one cluster per
-task) and share only the tensors they build: :func:`fwd_io_tensors` and :func:`fwd_plan_tensors`.
+(:func:`turnstile_wait` / :func:`turnstile_advance`). Both consumers share their kernels' host
+entries, :class:`FwdHostEntry` and :class:`BwdHostEntry` (raw pointers -> the row-major views
+:func:`thd_tensor`, :func:`row_major`, :func:`vector` and the plan's tensors); a persistent forward
+(SM90: a stream-local atomic tile counter) takes one argument more than a grid of one CTA per task.
 """
 
 from typing import NamedTuple
@@ -408,71 +407,99 @@ def csr_tensors(
     )
 
 
-def fwd_plan_tensors(
-    mask_block_cnt: cute.Pointer,
-    mask_block_offset: cute.Pointer,
-    mask_block_idx: cute.Pointer,
-    mask_block_masks: cute.Pointer,
-    full_block_cnt: cute.Pointer,
-    full_block_offset: cute.Pointer,
-    full_block_idx: cute.Pointer,
-    sequence_desc: cute.Pointer,
-    fwd_work_desc: cute.Pointer,
-    *,
-    mask_heads: Int32,
-    q_rows: Int32,
-    partial_nnz: Int32,
-    full_nnz: Int32,
-    batch: Int32,
-    num_tasks: Int32,
-    varlen: Int32,
-    total_q: Int32,
-    total_k: Int32,
-    block: tuple[int, int],
-    plane: int,
-) -> FwdPlanTensors:
-    """:class:`FwdPlanTensors` from the 9 plan pointers (in field order) and the view's int32 sizes;
-    ``block`` is the view's block (Q positions, keys), ``plane`` the int32 words of one partial entry
-    (``PayloadLayout.words_per_tile``)."""
-    csr = csr_tensors(
-        mask_block_cnt, mask_block_offset, mask_block_idx, mask_block_masks,
-        full_block_cnt, full_block_offset, full_block_idx,
-        mask_heads=mask_heads, rows=q_rows, partial_nnz=partial_nnz, full_nnz=full_nnz, plane=plane,
-    )  # fmt: skip
-    desc = make_sequence_desc(
-        sequence_desc, varlen, batch=batch, total_q=total_q, total_k=total_k,
-        block_m=block[0], block_n=block[1], k_major=False,
-    )  # fmt: skip
-    return FwdPlanTensors(*csr, desc, row_major(fwd_work_desc, num_tasks, 4))
+class ThdHostEntry:
+    """What the kernels' host entries share: the THD tensors' head dims."""
+
+    def io_head_dims(self) -> tuple[int, int]:
+        """``(Dqk, Dv)`` of the THD tensors: the kernel's, unless a class that reads narrower ones
+        into its tiles (TMA fills the columns past them with zeros) overrides this."""
+        return self.head_dim_qk, self.head_dim_v
 
 
-def fwd_io_tensors(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    v: cute.Pointer,
-    o: cute.Pointer,
-    lse: cute.Pointer,
-    max_logit: cute.Pointer | None,
-    *,
-    total_q: Int32,
-    total_k: Int32,
-    num_heads_q: Int32,
-    num_heads_kv: Int32,
-    head_dim_qk: int,
-    head_dim_v: int,
-    qkv_strides: tuple,
-) -> tuple:
-    """``(mQ, mK, mV, mO, mLSE, mMaxLogit)`` of a forward kernel's ``__call__``: THD ``q/k/v`` with
-    ``qkv_strides`` (their row and head strides: :func:`maskplan_kernels.consumer_launch.qkv_strides`),
-    contiguous THD ``o``, fp32 ``lse (Hq, total_q)`` and ``max_logit (Hq,)`` (None when not computed)."""
-    return (
-        thd_tensor(q, total_q, num_heads_q, head_dim_qk, qkv_strides[0:2]),
-        thd_tensor(k, total_k, num_heads_kv, head_dim_qk, qkv_strides[2:4]),
-        thd_tensor(v, total_k, num_heads_kv, head_dim_v, qkv_strides[4:6]),
-        thd_tensor(o, total_q, num_heads_q, head_dim_v),
-        row_major(lse, num_heads_q, total_q),
-        vector(max_logit, num_heads_q) if max_logit is not None else None,
-    )
+class FwdHostEntry(ThdHostEntry):
+    """The host entry of a forward kernel, the same for every consumer: raw global pointers plus
+    int32 sizes (the project's launch convention, no size triggers a recompile; the arguments
+    :func:`maskplan_kernels.consumer_launch.fwd_entry_placeholders` and ``fwd_entry_arguments``
+    pass), turned into row-major tensors for the kernel class's ``@cute.jit __call__(mQ, mK, mV,
+    mO, mLSE, mMaxLogit, plan, [tile_counter,] softmax_scale, num_ctas, stream)``.
+
+    The kernel class provides ``config`` (its ``topology()`` gives the view's block, its
+    ``payload_layout`` the words of one partial entry), ``head_dim_qk`` and ``head_dim_v``; the
+    THD tensors' head dims are :meth:`io_head_dims`. A ``persistent`` kernel (one whose CTAs take
+    tasks from a stream-local atomic counter) also takes ``tile_counter``; the others are given
+    None for it. ``num_ctas`` is the grid the launcher chose (persistent: at most one CTA per SM;
+    otherwise one CTA, or cluster, per task).
+    """
+
+    #: the kernel class takes ``tile_counter`` (see above)
+    persistent = False
+
+    @cute.jit
+    def from_pointers(
+        self,
+        q: cute.Pointer,  # THD (total_q, Hq, Dqk), 16-byte aligned, strided (see q_row_stride)
+        k: cute.Pointer,  # (total_k, Hkv, Dqk)
+        v: cute.Pointer,  # (total_k, Hkv, Dv)
+        o: cute.Pointer,  # (total_q, Hq, Dv)  contiguous
+        lse: cute.Pointer,  # fp32 (Hq, total_q)
+        max_logit: cute.Pointer | None,  # fp32 (Hq,); None: not computed
+        mask_block_cnt: cute.Pointer,  # int32 (Hmask, rows)
+        mask_block_offset: cute.Pointer,  # (Hmask, rows)
+        mask_block_idx: cute.Pointer,  # (partial_nnz,)
+        mask_block_masks: cute.Pointer,  # (partial_nnz * words_per_tile,), 16-byte aligned
+        full_block_cnt: cute.Pointer,  # (Hmask, rows)
+        full_block_offset: cute.Pointer,  # (Hmask, rows)
+        full_block_idx: cute.Pointer,  # (full_nnz,)
+        sequence_desc: cute.Pointer,  # (B, 8) of a varlen view; fixed length: a dummy never read
+        fwd_work_desc: cute.Pointer,  # (tasks, 4)
+        tile_counter: cute.Pointer | None,  # (1,) int32 of a persistent kernel; None otherwise
+        total_q: Int32,
+        total_k: Int32,
+        num_heads_q: Int32,
+        num_heads_kv: Int32,
+        mask_heads: Int32,
+        q_rows: Int32,
+        partial_nnz: Int32,
+        full_nnz: Int32,
+        batch: Int32,
+        num_tasks: Int32,
+        varlen: Int32,  # runtime, so fixed and varlen views share one compiled kernel
+        q_row_stride: Int32,  # q, k, v: strides in elements, multiples of 16 bytes (qkv_strides)
+        q_head_stride: Int32,
+        k_row_stride: Int32,
+        k_head_stride: Int32,
+        v_row_stride: Int32,
+        v_head_stride: Int32,
+        softmax_scale: Float32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Builds the tensors and calls ``self.__call__``."""
+        dqk, dv = self.io_head_dims()
+        block = self.config.topology()
+        csr = csr_tensors(
+            mask_block_cnt, mask_block_offset, mask_block_idx, mask_block_masks,
+            full_block_cnt, full_block_offset, full_block_idx,
+            mask_heads=mask_heads, rows=q_rows, partial_nnz=partial_nnz, full_nnz=full_nnz,
+            plane=self.config.payload_layout.words_per_tile,
+        )  # fmt: skip
+        desc = make_sequence_desc(
+            sequence_desc, varlen, batch=batch, total_q=total_q, total_k=total_k,
+            block_m=block.tile_m, block_n=block.tile_n, k_major=False,
+        )  # fmt: skip
+        tensors = (
+            thd_tensor(q, total_q, num_heads_q, dqk, (q_row_stride, q_head_stride)),
+            thd_tensor(k, total_k, num_heads_kv, dqk, (k_row_stride, k_head_stride)),
+            thd_tensor(v, total_k, num_heads_kv, dv, (v_row_stride, v_head_stride)),
+            thd_tensor(o, total_q, num_heads_q, dv),
+            row_major(lse, num_heads_q, total_q),
+            vector(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
+            FwdPlanTensors(*csr, desc, row_major(fwd_work_desc, num_tasks, 4)),
+        )
+        if const_expr(self.persistent):
+            self.__call__(*tensors, vector(tile_counter, 1), softmax_scale, num_ctas, stream)
+        else:
+            self.__call__(*tensors, softmax_scale, num_ctas, stream)
 
 
 def bwd_plan_tensors(
@@ -581,7 +608,7 @@ def backward_q_desc(sequence_desc: cute.Pointer, varlen: Int32, *, batch: Int32,
     )  # fmt: skip
 
 
-class BwdHostEntry:
+class BwdHostEntry(ThdHostEntry):
     """The host entry of a backward (K2Q) main kernel, the same for every consumer: raw global pointers
     plus int32 sizes (the project's launch convention, no size triggers a recompile; the arguments
     :func:`maskplan_kernels.consumer_launch.bwd_placeholders` and ``launch_backward`` pass), turned
@@ -598,11 +625,6 @@ class BwdHostEntry:
 
     #: the kernel class takes ``max_ctas`` (see above)
     persistent = False
-
-    def io_head_dims(self) -> tuple[int, int]:
-        """``(Dqk, Dv)`` of the THD tensors: the kernel's, unless a class that reads narrower ones
-        into its tiles (TMA fills the columns past them with zeros) overrides this."""
-        return self.head_dim_qk, self.head_dim_v
 
     @cute.jit
     def from_pointers(
@@ -994,6 +1016,7 @@ __all__ = [
     "BwdHostEntry",
     "BwdPlanTensors",
     "DqPostprocessHostEntry",
+    "FwdHostEntry",
     "FwdPlanTensors",
     "HeadRange",
     "SampleQ",
@@ -1014,8 +1037,6 @@ __all__ = [
     "element_ptr",
     "fetch_record",
     "fetch_task",
-    "fwd_io_tensors",
-    "fwd_plan_tensors",
     "grouped_launch_slot",
     "head_range",
     "k2q_row_fill",
