@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192[,16384,...]]
                                         [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
-                                        [--dim-v 128] [--layout contiguous|packed]
+                                        [--dim-v 128] [--layout contiguous|packed|bhsd]
                                         [--masks causal,sliding-1024,document,random-5]
                                         [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal
                                                    [,flexattn-varlen,fa4-varlen]]
@@ -16,7 +16,9 @@ has no such mode, so ``--mode fwd`` skips it). With
 documents as the samples of a varlen THD batch, causal in each (the same visible pairs): ours
 through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel without a mask.
 ``--layout packed`` makes q, k, v slices along the heads of one ``[B, S, Hq + 2 Hkv, D]`` tensor, a
-fused QKV projection's output, for every system (strided views: no system gets contiguous ones).
+fused QKV projection's output, for every system (strided views: no system gets contiguous ones);
+``--layout bhsd`` makes them ``[B, H, S, D]`` tensors transposed to BSHD (what code that applies RoPE
+in BHSD hands over).
 TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for the forward,
 (8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
 ``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
@@ -235,8 +237,9 @@ def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser
     p.add_argument("--dim", type=int, default=128, help="head dim of Q and K")
     p.add_argument("--dim-v", type=int, default=None, help="head dim of V; None: --dim")
     p.add_argument("--mode", choices=("fwd", "train"), default="fwd", help="train: forward + backward")
-    p.add_argument("--layout", choices=("contiguous", "packed"), default="contiguous",
-                   help="packed: q, k, v slices of one [B, S, Hq + 2 Hkv, D] tensor")  # fmt: skip
+    p.add_argument("--layout", choices=("contiguous", "packed", "bhsd"), default="contiguous",
+                   help="packed: q, k, v slices of one [B, S, Hq + 2 Hkv, D] tensor; bhsd: [B, H, S, D] "
+                        "tensors transposed to BSHD")  # fmt: skip
     p.add_argument("--masks", default=",".join(MASK_NAMES), help=f"of {', '.join(MASK_NAMES)}")
     p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal",
                    help=f"of {', '.join(SYSTEMS)}")  # fmt: skip
@@ -274,9 +277,13 @@ def main() -> None:
 
 def inputs(args, seqlen: int, train: bool):
     """Random bf16 ``q, k, v`` (BSHD) of the problem, leaves with grad for ``train`` (``--layout
-    packed``: views of one such leaf); prints the problem line."""
+    packed``: views of one such leaf; ``bhsd``: transposed views of ``[B, H, S, D]`` leaves); prints
+    the problem line."""
 
     def leaf(heads, dim):
+        if args.layout == "bhsd":
+            t = torch.randn(args.batch, heads, seqlen, dim, device="cuda", dtype=torch.bfloat16)
+            return t.requires_grad_(train).transpose(1, 2)
         t = torch.randn(args.batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16)
         return t.requires_grad_(train)
 

@@ -96,32 +96,53 @@ def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
         assert rel <= 2e-2, f"d{name}: relative L2 error {rel:.3e}"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_fused_qkv_trains_without_copies(monkeypatch, deterministic):
-    """q, k, v as slices of one fused projection's output: the kernels read them in place, in the
-    forward and in the backward, and the fused tensor's gradient matches the CPU reference."""
+def _spy_copies(monkeypatch) -> list[bool]:
+    """Whether each q, k, v the GPU consumer got was copied before its kernels read it (a q, k or v
+    it keeps is the tensor it was given, or a view of its memory)."""
     from maskplan_kernels import consumer_launch
 
-    copied, tma_operand = [], consumer_launch.tma_operand
+    copied, operands = [], consumer_launch.qkv_operands
 
-    def spy(t):
-        kernel_ready = tma_operand(t)
-        copied.append(kernel_ready is not t)
-        return kernel_ready
+    def spy(view, *qkv, row_granule):
+        *kernel_ready, per_sample = operands(view, *qkv, row_granule=row_granule)
+        copied.extend(a.data_ptr() != b.data_ptr() for a, b in zip(qkv, kernel_ready, strict=True))
+        return (*kernel_ready, per_sample)
 
-    monkeypatch.setattr(consumer_launch, "tma_operand", spy)
+    monkeypatch.setattr(consumer_launch, "qkv_operands", spy)
+    return copied
+
+
+#: q, k, v layouts read in place: slices of one fused projection's output, and [B, H, S, D] tensors
+#: transposed to BSHD (no THD view at B = 2: read per sample, S a multiple of the kernels' granule)
+IN_PLACE_LAYOUTS = {"fused": (H + 2 * HKV, S), "bhsd": (H, 768)}
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("layout", list(IN_PLACE_LAYOUTS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_strided_qkv_trains_without_copies(monkeypatch, layout, deterministic):
+    """q, k, v as slices of one fused projection's output, or transposed from ``[B, H, S, D]``: the
+    kernels read them in place, in the forward and in the backward, and the gradients match the CPU
+    reference."""
+    copied = _spy_copies(monkeypatch)
     torch.manual_seed(2)
-    fused = torch.randn(B, S, H + 2 * HKV, D, dtype=torch.bfloat16)
-    dout = torch.randn(B, S, H, D, dtype=torch.bfloat16)
+    heads, seqlen = IN_PLACE_LAYOUTS[layout]
+    leaves = [torch.randn(B, seqlen, heads, D, dtype=torch.bfloat16)]
+    if layout == "bhsd":
+        leaves = [torch.randn(B, h, seqlen, D, dtype=torch.bfloat16) for h in (H, HKV, HKV)]
+    dout = torch.randn(B, seqlen, H, D, dtype=torch.bfloat16)
 
     def grad(device, cast):
-        leaf = fused.to(device, cast).requires_grad_()
-        q, k, v = leaf.split([H, HKV, HKV], dim=2)
-        plan = flexattn.create_mask_plan(MASKS["document"](device), q, k, v)
+        xs = [x.to(device, cast).requires_grad_() for x in leaves]
+        if layout == "fused":
+            q, k, v = xs[0].split([H, HKV, HKV], dim=2)
+        else:
+            q, k, v = (x.transpose(1, 2) for x in xs)
+        mask = masks.document([[seqlen // 3, seqlen - seqlen // 3], [seqlen]], causal=True, device=device)
+        plan = flexattn.create_mask_plan(mask, q, k, v)
         out = flexattn.flex_attn_func(q, k, v, mask_plan=plan, deterministic=deterministic)
         out.backward(dout.to(device, cast))
-        return leaf.grad.float().cpu()
+        return torch.cat([x.grad.float().cpu().flatten() for x in xs])
 
     got, want = grad("cuda", torch.bfloat16), grad("cpu", torch.float32)
     assert copied == [False] * 6, copied  # q, k, v of the forward, then of the backward

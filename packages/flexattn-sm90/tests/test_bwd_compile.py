@@ -19,10 +19,13 @@ from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # n
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
 
-def _ptx(kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=False, with_dlse=False) -> str:
+def _ptx(
+    kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=False, with_dlse=False,
+    per_sample=False,
+) -> str:  # fmt: skip
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     compiled = compile_uncached(
-        kind, config, deterministic=deterministic, with_dlse=with_dlse,
+        kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample,
         extra_options=f"--keep-ptx --dump-dir {tmp_path}",
     )  # fmt: skip
     ptx = compiled.__ptx__
@@ -227,4 +230,21 @@ def test_compiles_tensors_narrower_than_the_kernel(kind, dq, dv, tmp_path):
     ptx = _ptx(kind, dq, dv, tmp_path=tmp_path, deterministic=True)
     if kind == "main":
         assert _wgmma_shapes(ptx) == _expected_wgmma(config.head_dim_qk, config.head_dim_v)
+    _assert_ptxas_clean(ptx, tmp_path, dq, dv)
+
+
+@pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
+def test_main_kernel_compiles_rows_per_sample(dq, dv, tmp_path):
+    """q, k, v read per sample (``[B, S, H, D]`` views of ``[B, H, S, D]``): the main kernel under
+    its own key, its Q / K / V loads 5-D TMA (the flat kernel's: 3-D; dO stays THD), the same GEMMs;
+    the granule is a multiple of both tiles."""
+    config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
+    assert config.row_granule % config.tile_m == 0 and config.row_granule % config.tile_n == 0
+    kw = {"deterministic": True, "with_dlse": False}
+    keys, flat_keys = kernel_keys(config, **kw, per_sample=True), kernel_keys(config, **kw)
+    assert keys["main"] != flat_keys["main"]
+    assert (keys["pre"], keys["post"]) == (flat_keys["pre"], flat_keys["post"])
+    ptx = _ptx("main", dq, dv, tmp_path=tmp_path, per_sample=True, **kw)
+    assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" in ptx  # dO: flat
+    assert _wgmma_shapes(ptx) == _expected_wgmma(dq, dv)
     _assert_ptxas_clean(ptx, tmp_path, dq, dv)

@@ -28,7 +28,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
-from flexattn_sm90.bwd_launch import run_backward  # noqa: E402
+from flexattn_sm90.bwd_launch import config_for_view, run_backward  # noqa: E402
 from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
 from maskplan_core import masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.reference import build_plan  # noqa: E402
@@ -41,6 +41,7 @@ from maskplan_core.testing import (  # noqa: E402
     resolve_view,
     varlen_args,
 )
+from maskplan_kernels.consumer_launch import qkv_operands  # noqa: E402
 from maskplan_kernels.consumer_plan import SPARSE_ROW_FILL, k2q_row_fill  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -176,6 +177,15 @@ def test_other_tiles_varlen_with_empty_samples(dqk, dv, kind):
 def test_strided_inputs(layout, varlen):
     """q, k, v as slices of a packed QKV tensor or transposed BHSD tensors, read in place."""
     CASES.strided_inputs(layout, varlen)
+
+
+@pytest.mark.parametrize("seqlen,d", [(768, 128), (768, 64), (768, 256), (700, 128)])
+def test_bshd_views_of_bhsd(seqlen, d):
+    """q, k, v of 2 samples transposed from ``[B, H, S, D]``: no THD view, so read per sample where S
+    is a multiple of the main kernel's granule (768), else copied (700)."""
+    view, q, k, v = CASES.per_sample_inputs(seqlen, d)
+    granule = config_for_view(view).row_granule
+    assert qkv_operands(view, q, k, v, row_granule=granule)[3] == (seqlen % granule == 0)
 
 
 @pytest.mark.parametrize("d", [64, 256])

@@ -71,6 +71,28 @@ def test_compiles_tensors_narrower_than_the_kernel(dq, dv, tmp_path):
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)
 
 
+@pytest.mark.parametrize(
+    "dq,dv,group", [(64, 64, 1), (128, 128, 1), (192, 128, 1), (256, 256, 1), (128, 128, 4), (80, 80, 1)]
+)
+def test_compiles_rows_per_sample(dq, dv, group, tmp_path):
+    """q, k, v read per sample (``[B, S, H, D]`` views of ``[B, H, S, D]``): the same kernel under
+    its own key, whose Q / K / V loads are 5-D TMA (head dim, rows of a granule, granules, sample,
+    head) where the flat kernel's are 3-D."""
+    config = select_fwd_config(
+        head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=group > 1, qhead_per_kvhead=group
+    )
+    kw = {"mask_via_smem": True, "with_max_logit": False, "schedule": DEFAULT_SCHEDULE}
+    assert kernel_key(config, **kw, per_sample=True) != kernel_key(config, **kw)
+    extra = f"--keep-ptx --dump-dir {tmp_path}"
+    ptx = compile_uncached(config, **kw, per_sample=True, extra_options=extra).__ptx__
+    flat = _compile(dq, dv, tmp_path=None)[1].__ptx__ if group == 1 else None
+    assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" not in ptx
+    if flat is not None:
+        assert "cp.async.bulk.tensor.3d" in flat and _wgmma_shapes(ptx) == _wgmma_shapes(flat)
+    # (256, 256): ptxas spills 16 bytes (168 registers; the flat kernel none); not located or timed
+    assert_ptxas_clean(ptx, "sm_90a", tmp_path, max_spill_bytes=16 if dq == 256 else 0)
+
+
 @pytest.mark.parametrize("smem", [True, False], ids=["smem-pipeline", "direct-payload"])
 def test_d128_instructions(smem, tmp_path):
     _, compiled = _compile(smem=smem, tmp_path=tmp_path)

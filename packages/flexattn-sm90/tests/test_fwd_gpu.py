@@ -20,7 +20,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
 from flexattn_sm90 import Sm90Consumer, fwd_launch  # noqa: E402
-from flexattn_sm90.fwd_launch import run_forward  # noqa: E402
+from flexattn_sm90.fwd_launch import config_for_view, run_forward  # noqa: E402
 from flexattn_sm90.fwd_mainloop import SCHEDULES  # noqa: E402
 from maskplan_core import masks, testing  # noqa: E402
 from maskplan_core.testing import (  # noqa: E402
@@ -30,6 +30,7 @@ from maskplan_core.testing import (  # noqa: E402
     reference_plan,
     resolve_view,
 )
+from maskplan_kernels.consumer_launch import qkv_operands  # noqa: E402
 
 DEV = torch.device("cuda")
 qkv = functools.partial(testing.qkv, device=DEV)
@@ -169,6 +170,18 @@ def test_strided_inputs(layout, varlen, pack_gqa):
 def test_strided_inputs_head_dims(d):
     """Packed QKV slices on the other forward tiles (two Q buffers at 64, the 128 x 64 tile at 256)."""
     CASES.strided_inputs("packed", d=d)
+
+
+@pytest.mark.parametrize(
+    "seqlen,d,pack_gqa",
+    [(768, 128, False), (768, 128, True), (768, 64, False), (768, 256, False), (700, 128, False)],
+)
+def test_bshd_views_of_bhsd(seqlen, d, pack_gqa):
+    """q, k, v of 2 samples transposed from ``[B, H, S, D]``: no THD view, so read per sample where S
+    is a multiple of the kernel's granule (768), else copied (700); the same results either way."""
+    view, q, k, v = CASES.per_sample_inputs(seqlen, d, pack_gqa=pack_gqa)
+    granule = config_for_view(view).row_granule
+    assert qkv_operands(view, q, k, v, row_granule=granule)[3] == (seqlen % granule == 0)
 
 
 # -- consumer schedules ---------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from maskplan_kernels.consumer_launch import (  # noqa: E402
     INT32_LIMIT,
     bwd_view_args,
     fwd_view_args,
+    qkv_operands,
     qkv_strides,
     require_int32_offsets,
-    tma_operand,
 )
 from maskplan_kernels.geometry import ViewBounds  # noqa: E402
 from maskplan_kernels.schedule_scatter import ScheduleScatterConfig  # noqa: E402
@@ -28,20 +28,56 @@ def geometry(total_q, total_k, hq=16, hkv=16, dqk=128, dv=128):
     )
 
 
+def view_of(batch, seqlen_q, seqlen_k=None, varlen=False):
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    g = SimpleNamespace(batch=batch, max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, varlen=varlen)
+    return SimpleNamespace(geometry=g)
+
+
+def operand(t, granule=None, view=None):
+    """``t`` as q, k and v of one call: the one tensor the kernels get, and whether per sample."""
+    view = view or view_of(t.shape[0] if t.dim() == 4 else 1, t.shape[-3])
+    q, k, v, per_sample = qkv_operands(view, t, t, t, row_granule=granule)
+    assert all((x.shape, x.stride()) == (q.shape, q.stride()) for x in (k, v))
+    return q, per_sample
+
+
 def test_strided_views_go_to_the_kernels_as_they_are():
     """Slices of a packed QKV tensor and a transposed BHSD tensor (at B = 1) are read in place, their
     row and head strides passed to the kernels; a size-1 mode's stride is the contiguous one."""
     T, hq, hkv, d = 48, 4, 2, 64
     packed = torch.empty(T, hq + 2 * hkv, d, dtype=torch.bfloat16)
     q, k, v = packed[:, :hq], packed[:, hq : hq + hkv], packed[:, hq + hkv :]
-    assert all(tma_operand(t) is t for t in (q, k, v))
+    got = qkv_operands(view_of(1, T), q, k, v, row_granule=None)
+    assert all(a is b for a, b in zip(got, (q, k, v, False), strict=True))
     width = (hq + 2 * hkv) * d
-    assert qkv_strides(q, k, v) == (width, d, width, d, width, d)
-    bhsd = torch.empty(1, hq, T, d, dtype=torch.float16).transpose(1, 2).reshape(T, hq, d)
-    assert tma_operand(bhsd) is bhsd and qkv_strides(bhsd, bhsd, bhsd)[:2] == (d, T * d)
+    assert qkv_strides(q, k, v, 1) == (width, d, width, d, width, d, T * width, T * width, T * width)
+    bhsd = torch.empty(1, hq, T, d, dtype=torch.float16).transpose(1, 2)
+    kept, per_sample = operand(bhsd)
+    assert kept.shape == (T, hq, d) and kept.data_ptr() == bhsd.data_ptr() and not per_sample
+    assert qkv_strides(kept, kept, kept, 1)[:2] == (d, T * d)
     # one head: torch may give its mode any stride (5 here, not a 16-byte multiple); it is never used
     one_head = torch.empty(T, 3 * d, dtype=torch.bfloat16).as_strided((T, 1, d), (3 * d, 5, 1))
-    assert tma_operand(one_head) is one_head and qkv_strides(one_head, q, q)[:2] == (3 * d, d)
+    assert operand(one_head)[0] is one_head and qkv_strides(one_head, q, q, 1)[:2] == (3 * d, d)
+
+
+def test_bshd_views_of_bhsd_are_read_per_sample():
+    """A ``[B, S, H, D]`` view of ``[B, H, S, D]`` at B > 1 has no THD view: the kernels read it in
+    place, per sample, where the consumer can (a granule) and both lengths are multiples of the
+    granule; otherwise it is copied, and a BSHD tensor whose rows merge is passed as THD."""
+    B, S, H, d = 2, 256, 4, 64
+    bhsd = torch.empty(B, H, S, d, dtype=torch.bfloat16).transpose(1, 2)
+    kept, per_sample = operand(bhsd, granule=128)
+    assert kept is bhsd and per_sample
+    assert qkv_strides(kept, kept, kept, B) == (d, S * d, d, S * d, d, S * d, H * S * d, H * S * d, H * S * d)
+    contiguous = torch.empty(B * S, H, d, dtype=torch.bfloat16)  # THD beside it: its samples are S rows
+    assert qkv_strides(contiguous, kept, kept, B)[6:] == (S * H * d, H * S * d, H * S * d)
+    for granule, view in ((None, None), (96, None), (128, view_of(B, S, 192))):
+        copy, per_sample = operand(bhsd, granule=granule, view=view)
+        assert copy.shape == (B * S, H, d) and copy.is_contiguous() and not per_sample
+    bshd = torch.empty(B, S, H, d, dtype=torch.bfloat16)
+    merged, per_sample = operand(bshd, granule=128)
+    assert merged.shape == (B * S, H, d) and merged.data_ptr() == bshd.data_ptr() and not per_sample
 
 
 @pytest.mark.parametrize(
@@ -51,22 +87,23 @@ def test_strided_views_go_to_the_kernels_as_they_are():
         lambda: torch.randn(48 * 4 * 64 + 1, dtype=torch.bfloat16)[1:].view(48, 4, 64),  # base off 16 bytes
         lambda: torch.randn(48, 64, 4, dtype=torch.bfloat16).transpose(1, 2),  # head dim strided
         lambda: torch.randn(1, 4, 64, dtype=torch.bfloat16).expand(48, 4, 64),  # rows on one another
+        lambda: torch.randn(2, 4, 128, 68, dtype=torch.bfloat16)[..., :64].transpose(1, 2),  # per sample
     ],
-    ids=["row-stride", "base", "head-dim", "stride-0"],
+    ids=["row-stride", "base", "head-dim", "stride-0", "per-sample-row-stride"],
 )
 def test_views_tma_cannot_read_are_copied(make):
     t = make()
-    copy = tma_operand(t)
-    assert copy is not t and copy.is_contiguous() and torch.equal(copy, t)
-    assert copy.data_ptr() % 16 == 0
+    copy, per_sample = operand(t, granule=128)
+    assert copy is not t and copy.is_contiguous() and torch.equal(copy, t.reshape(copy.shape))
+    assert copy.data_ptr() % 16 == 0 and not per_sample
 
 
 def test_views_spanning_past_32_bit_offsets_are_copied():
     """Each element must lie within 32-bit offsets of the base, as a contiguous tensor's do."""
     wide = torch.empty(2**16, 2**16, dtype=torch.bfloat16, device="meta")[:, :128].view(2**16, 1, 128)
     narrow = wide[: 2**15 - 1]  # spans just under 2**31 elements
-    assert tma_operand(narrow) is narrow
-    assert tma_operand(wide).is_contiguous()
+    assert operand(narrow)[0] is narrow
+    assert operand(wide)[0].is_contiguous()
 
 
 def test_int32_offsets_accept_the_largest_tensors_that_fit():

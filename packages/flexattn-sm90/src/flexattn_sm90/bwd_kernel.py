@@ -179,7 +179,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     SCHED_STAGES = 2
     ITEM_WORDS = 2 + len(ITEM_FIELDS)
 
-    def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False):
+    def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False, per_sample: bool = False):
+        self.row_granule = config.row_granule if per_sample else 0  # q, k, v rows per sample
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
         widest = max(config.head_dim_qk, config.head_dim_v)
         q_rows_ok = config.tile_m == 64 or (config.tile_m == 128 and widest <= 64)

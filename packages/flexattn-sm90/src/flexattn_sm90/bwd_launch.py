@@ -6,8 +6,10 @@
                               softmax_scale=s, deterministic=False)
 
 ``q/k/v/out/dout`` are THD (``[total, H, D]``; a fixed BSHD tensor is passed as its ``[B*S, H, D]``
-view), ``lse`` is the forward's ``[Hq, total_q]`` fp32 LSE, ``dlse`` its gradient or None. Returns
-THD ``dq [total_q, Hq, Dqk]``, ``dk [total_k, Hkv, Dqk]``, ``dv [total_k, Hkv, Dv]`` in q's dtype.
+view; ``q/k/v`` may also be ``[B, S, H, D]``, read in place per sample where their samples are not
+``S`` rows apart: ``maskplan_kernels.consumer_launch.qkv_operands``), ``lse`` is the forward's
+``[Hq, total_q]`` fp32 LSE, ``dlse`` its gradient or None. Returns THD ``dq [total_q, Hq, Dqk]``,
+``dk [total_k, Hkv, Dqk]``, ``dv [total_k, Hkv, Dv]`` in q's dtype.
 
 Launches, all on the current stream::
 
@@ -91,12 +93,15 @@ COMPILER = BackwardCompiler(
     post_key=lambda config: (config.num_consumer_warpgroups,),
     stores_first_dq=True,  # Sm90BwdKernel.write_dq_block
     io_head_dims=lambda config: config.io_head_dims,
+    row_granule=lambda config: config.row_granule,
 )
-#: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
+#: kernel_keys(config, *, deterministic, with_dlse, per_sample=False) -> {"pre"|"main"|"post": key}
 kernel_keys = COMPILER.kernel_keys
-#: compile_uncached(kind, config, *, deterministic=False, with_dlse=False, extra_options="")
+#: compile_uncached(kind, config, *, deterministic=False, with_dlse=False, per_sample=False,
+#:                  extra_options="")
 compile_uncached = COMPILER.compile_uncached
-#: compile_backward(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": compiled}
+#: compile_backward(config, *, deterministic, with_dlse, per_sample=False)
+#:     -> {"pre"|"main"|"post": compiled}
 compile_backward = COMPILER.compile_backward
 #: run_backward(view, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic=False,
 #:              dq=None, dk=None, dv=None) -> (dq, dk, dv)

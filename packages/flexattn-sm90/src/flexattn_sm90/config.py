@@ -10,6 +10,7 @@ launch arguments, never config fields. Choosing a config from a problem is
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +43,13 @@ class _KernelConfig:
     def plan_tile_m(self) -> int:
         """The plan's Q block in query positions (the score tile's M)."""
         return self.tile_m
+
+    @property
+    def row_granule(self) -> int:
+        """The granule of a kernel that takes q, k, v rows per sample (``ThdHostEntry.row_granule``):
+        a multiple of every tile of rows it takes from them (Q and K tiles; PackGQA's positions
+        divide ``tile_m``)."""
+        return math.lcm(self.tile_m, self.tile_n)
 
     @property
     def io_head_dims(self) -> tuple[int, int]:

@@ -94,11 +94,17 @@ class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
     persistent = True
 
     def __init__(
-        self, config: Sm90FwdConfig, *, mask_via_smem: bool = True, schedule: str = DEFAULT_SCHEDULE
+        self,
+        config: Sm90FwdConfig,
+        *,
+        mask_via_smem: bool = True,
+        schedule: str = DEFAULT_SCHEDULE,
+        per_sample: bool = False,
     ):
         if config.num_consumer_warpgroups != 2 or config.tile_m != 128:
             raise NotImplementedError("the SM90 forward kernel uses a 128-row tile on 2 consumer warpgroups")
         self.config = config
+        self.row_granule = config.row_granule if per_sample else 0  # q, k, v rows per sample
         self.dtype = _DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
         self.io_head_dim_qk, self.io_head_dim_v = config.io_head_dims

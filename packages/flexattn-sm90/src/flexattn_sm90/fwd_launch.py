@@ -5,10 +5,11 @@
     out, lse, max_logit = run_forward(plan.view("forward"), q, k, v, softmax_scale=s)
 
 ``q/k/v`` are THD (``[total, H, D]``, the consumer protocol; a fixed BSHD tensor is passed as its
-``[B*S, H, D]`` view). ``out`` is ``[total_q, Hq, Dv]`` in q's dtype, ``lse`` ``[Hq, total_q]``
-fp32, ``max_logit`` ``[Hq]`` fp32 (or None). The scheduler counter is runtime workspace of the
-stream the call runs on (:func:`scheduler_counter`), never plan state, so one plan may run on
-several streams at once.
+``[B*S, H, D]`` view, or as itself where it has none: ``[B, S, H, D]`` read per sample, see
+``maskplan_kernels.consumer_launch.qkv_operands``). ``out`` is ``[total_q, Hq, Dv]`` in q's dtype,
+``lse`` ``[Hq, total_q]`` fp32, ``max_logit`` ``[Hq]`` fp32 (or None). The scheduler counter is
+runtime workspace of the stream the call runs on (:func:`scheduler_counter`), never plan state, so
+one plan may run on several streams at once.
 
 The kernel is launched through :meth:`Sm90FwdKernel.from_pointers` (raw global pointers plus
 int32 sizes, the convention of the project's planner kernels), so it is compiled once per
@@ -68,7 +69,10 @@ def config_for_view(view: PlanView) -> Sm90FwdConfig:
     """The forward config a view was planned for; raises unless the view is an SM90 forward view."""
     return view_config.config_for_view(view, "forward")
 
-def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bool, schedule: str) -> tuple:
+def kernel_key(
+    config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bool, schedule: str,
+    per_sample: bool = False,
+) -> tuple:  # fmt: skip
     """Everything the compiled kernel depends on. Varlen-ness, and the GQA ratio unless the tile
     packs heads (PackGQA), are runtime values."""
     static = ("head_dim_qk", "head_dim_v", "dtype", "tile_m", "tile_n", "num_consumer_warpgroups")
@@ -82,6 +86,7 @@ def kernel_key(config: Sm90FwdConfig, *, mask_via_smem: bool, with_max_logit: bo
         ("mask_via_smem", mask_via_smem),
         ("max_logit", with_max_logit),
         ("schedule", schedule),
+        ("per_sample", per_sample),
     )
 
 
@@ -92,14 +97,17 @@ def compile_forward(
     mask_via_smem: bool = True,
     with_max_logit: bool = False,
     schedule: str = DEFAULT_SCHEDULE,
+    per_sample: bool = False,
 ):
     """The compiled kernel for ``config``: compiled on first use, then served by the project's
     compile cache (:mod:`maskplan_kernels.compile_cache`: in process, and on disk across
-    processes). Thread-safe, one compile per key."""
-    key = kernel_key(config, mask_via_smem=mask_via_smem, with_max_logit=with_max_logit, schedule=schedule)
+    processes). Thread-safe, one compile per key. ``per_sample``: q, k, v rows per sample
+    (``maskplan_kernels.consumer_launch.qkv_operands``)."""
+    variant = {"mask_via_smem": mask_via_smem, "schedule": schedule, "per_sample": per_sample}
+    key = kernel_key(config, with_max_logit=with_max_logit, **variant)
 
     def build():
-        kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule)
+        kernel = Sm90FwdKernel(config, **variant)
         return (kernel.from_pointers, *fwd_placeholders(kernel, with_max_logit=with_max_logit))
 
     options = f"--gpu-arch {GPU_ARCH}"
@@ -112,10 +120,11 @@ def compile_uncached(
     mask_via_smem: bool,
     with_max_logit: bool,
     schedule: str = DEFAULT_SCHEDULE,
+    per_sample: bool = False,
     extra_options: str = "",
 ):
     """Trace and compile one kernel for sm_90a (no GPU needed); ``extra_options`` e.g. ``--keep-ptx``."""
-    kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule)
+    kernel = Sm90FwdKernel(config, mask_via_smem=mask_via_smem, schedule=schedule, per_sample=per_sample)
     args = fwd_placeholders(kernel, with_max_logit=with_max_logit)
     options = f"--gpu-arch {GPU_ARCH} {extra_options}".strip()
     return cute.compile(kernel.from_pointers, *args, options=options)
@@ -152,8 +161,9 @@ def run_forward(
     """
     config = _prepared_config(view)
     io = forward_io(
-        view, q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit, out=out, lse=lse
-    )
+        view, q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit, out=out, lse=lse,
+        row_granule=config.row_granule,
+    )  # fmt: skip
     if view.fwd_work_desc.shape[0] == 0:
         return io.out, io.lse, io.max_logit
     device = q.device
@@ -167,6 +177,7 @@ def run_forward(
         mask_via_smem=mask_via_smem,
         with_max_logit=return_max_logit,
         schedule=schedule or DEFAULT_SCHEDULE,
+        per_sample=io.per_sample,
     )
     stream = torch_stream(device)
     counter = scheduler_counter(device, stream).data_ptr()

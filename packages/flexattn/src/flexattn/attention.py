@@ -66,6 +66,15 @@ def thd(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
+def qkv_operand(t: torch.Tensor) -> torch.Tensor:
+    """q, k or v as consumers take it (``maskplan_core.consumer.Consumer``): the ``[total, H, D]``
+    view of a BSHD / THD tensor, or a BSHD tensor that has none (a ``[B, H, S, D]`` tensor transposed
+    at B > 1) as it is, for the consumer to read in place or copy."""
+    if t.dim() == 4 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        return t  # its samples are not S rows apart
+    return thd(t)
+
+
 def caller_lse(lse: torch.Tensor, g) -> torch.Tensor:
     """The kernels' ``[Hq, total_q]`` LSE in the caller's layout: ``[B, Hq, Sq]`` (a view) for fixed
     length, itself for varlen."""
@@ -116,8 +125,9 @@ def flex_attn_func(
         )
     scale = resolve_scale(softmax_scale, g)
     out, lse, max_logit = ops.attention(
-        thd(q), thd(k), thd(v), mask_plan, scale, training, deterministic, return_max_logit
-    )
+        qkv_operand(q), qkv_operand(k), qkv_operand(v), mask_plan, scale, training, deterministic,
+        return_max_logit,
+    )  # fmt: skip
     if not g.varlen:
         out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
     lse = caller_lse(lse, g)

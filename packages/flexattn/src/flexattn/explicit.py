@@ -46,7 +46,7 @@ from maskplan_core import (
 )
 
 from . import ops
-from .attention import caller_lse, check_scale, resolve_scale, thd
+from .attention import caller_lse, check_scale, qkv_operand, resolve_scale, thd
 
 
 def _descriptor(t: torch.Tensor | None):
@@ -277,7 +277,7 @@ class FlexAttentionFwd(_Explicit):
         in_place_o = _in_place(o_tensor)
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             res = consumer.forward(
-                mask_plan, thd(q_tensor), thd(k_tensor), thd(v_tensor), softmax_scale=scale,
+                mask_plan, *map(qkv_operand, (q_tensor, k_tensor, v_tensor)), softmax_scale=scale,
                 return_max_logit=max_logit_tensor is not None,
                 out=None if in_place_o is None else thd(in_place_o), lse=in_place_lse,
                 **_payload_hint(type(consumer), self.payload_via_smem),
@@ -359,7 +359,7 @@ class FlexAttentionBwd(_Explicit):
         with _stream(current_stream, tensors.values(), q_tensor.device), torch.no_grad():
             dlse = None if dlse_tensor is None else _kernel_lse(dlse_tensor, g)  # a copy: on the stream
             grads = consumer.backward(
-                mask_plan, *(thd(t) for t in (q_tensor, k_tensor, v_tensor, o_tensor)),
+                mask_plan, *map(qkv_operand, (q_tensor, k_tensor, v_tensor)), thd(o_tensor),
                 _kernel_lse(lse_tensor, g), thd(do_tensor), dlse, softmax_scale=scale,
                 deterministic=self.deterministic, dq=in_place[0], dk=in_place[1], dv=in_place[2],
             )  # fmt: skip

@@ -118,7 +118,8 @@ def _forward_impl(
     deterministic: bool,
     want_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """THD in: ``out [total_q, Hq, Dv]``, ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
+    """THD (or ``[B, S, H, D]``: ``attention.qkv_operand``) in: ``out [total_q, Hq, Dv]``,
+    ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
     ``want_max``). ``plan`` is a :attr:`MaskPlan.handle_tensor`; ``training`` selects the signature check
     (forward and backward views); ``deterministic`` is only kept for the backward."""
     mask_plan = plan_for_handle(int(plan))
@@ -159,13 +160,14 @@ def _backward_impl(
     scale: float,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` shaped like ``(q, k, v)`` (THD); ``dlse`` ``[Hq, total_q]`` or None."""
+    """``(dq, dk, dv)`` shaped like ``(q, k, v)`` (THD, or ``[B, S, H, D]``); ``dlse`` ``[Hq, total_q]``
+    or None."""
     mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, True)
     dq, dk, dv = consumer.backward(
         mask_plan, q, k, v, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
     )
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return tuple(g.contiguous().view(x.shape) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 # -- the ops --------------------------------------------------------------------------------------
@@ -182,7 +184,7 @@ bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=(), 
 def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
     # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
     # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
-    total_q, num_heads_q = q.shape[0], q.shape[1]
+    total_q, num_heads_q = q.shape[:-2].numel(), q.shape[-2]  # q: THD, or [B, S, H, D] (qkv_operand)
     stat = stat_dtype(q.dtype)
     out = q.new_empty((total_q, num_heads_q, v.shape[-1]))
     lse = q.new_empty((num_heads_q, total_q), dtype=stat)

@@ -85,7 +85,10 @@ class Consumer(ABC):
     """One attention implementation that consumes plan views.
 
     Q/K/V reach :meth:`forward` / :meth:`backward` in THD layout (``[total, H, D]``; a fixed BSHD
-    tensor is passed as its ``[B*S, H, D]`` view); the plan's geometry says where samples begin.
+    tensor is passed as its ``[B*S, H, D]`` view), except a fixed-length ``[B, S, H, D]`` tensor
+    that has no such view (its samples are not ``S`` rows apart, e.g. a view of ``[B, H, S, D]``):
+    that one is passed as it is, for the consumer to read in place or to take as :func:`thd`.
+    The plan's geometry says where samples begin. Outputs and gradients are THD.
     """
 
     name: ClassVar[str]
@@ -137,6 +140,12 @@ class Consumer(ABC):
         """``dq`` / ``dk`` / ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and
         typed like q / k / v that the gradients must be written into (and returned); the facade's
         ``FlexAttentionBwd`` passes the caller's buffers that are such (and copies into the others)."""
+
+
+def thd(t: torch.Tensor) -> torch.Tensor:
+    """A consumer's q, k or v as THD ``[total, H, D]``: itself, or a ``[B, S, H, D]`` tensor's
+    ``[B*S, H, D]`` (a contiguous copy: it had no such view)."""
+    return t.reshape(-1, *t.shape[-2:]) if t.dim() == 4 else t
 
 
 def require_supported(argument: str, value: object, supported: tuple, owner: str) -> None:

@@ -308,6 +308,16 @@ class _Cases:
         assert not any(t.is_contiguous() for t in thd(q, k, v))
         return ep, q, k, v, extra
 
+    def per_sample_problem(self, seqlen: int, d: int = 128):
+        """``(mask_func, q, k, v)``: 2 samples of ``seqlen``, GQA 4 / 2, random intervals, q, k, v
+        ``[B, H, S, d]`` tensors transposed to BSHD, which have no THD view (the kernels read them
+        per sample where ``seqlen`` is a multiple of their granule, else take copies)."""
+        B = 2
+        ep = self.random_intervals(1, 5, torch.full((B * seqlen,), seqlen), seed=17)
+        shapes = ((B, seqlen, 4), (B, seqlen, 2))
+        q, k, v = strided_qkv("bhsd", *shapes, d, torch.bfloat16, seed=17, device=self.device)
+        return ep, q, k, v
+
     def causal_mask(self, sq, sk=None, *, batch=1):
         return masks.causal(sq, sk, batch=batch, device=self.device)
 
@@ -413,6 +423,18 @@ class ForwardCases(_Cases):
         for name, x, y in zip(("out", "lse", "max_logit"), a, b, strict=True):
             assert torch.equal(x, y), f"{name} differs from the contiguous inputs' ({int((x != y).sum())})"
 
+    def per_sample_inputs(self, seqlen: int, d: int = 128, **options):
+        """q, k, v of 2 samples, ``[B, H, S, D]`` tensors transposed (:meth:`per_sample_problem`),
+        given to the consumer as they are: within tolerance of the reference, and bit for bit what
+        contiguous THD copies give. Returns ``(view, q, k, v)``."""
+        ep, q, k, v = self.per_sample_problem(seqlen, d)
+        view = self.check(ep, q, k, v, **options).view("forward")
+        a = self.run(view, q, k, v, softmax_scale=0.1, return_max_logit=True)
+        b = self.run(view, *thd(q, k, v), softmax_scale=0.1, return_max_logit=True)
+        for name, x, y in zip(("out", "lse", "max_logit"), a, b, strict=True):
+            assert torch.equal(x, y), f"{name} differs from the THD copies' ({int((x != y).sum())})"
+        return view, q, k, v
+
 
 class BackwardCases(_Cases):
     """The backward test cases of the consumers' GPU suites. ``check(mask_func, q, k, v, *, varlen=None,
@@ -513,6 +535,23 @@ class BackwardCases(_Cases):
         ]
         for name, x, y in zip(("dq", "dk", "dv"), *runs, strict=True):
             assert torch.equal(x, y), f"{name} differs from the contiguous inputs' ({int((x != y).sum())})"
+
+    def per_sample_inputs(self, seqlen: int, d: int = 128):
+        """q, k, v of 2 samples, ``[B, H, S, D]`` tensors transposed (:meth:`per_sample_problem`),
+        given to the consumer as they are: within tolerance of the reference, and (deterministic
+        mode) bit for bit what contiguous THD copies give. Returns ``(view, q, k, v)``."""
+        ep, q, k, v = self.per_sample_problem(seqlen, d)
+        plan, _ = self.check(ep, q, k, v)
+        copies = thd(q, k, v)
+        out, lse, dout, _ = backward_inputs(plan, *copies, 0.1, seed=18)
+        view = plan.view("backward")
+        runs = [
+            self.run(view, *qkv, out, lse, dout, None, softmax_scale=0.1, deterministic=True)
+            for qkv in ((q, k, v), copies)
+        ]
+        for name, x, y in zip(("dq", "dk", "dv"), *runs, strict=True):
+            assert torch.equal(x, y), f"{name} differs from the THD copies' ({int((x != y).sum())})"
+        return view, q, k, v
 
     def small_for_sanitizer(self, dims=(128, 128)):
         """A small case for ``compute-sanitizer --tool memcheck|racecheck|synccheck``."""

@@ -6,11 +6,12 @@ global pointers plus int32 sizes, layouts derived in the ``@cute.jit`` host entr
 launches with ``int`` addresses, ``int`` sizes and ``float`` scalars. What differs is alignment:
 Q/K/V/O and the payload tensor are read by TMA, bulk copies or vector loads, so the compile-time
 placeholders assume 16 bytes (:data:`ALIGN`) and every address a launch passes is made so
-(:func:`aligned`, :func:`tma_operand`, :func:`int32_tensor`, fresh allocations). Here:
+(:func:`aligned`, :func:`qkv_operands`, :func:`int32_tensor`, fresh allocations). Here:
 
 * placeholder pointers and dtypes: :func:`gmem_ptr`, :func:`cute_dtype`;
 * the caller's tensors: :func:`check_inputs` (THD shapes against the plan geometry),
-  :func:`aligned`, :func:`tma_operand` (q, k, v may be strided views: :func:`qkv_strides`),
+  :func:`aligned`, :func:`qkv_operands` (q, k, v may be strided views, or ``[B, S, H, D]`` read per
+  sample: :func:`qkv_strides`),
   :func:`output`, :func:`positive_softmax_scale`;
 * a forward call at once: :func:`forward_io`;
 * the plan's tensors: :func:`int32_tensor`, and for a forward view :func:`fwd_view_args` (for a
@@ -69,10 +70,14 @@ def cute_dtype(dtype: torch.dtype):
 
 
 # -- the caller's tensors -------------------------------------------------------------------------
+#: the inputs a fixed-length call may also give as ``[B, S, H, D]`` (:func:`qkv_operands`)
+QKV = ("q", "k", "v")
+
+
 def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
     """Raise :class:`InputValueError` unless every given tensor (``q, k, v, out, dout, lse, dlse``;
     None is skipped) is a tensor of the THD shape and dtype the view's geometry expects, on ``q``'s
-    CUDA device."""
+    CUDA device; a fixed-length view's ``q``, ``k``, ``v`` may also be ``[B, S, H, D]``."""
     g = view.geometry
     q_shape = (g.total_q, g.num_heads_q, g.head_dim_qk)
     k_shape = (g.total_k, g.num_heads_kv, g.head_dim_qk)
@@ -92,6 +97,8 @@ def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
         if x is None:
             continue
         shape, dtype = expect[name]
+        if name in QKV and x.dim() == 4 and not g.varlen:  # [B, S, H, D]
+            shape = (g.batch, shape[0] // g.batch, *shape[1:])
         if tuple(x.shape) != shape or (dtype is not None and x.dtype != dtype) or x.device.type != "cuda":
             raise InputValueError(
                 f"{name} is {tuple(x.shape)} {x.dtype} on {x.device}; the plan expects {shape} "
@@ -157,31 +164,69 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def tma_operand(t: torch.Tensor) -> torch.Tensor:
-    """A THD ``q``, ``k`` or ``v`` as the kernels' TMA loads read it: ``t`` itself where its head
-    dim is contiguous and its base, row stride and head stride are 16-byte multiples (a slice of a
-    packed QKV tensor, a ``[B, S, H, D]`` view of ``[B, H, S, D]`` at B = 1), and every element it
-    spans lies within 32-bit offsets; else a contiguous copy. Its strides go to the kernels as
-    :func:`qkv_strides`."""
-    if t.stride(2) == 1 and t.data_ptr() % ALIGN == 0 and t.numel() > 0:
-        row, head = _thd_strides(t)
-        span = (t.shape[0] - 1) * row + (t.shape[1] - 1) * head + t.shape[2]
-        if all(s > 0 and s * t.element_size() % ALIGN == 0 for s in (row, head)) and span < INT32_LIMIT:
-            return t
-    return t.clone(memory_format=torch.contiguous_format)
+def qkv_operands(view: PlanView, q, k, v, *, row_granule: int | None) -> tuple:
+    """``q``, ``k``, ``v`` (THD, or ``[B, S, H, D]`` for a fixed-length view) as the kernels read
+    them. Each is kept where its head dim is contiguous, its base and strides are 16-byte multiples
+    and every element it spans lies within 32-bit offsets: as a THD view where its rows merge (a
+    slice of a packed QKV tensor, a ``[B, S, H, D]`` view of ``[B, H, S, D]`` at B = 1), else (a
+    view of ``[B, H, S, D]`` at B > 1) as it is, if the consumer reads rows per sample
+    (``row_granule``: None where it does not) and both sequence lengths are multiples of
+    ``row_granule``. Any other is copied to a contiguous THD tensor.
+
+    Returns ``(q, k, v, per_sample)``: ``per_sample`` when one of them was kept as
+    ``[B, S, H, D]``; the kernels then take the rows of all three per sample
+    (``ThdHostEntry.row_granule``)."""
+    g = view.geometry
+    per_sample = (
+        bool(row_granule) and not g.varlen
+        and g.max_seqlen_q % row_granule == 0 and g.max_seqlen_k % row_granule == 0
+    )  # fmt: skip
+    kept = tuple(_kernel_operand(t, per_sample=per_sample) for t in (q, k, v))
+    return (*kept, any(t.dim() == 4 for t in kept))
 
 
-def _thd_strides(t: torch.Tensor) -> tuple[int, int]:
-    """``t``'s row and head strides, a size-1 mode's taken as the contiguous one (torch gives those
-    any stride)."""
-    rows, heads, d = t.shape
-    return (t.stride(0) if rows > 1 else heads * d), (t.stride(1) if heads > 1 else d)
+def qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> tuple[int, ...]:
+    """The nine stride arguments (elements) of the kernels' host entries for :func:`qkv_operands`'
+    ``q``, ``k``, ``v``: their row and head strides, then their batch strides (a THD tensor's:
+    ``S = total / batch`` rows)."""
+    rows_heads = [_row_head_strides(t) for t in (q, k, v)]
+    batches = (
+        t.stride(0) if t.dim() == 4 else t.shape[0] // batch * row
+        for t, (row, _) in zip((q, k, v), rows_heads, strict=True)
+    )
+    return (*(x for pair in rows_heads for x in pair), *batches)
 
 
-def qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-    """The row and head strides (elements) of :func:`tma_operand` ``q``, ``k``, ``v``, in the
-    kernels' ``from_pointers`` order: q row, q head, k row, k head, v row, v head."""
-    return (*_thd_strides(q), *_thd_strides(k), *_thd_strides(v))
+def _kernel_operand(t: torch.Tensor, *, per_sample: bool) -> torch.Tensor:
+    if t.dim() == 4:
+        thd = t.view(-1, *t.shape[2:]) if _rows_merge(t) else None
+        if thd is not None:
+            t = thd
+        elif not (per_sample and _tma_readable(t)):
+            return t.reshape(-1, *t.shape[2:])  # a contiguous copy
+    return t if _tma_readable(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _rows_merge(t: torch.Tensor) -> bool:
+    """Whether ``[B, S, H, D]`` ``t`` has a THD view (its samples are ``S`` rows apart)."""
+    b, s = t.shape[:2]
+    return b == 1 or s == 0 or t.stride(0) == s * _row_head_strides(t)[0]
+
+
+def _tma_readable(t: torch.Tensor) -> bool:
+    """Head dim contiguous, base and the other strides 16-byte multiples, span below 2^31 elements."""
+    if t.stride(-1) != 1 or t.data_ptr() % ALIGN or t.numel() == 0:
+        return False
+    strides = (*_row_head_strides(t), *((t.stride(0),) if t.dim() == 4 else ()))
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return all(st > 0 and st * t.element_size() % ALIGN == 0 for st in strides) and span < INT32_LIMIT
+
+
+def _row_head_strides(t: torch.Tensor) -> tuple[int, int]:
+    """A THD or ``[B, S, H, D]`` ``t``'s row and head strides, a size-1 mode's taken as the
+    contiguous one (torch gives those any stride)."""
+    rows, heads, d = t.shape[-3:]
+    return (t.stride(-3) if rows > 1 else heads * d), (t.stride(-2) if heads > 1 else d)
 
 
 def output(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
@@ -210,13 +255,15 @@ def positive_softmax_scale(q: torch.Tensor, softmax_scale: float) -> tuple[torch
 class ForwardIO(NamedTuple):
     """A forward call's tensors, ready for the kernel (:func:`forward_io`)."""
 
-    q: torch.Tensor  # THD, a tma_operand; negated for a negative softmax_scale
+    q: torch.Tensor  # qkv_operands; negated for a negative softmax_scale
     k: torch.Tensor
     v: torch.Tensor
     softmax_scale: float  # > 0
     out: torch.Tensor  # (total_q, Hq, Dv), q's dtype
     lse: torch.Tensor  # (Hq, total_q) fp32
     max_logit: torch.Tensor | None  # (Hq,) fp32, -inf
+    per_sample: bool  # the kernel must take q, k, v rows per sample (qkv_operands)
+    strides: tuple[int, ...]  # qkv_strides
 
     def arguments(self, prep: FwdViewArgs, *, tile_counter: int | None, num_ctas: int, stream) -> tuple:
         """The arguments of a forward kernel's ``from_pointers`` (``FwdHostEntry``): these tensors,
@@ -228,26 +275,31 @@ class ForwardIO(NamedTuple):
             *prep.pointers,
             tile_counter,
             *prep.sizes,
-            *qkv_strides(self.q, self.k, self.v),
+            *self.strides,
             self.softmax_scale,
             num_ctas,
             stream,
         )
 
 
-def forward_io(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None):
-    """Check a forward call's THD ``q/k/v`` against the view, make them kernel-ready and allocate
-    (or check) ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`."""
+def forward_io(
+    view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
+    row_granule: int | None = None,
+) -> ForwardIO:  # fmt: skip
+    """Check a forward call's ``q/k/v`` against the view, make them kernel-ready
+    (:func:`qkv_operands`, with the consumer's ``row_granule``) and allocate (or check)
+    ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`."""
     check_inputs(view, q=q, k=k, v=v)
     g, device = view.geometry, q.device
     require_int32_offsets(g, payload_words=view.mask_block_masks.numel())
     q, softmax_scale = positive_softmax_scale(q, softmax_scale)
-    q, k, v = tma_operand(q), tma_operand(k), tma_operand(v)
-    total_q, num_heads_q = q.shape[0], q.shape[1]
+    q, k, v, per_sample = qkv_operands(view, q, k, v, row_granule=row_granule)
+    total_q, num_heads_q = g.total_q, g.num_heads_q
     out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
     lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
     max_logit = torch.full((num_heads_q,), float("-inf"), device=device) if return_max_logit else None
-    return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit)
+    strides = qkv_strides(q, k, v, g.batch)
+    return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, per_sample, strides)
 
 
 # -- the plan's tensors ---------------------------------------------------------------------------
@@ -373,8 +425,8 @@ FWD_PLAN_TENSORS = (
 
 
 def qkv_stride_placeholders() -> list:
-    """Compile-time stand-ins for :func:`qkv_strides` (six ``Int32``)."""
-    return [Int32(8) for _ in range(6)]
+    """Compile-time stand-ins for :func:`qkv_strides` (nine ``Int32``)."""
+    return [Int32(8) for _ in range(9)]
 
 
 def fwd_placeholders(kernel, *, with_max_logit: bool) -> list:
@@ -526,7 +578,7 @@ class BackwardIO(NamedTuple):
 
     view: PlanView
     prep: BwdViewArgs
-    q: torch.Tensor  # q, k, v: tma_operand; out, dout: 16-byte aligned, contiguous
+    q: torch.Tensor  # q, k, v: qkv_operands; out, dout: 16-byte aligned, contiguous
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
@@ -536,6 +588,8 @@ class BackwardIO(NamedTuple):
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
+    per_sample: bool = False  # the main kernel must take q, k, v rows per sample (qkv_operands)
+    strides: tuple[int, ...] = ()  # qkv_strides
 
     @property
     def grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -549,11 +603,13 @@ class BackwardIO(NamedTuple):
 
 
 def backward_io(
-    view: PlanView, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None
-) -> BackwardIO:
+    view: PlanView, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None,
+    row_granule: int | None = None,
+) -> BackwardIO:  # fmt: skip
     """Check a backward call's tensors against the view (:func:`check_inputs`, :func:`output`),
-    allocate the gradients that were not given, align and convert the inputs. When nothing is
-    visible the gradients are zeroed and returned as they are (``nothing_visible``)."""
+    allocate the gradients that were not given, align and convert the inputs (q, k, v:
+    :func:`qkv_operands` with the consumer's ``row_granule``). When nothing is visible the
+    gradients are zeroed and returned as they are (``nothing_visible``)."""
     check_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
     g = view.geometry
     device = q.device
@@ -568,11 +624,12 @@ def backward_io(
         for x in io.grads:
             x.zero_()
         return io
-    q, k, v = (tma_operand(x) for x in (q, k, v))
+    q, k, v, per_sample = qkv_operands(view, q, k, v, row_granule=row_granule)
     out, dout = aligned(out), aligned(dout)  # read by the preprocess, which takes contiguous rows
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
+    strides = qkv_strides(q, k, v, g.batch)
+    return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv, per_sample, strides)
 
 
 def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float) -> None:
@@ -604,7 +661,7 @@ def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float
         *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)), *workspace, *prep.pointers,
         g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
         prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen,
-        persistent_ctas(device, prep.k_rows * g.num_heads_kv), *qkv_strides(io.q, io.k, io.v),
+        persistent_ctas(device, prep.k_rows * g.num_heads_kv), *io.strides,
         softmax_scale, stream,
     )  # fmt: skip
     compiled["post"](*workspace[2:], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
@@ -647,23 +704,31 @@ class BackwardCompiler:
     #: ``(Dqk, Dv)`` of the THD tensors a config's kernels take (narrower than its head dims where
     #: the kernels zero-fill the rest of their tiles); default: the config's head dims
     io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
+    #: the granule of a config's main kernel that takes q, k, v rows per sample
+    #: (``main_kernel(config, deterministic=..., per_sample=True)``; ``ThdHostEntry.row_granule``),
+    #: or None where the consumer has none (such q, k, v are copied: :func:`qkv_operands`)
+    row_granule: Callable[[Any], int | None] = lambda config: None
 
     def first_dq_stored(self, deterministic: bool) -> bool:
         """Whether the main kernel stores each Q block's first dQ contribution (class docstring)."""
         return deterministic and self.stores_first_dq
 
-    def kernel_keys(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, tuple]:
+    def kernel_keys(
+        self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False
+    ) -> dict[str, tuple]:
         """Compile keys of the three kernels."""
         dims, (pre, main, post) = kernel_dims(config), self.key_prefixes
         stored = self.first_dq_stored(deterministic)
         io = ("io_head_dims", self.io_head_dims(config))
         return {
             "pre": (pre, dims, io, config.tile_m, ("dlse", with_dlse), ("zero_dq_accum", not stored)),
-            "main": (main, *self.main_key(config), io, ("deterministic", deterministic)),
+            "main": (
+                main, *self.main_key(config), io, ("deterministic", deterministic), ("per_sample", per_sample)
+            ),
             "post": (post, dims, io, config.tile_m, *self.post_key(config), ("zero_unvisited", stored)),
         }
 
-    def build(self, kind: str, config, *, deterministic: bool, with_dlse: bool):
+    def build(self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False):
         """The kernel object of ``kind``."""
         stored = self.first_dq_stored(deterministic)
         if kind == "pre":
@@ -671,13 +736,19 @@ class BackwardCompiler:
                 config.head_dim_qk, self.io_head_dims(config)[1], config.dtype, tile_m=config.tile_m,
                 with_dlse=with_dlse, zero_dq_accum=not stored,
             )  # fmt: skip
+        if kind == "main" and per_sample:
+            return self.main_kernel(config, deterministic=deterministic, per_sample=True)
         if kind == "main":
             return self.main_kernel(config, deterministic=deterministic)
         return self.postprocess(config, stored)
 
-    def jit_and_placeholders(self, kind: str, config, *, deterministic: bool, with_dlse: bool) -> tuple:
+    def jit_and_placeholders(
+        self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False
+    ) -> tuple:
         """``(kernel.from_pointers, *placeholder arguments)``: what ``cute.compile`` takes."""
-        kernel = self.build(kind, config, deterministic=deterministic, with_dlse=with_dlse)
+        kernel = self.build(
+            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample
+        )
         dtype = cute_dtype(getattr(torch, config.dtype))
         return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
 
@@ -688,14 +759,15 @@ class BackwardCompiler:
         *,
         deterministic: bool = False,
         with_dlse: bool = False,
+        per_sample: bool = False,
         extra_options: str = "",
     ):
         """Trace and compile kernel ``kind`` for :attr:`gpu_arch` (no GPU needed)."""
         options = f"--gpu-arch {self.gpu_arch} {extra_options}".strip()
-        return cute.compile(
-            *self.jit_and_placeholders(kind, config, deterministic=deterministic, with_dlse=with_dlse),
-            options=options,
+        jit = self.jit_and_placeholders(
+            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample
         )
+        return cute.compile(*jit, options=options)
 
     def run_backward(
         self, view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax_scale: float,
@@ -710,23 +782,27 @@ class BackwardCompiler:
         shapes and q's dtype) to be written in place; every element of them is written.
         """
         config = self.config_for_view(view)
-        io = backward_io(view, q, k, v, out, lse, dout, dlse, dq=dq, dk=dk, dv=dv)
+        io = backward_io(
+            view, q, k, v, out, lse, dout, dlse, dq=dq, dk=dk, dv=dv, row_granule=self.row_granule(config)
+        )
         if not io.nothing_visible:
-            with_dlse = io.dlse is not None
-            compiled = self.compile_backward(config, deterministic=deterministic, with_dlse=with_dlse)
+            compiled = self.compile_backward(
+                config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample
+            )
             launch_backward(compiled, io, config, softmax_scale)
         return io.grads
 
-    def compile_backward(self, config, *, deterministic: bool, with_dlse: bool) -> dict[str, object]:
+    def compile_backward(
+        self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False
+    ) -> dict[str, object]:
         """The three compiled kernels for ``config``: compiled on first use, then served by the
         project's compile cache (in process and on disk). Thread-safe, one compile per key."""
         compiled = {}
-        for kind, key in self.kernel_keys(config, deterministic=deterministic, with_dlse=with_dlse).items():
+        options = {"deterministic": deterministic, "with_dlse": with_dlse, "per_sample": per_sample}
+        for kind, key in self.kernel_keys(config, **options).items():
 
             def build(kind=kind):
-                return self.jit_and_placeholders(
-                    kind, config, deterministic=deterministic, with_dlse=with_dlse
-                )
+                return self.jit_and_placeholders(kind, config, **options)
 
             compiled[kind] = compile_cache.compile_cached(
                 key, build, options=f"--gpu-arch {self.gpu_arch}", packages=self.source_packages
@@ -762,8 +838,8 @@ __all__ = [
     "output",
     "plan_pointers",
     "positive_softmax_scale",
+    "qkv_operands",
     "qkv_stride_placeholders",
     "qkv_strides",
     "sequence_desc_source",
-    "tma_operand",
 ]

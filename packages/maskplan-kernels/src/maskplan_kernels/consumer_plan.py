@@ -356,16 +356,34 @@ class BwdPlanTensors(NamedTuple):
 
 # -- tensor views a host entry builds from raw pointers and int32 sizes -----------------------------
 # Plain helpers, traced inline by the ``@cute.jit`` host entry that calls them.
-def thd_tensor(ptr: cute.Pointer, total, heads, d: int, strides: tuple | None = None) -> cute.Tensor:
+def thd_tensor(
+    ptr: cute.Pointer, total, heads, d: int, strides: tuple | None = None, samples: tuple | None = None
+) -> cute.Tensor:
     """THD ``(total, heads, d)``: contiguous, or with ``strides = (row, head)`` (Int32 elements, each a
     multiple of 16 bytes, as a TMA operand's are) where the caller's tensor is a strided view, e.g.
-    q, k and v as slices of one packed QKV tensor."""
+    q, k and v as slices of one packed QKV tensor.
+
+    ``samples = (B, batch_stride, granule)``: the rows are ``B`` samples of ``S = total / B`` rows,
+    ``batch_stride`` elements apart rather than ``S`` rows (a ``[B, S, H, D]`` view of a
+    ``[B, H, S, D]`` tensor), and the row mode is ``(granule, S / granule, B)``. A flat row index
+    still addresses it (``b * S + s``), and a tile of rows that divides ``granule`` (with
+    ``S % granule == 0``, which the launcher checks) stays inside one sample; TMA takes the modes
+    as separate box dims::
+
+        row t = b * S + s  ->  (s % granule, s / granule, b) : (row, row * granule, batch_stride)
+    """
+    per_16_bytes = 128 // ptr.dtype.width
     if const_expr(strides is None):
         stride = (heads * d, d, 1)
     else:
-        per_16_bytes = 128 // ptr.dtype.width
         stride = (*(cute.assume(s, divby=per_16_bytes) for s in strides), 1)
-    return cute.make_tensor(ptr, cute.make_layout((total, heads, d), stride=stride))
+    shape = (total, heads, d)
+    if const_expr(samples is not None):
+        batch, batch_stride, granule = samples
+        row = stride[0]
+        shape = ((granule, total // batch // granule, batch), heads, d)
+        stride = ((row, row * granule, cute.assume(batch_stride, divby=per_16_bytes)), *stride[1:])
+    return cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
 
 
 def row_major(ptr: cute.Pointer, rows, cols) -> cute.Tensor:
@@ -408,7 +426,27 @@ def csr_tensors(
 
 
 class ThdHostEntry:
-    """What the kernels' host entries share: the THD tensors' head dims."""
+    """What the kernels' host entries share: the THD tensors' head dims, and how their q, k, v rows
+    are laid out (:meth:`samples`)."""
+
+    #: nonzero: q, k, v rows are ``thd_tensor(samples=...)`` with this granule (a multiple of every
+    #: tile of rows the kernel takes from them), for fixed-length batches whose samples are not
+    #: ``S`` rows apart; 0: one flat row mode
+    row_granule = 0
+
+    def qkv_tensors(self, q, k, v, *, total_q, total_k, num_heads_q, num_heads_kv, batch, strides) -> tuple:
+        """THD ``q``, ``k``, ``v`` (:meth:`io_head_dims`) from ``strides``, the host entries' nine
+        stride arguments: row and head strides of q, k, v, then their batch strides."""
+        dqk, dv = self.io_head_dims()
+        shapes = ((total_q, num_heads_q, dqk), (total_k, num_heads_kv, dqk), (total_k, num_heads_kv, dv))
+        return tuple(
+            thd_tensor(ptr, *shape, strides[2 * i : 2 * i + 2], self.samples(batch, strides[6 + i]))
+            for i, (ptr, shape) in enumerate(zip((q, k, v), shapes, strict=True))
+        )
+
+    def samples(self, batch: Int32, batch_stride: Int32):
+        """``thd_tensor``'s ``samples`` for a q, k or v of ``batch_stride`` (None: flat rows)."""
+        return (batch, batch_stride, self.row_granule) if const_expr(self.row_granule) else None
 
     def io_head_dims(self) -> tuple[int, int]:
         """``(Dqk, Dv)`` of the THD tensors: the kernel's, unless a class that reads narrower ones
@@ -470,6 +508,9 @@ class FwdHostEntry(ThdHostEntry):
         k_head_stride: Int32,
         v_row_stride: Int32,
         v_head_stride: Int32,
+        q_batch_stride: Int32,  # read where row_granule is set (ThdHostEntry.samples)
+        k_batch_stride: Int32,
+        v_batch_stride: Int32,
         softmax_scale: Float32,
         num_ctas: Int32,
         stream: cuda.CUstream,
@@ -488,9 +529,11 @@ class FwdHostEntry(ThdHostEntry):
             block_m=block.tile_m, block_n=block.tile_n, k_major=False,
         )  # fmt: skip
         tensors = (
-            thd_tensor(q, total_q, num_heads_q, dqk, (q_row_stride, q_head_stride)),
-            thd_tensor(k, total_k, num_heads_kv, dqk, (k_row_stride, k_head_stride)),
-            thd_tensor(v, total_k, num_heads_kv, dv, (v_row_stride, v_head_stride)),
+            *self.qkv_tensors(
+                q, k, v, total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
+                batch=batch, strides=(q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride,
+                                      v_head_stride, q_batch_stride, k_batch_stride, v_batch_stride),
+            ),  # fmt: skip
             thd_tensor(o, total_q, num_heads_q, dv),
             row_major(lse, num_heads_q, total_q),
             vector(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
@@ -669,6 +712,9 @@ class BwdHostEntry(ThdHostEntry):
         k_head_stride: Int32,
         v_row_stride: Int32,
         v_head_stride: Int32,
+        q_batch_stride: Int32,  # read where row_granule is set (ThdHostEntry.samples)
+        k_batch_stride: Int32,
+        v_batch_stride: Int32,
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -699,9 +745,11 @@ class BwdHostEntry(ThdHostEntry):
             plane=self.payload_plane,
         )
         tensors = (
-            thd_tensor(q, total_q, num_heads_q, dqk, (q_row_stride, q_head_stride)),
-            thd_tensor(k, total_k, num_heads_kv, dqk, (k_row_stride, k_head_stride)),
-            thd_tensor(v, total_k, num_heads_kv, dv_, (v_row_stride, v_head_stride)),
+            *self.qkv_tensors(
+                q, k, v, total_q=total_q, total_k=total_k, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
+                batch=batch, strides=(q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride,
+                                      v_head_stride, q_batch_stride, k_batch_stride, v_batch_stride),
+            ),  # fmt: skip
             thd_tensor(dout, total_q, num_heads_q, dv_),
             thd_tensor(dk, total_k, num_heads_kv, dqk),
             thd_tensor(dv, total_k, num_heads_kv, dv_),

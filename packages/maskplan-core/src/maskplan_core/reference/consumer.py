@@ -14,6 +14,7 @@ from ..consumer import (
     ViewRequest,
     require_pack_gqa_ratio,
     require_shared_mask_for_pack_gqa,
+    thd,
 )
 from ..payload import RowMajorLayout
 from ..schema import PlanSignature, Topology
@@ -53,6 +54,7 @@ class ReferenceConsumer(Consumer):
     def forward(
         self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None, payload_via_smem=None
     ):  # payload_via_smem: a kernel delivery hint, nothing to choose here
+        q, k, v = thd(q), thd(k), thd(v)
         o, stats, max_logit = attention_forward(
             plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
         )
@@ -62,7 +64,7 @@ class ReferenceConsumer(Consumer):
         self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic, dq=None, dk=None, dv=None
     ):
         grads = attention_backward(
-            plan.view("backward"), q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale
+            plan.view("backward"), thd(q), thd(k), thd(v), out, lse, dout, dlse, softmax_scale=softmax_scale
         )
         return tuple(_into(dst, g) for dst, g in zip((dq, dk, dv), grads, strict=True))
 
