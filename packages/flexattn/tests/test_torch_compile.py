@@ -276,6 +276,49 @@ def test_compiled_ops_take_strided_views_as_they_are(backend, monkeypatch):
     assert seen == eager
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_bshd_views_of_bhsd_reach_the_consumer_as_they_are(compiled, monkeypatch):
+    """q, k, v transposed from ``[B, H, S, D]`` (what code applying RoPE in BHSD hands over) have no
+    THD view at B > 1: they reach the consumer as those ``[B, S, H, D]`` views, forward and backward,
+    eager and compiled (the SM90 kernels read them per sample), and give what contiguous copies give,
+    gradients included."""
+    from flexattn import ops
+
+    seen, checked = [], ops.checked_consumer
+
+    class Recording:
+        def __init__(self, consumer):
+            self.consumer = consumer
+
+        def forward(self, plan, q, k, v, **kw):
+            seen.append(("forward", q.shape, q.stride()))
+            return self.consumer.forward(plan, q, k, v, **kw)
+
+        def backward(self, plan, q, k, v, *args, **kw):
+            seen.append(("backward", q.shape, q.stride()))
+            return self.consumer.backward(plan, q, k, v, *args, **kw)
+
+    monkeypatch.setattr(ops, "checked_consumer", lambda *a: Recording(checked(*a)))
+    plan, (q, k, v), _ = fixed_case()
+    bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+
+    def attention(q, k, v):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+
+    run = torch.compile(attention, fullgraph=True, backend="aot_eager") if compiled else attention
+    torch._dynamo.reset()
+    out, lse = run(*(t.transpose(1, 2) for t in bhsd))
+    grads = torch.autograd.grad(out.square().sum() + lse.sum(), bhsd)
+    view = ((B, S, H, D), (H * S * D, D, S * D, 1))
+    assert seen == [("forward", *view), ("backward", *view)]
+    copies = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in bhsd]
+    want_out, want_lse = attention(*copies)
+    want = torch.autograd.grad(want_out.square().sum() + want_lse.sum(), copies)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w.transpose(1, 2), rtol=0, atol=0)
+
+
 class _PlanHolder(torch.nn.Module):
     """A model that keeps its batch's plan as an attribute (set before each call)."""
 
