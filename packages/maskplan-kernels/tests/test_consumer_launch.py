@@ -78,6 +78,9 @@ def test_bshd_views_of_bhsd_are_read_per_sample():
     bshd = torch.empty(B, S, H, d, dtype=torch.bfloat16)
     merged, per_sample = operand(bshd, granule=128)
     assert merged.shape == (B * S, H, d) and merged.data_ptr() == bshd.data_ptr() and not per_sample
+    one_row = torch.empty(B, 3, H, d, dtype=torch.bfloat16)[:, :1]  # S = 1: samples 3 rows apart merge
+    merged, per_sample = operand(one_row, granule=128)
+    assert merged.shape == (B, H, d) and merged.stride(0) == 3 * H * d and not per_sample
 
 
 @pytest.mark.parametrize(

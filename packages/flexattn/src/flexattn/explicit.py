@@ -14,7 +14,8 @@ sample plan's consumer and geometry (a new plan per batch is fine), and runs the
 is not the kernels' ``[Hq, total_q]`` order). Inputs (q / k / v, and o / do / lse / dlse of the
 backward) may have any strides, as ``flex_attn_func``'s; the kernels read q / k / v in place where
 their head dim is contiguous and their base, row and head strides are 16-byte multiples (slices
-of one packed QKV tensor), and a copy otherwise. With ``current_stream`` the work runs on
+of one packed QKV tensor; on Hopper also ``[B, H, S, D]`` tensors transposed, per sample, where S
+is a multiple of the kernels' granule), and a copy otherwise. With ``current_stream`` the work runs on
 that stream and every tensor it reads or writes, the plan's included, is recorded on it (freeing
 them right after ``execute`` is safe); like any CUDA stream, it must be ordered after the work
 that made them (``s.wait_stream(torch.cuda.current_stream())`` where they were made on the

@@ -210,7 +210,7 @@ def _kernel_operand(t: torch.Tensor, *, per_sample: bool) -> torch.Tensor:
 def _rows_merge(t: torch.Tensor) -> bool:
     """Whether ``[B, S, H, D]`` ``t`` has a THD view (its samples are ``S`` rows apart)."""
     b, s = t.shape[:2]
-    return b == 1 or s == 0 or t.stride(0) == s * _row_head_strides(t)[0]
+    return b == 1 or s <= 1 or t.stride(0) == s * t.stride(1)
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
