@@ -20,6 +20,7 @@ from maskplan_core import (
     MaskPlan,
     MissingBackwardViewError,
 )
+from maskplan_core.consumer import has_thd_view, thd
 
 from . import ops
 
@@ -61,18 +62,11 @@ def resolve_scale(softmax_scale, g) -> float:
     return 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
 
 
-def thd(t: torch.Tensor) -> torch.Tensor:
-    """The ``[total, H, D]`` form of a BSHD / THD tensor: a view where the strides allow, else a copy."""
-    return t.reshape(-1, *t.shape[-2:])
-
-
 def qkv_operand(t: torch.Tensor) -> torch.Tensor:
     """q, k or v as consumers take it (``maskplan_core.consumer.Consumer``): the ``[total, H, D]``
     view of a BSHD / THD tensor, or a BSHD tensor that has none (a ``[B, H, S, D]`` tensor transposed
     at B > 1) as it is, for the consumer to read in place or copy."""
-    if t.dim() == 4 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
-        return t  # its samples are not S rows apart
-    return thd(t)
+    return thd(t) if has_thd_view(t) else t
 
 
 def caller_lse(lse: torch.Tensor, g) -> torch.Tensor:

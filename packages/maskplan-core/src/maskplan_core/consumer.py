@@ -143,9 +143,15 @@ class Consumer(ABC):
 
 
 def thd(t: torch.Tensor) -> torch.Tensor:
-    """A consumer's q, k or v as THD ``[total, H, D]``: itself, or a ``[B, S, H, D]`` tensor's
-    ``[B*S, H, D]`` (a contiguous copy: it had no such view)."""
-    return t.reshape(-1, *t.shape[-2:]) if t.dim() == 4 else t
+    """The ``[total, H, D]`` form of a THD or ``[B, S, H, D]`` tensor: a view where it has one
+    (:func:`has_thd_view`), else a contiguous copy."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def has_thd_view(t: torch.Tensor) -> bool:
+    """Whether a THD or ``[B, S, H, D]`` ``t`` has a ``[total, H, D]`` view: its samples are ``S``
+    rows apart (not so a ``[B, H, S, D]`` tensor transposed at B > 1)."""
+    return t.dim() == 3 or t.shape[0] <= 1 or t.shape[1] <= 1 or t.stride(0) == t.shape[1] * t.stride(1)
 
 
 def require_supported(argument: str, value: object, supported: tuple, owner: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import masks
+from . import consumer, masks
 from .consumer import KERNEL_DTYPE_NAMES, KernelConsumer, ViewConfig, ViewRequest
 from .geometry import PlanGeometry
 from .plan import MaskPlan, PlanView
@@ -119,8 +119,8 @@ def reference_plan(
 
 
 def thd(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The ``[total, H, D]`` form of BSHD / THD tensors (views where their strides allow)."""
-    return [t.reshape(-1, *t.shape[-2:]) for t in tensors]
+    """:func:`maskplan_core.consumer.thd` of each of ``tensors``."""
+    return [consumer.thd(t) for t in tensors]
 
 
 # -- the forward check ----------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32
 
+from maskplan_core.consumer import has_thd_view, thd
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
@@ -198,19 +199,13 @@ def qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -
 
 
 def _kernel_operand(t: torch.Tensor, *, per_sample: bool) -> torch.Tensor:
-    if t.dim() == 4:
-        thd = t.view(-1, *t.shape[2:]) if _rows_merge(t) else None
-        if thd is not None:
-            t = thd
-        elif not (per_sample and _tma_readable(t)):
-            return t.reshape(-1, *t.shape[2:])  # a contiguous copy
-    return t if _tma_readable(t) else t.clone(memory_format=torch.contiguous_format)
-
-
-def _rows_merge(t: torch.Tensor) -> bool:
-    """Whether ``[B, S, H, D]`` ``t`` has a THD view (its samples are ``S`` rows apart)."""
-    b, s = t.shape[:2]
-    return b == 1 or s <= 1 or t.stride(0) == s * t.stride(1)
+    """One of :func:`qkv_operands`' tensors: its THD view if it has one, else itself if the
+    kernels read rows ``per_sample``; kept where TMA can read it, else a contiguous THD copy."""
+    if t.dim() == 4 and has_thd_view(t):
+        t = thd(t)
+    if (t.dim() == 3 or per_sample) and _tma_readable(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format).view(-1, *t.shape[-2:])
 
 
 def _tma_readable(t: torch.Tensor) -> bool:
