@@ -5,7 +5,7 @@
                                         [--dim-v 128] [--layout contiguous|packed|bhsd]
                                         [--masks causal,sliding-1024,document,random-5]
                                         [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal
-                                                   [,flexattn-varlen,fa4-varlen]]
+                                                   [,flexattn-varlen,fa4-varlen,flexattn-contig]]
                                         [--out DIR]
 
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
@@ -18,7 +18,8 @@ through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel witho
 ``--layout packed`` makes q, k, v slices along the heads of one ``[B, S, Hq + 2 Hkv, D]`` tensor, a
 fused QKV projection's output, for every system (strided views: no system gets contiguous ones);
 ``--layout bhsd`` makes them ``[B, H, S, D]`` tensors transposed to BSHD (what code that applies RoPE
-in BHSD hands over).
+in BHSD hands over). ``flexattn-contig`` runs ours on contiguous BSHD copies of them, made once
+outside the timing: against ``flexattn`` in the same run, what the layout costs.
 TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for the forward,
 (8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
 ``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
@@ -60,7 +61,10 @@ import flexattn  # noqa: E402
 from flexattn import masks  # noqa: E402
 
 #: what ``--systems`` can name (``flexattn-pack`` joins ``flexattn`` by itself under GQA)
-SYSTEMS = ("flexattn", "flexattn-det", "cudnn", "torch-flex", "fa4-causal", "flexattn-varlen", "fa4-varlen")
+SYSTEMS = (
+    "flexattn", "flexattn-det", "cudnn", "torch-flex", "fa4-causal", "flexattn-varlen", "fa4-varlen",
+    "flexattn-contig",
+)  # fmt: skip
 
 
 def require_cuda(prog: str) -> None:
@@ -131,6 +135,15 @@ def systems(args, q, k, v, name, endpoints):
     scale = 1.0 / math.sqrt(args.dim)
     train = args.mode == "train"
     fwd = {}
+    leaves = {}  # a system's own q, k, v where they are not the run's
+    if "flexattn-contig" in args.systems:
+        qc, kc, vc = leaves["flexattn-contig"] = [
+            t.detach().contiguous().requires_grad_(train) for t in (q, k, v)
+        ]
+        contig_plan = flexattn.create_mask_plan(endpoints, qc, kc, vc, build_backward=train)
+        fwd["flexattn-contig"] = lambda: flexattn.flex_attn_func(
+            qc, kc, vc, mask_plan=contig_plan, softmax_scale=scale
+        )
     if {"flexattn", "flexattn-det"} & set(args.systems):
         plan = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train)
         if "flexattn" in args.systems:
@@ -177,12 +190,13 @@ def systems(args, q, k, v, name, endpoints):
         return fwd
     dout = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
 
-    def step(f):
+    def step(f, inputs):
         out = f()
         out = out[0] if isinstance(out, tuple) else out
-        return torch.autograd.grad(out, (q, k, v), dout.view(out.shape))  # BSHD, or THD (varlen)
+        return torch.autograd.grad(out, inputs, dout.view(out.shape))  # BSHD, or THD (varlen)
 
-    return {name: (lambda f=f: step(f)) for name, f in fwd.items()}
+    inputs = {name: leaves.get(name, (q, k, v)) for name in fwd}
+    return {name: (lambda f=f, x=inputs[name]: step(f, x)) for name, f in fwd.items()}
 
 
 systems.flex = None

@@ -16,7 +16,7 @@ pytest.importorskip("cutlass.cute")
 from flexattn_sm90.bwd_helpers import dq_warpgroup_tile  # noqa: E402
 from flexattn_sm90.bwd_launch import compile_uncached, kernel_keys  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # noqa: E402
-from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
+from maskplan_kernels.testing import assert_ptxas_clean, integer_divisions, wgmma_shapes  # noqa: E402
 
 
 def _ptx(
@@ -44,13 +44,6 @@ def _assert_ptxas_clean(ptx: str, tmp_path, dq=128, dv=128) -> None:
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
     allowed = SPILLS_128_ROW_TILE if config.tile_m == 128 else 0
     assert_ptxas_clean(ptx, "sm_90a", tmp_path, max_spill_bytes=allowed)
-
-
-def _wgmma_shapes(ptx: str) -> dict[str, int]:
-    shapes: dict[str, int] = {}
-    for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.(?:bf16|f16)", ptx):
-        shapes[m.group(1)] = shapes.get(m.group(1), 0) + 1
-    return shapes
 
 
 def _expected_wgmma(dq: int, dv: int, dtype: str = "bfloat16") -> dict[str, int]:
@@ -81,7 +74,7 @@ def _expected_wgmma(dq: int, dv: int, dtype: str = "bfloat16") -> dict[str, int]
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     ptx = _ptx("main", dq, dv, dtype, tmp_path=tmp_path)
-    assert _wgmma_shapes(ptx) == _expected_wgmma(dq, dv, dtype)
+    assert wgmma_shapes(ptx) == _expected_wgmma(dq, dv, dtype)
     assert (".f32.bf16.bf16" in ptx) == (dtype == "bfloat16")
     # the dK / dV epilogue: both tiles (tile_n rows) staged by stmatrix.x4 (256 elements per warp, 8
     # warps), and every global store a 16-byte row piece (8 elements; per thread at least 1/256 of
@@ -229,15 +222,16 @@ def test_compiles_tensors_narrower_than_the_kernel(kind, dq, dv, tmp_path):
     assert keys[kind] != kernel_keys(native, deterministic=True, with_dlse=False)[kind]
     ptx = _ptx(kind, dq, dv, tmp_path=tmp_path, deterministic=True)
     if kind == "main":
-        assert _wgmma_shapes(ptx) == _expected_wgmma(config.head_dim_qk, config.head_dim_v)
+        assert wgmma_shapes(ptx) == _expected_wgmma(config.head_dim_qk, config.head_dim_v)
     _assert_ptxas_clean(ptx, tmp_path, dq, dv)
 
 
 @pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
 def test_main_kernel_compiles_rows_per_sample(dq, dv, tmp_path):
     """q, k, v read per sample (``[B, S, H, D]`` views of ``[B, H, S, D]``): the main kernel under
-    its own key, its Q / K / V loads 5-D TMA (the flat kernel's: 3-D; dO stays THD), the same GEMMs;
-    the granule is a multiple of both tiles."""
+    its own key, its Q / K / V loads 5-D TMA (the flat kernel's: 3-D; dO stays THD), the same GEMMs
+    and no more integer divisions (``ThdHostEntry.sample_rows``); the granule is a multiple of both
+    tiles."""
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
     assert config.row_granule % config.tile_m == 0 and config.row_granule % config.tile_n == 0
     kw = {"deterministic": True, "with_dlse": False}
@@ -246,5 +240,7 @@ def test_main_kernel_compiles_rows_per_sample(dq, dv, tmp_path):
     assert (keys["pre"], keys["post"]) == (flat_keys["pre"], flat_keys["post"])
     ptx = _ptx("main", dq, dv, tmp_path=tmp_path, per_sample=True, **kw)
     assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" in ptx  # dO: flat
-    assert _wgmma_shapes(ptx) == _expected_wgmma(dq, dv)
+    assert wgmma_shapes(ptx) == _expected_wgmma(dq, dv)
+    flat = _ptx("main", dq, dv, tmp_path=tmp_path, **kw)
+    assert integer_divisions(ptx) == integer_divisions(flat)
     _assert_ptxas_clean(ptx, tmp_path, dq, dv)

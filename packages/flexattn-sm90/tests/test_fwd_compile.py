@@ -15,7 +15,12 @@ pytest.importorskip("cutlass.cute")
 from flexattn_sm90.config import SMEM_LIMIT, SMEM_RESERVE  # noqa: E402
 from flexattn_sm90.fwd_launch import DEFAULT_SCHEDULE, compile_uncached, kernel_key  # noqa: E402
 from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_fwd_config  # noqa: E402
-from maskplan_kernels.testing import assert_ptxas_clean, assert_waits_before_global_access  # noqa: E402
+from maskplan_kernels.testing import (  # noqa: E402
+    assert_ptxas_clean,
+    assert_waits_before_global_access,
+    integer_divisions,
+    wgmma_shapes,
+)
 
 
 def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tmp_path=None):
@@ -25,13 +30,6 @@ def _compile(dq=128, dv=128, dtype="bfloat16", *, smem=True, max_logit=False, tm
     return config, compiled
 
 
-def _wgmma_shapes(ptx: str) -> dict[str, int]:
-    shapes: dict[str, int] = {}
-    for m in re.finditer(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.(?:bf16|f16)", ptx):
-        shapes[m.group(1)] = shapes.get(m.group(1), 0) + 1
-    return shapes
-
-
 @pytest.mark.parametrize("smem", [True, False], ids=["smem-pipeline", "direct-payload"])
 @pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
 def test_compiles_every_head_dim(dq, dv, smem, tmp_path):
@@ -39,7 +37,7 @@ def test_compiles_every_head_dim(dq, dv, smem, tmp_path):
     config, compiled = _compile(dq, dv, smem=smem, tmp_path=tmp_path)
     ptx = compiled.__ptx__
     assert ".target sm_90a" in ptx
-    shapes = _wgmma_shapes(ptx)
+    shapes = wgmma_shapes(ptx)
     # S = Q K^T is m64n{tile_n}, O += P V is m64n{Dv}; the default (overlap) schedule issues
     # Dqk/16 and tile_n/16 of them at three sites each (its first S / last PV and two loops)
     qk, pv = f"m64n{config.tile_n}k16", f"m64n{dv}k16"
@@ -77,7 +75,8 @@ def test_compiles_tensors_narrower_than_the_kernel(dq, dv, tmp_path):
 def test_compiles_rows_per_sample(dq, dv, group, tmp_path):
     """q, k, v read per sample (``[B, S, H, D]`` views of ``[B, H, S, D]``): the same kernel under
     its own key, whose Q / K / V loads are 5-D TMA (head dim, rows of a granule, granules, sample,
-    head) where the flat kernel's are 3-D."""
+    head) where the flat kernel's are 3-D. A load's coordinates divide by the static granule only
+    (``ThdHostEntry.sample_rows``): no more integer divisions than the flat kernel's."""
     config = select_fwd_config(
         head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16", pack_gqa=group > 1, qhead_per_kvhead=group
     )
@@ -88,9 +87,9 @@ def test_compiles_rows_per_sample(dq, dv, group, tmp_path):
     flat = _compile(dq, dv, tmp_path=None)[1].__ptx__ if group == 1 else None
     assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" not in ptx
     if flat is not None:
-        assert "cp.async.bulk.tensor.3d" in flat and _wgmma_shapes(ptx) == _wgmma_shapes(flat)
-    # (256, 256): ptxas spills 16 bytes (168 registers; the flat kernel none); not located or timed
-    assert_ptxas_clean(ptx, "sm_90a", tmp_path, max_spill_bytes=16 if dq == 256 else 0)
+        assert "cp.async.bulk.tensor.3d" in flat and wgmma_shapes(ptx) == wgmma_shapes(flat)
+        assert integer_divisions(ptx) == integer_divisions(flat)
+    assert_ptxas_clean(ptx, "sm_90a", tmp_path)
 
 
 @pytest.mark.parametrize("smem", [True, False], ids=["smem-pipeline", "direct-payload"])
@@ -123,7 +122,7 @@ def test_schedules_compile(schedule, tmp_path):
         config, mask_via_smem=True, with_max_logit=False, schedule=schedule, extra_options=extra
     )
     ptx = compiled.__ptx__
-    assert _wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[schedule]}
+    assert wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[schedule]}
     # overlap: S and PV in flight together, the consumer waits for the older only, once per loop
     assert ptx.count("wgmma.wait_group.sync.aligned \t1;") == (2 if schedule == "overlap" else 0)
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)  # incl. no WGMMA ptxas serialised
@@ -132,7 +131,7 @@ def test_schedules_compile(schedule, tmp_path):
 def test_fp16_and_max_logit_compile(tmp_path):
     _, compiled = _compile(dtype="float16", max_logit=True, tmp_path=tmp_path)
     ptx = compiled.__ptx__
-    assert _wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[DEFAULT_SCHEDULE]}
+    assert wgmma_shapes(ptx) == {"m64n128k16": SCHEDULE_WGMMAS[DEFAULT_SCHEDULE]}
     assert ".f32.f16.f16" in ptx
     assert "atom.global.max.s32" in ptx and "atom.global.min.u32" in ptx  # float atomic max
 
@@ -162,7 +161,7 @@ def test_pack_gqa_compiles(dq, dv, group, smem, max_logit, tmp_path):
     ptx = compiled.__ptx__
     (tmp_path / "unpacked").mkdir()
     unpacked = _compile(dq, dv, smem=smem, max_logit=max_logit, tmp_path=tmp_path / "unpacked")[1]
-    assert _wgmma_shapes(ptx) == _wgmma_shapes(unpacked.__ptx__)
+    assert wgmma_shapes(ptx) == wgmma_shapes(unpacked.__ptx__)
     has_bulk = re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx) is not None
     assert has_bulk == smem
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)

@@ -121,6 +121,7 @@ from maskplan_kernels.consumer_plan import (
     load_payload_plane,
     publish_record,
     record_pipeline,
+    rows_from,
     select_modes,
     take_ticket,
     ticket_counter,
@@ -613,7 +614,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 (tma_v, mV, s["sV"], self.head_dim_v),
             ):
                 g_kv = cute.local_tile(
-                    cute.domain_offset((work.k_offset, 0), m_kv[None, None, work.kv_head]),
+                    self.sample_rows(m_kv[None, None, work.kv_head], work.batch, work.k_offset),
                     (tn, d_kv),
                     (work.n_block, 0),
                 )
@@ -628,13 +629,14 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 hr = head_range(plan, work, g)
                 # (tile_m, D, n_q_blocks) of this sample and head
                 tiles = []
-                for atom, m_x, s_x, d in (
-                    (tma_q, mQ, s["sQ"], self.head_dim_qk),
-                    (tma_do, mdO, s["sdO"], self.head_dim_v),
-                ):
-                    g_x = cute.local_tile(
-                        cute.domain_offset((work.q_offset, 0), m_x[None, None, hr.q_head]), (tm, d), (None, 0)
-                    )
+                # q may be read per sample (sample_rows); dO, the kernels' own THD tensor, never is
+                for atom, rows, s_x, d in (
+                    (tma_q, self.sample_rows(mQ[None, None, hr.q_head], work.batch, work.q_offset),
+                     s["sQ"], self.head_dim_qk),
+                    (tma_do, rows_from(mdO[None, None, hr.q_head], work.q_offset),
+                     s["sdO"], self.head_dim_v),
+                ):  # fmt: skip
+                    g_x = cute.local_tile(rows, (tm, d), (None, 0))
                     tiles.append(cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(s_x, 0, 2), cute.group_modes(g_x, 0, 2)
                     ))  # fmt: skip

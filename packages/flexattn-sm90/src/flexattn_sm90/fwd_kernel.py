@@ -426,7 +426,7 @@ class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
             sched_state = publish_task(pipe_sched, sched_state, sTask, t, Int32(1), lane)
             # Q tile: (tile_m, Dqk) from position q_offset + m_block * tile_positions
             gQ = cute.local_tile(
-                cute.domain_offset(self.row_coord(t.q_offset), mQ[None, None, t.head]),
+                self.sample_rows(mQ[None, None, t.head], t.batch, t.q_offset, self.pack_gqa),
                 (self.tile_m, self.head_dim_qk),
                 (t.m_block, 0),
             )
@@ -440,12 +440,12 @@ class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
                 q_state, q_due = self.load_q(q_due, pipe_q, q_state, tma_q, tQgQ, tQsQ)
             # K/V tiles of this sample and kv head: (tile_n, D, n_blocks)
             gK = cute.local_tile(
-                cute.domain_offset((t.k_offset, 0), mK[None, None, t.kv_head]),
+                self.sample_rows(mK[None, None, t.kv_head], t.batch, t.k_offset),
                 (self.tile_n, self.head_dim_qk),
                 (None, 0),
             )
             gV = cute.local_tile(
-                cute.domain_offset((t.k_offset, 0), mV[None, None, t.kv_head]),
+                self.sample_rows(mV[None, None, t.kv_head], t.batch, t.k_offset),
                 (self.tile_n, self.head_dim_v),
                 (None, 0),
             )
@@ -489,10 +489,6 @@ class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
             task = self.next_task(tile_counter, num_tasks, lane)
         # tell the consumers there is no more work
         sched_state = publish_task(pipe_sched, sched_state, sTask, None, Int32(0), lane)
-
-    def row_coord(self, position):
-        """Coordinate of ``(position, 0)`` in a Q/O view (its row mode is (head, position) with PackGQA)."""
-        return ((0, position), 0) if const_expr(self.pack_gqa) else (position, 0)
 
     @cute.jit
     def next_task(self, tile_counter: cute.Tensor, num_tasks: Int32, lane: Int32) -> Int32:

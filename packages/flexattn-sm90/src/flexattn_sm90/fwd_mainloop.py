@@ -25,7 +25,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import apply_packed_predicate, element_ptr, fetch_task
+from maskplan_kernels.consumer_plan import apply_packed_predicate, element_ptr, fetch_task, rows_from
 from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .fwd_helpers import (
@@ -330,7 +330,7 @@ class ConsumerMainloop:
         # (tile_m, Dv) of O; mO is ((G, total_q), Dv, Hkv) with PackGQA, (total_q, Hq, Dv) otherwise
         mO_head = mO[None, None, t.head] if const_expr(self.pack_gqa) else mO[None, t.head, None]
         gO = cute.local_tile(
-            cute.domain_offset(self.row_coord(t.q_offset), mO_head),
+            rows_from(mO_head, t.q_offset, self.pack_gqa),
             (self.tile_m, self.head_dim_v),
             (t.m_block, 0),
         )

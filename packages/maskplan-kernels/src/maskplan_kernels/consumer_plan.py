@@ -171,6 +171,7 @@ class Task(NamedTuple):
     partial_off: Int32
     full_cnt: Int32
     full_off: Int32
+    batch: Int32  # the sample
 
 
 #: the task fields the roles other than the decoding warp need, in SMEM record order after the
@@ -206,6 +207,7 @@ def decode_task(plan: FwdPlanTensors, task: Int32, qhead_per_kvhead: Int32) -> T
         plan.mask_block_offset[h_mask, row],
         plan.full_block_cnt[h_mask, row],
         plan.full_block_offset[h_mask, row],
+        batch,
     )
 
 
@@ -386,6 +388,12 @@ def thd_tensor(
     return cute.make_tensor(ptr, cute.make_layout(shape, stride=stride))
 
 
+def rows_from(t: cute.Tensor, first_row, packed: bool = False) -> cute.Tensor:
+    """``t``, a ``(rows, d)`` view of a THD tensor (PackGQA: ``((G, rows), d)``, ``packed``), from
+    flat row ``first_row`` on."""
+    return cute.domain_offset(((0, first_row) if const_expr(packed) else first_row, 0), t)
+
+
 def row_major(ptr: cute.Pointer, rows, cols) -> cute.Tensor:
     """Contiguous ``(rows, cols)``, row-major."""
     return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
@@ -447,6 +455,18 @@ class ThdHostEntry:
     def samples(self, batch: Int32, batch_stride: Int32):
         """``thd_tensor``'s ``samples`` for a q, k or v of ``batch_stride`` (None: flat rows)."""
         return (batch, batch_stride, self.row_granule) if const_expr(self.row_granule) else None
+
+    def sample_rows(self, t: cute.Tensor, batch: Int32, first_row: Int32, packed: bool = False):
+        """Sample ``batch``'s rows of ``t``, a ``(rows, d)`` view of q, k or v (memory or TMA
+        coordinates; ``packed``: PackGQA's ``((G, rows), d)``), whose first flat row is ``first_row``.
+        Read per sample, that is the sample's own ``(granule, S / granule)`` rows: a tile index into
+        it divides by the static granule only, where the flat offset into ``(granule, S / granule,
+        B)`` would divide by the runtime ``S / granule`` in every load's coordinates."""
+        if const_expr(self.row_granule):
+            rows = (None, None, batch)
+            flat = t[(None, rows) if const_expr(packed) else rows, None]  # the slice drops the nesting
+            return cute.group_modes(flat, 0, cute.rank(flat) - 1)
+        return rows_from(t, first_row, packed)
 
     def io_head_dims(self) -> tuple[int, int]:
         """``(Dqk, Dv)`` of the THD tensors: the kernel's, unless a class that reads narrower ones
@@ -778,6 +798,7 @@ class Work(NamedTuple):
     q_per_kv: Int32  # G = Hq / Hkv
     mask_heads: Int32
     split: Int32  # which of the ``splits`` CTAs of the K block (0 without a split)
+    batch: Int32  # the sample
 
 
 class HeadRange(NamedTuple):
@@ -889,6 +910,7 @@ def decode_work(
         q_per_kv,
         plan.mask_block_cnt.shape[0],
         x % splits,
+        b,
     )
 
 

@@ -1,7 +1,8 @@
 """Test support shared by the compile tests of this package and of the consumers (flexattn-sm90,
 flexattn-sm100): ptxas's resource report on a compiled kernel's PTX, the PTX-order check of a
 kernel launched with programmatic dependent launch, and the check that an SMEM operand tile is the
-row view the tail zeroing takes (``stage_fill.row_view``). Standard library only; it needs
+row view the tail zeroing takes (``stage_fill.row_view``), and counts of PTX instructions the
+consumers' compile tests compare between kernel variants. Standard library only; it needs
 ``ptxas`` on PATH for a report, never a GPU.
 
 ::
@@ -22,6 +23,25 @@ from pathlib import Path
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 #: ptxas's notes when it serialises WGMMAs: wgmma.mma_async serialised / warpgroup.wait injected
 WGMMA_SERIALISED = ("(C7515)", "(C7517)")
+#: a WGMMA of a bf16 / fp16 kernel, its shape as group 1
+WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.(?:bf16|f16)")
+#: a 32-bit integer division or remainder by a value known only at run time (a static divisor is
+#: a shift or a multiply by then)
+INTEGER_DIVISION = re.compile(r"\b(?:div|rem)\.[su]32\b")
+
+
+def wgmma_shapes(ptx: str) -> dict[str, int]:
+    """How many WGMMAs of each shape (``m64n128k16``, ...) the PTX holds."""
+    shapes: dict[str, int] = {}
+    for m in WGMMA.finditer(ptx):
+        shapes[m.group(1)] = shapes.get(m.group(1), 0) + 1
+    return shapes
+
+
+def integer_divisions(ptx: str) -> int:
+    """How many 32-bit integer divisions and remainders the PTX holds (each some twenty SASS
+    instructions)."""
+    return len(INTEGER_DIVISION.findall(ptx))
 
 
 def ptxas_report(ptx: str, arch: str, workdir: str | os.PathLike) -> str | None:
