@@ -188,6 +188,20 @@ class TilePacker:
         return item // (n_rows * ROW_PARTS), item // ROW_PARTS % n_rows, item % ROW_PARTS
 
     @cute.jit
+    def row_counts(
+        self, mCountsWs: cute.Tensor, mCountsOut: cute.Tensor, head: Int32, row: Int32, part: Int32,
+        write_compact: Int32, tidx: Int32,
+    ):  # fmt: skip
+        """``(partial cnt, full cnt, partial off, full off)`` of the item's row in the counts
+        workspace; with ``write_compact``, part 0's thread 0 copies them to the compact counts."""
+        counts = [mCountsWs[i, head, row] for i in range(4)]
+        if write_compact != 0:
+            if (tidx == 0) & (part == 0):
+                for i in cutlass.range_constexpr(4):
+                    mCountsOut[i, head, row] = counts[i]
+        return counts
+
+    @cute.jit
     def init(self, sBitmap: cute.Tensor, tidx: Int32):
         """Zero each slot's padding target word (never written again). Visible after the caller's
         next barrier."""

@@ -150,16 +150,9 @@ class K2QMaterialize:
             q_offset = mDescQ[batch, DESC_Q_OFFSET]
             q_len = mDescQ[batch, DESC_Q_LEN]
             k_len = mDescQ[batch, DESC_K_LEN]
-            cnt_p = mCountsWs[0, head, k_row]
-            cnt_f = mCountsWs[1, head, k_row]
-            off_p = mCountsWs[2, head, k_row]
-            off_f = mCountsWs[3, head, k_row]
-            if write_compact != 0:
-                if (tidx == 0) & (part == 0):
-                    mCountsOut[0, head, k_row] = cnt_p
-                    mCountsOut[1, head, k_row] = cnt_f
-                    mCountsOut[2, head, k_row] = off_p
-                    mCountsOut[3, head, k_row] = off_f
+            cnt_p, cnt_f, off_p, off_f = self.packer.row_counts(
+                mCountsWs, mCountsOut, head, k_row, part, write_compact, tidx
+            )
             if cnt_p + cnt_f > 0:
                 word = j // WARP
                 shift = j - word * WARP

@@ -136,16 +136,9 @@ class Q2KMaterialize:
             q_len = mDesc[batch, DESC_Q_LEN]
             k_len = mDesc[batch, DESC_K_LEN]
             first_local = (row - mDesc[batch, DESC_ROW_BEGIN]) * self.tile_m
-            cnt_p = mCountsWs[0, head, row]
-            cnt_f = mCountsWs[1, head, row]
-            off_p = mCountsWs[2, head, row]
-            off_f = mCountsWs[3, head, row]
-            if write_compact != 0:
-                if (tidx == 0) & (part == 0):
-                    mCountsOut[0, head, row] = cnt_p
-                    mCountsOut[1, head, row] = cnt_f
-                    mCountsOut[2, head, row] = off_p
-                    mCountsOut[3, head, row] = off_f
+            cnt_p, cnt_f, off_p, off_f = self.packer.row_counts(
+                mCountsWs, mCountsOut, head, row, part, write_compact, tidx
+            )
             if cnt_p > 0:
                 self.packer.load_rows(mMask, sEnd, head, q_offset, q_len, first_local, tidx)
             if cnt_p + cnt_f > 0:
