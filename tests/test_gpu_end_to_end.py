@@ -555,3 +555,69 @@ def test_backward_keeps_samples_apart(dims, layout, deterministic, poisoned):
                 assert torch.isfinite(got).all(), f"{where} is not finite"
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"{where} moved")
     assert not torch.isfinite(sample(dirty[0], victim)).all()  # the poison took
+
+
+#: the longest packed batch of the LLM team's story: 128k tokens in documents of uneven lengths,
+#: one a single token (``LONG_DOCS`` sums to ``1 << 17``)
+LONG_DOCS = [45_000, 1, 20_479, 30_000, 8192, 27_400]
+LONG_MASKS = {
+    "document": lambda: masks.document([LONG_DOCS], causal=True, device="cuda"),
+    "document-sliding-4096": lambda: masks.document(
+        [LONG_DOCS], causal=True, window_left=4096, device="cuda"
+    ),
+    "varlen": lambda: _causal_samples(LONG_DOCS)[0],
+}
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.parametrize("mask", list(LONG_MASKS))
+def test_a_128k_token_batch_trains_like_the_reference(mask):
+    """128k tokens (one fixed-length sequence of documents, or varlen samples): the GPU planner's
+    plan equals the reference planner's tensor for tensor, and flex_attn_func's output, LSE and
+    gradients match the fp32 reference consumer run on the GPU over that plan (the CPU reference
+    of the other tests would take hours here)."""
+    from flexattn_sm90 import Sm90Consumer
+    from maskplan_core.reference import attention_backward, attention_forward
+    from maskplan_core.testing import reference_plan, resolve_view, thd
+
+    torch.manual_seed(5)
+    total = sum(LONG_DOCS)
+    varlen = mask == "varlen"
+    args = _causal_samples(LONG_DOCS)[1] if varlen else {}
+    shape = (total,) if varlen else (1, total)
+    q = torch.randn(*shape, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(*shape, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
+    )
+    endpoints = LONG_MASKS[mask]()
+    plan = flexattn.create_mask_plan(endpoints, q, k, v, **args)
+    consumer = Sm90Consumer()
+    ref_plan = reference_plan(
+        endpoints, q, k, v, consumer=plan.consumer, **args,
+        forward=lambda g: resolve_view(consumer, g, "forward"),
+        backward=lambda g: resolve_view(consumer, g, "backward"),
+    )  # fmt: skip
+    assert plan.roles == ref_plan.roles == ("forward", "backward")
+    for role in plan.roles:
+        for name, want in ref_plan.view(role).tensors.items():
+            got = plan.view(role).tensors.get(name)
+            assert (got is None) == (want is None), f"{role}.{name}"
+            assert want is None or torch.equal(got, want), f"{role}.{name} differs from the reference plan"
+
+    scale = D**-0.5
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q3, k3, v3, do3 = (t.detach().float() for t in thd(q, k, v, dout))
+    ref_out, ref_lse, _ = attention_forward(ref_plan.view("forward"), q3, k3, v3, softmax_scale=scale)
+    assert (thd(out)[0].float() - ref_out).abs().max().item() <= 2e-2
+    got_lse = lse.reshape(H, total) if varlen else lse[0]
+    assert torch.allclose(got_lse, ref_lse, atol=1e-3, rtol=1e-4)
+    ref_grads = attention_backward(
+        ref_plan.view("backward"), q3, k3, v3, ref_out, ref_lse, do3, None, softmax_scale=scale
+    )
+    for name, leaf, want in zip("qkv", (q, k, v), ref_grads, strict=True):
+        got = thd(leaf.grad)[0].float()
+        assert not got.isnan().any(), f"d{name} has NaN"
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= 2e-2, f"d{name}: relative L2 error {rel:.3e}"
