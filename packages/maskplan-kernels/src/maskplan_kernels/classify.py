@@ -52,8 +52,8 @@ from maskplan_core.error_flags import ENDPOINT_ORDER, ENDPOINT_RANGE
 from maskplan_core.reference.block_geometry import WORD_BITS, BlockGeometry
 from maskplan_core.reference.classify import Classification
 
-from ._cute_args import fake_stream, int32_address, placeholder_ptr, torch_stream
-from ._jit_cache import compile_cached
+from ._cute_args import int32_address, torch_stream
+from ._jit_cache import compile_stage
 from .geometry import DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 
@@ -336,16 +336,9 @@ def compile_classify(config: ClassifyConfig):
     and on disk: :mod:`.compile_cache`).
     """
 
-    def build():
-        ptr = placeholder_ptr()
-        return (
-            Q2KClassify(config),
-            *(ptr,) * 8,  # mask_func, row_batch, sequence_desc, 4 outputs, error word
-            *(Int32(1),) * 5,  # hmask, total_q, n_q_rows, k_words, batch
-            fake_stream(),
-        )
-
-    return compile_cached(("classify", config), build)
+    # pointers: mask_func, row_batch, sequence_desc, 4 outputs, error word; ints: hmask, total_q,
+    # n_q_rows, k_words, batch
+    return compile_stage("classify", Q2KClassify, config, pointers=8, ints=5)
 
 
 def classify_gpu(

@@ -52,8 +52,7 @@ from maskplan_core.error_flags import (
 )
 from maskplan_core.geometry import PlanGeometry
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum, block_or
 
 # sequence_desc[B + 1, 8] columns (BlockGeometry.sequence_desc)
@@ -365,13 +364,5 @@ class VarlenGeometry:
 
 
 def compile_geometry(config: GeometryConfig, *, options: str | None = None):
-    """Compile (cached) the geometry kernel for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (VarlenGeometry(config), *(ptr,) * 9, *(Int32(1),) * 13, fake_stream())
-
-    return compile_cached(("geometry", config), build, options)
+    """Compile (cached) the geometry kernel for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("geometry", VarlenGeometry, config, pointers=9, ints=13, options=options)

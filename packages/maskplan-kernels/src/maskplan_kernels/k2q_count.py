@@ -31,8 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import WARP, WarpsPerCta
 from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
@@ -146,13 +145,5 @@ class K2QCount:
 
 
 def compile_k2q_count(config: K2QCountConfig, *, options: str | None = None):
-    """Compile (cached) the K2Q count kernel for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (K2QCount(config), *(ptr,) * 7, *(Int32(1),) * 5, fake_stream())
-
-    return compile_cached(("k2q_count", config), build, options)
+    """Compile (cached) the K2Q count kernel for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("k2q_count", K2QCount, config, pointers=7, ints=5, options=options)

@@ -38,8 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
 from ._tile_packer import ROW_PARTS, MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN, DESC_ROW_COUNT
@@ -210,13 +209,5 @@ class K2QMaterialize:
 
 
 def compile_k2q_materialize(config: MaterializeConfig, *, options: str | None = None):
-    """Compile (cached) the K2Q materialiser for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (K2QMaterialize(config), *(ptr,) * 14, *(Int32(1),) * 11, fake_stream())
-
-    return compile_cached(("k2q_materialize", config), build, options)
+    """Compile (cached) the K2Q materialiser for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("k2q_materialize", K2QMaterialize, config, pointers=14, ints=11, options=options)

@@ -36,8 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import WARP, lowest_bit_index, warp_broadcast, warp_inclusive_sum
 from ._tile_packer import ROW_PARTS, MaterializeConfig, TilePacker, index_vector
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
@@ -235,13 +234,5 @@ class Q2KMaterialize:
 
 
 def compile_q2k_materialize(config: MaterializeConfig, *, options: str | None = None):
-    """Compile (cached) the Q2K materialiser for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (Q2KMaterialize(config), *(ptr,) * 11, *(Int32(1),) * 10, fake_stream())
-
-    return compile_cached(("q2k_materialize", config), build, options)
+    """Compile (cached) the Q2K materialiser for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("q2k_materialize", Q2KMaterialize, config, pointers=11, ints=10, options=options)

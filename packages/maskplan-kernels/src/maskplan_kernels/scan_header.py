@@ -35,8 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
 from .geometry import HDR_BWD_FULL, HDR_BWD_PARTIAL, HDR_FWD_FULL, HDR_FWD_PARTIAL
 
@@ -167,13 +166,5 @@ class ScanHeader:
 
 
 def compile_scan_header(config: ScanConfig, *, options: str | None = None):
-    """Compile (cached) the scan/header kernel for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (ScanHeader(config), *(ptr,) * 9, Int32(1), Int32(1), fake_stream())
-
-    return compile_cached(("scan_header", config), build, options)
+    """Compile (cached) the scan/header kernel for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("scan_header", ScanHeader, config, pointers=9, ints=2, options=options)

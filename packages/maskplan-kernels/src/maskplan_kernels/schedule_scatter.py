@@ -35,8 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import (
     FULL_MASK,
     SCAN_SCRATCH,
@@ -259,13 +258,5 @@ class ScheduleScatter:
 
 
 def compile_schedule_scatter(config: ScheduleScatterConfig, *, options: str | None = None):
-    """Compile (cached) the scatter kernel for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (ScheduleScatter(config), *(ptr,) * 4, *(Int32(1),) * 12, fake_stream())
-
-    return compile_cached(("schedule_scatter", config), build, options)
+    """Compile (cached) the scatter kernel for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("schedule_scatter", ScheduleScatter, config, pointers=4, ints=12, options=options)

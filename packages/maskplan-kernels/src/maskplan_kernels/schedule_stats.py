@@ -27,8 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ._cute_args import fake_stream, placeholder_ptr
-from ._jit_cache import compile_cached
+from ._jit_cache import compile_stage
 from ._primitives import WARP, WarpsPerCta, warp_sum
 from ._sections import section_heads, task_cost
 from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
@@ -137,13 +136,5 @@ class ScheduleStats:
 
 
 def compile_schedule_stats(config: ScheduleStatsConfig, *, options: str | None = None):
-    """Compile (cached) the section-stats kernel for ``config``; no GPU needed.
-
-    ``options`` (e.g. ``"--keep-ptx"``) compiles a fresh, uncached function (``compile_cached``).
-    """
-
-    def build():
-        ptr = placeholder_ptr()
-        return (ScheduleStats(config), *(ptr,) * 3, *(Int32(1),) * 10, fake_stream())
-
-    return compile_cached(("schedule_stats", config), build, options)
+    """Compile (cached) the section-stats kernel for ``config`` (:func:`._jit_cache.compile_stage`)."""
+    return compile_stage("schedule_stats", ScheduleStats, config, pointers=3, ints=10, options=options)
