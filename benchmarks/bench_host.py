@@ -34,15 +34,25 @@ B, S, H, D = 2, 8192, 16, 128
 SLEEP_CYCLES = 800_000_000
 
 
-def host_ms(fn, calls: int) -> float:
-    """Milliseconds of host time per call of ``fn``, issued behind a GPU sleep."""
+def behind_sleep(fn, calls: int) -> float:
+    """Seconds the host takes to issue ``calls`` calls of ``fn`` behind a GPU sleep; raises where
+    the sleep ended first (the calls may then have waited for the GPU)."""
     torch.cuda._sleep(SLEEP_CYCLES)
+    slept = torch.cuda.Event()
+    slept.record()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - t0
+    if slept.query():
+        raise RuntimeError(f"the GPU sleep ended before {calls} calls were issued: ask for fewer --calls")
     torch.cuda.synchronize()
-    return elapsed / calls * 1e3
+    return elapsed
+
+
+def host_ms(fn, calls: int) -> float:
+    """Milliseconds of host time per call of ``fn``, issued behind a GPU sleep."""
+    return behind_sleep(fn, calls) / calls * 1e3
 
 
 def main() -> None:
@@ -73,12 +83,13 @@ def main() -> None:
     with torch.autograd.set_multithreading_enabled(False):
         print(f", forward + backward on the calling thread {host_ms(step, args.calls):.3f}")
         profile = cProfile.Profile()  # profiles its own thread only: the backward runs there now
-        torch.cuda._sleep(SLEEP_CYCLES)
-        profile.enable()
-        for _ in range(args.calls):
+
+        def profiled():
+            profile.enable()
             step()
-        profile.disable()
-        torch.cuda.synchronize()
+            profile.disable()
+
+        behind_sleep(profiled, args.calls)
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(args.top)

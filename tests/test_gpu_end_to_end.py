@@ -599,8 +599,10 @@ def test_a_128k_token_batch_trains_like_the_reference(mask):
     )  # fmt: skip
     assert plan.roles == ref_plan.roles == ("forward", "backward")
     for role in plan.roles:
-        for name, want in ref_plan.view(role).tensors.items():
-            got = plan.view(role).tensors.get(name)
+        tensors, want_tensors = plan.view(role).tensors, ref_plan.view(role).tensors
+        assert tensors.keys() == want_tensors.keys(), role
+        for name, want in want_tensors.items():
+            got = tensors[name]
             assert (got is None) == (want is None), f"{role}.{name}"
             assert want is None or torch.equal(got, want), f"{role}.{name} differs from the reference plan"
 
@@ -610,7 +612,11 @@ def test_a_128k_token_batch_trains_like_the_reference(mask):
     out.backward(dout)
     q3, k3, v3, do3 = (t.detach().float() for t in thd(q, k, v, dout))
     ref_out, ref_lse, _ = attention_forward(ref_plan.view("forward"), q3, k3, v3, softmax_scale=scale)
-    assert (thd(out)[0].float() - ref_out).abs().max().item() <= 2e-2
+    # a long row's outputs are small (~ 1 / sqrt(keys)): the relative error catches what the
+    # absolute one would let pass
+    err = thd(out)[0].float() - ref_out
+    assert err.abs().max().item() <= 2e-2
+    assert (err.norm() / ref_out.norm()).item() <= 1e-2
     got_lse = lse.reshape(H, total) if varlen else lse[0]
     assert torch.allclose(got_lse, ref_lse, atol=1e-3, rtol=1e-4)
     ref_grads = attention_backward(

@@ -84,11 +84,11 @@ def test_compiles_rows_per_sample(dq, dv, group, tmp_path):
     assert kernel_key(config, **kw, per_sample=True) != kernel_key(config, **kw)
     extra = f"--keep-ptx --dump-dir {tmp_path}"
     ptx = compile_uncached(config, **kw, per_sample=True, extra_options=extra).__ptx__
-    flat = _compile(dq, dv, tmp_path=None)[1].__ptx__ if group == 1 else None
+    (tmp_path / "flat").mkdir()
+    flat = compile_uncached(config, **kw, extra_options=f"--keep-ptx --dump-dir {tmp_path / 'flat'}").__ptx__
     assert "cp.async.bulk.tensor.5d" in ptx and "cp.async.bulk.tensor.3d" not in ptx
-    if flat is not None:
-        assert "cp.async.bulk.tensor.3d" in flat and wgmma_shapes(ptx) == wgmma_shapes(flat)
-        assert integer_divisions(ptx) == integer_divisions(flat)
+    assert "cp.async.bulk.tensor.3d" in flat and wgmma_shapes(ptx) == wgmma_shapes(flat)
+    assert integer_divisions(ptx) == integer_divisions(flat)
     assert_ptxas_clean(ptx, "sm_90a", tmp_path)
 
 

@@ -25,9 +25,9 @@ SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 WGMMA_SERIALISED = ("(C7515)", "(C7517)")
 #: a WGMMA of a bf16 / fp16 kernel, its shape as group 1
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.(?:bf16|f16)")
-#: a 32-bit integer division or remainder by a value known only at run time (a static divisor is
-#: a shift or a multiply by then)
-INTEGER_DIVISION = re.compile(r"\b(?:div|rem)\.[su]32\b")
+#: an integer division or remainder by a value known only at run time (a static divisor is a
+#: shift or a multiply by then)
+INTEGER_DIVISION = re.compile(r"\b(?:div|rem)\.[su](?:32|64)\b")
 
 
 def wgmma_shapes(ptx: str) -> dict[str, int]:
@@ -39,8 +39,8 @@ def wgmma_shapes(ptx: str) -> dict[str, int]:
 
 
 def integer_divisions(ptx: str) -> int:
-    """How many 32-bit integer divisions and remainders the PTX holds (each some twenty SASS
-    instructions)."""
+    """How many 32- and 64-bit integer divisions and remainders the PTX holds (each some twenty
+    SASS instructions or more)."""
     return len(INTEGER_DIVISION.findall(ptx))
 
 
