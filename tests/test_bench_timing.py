@@ -1,5 +1,7 @@
-"""benchmarks/bench_fwd_sm90.py's device-only timing, against a stand-in CUDA event clock (no GPU):
-late repeats are redone with a longer sleep, and calls that never get ahead of the sleep give up."""
+"""The benchmarks' timing behind a GPU sleep, against a stand-in CUDA event clock (no GPU):
+bench_fwd_sm90.py's device-only timing redoes late repeats with a longer sleep and gives up on
+calls that never get ahead of the sleep; bench_host.py's host timing refuses a sleep that ended
+before the calls were issued."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_fwd_sm90  # noqa: E402
+import bench_host  # noqa: E402
 
 
 class FakeCuda:
@@ -21,7 +24,7 @@ class FakeCuda:
         fake = self
 
         class Event:
-            def __init__(self, enable_timing):
+            def __init__(self, enable_timing=False):
                 pass
 
             def record(self):
@@ -56,3 +59,17 @@ def test_calls_that_wait_for_the_gpu_give_up(monkeypatch):
     with pytest.raises(RuntimeError, match="no device-only time"):
         bench_fwd_sm90.device_timed(lambda: None)
     assert max(cuda.sleeps) <= bench_fwd_sm90.MAX_SLEEP_MS
+
+
+def test_host_timing_counts_the_calls_behind_one_sleep(monkeypatch):
+    cuda = FakeCuda(needed_ms=0)
+    monkeypatch.setattr(bench_host.torch, "cuda", cuda)
+    calls = []
+    assert bench_host.behind_sleep(lambda: calls.append(1), 7) >= 0
+    assert len(calls) == 7 and cuda.sleeps == [bench_host.SLEEP_CYCLES / 2_000_000]
+
+
+def test_host_timing_refuses_calls_the_sleep_did_not_outlast(monkeypatch):
+    monkeypatch.setattr(bench_host.torch, "cuda", FakeCuda(needed_ms=float("inf")))
+    with pytest.raises(RuntimeError, match="fewer --calls"):
+        bench_host.behind_sleep(lambda: None, 7)
