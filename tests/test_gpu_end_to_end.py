@@ -560,12 +560,13 @@ def test_backward_keeps_samples_apart(dims, layout, deterministic, poisoned):
 #: the longest packed batch of the LLM team's story: 128k tokens in documents of uneven lengths,
 #: one a single token (``LONG_DOCS`` sums to ``1 << 17``)
 LONG_DOCS = [45_000, 1, 20_479, 30_000, 8192, 27_400]
+#: name -> (endpoints, the create_mask_plan arguments of the batch's layout)
 LONG_MASKS = {
-    "document": lambda: masks.document([LONG_DOCS], causal=True, device="cuda"),
-    "document-sliding-4096": lambda: masks.document(
-        [LONG_DOCS], causal=True, window_left=4096, device="cuda"
+    "document": lambda: (masks.document([LONG_DOCS], causal=True, device="cuda"), {}),
+    "document-sliding-4096": lambda: (
+        masks.document([LONG_DOCS], causal=True, window_left=4096, device="cuda"), {}
     ),
-    "varlen": lambda: _causal_samples(LONG_DOCS)[0],
+    "varlen": lambda: _causal_samples(LONG_DOCS),
 }
 
 
@@ -582,14 +583,13 @@ def test_a_128k_token_batch_trains_like_the_reference(mask):
 
     torch.manual_seed(5)
     total = sum(LONG_DOCS)
-    varlen = mask == "varlen"
-    args = _causal_samples(LONG_DOCS)[1] if varlen else {}
+    endpoints, args = LONG_MASKS[mask]()
+    varlen = bool(args)
     shape = (total,) if varlen else (1, total)
     q = torch.randn(*shape, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (
         torch.randn(*shape, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
     )
-    endpoints = LONG_MASKS[mask]()
     plan = flexattn.create_mask_plan(endpoints, q, k, v, **args)
     consumer = Sm90Consumer()
     ref_plan = reference_plan(
