@@ -1,9 +1,16 @@
 """The test support of maskplan_kernels.testing on synthetic PTX, ptxas reports and SMEM offsets (no
 compile, no GPU)."""
 
+import shutil
+
 import pytest
 
-from maskplan_kernels.testing import assert_row_view, assert_waits_before_global_access, spill_bytes
+from maskplan_kernels.testing import (
+    assert_row_view,
+    assert_waits_before_global_access,
+    ptxas_report,
+    spill_bytes,
+)
 
 PROLOGUE = "\tld.param.u64 \t%rd1, [k_param_0];\n\tprefetch.tensormap [%rd1];\n\tbar.sync \t0;\n"
 WAIT = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n"
@@ -83,3 +90,10 @@ def test_a_row_view_tile_passes(rows, cols, bits):
 def test_a_tile_that_is_not_the_row_view_fails(offsets, swizzle):
     with pytest.raises(AssertionError):
         assert_row_view(offsets, swizzle)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
+def test_a_ptxas_error_shows_its_messages(tmp_path):
+    ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k() { not_an_instruction; }\n"
+    with pytest.raises(RuntimeError, match=r"(?s)exited \d+ on .*kernel\.ptx.*not_an_instruction"):
+        ptxas_report(ptx, "sm_90a", tmp_path)

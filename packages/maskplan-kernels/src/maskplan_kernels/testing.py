@@ -47,15 +47,20 @@ def integer_divisions(ptx: str) -> int:
 def ptxas_report(ptx: str, arch: str, workdir: str | os.PathLike) -> str | None:
     """``ptxas -v``'s report (registers, spills, SMEM) of ``ptx`` assembled for ``arch`` (e.g.
     ``"sm_90a"``), or None when ptxas is not on PATH. The PTX is written to ``workdir/kernel.ptx``;
-    a ptxas error raises :class:`subprocess.CalledProcessError`."""
+    a ptxas error raises :class:`RuntimeError` with ptxas's version and messages."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return None
     src = Path(workdir) / "kernel.ptx"
     src.write_text(ptx)
-    run = subprocess.run(
-        [ptxas, f"-arch={arch}", "-v", str(src), "-o", os.devnull], capture_output=True, text=True, check=True
-    )
+    command = [ptxas, f"-arch={arch}", "-v", str(src), "-o", os.devnull]
+    run = subprocess.run(command, capture_output=True, text=True)
+    if run.returncode:
+        version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip()
+        raise RuntimeError(
+            f"{ptxas} ({version.splitlines()[-1] if version else 'version unknown'}) exited "
+            f"{run.returncode} on {src}:\n{run.stderr[-4000:]}{run.stdout[-2000:]}"
+        )
     return run.stderr + run.stdout
 
 
