@@ -94,6 +94,8 @@ def test_stage_ptx_assembles_for_sm90a(name, compile_fn, config, tmp_path):
     """ptxas accepts the PTX, and the launch fits one SM (registers x threads <= 64K, little spilling)."""
     compiled = compile_fn(config, options=f"--keep-ptx --dump-dir {tmp_path}")
     report = ptxas_report(compiled.__ptx__, "sm_90a", tmp_path)
+    if report is None:
+        pytest.skip("the ptxas on PATH does not read this PTX's ISA version")
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", report))
     threads = int(re.search(r"\.reqntid (\d+)", compiled.__ptx__).group(1))

@@ -97,3 +97,10 @@ def test_a_ptxas_error_shows_its_messages(tmp_path):
     ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry k() { not_an_instruction; }\n"
     with pytest.raises(RuntimeError, match=r"(?s)exited \d+ on .*kernel\.ptx.*not_an_instruction"):
         ptxas_report(ptx, "sm_90a", tmp_path)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas is not on PATH")
+def test_ptx_of_an_isa_newer_than_ptxas_is_not_checked(tmp_path):
+    ptx = ".version 99.0\n.target sm_90a\n.address_size 64\n.visible .entry k() { ret; }\n"
+    assert ptxas_report(ptx, "sm_90a", tmp_path) is None
+    assert ptxas_report(ptx.replace("99.0", "8.0"), "sm_90a", tmp_path) is not None

@@ -13,12 +13,16 @@ consumers' compile tests compare between kernel variants. Standard library only;
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
+#: a PTX module's ISA version line
+PTX_VERSION = re.compile(r"^\.version (\d+\.\d+)", re.MULTILINE)
 #: ``ptxas -v``'s spill line of a kernel
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 #: ptxas's notes when it serialises WGMMAs: wgmma.mma_async serialised / warpgroup.wait injected
@@ -46,10 +50,13 @@ def integer_divisions(ptx: str) -> int:
 
 def ptxas_report(ptx: str, arch: str, workdir: str | os.PathLike) -> str | None:
     """``ptxas -v``'s report (registers, spills, SMEM) of ``ptx`` assembled for ``arch`` (e.g.
-    ``"sm_90a"``), or None when ptxas is not on PATH. The PTX is written to ``workdir/kernel.ptx``;
-    a ptxas error raises :class:`RuntimeError` with ptxas's version and messages."""
+    ``"sm_90a"``), or None when no ptxas on PATH reads ``ptx``'s ISA version: the DSL compiles with
+    its own compiler, which may be newer (the CUDA 13 DSL's PTX against the H200 image's ptxas 13.0).
+    The PTX is written to ``workdir/kernel.ptx``; a ptxas error raises :class:`RuntimeError` with
+    ptxas's version and messages."""
     ptxas = shutil.which("ptxas")
-    if ptxas is None:
+    header = PTX_VERSION.search(ptx)
+    if ptxas is None or (header and not _reads_isa(ptxas, header.group(1))):
         return None
     src = Path(workdir) / "kernel.ptx"
     src.write_text(ptx)
@@ -62,6 +69,16 @@ def ptxas_report(ptx: str, arch: str, workdir: str | os.PathLike) -> str | None:
             f"{run.returncode} on {src}:\n{run.stderr[-4000:]}{run.stdout[-2000:]}"
         )
     return run.stderr + run.stdout
+
+
+@functools.cache
+def _reads_isa(ptxas: str, version: str) -> bool:
+    """Whether ``ptxas`` accepts PTX of ISA ``version`` (it assembles an empty module of it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.ptx"
+        probe.write_text(f".version {version}\n.target sm_90a\n.address_size 64\n")
+        run = subprocess.run([ptxas, "-arch=sm_90a", str(probe), "-o", os.devnull], capture_output=True)
+        return run.returncode == 0
 
 
 def spill_bytes(report: str) -> int:
