@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+import torch._inductor.config
 
 import flexattn
 import flexattn_sm90
@@ -199,12 +200,17 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "reduce-overhead"])
-def test_compiled_training_with_a_new_plan_per_batch(mode):
+@pytest.mark.parametrize(
+    "mode, partition",
+    [(None, True), ("reduce-overhead", True), ("reduce-overhead", False)],
+    ids=["default", "reduce-overhead", "reduce-overhead-no-partition"],
+)
+def test_compiled_training_with_a_new_plan_per_batch(mode, partition):
     """torch.compile (inductor) of attention taking the batch's plan: every plan of the geometry,
     each called twice, gives eager's outputs and gradients bit for bit (deterministic). Under
     reduce-overhead the ops run between inductor's CUDA graphs (tagged cudagraph_unsafe): a replay
-    of recorded launches would keep the first plan's mask."""
+    of recorded launches would keep the first plan's mask. Without inductor's graph partitioning
+    the graph holding them runs without CUDA graphs."""
     torch.manual_seed(5)
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
@@ -220,10 +226,11 @@ def test_compiled_training_with_a_new_plan_per_batch(mode):
     torch._dynamo.reset()
     compiled = torch.compile(attend, mode=mode)
     plans = [flexattn.create_mask_plan(MASKS[m]("cuda"), q, k, v, build_backward=True) for m in MASKS]
-    for plan in plans * 2:
-        got, want = run(compiled, plan), run(attend, plan)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
-            assert torch.equal(a, b), name
+    with torch._inductor.config.patch(graph_partition=partition):
+        for plan in plans * 2:
+            got, want = run(compiled, plan), run(attend, plan)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+                assert torch.equal(a, b), name
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
