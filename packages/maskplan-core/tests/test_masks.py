@@ -512,8 +512,9 @@ def test_from_mask_mod_head_and_batch_dependent():
 
 
 def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
-    """mask_mods written for torch see 0-d indices: chained indexing works; H=None with a mask_mod
-    that reads its head index is refused (torch calls it per head), H given is not."""
+    """mask_mods written for torch see 0-d indices: chained indexing works; H=None or 1 with a
+    mask_mod that reads its head index is refused (torch calls it per head), H=Hq is not, nor H=1
+    where mask_mod cannot be evaluated at head 1 (a model of one head)."""
     docs = torch.tensor([[0] * 32 + [1] * 32, [0] * 16 + [1] * 48])
     chained = masks.from_mask_mod(lambda b, h, q, kv: docs[b][q] == docs[b][kv], 2, None, 64, 64)
     indexed = masks.from_mask_mod(lambda b, h, q, kv: docs[b, q] == docs[b, kv], 2, None, 64, 64)
@@ -523,11 +524,12 @@ def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
     def window_per_head(b, h, q, kv):
         return (q >= kv) & (q - kv < 4 + 8 * h)
 
-    with pytest.raises(InputValueError, match="reads its head index.*pass H=Hq"):
-        masks.from_mask_mod(window_per_head, 1, None, 64, 64)
+    # H=1 is create_block_mask's one head entry for every head: torch still calls mask_mod per head
+    for shared in (None, 1):
+        with pytest.raises(InputValueError, match="reads its head index.*pass H=Hq"):
+            masks.from_mask_mod(window_per_head, 1, shared, 64, 64)
     assert masks.from_mask_mod(window_per_head, 1, 4, 64, 64).shape[0] == 4
-    assert masks.from_mask_mod(window_per_head, 1, 1, 64, 64).shape[0] == 1
-    window = torch.tensor([6])  # one entry per head, of one head
+    window = torch.tensor([6])  # one entry per head, of one head: torch never calls it at head 1
 
     def table_per_head(b, h, q, kv):
         return (q >= kv) & (q - kv < window[h])

@@ -608,10 +608,12 @@ def from_mask_mod(
     so it sees 0-d int64 index tensors and returns a 0-d bool tensor (``docs[b][q_idx]`` works;
     Python ``and`` / ``if`` on the indices do not). The dense ``[H, Sq, Sk]`` mask of each sample is
     then encoded like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head
-    gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` means one
-    mask for every head, as in torch; a mask_mod that reads its head index is refused there (torch
-    would still call it with each head's index): pass ``H = Hq`` (the check compares head 1's mask
-    with head 0's; heads past 1 are not evaluated). The positional arguments are
+    gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` or ``1``
+    means one mask for every head, as in torch; a mask_mod that reads its head index is refused
+    there (torch's flex_attention still calls it with each head's index): pass ``H = Hq`` (the check
+    compares head 1's mask with head 0's; heads past 1 are not evaluated). With ``H = 1`` a mask_mod
+    that fails at head 1 (a per-head table of one entry) is taken as one of a model of one head,
+    which torch never calls with head 1. The positional arguments are
     ``create_block_mask``'s (``Sq`` and ``Sk`` its ``Q_LEN`` and ``KV_LEN``), ``device`` included;
     its ``BLOCK_SIZE`` has no counterpart (endpoints are per element), and ``B`` cannot be None.
     The endpoints do not record ``Sk``: used with more keys than ``Sk``, they hide the keys past it
@@ -625,11 +627,18 @@ def from_mask_mod(
             "(row = b * Sq + q), so mask_mod is evaluated once per sample"
         )
     B = _as_int("B", B, 1)
-    shared_heads = "H=None: pass H=Hq" if H is None else None
-    H = 1 if H is None else _as_int("H", H, 1)
+    H = None if H is None else _as_int("H", H, 1)
+    # H=1 is torch's one head entry for every head too: only a failure at head 1 says one head
+    shared_heads = {None: "H=None: pass H=Hq", 1: "H=1 gives one mask for every head, as in torch: pass H=Hq"}
+    shared_heads = shared_heads.get(H)
+    one_head = H == 1
+    H = H or 1
     shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)
-    dense = [_mask_mod_sample(mask_mod, b, shape, dev, shared_heads if b == 0 else None) for b in range(B)]
+    dense = [
+        _mask_mod_sample(mask_mod, b, shape, dev, shared_heads if b == 0 else None, one_head=one_head)
+        for b in range(B)
+    ]
     return _join_samples([_encode(d) for d in dense], H)
 
 
@@ -742,17 +751,21 @@ _VMAP_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None
 
 
 def _mask_mod_sample(
-    mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None
-) -> torch.Tensor:
+    mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None,
+    *, one_head: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """``mask_mod`` of batch sample ``b`` as a dense bool ``[H, Sq, Sk]``. ``shared_heads`` (one head
     standing for every head, ``H = 1``) also evaluates head 1 and refuses a mask_mod that differs
-    there (or fails there), the string saying how to give the heads."""
+    there (or fails there, unless ``one_head``: then it is one of a model of one head), the string
+    saying how to give the heads."""
     H, Sq, Sk = shape
     res = _evaluate(mask_mod, b, torch.arange(H, device=dev), Sq, Sk)
     if shared_heads:
         try:
             other = _evaluate(mask_mod, b, torch.ones(1, dtype=torch.int64, device=dev), Sq, Sk)
         except Exception as err:  # noqa: BLE001 - the probe's failure is the user's answer, named
+            if one_head:
+                return res.to(dev)
             raise InputValueError(
                 f"one mask stands for every head, so mask_mod is also evaluated at head 1 to check that it "
                 f"does not read its head index, and it raised there ({type(err).__name__}: {err}); "
@@ -762,7 +775,8 @@ def _mask_mod_sample(
             raise InputValueError(
                 "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
                 "flex_attention calls it with each head's index, so one mask for all heads would differ "
-                f"from what torch computes; {shared_heads}"
+                f"from what torch computes; {shared_heads} (for a model of one head, give a mask_mod "
+                "that does not read its head index)"
             )
     return res.to(dev)
 
