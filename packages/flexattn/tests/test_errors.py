@@ -566,6 +566,20 @@ def test_plans_made_under_inference_mode():
     assert q.grad is not None
 
 
+def test_a_plan_made_under_inference_mode_trains():
+    """A plan built in a planning step under ``inference_mode`` (a data loader's) serves training
+    steps, eager and compiled: what they save of it for the backward is a normal tensor."""
+    q, k, v = fixed_qkv(requires_grad=True)
+    with torch.inference_mode():
+        plan = flexattn.create_mask_plan(causal_mask(), q, k, v, build_backward=True)
+    assert not plan.handle_tensor.is_inference()
+    want = None
+    for attend in (flexattn.flex_attn_func, torch.compile(flexattn.flex_attn_func, backend="aot_eager")):
+        grads = torch.autograd.grad(attend(q, k, v, mask_plan=plan).square().sum(), (q, k, v))
+        want = want or grads
+        assert all(torch.equal(g, w) for g, w in zip(grads, want, strict=True))
+
+
 def test_to_dense_is_as_wide_as_the_longest_sample_not_a_loose_max_seqlen():
     """A generous ``max_seqlen_k`` (a model's context length) bounds the samples; the decoded mask
     is as wide as the longest one, as with the exact bound (it used to allocate the bound's width)."""

@@ -350,7 +350,8 @@ class MaskPlan:
         init(self, "_views", dict(views))
         init(self, "_header", tuple(header))
         init(self, "_handle", next(_NEXT_HANDLE))
-        init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
+        with torch.inference_mode(False):  # a training step saves it for its backward: a normal tensor
+            init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
         init(self, "_prefix_versions", _prefix_versions(geometry))
         init(self, "_consumer", consumer)
         _LIVE_PLANS[self._handle] = self
