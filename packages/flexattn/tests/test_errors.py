@@ -254,6 +254,10 @@ def test_training_call_needs_backward_view():
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)
     with expect(MissingBackwardViewError, ValueError, "build_backward=True"):
         plan.view("backward")
+    with expect(InputValueError, ValueError, "'backwards'", "['forward']"):
+        plan.view("backwards")
+    with expect(InputTypeError, TypeError, "role", "['forward']"):
+        plan.view(["forward"])
     with torch.no_grad():  # inference with the same tensors is fine
         out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
     assert out.shape == (B, SQ, HQ, D)

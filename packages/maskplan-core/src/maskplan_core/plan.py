@@ -50,7 +50,7 @@ from types import MappingProxyType
 
 import torch
 
-from .errors import InputValueError, MissingBackwardViewError, PlanBindingError
+from .errors import InputTypeError, InputValueError, MissingBackwardViewError, PlanBindingError
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
@@ -407,6 +407,8 @@ class MaskPlan:
         return tuple(self._views)
 
     def view(self, role: str) -> PlanView:
+        if not isinstance(role, str):
+            raise InputTypeError(f"role must be a view role name (one of {list(self._views)}), got {role!r}")
         if role not in self._views:
             if role == "backward":
                 raise MissingBackwardViewError(
