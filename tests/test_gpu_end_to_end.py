@@ -200,6 +200,78 @@ def test_cuda_graph_capture_and_replay():
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_a_view_first_used_inside_a_capture_serves_eager_calls():
+    """A plan whose backward view is first used inside a CUDA graph capture (its warm-up ran the
+    forward only): the launch arguments derived there run only when the graph replays, so an eager
+    step right after the capture, before any replay, makes its own; its gradients equal those of
+    a plan never captured (deterministic)."""
+    torch.manual_seed(6)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    plans = [flexattn.create_mask_plan(MASKS["document"]("cuda"), *leaves) for _ in range(2)]
+
+    def step(tensors, plan):
+        out = flexattn.flex_attn_func(*tensors, mask_plan=plan, deterministic=True)
+        out.backward(dout)
+        return [t.grad.clone() for t in tensors]
+
+    want = step(leaves, plans[1])  # the kernels compiled, outside the capture
+    with torch.no_grad():
+        flexattn.flex_attn_func(*leaves, mask_plan=plans[0])  # the forward view's arguments only
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize()
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        step(leaves, plans[0])
+    fresh = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    got = step(fresh, plans[0])
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert torch.equal(a, b), f"d{name}"
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+def test_max_logit_is_fp32_under_a_float64_default_dtype():
+    """The max logit the kernels write is fp32 whatever torch's default dtype (a float64 default
+    made its buffer fp64, which the kernels filled with fp32 bit patterns)."""
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    plan = flexattn.create_mask_plan(MASKS["causal"]("cuda"), q, k, v)
+    _, want = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_max_logit=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, got = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_max_logit=True)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and got.isfinite().all()
+
+
+@pytest.mark.skipif(not _sm90() or torch.cuda.device_count() < 2, reason="needs two SM90 GPUs")
+def test_tensors_on_a_gpu_that_is_not_the_current_one():
+    """q, k, v on cuda:1 while cuda:0 is the current device: the plan and both directions run on
+    cuda:1 (the kernels take raw addresses and launch on the current device, so the library
+    switches it around them) and give what the same calls on cuda:0 give; the current device
+    stays cuda:0."""
+    torch.manual_seed(7)
+    torch.cuda.set_device(0)
+    q = torch.randn(B, S, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, dtype=torch.bfloat16) for _ in "kv")
+    dout = torch.randn_like(q)
+    results = []
+    for dev in ("cuda:0", "cuda:1"):
+        leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        plan = flexattn.create_mask_plan(MASKS["document"](dev), *leaves)
+        out = flexattn.flex_attn_func(*leaves, mask_plan=plan, deterministic=True)
+        out.backward(dout.to(dev))
+        assert torch.cuda.current_device() == 0
+        results.append([t.cpu() for t in (out, *(x.grad for x in leaves))])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
 @pytest.mark.parametrize(
     "mode, partition",
     [(None, True), ("reduce-overhead", True), ("reduce-overhead", False)],

@@ -32,7 +32,6 @@ cuDNN's two delivery paths (other consumers have no choice to make and ignore it
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
@@ -45,6 +44,7 @@ from maskplan_core import (
     MissingBackwardViewError,
     UnsupportedCallError,
 )
+from maskplan_core.consumer import on_device
 
 from . import ops
 from .attention import caller_lse, check_scale, qkv_operand, resolve_scale, thd
@@ -105,12 +105,13 @@ def _write(buffer: torch.Tensor, result: torch.Tensor) -> None:
 
 
 def _stream(current_stream, tensors, device: torch.device):
-    """The context that runs ``execute`` on ``current_stream`` (a ``torch.cuda.Stream`` or a raw
-    ``CUstream`` handle; 0, 1 and 2 name the default streams), the caller's tensors recorded on it
+    """The context that runs ``execute`` on ``device`` and ``current_stream`` (a ``torch.cuda.Stream``
+    or a raw ``CUstream`` handle; 0, 1 and 2 name the default streams; None: the device's current
+    stream), the caller's tensors recorded on it
     so that freeing them right after ``execute`` is safe (the consumers record the plan's, once
     per stream: ``maskplan_kernels.consumer_launch.cached_view_args``)."""
     if current_stream is None:
-        return contextlib.nullcontext()
+        return on_device(device)  # torch.cuda.stream below switches the device too
     if device.type != "cuda":
         raise InputValueError(f"current_stream is for CUDA tensors; these are on {device}")
     if not isinstance(current_stream, torch.cuda.Stream):

@@ -61,6 +61,7 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from maskplan_core import MaskPlan, PlanSignatureMismatch, UnsupportedCallError
+from maskplan_core.consumer import on_device
 from maskplan_core.plan import plan_for_handle
 
 from .planning import resolve_views
@@ -124,7 +125,8 @@ def _forward_impl(
     (forward and backward views); ``deterministic`` is only kept for the backward."""
     mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, training)
-    res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
+    with on_device(q.device):
+        res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
     max_logit = res.max_logit
     if max_logit is None:
         max_logit = q.new_empty(0, dtype=stat_dtype(q.dtype))
@@ -164,9 +166,10 @@ def _backward_impl(
     or None."""
     mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, True)
-    dq, dk, dv = consumer.backward(
-        mask_plan, q, k, v, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
-    )
+    with on_device(q.device):
+        dq, dk, dv = consumer.backward(
+            mask_plan, q, k, v, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
+        )
     return tuple(g.contiguous().view(x.shape) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 

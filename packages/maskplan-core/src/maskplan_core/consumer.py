@@ -8,6 +8,7 @@ needs (tile geometry, payload layout) plus the :class:`PlanSignature` the view w
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ class Consumer(ABC):
         tensors."""
         if self.gpu_planner is not None and mask_func.device.type == "cuda":
             planner = importlib.import_module(self.gpu_planner)
-            return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
+            with on_device(mask_func.device):
+                return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
         from .reference.builder import build_plan
 
         return build_plan(mask_func, geometry, forward, backward, self.name)
@@ -140,6 +142,16 @@ class Consumer(ABC):
         """``dq`` / ``dk`` / ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and
         typed like q / k / v that the gradients must be written into (and returned); the facade's
         ``FlexAttentionBwd`` passes the caller's buffers that are such (and copies into the others)."""
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context in which the CUDA ``device`` is the current one (nothing to do where it is, or for
+    the CPU). Kernels launched with raw addresses run on the current device, with its context and
+    streams: tensors on another GPU (``model.to("cuda:1")`` without ``torch.cuda.set_device``) need
+    it switched around their launches."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def thd(t: torch.Tensor) -> torch.Tensor:

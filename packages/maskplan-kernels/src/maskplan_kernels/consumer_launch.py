@@ -292,7 +292,9 @@ def forward_io(
     total_q, num_heads_q = g.total_q, g.num_heads_q
     out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
     lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
-    max_logit = torch.full((num_heads_q,), float("-inf"), device=device) if return_max_logit else None
+    max_logit = None
+    if return_max_logit:  # fp32 whatever torch's default dtype: the kernels write fp32
+        max_logit = torch.full((num_heads_q,), float("-inf"), dtype=torch.float32, device=device)
     strides = qkv_strides(q, k, v, g.batch)
     return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, per_sample, strides)
 
@@ -317,9 +319,16 @@ class _StreamEntry:
     """Device launch arguments (``value.tensors``) and the streams that may read them: the one they
     were made on, and each stream already joined to it (:func:`cached_view_args`). They are made
     from the view's tensors on the current stream once it waits for the plan's build, which may
-    have run on another stream (:mod:`maskplan_core.plan_ready`)."""
+    have run on another stream (:mod:`maskplan_core.plan_ready`). Made inside a CUDA graph capture,
+    their device work (a copy, a derived descriptor) runs only when the graph replays: such values
+    serve that capture and are kept for the graph (``captured``), and the first call outside a
+    capture makes them again (:meth:`remake`)."""
 
     def __init__(self, fn, view: PlanView, device: torch.device) -> None:
+        self.captured: list = []
+        self.make(fn, view, device)
+
+    def make(self, fn, view: PlanView, device: torch.device) -> None:
         creator = torch.cuda.current_stream(device)
         self.handles = {creator.cuda_stream}
         self.ready = None  # made inside a graph capture: nothing outside it may wait for that
@@ -332,6 +341,11 @@ class _StreamEntry:
             self.ready.record(creator)
             for t in value.tensors:  # the plan's own may come from another stream's allocations
                 t.record_stream(creator)
+
+    def remake(self, fn, view: PlanView, device: torch.device) -> None:
+        """Values made inside a capture, made again outside it; the graph keeps reading the old."""
+        self.captured.append(self.value)
+        self.make(fn, view, device)
 
     def join(self, handle: int, device: torch.device) -> None:
         """Order the current stream (``handle``) after the arguments' creation, and record their
@@ -370,8 +384,11 @@ def cached_view_args(fn):
             return on_cpu(view, device)
         e = entry(view, device)
         handle = torch_stream(device)
-        if handle not in e.handles and not capturing(device):
-            e.join(handle, device)
+        if (handle not in e.handles or e.ready is None) and not capturing(device):
+            if e.ready is None:  # made inside a capture, whose device work has not run
+                e.remake(fn, view, device)
+            elif handle not in e.handles:
+                e.join(handle, device)
         return e.value
 
     return args
