@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -35,6 +36,22 @@ def test_a_plan_nobody_holds_lives_until_the_backward():
     got = torch.autograd.grad(out.sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_kept_lse_does_not_keep_an_eager_calls_plan():
+    """An eager training call's LSE kept for logging (``lse.detach()``) holds no plan: the call's
+    autograd context kept the plan until the backward, and only compiled calls pin it to the LSE's
+    memory (their graphs hold the handle alone). Plans hold the payloads: one per step, kept, would
+    grow without bound."""
+    q, k, v = inputs(2)
+    plan = plan_for(q, k, v)
+    alive = weakref.ref(plan)
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    out.sum().backward()
+    kept = lse.detach()
+    del plan, out, lse
+    gc.collect()
+    assert alive() is None and kept.shape == (B, H, S)
 
 
 def test_create_graph_gives_the_same_gradients():

@@ -122,7 +122,14 @@ def _forward_impl(
     """THD (or ``[B, S, H, D]``: ``attention.qkv_operand``) in: ``out [total_q, Hq, Dv]``,
     ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
     ``want_max``). ``plan`` is a :attr:`MaskPlan.handle_tensor`; ``training`` selects the signature check
-    (forward and backward views); ``deterministic`` is only kept for the backward."""
+    (forward and backward views); ``deterministic`` is only kept for the backward. A training call
+    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle."""
+    return _run_forward(q, k, v, plan, scale, training, want_max, pin=training)
+
+
+def _run_forward(q, k, v, plan, scale, training, want_max, *, pin: bool):
+    """:func:`_forward_impl`, pinning the plan to the LSE only where ``pin`` (eager calls keep
+    their plan in their autograd context instead, so an LSE the caller keeps does not keep it)."""
     mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, training)
     with on_device(q.device):
@@ -131,7 +138,7 @@ def _forward_impl(
     if max_logit is None:
         max_logit = q.new_empty(0, dtype=stat_dtype(q.dtype))
     lse = res.lse.contiguous()
-    if training:
+    if pin:
         _pin_plan(lse, mask_plan)
     return res.out.contiguous(), lse, max_logit.contiguous()
 
@@ -288,7 +295,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
-        output = _forward_impl(q, k, v, mask_plan.handle_tensor, scale, training, deterministic, want_max)
+        output = _run_forward(q, k, v, mask_plan.handle_tensor, scale, training, want_max, pin=False)
         _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output)
         return output
 
@@ -302,7 +309,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
-        return _forward_impl(q, k, v, mask_plan.handle_tensor, scale, training, deterministic, want_max)
+        return _run_forward(q, k, v, mask_plan.handle_tensor, scale, training, want_max, pin=False)
 
     setup_context = staticmethod(_eager_setup)
     backward = staticmethod(_eager_backward)
