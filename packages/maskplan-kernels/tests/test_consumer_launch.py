@@ -8,12 +8,14 @@ from plan_cases import make_geometry, make_mask, row_major, view_config
 
 pytest.importorskip("cutlass.cute")
 
-from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
+from maskplan_core.errors import InputValueError, UnsupportedConfigError  # noqa: E402
 from maskplan_core.reference import build_plan  # noqa: E402
 from maskplan_kernels.consumer_launch import (  # noqa: E402
+    FP32_MAX,
     INT32_LIMIT,
     bwd_view_args,
     fwd_view_args,
+    positive_softmax_scale,
     qkv_operands,
     qkv_strides,
     require_int32_offsets,
@@ -210,3 +212,15 @@ def test_view_bounds_do_not_grow_with_a_generous_max_seqlen(tile):
     assert loose.k_words == 1
     assert ScheduleScatterConfig.for_max_k_blocks(loose.max_k_blocks).bins == 32
 
+
+def test_softmax_scales_past_fp32_are_refused():
+    """The kernels scale scores in fp32: a scale past its range would make every score infinite
+    (NaN outputs), so it is refused; the largest one, a negative one and zero are kept."""
+    q = torch.ones(2, 1, 8)
+    for scale in (1e39, -1e39, 2 * FP32_MAX):
+        with pytest.raises(InputValueError, match="softmax_scale.*fp32 range"):
+            positive_softmax_scale(q, scale)
+    assert positive_softmax_scale(q, FP32_MAX)[1] == FP32_MAX
+    negated, scale = positive_softmax_scale(q, -0.5)
+    assert scale == 0.5 and torch.equal(negated, -q)
+    assert 0 < positive_softmax_scale(q, 0.0)[1] < 1e-20

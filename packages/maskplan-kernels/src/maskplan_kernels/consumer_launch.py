@@ -237,11 +237,27 @@ def output(t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype, dev
     return t
 
 
+#: the largest finite fp32: the kernels scale scores in fp32
+FP32_MAX = 3.4028234663852886e38
+
+
+def fp32_softmax_scale(softmax_scale: float) -> float:
+    """``softmax_scale`` as a float the kernels' fp32 holds, else :class:`InputValueError` (a scale
+    past it would make every score infinite: NaN outputs)."""
+    softmax_scale = float(softmax_scale)
+    if not abs(softmax_scale) <= FP32_MAX:
+        raise InputValueError(
+            f"softmax_scale={softmax_scale!r} is past the fp32 range ({FP32_MAX:.4g}) the GPU kernels "
+            "compute scores in"
+        )
+    return softmax_scale
+
+
 def positive_softmax_scale(q: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, float]:
     """``(q, scale)`` with ``scale > 0``: the kernels track the running max of raw scores, which
     needs a positive scale. ``s * c = (-q . k) * |c|`` for ``c < 0``, and ``c = 0`` is the limit of
     a tiny positive scale."""
-    softmax_scale = float(softmax_scale)
+    softmax_scale = fp32_softmax_scale(softmax_scale)
     if softmax_scale < 0:
         q, softmax_scale = -q, -softmax_scale
     return q, max(softmax_scale, TINY_SCALE)
@@ -663,7 +679,7 @@ def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float
     stream = torch_stream(device)
     seq_ptr, qbb_ptr = prep.pointers[9], prep.pointers[11]
     sizes = (g.total_q, hq, prep.batch, prep.n_qblk, prep.max_q_blocks, prep.varlen)
-    softmax_scale = float(softmax_scale)
+    softmax_scale = fp32_softmax_scale(softmax_scale)
     dlse = None if io.dlse is None else io.dlse.data_ptr()
     compiled["pre"](
         io.out.data_ptr(), io.dout.data_ptr(), io.lse.data_ptr(), dlse,
@@ -849,6 +865,7 @@ __all__ = [
     "launch_backward",
     "output",
     "plan_pointers",
+    "fp32_softmax_scale",
     "positive_softmax_scale",
     "qkv_operands",
     "qkv_stride_placeholders",
