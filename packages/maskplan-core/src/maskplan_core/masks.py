@@ -594,6 +594,14 @@ def from_dense(
     return _encode(mask)
 
 
+#: ``from_mask_mod``'s ``H`` values that stand for one mask of every head, as ``create_block_mask``'s
+#: do, and how to give the heads instead
+_SHARED_HEAD_HINTS = {
+    None: "H=None: pass H=Hq",
+    1: "H=1 gives one mask for every head, as in torch: pass H=Hq",
+}
+
+
 def from_mask_mod(
     mask_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     B: int,
@@ -628,10 +636,8 @@ def from_mask_mod(
         )
     B = _as_int("B", B, 1)
     H = None if H is None else _as_int("H", H, 1)
-    # H=1 is torch's one head entry for every head too: only a failure at head 1 says one head
-    shared_heads = {None: "H=None: pass H=Hq", 1: "H=1 gives one mask for every head, as in torch: pass H=Hq"}
-    shared_heads = shared_heads.get(H)
-    one_head = H == 1
+    shared_heads = _SHARED_HEAD_HINTS.get(H)
+    one_head = H == 1  # only a failure at head 1 tells a model of one head from torch's shared entry
     H = H or 1
     shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)

@@ -403,7 +403,7 @@ def cached_view_args(fn):
         if (handle not in e.handles or e.ready is None) and not capturing(device):
             if e.ready is None:  # made inside a capture, whose device work has not run
                 e.remake(fn, view, device)
-            elif handle not in e.handles:
+            else:
                 e.join(handle, device)
         return e.value
 
@@ -840,6 +840,7 @@ class BackwardCompiler:
 
 __all__ = [
     "ALIGN",
+    "FP32_MAX",
     "FWD_PLAN_TENSORS",
     "TINY_SCALE",
     "BackwardCompiler",
@@ -857,6 +858,7 @@ __all__ = [
     "check_inputs",
     "cute_dtype",
     "forward_io",
+    "fp32_softmax_scale",
     "fwd_placeholders",
     "fwd_view_args",
     "gmem_ptr",
@@ -865,7 +867,6 @@ __all__ = [
     "launch_backward",
     "output",
     "plan_pointers",
-    "fp32_softmax_scale",
     "positive_softmax_scale",
     "qkv_operands",
     "qkv_stride_placeholders",
