@@ -148,8 +148,8 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """A context in which the CUDA ``device`` is the current one (nothing to do where it is, or for
     the CPU). Kernels launched with raw addresses run on the current device, with its context and
     streams: tensors on another GPU (``model.to("cuda:1")`` without ``torch.cuda.set_device``) need
-    it switched around their launches."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
+    it switched around their launches. ``cuda`` without an index is the current device."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
