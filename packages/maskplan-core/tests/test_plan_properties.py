@@ -10,6 +10,7 @@ schedule order are recomputed in plain Python.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import pytest
@@ -506,6 +507,28 @@ def _fixed(sq, sk, *, batch=1, hq=1, hkv=1, hmask=1, nfunc=1, kinds=None, seed=0
 def test_small_tile_edge_cases(p, tiles):
     ep, plan, dtype = small_plan(p, tiles, build_backward=True)
     check_plan(plan, ep, p, element_size=torch.empty((), dtype=dtype).element_size())
+
+
+@pytest.mark.parametrize("tiles", SMALL_TILES[:2], ids=["16x32", "8x40"])
+def test_chunked_planning_builds_the_same_plan(tiles, monkeypatch):
+    """The reference planner's chunks (classification rows, tile predicates, payload packing) of a
+    few tiles each give the plan of one chunk, tensor for tensor: where most tiles are partial the
+    predicates of all of them are the dense mask, so they are made and packed a chunk at a time."""
+    # the modules themselves (the package's ``classify`` is also a function of that name)
+    names = ("classify", "csr", "intervals")
+    modules = [importlib.import_module(f"maskplan_core.reference.{name}") for name in names]
+    p = _fixed(90, 150, batch=2, hq=2, hmask=2, nfunc=7, seed=3)
+    ep, whole, dtype = small_plan(p, tiles, build_backward=True)
+    tile_elements = tiles[0][0] * tiles[0][1]
+    for module in modules:
+        monkeypatch.setattr(module, "CHUNK_ELEMENTS", 3 * tile_elements)
+    _, chunked, _ = small_plan(p, tiles, build_backward=True)
+    for role in whole.roles:
+        a, b = whole.view(role).tensors, chunked.view(role).tensors
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{role} {name}"
+    check_plan(chunked, ep, p, element_size=torch.empty((), dtype=dtype).element_size())
 
 
 def _same_lengths_varlen(p: Problem) -> Problem:

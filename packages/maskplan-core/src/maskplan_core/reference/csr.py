@@ -19,7 +19,7 @@ import torch
 from ..payload import PayloadLayout
 from .block_geometry import BlockGeometry
 from .classify import Classification, unpack_bits
-from .intervals import tile_predicates
+from .intervals import CHUNK_ELEMENTS, tile_predicates
 
 
 def exclusive_offsets(counts: torch.Tensor) -> torch.Tensor:
@@ -69,12 +69,18 @@ def block_flags(cls: Classification, geom: BlockGeometry) -> tuple[torch.Tensor,
 def pack_payloads(
     mask_func, geom: BlockGeometry, layout: PayloadLayout, head, q_row, n_block
 ) -> torch.Tensor:
-    """Packed payloads of the tiles (mask head, compact Q plan row, K block)."""
+    """Packed payloads of the tiles (mask head, compact Q plan row, K block), ``CHUNK_ELEMENTS``
+    predicate elements at a time: where most tiles are partial, all their predicates at once are the
+    dense mask, and packing makes several copies of it (20x the plan's bytes at its peak)."""
     if (layout.tile_m, layout.tile_n) != (geom.tile_m, geom.tile_n):
         raise ValueError(f"{layout!r} does not match the view tile {geom.tile_m}x{geom.tile_n}")
     row_b, row_m = geom.q_row_owner()
-    tiles = tile_predicates(mask_func, geom, head, row_b[q_row], row_m[q_row], n_block)
-    return layout.pack(tiles)
+    batch, m_block = row_b[q_row], row_m[q_row]
+    step = max(1, CHUNK_ELEMENTS // (geom.tile_m * geom.tile_n))
+    return torch.cat([
+        layout.pack(tile_predicates(mask_func, geom, head[sl], batch[sl], m_block[sl], n_block[sl]))
+        for sl in (slice(c, c + step) for c in range(0, max(head.numel(), 1), step))
+    ])  # fmt: skip
 
 
 def materialize_q2k(mask_func, cls: Classification, geom: BlockGeometry, layout: PayloadLayout) -> BlockLists:
