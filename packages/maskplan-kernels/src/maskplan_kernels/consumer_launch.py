@@ -39,13 +39,13 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float16, Float32, Int32
 
-from maskplan_core.consumer import has_thd_view, thd
+from maskplan_core.consumer import has_thd_view, on_device, thd
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
 
 from . import compile_cache
-from ._cute_args import cuda_index, torch_stream
+from ._cute_args import torch_stream
 from ._launch import persistent_ctas
 from .consumer_bwd_preprocess import BwdPreprocess
 from .geometry import ViewBounds
@@ -377,10 +377,7 @@ class _StreamEntry:
 def capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream (the one a launch on it uses) is capturing a CUDA graph;
     without a device switch when ``device`` is the current one (every forward asks)."""
-    index = cuda_index(device)
-    if index == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(index):
+    with on_device(device):
         return torch.cuda.is_current_stream_capturing()
 
 
