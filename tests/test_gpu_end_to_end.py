@@ -58,20 +58,23 @@ def test_forward_matches_cpu_reference(mask, dtype):
     [("causal", False, None, (D, D)), ("causal", True, None, (D, D)), ("document", False, None, (D, D)),
      ("document", True, None, (D, D)), ("sliding", False, True, (D, D)), ("prefix", True, True, (D, D)),
      ("causal", False, None, (192, 128)), ("sliding", True, None, (256, 256)),
-     ("document", True, None, (64, 64)), ("causal", False, None, (80, 80)),
+     ("document", True, None, (64, 64)), ("causal", False, None, (72, 72)),
+     ("sliding", True, None, (80, 80)),
      ("document", True, True, (48, 48)), ("sliding", False, None, (64, 128)),
      ("prefix", True, None, (160, 128)), ("document", False, None, (36, 60))],
     ids=["causal-atomic", "causal-deterministic", "document-atomic", "document-deterministic",
          "sliding-atomic-packgqa", "prefix-deterministic-packgqa", "causal-atomic-d192",
-         "sliding-deterministic-d256", "document-deterministic-d64", "causal-atomic-d80-padded",
+         "sliding-deterministic-d256", "document-deterministic-d64", "causal-atomic-d72-padded",
+         "sliding-deterministic-d80",
          "document-deterministic-packgqa-d48-padded", "sliding-atomic-d64x128-padded",
          "prefix-deterministic-d160x128-padded", "document-atomic-d36x60-copied"],
 )  # fmt: skip
 def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
     """flex_attn_func trains on CUDA: its gradients (with an LSE gradient) match the CPU reference
     (``pack_gqa=True``: the packed forward view with the backward view, which packing leaves as is;
-    head dims 192/128 and 256: the backward's 64 x 64 tile; 64: its 128 x 128 tile; 80, 48, 64/128
-    and 160/128 run on the kernels of 96, 64, 128 and 192/128, which read the tensors as they are;
+    head dims 192/128 and 256: the backward's 64 x 64 tile; 64: its 128 x 128 tile; 80: dQ in 40-column
+    halves; 72, 48, 64/128 and 160/128 run on the kernels of 80, 64, 128 and 192/128, which read the
+    tensors as they are;
     36/60 on the 64 kernels, q, k, v, out and dout copied with zero columns up to 40/64)."""
     torch.manual_seed(1)
     dtype = torch.bfloat16
@@ -306,11 +309,11 @@ def test_compiled_training_with_a_new_plan_per_batch(mode, partition):
 
 
 @pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
-@pytest.mark.parametrize("dims", [(D, D), (64, 64), (80, 80), (64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("dims", [(D, D), (64, 64), (72, 72), (64, 128), (128, 64)], ids=str)
 def test_explicit_api_writes_in_place(dims):
     """FlexAttentionFwd / FlexAttentionBwd on the SM90 kernels write o, lse and dq/dk/dv into the
-    caller's tensors, bit for bit what flex_attn_func gives (deterministic backward; 80, 64/128 and
-    128/64: through the (96, 96) / (128, 128) kernels, narrower in one head dim or both)."""
+    caller's tensors, bit for bit what flex_attn_func gives (deterministic backward; 72, 64/128 and
+    128/64: through the (80, 80) / (128, 128) kernels, narrower in one head dim or both)."""
     torch.manual_seed(3)
     dqk, dv = dims
     q = torch.randn(B, S, H, dqk, device="cuda", dtype=torch.bfloat16)

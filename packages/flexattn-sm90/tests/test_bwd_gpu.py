@@ -133,10 +133,14 @@ def test_varlen_with_empty_samples(dtype, kind):
 # -- other head dims ------------------------------------------------------------------------------
 #: head dims without a kernel of their own, run by the next kernel up on the tensors as they are
 #: (heuristics.io_head_dims): on the 64 x 128 tile, the 128 x 128 one, Dqk alone, and the 64 x 96 one
-NARROWER = [(80, 80), (48, 48), (64, 128), (160, 128)]
+NARROWER = [(72, 72), (48, 48), (64, 128), (160, 128)]
 
 
-@pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256), *NARROWER])
+#: the kernels' own head dims but (128, 128), which the default cases run
+OWN = [(32, 32), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256)]
+
+
+@pytest.mark.parametrize("dqk,dv", [*OWN, *NARROWER])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_head_dims(dqk, dv, kind):
     CASES.head_dims(dqk, dv, kind)
@@ -151,8 +155,8 @@ def test_narrower_head_dims_varlen_with_empty_samples(dqk, dv, kind):
 #: the head dims of the other backward tiles than the 64 x 128 one the default D = 128 cases run:
 #: 128 x 128 (D = 64: 128 Q rows, dQ split by rows), 64 x 96 as S ((192, 128): the warpgroups split
 #: S's K columns, dK^T / dV^T) and 64 x 64 (D = 256: the warpgroups split S^T's Q columns and dK /
-#: dV's head dim)
-OTHER_TILES = [(64, 64), (192, 128), (256, 256)]
+#: dV's head dim); and 64 x 128 at D = 80, whose dQ halves are 40 columns (m64n40)
+OTHER_TILES = [(64, 64), (80, 80), (192, 128), (256, 256)]
 
 
 @pytest.mark.parametrize("dqk,dv", OTHER_TILES)

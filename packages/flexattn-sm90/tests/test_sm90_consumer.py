@@ -16,7 +16,7 @@ from maskplan_core.consumer import Consumer, ViewRequest
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
 
-PAIRS = [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+PAIRS = [(32, 32), (64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 
 def request(direction="forward", dims=(128, 128), **overrides) -> ViewRequest:
@@ -120,9 +120,9 @@ def test_rejects_head_dims(direction, dims):
 
 @pytest.mark.parametrize(
     "dims, kernel",
-    [((80, 80), (96, 96)), ((8, 8), (32, 32)), ((48, 48), (64, 64)), ((64, 128), (128, 128)),
-     ((128, 64), (128, 128)), ((112, 112), (128, 128)), ((160, 128), (192, 128)), ((192, 192), (256, 256)),
-     ((256, 128), (256, 256)), ((96, 96), (96, 96))],
+    [((72, 72), (80, 80)), ((88, 88), (96, 96)), ((8, 8), (32, 32)), ((48, 48), (64, 64)),
+     ((64, 128), (128, 128)), ((128, 64), (128, 128)), ((112, 112), (128, 128)), ((160, 128), (192, 128)),
+     ((192, 192), (256, 256)), ((256, 128), (256, 256)), ((96, 96), (96, 96))],
 )  # fmt: skip
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_head_dims_without_a_kernel_resolve_to_the_next_kernel_up(direction, dims, kernel):
@@ -134,7 +134,7 @@ def test_head_dims_without_a_kernel_resolve_to_the_next_kernel_up(direction, dim
 
 
 def test_padded_head_dims_say_so():
-    with pytest.warns(UserWarning, match=r"\(72, 72\): they run on the \(96, 96\) kernels") as seen:
+    with pytest.warns(UserWarning, match=r"\(72, 72\): they run on the \(80, 80\) kernels") as seen:
         Sm90Consumer().check_head_dims(72, 72)
     assert "copied" not in str(seen[0].message)  # multiples of 8: read in place
     with pytest.warns(UserWarning, match=r"\(36, 60\): they run on the \(64, 64\) kernels.* copied per call"):
@@ -150,7 +150,7 @@ def _thd(total: int, heads: int, dim: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "dims, io, kernel",
-    [((80, 80), (80, 80), (96, 96)), ((64, 128), (64, 128), (128, 128)),
+    [((72, 72), (72, 72), (80, 80)), ((64, 128), (64, 128), (128, 128)),
      ((128, 64), (128, 64), (128, 128)), ((36, 36), (40, 40), (64, 64)), ((60, 124), (64, 128), (128, 128))],
 )  # fmt: skip
 def test_head_dims_without_a_kernel_run_on_the_next_kernel_up(monkeypatch, dims, io, kernel):

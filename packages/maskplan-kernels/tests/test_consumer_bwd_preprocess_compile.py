@@ -23,7 +23,7 @@ from maskplan_kernels.consumer_launch import bwd_placeholders  # noqa: E402
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
 ARCH = os.environ["CUTE_DSL_ARCH"]
-HEAD_DIMS = [(32, 32), (64, 64), (96, 96), (128, 128)]
+HEAD_DIMS = [(32, 32), (64, 64), (80, 80), (96, 96), (128, 128)]
 
 
 def _ptx(dq, dv, tile_m, with_dlse, tmp_path, zero_dq_accum=True) -> str:

@@ -25,8 +25,9 @@ later reduction), while each visited Q block's dQ contribution goes to an fp32 a
 Four tiles (heuristics.bwd_tile)::
 
     128 x 128 (D <= 64)      as 64 x 128, with S^T m64n128 per warpgroup; dQ's warpgroups split its
-    64 x 128 (D <= 128)      rows (64 x 128: its head dim). Each warpgroup: 64 K rows of S^T, of dK
-                             and of dV; dK / dV are RS (P^T / dS^T straight from its registers)
+    64 x 128 (D <= 128)      rows (64 x 128: its head dim, 40 columns each at D = 80). Each
+                             warpgroup: 64 K rows of S^T, of dK and of dV; dK / dV are RS (P^T /
+                             dS^T straight from its registers)
     64 x 64  (256)           each warpgroup: 32 Q columns of S^T, D/2 columns of dK and dV (the
                              accumulators of a whole-D 64-row slab do not fit 240 registers); P^T and
                              dS^T meet in SMEM and dK / dV are SS. 2 Q / 1 dO stages and SMEM for
@@ -206,13 +207,17 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
                 "warpgroups puts them on its Q rows"
             )
         head_dims = (config.head_dim_qk, config.head_dim_v)
-        if any(d % (16 * layout.wg_n * 2) for d in head_dims) or (
+        # dQ's head dim is split between the two warpgroups (m64n(D/2)): each half a whole number of
+        # 8-column N steps. Where they split S^T's Q columns (64 x 64, only D = 256 selects it) dK's
+        # and dV's are too, built for multiples of 64
+        multiple = 16 if layout.wg_n == 1 else 64
+        if any(d % multiple for d in head_dims) or (
             not self.pds_in_smem and head_dims[0] != head_dims[1]
         ):
             raise NotImplementedError(
                 f"(head_dim_qk, head_dim_v)=({config.head_dim_qk}, {config.head_dim_v}): the SM90 backward "
                 f"kernel's {config.tile_m}x{config.tile_n} tile takes head dims that are multiples of "
-                f"{32 * layout.wg_n}" + ("" if self.pds_in_smem else ", equal (32, 64, 96, 128)")
+                f"{multiple}" + ("" if self.pds_in_smem else ", equal (32, 64, 80, 96, 128)")
             )
         self.config = config
         self.deterministic = deterministic

@@ -90,9 +90,9 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
                 visited = mdQsem[q_head, blk]
             if visited != 0:
                 cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
-            # rows 2 D + 16 bytes apart: for D a multiple of 32 any 8 consecutive rows start at distinct
+            # rows 2 D + 16 bytes apart: for D a multiple of 16 any 8 consecutive rows start at distinct
             # 16-byte bank offsets (an stmatrix 8x8 matrix has no bank conflict; no swizzle atom fits
-            # D = 96), and every row stays 16-byte aligned for store_rows
+            # D = 80 or 96), and every row stays 16-byte aligned for store_rows
             pitch = d + 8
             sdQ = cutlass.memory.SmemAllocator().allocate_tensor(
                 self.dtype, cute.make_layout((tm, d), stride=(pitch, 1)), 16

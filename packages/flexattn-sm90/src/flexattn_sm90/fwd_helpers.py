@@ -196,10 +196,12 @@ def stage_fragment(
     transpose: cutlass.Constexpr[bool] = False,
 ):  # fmt: skip
     """This thread's C fragment ``frag`` (16-bit, in ``tiled_mma``'s C ownership of ``s_tile``'s
-    shape) -> the SMEM tile ``s_tile``, by stmatrix (8x8 matrices, four per instruction).
+    shape) -> the SMEM tile ``s_tile``, by stmatrix (8x8 matrices).
     ``transpose``: ``s_tile`` is a transposed view (its columns are contiguous), written by
-    ``stmatrix.trans``."""
-    atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose, 4), s_tile.element_type)
+    ``stmatrix.trans``. An atom N that is an odd multiple of 8 (dQ's 40-column halves at D = 80)
+    takes two matrices per instruction: four cover 16 columns."""
+    matrices = 4 if const_expr(tiled_mma.op.shape_mnk[1] % 16 == 0) else 2
+    atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose, matrices), s_tile.element_type)
     r2s = cute.make_tiled_copy_C(atom, tiled_mma)
     thr = r2s.get_slice(tidx)
     cute.copy(r2s, thr.retile(frag), thr.partition_D(s_tile))

@@ -10,6 +10,8 @@ The tile is chosen by head dims only (so one plan serves every sequence length).
 (32, 32)        128 x 128     128 x 128                   two consumer warpgroups x m64n128
 (64, 64)        128 x 128     128 x 128                   S^T m64n128 per warpgroup, dQ split
                                                           by rows (m64n64): see bwd_tile
+(80, 80)        128 x 128     64 x 128                    dQ split by head dim (m64n40); on the
+                                                          (96, 96) kernels fwd+bwd ran 4-7% slower
 (96, 96)        128 x 128     64 x 128
 (128, 128)      128 x 128     64 x 128
 (192, 128)      128 x 128     64 x 96, S (not S^T)        see bwd_tile
@@ -33,7 +35,7 @@ from .config import Sm90BwdConfig, Sm90FwdConfig
 #: the head dims the kernels are built for; any other pair runs on the cheapest of them that holds
 #: it (:func:`kernel_head_dims`), its tensors' columns past their head dims read as zeros
 SUPPORTED_HEAD_DIMS: tuple[tuple[int, int], ...] = (
-    (32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)
+    (32, 32), (64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256)
 )  # fmt: skip
 SUPPORTED_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
@@ -45,7 +47,7 @@ def check_dtype(dtype: str) -> None:
 def kernel_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     """The kernels' head dims that run ``(head_dim_qk, head_dim_v)``: the pair itself where the
     kernels are built for it, else the one of :data:`SUPPORTED_HEAD_DIMS` with the fewest head-dim
-    columns that holds both (``(80, 80)`` on ``(96, 96)``, ``(64, 128)`` on ``(128, 128)``, ``(160,
+    columns that holds both (``(72, 72)`` on ``(80, 80)``, ``(64, 128)`` on ``(128, 128)``, ``(160,
     128)`` on ``(192, 128)``). Zero columns change no score, probability or output column, so the
     padded problem's results are the pair's, at the cost of the kernel's head dims. The kernels
     read the tensors at their own head dims (:func:`io_head_dims`): TMA fills the columns past them
