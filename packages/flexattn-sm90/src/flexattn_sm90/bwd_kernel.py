@@ -208,8 +208,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
         head_dims = (config.head_dim_qk, config.head_dim_v)
         # dQ's head dim is split between the two warpgroups (m64n(D/2)): each half a whole number of
-        # 8-column N steps. Where they split S^T's Q columns (64 x 64, only D = 256 selects it) dK's
-        # and dV's are too, built for multiples of 64
+        # 8-column N steps. Where they split the score tile's columns instead (64 x 64: S^T's Q
+        # columns, and dK's / dV's head dim, at (256, 256); 64 x 96: S's K columns at (192, 128)),
+        # the tiles are built for multiples of 64
         multiple = 16 if layout.wg_n == 1 else 64
         if any(d % multiple for d in head_dims) or (
             not self.pds_in_smem and head_dims[0] != head_dims[1]
