@@ -1,6 +1,7 @@
 """Code written for cuDNN's ``cudnn.flex_attention`` runs unchanged on flexattn: the same names and
 signatures, and on an SM90 GPU the same calls, run through each library, both give results within
-the kernels' tolerance of the fp32 CPU reference (flexattn's CPU path, the oracle of the GPU tests).
+the kernels' tolerance of the fp32 CPU reference (flexattn's CPU path, the oracle of the GPU tests),
+in tensors of the same shapes, strides and dtypes.
 
 Runs where cuDNN's frontend (``nvidia-cudnn-frontend``) imports; CI has none and skips the file.
 On the GPU machine the peers' bundle (``gpu-bundle --peers``) installs it.
@@ -155,8 +156,13 @@ def test_flex_attn_func_same_results(kind, varlen):
         varlen_args("cpu") if varlen else {},
     )  # fmt: skip
     ref = [t.detach() for t in ref]
-    for lib in (flexattn, cfa):
-        _check(lib.__name__, _attention(lib, _mask(kind, varlen, "cuda"), q, k, v, dout, args), ref)
+    results = {
+        lib: _attention(lib, _mask(kind, varlen, "cuda"), q, k, v, dout, args) for lib in (flexattn, cfa)
+    }
+    for lib, got in results.items():
+        _check(lib.__name__, got, ref)
+    for ours, theirs in zip(results[flexattn], results[cfa], strict=True):  # code may .view() them
+        assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(), theirs.dtype)
 
 
 def _explicit(lib, mask, q, k, v, dout):

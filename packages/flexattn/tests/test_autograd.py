@@ -54,6 +54,33 @@ def test_a_kept_lse_does_not_keep_an_eager_calls_plan():
     assert alive() is None and kept.shape == (B, H, S)
 
 
+def test_fixed_length_lse_is_contiguous_and_differentiable():
+    """The fixed-length LSE is a contiguous ``[B, H, S]`` tensor, as cuDNN's (code written for it
+    may ``.view`` it), with the values and the LSE gradient path of the varlen call on the same rows."""
+    q, k, v = inputs(3)
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v), return_lse=True)
+    assert lse.shape == (B, H, S) and lse.is_contiguous()
+    cu = torch.arange(0, B * S + 1, S, dtype=torch.int32)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S, max_seqlen_k=S)
+    q3, k3, v3 = (t.reshape(B * S, H, D) for t in (q, k, v))
+    plan3 = flexattn.create_mask_plan(
+        masks.sliding_window(window_left=9, cu_seqlens_q=cu, cu_seqlens_k=cu), q3, k3, v3, **varlen
+    )
+    out3, lse3 = flexattn.flex_attn_func(q3, k3, v3, mask_plan=plan3, return_lse=True)
+    assert torch.equal(lse.view(B, H * S), lse3.view(H, B, S).transpose(0, 1).reshape(B, H * S))
+    gen = torch.Generator().manual_seed(4)
+    do, dlse = (
+        torch.randn(out.shape, generator=gen, dtype=out.dtype),
+        torch.randn(lse.shape, generator=gen, dtype=lse.dtype),
+    )
+    got = torch.autograd.grad((out, lse), (q, k, v), (do, dlse))
+    want = torch.autograd.grad(
+        (out3, lse3), (q, k, v), (do.reshape(out3.shape), dlse.transpose(0, 1).reshape(lse3.shape))
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_create_graph_gives_the_same_gradients():
     q, k, v = inputs(1)
     plan = plan_for(q, k, v)

@@ -89,7 +89,7 @@ def test_backward_matches_autograd(kind, with_dlse):
     do = torch.randn(o.shape, generator=gen)
     dlse = torch.randn(lse_shape, generator=gen) if with_dlse else None
     want = torch.autograd.grad((o, lse), leaves, (do, dlse if with_dlse else torch.zeros_like(lse)))
-    o, lse = o.detach(), lse.detach()  # flex_attn_func's fixed-length LSE: a transposed view
+    o, lse = o.detach(), lse.detach()  # flex_attn_func's O and LSE, the explicit backward's inputs
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     bwd = FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv, plan, dlse, deterministic=True)
     bwd.compile()

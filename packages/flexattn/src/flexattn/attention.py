@@ -90,9 +90,10 @@ def flex_attn_func(
 
     Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE (``[B, Hq, Sq]``
     / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled logit over visible
-    elements if ``return_max_logit``, as a tuple when more than ``out`` is asked for. The fixed
-    length LSE is a transposed view of the kernels' ``[Hq, B * Sq]``: ``.contiguous()`` it before
-    ``.view`` or in-place ops. LSE and max logit are fp32 (fp64 for fp64 inputs on the CPU reference).
+    elements if ``return_max_logit``, as a tuple when more than ``out`` is asked for. Both LSE
+    shapes are contiguous, as cuDNN's (the fixed-length one a copy of the kernels' ``[Hq, B * Sq]``
+    order, made only where the LSE is returned). LSE and max logit are fp32 (fp64 for fp64 inputs
+    on the CPU reference).
     Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
     under ``torch.autocast`` too (cast q/k/v yourself to change it). Differentiable once, in
     reverse mode: a double backward, and in eager code a vmapped backward (``is_grads_batched``,
@@ -124,7 +125,7 @@ def flex_attn_func(
     )  # fmt: skip
     if not g.varlen:
         out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
-    lse = caller_lse(lse, g)
     max_logit = max_logit.detach()  # a statistic, not differentiable
-    results = (out,) + ((lse,) if return_lse else ()) + ((max_logit,) if return_max_logit else ())
+    returned_lse = (caller_lse(lse, g).contiguous(),) if return_lse else ()
+    results = (out,) + returned_lse + ((max_logit,) if return_max_logit else ())
     return results[0] if len(results) == 1 else results
