@@ -144,16 +144,31 @@ def check_forward(run: Callable, view: PlanView, q, k, v, *, scale: float | None
 
     assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} O elements unwritten or NaN"
     assert not torch.isnan(lse).any(), f"{int(torch.isnan(lse).sum())} LSE elements unwritten or NaN"
-    tol = FWD_TOLERANCE[q.dtype]
-    err = (out.float() - ref_out).abs().max().item()
-    assert err <= tol, f"max |O - ref| = {err:.3e} > {tol}"
+    compare_forward("", (out, lse, max_logit), (ref_out, ref_lse, ref_max))
     empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse) & (lse < 0), empty), "LSE = -inf exactly on rows with no visible key"
     assert (out.float()[empty.transpose(0, 1)] == 0).all(), "rows with no visible key must have O = 0"
-    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
-    assert lse_err <= 1e-2, f"max |LSE - ref| = {lse_err:.3e}"
-    assert torch.allclose(max_logit, ref_max, atol=1e-2, rtol=1e-3, equal_nan=False), (max_logit, ref_max)
 
+
+def compare_forward(name: str, got, want) -> None:
+    """``got = (out, lse, max_logit)`` of a kernel forward against ``want``, the fp32 reference's in
+    the same layout: O within :data:`FWD_TOLERANCE`, LSE = -inf exactly on rows with no visible key
+    and within 1e-2 elsewhere, max logit within 1e-2. ``name`` prefixes the messages."""
+    out, lse, max_logit = got
+    ref_out, ref_lse, ref_max = want
+    tol = FWD_TOLERANCE[out.dtype]
+    err = (out.float() - ref_out).abs().max().item()
+    assert err <= tol, f"{name}max |O - ref| = {err:.3e} > {tol}"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), empty), (
+        f"{name}LSE = -inf exactly on rows with no visible key"
+    )
+    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item() if (~empty).any() else 0.0
+    assert lse_err <= 1e-2, f"{name}max |LSE - ref| = {lse_err:.3e}"
+    assert torch.allclose(max_logit, ref_max, atol=1e-2, rtol=1e-3, equal_nan=False), (
+        name,
+        max_logit,
+        ref_max,
+    )
 
 
 # -- the backward check ---------------------------------------------------------------------------
@@ -561,6 +576,7 @@ class BackwardCases(_Cases):
         self.check(ep, q, k, v)
         self.check(ep, q, k, v, deterministic=True)
 
+
 __all__ = [
     "BWD_MAX_ABS",
     "BWD_REL_L2",
@@ -575,6 +591,7 @@ __all__ = [
     "backward_inputs",
     "check_backward",
     "check_forward",
+    "compare_forward",
     "compare_gradient",
     "poison_allocator",
     "qkv",
