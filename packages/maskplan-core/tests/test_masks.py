@@ -591,7 +591,7 @@ def test_from_mask_mod_validation():
     with pytest.raises(ValueError, match=r"one bool per .* shape \(3, 3\) for each"):
         masks.from_mask_mod(lambda b, h, q, kv: torch.ones(3, 3, dtype=torch.bool), 1, 1, 2, 2)
     with pytest.raises(ValueError, match="Sq"):
-        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 0, 2)
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, -1, 2)
     with pytest.raises(TypeError, match="B"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1.5, 1, 2, 2)
     with pytest.raises(TypeError, match="B must be the batch size, not None"):  # torch's B=None
@@ -708,7 +708,7 @@ def test_from_block_mask_names_a_sliced_block_mask():
 @pytest.mark.parametrize(
     ("call", "exc", "pattern"),
     [
-        (lambda: masks.causal(0), ValueError, "seqlen_q must be >= 1, got 0"),
+        (lambda: masks.causal(-1), ValueError, "seqlen_q must be >= 0, got -1"),
         (lambda: masks.causal(3, -1), ValueError, "seqlen_k"),
         (lambda: masks.causal(3.0), TypeError, "seqlen_q"),
         (lambda: masks.causal(True), TypeError, "seqlen_q"),
@@ -727,7 +727,7 @@ def test_from_block_mask_names_a_sliced_block_mask():
         (lambda: masks.document(torch.ones(2, 2, 2, dtype=torch.int64)), ValueError, "doc_lens"),
         (lambda: masks.document([2, 2], causal=None), TypeError, "causal"),
         (lambda: masks.document([2, 2], window_left=-1), ValueError, "window_left"),
-        (lambda: masks.prefix_lm(0, 1), ValueError, "seqlen"),
+        (lambda: masks.prefix_lm(-1, 1), ValueError, "seqlen"),
         (lambda: masks.prefix_lm(4, -1), ValueError, "prefix_len"),
         (lambda: masks.prefix_lm(4, "2"), TypeError, "prefix_len"),
         (lambda: masks.prefix_lm(4, []), ValueError, "prefix_len"),

@@ -391,7 +391,6 @@ def _replace(index: int, tensor):
         (lambda: (fixed_qkv()[0], *fixed_qkv(b=B + 1)[1:]), InputValueError, ("q", "k", "batch", str(B + 1))),
         (_replace(0, torch.zeros(B, SQ, HQ, 2 * D)[..., ::2]), InputValueError, ("q", "contiguous")),
         (_replace(1, torch.zeros(B, SK, HKV, D, device="meta")), InputValueError, ("k", "meta", "cpu")),
-        (lambda: fixed_qkv(sq=0), InputValueError, ("q", "nonzero")),
         (lambda: fixed_qkv(b=0), InputValueError, ("q", "nonzero")),
         (lambda: [t[..., :0] for t in fixed_qkv()], InputValueError, ("head dims", ">= 1", "q/k 0")),
         (_replace(2, torch.zeros(B, SK, HKV, 0)), InputValueError, ("head dims", ">= 1", "v 0")),
@@ -399,7 +398,7 @@ def _replace(index: int, tensor):
     ids=[
         "q-rank3", "k-rank5", "v-rank3", "q-not-tensor", "v-none", "k-dtype", "v-dtype", "int-dtype",
         "head-dim", "hq-not-multiple", "hkv-gt-hq", "kv-seq", "kv-heads", "k-batch", "qk-batch",
-        "q-non-contiguous", "k-device", "sq-zero", "batch-zero", "qk-dim-zero", "v-dim-zero",
+        "q-non-contiguous", "k-device", "batch-zero", "qk-dim-zero", "v-dim-zero",
     ],
 )
 def test_qkv_structure(make, cls, needles):

@@ -136,7 +136,7 @@ def run_forward(
     io = forward_io(
         view, q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit, out=out, lse=lse
     )
-    if view.fwd_work_desc.shape[0] == 0:
+    if io.nothing_visible:
         return io.out, io.lse, io.max_logit
     prep = fwd_view_args(view, q.device)
     compiled = compile_forward(config, with_max_logit=return_max_logit)

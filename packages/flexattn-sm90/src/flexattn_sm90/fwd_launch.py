@@ -164,7 +164,7 @@ def run_forward(
         view, q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit, out=out, lse=lse,
         row_granule=config.row_granule,
     )  # fmt: skip
-    if view.fwd_work_desc.shape[0] == 0:
+    if io.nothing_visible:
         return io.out, io.lse, io.max_logit
     device = q.device
     prep = fwd_view_args(view, device)

@@ -111,8 +111,9 @@ def _as_int(name: str, value: object, minimum: int | None = None) -> int:
 
 
 def _as_length(name: str, value: object) -> int:
-    """A sequence length: ``1 .. 2**31 - 1`` (int32 endpoints)."""
-    out = _as_int(name, value, 1)
+    """A sequence length: ``0 .. 2**31 - 1`` (int32 endpoints; 0 makes an empty problem, whose
+    attention returns zeros and an LSE of -inf, as cuDNN's)."""
+    out = _as_int(name, value, 0)
     if out > MAX_SEQLEN:
         raise InputValueError(f"{name} = {out} exceeds the int32 endpoint range (<= {MAX_SEQLEN})")
     return out
@@ -559,7 +560,8 @@ def from_dense(
     if mask.shape[1 if sdpa else 0] == 0:
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
     if sdpa:  # rows are batch-major
-        mask = mask.transpose(0, 1).reshape(mask.shape[1], -1, mask.shape[3])
+        b, hm, sq, sk = mask.shape
+        mask = mask.transpose(0, 1).reshape(hm, b * sq, sk)
     h, t, sk = mask.shape
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
@@ -765,6 +767,8 @@ def _mask_mod_sample(
     there (or fails there, unless ``one_head``: then it is one of a model of one head), the string
     saying how to give the heads."""
     H, Sq, Sk = shape
+    if Sq == 0 or Sk == 0:  # no element to evaluate (an empty problem)
+        return torch.zeros(shape, dtype=torch.bool, device=dev)
     res = _evaluate(mask_mod, b, torch.arange(H, device=dev), Sq, Sk)
     if shared_heads:
         try:

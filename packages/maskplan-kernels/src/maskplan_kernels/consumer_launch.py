@@ -275,6 +275,8 @@ class ForwardIO(NamedTuple):
     max_logit: torch.Tensor | None  # (Hq,) fp32, -inf
     per_sample: bool  # the kernel must take q, k, v rows per sample (qkv_operands)
     strides: tuple[int, ...]  # qkv_strides
+    #: no query row or no key, or no task: ``out`` is 0 and ``lse`` -inf already, no kernel runs
+    nothing_visible: bool = False
 
     def arguments(self, prep: FwdViewArgs, *, tile_counter: int | None, num_ctas: int, stream) -> tuple:
         """The arguments of a forward kernel's ``from_pointers`` (``FwdHostEntry``): these tensors,
@@ -299,18 +301,24 @@ def forward_io(
 ) -> ForwardIO:  # fmt: skip
     """Check a forward call's ``q/k/v`` against the view, make them kernel-ready
     (:func:`qkv_operands`, with the consumer's ``row_granule``) and allocate (or check)
-    ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`."""
+    ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`. An empty
+    problem (no query row or no key: ``nothing_visible``) gets ``out = 0`` and ``lse = -inf`` here,
+    as cuDNN returns them, and its q, k, v are returned as they are."""
     check_inputs(view, q=q, k=k, v=v)
     g, device = view.geometry, q.device
     require_int32_offsets(g, payload_words=view.mask_block_masks.numel())
-    q, softmax_scale = positive_softmax_scale(q, softmax_scale)
-    q, k, v, per_sample = qkv_operands(view, q, k, v, row_granule=row_granule)
     total_q, num_heads_q = g.total_q, g.num_heads_q
-    out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
-    lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
     max_logit = None
     if return_max_logit:  # fp32 whatever torch's default dtype: the kernels write fp32
         max_logit = torch.full((num_heads_q,), float("-inf"), dtype=torch.float32, device=device)
+    if g.total_q == 0 or g.total_k == 0 or view.fwd_work_desc.shape[0] == 0:
+        out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device).zero_()
+        lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device).fill_(float("-inf"))
+        return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, False, (), nothing_visible=True)
+    q, softmax_scale = positive_softmax_scale(q, softmax_scale)
+    q, k, v, per_sample = qkv_operands(view, q, k, v, row_granule=row_granule)
+    out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
+    lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
     strides = qkv_strides(q, k, v, g.batch)
     return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, per_sample, strides)
 
