@@ -196,12 +196,15 @@ def test_explicit_api_same_results():
 @pytest.mark.parametrize("sq, sk", [(0, 96), (96, 0), (0, 0)], ids=["no-queries", "no-keys", "neither"])
 def test_empty_problems_same_results(sq, sk):
     """A fixed-length length of 0: both libraries give the same tensors (O = 0, an LSE and max logit
-    of -inf, zero gradients), of the same shapes, strides and dtypes."""
+    of -inf, zero gradients), of the same shapes and dtypes, and the same strides where they have
+    elements (an empty tensor's strides address nothing: the H200 run gave our empty LSE a
+    transposed view's, cuDNN's a new tensor's)."""
     gen = torch.Generator().manual_seed(sq + sk)
     shapes = ((B, sq, HQ, D), (B, sk, HKV, D), (B, sk, HKV, D), (B, sq, HQ, D))
     q, k, v, dout = (torch.randn(s, generator=gen).to("cuda", torch.bfloat16) for s in shapes)
     mask = torch.full((1, 1, B * sq), sk, dtype=torch.int32, device="cuda")
     ours, theirs = (_attention(lib, mask, q, k, v, dout, {}) for lib in (flexattn, cfa))
     for name, a, b in zip(("out", "lse", "max_logit", "dq", "dk", "dv"), ours, theirs, strict=True):
-        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), name
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
+        assert a.numel() == 0 or a.stride() == b.stride(), name
         assert torch.equal(a, b), name

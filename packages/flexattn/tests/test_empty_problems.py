@@ -57,20 +57,23 @@ def test_fixed_length(sq, sk, device):
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_varlen_without_keys(device):
-    """Varlen samples of queries whose K samples are all empty: total_k = 0."""
-    cu_q = torch.tensor([0, 70, 130], dtype=torch.int32, device=device)
-    cu_k = torch.zeros(3, dtype=torch.int32, device=device)
-    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=1)
+@pytest.mark.parametrize("empty", ["q", "k"], ids=["no-queries", "no-keys"])
+def test_varlen_all_samples_empty(empty, device):
+    """Varlen samples whose Q (or K) sides are all empty: total_q (total_k) = 0."""
+    full = torch.tensor([0, 70, 130], dtype=torch.int32, device=device)
+    none = torch.zeros(3, dtype=torch.int32, device=device)
+    cu_q, cu_k = (none, full) if empty == "q" else (full, none)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=70)
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(130, H, D, generator=gen).to(device, _dtype(device)).requires_grad_()
-    k, v = (torch.randn(0, HKV, D).to(device, _dtype(device)).requires_grad_() for _ in "kv")
+    rows_q, rows_k = int(cu_q[-1]), int(cu_k[-1])
+    shapes = ((rows_q, H, D), (rows_k, HKV, D), (rows_k, HKV, D))
+    q, k, v = (torch.randn(s, generator=gen).to(device, _dtype(device)).requires_grad_() for s in shapes)
     plan = flexattn.create_mask_plan(masks.causal(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q, k, v, **args)
     out, lse, max_logit = flexattn.flex_attn_func(
         q, k, v, mask_plan=plan, return_lse=True, return_max_logit=True
     )
-    assert lse.shape == (H, 130)
-    _check(q, k, v, out, lse, max_logit, 130, 0)
+    assert lse.shape == (H, rows_q)
+    _check(q, k, v, out, lse, max_logit, rows_q, rows_k)
 
 
 @pytest.mark.parametrize("device", _devices())
