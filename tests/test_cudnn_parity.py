@@ -21,6 +21,7 @@ from maskplan_core.testing import (
     VARLEN_CU_Q,
     compare_forward,
     compare_gradient,
+    cuda_arch_major,
     random_intervals,
     varlen_args,
     varlen_k_len,
@@ -78,11 +79,10 @@ def test_same_signatures(name):
         assert ours[extra].kind is ours[extra].KEYWORD_ONLY and ours[extra].default is not ours[extra].empty
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+SM90 = cuda_arch_major() == 9  # the SM90 consumer's kernels can run
 
 
-gpu = pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU (both libraries' kernels)")
+gpu = pytest.mark.skipif(not SM90, reason="needs an SM90 GPU (both libraries' kernels)")
 
 
 def _mask(kind: str, varlen: bool, device) -> torch.Tensor:

@@ -19,14 +19,14 @@ import torch
 
 import flexattn
 from flexattn import masks
+from maskplan_core.testing import cuda_arch_major
 
 pytestmark = pytest.mark.gpu
 
 B, S, H, D = 2, 4096, 16, 128
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+SM90 = cuda_arch_major() == 9  # the SM90 consumer's kernels can run
 
 
 _FIRST_CALL = """
@@ -60,7 +60,7 @@ print(json.dumps(dict(
 """
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_second_process_first_call_is_served_by_the_disk_cache(tmp_path):
     env = {**os.environ, "FLEXATTN_CACHE_DIR": str(tmp_path), "FLEXATTN_CACHE": "1"}
     code = _FIRST_CALL.format(B=B, S=S, H=H, D=D)
@@ -101,7 +101,7 @@ class Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_compiled_block_trains_one_step_like_eager():
     torch.manual_seed(0)
     s = 1024

@@ -13,14 +13,14 @@ import torch._inductor.config
 import flexattn
 import flexattn_sm90
 from flexattn import masks
+from maskplan_core.testing import cuda_arch_major
 
 pytestmark = pytest.mark.gpu
 
 B, S, H, HKV, D = 2, 1000, 4, 2, 128
 
 
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+SM90 = cuda_arch_major() == 9  # the SM90 consumer's kernels can run
 
 
 MASKS = {
@@ -31,7 +31,7 @@ MASKS = {
 }
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_matches_cpu_reference(mask, dtype):
@@ -52,7 +52,7 @@ def test_forward_matches_cpu_reference(mask, dtype):
     assert torch.allclose(lse.cpu(), ref_lse, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize(
     "mask,deterministic,pack_gqa,dims",
     [("causal", False, None, (D, D)), ("causal", True, None, (D, D)), ("document", False, None, (D, D)),
@@ -121,7 +121,7 @@ def _spy_copies(monkeypatch) -> list[bool]:
 IN_PLACE_LAYOUTS = {"fused": (H + 2 * HKV, S), "bhsd": (H, 768)}
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("layout", list(IN_PLACE_LAYOUTS))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_strided_qkv_trains_without_copies(monkeypatch, layout, deterministic):
@@ -155,7 +155,7 @@ def test_strided_qkv_trains_without_copies(monkeypatch, layout, deterministic):
     assert rel <= 2e-2, f"relative L2 error {rel:.3e}"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_cuda_graph_capture_and_replay():
     """A training step's attention (forward, then backward, deterministic) captured in a CUDA graph
     replays on new q/k/v/dout values and gives exactly what eager calls give on them: nothing
@@ -202,7 +202,7 @@ def test_cuda_graph_capture_and_replay():
             assert torch.equal(got.grad, ref.grad), f"d{name} differs after replay"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_a_view_first_used_inside_a_capture_serves_eager_calls():
     """A plan whose backward view is first used inside a CUDA graph capture (its warm-up ran the
     forward only): the launch arguments derived there run only when the graph replays, so an eager
@@ -234,7 +234,7 @@ def test_a_view_first_used_inside_a_capture_serves_eager_calls():
         assert torch.equal(a, b), f"d{name}"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_max_logit_is_fp32_under_a_float64_default_dtype():
     """The max logit the kernels write is fp32 whatever torch's default dtype (a float64 default
     made its buffer fp64, which the kernels filled with fp32 bit patterns)."""
@@ -251,7 +251,7 @@ def test_max_logit_is_fp32_under_a_float64_default_dtype():
     assert got.dtype == torch.float32 and torch.equal(got, want) and got.isfinite().all()
 
 
-@pytest.mark.skipif(not _sm90() or torch.cuda.device_count() < 2, reason="needs two SM90 GPUs")
+@pytest.mark.skipif(not SM90 or torch.cuda.device_count() < 2, reason="needs two SM90 GPUs")
 def test_tensors_on_a_gpu_that_is_not_the_current_one():
     """q, k, v on cuda:1 while cuda:0 is the current device: the plan and both directions run on
     cuda:1 (the kernels take raw addresses and launch on the current device, so the library
@@ -274,7 +274,7 @@ def test_tensors_on_a_gpu_that_is_not_the_current_one():
         assert torch.equal(a, b), name
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize(
     "mode, partition",
     [(None, True), ("reduce-overhead", True), ("reduce-overhead", False)],
@@ -308,7 +308,7 @@ def test_compiled_training_with_a_new_plan_per_batch(mode, partition):
                 assert torch.equal(a, b), name
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("dims", [(D, D), (64, 64), (72, 72), (64, 128), (128, 64)], ids=str)
 def test_explicit_api_writes_in_place(dims):
     """FlexAttentionFwd / FlexAttentionBwd on the SM90 kernels write o, lse and dq/dk/dv into the
@@ -345,7 +345,7 @@ def test_explicit_api_writes_in_place(dims):
         assert torch.equal(got, leaf.grad), f"d{name}"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_explicit_api_on_packed_buffers():
     """cuDNN-style fused buffers: q, k, v slices of one projection (read in place), o a slice of a
     wider buffer and dq, dk, dv slices of one packed gradient buffer (written through copies): bit
@@ -370,7 +370,7 @@ def test_explicit_api_on_packed_buffers():
         assert torch.equal(got, leaf.grad), f"d{name}"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_explicit_api_on_two_streams_with_a_new_plan():
     """A new plan's first backward on a stream still busy, then one on a second stream: the launch
     arguments the first call derives from the plan (on its stream, behind the busy work) are
@@ -427,7 +427,7 @@ def _packed_batch(lens: list[int], varlen: bool):
     return endpoints, (q, k, v), args
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_a_new_plan_trains_without_waiting_for_the_device(varlen, deterministic):
@@ -458,7 +458,7 @@ def test_a_new_plan_trains_without_waiting_for_the_device(varlen, deterministic)
     assert all(not g.isnan().any() for g in grads)
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("first_use", ["training", "backward"])
 def test_a_plan_built_on_a_side_stream(monkeypatch, first_use):
     """A team builds the next batch's plan on a side stream while the step runs. The build's
@@ -509,7 +509,7 @@ def test_a_plan_built_on_a_side_stream(monkeypatch, first_use):
         assert torch.equal(g, w), f"d{name} differs with the plan built on a side stream"
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_sm100_plans_build_on_the_device(monkeypatch, varlen):
     """``target="sm100"`` with CUDA tensors (what a Blackwell GPU runs) builds with the GPU planner
@@ -561,7 +561,7 @@ def test_document_ids_builds_on_the_device_without_a_sync():
     assert torch.equal(endpoints.cpu(), masks.document([lens] * B))
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("pack_gqa", [False, True], ids=["", "packgqa"])
 def test_forward_keeps_samples_apart(bad, pack_gqa):
@@ -589,7 +589,7 @@ _APART_CASES = [
 ]
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize(("dims", "layout", "deterministic"), _APART_CASES, ids=str)
 @pytest.mark.parametrize("poisoned", ["qkv", "dout"])
 def test_backward_keeps_samples_apart(dims, layout, deterministic, poisoned):
@@ -652,7 +652,7 @@ LONG_MASKS = {
 }
 
 
-@pytest.mark.skipif(not _sm90(), reason="needs an SM90 GPU")
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("mask", list(LONG_MASKS))
 def test_a_128k_token_batch_trains_like_the_reference(mask):
     """128k tokens (one fixed-length sequence of documents, or varlen samples): the GPU planner's

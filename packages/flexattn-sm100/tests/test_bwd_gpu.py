@@ -26,7 +26,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10:
+from maskplan_core import testing  # noqa: E402
+
+if testing.cuda_arch_major() != 10:
     pytest.skip("needs a compute-capability 10.x (SM100/SM103) GPU", allow_module_level=True)
 
 from flexattn_sm100 import Sm100Consumer  # noqa: E402

@@ -20,13 +20,15 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10:
+from maskplan_core import testing  # noqa: E402
+
+if testing.cuda_arch_major() != 10:
     pytest.skip("needs a compute-capability 10.x (SM100/SM103) GPU", allow_module_level=True)
 
 from flexattn_sm100 import Sm100Consumer  # noqa: E402
 from flexattn_sm100.fwd_launch import run_forward  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
-from maskplan_core import masks, testing  # noqa: E402
+from maskplan_core import masks  # noqa: E402
 from maskplan_core.consumer import KERNEL_DTYPE_NAMES, ViewConfig  # noqa: E402
 from maskplan_core.testing import STRIDED_CASES, ForwardCases, check_forward, reference_plan  # noqa: E402
 

@@ -23,7 +23,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+from maskplan_core import testing  # noqa: E402
+
+if testing.cuda_arch_major() != 9:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
 from flexattn_sm90 import SUPPORTED_HEAD_DIMS, Sm90Consumer  # noqa: E402

@@ -16,13 +16,15 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+from maskplan_core import testing  # noqa: E402
+
+if testing.cuda_arch_major() != 9:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
 from flexattn_sm90 import SUPPORTED_HEAD_DIMS, Sm90Consumer, fwd_launch  # noqa: E402
 from flexattn_sm90.fwd_launch import config_for_view, run_forward  # noqa: E402
 from flexattn_sm90.fwd_mainloop import SCHEDULES  # noqa: E402
-from maskplan_core import masks, testing  # noqa: E402
+from maskplan_core import masks  # noqa: E402
 from maskplan_core.testing import (  # noqa: E402
     STRIDED_CASES,
     ForwardCases,

@@ -10,13 +10,13 @@ import torch
 
 import flexattn
 from flexattn import FlexAttentionBwd, FlexAttentionFwd, masks
+from maskplan_core.testing import cuda_arch_major
 
 B, H, HKV, D = 2, 4, 2, 64
 
 
 def _devices() -> list[str]:
-    sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-    return ["cpu", "cuda"] if sm90 else ["cpu"]
+    return ["cpu", "cuda"] if cuda_arch_major() == 9 else ["cpu"]
 
 
 def _dtype(device: str) -> torch.dtype:

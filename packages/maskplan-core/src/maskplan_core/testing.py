@@ -25,6 +25,13 @@ from .plan import MaskPlan, PlanView
 from .reference import attention_backward, attention_forward, build_plan
 from .validation import validate_plan_inputs
 
+
+def cuda_arch_major() -> int | None:
+    """The compute-capability major of the current CUDA device (9: Hopper, 10: Blackwell), or None
+    without one: a consumer's GPU tests run where it is the consumer's."""
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
+
+
 #: max |O - O_ref| of a kernel forward against the fp32 reference on random normal inputs
 FWD_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 #: per gradient of a kernel backward against the fp32 reference: relative L2 error, and max abs
@@ -593,6 +600,7 @@ __all__ = [
     "check_forward",
     "compare_forward",
     "compare_gradient",
+    "cuda_arch_major",
     "poison_allocator",
     "qkv",
     "random_intervals",
