@@ -308,17 +308,17 @@ def forward_io(
     g, device = view.geometry, q.device
     require_int32_offsets(g, payload_words=view.mask_block_masks.numel())
     total_q, num_heads_q = g.total_q, g.num_heads_q
+    out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
+    lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
     max_logit = None
     if return_max_logit:  # fp32 whatever torch's default dtype: the kernels write fp32
         max_logit = torch.full((num_heads_q,), float("-inf"), dtype=torch.float32, device=device)
     if g.total_q == 0 or g.total_k == 0 or view.fwd_work_desc.shape[0] == 0:
-        out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device).zero_()
-        lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device).fill_(float("-inf"))
+        out.zero_()
+        lse.fill_(float("-inf"))
         return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, False, (), nothing_visible=True)
     q, softmax_scale = positive_softmax_scale(q, softmax_scale)
     q, k, v, per_sample = qkv_operands(view, q, k, v, row_granule=row_granule)
-    out = output(out, "out", (total_q, num_heads_q, g.head_dim_v), q.dtype, device)
-    lse = output(lse, "lse", (num_heads_q, total_q), torch.float32, device)
     strides = qkv_strides(q, k, v, g.batch)
     return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, per_sample, strides)
 
