@@ -195,10 +195,10 @@ def test_explicit_api_same_results():
 @gpu
 @pytest.mark.parametrize("sq, sk", [(0, 96), (96, 0), (0, 0)], ids=["no-queries", "no-keys", "neither"])
 def test_empty_problems_same_results(sq, sk):
-    """A fixed-length length of 0: both libraries give the same tensors (O = 0, an LSE and max logit
-    of -inf, zero gradients), of the same shapes and dtypes, and the same strides where they have
-    elements (an empty tensor's strides address nothing: the H200 run gave our empty LSE a
-    transposed view's, cuDNN's a new tensor's)."""
+    """A fixed-length problem with a length of 0: both libraries give the same tensors (O = 0, an
+    LSE and max logit of -inf, zero gradients), of the same shapes and dtypes, and the same strides
+    where they have elements (an empty tensor's strides address nothing: the H200 run gave our
+    empty LSE a transposed view's, cuDNN's a new tensor's)."""
     gen = torch.Generator().manual_seed(sq + sk)
     shapes = ((B, sq, HQ, D), (B, sk, HKV, D), (B, sk, HKV, D), (B, sq, HQ, D))
     q, k, v, dout = (torch.randn(s, generator=gen).to("cuda", torch.bfloat16) for s in shapes)
