@@ -114,6 +114,12 @@ def _qkv(**kw):
     return make
 
 
+def _jagged() -> torch.Tensor:
+    """A nested (jagged) batch of two samples of 5 and 7 rows: [2, j, HQ, D]."""
+    rows = [torch.randn(n, HQ, D, dtype=torch.float64) for n in (5, 7)]
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
 RULES = {
     "mask-not-tensor": (lambda: ([[1, 2]], fixed_qkv(), {}), InputTypeError, ("mask_func", "Tensor")),
     "mask-dtype": (lambda: (causal_mask().long(), fixed_qkv(), {}), InputTypeError, ("mask_func", "int32")),
@@ -144,6 +150,12 @@ RULES = {
     "cu-over-max": (_varlen(max_seqlen_k=199), SeqlenError, ("cu_seqlens_k", "sample 2 length 200", "199")),
     "q-rank": (lambda: (causal_mask(), (fixed_qkv()[0][0], *fixed_qkv()[1:]), {}), InputValueError,
                ("q", "rank 4")),
+    "q-thd-without-varlen-args": (lambda: (*varlen_case()[:2], {}), InputValueError,
+                                  ("q", "rank 4", "THD", "cu_seqlens_q/k", "max_seqlen_q/k")),
+    "q-nested": (lambda: (causal_mask(), (_jagged(), *fixed_qkv()[1:]), {}), InputTypeError,
+                 ("q is a nested tensor", "q.values()", "q.offsets()", "cu_seqlens_q/k")),
+    "q-sparse": (lambda: (causal_mask(), (fixed_qkv()[0].to_sparse(), *fixed_qkv()[1:]), {}), InputTypeError,
+                 ("q", "dense (strided)", "sparse_coo")),
     "qkv-dtype-mismatch": (lambda: (causal_mask(), (*fixed_qkv()[:2], fixed_qkv(dtype=torch.float32)[2]), {}),
                            InputTypeError, ("v", "float32", "float64")),
     "head-dim-mismatch": (lambda: (causal_mask(), (fixed_qkv()[0], *fixed_qkv(dqk=2 * D)[1:]), {}),
@@ -542,6 +554,31 @@ def test_a_plan_whose_prefixes_were_written_is_refused(layout):
     fresh = flexattn.create_mask_plan(ep, *qkv, **args)
     assert fresh.geometry.cu_seqlens_k is not plan.geometry.cu_seqlens_k
     assert torch.equal(flexattn.flex_attn_func(*qkv, mask_plan=fresh), want)
+
+
+@pytest.mark.parametrize("role", ["forward", "backward"])
+def test_a_plan_whose_view_tensors_were_written_is_refused(role):
+    """A view's tensors are plan storage handed out read-only (``plan.view(role).mask_block_idx``):
+    written in place, they would change the blocks attention reads, so the plan refuses to run,
+    naming the tensor, in the forward and in a training call's backward."""
+    q, k, v = fixed_qkv(requires_grad=True)
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    flexattn.flex_attn_func(q, k, v, mask_plan=plan).sum().backward()
+    plan.view(role).full_block_idx.fill_(0)
+    with expect(PlanBindingError, ValueError, f"view('{role}').full_block_idx", "written in place"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+
+def test_a_plan_whose_handle_tensor_was_written_is_refused():
+    """``handle_tensor`` names the plan where only tensors travel; overwritten with another plan's
+    handle, the call would run that plan's mask. The plan refuses instead."""
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    everything = torch.full((1, 1, B * SQ), SK, dtype=torch.int32)  # every key visible
+    other = flexattn.create_mask_plan(everything, q, k, v)
+    plan.handle_tensor.fill_(other.handle)
+    with expect(PlanBindingError, ValueError, "handle_tensor", "written in place"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
 
 def test_a_prefix_write_under_inference_mode_is_counted():

@@ -54,7 +54,7 @@ from .errors import InputTypeError, InputValueError, MissingBackwardViewError, P
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
-from .validation import head_dim_contiguous, require_int, write_count
+from .validation import head_dim_contiguous, require_int, require_strided, write_count
 
 _ENTRY_CHUNK = 4096
 VIEW_TENSORS = (
@@ -296,9 +296,26 @@ def plan_for_handle(handle: int) -> MaskPlan:
     return plan
 
 
-def _prefix_versions(g: PlanGeometry) -> tuple[int, int]:
-    """The in-place write counters of the plan's sample prefixes (spec 8: versioned binding)."""
-    return write_count(g.cu_seqlens_q), write_count(g.cu_seqlens_k)
+def _plan_storage(
+    handle: torch.Tensor, g: PlanGeometry, views: dict[str, PlanView]
+) -> tuple[tuple[str, torch.Tensor], ...]:
+    """``(name, tensor)`` of every tensor a plan hands out read-only: its handle tensor, its sample
+    prefixes and each view's tensors (spec 8: versioned binding)."""
+    return (
+        ("handle_tensor", handle),
+        ("geometry.cu_seqlens_q", g.cu_seqlens_q),
+        ("geometry.cu_seqlens_k", g.cu_seqlens_k),
+        *(
+            (f"view({role!r}).{name}", t)
+            for role, v in views.items()
+            for name, t in v.tensors.items()
+            if t is not None
+        ),
+    )
+
+
+def _write_counts(storage: tuple[tuple[str, torch.Tensor], ...]) -> tuple[int, ...]:
+    return tuple(write_count(t) for _, t in storage)
 
 
 class PlanMetadata(dict):
@@ -338,8 +355,8 @@ class MaskPlan:
     """
 
     __slots__ = (
-        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_prefix_versions", "_consumer",
-        "__weakref__",
+        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_storage", "_write_counts",
+        "_consumer", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -352,7 +369,8 @@ class MaskPlan:
         init(self, "_handle", next(_NEXT_HANDLE))
         with torch.inference_mode(False):  # a training step saves it for its backward: a normal tensor
             init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
-        init(self, "_prefix_versions", _prefix_versions(geometry))
+        init(self, "_storage", _plan_storage(self._handle_tensor, geometry, self._views))
+        init(self, "_write_counts", _write_counts(self._storage))
         init(self, "_consumer", consumer)
         _LIVE_PLANS[self._handle] = self
 
@@ -480,15 +498,22 @@ class MaskPlan:
 
     def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device, and
-        the plan's own sample prefixes (``geometry.cu_seqlens_q/k``) are as it was built with: a
-        write into them (they are plan storage, handed out read-only) would move its samples. The
-        prefix check runs on eager calls; a compiled graph checks what it traced only once."""
+        none of the plan's own tensors (its handle tensor, ``geometry.cu_seqlens_q/k`` and its views'
+        tensors: plan storage, handed out read-only) has been written in place since it was built:
+        such a write would move its samples, change its blocks or name another plan. The write check
+        (the tensors' version counters, about 0.2 us each) runs on eager calls; a compiled graph
+        checks what it traced only once. Tensors made under ``torch.inference_mode`` keep no counter,
+        so a write there, under inference mode too, goes unseen."""
         g = self._geometry
-        if not torch.compiler.is_compiling() and _prefix_versions(g) != self._prefix_versions:
-            raise PlanBindingError(
-                "the plan's cu_seqlens (plan.geometry.cu_seqlens_q/k) were written in place after it was "
-                "built; a plan is read-only: build a new one"
-            )
+        if not torch.compiler.is_compiling():
+            counts = _write_counts(self._storage)
+            if counts != self._write_counts:
+                pairs = zip(self._storage, counts, self._write_counts, strict=True)
+                name = next(n for (n, _), now, built in pairs if now != built)
+                raise PlanBindingError(
+                    f"the plan's {name} was written in place after the plan was built; a plan is "
+                    "read-only: build a new one"
+                )
         if g.varlen:
             expect = {
                 "q": (g.total_q, g.num_heads_q, g.head_dim_qk),
@@ -505,6 +530,7 @@ class MaskPlan:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise PlanBindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            require_strided(name, t)
             if tuple(t.shape) != expect[name]:
                 raise PlanBindingError(
                     f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} "

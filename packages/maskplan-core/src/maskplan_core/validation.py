@@ -31,6 +31,19 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is a plain (strided) tensor. A nested (jagged) batch goes in as its THD rows, with
+    its offsets as the sample prefixes."""
+    if t.is_nested:
+        raise InputTypeError(
+            f"{name} is a nested tensor: pass its rows as THD [total, H, D] ({name}.values()) with "
+            f"cu_seqlens_q/k ({name}.offsets() as int32) and max_seqlen_q/k"
+        )
+    if t.layout != torch.strided:
+        raise InputTypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    return t
+
+
 def require_int(name: str, value: object, *, minimum: int = 0) -> int:
     """``value`` as a Python int: an int or another integral number (a numpy integer), not a bool."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -54,9 +67,12 @@ def head_dim_contiguous(t: torch.Tensor) -> bool:
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
     layout = "BSHD [B, S, H, D]" if rank == 4 else "THD [total, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        require_tensor(name, t)
+        require_strided(name, require_tensor(name, t))
         if t.dim() != rank:
-            raise InputValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(t.shape)}")
+            # the layout follows from the varlen arguments: name them for a THD tensor without them
+            thd = rank == 4 and t.dim() == 3
+            hint = "; THD [total, H, D] tensors need cu_seqlens_q/k and max_seqlen_q/k" if thd else ""
+            raise InputValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(t.shape)}{hint}")
         if not head_dim_contiguous(t):
             raise InputValueError(
                 f"{name} must have a contiguous last (head) dimension, got strides {t.stride()}"
