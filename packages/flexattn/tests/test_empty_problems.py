@@ -106,8 +106,20 @@ def test_explicit_api_writes_the_callers_tensors(device):
         lambda: masks.from_mask_mod(lambda b, h, q, k: (q >= k) & (h > 0), 2, 3, 16, 0),
         lambda: masks.from_dense(torch.ones(2, 1, 16, 0, dtype=torch.bool)),
         lambda: masks.from_dense(torch.ones(2, 1, 0, 16, dtype=torch.bool)),
+        lambda: masks.document([[0], [0, 0]]),
+        lambda: masks.document_ids(torch.zeros(2, 0, dtype=torch.int64)),
     ],
-    ids=["causal", "sliding", "prefix-lm", "chunked", "mask-mod", "dense-no-keys", "dense-no-queries"],
+    ids=[
+        "causal",
+        "sliding",
+        "prefix-lm",
+        "chunked",
+        "mask-mod",
+        "dense-no-keys",
+        "dense-no-queries",
+        "document",
+        "document-ids",
+    ],
 )
 def test_mask_builders_take_empty_lengths(build):
     """Endpoints of rows without keys are all 0; a problem without queries has no rows."""

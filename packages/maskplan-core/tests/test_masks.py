@@ -719,7 +719,6 @@ def test_from_block_mask_names_a_sliced_block_mask():
         (lambda: masks.sliding_window(4, window_left=None), TypeError, "window_left"),
         (lambda: masks.document([]), ValueError, "doc_lens"),
         (lambda: masks.document([2, -1]), ValueError, r"doc_lens\[1\]"),
-        (lambda: masks.document([0, 0]), ValueError, "doc_lens"),
         (lambda: masks.document([[1, 2], [2]]), ValueError, "same total length"),
         (lambda: masks.document([[1, 2], 3]), TypeError, "doc_lens"),
         (lambda: masks.document([1.5, 2]), TypeError, "doc_lens"),
@@ -741,7 +740,7 @@ def test_from_block_mask_names_a_sliced_block_mask():
         (lambda: masks.document([2**31, 5]), ValueError, "doc_lens sum to 2147483653"),
         (lambda: masks.causal(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2**32]), ValueError, "= 4294967296"),
         (lambda: masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 2, 2**31), ValueError, "Sk = "),
-        (lambda: masks.document_ids(torch.zeros(0, 5, dtype=torch.int64)), ValueError, "B, S >= 1"),
+        (lambda: masks.document_ids(torch.zeros(0, 5, dtype=torch.int64)), ValueError, "B >= 1"),
     ],
 )
 def test_builder_validation(call, exc, pattern):

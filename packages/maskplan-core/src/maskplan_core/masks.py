@@ -288,8 +288,6 @@ def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
         for j, n in enumerate(seq):
             if n < 0:
                 raise InputValueError(f"{name}[{j}] must be >= 0, got {n}")
-        if sum(seq) == 0:
-            raise InputValueError(f"{name} must have a positive total length, got 0")
     totals = [sum(seq) for seq in seqs]
     if totals[0] > MAX_SEQLEN:
         raise InputValueError(
@@ -313,7 +311,8 @@ def document(
 
     ``doc_lens`` is either one sequence of document lengths (one packed sequence, batch 1) or a
     sequence of such sequences (one per batch sample; every sample must sum to the same ``S``),
-    also accepted as a 1-D / 2-D integer tensor.  Zero-length documents are allowed and ignored.
+    also accepted as a 1-D / 2-D integer tensor.  Zero-length documents are allowed and ignored;
+    a total length of 0 gives endpoints without rows (an empty problem).
 
     A row at position ``i`` in document ``[s, e)`` sees keys ``[s, e)`` (``causal=False``),
     ``[s, i]`` (``causal=True``).  ``window_left`` additionally limits the left edge to
@@ -347,15 +346,13 @@ def document_ids(
         raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
     if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
         raise InputTypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
-    if doc_ids.dim() not in (1, 2) or 0 in doc_ids.shape:
-        raise InputValueError(
-            f"doc_ids must be [S] or [B, S] with B, S >= 1, got shape {tuple(doc_ids.shape)}"
-        )
+    if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):
+        raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     if window_left is not None:
         window_left = _as_extent("window_left", window_left)
-    ids = doc_ids.reshape(-1, doc_ids.shape[-1])
+    ids = doc_ids.reshape(doc_ids.shape[0] if doc_ids.dim() == 2 else 1, doc_ids.shape[-1])
     seqlen = ids.shape[1]
     i = torch.arange(seqlen, device=ids.device).expand_as(ids)
     starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
