@@ -19,3 +19,6 @@ def test_readme_consumer_example_runs():
     assert scope["out"].shape == (2 * 200, 2, 16)
     fields = {d.field for d in scope["refused"].diffs}  # the reference's plan, refused by MyConsumer
     assert {"arch_family", "kernel_family", "topology.tile_m", "topology.tile_n"} <= fields
+    # the remedy names what this package has, not only the facade's create_mask_plan
+    assert "build_plan and resolve (maskplan-core)" in str(scope["refused"])
+    assert "scheduler_layout" in fields  # the README's comment lists it

@@ -315,7 +315,8 @@ def require_view_signature(view: PlanView, direction: str, config, *, arch: str,
         rebuild = "create_mask_plan" + ("(..., build_backward=True)" if direction == "backward" else "")
         raise PlanSignatureMismatch(
             f"this view cannot be run by the {arch} {direction} kernel ({listing}); rebuild the plan with "
-            f"{rebuild} for {arch}",
+            f"{rebuild} for {arch} (flexattn), or with that consumer's build_plan and resolve "
+            "(maskplan-core)",
             diffs,
         )
     return config

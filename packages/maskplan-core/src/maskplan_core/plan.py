@@ -431,7 +431,8 @@ class MaskPlan:
             if role == "backward":
                 raise MissingBackwardViewError(
                     "this plan has no backward view; "
-                    "rebuild it with create_mask_plan(..., build_backward=True)"
+                    "rebuild it with create_mask_plan(..., build_backward=True) (flexattn), or with "
+                    "Consumer.build_plan(..., backward=<the consumer's backward ViewConfig>) (maskplan-core)"
                 )
             raise InputValueError(f"unknown view role {role!r}; this plan has {list(self._views)}")
         return self._views[role]
