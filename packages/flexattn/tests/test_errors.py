@@ -637,6 +637,17 @@ def test_flex_attn_func_needs_a_mask_plan(bad):
         flexattn.flex_attn_func(*fixed_qkv(), mask_plan=bad)
 
 
+def test_a_mask_in_place_of_the_plan_names_the_plan_to_build():
+    """Someone moving from torch FlexAttention passes its BlockMask where the plan goes (or an
+    endpoint tensor): the error names the call that makes a plan of it, as create_mask_plan's does."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    block_mask = fa.create_block_mask(lambda b, h, q, kv: kv <= q, B, None, SQ, SK, device="cpu")
+    cases = ((block_mask, "masks.from_block_mask(block_mask)"), (causal_mask(), "create_mask_plan("))
+    for mask, remedy in cases:
+        with expect(InputTypeError, TypeError, "mask_plan must be a MaskPlan", remedy):
+            flexattn.flex_attn_func(*fixed_qkv(), mask_plan=mask)
+
+
 def test_flex_attn_func_return_arity():
     q, k, v = fixed_qkv()
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)

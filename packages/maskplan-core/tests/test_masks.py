@@ -634,7 +634,7 @@ def test_from_block_mask_evaluates_the_heads_it_is_told():
     agreeing = fa.create_block_mask(lambda b, h, q, kv: kv <= q, None, None, 256, 256, device="cpu")
     assert torch.equal(masks.from_block_mask(agreeing, heads=4), masks.causal(256))  # Hmask = 1 kept
     widening = fa.create_block_mask(lambda b, h, q, kv: kv <= q + 150 * h, None, None, 256, 256, device="cpu")
-    with pytest.raises(ValueError, match="sample 0 differ .* at head 1; the block mask was made") as info:
+    with pytest.raises(ValueError, match="sample 0 leave out .* at head 1; the block mask was made") as info:
         masks.from_block_mask(widening, heads=2)
     assert "from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)" in str(info.value)
     widening_mod = masks.from_mask_mod(widening.mask_mod, 1, 2, 256, 256)  # the way the hint names
@@ -657,7 +657,7 @@ def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
         return doc[b, q] == doc[b, kv]
 
     one_entry = fa.create_block_mask(packed_docs, None, None, 300, 300, device="cpu")  # sample 0 only
-    with pytest.raises(ValueError, match="sample 1 differ .*made with B=None"):
+    with pytest.raises(ValueError, match="sample 1 leave out .*made with B=None"):
         masks.from_block_mask(one_entry, batch=2)
     with pytest.raises(ValueError, match="batch entries"):
         masks.from_block_mask(fa.create_block_mask(packed_docs, 2, None, 300, 300, device="cpu"), batch=3)
@@ -667,10 +667,37 @@ def test_from_block_mask_refuses_blocks_its_mask_mod_does_not_make():
         BLOCK_SIZE=128,
         seq_lengths=(300, 300),
     )
-    with pytest.raises(ValueError, match=r"its mask_mod makes visible .*; build the dense"):
+    with pytest.raises(ValueError, match=r"its mask_mod makes visible .*build that dense .* from_dense"):
         masks.from_block_mask(listed_only)
     with pytest.raises(TypeError, match="BlockMask"):
         masks.from_block_mask(packed_docs)
+
+
+def test_from_block_mask_takes_listed_blocks_its_mask_mod_leaves_empty():
+    """torch computes the mask_mod inside every listed partial block, so blocks listed besides the
+    ones it makes visible change nothing: a B=None block mask whose sample 0 sees more blocks than
+    sample 1, and a causal one listing an extra block, convert to their mask_mod's endpoints."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    window = torch.tensor([200, 40])
+
+    def local(b, h, q, kv):  # sample 1's window is narrower: its blocks are a subset of sample 0's
+        return (kv <= q) & (kv % 2 == 0) & (q - kv < window[b])
+
+    one_entry = fa.create_block_mask(local, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    converted = masks.from_block_mask(one_entry, batch=2)
+    assert torch.equal(converted, masks.from_mask_mod(local, 2, None, 256, 256))
+
+    def causal(b, h, q, kv):
+        return kv <= q
+
+    extra = fa.BlockMask.from_kv_blocks(  # row 0 lists block 1 too, above its diagonal
+        torch.tensor([[[2, 2, 3]]]),
+        torch.tensor([[[[0, 1, 2], [1, 0, 2], [2, 0, 1]]]], dtype=torch.int32),
+        BLOCK_SIZE=128,
+        mask_mod=causal,
+        seq_lengths=(300, 300),
+    )
+    assert torch.equal(masks.from_block_mask(extra), masks.causal(300))
 
 
 def test_from_block_mask_refuses_full_blocks_that_are_partial_for_another_sample():
@@ -684,7 +711,7 @@ def test_from_block_mask_refuses_full_blocks_that_are_partial_for_another_sample
 
     one_entry = fa.create_block_mask(packed_docs, None, None, 256, 256, device="cpu")
     assert one_entry.to_dense()[0, 0].tolist() == [[1, 0], [1, 1]]  # sample 1's visible blocks too
-    with pytest.raises(InputValueError, match="sample 1 differ .*wholly visible.*made with B=None"):
+    with pytest.raises(InputValueError, match="sample 1 leave out .*wholly visible.*made with B=None"):
         masks.from_block_mask(one_entry, batch=2)
     per_sample = fa.create_block_mask(packed_docs, 2, None, 256, 256, device="cpu")
     assert torch.equal(masks.from_block_mask(per_sample), masks.from_mask_mod(packed_docs, 2, None, 256, 256))

@@ -75,6 +75,22 @@ def caller_lse(lse: torch.Tensor, g) -> torch.Tensor:
     return lse if g.varlen else lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
 
 
+#: what to build a plan from, for masks in other forms passed where the plan goes
+_PLAN_FROM = {
+    "BlockMask": "create_mask_plan(masks.from_block_mask(block_mask), q, k, v)",
+    "Tensor": "create_mask_plan(mask_func, q, k, v) from its endpoints (masks.from_dense of a bool mask)",
+}
+
+
+def require_plan(mask_plan: object) -> None:
+    """Raise ``InputTypeError`` unless ``mask_plan`` is a :class:`MaskPlan`, saying how to make one
+    from a torch ``BlockMask`` or a mask tensor passed in its place."""
+    if not isinstance(mask_plan, MaskPlan):
+        kind = type(mask_plan).__name__
+        hint = f"; build one with {_PLAN_FROM[kind]}" if kind in _PLAN_FROM else ""
+        raise InputTypeError(f"mask_plan must be a MaskPlan from create_mask_plan, got {kind}{hint}")
+
+
 def flex_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,10 +121,7 @@ def flex_attn_func(
     hold the next sample's rows; the reference and the SM90 kernels zero them before use, as do
     the compile-checked SM100 kernels but their CTA-pair variants).
     """
-    if not isinstance(mask_plan, MaskPlan):
-        raise InputTypeError(
-            f"mask_plan must be a MaskPlan from create_mask_plan, got {type(mask_plan).__name__}"
-        )
+    require_plan(mask_plan)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
     mask_plan.check_binding(q, k, v)
     g = mask_plan.geometry

@@ -47,7 +47,7 @@ from maskplan_core import (
 from maskplan_core.consumer import on_device
 
 from . import ops
-from .attention import caller_lse, check_scale, qkv_operand, resolve_scale, thd
+from .attention import caller_lse, check_scale, qkv_operand, require_plan, resolve_scale, thd
 
 
 def _descriptor(t: torch.Tensor | None):
@@ -156,10 +156,7 @@ class _Explicit:
         self._consumer = None
 
     def _check_plan(self, mask_plan, q, k, v) -> None:
-        if not isinstance(mask_plan, MaskPlan):
-            raise InputTypeError(
-                f"mask_plan must be a MaskPlan from create_mask_plan, got {type(mask_plan).__name__}"
-            )
+        require_plan(mask_plan)
         mask_plan.check_binding(q, k, v)
         if self.training and not mask_plan.has_backward:
             raise MissingBackwardViewError(

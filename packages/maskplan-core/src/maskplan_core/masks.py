@@ -657,10 +657,11 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     where it reads its head index (head 1's mask differs from head 0's, or head 1 fails: torch
     calls the mask_mod with each head's index; heads past 1 are not evaluated), unless ``heads``
     says how many q heads to evaluate it for: pass ``heads=Hq`` for such a mask_mod (the result
-    keeps ``Hmask = 1`` where the heads agree). Every sample's and head's blocks must be the ones
-    its mask_mod makes visible, and the blocks listed full (where torch skips the mask_mod) wholly
-    visible (true of ``create_block_mask``), else the block mask is refused rather than converted
-    to another mask than torch computes with it:
+    keeps ``Hmask = 1`` where the heads agree). Every sample's and head's blocks must hold every
+    element its mask_mod makes visible (blocks listed besides are harmless: torch finds nothing
+    visible in them either), and the blocks listed full (where torch skips the mask_mod) must be
+    wholly visible (both true of ``create_block_mask``), else the block mask is refused rather than
+    converted to another mask than torch computes with it:
 
     - one batch / head entry (``B=None`` / ``H=None``) holds sample 0's / head 0's blocks, which
       torch applies to every sample / head, so ``batch=`` / ``heads=`` are refused where another
@@ -670,7 +671,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     - block lists that say more than the mask_mod (``BlockMask.from_kv_blocks`` without one):
       build its dense mask and use :func:`from_dense`;
     - a sliced block mask (``block_mask[...]``) has no mask_mod (torch replaces it with one that
-      raises): convert the unsliced one and take the rows the slice keeps (``row = b * Sq + q``).
+      raises): convert the unsliced one and index the endpoints as the slice does (samples: rows
+      ``b * Sq + q`` of the last dimension; heads: the first dimension, one entry where Hmask = 1).
     """
     for attr in ("mask_mod", "seq_lengths", "kv_num_blocks", "BLOCK_SIZE", "to_dense"):
         if not hasattr(block_mask, attr):
@@ -680,8 +682,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     if getattr(block_mask.mask_mod, "__name__", None) == "_sliced_mask_mod_error":
         raise InputValueError(
             "block_mask is a sliced BlockMask (block_mask[...]), whose mask_mod torch replaces with one "
-            "that raises: convert the unsliced block mask and take the query rows the slice keeps from "
-            "the endpoints' last dimension (row = b * Sq + q)"
+            "that raises: convert the unsliced block mask and index its endpoints [Hmask, nfunc, B * Sq] "
+            "as the slice does: samples are the rows b * Sq + q of the last dimension, heads the first "
+            "dimension (one entry for every head where Hmask = 1)"
         )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
     # one head entry standing for every head (H=None) unless ``heads`` says how many there are
@@ -701,8 +704,10 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
         sample_heads = shared_heads if b == 0 else None
         dense = _mask_mod_sample(block_mask.mask_mod, b, shape, blocks.device, sample_heads)
         entry = b if blocks.shape[0] > 1 else 0
+        # torch computes mask_mod inside the listed blocks and nothing outside them: a listed block
+        # where the mask_mod shows nothing is harmless, an unlisted one where it shows something is not
         seen = _per_block(dense, (bq, bk), torch.any)
-        differs = seen != blocks[entry].expand_as(seen)
+        differs = seen & ~blocks[entry].expand_as(seen)
         if full is not None:  # torch skips mask_mod in a full block: every element there must be visible
             differs |= full[entry].expand_as(seen) & ~_per_block(dense, (bq, bk), torch.all)
         differs = differs.flatten(1).any(1)
@@ -720,10 +725,13 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
                     f"masks.from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)"
                 )
             else:
-                hint = "build the dense mask and use from_dense"
+                hint = (
+                    "torch computes the mask_mod inside the listed blocks, every element of a full one and "
+                    "nothing elsewhere: build that dense [B, H, Sq, Sk] bool mask and use from_dense"
+                )
             raise InputValueError(
-                f"block_mask's blocks of sample {b} differ from the blocks its mask_mod makes "
-                f"visible (or wholly visible, where it lists them full){at_head}; {hint}"
+                f"block_mask's blocks of sample {b} leave out elements its mask_mod makes visible (or "
+                f"list full a block it does not make wholly visible){at_head}; {hint}"
             )
         parts.append(_encode(dense))
     return _join_samples(parts, heads)
