@@ -109,6 +109,29 @@ def test_plan_handles_are_unique_and_weak():
         torch.ops.flexattn.fwd(*(thd(t) for t in qkv), handle_tensor, 0.25, False, False, False)
 
 
+_FIRST_HANDLE_SCRIPT = """
+import torch, flexattn
+q = torch.randn(1, 32, 1, 8)
+print(flexattn.create_mask_plan(flexattn.masks.causal(32), q, q, q).handle)
+"""
+
+
+def test_processes_number_their_plans_apart():
+    """A handle that leaves its process (a torch.export'ed graph keeps it as a constant) must name
+    no plan of another process, which would then run with that plan's mask: two processes' first
+    plans get different handles."""
+    import subprocess
+    import sys
+
+    firsts = set()
+    for _ in range(2):
+        run = [sys.executable, "-c", _FIRST_HANDLE_SCRIPT]
+        proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        firsts.add(int(proc.stdout.split()[-1]))
+    assert len(firsts) == 2, firsts
+
+
 # --------------------------------------------------------------------------------------------------
 # fake tensors: shapes and dtypes without running anything
 # --------------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ fake implementation sees the traced value, and it never reads it.
 
 The cost: the plan must stay alive while a compiled graph that captured its handle runs (a
 collected plan raises a clear error naming the handle), and a graph cannot be exported to
-another process with a plan inside it. A training forward pins its plan to the storage of the
+another process with a plan inside it (handles start at a random offset per process, so there
+the handle names no plan and the call is refused, rather than run with another plan's mask). A training forward pins its plan to the storage of the
 LSE it saves for the backward (:func:`_pin_plan`), so the backward never outlives the plan, even
 one built inside the compiled region.
 

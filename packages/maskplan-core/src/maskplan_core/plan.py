@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import secrets
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -279,7 +282,24 @@ class PlanView:
 
 #: handle -> live plan. Weak values: the registry never keeps a plan alive.
 _LIVE_PLANS: weakref.WeakValueDictionary[int, MaskPlan] = weakref.WeakValueDictionary()
-_NEXT_HANDLE = itertools.count(1)
+
+
+def _handle_counter() -> Iterator[int]:
+    """Handles of this process: a random 31-bit prefix above a count. A handle that reaches another
+    process (a ``torch.export``ed graph holds it as a constant) then names no plan there, and is
+    refused (:func:`plan_for_handle`), rather than the other process's plan of the same count."""
+    return itertools.count((secrets.randbits(31) << 32) + 1)
+
+
+_NEXT_HANDLE = _handle_counter()
+
+
+def _new_handles_after_fork() -> None:  # a forked child must not repeat its parent's handles
+    global _NEXT_HANDLE
+    _NEXT_HANDLE = _handle_counter()
+
+
+os.register_at_fork(after_in_child=_new_handles_after_fork)
 
 
 def plan_for_handle(handle: int) -> MaskPlan:
