@@ -413,6 +413,77 @@ def test_compiled_vmap_runs_one_call_per_slice():
     assert torch.equal(got, torch.stack([flexattn.flex_attn_func(x, k, v, mask_plan=plan) for x in stacked]))
 
 
+def _packed_documents(lens: tuple[int, ...], requires_grad: bool = True):
+    """A varlen batch of causal documents ``lens`` (THD), its plan and tensors."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    q = torch.randn(total, H, D, generator=gen, dtype=torch.float64, requires_grad=requires_grad)
+    k, v = (
+        torch.randn(total, HKV, D, generator=gen, dtype=torch.float64, requires_grad=requires_grad)
+        for _ in "kv"
+    )
+    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    plan = flexattn.create_mask_plan(masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, **args)
+    return plan, (q, k, v)
+
+
+@pytest.mark.parametrize("dynamic, graphs", [(True, 1), (None, 2)])
+def test_varlen_batches_of_other_token_totals_reuse_the_graph(dynamic, graphs):
+    """Packed documents take another token total every batch: the graph leaves the totals to the
+    op's own check (a traced comparison with the plan would hold one total per graph), so one
+    graph serves every total (dynamic=True; automatic dynamic shapes: after one recompile), more
+    totals than Dynamo's recompile limit, forward and backward as eager."""
+    traced = []
+
+    def counting_backend(gm, example_inputs):
+        traced.append(gm)
+        return gm.forward
+
+    def attend(q, k, v, plan):
+        out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+        return out * 2, lse
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend=counting_backend, dynamic=dynamic)
+    for lens in (
+        (30, 20),
+        (25, 40),
+        (10, 10, 50),
+        (60,),
+        (33, 17),
+        (5, 70),
+        (12, 12, 12),
+        (80, 1),
+        (9, 9, 9, 9),
+    ):
+        plan, qkv = _packed_documents(lens)
+        got, want = compiled(*qkv, plan), attend(*qkv, plan)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        grads = torch.autograd.grad(got[0].sum(), qkv)
+        torch.testing.assert_close(grads, torch.autograd.grad(want[0].sum(), qkv), rtol=0, atol=0)
+    assert len(traced) == graphs
+
+
+def test_a_compiled_varlen_call_checks_the_token_totals_when_it_runs():
+    """The totals a compiled graph leaves out are checked by the op when it runs: a plan of
+    another total is refused with the eager call's error, the first call or a later one."""
+    plan, qkv = _packed_documents((30, 20), requires_grad=False)
+    other, _ = _packed_documents((30, 21), requires_grad=False)
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager", dynamic=True)
+    compiled(*qkv, plan)
+    for _ in range(2):
+        with pytest.raises(
+            PlanBindingError, match=r"q has shape \(50, 4, 16\) but the plan was built for \(51,"
+        ):
+            compiled(*qkv, other)
+
+
 def test_compiled_errors_are_the_eager_errors():
     """A binding error is raised while Dynamo traces: the eager exception without fullgraph; with
     fullgraph, Dynamo's ``Unsupported`` ("Observed exception") quoting it -- Dynamo's rule for any

@@ -33,9 +33,10 @@ fake implementation sees the traced value, and it never reads it.
 The cost: the plan must stay alive while a compiled graph that captured its handle runs (a
 collected plan raises a clear error naming the handle), and a graph cannot be exported to
 another process with a plan inside it (handles start at a random offset per process, so there
-the handle names no plan and the call is refused, rather than run with another plan's mask). A training forward pins its plan to the storage of the
-LSE it saves for the backward (:func:`_pin_plan`), so the backward never outlives the plan, even
-one built inside the compiled region.
+the handle names no plan and the call is refused, rather than run with another plan's mask). A
+training forward pins its plan to the storage of the LSE it saves for the backward
+(:func:`_pin_plan`), so the backward never outlives the plan, even one built inside the compiled
+region.
 
 Eager calls go around the ops
 -----------------------------
@@ -56,6 +57,7 @@ same ``PlanSignatureMismatch`` (raised from a fake implementation, Dynamo would 
 
 from __future__ import annotations
 
+import math
 from weakref import WeakKeyDictionary
 
 import torch
@@ -124,14 +126,19 @@ def _forward_impl(
     ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
     ``want_max``). ``plan`` is a :attr:`MaskPlan.handle_tensor`; ``training`` selects the signature check
     (forward and backward views); ``deterministic`` is only kept for the backward. A training call
-    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle."""
-    return _run_forward(q, k, v, plan, scale, training, want_max, pin=training)
+    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle.
+    A varlen plan's binding is checked here, token totals included, which a compiled
+    ``flex_attn_func`` leaves out of its graph (``check_binding``'s ``tokens``)."""
+    return _run_forward(q, k, v, plan, scale, training, want_max, pin=training, bind=True)
 
 
-def _run_forward(q, k, v, plan, scale, training, want_max, *, pin: bool):
+def _run_forward(q, k, v, plan, scale, training, want_max, *, pin: bool, bind: bool = False):
     """:func:`_forward_impl`, pinning the plan to the LSE only where ``pin`` (eager calls keep
-    their plan in their autograd context instead, so an LSE the caller keeps does not keep it)."""
+    their plan in their autograd context instead, so an LSE the caller keeps does not keep it) and
+    checking a varlen plan's binding where ``bind`` (THD operands are the caller's tensors)."""
     mask_plan = plan_for_handle(int(plan))
+    if bind and mask_plan.geometry.varlen:
+        mask_plan.check_binding(q, k, v)
     consumer = checked_consumer(mask_plan, q.device, training)
     with on_device(q.device):
         res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
@@ -195,7 +202,8 @@ bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=(), 
 def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
     # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
     # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
-    total_q, num_heads_q = q.shape[:-2].numel(), q.shape[-2]  # q: THD, or [B, S, H, D] (qkv_operand)
+    # q: THD, or [B, S, H, D] (qkv_operand); a product of the sizes, not numel(), which would fix them
+    total_q, num_heads_q = math.prod(q.shape[:-2]), q.shape[-2]
     stat = stat_dtype(q.dtype)
     out = q.new_empty((total_q, num_heads_q, v.shape[-1]))
     lse = q.new_empty((num_heads_q, total_q), dtype=stat)
