@@ -487,7 +487,8 @@ def test_a_compiled_varlen_call_checks_the_token_totals_when_it_runs():
 def test_compiled_errors_are_the_eager_errors():
     """A binding error is raised while Dynamo traces: the eager exception without fullgraph; with
     fullgraph, Dynamo's ``Unsupported`` ("Observed exception") quoting it -- Dynamo's rule for any
-    exception raised in traced code."""
+    exception raised in traced code. Traced, the message leaves the sizes out (a recompiling graph
+    holds them as symbols, which no traced string can show), also after a good call."""
     _, (q, k, v), _ = fixed_case(requires_grad=False)
     plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
 
@@ -498,8 +499,16 @@ def test_compiled_errors_are_the_eager_errors():
     with pytest.raises(PlanBindingError, match=f"q has shape \\(2, 50, {H}, {D}\\)"):
         torch.compile(attend, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"PlanBindingError.*q has shape \(2, 50"):  # Dynamo's Unsupported
+    traced = r"PlanBindingError.*q has another shape than the plan was built for"  # Dynamo's Unsupported
+    with pytest.raises(Exception, match=traced):
         torch.compile(attend, fullgraph=True, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v, plan)
+    q1 = q.reshape(1, 2 * S, H, D)
+    longer = flexattn.create_mask_plan(masks.causal(2 * S), q1, q1, q1)  # recompiles with symbolic sizes
+    with pytest.raises(Exception, match=traced):
+        compiled(q, k, v, longer)
 
 
 def test_plans_are_built_outside_the_compiled_region():

@@ -560,6 +560,10 @@ class MaskPlan:
             if g.varlen and not tokens:  # every dimension but the total
                 shape, expect[name] = shape[1:], expect[name][1:]
             if shape != expect[name]:
+                if torch.compiler.is_compiling():  # the sizes may be symbolic: no string can show them
+                    raise PlanBindingError(
+                        f"{name} has another shape than the plan was built for (an eager call shows both)"
+                    )
                 raise PlanBindingError(
                     f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} "
                     f"({g.describe()})"
