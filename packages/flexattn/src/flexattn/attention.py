@@ -123,9 +123,7 @@ def flex_attn_func(
     """
     require_plan(mask_plan)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
-    # compiled, a varlen batch's token totals are checked when the op runs (ops._forward_impl):
-    # traced, each total would be a graph of its own
-    mask_plan.check_binding(q, k, v, tokens=not torch.compiler.is_compiling())
+    mask_plan.check_binding(q, k, v)
     g = mask_plan.geometry
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if training and not mask_plan.has_backward:

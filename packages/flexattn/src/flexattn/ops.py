@@ -126,19 +126,14 @@ def _forward_impl(
     ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
     ``want_max``). ``plan`` is a :attr:`MaskPlan.handle_tensor`; ``training`` selects the signature check
     (forward and backward views); ``deterministic`` is only kept for the backward. A training call
-    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle.
-    A varlen plan's binding is checked here, token totals included, which a compiled
-    ``flex_attn_func`` leaves out of its graph (``check_binding``'s ``tokens``)."""
-    return _run_forward(q, k, v, plan, scale, training, want_max, pin=training, bind=True)
+    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle."""
+    return _run_forward(q, k, v, plan, scale, training, want_max, pin=training)
 
 
-def _run_forward(q, k, v, plan, scale, training, want_max, *, pin: bool, bind: bool = False):
+def _run_forward(q, k, v, plan, scale, training, want_max, *, pin: bool):
     """:func:`_forward_impl`, pinning the plan to the LSE only where ``pin`` (eager calls keep
-    their plan in their autograd context instead, so an LSE the caller keeps does not keep it) and
-    checking a varlen plan's binding where ``bind`` (THD operands are the caller's tensors)."""
+    their plan in their autograd context instead, so an LSE the caller keeps does not keep it)."""
     mask_plan = plan_for_handle(int(plan))
-    if bind and mask_plan.geometry.varlen:
-        mask_plan.check_binding(q, k, v)
     consumer = checked_consumer(mask_plan, q.device, training)
     with on_device(q.device):
         res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
@@ -202,7 +197,8 @@ bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=(), 
 def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
     # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
     # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
-    # q: THD, or [B, S, H, D] (qkv_operand); a product of the sizes, not numel(), which would fix them
+    # q: THD, or [B, S, H, D] (qkv_operand). The product of its sizes, not numel(), which Dynamo
+    # takes as a fixed number: a varlen batch of another token total was a graph of its own
     total_q, num_heads_q = math.prod(q.shape[:-2]), q.shape[-2]
     stat = stat_dtype(q.dtype)
     out = q.new_empty((total_q, num_heads_q, v.shape[-1]))

@@ -517,18 +517,14 @@ class MaskPlan:
     def __repr__(self) -> str:
         return self.summary()
 
-    def check_binding(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tokens: bool = True
-    ) -> None:
+    def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device, and
         none of the plan's own tensors (its handle tensor, ``geometry.cu_seqlens_q/k`` and its views'
         tensors: plan storage, handed out read-only) has been written in place since it was built:
         such a write would move its samples, change its blocks or name another plan. The write check
         (the tensors' version counters, about 0.2 us each) runs on eager calls; a compiled graph
         checks what it traced only once. Tensors made under ``torch.inference_mode`` keep no counter,
-        so a write there, under inference mode too, goes unseen. ``tokens=False`` leaves a varlen
-        plan's token totals (q's and k/v's first dimension) unchecked, for a caller that checks them
-        when the kernels run: a compiled graph that compared them would hold one total per graph."""
+        so a write there, under inference mode too, goes unseen."""
         g = self._geometry
         if not torch.compiler.is_compiling():
             counts = _write_counts(self._storage)
@@ -556,10 +552,7 @@ class MaskPlan:
             if not isinstance(t, torch.Tensor):
                 raise PlanBindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             require_strided(name, t)
-            shape = tuple(t.shape)
-            if g.varlen and not tokens:  # every dimension but the total
-                shape, expect[name] = shape[1:], expect[name][1:]
-            if shape != expect[name]:
+            if tuple(t.shape) != expect[name]:
                 if torch.compiler.is_compiling():  # the sizes may be symbolic: no string can show them
                     raise PlanBindingError(
                         f"{name} has another shape than the plan was built for (an eager call shows both)"
