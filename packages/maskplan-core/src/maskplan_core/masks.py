@@ -668,8 +668,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
       sample's or head's visible or full blocks differ (documents that move, a window that grows
       with the head): make the block mask with ``B`` / ``H`` given, or take the endpoints of the
       mask_mod alone, ``from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)``;
-    - block lists that say more than the mask_mod (``BlockMask.from_kv_blocks`` without one):
-      build its dense mask and use :func:`from_dense`;
+    - block lists that leave out elements the mask_mod shows (``BlockMask.from_kv_blocks``
+      without one, whose mask_mod shows every element): build the mask torch computes (the
+      mask_mod inside the listed blocks) as a dense bool tensor and use :func:`from_dense`;
     - a sliced block mask (``block_mask[...]``) has no mask_mod (torch replaces it with one that
       raises): convert the unsliced one and index the endpoints as the slice does (samples: rows
       ``b * Sq + q`` of the last dimension; heads: the first dimension, one entry where Hmask = 1).
