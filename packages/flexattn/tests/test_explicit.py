@@ -143,6 +143,42 @@ def test_outputs_in_slices_of_packed_buffers():
         assert torch.equal(got, leaf.grad)
 
 
+def test_outputs_must_hold_elements_of_their_own():
+    """An output buffer that repeats elements (expanded), shares them with another output or an
+    input, or is a node of an autograd graph would take a result that another overwrites (or that
+    overwrites what the kernels still read, or bypasses autograd): refused, naming it, at
+    check_support and at execute. Buffers sliced apart from one packed tensor are fine (above)."""
+    q, k, v = fixed(5)
+    q, k, v = (t[..., :DV].contiguous() for t in (q, k, v))
+    plan = fixed_plan(q, k, v, build_backward=True)
+    o, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    do = torch.randn(o.shape)
+
+    def backward(dq, dk, dv):
+        FlexAttentionBwd(q, k, v, o, do, lse, dq, dk, dv, plan).check_support()
+
+    dkv = torch.empty(B, S, HKV, DV)  # one buffer given as dk and as dv: dk would be lost
+    with pytest.raises(flexattn.InputValueError, match="dk shares memory with dv"):
+        backward(torch.empty_like(q), dkv, dkv)
+    with pytest.raises(flexattn.InputValueError, match="dq shares memory with do"):
+        backward(do.view(q.shape), torch.empty_like(k), torch.empty_like(v))
+    expanded = torch.zeros(1, S, HKV, DV).expand(B, S, HKV, DV)
+    with pytest.raises(flexattn.InputValueError, match="dv names some elements more than once"):
+        backward(torch.empty_like(q), torch.empty_like(k), expanded)
+    graph_node = torch.zeros(q.shape, requires_grad=True) * 2
+    with pytest.raises(flexattn.InputValueError, match="dq is a result of autograd"):
+        backward(graph_node, torch.empty_like(k), torch.empty_like(v))
+    folded = torch.zeros(B * S * H * DV).as_strided(o.shape, (S * H * DV, H * DV, DV // 2, 1))
+    with pytest.raises(flexattn.InputValueError, match="o names some elements more than once"):
+        FlexAttentionFwd(q, k, v, folded, plan).check_support()
+    # the same at execute, whose tensors may alias where the samples did not
+    fwd = FlexAttentionFwd(q, k, v, torch.empty_like(o), plan)
+    fwd.compile()
+    with pytest.raises(flexattn.InputValueError, match="o shares memory with q"):
+        fwd.execute(q, k, v, q, plan)
+    fwd.execute(q, k, v, o, plan)  # its own buffer
+
+
 def test_errors_name_what_does_not_fit():
     q, k, v = fixed()
     plan = fixed_plan(q, k, v)

@@ -8,18 +8,20 @@ caller allocates every output and the object is built once from sample tensors::
 
 ``execute`` takes tensors of the samples' shapes, dtypes, strides and devices and a plan of the
 sample plan's consumer and geometry (a new plan per batch is fine), and runs the same consumer
-``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` need a unit last stride, as cuDNN's; contiguous,
-16-byte aligned ones are written by the kernels themselves, others (e.g. slices of one packed
-``dqkv`` buffer) take the kernels' result through a copy, as a fixed-length LSE does (``[B, Hq, Sq]``
-is not the kernels' ``[Hq, total_q]`` order). Inputs (q / k / v, and o / do / lse / dlse of the
-backward) may have any strides, as ``flex_attn_func``'s; the kernels read q / k / v in place where
-their head dim is contiguous and their base, row and head strides are 16-byte multiples (slices
-of one packed QKV tensor; on Hopper also ``[B, H, S, D]`` tensors transposed, per sample, where S
-is a multiple of the kernels' granule), and a copy otherwise. With ``current_stream`` the work runs on
-that stream and every tensor it reads or writes, the plan's included, is recorded on it (freeing
-them right after ``execute`` is safe); like any CUDA stream, it must be ordered after the work
-that made them (``s.wait_stream(torch.cuda.current_stream())`` where they were made on the
-current stream). No autograd: this is the inference / hand-written training-loop API.
+``flex_attn_func`` runs. ``o`` / ``dq`` / ``dk`` / ``dv`` need a unit last stride, as cuDNN's;
+contiguous, 16-byte aligned ones are written by the kernels themselves, others (e.g. slices of one
+packed ``dqkv`` buffer) take the kernels' result through a copy, as a fixed-length LSE does
+(``[B, Hq, Sq]`` is not the kernels' ``[Hq, total_q]`` order). Each output holds elements of its own:
+none twice, none another output's or an input's, and none of an autograd graph (:func:`_require_apart`).
+Inputs (q / k / v, and o / do / lse / dlse of the backward) may have any strides, as
+``flex_attn_func``'s; the kernels read q / k / v in place where their head dim is contiguous and
+their base, row and head strides are 16-byte multiples (slices of one packed QKV tensor; on Hopper
+also ``[B, H, S, D]`` tensors transposed, per sample, where S is a multiple of the kernels'
+granule), and a copy otherwise. With ``current_stream`` the work runs on that stream and every
+tensor it reads or writes, the plan's included, is recorded on it (freeing them right after
+``execute`` is safe); like any CUDA stream, it must be ordered after the work that made them
+(``s.wait_stream(torch.cuda.current_stream())`` where they were made on the current stream). No
+autograd: this is the inference / hand-written training-loop API.
 
 What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
 accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0: ``execute`` takes
@@ -48,6 +50,7 @@ from maskplan_core.consumer import on_device
 
 from . import ops
 from .attention import caller_lse, check_scale, qkv_operand, require_plan, resolve_scale, thd
+from .buffers import overlaps_itself, shares_memory
 
 
 def _descriptor(t: torch.Tensor | None):
@@ -89,6 +92,31 @@ def _require_output(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype
     _require_tensor(name, t, shape, dtype, device)
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise InputValueError(f"{name} must have a unit last stride, got strides {t.stride()}")
+
+
+def _require_apart(tensors: dict, outputs: tuple[str, ...]) -> None:
+    """Each of ``outputs`` (names in ``tensors``) holds elements of its own: none twice (an expanded
+    tensor), none of another output's or an input's, which a result would overwrite (or the kernels
+    still read); and it is no node of an autograd graph, which ``execute`` would write around."""
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    for name, t in given:
+        if name not in outputs:
+            continue
+        if overlaps_itself(t):
+            raise InputValueError(
+                f"{name} names some elements more than once (shape {tuple(t.shape)}, strides {t.stride()}: "
+                "an expanded tensor?); give it a buffer of its own"
+            )
+        if t.requires_grad and not t.is_leaf:
+            raise InputValueError(
+                f"{name} is a result of autograd (requires grad, not a leaf), which execute would write "
+                "without autograd; give it a buffer of its own (torch.empty_like)"
+            )
+        for other, u in given:
+            if other != name and shares_memory(t, u):
+                raise InputValueError(
+                    f"{name} shares memory with {other}; give each output a buffer of its own"
+                )
 
 
 def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -146,6 +174,8 @@ class _Explicit:
 
     workspace_size = 0
     training = False
+    #: the tensors execute writes (the caller's buffers)
+    outputs: tuple[str, ...] = ("o", "lse", "max_logit")
 
     def __init__(self, samples: dict, mask_plan: MaskPlan) -> None:
         for name, t in samples.items():
@@ -171,6 +201,7 @@ class _Explicit:
             t = self._tensors
             self._check_plan(self._plan, t["q"], t["k"], t["v"])
             self._check_outputs(self._plan, t)
+            _require_apart(t, self.outputs)
             self._consumer = ops.checked_consumer(self._plan, t["q"].device, self.training)
             self._tensors = self._plan = None  # the samples are not kept alive
         return True
@@ -193,6 +224,7 @@ class _Explicit:
             raise UnsupportedCallError(f"{type(self).__name__}: call compile() before execute()")
         for name, t in tensors.items():
             _require_like(name, t, self._samples[name])
+        _require_apart(tensors, self.outputs)
         self._check_plan(mask_plan, tensors["q"], tensors["k"], tensors["v"])
         if workspace is not None and not isinstance(workspace, torch.Tensor):
             raise InputTypeError(
@@ -293,6 +325,7 @@ class FlexAttentionBwd(_Explicit):
     the forward's ``o`` and fp32 ``lse`` (and optionally an LSE gradient ``dlse`` of the LSE's shape)."""
 
     training = True
+    outputs = ("dq", "dk", "dv")
 
     def __init__(
         self,
