@@ -560,7 +560,7 @@ def test_a_plan_whose_prefixes_were_written_is_refused(layout):
 def test_a_plan_whose_view_tensors_were_written_is_refused(role):
     """A view's tensors are plan storage handed out read-only (``plan.view(role).mask_block_idx``):
     written in place, they would change the blocks attention reads, so the plan refuses to run,
-    naming the tensor, in the forward and in a training call's backward."""
+    naming the tensor, whichever view (the forward's or the backward's) was written."""
     q, k, v = fixed_qkv(requires_grad=True)
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
     flexattn.flex_attn_func(q, k, v, mask_plan=plan).sum().backward()
