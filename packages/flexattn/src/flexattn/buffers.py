@@ -28,10 +28,29 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
         return False
     (a0, a1), (b0, b1) = _address_range(a), _address_range(b)
-    if a1 <= b0 or b1 <= a0:  # apart, also every pair of distinct allocations
-        return False
+    return a0 < b1 and b0 < a1 and _ranges_meeting_share(a, b, b0 - a0)
+
+
+def shared_pair(tensors: dict[str, torch.Tensor], outputs: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first ``(output, other)`` names of ``tensors`` whose tensors have an element in common,
+    or None: :func:`shares_memory` over every pair with an output, each address range read once."""
+    spans = {name: _address_range(t) for name, t in tensors.items() if t.numel()}
+    for name in outputs:
+        if name not in spans:
+            continue
+        a0, a1 = spans[name]
+        for other, (b0, b1) in spans.items():
+            if other != name and a0 < b1 and b0 < a1:
+                if _ranges_meeting_share(tensors[name], tensors[other], b0 - a0):
+                    return name, other
+    return None
+
+
+def _ranges_meeting_share(a: torch.Tensor, b: torch.Tensor, distance: int) -> bool:
+    """Whether ``a`` and ``b``, whose address ranges meet, ``b`` starting ``distance`` bytes after
+    ``a``, share an element: exact for equal strides, else assumed."""
     size = a.element_size()
-    d, rem = divmod(b0 - a0, size)
+    d, rem = divmod(distance, size)
     if size == b.element_size() and not rem and a.stride() == b.stride() and not overlaps_itself(a):
         return _same_strides_meet(a.stride(), a.shape, b.shape, d)
     return True

@@ -50,7 +50,7 @@ from maskplan_core.consumer import on_device
 
 from . import ops
 from .attention import caller_lse, check_scale, qkv_operand, require_plan, resolve_scale, thd
-from .buffers import overlaps_itself, shares_memory
+from .buffers import overlaps_itself, shared_pair
 
 
 def _descriptor(t: torch.Tensor | None):
@@ -112,11 +112,9 @@ def _require_apart(tensors: dict, outputs: tuple[str, ...]) -> None:
                 f"{name} is a result of autograd (requires grad, not a leaf), which execute would write "
                 "without autograd; give it a buffer of its own (torch.empty_like)"
             )
-        for other, u in given:
-            if other != name and shares_memory(t, u):
-                raise InputValueError(
-                    f"{name} shares memory with {other}; give each output a buffer of its own"
-                )
+    pair = shared_pair(dict(given), outputs)
+    if pair is not None:
+        raise InputValueError(f"{pair[0]} shares memory with {pair[1]}; give each output a buffer of its own")
 
 
 def _in_place(t: torch.Tensor | None) -> torch.Tensor | None:
