@@ -21,6 +21,7 @@ from maskplan_core import (
     MissingBackwardViewError,
 )
 from maskplan_core.consumer import has_thd_view, thd
+from maskplan_core.validation import endpoints_of, mask_kind
 
 from . import ops
 
@@ -75,20 +76,17 @@ def caller_lse(lse: torch.Tensor, g) -> torch.Tensor:
     return lse if g.varlen else lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
 
 
-#: what to build a plan from, for masks in other forms passed where the plan goes
-_PLAN_FROM = {
-    "BlockMask": "create_mask_plan(masks.from_block_mask(block_mask), q, k, v)",
-    "Tensor": "create_mask_plan(mask_func, q, k, v) from its endpoints (masks.from_dense of a bool mask)",
-}
-
-
 def require_plan(mask_plan: object) -> None:
     """Raise ``InputTypeError`` unless ``mask_plan`` is a :class:`MaskPlan`, saying how to make one
-    from a torch ``BlockMask`` or a mask tensor passed in its place."""
+    from a mask passed in its place (endpoints, or a form :func:`endpoints_of` converts)."""
     if not isinstance(mask_plan, MaskPlan):
-        kind = type(mask_plan).__name__
-        hint = f"; build one with {_PLAN_FROM[kind]}" if kind in _PLAN_FROM else ""
-        raise InputTypeError(f"mask_plan must be a MaskPlan from create_mask_plan, got {kind}{hint}")
+        convert = endpoints_of(mask_plan)
+        if convert is None and isinstance(mask_plan, torch.Tensor):
+            convert = "mask_func"  # endpoints already
+        hint = f"; build one with create_mask_plan({convert}, q, k, v)" if convert else ""
+        raise InputTypeError(
+            f"mask_plan must be a MaskPlan from create_mask_plan, got {mask_kind(mask_plan)}{hint}"
+        )
 
 
 def flex_attn_func(

@@ -31,6 +31,26 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+#: the call that turns a mask of another form (by :func:`mask_kind`) into endpoints
+_ENDPOINTS_OF = {
+    "BlockMask": "masks.from_block_mask(block_mask)",
+    "function": "masks.from_mask_mod(mask_mod, B, H, Sq, Sk)",
+    "a bool tensor": "masks.from_dense(mask)",
+}
+
+
+def mask_kind(mask: object) -> str:
+    """What a mask passed somewhere is, for messages: its type name, or "a bool tensor"."""
+    is_bool = isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+    return "a bool tensor" if is_bool else type(mask).__name__
+
+
+def endpoints_of(mask: object) -> str | None:
+    """The call that converts ``mask`` (a torch ``BlockMask``, a ``mask_mod`` or a bool tensor) to
+    interval endpoints, or None for any other object."""
+    return _ENDPOINTS_OF.get(mask_kind(mask))
+
+
 def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` if it is a plain (strided) tensor. A nested (jagged) batch goes in as its THD rows, with
     its offsets as the sample prefixes."""
@@ -210,13 +230,7 @@ def validate_plan_inputs(
         total_q, total_k = batch * max_q, batch * max_k
         cu_q, cu_k = fixed_prefixes(batch, max_q, max_k, device)
     if not isinstance(mask_func, torch.Tensor) or mask_func.dtype == torch.bool:
-        # other forms of a mask: name the conversion to endpoints
-        kind = "a bool tensor" if isinstance(mask_func, torch.Tensor) else type(mask_func).__name__
-        convert = {
-            "BlockMask": "masks.from_block_mask(block_mask)",
-            "function": "masks.from_mask_mod(mask_mod, B, H, Sq, Sk)",
-            "a bool tensor": "masks.from_dense(mask)",
-        }.get(kind)
+        kind, convert = mask_kind(mask_func), endpoints_of(mask_func)
         hint = f"; convert it with {convert}" if convert else ""
         raise InputTypeError(
             f"mask_func must be an int32 torch.Tensor of interval endpoints [Hmask, nfunc, total_q], got "
