@@ -352,7 +352,7 @@ def document_ids(
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     if window_left is not None:
         window_left = _as_extent("window_left", window_left)
-    ids = doc_ids.reshape(doc_ids.shape[0] if doc_ids.dim() == 2 else 1, doc_ids.shape[-1])
+    ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
     seqlen = ids.shape[1]
     i = torch.arange(seqlen, device=ids.device).expand_as(ids)
     starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i

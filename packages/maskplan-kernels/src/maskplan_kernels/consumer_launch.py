@@ -630,9 +630,9 @@ class BackwardIO(NamedTuple):
 
     @property
     def nothing_visible(self) -> bool:
-        """No key is visible anywhere: every gradient is 0 (zeroed by :func:`backward_io`)."""
-        g = self.view.geometry
-        return g.total_q == 0 or g.total_k == 0 or self.prep.partial_nnz + self.prep.full_nnz == 0
+        """No key is visible anywhere (no K2Q entry, as with no query row or no key): every gradient
+        is 0 (zeroed by :func:`backward_io`)."""
+        return self.prep.partial_nnz + self.prep.full_nnz == 0
 
 
 def backward_io(
