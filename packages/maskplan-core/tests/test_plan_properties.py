@@ -183,8 +183,8 @@ def small_config(direction: str, tile: tuple[int, int]) -> ViewConfig:
     return ViewConfig(signature, layout)
 
 
-def small_plan(p: Problem, tiles, build_backward: bool):
-    ep = make_endpoints(p)
+def small_plan(p: Problem, tiles, build_backward: bool, ep: torch.Tensor | None = None):
+    ep = make_endpoints(p) if ep is None else ep
     q, k, v = qkv(p)
     g = validate_plan_inputs(ep, q, k, v, **varlen_kwargs(p))
     fwd = small_config("forward", tiles[0])
@@ -562,6 +562,25 @@ def test_fixed_length_views_derive_sequence_desc(pack_gqa):
         assert torch.equal(view.sequence_desc(), varlen.view(role).tensors["sequence_desc"])
         assert view.nbytes() == varlen.view(role).nbytes() - p.batch * 8 * 4
         assert torch.equal(view.to_dense(), varlen.view(role).to_dense())
+
+
+@pytest.mark.parametrize("tiles", SMALL_TILES[:2], ids=["16x32", "8x40"])
+@pytest.mark.parametrize(
+    "row, ends",
+    [(0, (0, 1, 160)), (7, (31, 32, 160)), (9, (40, 41, 160)), (63, (17, 18, 160)), (20, (10, 10, 159))],
+    ids=["first-key", "block-end", "block-start", "last-row", "row-end"],
+)
+def test_one_hidden_key_leaves_its_block_partial(tiles, row, ends):
+    """A block is full only when every row of its tile sees every key of it: in an all-visible
+    mask, one row hiding one key (between its intervals, or at its end) leaves that block partial
+    and every other block full."""
+    p = _fixed(64, 160, nfunc=3, kinds=("full",))  # every tile inside: all full but the one
+    ep = make_endpoints(p)
+    ep[0, :, row] = torch.tensor(ends)
+    _, plan, _ = small_plan(p, tiles, build_backward=True, ep=ep)
+    check_plan(plan, ep, p, element_size=4)
+    for role in plan.roles:
+        assert plan.view(role).mask_block_idx.numel() == 1, role
 
 
 def test_all_full_mask_has_no_payloads():

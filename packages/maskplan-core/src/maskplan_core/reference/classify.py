@@ -8,7 +8,7 @@ import torch
 
 from ..error_flags import ENDPOINT_ORDER, ENDPOINT_RANGE
 from .block_geometry import WORD_BITS, BlockGeometry
-from .intervals import CHUNK_ELEMENTS, block_visible_counts, interval_bounds
+from .intervals import CHUNK_ELEMENTS, block_touch_counts, interval_bounds
 
 
 @dataclass(frozen=True)
@@ -50,24 +50,26 @@ def endpoint_error_flags(mask_func: torch.Tensor, geom: BlockGeometry) -> int:
 
 
 def classify(mask_func: torch.Tensor, geom: BlockGeometry) -> Classification:
-    """Classify every (Q plan row, sample-local K block) pair as empty, partial or full."""
+    """Classify every (Q plan row, sample-local K block) pair as empty, partial or full.
+
+    A block is visible when a valid row of the tile has a visible key in it, and full when it is
+    in bounds for every row of the tile and no row's hidden range (gap) reaches into it.
+    """
     hmask, total_q = mask_func.shape[0], mask_func.shape[2]
     flags = endpoint_error_flags(mask_func, geom)
-    starts, ends = interval_bounds(mask_func)
+    intervals, gaps = interval_bounds(mask_func)
     row_b, row_m = geom.q_row_owner()
     visible = torch.zeros(hmask, geom.n_q_rows, geom.max_k_blocks, dtype=torch.bool, device=mask_func.device)
     full = torch.zeros_like(visible)
-    per_row = hmask * starts.shape[1] * geom.tile_m * max(geom.max_k_blocks, 1)
+    per_row = hmask * (intervals[0].shape[1] * geom.tile_m + geom.max_k_blocks + 1)
     step = max(1, CHUNK_ELEMENTS // per_row)
     j = torch.arange(geom.max_k_blocks, device=mask_func.device)
     for c in range(0, geom.n_q_rows, step):
         b, m = row_b[c : c + step], row_m[c : c + step]
-        counts, row_ok = block_visible_counts(starts, ends, geom, b, m, total_q)  # [H, R, tm, K]
-        k_len = geom.k_lens[b].unsqueeze(-1)
-        in_sample = j < geom.k_blocks[b].unsqueeze(-1)  # [R, K]
-        tile_in_bounds = row_ok.all(-1, keepdim=True) & ((j + 1) * geom.tile_n <= k_len)  # [R, K]
-        visible[:, c : c + step] = ((counts > 0) & row_ok[None, :, :, None]).any(2) & in_sample
-        full[:, c : c + step] = (counts == geom.tile_n).all(2) & tile_in_bounds
+        rows_in_bounds = ((m + 1) * geom.tile_m <= geom.q_lens[b]).unsqueeze(-1)
+        tile_in_bounds = rows_in_bounds & ((j + 1) * geom.tile_n <= geom.k_lens[b].unsqueeze(-1))
+        visible[:, c : c + step] = block_touch_counts(intervals, geom, b, m, total_q) > 0
+        full[:, c : c + step] = (block_touch_counts(gaps, geom, b, m, total_q) == 0) & tile_in_bounds
     return Classification(
         visible_bits=pack_bits(visible, geom.k_words),
         full_bits=pack_bits(full, geom.k_words),

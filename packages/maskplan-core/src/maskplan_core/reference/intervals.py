@@ -1,4 +1,5 @@
-"""Reading interval endpoints: per-row visible counts per K block, and per-element tile predicates.
+"""Reading interval endpoints: per-tile counts of rows touching each K block, and per-element tile
+predicates.
 
 Both work on ``[0, F0) U [F1, F2) U ...`` by prepending a 0 so intervals are ``[G[2i], G[2i+1])``.
 Work is chunked so that no more than ``CHUNK_ELEMENTS`` intermediate elements exist at once:
@@ -14,13 +15,16 @@ from .block_geometry import BlockGeometry
 CHUNK_ELEMENTS = 1 << 24
 
 
-def interval_bounds(mask_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, ends), each int64 ``[Hmask, nfunc // 2 + 1, total_q]``."""
+def interval_bounds(mask_func: torch.Tensor):
+    """The visible ranges ``[G[2i], G[2i+1])`` of every row and the hidden ones between and after
+    them: ``((starts, ends), (gap_starts, gap_ends))``, each int64 ``[Hmask, nfunc // 2 + 1,
+    total_q]``. The last gap is open-ended (its reader clamps it to the row's ``k_len``); for
+    well-formed endpoints the gaps are the complement of the intervals within ``[0, k_len)``."""
     h, _, rows = mask_func.shape
-    g = torch.cat(
-        [torch.zeros(h, 1, rows, dtype=torch.int64, device=mask_func.device), mask_func.to(torch.int64)], 1
-    )
-    return g[:, 0::2], g[:, 1::2]
+    zero = torch.zeros(h, 1, rows, dtype=torch.int64, device=mask_func.device)
+    g = torch.cat([zero, mask_func.to(torch.int64)], 1)
+    starts, ends = g[:, 0::2], g[:, 1::2]
+    return (starts, ends), (ends, torch.cat([starts[:, 1:], zero + torch.iinfo(torch.int64).max], 1))
 
 
 def row_tokens(geom: BlockGeometry, batch: torch.Tensor, m_block: torch.Tensor, total_q: int):
@@ -32,19 +36,26 @@ def row_tokens(geom: BlockGeometry, batch: torch.Tensor, m_block: torch.Tensor, 
     return tok, valid
 
 
-def block_visible_counts(starts, ends, geom: BlockGeometry, batch, m_block, total_q):
-    """Visible keys per (head, row, t, K block) for the Q plan rows ``(batch, m_block)``.
+def block_touch_counts(bounds, geom: BlockGeometry, batch, m_block, total_q) -> torch.Tensor:
+    """How many (valid row, range) pairs of each listed Q block touch each K block.
 
-    Returns ``(counts [H, R, tile_m, max_k_blocks], row_valid [R, tile_m])``.
+    ``bounds``: (lo, hi), int64 ``[H, I, total_q]``, half-open key ranges per row, clamped here to
+    the row's ``[0, k_len]``. A non-empty ``[lo, hi)`` touches blocks ``lo // tn .. ceil(hi / tn)``:
+    a +1 and a -1 in a per-(head, Q block) difference row and a running sum give every block's
+    count, in ``O(rows * ranges + Q blocks * K blocks)`` rather than per (row, K block). The
+    updates are an accumulating ``index_put_`` (deterministic on CUDA). Returns int32 ``[H, R, K]``.
     """
-    tok, valid = row_tokens(geom, batch, m_block, total_q)
-    st, en = starts[:, :, tok], ends[:, :, tok]  # [H, I, R, tm]
-    j = torch.arange(geom.max_k_blocks, device=batch.device)
-    b_start = j * geom.tile_n  # [K]
-    b_end = torch.minimum(b_start + geom.tile_n, geom.k_lens[batch].unsqueeze(-1))  # [R, K]
-    lo = torch.maximum(st.unsqueeze(-1), b_start)
-    hi = torch.minimum(en.unsqueeze(-1), b_end[None, None, :, None, :])
-    return (hi - lo).clamp_min(0).sum(1), valid
+    tok, valid = row_tokens(geom, batch, m_block, total_q)  # [R, tm]
+    k_len = geom.k_lens[batch].unsqueeze(-1)
+    lo = torch.minimum(bounds[0][:, :, tok].clamp_min(0), k_len)  # [H, I, R, tm]
+    hi = torch.minimum(bounds[1][:, :, tok], k_len)
+    weight = ((hi > lo) & valid).to(torch.int32)
+    h, n_rows, k, tn = lo.shape[0], batch.numel(), geom.max_k_blocks, geom.tile_n
+    row = torch.arange(h * n_rows, device=batch.device).view(h, 1, n_rows, 1) * (k + 1)
+    at = torch.cat([(row + lo // tn).reshape(-1), (row + (hi + tn - 1) // tn).reshape(-1)])
+    diff = torch.zeros(h * n_rows * (k + 1), dtype=torch.int32, device=batch.device)
+    diff.index_put_((at,), torch.cat([weight.reshape(-1), -weight.reshape(-1)]), accumulate=True)
+    return diff.view(h, n_rows, k + 1)[..., :k].cumsum(-1, dtype=torch.int32)
 
 
 def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_block) -> torch.Tensor:
