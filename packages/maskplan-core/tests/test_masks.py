@@ -717,6 +717,38 @@ def test_from_block_mask_refuses_full_blocks_that_are_partial_for_another_sample
     assert torch.equal(masks.from_block_mask(per_sample), masks.from_mask_mod(packed_docs, 2, None, 256, 256))
 
 
+def test_mask_mods_are_evaluated_a_few_query_rows_at_a_time(monkeypatch):
+    """from_mask_mod and from_block_mask evaluate the mask_mod a chunk of query rows at a time (the
+    dense [H, Sq, Sk] never exists whole) and give one evaluation's endpoints; a block mask's chunks
+    are whole Q blocks. A head-dependent mask_mod or a contradicting block found only past the
+    first chunk is still refused."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    doc = torch.tensor([[0] * 100 + [1] * 156, [0] * 256])
+
+    def packed(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (kv <= q)
+
+    def late(b, h, q, kv):  # reads its head index at rows >= 200 only
+        return (kv <= q) & ((q < 200) | (h == 0) | (kv > 0))
+
+    whole = masks.from_mask_mod(packed, 2, None, 256, 256)
+    per_sample = fa.create_block_mask(packed, 2, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    one_entry = fa.create_block_mask(packed, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    whole_blocks = masks.from_block_mask(per_sample)
+    rows, evaluate = [], masks._evaluate
+    monkeypatch.setattr(masks, "_evaluate", lambda *args: rows.append(args[3].numel()) or evaluate(*args))
+    monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 40 * 257)  # 40 rows of 256 keys
+    assert torch.equal(masks.from_mask_mod(packed, 2, None, 256, 256), whole)
+    assert max(rows) == 40 and sum(rows) == 256 * 3  # sample 0 also at head 1 (the shared-head probe)
+    rows.clear()
+    assert torch.equal(masks.from_block_mask(per_sample), whole_blocks)
+    assert set(rows) == {64}
+    with pytest.raises(InputValueError, match="reads its head index"):
+        masks.from_mask_mod(late, 1, None, 256, 256)
+    with pytest.raises(InputValueError, match="sample 1 leave out .*made with B=None"):
+        masks.from_block_mask(one_entry, batch=2)  # sample 1 sees block (2, 0), past the first chunks
+
+
 def test_from_block_mask_names_a_sliced_block_mask():
     """torch drops a sliced block mask's mask_mod (it raises a RuntimeError when called): the error
     is the library's, naming the slice and the way round it."""

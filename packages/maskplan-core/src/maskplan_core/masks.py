@@ -87,8 +87,8 @@ __all__ = [
     "sliding_window",
 ]
 
-# Upper bound on the number of mask elements processed at once by the dense -> endpoints encoder
-# (the scatter index is int64, so this is ~128 MiB of index per chunk).
+# Upper bound on the number of dense mask elements that the encoder (dense -> endpoints) and the
+# mask_mod evaluation of from_mask_mod / from_block_mask take at once.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -456,38 +456,44 @@ def _transitions(m: torch.Tensor) -> torch.Tensor:
 def _encode(mask: torch.Tensor) -> torch.Tensor:
     """bool ``[H, T, Sk]`` -> int32 ``[H, nfunc, T]`` with the smallest odd ``nfunc``."""
     h, t, sk = mask.shape
-    dev = mask.device
     if sk == 0 or t == 0:
-        return torch.zeros(h, 1, t, dtype=torch.int32, device=dev)
+        return torch.zeros(h, 1, t, dtype=torch.int32, device=mask.device)
     step = _row_chunk(h, sk)
+    return _join_rows([_encode_rows(mask[:, r0 : r0 + step]) for r0 in range(0, t, step)])
 
-    # pass 1: endpoints needed per row = number of boundaries after key 0, plus one leading 0
-    # endpoint when the row does not start with True.  Always odd.
-    counts = torch.empty(h, t, dtype=torch.int64, device=dev)
-    for r0 in range(0, t, step):
-        m = mask[:, r0 : r0 + step]
-        counts[:, r0 : r0 + step] = _transitions(m).sum(-1) + (~m[..., 0]).long()
+
+def _encode_rows(m: torch.Tensor) -> torch.Tensor:
+    """One chunk of :func:`_encode`: bool ``[H, n, Sk]`` (Sk >= 1) -> int32 ``[H, nfunc, n]``.
+
+    A row needs one endpoint per boundary after key 0, plus a leading 0 (the empty ``[0, 0)``
+    interval) when it does not start with True: an odd count. The boundaries are few, so they are
+    listed (``nonzero``, row-major) and each goes to its rank in its row; unused slots repeat the
+    row's last endpoint (empty intervals)."""
+    h, n, _ = m.shape
+    tr = _transitions(m).reshape(h * n, -1)
+    per_row = tr.sum(-1)
+    lead = (~m[..., 0]).reshape(-1).long()
+    counts = per_row + lead
     nfunc = int(counts.max())
+    rows, keys = tr.nonzero(as_tuple=True)
+    first = torch.cumsum(per_row, 0) - per_row  # index of each row's first boundary in the list
+    slot = torch.arange(rows.numel(), device=m.device) - first[rows] + lead[rows]
+    buf = torch.zeros(h * n, nfunc, dtype=torch.int32, device=m.device)
+    buf[rows, slot] = (keys + 1).to(torch.int32)
+    last = buf.gather(1, (counts - 1).unsqueeze(1))
+    buf = torch.where(torch.arange(nfunc, device=m.device) >= counts.unsqueeze(1), last, buf)
+    return buf.view(h, n, nfunc).transpose(1, 2)
 
-    # pass 2: scatter the key position of every boundary into its endpoint slot (cumsum over
-    # boundaries), then pad unused slots by repeating the row's last endpoint.
-    out = torch.empty(h, nfunc, t, dtype=torch.int32, device=dev)
-    pos = torch.arange(1, sk + 1, dtype=torch.int32, device=dev)
-    slots = torch.arange(nfunc, device=dev)
-    for r0 in range(0, t, step):
-        m = mask[:, r0 : r0 + step]
-        n = m.shape[1]
-        tr = _transitions(m)
-        lead = (~m[..., 0]).long()[..., None]  # 1 -> slot 0 is the empty [0, 0) interval
-        slot = tr.long().cumsum(-1) - 1 + lead
-        slot = torch.where(tr, slot, nfunc)  # non-boundaries go to a dump slot
-        buf = torch.zeros(h, n, nfunc + 1, dtype=torch.int32, device=dev)
-        buf.scatter_(-1, slot, pos.expand(h, n, sk))
-        cnt = counts[:, r0 : r0 + n, None]
-        last = buf.gather(-1, cnt - 1)
-        buf = torch.where(slots >= cnt, last, buf[..., :nfunc])
-        out[:, :, r0 : r0 + n] = buf.transpose(1, 2)
-    return out
+
+def _join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Endpoints ``[H, nfunc_i, n_i]`` of consecutive rows -> ``[H, max nfunc, sum n_i]``, shorter
+    ones padded by repeating each row's last endpoint (empty intervals)."""
+    nfunc = max(p.shape[1] for p in parts)
+    padded = [
+        torch.cat([p, p[:, -1:].expand(-1, nfunc - p.shape[1], -1)], dim=1) if p.shape[1] < nfunc else p
+        for p in parts
+    ]
+    return torch.cat(padded, dim=2)
 
 
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:
@@ -613,8 +619,9 @@ def from_mask_mod(
 
     ``mask_mod`` is evaluated as torch's ``create_block_mask`` evaluates it: under ``torch.vmap``,
     so it sees 0-d int64 index tensors and returns a 0-d bool tensor (``docs[b][q_idx]`` works;
-    Python ``and`` / ``if`` on the indices do not). The dense ``[H, Sq, Sk]`` mask of each sample is
-    then encoded like :func:`from_dense`.  Rows are batch-major (``row = b * Sq + q``).  If every head
+    Python ``and`` / ``if`` on the indices do not). Its dense mask is evaluated and encoded like
+    :func:`from_dense` a chunk of query rows at a time (about 16M elements), so the whole
+    ``[H, Sq, Sk]`` never exists at once.  Rows are batch-major (``row = b * Sq + q``).  If every head
     gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` or ``1``
     means one mask for every head, as in torch; a mask_mod that reads its head index is refused
     there (torch's flex_attention still calls it with each head's index): pass ``H = Hq`` (the check
@@ -640,11 +647,12 @@ def from_mask_mod(
     H = H or 1
     shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)
-    dense = [
-        _mask_mod_sample(mask_mod, b, shape, dev, shared_heads if b == 0 else None, one_head=one_head)
-        for b in range(B)
-    ]
-    return _join_samples([_encode(d) for d in dense], H)
+    parts = []
+    for b in range(B):
+        sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
+        chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head)
+        parts += [_encode(rows) for rows in chunks]
+    return _join_samples(parts, H)
 
 
 def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None = None) -> torch.Tensor:
@@ -703,39 +711,47 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     parts = []
     for b in range(batch):
         sample_heads = shared_heads if b == 0 else None
-        dense = _mask_mod_sample(block_mask.mask_mod, b, shape, blocks.device, sample_heads)
         entry = b if blocks.shape[0] > 1 else 0
-        # torch computes mask_mod inside the listed blocks and nothing outside them: a listed block
-        # where the mask_mod shows nothing is harmless, an unlisted one where it shows something is not
-        seen = _per_block(dense, (bq, bk), torch.any)
-        differs = seen & ~blocks[entry].expand_as(seen)
-        if full is not None:  # torch skips mask_mod in a full block: every element there must be visible
-            differs |= full[entry].expand_as(seen) & ~_per_block(dense, (bq, bk), torch.all)
-        differs = differs.flatten(1).any(1)
-        if bool(differs.any()):
-            head = int(differs.nonzero()[0, 0])
-            at_head = f" at head {head}" if heads > 1 else ""
-            # a shared entry (B=None / H=None) holds sample 0's, head 0's blocks: torch applies them
-            # to the others, which their own mask_mod contradicts here
-            entries = (("B", blocks.shape[0], b), ("H", blocks.shape[1], head))
-            shared = [f"{noun}=None" for noun, count, i in entries if count == 1 and i > 0]
-            if shared:
-                hint = (
-                    f"the block mask was made with {' and '.join(shared)}, so it lists sample 0's / head 0's "
-                    f"blocks for every one; make it with them given, or convert the mask_mod alone: "
-                    f"masks.from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)"
-                )
-            else:
-                hint = (
-                    "torch computes the mask_mod inside the listed blocks, every element of a full one and "
-                    "nothing elsewhere: build that dense [B, H, Sq, Sk] bool mask and use from_dense"
-                )
-            raise InputValueError(
-                f"block_mask's blocks of sample {b} leave out elements its mask_mod makes visible (or "
-                f"list full a block it does not make wholly visible){at_head}; {hint}"
-            )
-        parts.append(_encode(dense))
+        first = 0  # the chunk's first Q block
+        for dense in _mask_mod_rows(block_mask.mask_mod, b, shape, blocks.device, sample_heads, align=bq):
+            # torch computes mask_mod inside the listed blocks and nothing outside them: a listed block
+            # where the mask_mod shows nothing is harmless, an unlisted one where it shows something is not
+            seen = _per_block(dense, (bq, bk), torch.any)
+            rows = slice(first, first + seen.shape[1])
+            differs = seen & ~blocks[entry, :, rows].expand_as(seen)
+            if full is not None:  # torch skips mask_mod in a full block: every element there must be visible
+                differs |= full[entry, :, rows].expand_as(seen) & ~_per_block(dense, (bq, bk), torch.all)
+            differs = differs.flatten(1).any(1)
+            if bool(differs.any()):
+                raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
+            parts.append(_encode(dense))
+            first += seen.shape[1]
     return _join_samples(parts, heads)
+
+
+def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> InputValueError:
+    """The refusal of a block mask whose blocks of sample ``b``, head ``head`` contradict its
+    mask_mod; ``entries``: its (batch, head) entry counts."""
+    at_head = f" at head {head}" if heads > 1 else ""
+    # a shared entry (B=None / H=None) holds sample 0's, head 0's blocks: torch applies them
+    # to the others, which their own mask_mod contradicts here
+    named = (("B", entries[0], b), ("H", entries[1], head))
+    shared = [f"{noun}=None" for noun, count, i in named if count == 1 and i > 0]
+    if shared:
+        hint = (
+            f"the block mask was made with {' and '.join(shared)}, so it lists sample 0's / head 0's "
+            f"blocks for every one; make it with them given, or convert the mask_mod alone: "
+            f"masks.from_mask_mod(block_mask.mask_mod, B, H, Sq, Sk)"
+        )
+    else:
+        hint = (
+            "torch computes the mask_mod inside the listed blocks, every element of a full one and "
+            "nothing elsewhere: build that dense [B, H, Sq, Sk] bool mask and use from_dense"
+        )
+    return InputValueError(
+        f"block_mask's blocks of sample {b} leave out elements its mask_mod makes visible (or "
+        f"list full a block it does not make wholly visible){at_head}; {hint}"
+    )
 
 
 def _per_block(dense: torch.Tensor, block: tuple[int, int], reduce) -> torch.Tensor:
@@ -764,47 +780,54 @@ def _full_blocks(block_mask, kv_blocks: int) -> torch.Tensor | None:
 _VMAP_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None))
 
 
-def _mask_mod_sample(
+def _mask_mod_rows(
     mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None,
-    *, one_head: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """``mask_mod`` of batch sample ``b`` as a dense bool ``[H, Sq, Sk]``. ``shared_heads`` (one head
-    standing for every head, ``H = 1``) also evaluates head 1 and refuses a mask_mod that differs
-    there (or fails there, unless ``one_head``: then it is one of a model of one head), the string
-    saying how to give the heads."""
+    *, one_head: bool = False, align: int = 1,
+):  # fmt: skip
+    """``mask_mod`` of batch sample ``b`` as dense bool ``[H, rows, Sk]`` chunks of consecutive query
+    rows, each a multiple of ``align`` rows (the last may be shorter) and, where ``align`` allows,
+    at most about ``_CHUNK_ELEMENTS`` elements: the whole ``[H, Sq, Sk]`` never exists at once.
+    ``shared_heads`` (one head standing for every head, ``H = 1``) also evaluates head 1 and
+    refuses a mask_mod that differs there (or fails there, unless ``one_head``: then it is one of a
+    model of one head), the string saying how to give the heads."""
     H, Sq, Sk = shape
     if Sq == 0 or Sk == 0:  # no element to evaluate (an empty problem)
-        return torch.zeros(shape, dtype=torch.bool, device=dev)
-    res = _evaluate(mask_mod, b, torch.arange(H, device=dev), Sq, Sk)
-    if shared_heads:
-        try:
-            other = _evaluate(mask_mod, b, torch.ones(1, dtype=torch.int64, device=dev), Sq, Sk)
-        except Exception as err:  # noqa: BLE001 - the probe's failure is the user's answer, named
-            if one_head:
-                return res.to(dev)
-            raise InputValueError(
-                f"one mask stands for every head, so mask_mod is also evaluated at head 1 to check that it "
-                f"does not read its head index, and it raised there ({type(err).__name__}: {err}); "
-                f"{shared_heads}, or 1 for a model of one head"
-            ) from err
-        if not torch.equal(res[0], other[0]):
-            raise InputValueError(
-                "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
-                "flex_attention calls it with each head's index, so one mask for all heads would differ "
-                f"from what torch computes; {shared_heads} (for a model of one head, give a mask_mod "
-                "that does not read its head index)"
-            )
-    return res.to(dev)
+        yield torch.zeros(shape, dtype=torch.bool, device=dev)
+        return
+    step = max(1, _row_chunk(H, Sk) // align) * align
+    probe = shared_heads
+    for r0 in range(0, Sq, step):
+        q_idx = torch.arange(r0, min(r0 + step, Sq), device=dev)
+        res = _evaluate(mask_mod, b, torch.arange(H, device=dev), q_idx, Sk)
+        if probe:
+            try:
+                other = _evaluate(mask_mod, b, torch.ones(1, dtype=torch.int64, device=dev), q_idx, Sk)
+            except Exception as err:  # noqa: BLE001 - the probe's failure is the user's answer, named
+                if not one_head:
+                    raise InputValueError(
+                        f"one mask stands for every head, so mask_mod is also evaluated at head 1 to check "
+                        f"that it does not read its head index, and it raised there ({type(err).__name__}: "
+                        f"{err}); {shared_heads}, or 1 for a model of one head"
+                    ) from err
+                probe, other = None, res
+            if not torch.equal(res[0], other[0]):
+                raise InputValueError(
+                    "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
+                    "flex_attention calls it with each head's index, so one mask for all heads would "
+                    f"differ from what torch computes; {shared_heads} (for a model of one head, give a "
+                    "mask_mod that does not read its head index)"
+                )
+        yield res.to(dev)
 
 
-def _evaluate(mask_mod, b: int, heads: torch.Tensor, Sq: int, Sk: int) -> torch.Tensor:
-    """``mask_mod`` at sample ``b``, the head indices ``heads``, every q_idx and kv_idx: bool
-    ``[len(heads), Sq, Sk]``."""
+def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: int) -> torch.Tensor:
+    """``mask_mod`` at sample ``b``, the head indices ``heads``, the query rows ``q_idx`` and every
+    kv_idx: bool ``[len(heads), len(q_idx), Sk]``."""
     dev = heads.device
     fn = mask_mod
     for in_dims in _VMAP_DIMS:
         fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
-    q_idx, kv_idx = torch.arange(Sq, device=dev), torch.arange(Sk, device=dev)
+    kv_idx = torch.arange(Sk, device=dev)
     try:
         res = fn(torch.tensor(b, device=dev), heads, q_idx, kv_idx)
     except RuntimeError as err:
@@ -821,7 +844,7 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, Sq: int, Sk: int) -> torch.
         raise InputTypeError(f"mask_mod must return a bool torch.Tensor ({err})") from err
     if res.dtype != torch.bool:
         raise InputTypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
-    if res.shape != (heads.numel(), Sq, Sk):
+    if res.shape != (heads.numel(), q_idx.numel(), Sk):
         raise InputValueError(
             f"mask_mod must return one bool per (b, h, q_idx, kv_idx), got a result of shape "
             f"{tuple(res.shape[3:])} for each"
@@ -830,14 +853,9 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, Sq: int, Sk: int) -> torch.
 
 
 def _join_samples(parts: list[torch.Tensor], H: int) -> torch.Tensor:
-    """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]``: shorter ones padded
-    by repeating each row's last endpoint (empty intervals), one head kept if all heads agree."""
-    nfunc = max(p.shape[1] for p in parts)
-    padded = [
-        torch.cat([p, p[:, -1:].expand(-1, nfunc - p.shape[1], -1)], dim=1) if p.shape[1] < nfunc else p
-        for p in parts
-    ]
-    out = torch.cat(padded, dim=2)
+    """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]`` (:func:`_join_rows`),
+    one head kept if all heads agree."""
+    out = _join_rows(parts)
     if H > 1 and bool((out == out[:1]).all()):
         out = out[:1]
     return out.contiguous()
