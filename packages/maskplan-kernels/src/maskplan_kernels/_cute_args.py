@@ -21,11 +21,25 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import torch
-from cutlass import Int32
+from cutlass import Int32, Int64
 
 INT32_BYTES = 4
 #: the alignment every planner pointer assumes (one element)
 ALIGN_BYTES = INT32_BYTES
+
+
+def row_major(ptr: cute.Pointer, *shape, wide: bool = False) -> cute.Tensor:
+    """The contiguous row-major tensor ``shape`` at ``ptr``; ``wide``: strides past the innermost are
+    64-bit (where a product of sizes may pass 2^31)."""
+    if len(shape) == 1:
+        return cute.make_tensor(ptr, cute.make_layout(shape[0]))
+    strides = []
+    for axis in range(1, len(shape)):
+        stride = Int64(shape[axis]) if wide else shape[axis]
+        for n in shape[axis + 1 :]:
+            stride = stride * n
+        strides.append(stride)
+    return cute.make_tensor(ptr, cute.make_layout(tuple(shape), stride=(*strides, 1)))
 
 
 def placeholder_ptr() -> cute.Pointer:

@@ -87,11 +87,14 @@ def block_exclusive_sum(value: Int32, sScratch: cute.Tensor, num_warps: cutlass.
 
 
 @cute.jit
-def block_sum(value: Int32, sScratch: cute.Tensor, num_warps: cutlass.Constexpr[int]) -> Int32:
-    """CTA-wide sum, returned to every thread. Same scratch/sync contract as :func:`block_exclusive_sum`."""
+def block_reduce(
+    value: Int32, sScratch: cute.Tensor, num_warps: cutlass.Constexpr[int], op: cutlass.Constexpr[str]
+) -> Int32:
+    """CTA-wide reduction by ``op`` (``"add"`` or ``"or"``: ``redux.sync``'s, 0 their identity),
+    returned to every thread. Same scratch/sync contract as :func:`block_exclusive_sum`."""
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
-    w = warp_sum(value)
+    w = cute.arch.warp_redux_sync(value, op)
     if lane == 0:
         sScratch[warp] = w
     cute.arch.sync_threads()
@@ -99,29 +102,7 @@ def block_sum(value: Int32, sScratch: cute.Tensor, num_warps: cutlass.Constexpr[
         part = Int32(0)
         if lane < num_warps:
             part = sScratch[lane]
-        part = warp_sum(part)
-        if lane == 0:
-            sScratch[WARP] = part
-    cute.arch.sync_threads()
-    total = sScratch[WARP]
-    cute.arch.sync_threads()
-    return total
-
-
-@cute.jit
-def block_or(value: Int32, sScratch: cute.Tensor, num_warps: cutlass.Constexpr[int]) -> Int32:
-    """CTA-wide bitwise OR, returned to every thread. Same contract as :func:`block_sum`."""
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    w = cute.arch.warp_redux_sync(value, "or")
-    if lane == 0:
-        sScratch[warp] = w
-    cute.arch.sync_threads()
-    if warp == 0:
-        part = Int32(0)
-        if lane < num_warps:
-            part = sScratch[lane]
-        part = cute.arch.warp_redux_sync(part, "or")
+        part = cute.arch.warp_redux_sync(part, op)
         if lane == 0:
             sScratch[WARP] = part
     cute.arch.sync_threads()

@@ -34,8 +34,9 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, const_expr
+from cutlass import Int32, const_expr
 
+from ._cute_args import row_major
 from ._primitives import WARP, WarpsPerCta, range_bits
 from .payload_table import bitmap_row_base, bitmap_words, row_words, zero_address
 
@@ -145,28 +146,15 @@ class TilePacker:
     ) -> MaterializeViews:  # fmt: skip
         """Row-major views of the pointers both host entries share (traced inline); 64-bit strides
         where a product of sizes may pass 2^31."""
-        nfunc, words = self.nfunc, self.words_per_tile
-        bits = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
-        rows_out = cutlass.max(out_rows, 1)
+        words = self.words_per_tile
         return MaterializeViews(
-            mask=cute.make_tensor(
-                mask_func,
-                cute.make_layout((hmask, nfunc, total_q), stride=(Int64(total_q) * nfunc, Int64(total_q), 1)),
-            ),
-            visible=cute.make_tensor(visible_bits, bits),
-            full=cute.make_tensor(full_bits, bits),
-            counts_ws=cute.make_tensor(
-                counts_ws,
-                cute.make_layout((4, hmask, ws_rows), stride=(Int64(hmask) * ws_rows, Int64(ws_rows), 1)),
-            ),
-            counts_out=cute.make_tensor(
-                counts_out,
-                cute.make_layout((4, hmask, rows_out), stride=(Int64(hmask) * rows_out, Int64(rows_out), 1)),
-            ),
-            masks=cute.make_tensor(
-                masks, cute.make_layout((cutlass.max(nnz_p, 1), words), stride=(Int64(words), 1))
-            ),
-            table=cute.make_tensor(table, cute.make_layout(words * WARP)),
+            mask=row_major(mask_func, hmask, self.nfunc, total_q, wide=True),
+            visible=row_major(visible_bits, hmask, uq, k_words, wide=True),
+            full=row_major(full_bits, hmask, uq, k_words, wide=True),
+            counts_ws=row_major(counts_ws, 4, hmask, ws_rows, wide=True),
+            counts_out=row_major(counts_out, 4, hmask, cutlass.max(out_rows, 1), wide=True),
+            masks=row_major(masks, cutlass.max(nnz_p, 1), words, wide=True),
+            table=row_major(table, words * WARP),
         )
 
     def allocate(self, smem):

@@ -46,15 +46,15 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Int32, Int64, const_expr
+from cutlass import Int32, const_expr
 
 from maskplan_core.error_flags import ENDPOINT_ORDER, ENDPOINT_RANGE
 from maskplan_core.reference.block_geometry import WORD_BITS, BlockGeometry
 from maskplan_core.reference.classify import Classification
 
-from ._cute_args import int32_address, torch_stream
+from ._cute_args import int32_address, row_major, torch_stream
 from ._jit_cache import compile_stage
-from .geometry import DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
+from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 
 @dataclass(frozen=True)
@@ -112,30 +112,15 @@ class Q2KClassify:
         batch: Int32,
         stream: cuda.CUstream,
     ):
-        # Row-major layouts of the contiguous arguments; outer strides are 64-bit (Hmask * nfunc *
-        # total_q can pass 2^31).
-        nfunc = self.nfunc
-        # (Hmask, nfunc, total_q)
-        mMask = cute.make_tensor(
-            mask_func,
-            cute.make_layout((hmask, nfunc, total_q), stride=(Int64(total_q) * nfunc, Int64(total_q), 1)),
-        )
-        # (n_q_rows,)
-        mRowBatch = cute.make_tensor(row_batch, cute.make_layout(n_q_rows))
-        # (B, 8)
-        mSeqDesc = cute.make_tensor(sequence_desc, cute.make_layout((batch, 8), stride=(8, 1)))
-        # (Hmask, n_q_rows, k_words)
-        bits_layout = cute.make_layout(
-            (hmask, n_q_rows, k_words), stride=(Int64(n_q_rows) * k_words, Int64(k_words), 1)
-        )
-        mVisible = cute.make_tensor(visible_bits, bits_layout)
-        mFull = cute.make_tensor(full_bits, bits_layout)
-        # (Hmask, n_q_rows)
-        counts_layout = cute.make_layout((hmask, n_q_rows), stride=(Int64(n_q_rows), 1))
-        mPartialCount = cute.make_tensor(partial_counts, counts_layout)
-        mFullCount = cute.make_tensor(full_counts, counts_layout)
-        # (1,)
-        mError = cute.make_tensor(error_word, cute.make_layout(1))
+        # outer strides are 64-bit where a product of sizes can pass 2^31 (Hmask * nfunc * total_q)
+        mMask = row_major(mask_func, hmask, self.nfunc, total_q, wide=True)
+        mRowBatch = row_major(row_batch, n_q_rows)
+        mSeqDesc = row_major(sequence_desc, batch, DESC_COLS)
+        mVisible = row_major(visible_bits, hmask, n_q_rows, k_words, wide=True)
+        mFull = row_major(full_bits, hmask, n_q_rows, k_words, wide=True)
+        mPartialCount = row_major(partial_counts, hmask, n_q_rows, wide=True)
+        mFullCount = row_major(full_counts, hmask, n_q_rows, wide=True)
+        mError = row_major(error_word, 1)
         self.kernel(mMask, mRowBatch, mSeqDesc, mVisible, mFull, mPartialCount, mFullCount, mError).launch(
             grid=[n_q_rows, hmask, 1],
             block=[self.num_threads, 1, 1],

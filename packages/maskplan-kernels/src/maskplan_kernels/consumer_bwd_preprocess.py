@@ -27,7 +27,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .consumer_plan import SequenceDesc, backward_q_desc, element_ptr, sample_q, ticket_counter
+from ._cute_args import row_major
+from .consumer_plan import (
+    SequenceDesc,
+    backward_q_desc,
+    element_ptr,
+    sample_q,
+    thd_tensor,
+    ticket_counter,
+)
 from .consumer_softmax import LOG2_E
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
@@ -87,22 +95,17 @@ class BwdPreprocess:
         stream: cuda.CUstream,
     ):
         dv, tm = self.head_dim_v, self.tile_m
-
-        def mat(ptr, rows, cols):
-            return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-
-        thd = cute.make_layout((total_q, num_heads_q, dv), stride=(num_heads_q * dv, dv, 1))
         self.kernel(
-            cute.make_tensor(out, thd),
-            cute.make_tensor(dout, thd),
-            mat(lse, num_heads_q, total_q),
-            mat(dlse, num_heads_q, total_q) if const_expr(dlse is not None) else None,
-            mat(lse_log2, num_heads_q, n_qblk * tm),
-            mat(dsum, num_heads_q, n_qblk * tm),
-            mat(dq_accum, num_heads_q, n_qblk * tm * self.head_dim_qk),
-            mat(dq_semaphore, num_heads_q, n_qblk),
+            thd_tensor(out, total_q, num_heads_q, dv),
+            thd_tensor(dout, total_q, num_heads_q, dv),
+            row_major(lse, num_heads_q, total_q),
+            row_major(dlse, num_heads_q, total_q) if const_expr(dlse is not None) else None,
+            row_major(lse_log2, num_heads_q, n_qblk * tm),
+            row_major(dsum, num_heads_q, n_qblk * tm),
+            row_major(dq_accum, num_heads_q, n_qblk * tm * self.head_dim_qk),
+            row_major(dq_semaphore, num_heads_q, n_qblk),
             backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
-            cute.make_tensor(q_block_begin, cute.make_layout(batch)),
+            row_major(q_block_begin, batch),
         ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel

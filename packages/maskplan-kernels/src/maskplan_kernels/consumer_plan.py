@@ -46,6 +46,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 # columns of sequence_desc[b] (maskplan_core.plan), one definition with the planner's geometry stage
+from ._cute_args import row_major
 from .geometry import (
     DESC_COLS,
     DESC_INNER_BLOCKS,
@@ -394,16 +395,6 @@ def rows_from(t: cute.Tensor, first_row, packed: bool = False) -> cute.Tensor:
     return cute.domain_offset(((0, first_row) if const_expr(packed) else first_row, 0), t)
 
 
-def row_major(ptr: cute.Pointer, rows, cols) -> cute.Tensor:
-    """Contiguous ``(rows, cols)``, row-major."""
-    return cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(cols, 1)))
-
-
-def vector(ptr: cute.Pointer, n) -> cute.Tensor:
-    """Contiguous ``(n,)``."""
-    return cute.make_tensor(ptr, cute.make_layout(n))
-
-
 def csr_tensors(
     cnt: cute.Pointer,
     offset: cute.Pointer,
@@ -425,11 +416,11 @@ def csr_tensors(
     return (
         row_major(cnt, mask_heads, rows),
         row_major(offset, mask_heads, rows),
-        vector(idx, partial_nnz),
-        vector(masks, partial_nnz * plane),
+        row_major(idx, partial_nnz),
+        row_major(masks, partial_nnz * plane),
         row_major(full_cnt, mask_heads, rows),
         row_major(full_offset, mask_heads, rows),
-        vector(full_idx, full_nnz),
+        row_major(full_idx, full_nnz),
     )
 
 
@@ -556,11 +547,11 @@ class FwdHostEntry(ThdHostEntry):
             ),  # fmt: skip
             thd_tensor(o, total_q, num_heads_q, dv),
             row_major(lse, num_heads_q, total_q),
-            vector(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
+            row_major(max_logit, num_heads_q) if const_expr(max_logit is not None) else None,
             FwdPlanTensors(*csr, desc, row_major(fwd_work_desc, num_tasks, 4)),
         )
         if const_expr(self.persistent):
-            self.__call__(*tensors, vector(tile_counter, 1), softmax_scale, num_ctas, stream)
+            self.__call__(*tensors, row_major(tile_counter, 1), softmax_scale, num_ctas, stream)
         else:
             self.__call__(*tensors, softmax_scale, num_ctas, stream)
 
@@ -604,11 +595,11 @@ def bwd_plan_tensors(
     )  # fmt: skip
     return BwdPlanTensors(
         *csr,
-        vector(dq_write_order, partial_nnz),
-        vector(dq_write_order_full, full_nnz),
+        row_major(dq_write_order, partial_nnz),
+        row_major(dq_write_order_full, full_nnz),
         desc,
-        vector(k_row_batch, k_rows),
-        vector(q_block_begin, batch),
+        row_major(k_row_batch, k_rows),
+        row_major(q_block_begin, batch),
     )
 
 
@@ -656,7 +647,7 @@ class DqPostprocessHostEntry:
             row_major(dq_semaphore, num_heads_q, n_qblk) if const_expr(self.zero_unvisited) else None,
             thd_tensor(dq, total_q, num_heads_q, self.io_head_dim()),
             backward_q_desc(sequence_desc, varlen, batch=batch, total_q=total_q, tile_m=tm),
-            vector(q_block_begin, batch),
+            row_major(q_block_begin, batch),
             *self.kernel_operands(),
             softmax_scale,
         ).launch(grid=[max_q_blocks, num_heads_q, batch], block=[self.num_threads, 1, 1], stream=stream)
@@ -1116,7 +1107,6 @@ __all__ = [
     "publish_record",
     "publish_task",
     "record_pipeline",
-    "row_major",
     "sample_q",
     "select_modes",
     "take_ticket",
@@ -1125,7 +1115,6 @@ __all__ = [
     "total_steps",
     "turnstile_advance",
     "turnstile_wait",
-    "vector",
     "view_row_fill",
     "walk_descending",
 ]

@@ -52,8 +52,9 @@ from maskplan_core.error_flags import (
 )
 from maskplan_core.geometry import PlanGeometry
 
+from ._cute_args import row_major
 from ._jit_cache import compile_stage
-from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum, block_or
+from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum, block_reduce
 
 # sequence_desc[B + 1, 8] columns (BlockGeometry.sequence_desc)
 DESC_Q_OFFSET, DESC_K_OFFSET, DESC_Q_LEN, DESC_K_LEN = 0, 1, 2, 3
@@ -156,20 +157,16 @@ class VarlenGeometry:
         validate: Int32,
         stream: cuda.CUstream,
     ):
-        # (B+1,)
-        mCuQ = cute.make_tensor(cu_seqlens_q, cute.make_layout(batch + 1))
-        mCuK = cute.make_tensor(cu_seqlens_k, cute.make_layout(batch + 1))
-        # (8,)
-        mHeader = cute.make_tensor(header, cute.make_layout(8))
-        # (B+1, 8)
-        desc_layout = cute.make_layout((batch + 1, DESC_COLS), stride=(DESC_COLS, 1))
-        mDescF = cute.make_tensor(desc_fwd, desc_layout)
-        mDescBQ = cute.make_tensor(desc_bwd_q, desc_layout)
-        mDescBK = cute.make_tensor(desc_bwd_k, desc_layout)
+        mCuQ = row_major(cu_seqlens_q, batch + 1)
+        mCuK = row_major(cu_seqlens_k, batch + 1)
+        mHeader = row_major(header, 8)
+        mDescF = row_major(desc_fwd, batch + 1, DESC_COLS)
+        mDescBQ = row_major(desc_bwd_q, batch + 1, DESC_COLS)
+        mDescBK = row_major(desc_bwd_k, batch + 1, DESC_COLS)
         # (upper rows,)
-        mRbF = cute.make_tensor(row_batch_fwd, cute.make_layout(cutlass.max(uq_fwd, 1)))
-        mRbBQ = cute.make_tensor(row_batch_bwd_q, cute.make_layout(cutlass.max(uq_bwd, 1)))
-        mRbBK = cute.make_tensor(row_batch_bwd_k, cute.make_layout(cutlass.max(uk_bwd, 1)))
+        mRbF = row_major(row_batch_fwd, cutlass.max(uq_fwd, 1))
+        mRbBQ = row_major(row_batch_bwd_q, cutlass.max(uq_bwd, 1))
+        mRbBK = row_major(row_batch_bwd_k, cutlass.max(uk_bwd, 1))
         self.kernel(
             mCuQ,
             mCuK,
@@ -230,7 +227,7 @@ class VarlenGeometry:
             flags = self.prefix_flags(mCuQ, total_q, max_q, 0, tidx, batch) | self.prefix_flags(
                 mCuK, total_k, max_k, 4, tidx, batch
             )
-        flags = block_or(flags, sScratch, self.num_warps)
+        flags = block_reduce(flags, sScratch, self.num_warps, "or")
         prefixes_ok = flags == 0
 
         # ---- phase 2: per-sample block counts, CTA scans, descriptors -----------------------

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
+from ._cute_args import row_major
 from ._jit_cache import compile_stage
 from ._primitives import WARP, WarpsPerCta
 from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
@@ -68,20 +69,13 @@ class K2QCount:
         batch_plus_one: Int32,
         stream: cuda.CUstream,
     ):
-        # (Hmask, uq, k_words)
-        bits_layout = cute.make_layout((hmask, uq, k_words), stride=(Int64(uq) * k_words, Int64(k_words), 1))
-        mVisible = cute.make_tensor(visible_bits, bits_layout)
-        mFull = cute.make_tensor(full_bits, bits_layout)
-        # (uk,)
-        mRowBatchK = cute.make_tensor(row_batch_k, cute.make_layout(uk))
-        # (B+1, 8)
-        desc_layout = cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))
-        mDescQ = cute.make_tensor(desc_q, desc_layout)
-        mDescK = cute.make_tensor(desc_k, desc_layout)
-        # (Hmask, uk)
-        counts_layout = cute.make_layout((hmask, uk), stride=(Int64(uk), 1))
-        mPartial = cute.make_tensor(partial_counts, counts_layout)
-        mFullCnt = cute.make_tensor(full_counts, counts_layout)
+        mVisible = row_major(visible_bits, hmask, uq, k_words, wide=True)
+        mFull = row_major(full_bits, hmask, uq, k_words, wide=True)
+        mRowBatchK = row_major(row_batch_k, uk)
+        mDescQ = row_major(desc_q, batch_plus_one, DESC_COLS)
+        mDescK = row_major(desc_k, batch_plus_one, DESC_COLS)
+        mPartial = row_major(partial_counts, hmask, uk, wide=True)
+        mFullCnt = row_major(full_counts, hmask, uk, wide=True)
         self.kernel(mVisible, mFull, mRowBatchK, mDescQ, mDescK, mPartial, mFullCnt, uk).launch(
             grid=[(uk + WARP - 1) // WARP, hmask, 1],
             block=[self.num_threads, 1, 1],

@@ -38,6 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from ._cute_args import row_major
 from ._jit_cache import compile_stage
 from ._primitives import SCAN_SCRATCH, WARP, block_exclusive_sum
 from ._tile_packer import ROW_PARTS, MaterializeConfig, TilePacker, index_vector
@@ -93,10 +94,9 @@ class K2QMaterialize:
             mask_func, visible_bits, full_bits, counts_ws, counts_out, masks, table,
             hmask=hmask, total_q=total_q, uq=uq, k_words=k_words, ws_rows=uk, out_rows=n_k_rows, nnz_p=nnz_p,
         )  # fmt: skip
-        mRowBatchK = cute.make_tensor(row_batch_k, cute.make_layout(uk))  # (uk,)
-        desc_layout = cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))  # (B+1, 8)
         self.kernel(
-            v.mask, mRowBatchK, cute.make_tensor(desc_q, desc_layout), cute.make_tensor(desc_k, desc_layout),
+            v.mask, row_major(row_batch_k, uk),
+            row_major(desc_q, batch_plus_one, DESC_COLS), row_major(desc_k, batch_plus_one, DESC_COLS),
             v.visible, v.full, v.counts_ws, v.counts_out,
             index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f),
             index_vector(dq_order, nnz_p), index_vector(dq_order_full, nnz_f), v.masks, v.table,

@@ -36,6 +36,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from ._cute_args import row_major
 from ._jit_cache import compile_stage
 from ._primitives import WARP, lowest_bit_index, warp_broadcast, warp_inclusive_sum
 from ._tile_packer import ROW_PARTS, MaterializeConfig, TilePacker, index_vector
@@ -84,12 +85,9 @@ class Q2KMaterialize:
             mask_func, visible_bits, full_bits, counts_ws, counts_out, masks, table,
             hmask=hmask, total_q=total_q, uq=uq, k_words=k_words, ws_rows=uq, out_rows=n_rows, nnz_p=nnz_p,
         )  # fmt: skip
-        mRowBatch = cute.make_tensor(row_batch, cute.make_layout(uq))  # (uq,)
-        mDesc = cute.make_tensor(
-            sequence_desc, cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))
-        )
+        mDesc = row_major(sequence_desc, batch_plus_one, DESC_COLS)
         self.kernel(
-            v.mask, mRowBatch, mDesc, v.visible, v.full, v.counts_ws, v.counts_out,
+            v.mask, row_major(row_batch, uq), mDesc, v.visible, v.full, v.counts_ws, v.counts_out,
             index_vector(partial_idx, nnz_p), index_vector(full_idx, nnz_f), v.masks, v.table,
             n_rows, write_compact,
         ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)  # fmt: skip

@@ -33,15 +33,16 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
+from ._cute_args import row_major
 from ._jit_cache import compile_stage
 from ._primitives import (
     FULL_MASK,
     SCAN_SCRATCH,
     WARP,
     WarpsPerCta,
-    block_sum,
+    block_reduce,
     warp_broadcast,
     warp_inclusive_sum,
 )
@@ -110,17 +111,11 @@ class ScheduleScatter:
         tile_m: Int32,
         stream: cuda.CUstream,
     ):
-        counts_layout = cute.make_layout((hmask, uq), stride=(Int64(uq), 1))  # (Hmask, uq)
-        mPartialCnt = cute.make_tensor(counts, counts_layout)
-        mFullCnt = cute.make_tensor(counts + hmask * uq, counts_layout)
-        mDesc = cute.make_tensor(
-            sequence_desc, cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))
-        )
-        mStats = cute.make_tensor(stats, cute.make_layout((num_sections, STATS_COLS), stride=(STATS_COLS, 1)))
-        # (num_tasks, 4)
-        mWork = cute.make_tensor(
-            work, cute.make_layout((cutlass.max(num_tasks, 1), WORK_COLS), stride=(WORK_COLS, 1))
-        )
+        mPartialCnt = row_major(counts, hmask, uq, wide=True)
+        mFullCnt = row_major(counts + hmask * uq, hmask, uq, wide=True)
+        mDesc = row_major(sequence_desc, batch_plus_one, DESC_COLS)
+        mStats = row_major(stats, num_sections, STATS_COLS)
+        mWork = row_major(work, cutlass.max(num_tasks, 1), WORK_COLS)
         self.kernel(
             mPartialCnt,
             mFullCnt,
@@ -188,8 +183,9 @@ class ScheduleScatter:
                 before_pos = before_pos + cutlass.select_(ranked_before, p2, Int32(0))
                 before_zero = before_zero + cutlass.select_(s2 < s, mStats[s2, 2], Int32(0))
                 all_pos = all_pos + p2
-            pos_start = block_sum(before_pos, sScratch, W)
-            zero_start = block_sum(all_pos, sScratch, W) + block_sum(before_zero, sScratch, W)
+            pos_start = block_reduce(before_pos, sScratch, W, "add")
+            pos_total = block_reduce(all_pos, sScratch, W, "add")
+            zero_start = pos_total + block_reduce(before_zero, sScratch, W, "add")
 
             # ---- 2. per-warp cost histograms of contiguous tie-order slices ---------------------
             n_bins = max_cost + 1

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32
 
+from ._cute_args import row_major
 from ._jit_cache import compile_stage
 from ._primitives import WARP, WarpsPerCta, warp_sum
 from ._sections import section_heads, task_cost
@@ -68,14 +69,10 @@ class ScheduleStats:
         budget: Int32,
         stream: cuda.CUstream,
     ):
-        # (Hmask, uq) each
-        counts_layout = cute.make_layout((hmask, uq), stride=(Int64(uq), 1))
-        mPartialCnt = cute.make_tensor(counts, counts_layout)
-        mFullCnt = cute.make_tensor(counts + hmask * uq, counts_layout)
-        mDesc = cute.make_tensor(
-            sequence_desc, cute.make_layout((batch_plus_one, DESC_COLS), stride=(DESC_COLS, 1))
-        )
-        mStats = cute.make_tensor(stats, cute.make_layout((num_sections, STATS_COLS), stride=(STATS_COLS, 1)))
+        mPartialCnt = row_major(counts, hmask, uq, wide=True)
+        mFullCnt = row_major(counts + hmask * uq, hmask, uq, wide=True)
+        mDesc = row_major(sequence_desc, batch_plus_one, DESC_COLS)
+        mStats = row_major(stats, num_sections, STATS_COLS)
         self.kernel(
             mPartialCnt,
             mFullCnt,
