@@ -235,22 +235,17 @@ class ComputeRoles:
         j = Int32(0)
         for g in cutlass.range(work.q_per_kv, unroll=1):
             hr = head_range(plan, work, g)
-            for i in cutlass.range(hr.partial_cnt, unroll=1):
-                e = hr.partial_off + i
-                blk = work.qblk_base + plan.mask_block_idx[e]
-                rank = plan.dq_write_order[e]
-                ticket = rank * self.splits + work.split
-                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
-                             first_run, w, lane, cta_rank)  # fmt: skip
-                j += 1
-            for i in cutlass.range(hr.full_cnt, unroll=1):
-                e = hr.full_off + i
-                blk = work.qblk_base + plan.full_block_idx[e]
-                rank = plan.dq_write_order_full[e]
-                ticket = rank * self.splits + work.split
-                self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
-                             first_run, w, lane, cta_rank)  # fmt: skip
-                j += 1
+            ranges = (
+                (hr.partial_off, hr.partial_cnt, plan.mask_block_idx, plan.dq_write_order),
+                (hr.full_off, hr.full_cnt, plan.full_block_idx, plan.dq_write_order_full),
+            )
+            for off, cnt, block_idx, write_order in ranges:  # partial, then full: the MMA warp's order
+                for i in cutlass.range(cnt, unroll=1):
+                    blk = work.qblk_base + block_idx[off + i]
+                    ticket = write_order[off + i] * self.splits + work.split
+                    self.dq_step(f, bars, regs, run, slot, mdQaccum, mdQsem, hr.q_head, blk, ticket, j, t,
+                                 first_run, w, lane, cta_rank)  # fmt: skip
+                    j += 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
