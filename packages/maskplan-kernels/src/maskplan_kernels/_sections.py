@@ -20,7 +20,7 @@ from cutlass import Int32, Int64
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.reference.schedule import L2_SECTION_BYTES
 
-from .geometry import DESC_K_LEN
+from .geometry import DESC_K_LEN, DESC_ROW_BEGIN, DESC_ROW_COUNT
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,30 @@ def section_heads(
             h0 = kv0 * qhead_per_kvhead
             nh = nh * qhead_per_kvhead
     return batch, h0, nh
+
+
+@cute.jit
+def section_tasks(
+    s: Int32,
+    mDesc: cute.Tensor,
+    num_heads_kv: Int32,
+    qhead_per_kvhead: Int32,
+    pack_gqa: Int32,
+    row_bytes_kv: Int32,
+    budget: Int32,
+):
+    """``(batch, h0, q_rows, row0, tasks)`` of section ``s``: its sample, first scheduled head, Q
+    rows per head, first compact Q row and task count (heads x rows, head-major; :func:`task_of`)."""
+    batch, h0, nh = section_heads(s, mDesc, num_heads_kv, qhead_per_kvhead, pack_gqa, row_bytes_kv, budget)
+    q_rows = mDesc[batch, DESC_ROW_COUNT]
+    return batch, h0, q_rows, mDesc[batch, DESC_ROW_BEGIN], nh * q_rows
+
+
+@cute.jit
+def task_of(t: Int32, h0: Int32, q_rows: Int32):
+    """``(head, m)``: the scheduled head and sample-local Q block of a section's task ``t``."""
+    hq = t // q_rows
+    return h0 + hq, t - hq * q_rows
 
 
 @cute.jit

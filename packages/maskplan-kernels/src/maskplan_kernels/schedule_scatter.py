@@ -46,8 +46,8 @@ from ._primitives import (
     warp_broadcast,
     warp_inclusive_sum,
 )
-from ._sections import section_heads, task_cost
-from .geometry import DESC_COLS, DESC_INNER_BLOCKS, DESC_Q_LEN, DESC_ROW_BEGIN, DESC_ROW_COUNT
+from ._sections import section_tasks, task_cost, task_of
+from .geometry import DESC_COLS, DESC_INNER_BLOCKS, DESC_Q_LEN
 from .schedule_stats import STATS_COLS
 
 WORK_COLS = 4  # m_block, head, batch, q_valid_rows
@@ -161,14 +161,11 @@ class ScheduleScatter:
         sStart = smem.allocate_tensor(Int32, cute.make_layout(bins), byte_alignment=16)
         sScratch = smem.allocate_tensor(Int32, cute.make_layout(SCAN_SCRATCH), byte_alignment=16)
 
-        batch, h0, nh = section_heads(
+        batch, h0, q_rows, row0, tasks = section_tasks(
             s, mDesc, num_heads_kv, qhead_per_kvhead, pack_gqa, row_bytes_kv, budget
         )
-        q_rows = mDesc[batch, DESC_ROW_COUNT]
-        row0 = mDesc[batch, DESC_ROW_BEGIN]
         q_len = mDesc[batch, DESC_Q_LEN]
         max_cost = mDesc[batch, DESC_INNER_BLOCKS]
-        tasks = nh * q_rows
         if tasks > 0:
             # ---- 1. where this section's positive and zero-cost tasks start ---------------------
             num_sections = mStats.shape[0]
@@ -196,8 +193,8 @@ class ScheduleScatter:
             lo = (tasks * warp) // W
             hi = (tasks * (warp + 1)) // W
             for t in cutlass.range(lo + lane, hi, WARP, unroll=1):
-                hq = t // q_rows
-                cost = task_cost(mPartialCnt, mFullCnt, h0 + hq, row0 + t - hq * q_rows, mask_per_head)
+                head, m = task_of(t, h0, q_rows)
+                cost = task_cost(mPartialCnt, mFullCnt, head, row0 + m, mask_per_head)
                 cute.arch.atomic_add((sHist.iterator + warp * bins) + cost, Int32(1))
             cute.arch.sync_threads()
 
@@ -233,9 +230,7 @@ class ScheduleScatter:
                 head = Int32(0)
                 m = Int32(0)
                 if ok:
-                    hq = t // q_rows
-                    head = h0 + hq
-                    m = t - hq * q_rows
+                    head, m = task_of(t, h0, q_rows)
                     cost = task_cost(mPartialCnt, mFullCnt, head, row0 + m, mask_per_head)
                 peers = Int32(cute.arch.match_sync(FULL_MASK, cost))
                 earlier = peers & Int32(cute.arch.lanemask_lt())

@@ -30,8 +30,8 @@ from cutlass import Int32
 from ._cute_args import row_major
 from ._jit_cache import compile_stage
 from ._primitives import WARP, WarpsPerCta, warp_sum
-from ._sections import section_heads, task_cost
-from .geometry import DESC_COLS, DESC_ROW_BEGIN, DESC_ROW_COUNT
+from ._sections import section_tasks, task_cost, task_of
+from .geometry import DESC_COLS
 
 STATS_COLS = 4
 
@@ -110,17 +110,14 @@ class ScheduleStats:
         num_sections = mStats.shape[0]
         s = bidx * self.num_warps + warp
         if s < num_sections:
-            batch, h0, nh = section_heads(
+            _, h0, q_rows, row0, tasks = section_tasks(
                 s, mDesc, num_heads_kv, qhead_per_kvhead, pack_gqa, row_bytes_kv, budget
             )
-            q_rows = mDesc[batch, DESC_ROW_COUNT]
-            row0 = mDesc[batch, DESC_ROW_BEGIN]
-            tasks = nh * q_rows
             cost_sum = Int32(0)
             positive = Int32(0)
             for t in cutlass.range(lane, tasks, WARP, unroll=1):
-                hi = t // q_rows
-                cost = task_cost(mPartialCnt, mFullCnt, h0 + hi, row0 + t - hi * q_rows, mask_per_head)
+                head, m = task_of(t, h0, q_rows)
+                cost = task_cost(mPartialCnt, mFullCnt, head, row0 + m, mask_per_head)
                 cost_sum = cost_sum + cost
                 positive = positive + cutlass.select_(cost > 0, Int32(1), Int32(0))
             cost_sum = warp_sum(cost_sum)
