@@ -324,3 +324,38 @@ def test_a_view_carries_a_signature_of_its_own_direction_and_layout():
         build_plan(masks.causal(100), g, config("forward", RowMajorLayout(16, 64).spec), None, "test")
     with pytest.raises(InputValueError, match="packs 32x32 tiles but the signature's topology tiles 64x48"):
         ViewConfig(signature(topology=Topology(tile_m=64, tile_n=48), payload=layout.spec), layout)
+
+
+def test_a_kernel_config_gives_its_compile_key_and_plan_signature():
+    """A library's own kernel config, a frozen dataclass on ``consumer.KernelConfig``: the compile
+    key lists its CONSTEXPR fields in declaration order (and only those), and the signature is
+    assembled from its class attributes, fields and topology."""
+    from dataclasses import dataclass, field
+
+    from maskplan_core.consumer import CONSTEXPR, KernelConfig
+
+    @dataclass(frozen=True)
+    class MyForward(KernelConfig):
+        arch_family = "sm80"
+        mma_layout = "mma-m16n8k16"
+        direction = "forward"
+        kernel_family = "my-fwd-v1"
+        scheduler_layout = "plan-fwd-work-desc-v1"
+        dq_order_format = "none"
+        head_dim: int = field(metadata=CONSTEXPR)
+        tile_m: int = field(default=64, metadata=CONSTEXPR)
+        note: str = "not compiled in"
+
+        @property
+        def payload_layout(self):
+            return RowMajorLayout(self.tile_m, 64)
+
+        def topology(self) -> Topology:
+            return Topology(tile_m=self.tile_m, tile_n=64, q_stage=1, cta_group_size=1, pack_gqa=False)
+
+    config = MyForward(head_dim=96)
+    assert config.compile_key() == (("head_dim", 96), ("tile_m", 64))
+    sig = config.plan_signature()
+    assert (sig.arch_family, sig.mma_layout, sig.kernel_family) == ("sm80", "mma-m16n8k16", "my-fwd-v1")
+    assert sig.topology.tile_m == 64 and sig.payload == RowMajorLayout(64, 64).spec
+    assert sig.direction == "forward" and sig.dq_order_format == "none"

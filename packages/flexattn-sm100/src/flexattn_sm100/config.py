@@ -16,11 +16,11 @@ scale, sequence lengths, the plan's tensors) are launch arguments. Selection is
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from maskplan_core.schema import PlanSignature, Topology
+from maskplan_core.consumer import CONSTEXPR, KernelConfig
+from maskplan_core.schema import Topology
 
 from .payload_layout import TmemLoadLayout, tmem_layout
 
@@ -87,18 +87,14 @@ BWD_VARIANTS: dict[str, Sm100Variant] = {
 }
 
 
-#: ``field`` metadata of a compile-time (``cutlass.Constexpr``) field
-CONSTEXPR = {"constexpr": True}
-
-
-class _KernelConfig:
+class _KernelConfig(KernelConfig):
+    arch_family = ARCH_FAMILY
+    mma_layout = MMA_LAYOUT
     variant: Sm100Variant
 
-    def compile_key(self) -> tuple:
-        """``(name, value)`` of every compile-time field, in declaration order."""
-        return tuple(
-            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("constexpr")
-        )
+    @property
+    def kernel_family(self) -> str:
+        return self.variant.kernel_family
 
     @property
     def tile_m(self) -> int:
@@ -118,19 +114,6 @@ class _KernelConfig:
             cluster_axis=v.cluster_axis,
             pack_gqa=getattr(self, "pack_gqa", False),
             qhead_per_kvhead=self.qhead_per_kvhead,
-        )
-
-    def plan_signature(self) -> PlanSignature:
-        """The signature a view built for this config carries (spec section 7)."""
-        return PlanSignature(
-            arch_family=ARCH_FAMILY,
-            direction=self.direction,
-            kernel_family=self.variant.kernel_family,
-            topology=self.topology(),
-            mma_layout=MMA_LAYOUT,
-            payload=self.payload_layout.spec,
-            scheduler_layout=self.scheduler_layout,
-            dq_order_format=self.dq_order_format,
         )
 
     def _check_common(self, variants: dict[str, Sm100Variant]) -> None:

@@ -9,12 +9,12 @@ launch arguments, never config fields. Choosing a config from a problem is
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from maskplan_core.schema import PlanSignature, Topology
+from maskplan_core.consumer import CONSTEXPR, KernelConfig
+from maskplan_core.schema import Topology
 
 from .payload_layout import WgmmaAccumulatorLayout, wgmma_layout, wgmma_pack_gqa_layout
 
@@ -28,16 +28,9 @@ BWD_SCHEDULER_LAYOUT = "k-major-grid-v1"
 DType = Literal["float16", "bfloat16"]
 
 
-#: ``field`` metadata of a compile-time (``cutlass.Constexpr``) field
-CONSTEXPR = {"constexpr": True}
-
-
-class _KernelConfig:
-    def compile_key(self) -> tuple:
-        """``(name, value)`` of every compile-time field, in declaration order."""
-        return tuple(
-            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("constexpr")
-        )
+class _KernelConfig(KernelConfig):
+    arch_family = ARCH_FAMILY
+    mma_layout = MMA_LAYOUT
 
     @property
     def plan_tile_m(self) -> int:
@@ -68,19 +61,6 @@ class _KernelConfig:
             cluster_axis="none",
             pack_gqa=getattr(self, "pack_gqa", False),
             qhead_per_kvhead=self.qhead_per_kvhead,
-        )
-
-    def plan_signature(self) -> PlanSignature:
-        """The signature a view built for this config carries (spec section 7)."""
-        return PlanSignature(
-            arch_family=ARCH_FAMILY,
-            direction=self.direction,
-            kernel_family=self.kernel_family,
-            topology=self.topology(),
-            mma_layout=MMA_LAYOUT,
-            payload=self.payload_layout.spec,
-            scheduler_layout=self.scheduler_layout,
-            dq_order_format=self.dq_order_format,
         )
 
     def _check_common(self) -> None:

@@ -9,6 +9,7 @@ needs (tile geometry, payload layout) plus the :class:`PlanSignature` the view w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import InputValueError, PlanSignatureMismatch, UnsupportedConfigError
 from .payload import PayloadLayout
-from .schema import Direction, PlanSignature
+from .schema import Direction, PlanSignature, Topology
 
 if TYPE_CHECKING:
     from .plan import MaskPlan, PlanView
@@ -172,6 +173,43 @@ def require_supported(argument: str, value: object, supported: tuple, owner: str
         raise UnsupportedConfigError(
             f"{argument}={value!r} is not supported by {owner}; supported {argument} values: "
             + ", ".join(map(repr, supported))
+        )
+
+
+#: ``field`` metadata of a kernel config's compile-time (``cutlass.Constexpr``) field
+CONSTEXPR = {"constexpr": True}
+
+
+class KernelConfig:
+    """Base of a consumer's frozen kernel-config dataclasses: the compile key (its fields marked
+    :data:`CONSTEXPR`) and the plan signature a view built for the config carries (spec section 7).
+    A subclass sets :attr:`arch_family` and :attr:`mma_layout` and provides ``direction``,
+    ``kernel_family``, :meth:`topology`, ``payload_layout``, ``scheduler_layout`` and
+    ``dq_order_format``."""
+
+    arch_family: ClassVar[str]
+    mma_layout: ClassVar[str]
+
+    def compile_key(self) -> tuple:
+        """``(name, value)`` of every compile-time field, in declaration order."""
+        return tuple(
+            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("constexpr")
+        )
+
+    def topology(self) -> Topology:
+        raise NotImplementedError
+
+    def plan_signature(self) -> PlanSignature:
+        """The signature a view built for this config carries."""
+        return PlanSignature(
+            arch_family=self.arch_family,
+            direction=self.direction,
+            kernel_family=self.kernel_family,
+            topology=self.topology(),
+            mma_layout=self.mma_layout,
+            payload=self.payload_layout.spec,
+            scheduler_layout=self.scheduler_layout,
+            dq_order_format=self.dq_order_format,
         )
 
 
