@@ -173,6 +173,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
     BwdHostEntry,
     BwdPlanTensors,
     atomic_head_group,
@@ -189,7 +190,6 @@ from .bwd_load import LoadRole
 from .config import Sm100BwdConfig
 from .fwd_helpers import set_max_registers, tcgen05_fence_after, thread_group, tma_umma_pipeline, tmem_acc
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: the backward variants this kernel implements; heuristics.py selects k2q-1cta and d256 by default for
 #: their HEAD_DIMS, k2q-2cta only when a view is planned for it explicitly
 IMPLEMENTED_VARIANTS = ("k2q-1cta", "k2q-2cta", "d256")
@@ -240,7 +240,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             )
         self.config = config
         self.deterministic = deterministic
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a plan block
         # k2q-2cta: the plan block's K rows are split over a cluster of `pair` CTAs along K, rank c

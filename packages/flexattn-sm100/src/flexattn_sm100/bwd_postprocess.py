@@ -22,6 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
     DqPostprocessHostEntry,
     SequenceDesc,
     element_ptr,
@@ -30,8 +31,6 @@ from maskplan_kernels.consumer_plan import (
 
 from .bwd_helpers import DQ_CHUNK, WARP_ROWS, dq_run_layout
 from .payload_layout import TMEM_LANES
-
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 class Sm100BwdPostprocess(DqPostprocessHostEntry):
@@ -48,7 +47,7 @@ class Sm100BwdPostprocess(DqPostprocessHostEntry):
                 f"tile_m={tile_m}, head_dim={head_dim}: the dQ order takes 64- or 128-row Q blocks, "
                 "32-row runs of 32-column chunks"
             )
-        self.dtype = _DTYPES[dtype]
+        self.dtype = CUTE_DTYPES[dtype]
         self.head_dim, self.tile_m = head_dim, tile_m
         self.num_threads = self.rows
 

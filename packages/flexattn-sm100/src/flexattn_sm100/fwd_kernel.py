@@ -110,6 +110,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
     TASK_WORDS,
     FwdHostEntry,
     FwdPlanTensors,
@@ -136,7 +137,6 @@ from .fwd_helpers import (
 )
 from .fwd_softmax import SoftmaxRole
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: the variants this kernel implements (every forward variant ``config.FWD_VARIANTS`` defines)
 IMPLEMENTED_VARIANTS = ("qstage1-1cta", "qstage2-1cta", "qstage1-2cta", "d256")
 #: SMEM the Q/K/V stages may take for a deeper K/V pipeline than two stages
@@ -219,7 +219,7 @@ class Sm100FwdKernel(FwdHostEntry, SoftmaxRole):
             raise NotImplementedError(reason)
         variant = config.variant
         self.config = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # the plan block
         # CTA pair: cluster (2, 1, 1) along M, cta_group::2 MMAs issued by the leader (rank 0)

@@ -107,6 +107,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
     BwdHostEntry,
     BwdPlanTensors,
     Work,
@@ -139,9 +140,6 @@ from .bwd_helpers import common_major, dq_warpgroup_tile, item_state, make_dq_ti
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
 from .fwd_helpers import register_split
-
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
 
 #: the fields of a work item the producer hands to the MMA warpgroups and dQ writers, decoded once
 #: (``Sm90BwdKernel.next_work``); the sample's ``q_len`` follows them
@@ -222,7 +220,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
         self.config = config
         self.deterministic = deterministic
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         self.do_stages, self.q_stages = config.do_stages, config.q_stages

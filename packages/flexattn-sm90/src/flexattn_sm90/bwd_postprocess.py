@@ -18,6 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
     DqPostprocessHostEntry,
     SequenceDesc,
     element_ptr,
@@ -32,8 +33,6 @@ from .bwd_helpers import (
     store_result_rows,
 )
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
 
 class Sm90BwdPostprocess(DqPostprocessHostEntry):
     """Static configuration: head dim, dtype, block rows, MMA warpgroups of the main kernel, and
@@ -43,7 +42,7 @@ class Sm90BwdPostprocess(DqPostprocessHostEntry):
         self, head_dim: int, dtype: str, *, tile_m: int = 64, num_warpgroups: int = 2,
         zero_unvisited: bool = False, io_head_dim: int | None = None,
     ):  # fmt: skip
-        self.dtype = _DTYPES[dtype]
+        self.dtype = CUTE_DTYPES[dtype]
         self.zero_unvisited = zero_unvisited
         self.head_dim, self.tile_m = head_dim, tile_m
         self._io_head_dim = io_head_dim or head_dim

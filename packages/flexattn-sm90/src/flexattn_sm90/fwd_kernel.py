@@ -64,6 +64,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
     PDL,
     TASK_WORDS,
     FwdHostEntry,
@@ -84,8 +85,6 @@ from .config import SMEM_LIMIT, Sm90FwdConfig
 from .fwd_helpers import register_split, smem_layout_row_major
 from .fwd_mainloop import DEFAULT_SCHEDULE, SCHEDULES, ConsumerMainloop
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
 
 class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
     """Static configuration of one compiled forward kernel; see the module docstring."""
@@ -105,7 +104,7 @@ class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
             raise NotImplementedError("the SM90 forward kernel uses a 128-row tile on 2 consumer warpgroups")
         self.config = config
         self.row_granule = config.row_granule if per_sample else 0  # q, k, v rows per sample
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
         self.io_head_dim_qk, self.io_head_dim_v = config.io_head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n

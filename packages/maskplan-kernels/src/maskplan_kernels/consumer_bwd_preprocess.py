@@ -29,6 +29,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ._cute_args import row_major
 from .consumer_plan import (
+    CUTE_DTYPES,
     SequenceDesc,
     backward_q_desc,
     element_ptr,
@@ -38,7 +39,6 @@ from .consumer_plan import (
 )
 from .consumer_softmax import LOG2_E
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 VECTOR = 8  # 16-bit elements in a 16-byte load
 
 
@@ -60,7 +60,7 @@ class BwdPreprocess:
         self, head_dim_qk: int, head_dim_v: int, dtype: str, *, tile_m: int = 64, with_dlse: bool,
         zero_dq_accum: bool = True,
     ):  # fmt: skip
-        self.dtype = _DTYPES[dtype]
+        self.dtype = CUTE_DTYPES[dtype]
         self.zero_dq_accum = zero_dq_accum
         self.head_dim_qk, self.head_dim_v = head_dim_qk, head_dim_v
         self.tile_m = tile_m

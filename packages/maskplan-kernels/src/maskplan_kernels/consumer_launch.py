@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import Float32, Int32
 
-from maskplan_core.consumer import has_thd_view, on_device, thd
+from maskplan_core.consumer import KERNEL_DTYPE_NAMES, has_thd_view, on_device, thd
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
@@ -48,13 +48,13 @@ from . import compile_cache
 from ._cute_args import torch_stream
 from ._launch import persistent_ctas
 from .consumer_bwd_preprocess import BwdPreprocess
+from .consumer_plan import CUTE_DTYPES
 from .geometry import ViewBounds
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
 ALIGN = 16
 #: stands in for softmax_scale = 0 (every visible score then weighs the same)
 TINY_SCALE = 1e-30
-_CUTE_DTYPES = {torch.bfloat16: BFloat16, torch.float16: Float16}
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
 
@@ -67,7 +67,7 @@ def gmem_ptr(dtype, align: int = 4) -> cute.Pointer:
 
 def cute_dtype(dtype: torch.dtype):
     """The CuTe element type of a float16/bfloat16 torch dtype."""
-    return _CUTE_DTYPES[dtype]
+    return CUTE_DTYPES[KERNEL_DTYPE_NAMES[dtype]]
 
 
 # -- the caller's tensors -------------------------------------------------------------------------

@@ -175,6 +175,9 @@ class Task(NamedTuple):
     batch: Int32  # the sample
 
 
+#: the CuTe element type of each kernel input dtype, by the name the kernel configs use
+#: (``maskplan_core.consumer.KERNEL_DTYPE_NAMES``)
+CUTE_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 #: the task fields the roles other than the decoding warp need, in SMEM record order after the
 #: valid flag (the others read as 0 after :func:`fetch_task`)
 CONSUMER_FIELDS = ("m_block", "head", "q_offset", "q_valid", "partial_cnt", "partial_off", "full_cnt")
@@ -1071,6 +1074,7 @@ def turnstile_advance(counter: cute.Pointer, leader: Int32):
 __all__ = [
     "ATOMIC_HEAD_GROUP",
     "CONSUMER_FIELDS",
+    "CUTE_DTYPES",
     "PDL",
     "SPARSE_ROW_FILL",
     "TASK_WORDS",
