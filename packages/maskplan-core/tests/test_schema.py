@@ -359,3 +359,26 @@ def test_a_kernel_config_gives_its_compile_key_and_plan_signature():
     assert (sig.arch_family, sig.mma_layout, sig.kernel_family) == ("sm80", "mma-m16n8k16", "my-fwd-v1")
     assert sig.topology.tile_m == 64 and sig.payload == RowMajorLayout(64, 64).spec
     assert sig.direction == "forward" and sig.dq_order_format == "none"
+
+
+def test_fragment_inverse_scatters_register_coords_and_checks_the_holders():
+    """A 2x2 tile held by two threads of two registers each (thread = row): the inverse puts each
+    register's (subtile, group, word, bit) at its element; a fragment that holds an element twice,
+    or whose two holders of an element read different bits, is refused."""
+    from types import SimpleNamespace
+
+    from maskplan_core.payload import fragment_inverse
+
+    layout = SimpleNamespace(tile_m=2, tile_n=2, layout_id="toy")
+    m = torch.tensor([[0, 0], [1, 1]])
+    n = torch.tensor([[0, 1], [0, 1]])
+    group, bit = m.clone(), n.clone()
+    zero = torch.zeros_like(m)
+    s, g, w, b = fragment_inverse(layout, m, n, (zero, group, zero, bit))
+    assert g.tolist() == [[0, 0], [1, 1]] and b.tolist() == [[0, 1], [0, 1]]
+    with pytest.raises(AssertionError, match="toy: the fragment does not hold every element"):
+        fragment_inverse(layout, m, torch.zeros_like(n), (zero, group, zero, bit))
+    twice = (torch.cat([m, m]), torch.cat([n, n]))
+    assert fragment_inverse(layout, *twice, (zero.repeat(2, 1),) * 3 + (bit.repeat(2, 1),), holders=2)
+    with pytest.raises(AssertionError, match="toy: two holders of one element read different bits"):
+        fragment_inverse(layout, *twice, (zero.repeat(2, 1),) * 3 + (torch.cat([bit, 1 - bit]),), holders=2)

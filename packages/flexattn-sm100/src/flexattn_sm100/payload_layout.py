@@ -51,7 +51,7 @@ from functools import cache, cached_property
 
 import torch
 
-from maskplan_core.payload import WORD_BITS, PayloadLayout
+from maskplan_core.payload import WORD_BITS, PayloadLayout, fragment_inverse
 
 TMEM_LANES = 128
 WARPGROUP_THREADS = 128
@@ -123,16 +123,7 @@ class TmemLoadLayout(PayloadLayout):
         s = torch.arange(shape[0], device="cpu").view(-1, 1, 1).expand(shape)
         t = torch.arange(shape[1], device="cpu").view(1, -1, 1).expand(shape)
         e = torch.arange(shape[2], device="cpu").view(1, 1, -1).expand(shape)
-        flat = (m * self.tile_n + n).reshape(-1)
-        hits = torch.bincount(flat, minlength=self.tile_m * self.tile_n)
-        if hits.numel() != self.tile_m * self.tile_n or not bool((hits == 1).all()):
-            raise AssertionError(f"{self.layout_id}: fragment map is not a bijection onto the tile")
-        out = []
-        for value in (s, t, e // WORD_BITS, e % WORD_BITS):
-            dense = torch.empty(self.tile_m * self.tile_n, dtype=torch.int64, device="cpu")
-            dense[flat] = value.reshape(-1)
-            out.append(dense.reshape(self.tile_m, self.tile_n))
-        return tuple(out)
+        return fragment_inverse(self, m, n, (s, t, e // WORD_BITS, e % WORD_BITS))
 
     def thread_elements(self, thread: int, subtile: int = 0) -> list[tuple[int, int]]:
         """Score elements ``(m, n)`` of thread ``thread`` serving ``subtile``, in register order."""

@@ -87,7 +87,7 @@ from functools import cache, cached_property
 
 import torch
 
-from maskplan_core.payload import WORD_BITS, PayloadLayout
+from maskplan_core.payload import WORD_BITS, PayloadLayout, fragment_inverse
 
 WARPGROUP_THREADS = 128
 WARPGROUP_ROWS = 64  # the M of one wgmma atom
@@ -187,7 +187,7 @@ class WgmmaAccumulatorLayout(PayloadLayout):
         group, word = self.register_source(t, slot)
         holders = self.threads * self.elements_per_thread // (self.tile_m * self.tile_n)
         coords = (torch.zeros_like(m), group.expand_as(m), word.expand_as(m), bit)
-        return _invert(self.tile_m, self.tile_n, m, n, coords, holders, self.layout_id)
+        return fragment_inverse(self, m, n, coords, holders)
 
     def thread_elements(self, thread: int) -> list[tuple[int, int]]:
         """Score elements ``(m, n)`` of consumer thread ``thread``, in fragment (register) order:
@@ -290,24 +290,3 @@ def _layout_id(tile_m: int, tile_n: int, num_warpgroups: int, wg_m: int, transpo
     if num_warpgroups != wg_m:
         layout_id += f"-wg{wg_m}x{num_warpgroups // wg_m}"
     return layout_id + ("-kq" if transposed else "")
-
-
-def _invert(tile_m, tile_n, m, n, coords, holders: int, layout_id):
-    """Scatter the per-(thread, element) ``coords`` (subtile, group, word, bit) of score elements
-    ``(m, n)`` into ``[tile_m, tile_n]`` tensors, checking that every element is held by exactly
-    ``holders`` registers and that all of them read the same bit."""
-    flat = (m * tile_n + n).reshape(-1)
-    hits = torch.bincount(flat, minlength=tile_m * tile_n)
-    if hits.numel() != tile_m * tile_n or not bool((hits == holders).all()):
-        raise AssertionError(
-            f"{layout_id}: the fragment does not hold every element of the {tile_m}x{tile_n} tile "
-            f"exactly {holders} time(s)"
-        )
-    out = []
-    for value in coords:
-        dense = torch.empty(tile_m * tile_n, dtype=torch.int64, device="cpu")
-        dense[flat] = value.reshape(-1)
-        if not bool((dense[flat] == value.reshape(-1)).all()):
-            raise AssertionError(f"{layout_id}: two holders of one element read different bits")
-        out.append(dense.reshape(tile_m, tile_n))
-    return tuple(out)

@@ -117,6 +117,29 @@ class PayloadLayout(ABC):
         )
 
 
+def fragment_inverse(layout: PayloadLayout, m, n, coords, holders: int = 1) -> tuple[torch.Tensor, ...]:
+    """:meth:`PayloadLayout.element_coords` of a layout given by its consumer's register fragment:
+    the ``coords`` (subtile, group, word, bit) of the registers that hold score elements ``(m, n)``
+    (tensors of one shape), scattered into ``[tile_m, tile_n]`` tensors. Checks that every element
+    is held by exactly ``holders`` registers and that all of them read the same bit."""
+    tile_m, tile_n, layout_id = layout.tile_m, layout.tile_n, layout.layout_id
+    flat = (m * tile_n + n).reshape(-1)
+    hits = torch.bincount(flat, minlength=tile_m * tile_n)
+    if hits.numel() != tile_m * tile_n or not bool((hits == holders).all()):
+        raise AssertionError(
+            f"{layout_id}: the fragment does not hold every element of the {tile_m}x{tile_n} tile "
+            f"exactly {holders} time(s)"
+        )
+    out = []
+    for value in coords:
+        dense = torch.empty(tile_m * tile_n, dtype=torch.int64, device="cpu")
+        dense[flat] = value.reshape(-1)
+        if not bool((dense[flat] == value.reshape(-1)).all()):
+            raise AssertionError(f"{layout_id}: two holders of one element read different bits")
+        out.append(dense.reshape(tile_m, tile_n))
+    return tuple(out)
+
+
 class RowMajorLayout(PayloadLayout):
     """The reference consumer's layout: one group per tile row, bits in column order.
 
