@@ -51,7 +51,7 @@ class ScheduleParams:
 
 
 @cute.jit
-def section_heads(
+def section_tasks(
     s: Int32,
     mDesc: cute.Tensor,
     num_heads_kv: Int32,
@@ -60,7 +60,10 @@ def section_heads(
     row_bytes_kv: Int32,
     budget: Int32,
 ):
-    """``(batch, h0, num_heads)``: the sample of section ``s`` and its scheduled-head range."""
+    """``(batch, h0, q_rows, row0, tasks)`` of section ``s``: its sample, first scheduled head, Q
+    rows per head, first compact Q row and task count (heads x rows, head-major; :func:`task_of`).
+    A section takes as many kv heads (a power of two) as fit the L2 ``budget`` with the sample's
+    K and V rows."""
     batch = s // num_heads_kv
     i = s - batch * num_heads_kv
     kv_bytes = Int64(mDesc[batch, DESC_K_LEN]) * Int64(row_bytes_kv)
@@ -77,22 +80,6 @@ def section_heads(
         if pack_gqa == 0:
             h0 = kv0 * qhead_per_kvhead
             nh = nh * qhead_per_kvhead
-    return batch, h0, nh
-
-
-@cute.jit
-def section_tasks(
-    s: Int32,
-    mDesc: cute.Tensor,
-    num_heads_kv: Int32,
-    qhead_per_kvhead: Int32,
-    pack_gqa: Int32,
-    row_bytes_kv: Int32,
-    budget: Int32,
-):
-    """``(batch, h0, q_rows, row0, tasks)`` of section ``s``: its sample, first scheduled head, Q
-    rows per head, first compact Q row and task count (heads x rows, head-major; :func:`task_of`)."""
-    batch, h0, nh = section_heads(s, mDesc, num_heads_kv, qhead_per_kvhead, pack_gqa, row_bytes_kv, budget)
     q_rows = mDesc[batch, DESC_ROW_COUNT]
     return batch, h0, q_rows, mDesc[batch, DESC_ROW_BEGIN], nh * q_rows
 
