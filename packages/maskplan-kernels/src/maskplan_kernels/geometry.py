@@ -3,8 +3,9 @@ row ownership and prefix validation, for the forward view and (optionally) the b
 
 The oracle is :func:`maskplan_core.reference.block_geometry` (+ ``geometry_error_flags``): for
 well-formed prefixes every written row of ``sequence_desc`` equals ``BlockGeometry.sequence_desc``
-and every valid entry of ``row_batch`` equals ``BlockGeometry.q_row_owner()[0]`` (``k_row_owner``
-for K rows). Fixed-length plans run the same kernel on their synthesised prefixes (validation off).
+and every valid entry of ``row_batch`` equals ``BlockGeometry.q_row_owner()[0]`` (the sample of
+each compact row; likewise for K rows). Fixed-length plans run the same kernel on their
+synthesised prefixes (validation off).
 
 Work decomposition (ONE CTA, ``num_threads`` threads; B up to a few thousand)::
 

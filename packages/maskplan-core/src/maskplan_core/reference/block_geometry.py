@@ -49,10 +49,6 @@ class BlockGeometry:
         """(batch, m_block) of every compact Q plan row."""
         return _owner(self.cu_q_rows, self.n_q_rows)
 
-    def k_row_owner(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(batch, n_block) of every compact K plan row."""
-        return _owner(self.cu_k_rows, self.n_k_rows)
-
     def sequence_desc(self, outer: str) -> torch.Tensor:
         """int32 ``[B, 8]``: q_offset, k_offset, q_len, k_len, outer-row begin, outer-row count,
         inner block count, reserved. ``outer="q"`` for Q-major views (inner = K blocks),
