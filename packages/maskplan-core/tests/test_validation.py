@@ -225,6 +225,15 @@ def test_endpoint_negative():
         plan(ep, *fixed_qkv())
 
 
+@pytest.mark.parametrize("value", [-1000, -(2**31)], ids=["far-below", "int32-min"])
+def test_endpoint_far_below_zero(value):
+    """The planner reads malformed endpoints safely (clamped) until it reports them."""
+    ep = causal(nfunc=3)
+    ep[0, :, 5] = torch.tensor([value, value, value], dtype=torch.int32)
+    with expect(EndpointError, ValueError, "mask_func[0, 0, 5]", str(value), "row 5"):
+        plan(ep, *fixed_qkv())
+
+
 def test_endpoints_unordered():
     ep = causal(hmask=HQ, nfunc=5)
     ep[1, :, 11] = torch.tensor([3, 9, 6, 10, 12], dtype=torch.int32)

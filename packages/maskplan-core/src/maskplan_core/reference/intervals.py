@@ -48,7 +48,7 @@ def block_touch_counts(bounds, geom: BlockGeometry, batch, m_block, total_q) -> 
     tok, valid = row_tokens(geom, batch, m_block, total_q)  # [R, tm]
     k_len = geom.k_lens[batch].unsqueeze(-1)
     lo = torch.minimum(bounds[0][:, :, tok].clamp_min(0), k_len)  # [H, I, R, tm]
-    hi = torch.minimum(bounds[1][:, :, tok], k_len)
+    hi = torch.minimum(bounds[1][:, :, tok].clamp_min(0), k_len)
     weight = ((hi > lo) & valid).to(torch.int32)
     h, n_rows, k, tn = lo.shape[0], batch.numel(), geom.max_k_blocks, geom.tile_n
     row = torch.arange(h * n_rows, device=batch.device).view(h, 1, n_rows, 1) * (k + 1)
