@@ -748,6 +748,26 @@ def test_mask_mods_are_evaluated_a_few_query_rows_at_a_time(monkeypatch):
     with pytest.raises(InputValueError, match="sample 1 leave out .*made with B=None"):
         masks.from_block_mask(one_entry, batch=2)  # sample 1 sees block (2, 0), past the first chunks
 
+    # the answer does not depend on the chunks: head 1 reads rows 256 + q of a table of 296, so it
+    # differs from head 0 in the first chunk (rows 0-39) and fails in the second; a failure at
+    # head 1 means a model of one head with H=1 and a refusal naming it with H=None, as unchunked
+    table = torch.cat([torch.arange(1, 257), torch.full((40,), 256)])
+
+    def per_head_rows(b, h, q, kv):
+        return kv < table[h * 256 + q]
+
+    assert masks.from_mask_mod(per_head_rows, 1, 1, 256, 256).shape == (1, 1, 256)
+    with pytest.raises(InputValueError, match=r"raised there \(IndexError"):
+        masks.from_mask_mod(per_head_rows, 1, None, 256, 256)
+
+    def late_heads(b, h, q, kv):  # head 2 shows more in the first chunk, head 1 only past it
+        return (kv <= q) | ((h == 2) & (q < 40)) | ((h == 1) & (q >= 128))
+
+    shared = fa.create_block_mask(lambda b, h, q, kv: kv <= q, 1, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    shared.mask_mod = late_heads
+    with pytest.raises(InputValueError, match="at head 1;"):  # the first head that differs anywhere
+        masks.from_block_mask(shared, heads=3)
+
 
 def test_from_block_mask_names_a_sliced_block_mask():
     """torch drops a sliced block mask's mask_mod (it raises a RuntimeError when called): the error

@@ -713,19 +713,20 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
         sample_heads = shared_heads if b == 0 else None
         entry = b if blocks.shape[0] > 1 else 0
         first = 0  # the chunk's first Q block
+        differs = torch.zeros(heads, dtype=torch.bool, device=blocks.device)  # per head, over the chunks
         for dense in _mask_mod_rows(block_mask.mask_mod, b, shape, blocks.device, sample_heads, align=bq):
             # torch computes mask_mod inside the listed blocks and nothing outside them: a listed block
             # where the mask_mod shows nothing is harmless, an unlisted one where it shows something is not
             seen = _per_block(dense, (bq, bk), torch.any)
             rows = slice(first, first + seen.shape[1])
-            differs = seen & ~blocks[entry, :, rows].expand_as(seen)
+            wrong = seen & ~blocks[entry, :, rows].expand_as(seen)
             if full is not None:  # torch skips mask_mod in a full block: every element there must be visible
-                differs |= full[entry, :, rows].expand_as(seen) & ~_per_block(dense, (bq, bk), torch.all)
-            differs = differs.flatten(1).any(1)
-            if bool(differs.any()):
-                raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
+                wrong |= full[entry, :, rows].expand_as(seen) & ~_per_block(dense, (bq, bk), torch.all)
+            differs |= wrong.flatten(1).any(1)
             parts.append(_encode(dense))
             first += seen.shape[1]
+        if bool(differs.any()):
+            raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
     return _join_samples(parts, heads)
 
 
@@ -795,7 +796,7 @@ def _mask_mod_rows(
         yield torch.zeros(shape, dtype=torch.bool, device=dev)
         return
     step = max(1, _row_chunk(H, Sk) // align) * align
-    probe = shared_heads
+    probe, reads_head = shared_heads, False  # a failure at head 1 in any chunk answers first
     for r0 in range(0, Sq, step):
         q_idx = torch.arange(r0, min(r0 + step, Sq), device=dev)
         res = _evaluate(mask_mod, b, torch.arange(H, device=dev), q_idx, Sk)
@@ -809,15 +810,17 @@ def _mask_mod_rows(
                         f"that it does not read its head index, and it raised there ({type(err).__name__}: "
                         f"{err}); {shared_heads}, or 1 for a model of one head"
                     ) from err
-                probe, other = None, res
-            if not torch.equal(res[0], other[0]):
-                raise InputValueError(
-                    "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
-                    "flex_attention calls it with each head's index, so one mask for all heads would "
-                    f"differ from what torch computes; {shared_heads} (for a model of one head, give a "
-                    "mask_mod that does not read its head index)"
-                )
+                probe, reads_head = None, False
+            else:
+                reads_head |= not torch.equal(res[0], other[0])
         yield res.to(dev)
+    if reads_head:
+        raise InputValueError(
+            "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
+            "flex_attention calls it with each head's index, so one mask for all heads would "
+            f"differ from what torch computes; {shared_heads} (for a model of one head, give a "
+            "mask_mod that does not read its head index)"
+        )
 
 
 def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: int) -> torch.Tensor:
