@@ -200,6 +200,19 @@ def test_pack_sets_every_byte_pattern_bit_for_bit():
         assert torch.equal((words >> (8 * k)) & 0xFF, patterns.view(-1, 1).expand(-1, 4)), f"byte {k}"
 
 
+@pytest.mark.parametrize("tm, tn", [(8, 64), (16, 32), (8, 40)])
+def test_pack_takes_tiles_at_any_offset(tm, tn):
+    """Packing gathers aligned runs of flags as wider words where the bit order allows (8 per
+    row-major word part); tiles starting at any element, e.g. a slice, pack as the whole does."""
+    layout = RowMajorLayout(tm, tn)
+    tiles = torch.rand(5, tm, tn, generator=torch.Generator().manual_seed(0)) < 0.5
+    whole = layout.pack(tiles)
+    assert torch.equal(layout.pack(tiles[1:]), whole[1:])
+    odd = torch.zeros(5 * tm * tn + 3, dtype=torch.bool)[3:].view(5, tm, tn)  # storage offset 3
+    odd.copy_(tiles)
+    assert torch.equal(layout.pack(odd), whole)
+
+
 @FAST
 @given(
     tm=st.integers(1, 40),

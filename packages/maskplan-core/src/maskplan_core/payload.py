@@ -84,13 +84,30 @@ class PayloadLayout(ABC):
     def _has_padding_bits(self) -> bool:
         return bool((self._bit_source == self.tile_m * self.tile_n).any())
 
+    @cached_property
+    def _gather_units(self) -> tuple[torch.dtype, torch.Tensor]:
+        """``(unit, index)``: the bit order as a gather of ``unit``-wide runs of elements. Where the
+        bits take aligned runs of 8, 4 or 2 consecutive elements (row-major words take 8; the
+        WGMMA fragment's register pairs 2), the flags are gathered a run at a time."""
+        src = self._bit_source
+        if not self._has_padding_bits:
+            for width, unit in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+                runs = src.view(-1, width)
+                consecutive = (runs == runs[:, :1] + torch.arange(width)).all()
+                if bool(consecutive and (runs[:, 0] % width == 0).all()):
+                    return unit, runs[:, 0] // width
+        return torch.uint8, src
+
     def pack(self, tiles: torch.Tensor) -> torch.Tensor:
         """bool ``[n, tile_m, tile_n]`` -> int32 ``[n, subtiles, groups, words_per_group]``."""
         n = tiles.shape[0]
         flat = tiles.reshape(n, self.tile_m * self.tile_n).view(torch.uint8)
         if self._has_padding_bits:  # they read the element past the last: a 0
             flat = torch.nn.functional.pad(flat, (0, 1))
-        bits = flat[:, self._bit_source.to(tiles.device)]  # [n, words * 32] of 0 / 1, in bit order
+        unit, index = self._gather_units
+        if flat.storage_offset() % unit.itemsize:  # a view as wider units starts on a unit
+            flat = flat.clone()
+        bits = flat.view(unit)[:, index.to(tiles.device)].view(torch.uint8)  # [n, words * 32] of 0 / 1
         # little-endian bytes: byte k of a word holds bits 8k..8k+7. Eight 0/1 bytes read as one
         # int64 x = sum b_j << 8j; x * sum_j 2^(56 - 7j) puts b_j at bit 56 + j, and no other
         # product term reaches bits 56..63 below the overflow (the usual pack-8-flags multiply)
