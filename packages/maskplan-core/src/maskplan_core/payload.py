@@ -93,7 +93,7 @@ class PayloadLayout(ABC):
         if not self._has_padding_bits:
             for width, unit in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
                 runs = src.view(-1, width)
-                consecutive = (runs == runs[:, :1] + torch.arange(width)).all()
+                consecutive = (runs == runs[:, :1] + torch.arange(width, device="cpu")).all()
                 if bool(consecutive and (runs[:, 0] % width == 0).all()):
                     return unit, runs[:, 0] // width
         return torch.uint8, src
