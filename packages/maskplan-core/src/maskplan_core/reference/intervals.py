@@ -68,25 +68,27 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
     parity survives the uint8 wrap-around), a pass per tile whatever the number of intervals.
     The marks are an accumulating ``index_put_``, which has a deterministic CUDA implementation
     (``torch.use_deterministic_algorithms``), unlike a 3-D ``scatter_add_``.
+
+    Bounds need no pass of their own. The endpoints are validated (within ``[0, k_len]``) before
+    any payload is made, so every key past ``k_len`` has all ``nfunc`` (an odd count) at or below
+    it: hidden. A row past ``q_len`` gets all its marks at column 0: hidden everywhere.
     """
     n, total_q = head.numel(), mask_func.shape[2]
     tm, tn = geom.tile_m, geom.tile_n
     out = torch.empty(n, tm, tn, dtype=torch.bool, device=head.device)
     step = max(1, CHUNK_ELEMENTS // (tm * tn))
-    u = torch.arange(tn, device=head.device, dtype=torch.int32)
     one = torch.ones(1, dtype=torch.uint8, device=head.device)
     for c in range(0, n, step):
         sl = slice(c, c + step)
-        h, b = head[sl], batch[sl]
-        tok, row_ok = row_tokens(geom, b, m_block[sl], total_q)
+        tok, row_ok = row_tokens(geom, batch[sl], m_block[sl], total_q)
         start = n_block[sl].to(torch.int32) * tn  # [c]
-        column = (mask_func[h.unsqueeze(-1), :, tok] - start[:, None, None]).clamp_(0, tn)  # [c, tm, nfunc]
+        ends = mask_func[head[sl].unsqueeze(-1), :, tok]  # [c, tm, nfunc]
+        column = (ends - start[:, None, None]).clamp_(0, tn).mul_(row_ok.unsqueeze(-1))
         rows = column.shape[0] * tm
         at = torch.arange(rows, device=head.device).view(-1, tm, 1) * (tn + 1) + column  # flat marks
         marks = torch.zeros(rows * (tn + 1), dtype=torch.uint8, device=head.device)
         marks.index_put_((at.reshape(-1),), one.expand(at.numel()), accumulate=True)
         counts = marks.view(-1, tm, tn + 1)[..., :tn].cumsum(-1, dtype=torch.uint8)
-        even = (counts & 1) == 0
-        col_ok = (start.unsqueeze(-1) + u) < geom.k_lens[b].unsqueeze(-1)  # [c, tn]
-        out[sl] = even & row_ok.unsqueeze(-1) & col_ok.unsqueeze(1)
+        visible = out[sl].view(torch.uint8)  # 1 where the count is even
+        torch.bitwise_and(counts, 1, out=visible).bitwise_xor_(1)
     return out
