@@ -25,15 +25,12 @@ def overlaps_itself(t: torch.Tensor) -> bool:
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` have an element in common (see the module docstring)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = _address_range(a), _address_range(b)
-    return a0 < b1 and b0 < a1 and _ranges_meeting_share(a, b, b0 - a0)
+    return shared_pair({"a": a, "b": b}, ("a",)) is not None
 
 
 def shared_pair(tensors: dict[str, torch.Tensor], outputs: tuple[str, ...]) -> tuple[str, str] | None:
     """The first ``(output, other)`` names of ``tensors`` whose tensors have an element in common,
-    or None: :func:`shares_memory` over every pair with an output, each address range read once."""
+    or None; every pair with an output is compared, each tensor's address range read once."""
     spans = {name: _address_range(t) for name, t in tensors.items() if t.numel()}
     for name in outputs:
         if name not in spans:
