@@ -302,9 +302,8 @@ def test_unknown_view_role():
         (lambda: tuple(t.reshape(-1, *t.shape[2:]) for t in fixed_qkv()), ("q", "shape")),
         (lambda: (torch.randn(B, SQ, HQ, 2 * D, dtype=torch.float64)[..., ::2], *fixed_qkv()[1:]),
          ("q", "contiguous")),
-        (lambda: (None, *fixed_qkv()[1:]), ("q", "Tensor")),
     ],
-    ids=["sq", "sk", "batch", "hq", "hkv", "dv", "dtype", "v-dtype", "thd-for-fixed", "strided-q", "none"],
+    ids=["sq", "sk", "batch", "hq", "hkv", "dv", "dtype", "v-dtype", "thd-for-fixed", "strided-q"],
 )
 def test_plan_refuses_other_geometry_or_dtype(make, needles):
     plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
@@ -333,6 +332,8 @@ def test_varlen_plan_refuses_other_totals():
         flexattn.flex_attn_func(q, torch.cat([k, k[:1]]), torch.cat([v, v[:1]]), mask_plan=plan)
     with expect(PlanBindingError, ValueError, "q", "shape"):
         flexattn.flex_attn_func(q.reshape(1, 200, HQ, D), k, v, mask_plan=plan)
+    with expect(InputTypeError, TypeError, "v must be a torch.Tensor, got NoneType"):
+        flexattn.flex_attn_func(q, k, None, mask_plan=plan)
 
 
 def test_signature_mismatch_names_the_fields():

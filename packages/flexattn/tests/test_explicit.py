@@ -226,6 +226,11 @@ def test_errors_name_what_does_not_fit():
         FlexAttentionFwd(q, k, v, o, plan, 0.0)
     with pytest.raises(flexattn.InputTypeError, match="sample_dq must be a torch.Tensor, got list"):
         FlexAttentionBwd(q, k, v, o, o, lse, [0.0], dk, dv, plan)
+    # only lse / max_logit (forward) and dlse (backward) may be left out
+    with pytest.raises(flexattn.InputTypeError, match="sample_q must be a torch.Tensor, got NoneType"):
+        FlexAttentionFwd(None, k, v, o, plan)
+    with pytest.raises(flexattn.InputTypeError, match="sample_lse must be a torch.Tensor, got NoneType"):
+        FlexAttentionBwd(q, k, v, o, o, None, dq, dk, dv, plan)
 
 
 def test_payload_hint_reaches_only_consumers_that_take_it():

@@ -277,6 +277,17 @@ def test_document_ids_takes_runs_and_checks_its_argument():
         masks.document_ids(torch.zeros(3, dtype=torch.long), window_left=-1)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.int32]
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_ids_of_any_integer_dtype(dtype, causal):
+    """Ids from a data loader come in narrow dtypes too; S may exceed what they can hold."""
+    seqs = [[150, 40000 - 150]] if dtype.itemsize >= 2 else [[150, 150]]
+    ids = torch.cat([torch.full((n,), d, dtype=dtype) for d, n in enumerate(seqs[0])])
+    assert torch.equal(masks.document_ids(ids, causal=causal), masks.document(seqs, causal=causal))
+
+
 # --------------------------------------------------------------------------------------------------
 # prefix_lm
 # --------------------------------------------------------------------------------------------------

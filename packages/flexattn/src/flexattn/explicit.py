@@ -174,10 +174,12 @@ class _Explicit:
     training = False
     #: the tensors execute writes (the caller's buffers)
     outputs: tuple[str, ...] = ("o", "lse", "max_logit")
+    #: the samples a caller may leave out (None)
+    optional: tuple[str, ...] = ("lse", "max_logit")
 
     def __init__(self, samples: dict, mask_plan: MaskPlan) -> None:
         for name, t in samples.items():
-            _require_is_tensor(f"sample_{name}", t, optional=True)
+            _require_is_tensor(f"sample_{name}", t, optional=name in self.optional)
         self._samples = {name: _descriptor(t) for name, t in samples.items()}
         self._tensors = samples  # until check_support has run
         self._plan = mask_plan
@@ -324,6 +326,7 @@ class FlexAttentionBwd(_Explicit):
 
     training = True
     outputs = ("dq", "dk", "dv")
+    optional = ("dlse",)
 
     def __init__(
         self,

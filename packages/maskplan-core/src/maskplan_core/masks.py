@@ -362,7 +362,8 @@ def document_ids(
         hi = i + 1
     else:  # one past the row's document: the earliest start after i, or S
         next_start = torch.where(starts[:, 1:], i[:, 1:], seqlen)
-        hi = torch.cat([next_start, torch.full_like(ids[:, :1], seqlen)], dim=1)
+        # the closing column in i's int64: ids of a narrow dtype (uint8, int16, ...) cannot hold S
+        hi = torch.cat([next_start, torch.full_like(i[:, :1], seqlen)], dim=1)
         hi = hi.flip(1).cummin(dim=1).values.flip(1)
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)

@@ -518,10 +518,11 @@ class MaskPlan:
         return self.summary()
 
     def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``PlanBindingError`` unless Q/K/V match the plan's geometry, dtype and device, and
-        none of the plan's own tensors (its handle tensor, ``geometry.cu_seqlens_q/k`` and its views'
-        tensors: plan storage, handed out read-only) has been written in place since it was built:
-        such a write would move its samples, change its blocks or name another plan. The write check
+        """Raise ``PlanBindingError`` unless Q/K/V (tensors, else ``InputTypeError``) match the plan's
+        geometry, dtype and device, and none of the plan's own tensors (its handle tensor,
+        ``geometry.cu_seqlens_q/k`` and its views' tensors: plan storage, handed out read-only) has
+        been written in place since it was built: such a write would move its samples, change its
+        blocks or name another plan. The write check
         (the tensors' version counters, about 0.2 us each) runs on eager calls; a compiled graph
         checks what it traced only once. Tensors made under ``torch.inference_mode`` keep no counter,
         so a write there, under inference mode too, goes unseen."""
@@ -550,7 +551,7 @@ class MaskPlan:
             }
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
-                raise PlanBindingError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             require_strided(name, t)
             if tuple(t.shape) != expect[name]:
                 if torch.compiler.is_compiling():  # the sizes may be symbolic: no string can show them
