@@ -8,6 +8,11 @@ Sparse format of one view, for mask head ``h`` and outer plan row ``r`` (a Q blo
                      with payload mask_block_masks[mask_block_offset[h, r] + i]
     full entries:    full_block_idx[full_block_offset[h, r] + i],  i < full_block_cnt[h, r]
 
+Offsets are exclusive scans of the counts over ``(h, r)``, shaped like them (``[Hmask, rows]``):
+unlike spec 4.5's ``offset[i + 1] = offset[i] + count[i]`` there is no closing total, so a row's
+range ends at ``offset + count``, never at the next row's offset (a kernel written for cuDNN's
+``Hmask * rows + 1`` offsets reads one past the end on the last row).
+
 The reconstruction loop below is the spec of the format (``to_dense`` runs it vectorised)::
 
     for h, r:                                     # outer block o = r - row_begin[b]
