@@ -511,6 +511,20 @@ def test_flex_attn_func_option_errors(kw, cls, needles):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, **kw)
 
 
+def test_scale_past_the_accumulation_dtype_is_refused():
+    """fp16 / bf16 / fp32 inputs accumulate in fp32 on the CPU as on the GPU: a scale past its range
+    would make every score infinite (NaN outputs), so both refuse it; fp64 inputs hold it."""
+    q, k, v = fixed_qkv(dtype=torch.float32)
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    with expect(InputValueError, ValueError, "softmax_scale=1e+39", "float32"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=1e39)
+    q, k, v = (t.detach().requires_grad_() for t in fixed_qkv())  # fp64
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=1e39)
+    out.sum().backward()
+    assert all(torch.isfinite(t).all() for t in (out, q.grad, k.grad, v.grad))
+
+
 @pytest.mark.parametrize("kind", ["fraction", "float32", "float64"])
 def test_flex_attn_func_takes_a_real_scale_of_any_type(kind):
     """A numpy scalar or another real number works as ``softmax_scale``, as its float does (fp64
