@@ -156,6 +156,22 @@ def test_strided_qkv_trains_without_copies(monkeypatch, layout, deterministic):
 
 
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+def test_plan_build_inside_a_capture_is_refused_by_name():
+    """A build reads its sizes back to the host, which a capture forbids (torch's own error would
+    invalidate the capture with a CUDA message): it is refused before touching the GPU, and a build
+    after the capture works."""
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    mask = MASKS["causal"]("cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(flexattn.UnsupportedCallError, match="inside a CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            flexattn.create_mask_plan(mask, q, k, v)
+    plan = flexattn.create_mask_plan(mask, q, k, v)
+    assert torch.isfinite(flexattn.flex_attn_func(q, k, v, mask_plan=plan)).all()
+
+
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_cuda_graph_capture_and_replay():
     """A training step's attention (forward, then backward, deterministic) captured in a CUDA graph
     replays on new q/k/v/dout values and gives exactly what eager calls give on them: nothing

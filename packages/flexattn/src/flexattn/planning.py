@@ -13,6 +13,7 @@ from maskplan_core import (
     InputValueError,
     MaskPlan,
     PlanGeometry,
+    UnsupportedCallError,
     ViewConfig,
     ViewRequest,
     validate_plan_inputs,
@@ -147,6 +148,12 @@ def _plan(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
     )
+    if geometry.device.type == "cuda" and _capturing(geometry.device):
+        raise UnsupportedCallError(
+            "create_mask_plan cannot run inside a CUDA graph capture: a build reads its sizes back to "
+            "the host, which a capture forbids; build the plan before the capture and pass it in (a "
+            "captured step may use it, and every replay reads the same plan)"
+        )
     if build_backward is None:
         build_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if target is not None:
@@ -159,3 +166,10 @@ def _plan(
     if log.isEnabledFor(logging.DEBUG):
         log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
     return consumer.build_plan(mask_func, geometry, fwd, bwd)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
