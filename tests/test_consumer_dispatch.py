@@ -23,6 +23,34 @@ def test_every_installed_consumer_is_found_by_family():
     assert found["sm100"].hardware_verified is False
 
 
+@pytest.fixture
+def broken_plugin(monkeypatch):
+    """The installed plugins plus one whose module does not import, as another package may register."""
+    from importlib.metadata import EntryPoint
+
+    from flexattn import registry
+
+    real = list(registry.entry_points(group=registry.ENTRY_POINT_GROUP))
+    broken = EntryPoint("broken", "no_such_module_for_flexattn:Consumer", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [*real, broken])
+    registry._registry.cache_clear()
+    yield
+    registry._registry.cache_clear()
+
+
+def test_a_plugin_that_fails_to_load_takes_no_other_consumer_down(broken_plugin, caplog):
+    with caplog.at_level("WARNING", logger="flexattn"):
+        found = installed_consumers()
+    assert {"reference", "sm90", "sm100"} <= set(found)
+    assert "no_such_module_for_flexattn" in caplog.text
+    q, k, v = qkv()
+    plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    assert flexattn.flex_attn_func(q, k, v, mask_plan=plan).shape == q.shape
+    # a family nothing serves: the failure may be why, so the error names it
+    with pytest.raises(flexattn.ConsumerNotFoundError, match="failed to load: broken = no_such_module"):
+        consumer_for("sm999")
+
+
 def test_unknown_family_is_a_clear_error():
     with pytest.raises(flexattn.ConsumerNotFoundError, match="sm999"):
         consumer_for("sm999")

@@ -44,13 +44,26 @@ def arch_family(device: torch.device) -> tuple[str, tuple[int, int] | None]:
     return family, cc
 
 
-@cache
 def installed_consumers() -> dict[str, Consumer]:
     """Every installed consumer by architecture family (the reference consumer always)."""
+    return _registry()[0]
+
+
+@cache
+def _registry() -> tuple[dict[str, Consumer], tuple[str, ...]]:
+    """The consumers by family, and a line for each registered plugin that failed to load: one
+    broken package in the environment must not stop the others (the CPU reference included); a
+    lookup that finds no consumer names the failures, since one of them may have served it."""
     found: dict[str, Consumer] = {}
-    candidates = [ReferenceConsumer] + [ep.load() for ep in entry_points(group=ENTRY_POINT_GROUP)]
-    for factory in candidates:
-        consumer = factory()
+    failed: list[str] = []
+    consumers = [ReferenceConsumer()]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            consumers.append(ep.load()())
+        except Exception as e:  # noqa: BLE001 - any import or constructor failure of a third party
+            failed.append(f"{ep.name} = {ep.value} ({type(e).__name__}: {e})")
+            log.warning("consumer plugin %s (%s) failed to load and is skipped: %s", ep.name, ep.value, e)
+    for consumer in consumers:
         for family in consumer.arch_families:
             other = found.get(family)
             if other is not None and type(other) is not type(consumer):
@@ -58,16 +71,19 @@ def installed_consumers() -> dict[str, Consumer]:
                     f"two installed consumers claim {family}: {other.name} and {consumer.name}; uninstall one"
                 )
             found[family] = consumer
-    return found
+    return found, tuple(failed)
 
 
 def consumer_for(family: str) -> Consumer:
-    consumer = installed_consumers().get(family)
+    found, failed = _registry()
+    consumer = found.get(family)
     if consumer is None:
         hint = _INSTALL_HINT.get(family)
         if hint is None:  # a target name nothing claims: say which ones are there
-            names = ", ".join(repr(f) for f in sorted(installed_consumers()))
+            names = ", ".join(repr(f) for f in sorted(found))
             hint = f"the installed consumers serve {names}; a package may register another"
+        if failed:
+            hint += "; plugins that failed to load: " + "; ".join(failed)
         raise ConsumerNotFoundError(f"no installed consumer serves {family!r}: {hint}")
     if not consumer.hardware_verified:
         log.warning("%s has been compiled for %s but never run on that hardware", consumer.name, family)
