@@ -172,4 +172,3 @@ def _capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is capturing a CUDA graph."""
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
-

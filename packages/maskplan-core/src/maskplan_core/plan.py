@@ -527,10 +527,10 @@ class MaskPlan:
         geometry, dtype and device, and none of the plan's own tensors (its handle tensor,
         ``geometry.cu_seqlens_q/k`` and its views' tensors: plan storage, handed out read-only) has
         been written in place since it was built: such a write would move its samples, change its
-        blocks or name another plan. The write check
-        (the tensors' version counters, about 0.2 us each) runs on eager calls; a compiled graph
-        checks what it traced only once. Tensors made under ``torch.inference_mode`` keep no counter,
-        so a write there, under inference mode too, goes unseen."""
+        blocks or name another plan. The write check (the tensors' version counters, about 0.2 us
+        each) runs on eager calls; a compiled graph checks what it traced only once. Tensors made
+        under ``torch.inference_mode`` keep no counter, so a write there, under inference mode too,
+        goes unseen."""
         g = self._geometry
         if not torch.compiler.is_compiling():
             counts = _write_counts(self._storage)
