@@ -32,7 +32,9 @@ def broken_plugin(monkeypatch):
 
     real = list(registry.entry_points(group=registry.ENTRY_POINT_GROUP))
     broken = EntryPoint("broken", "no_such_module_for_flexattn:Consumer", registry.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry, "entry_points", lambda group: [*real, broken])
+    # a module that imports, and a factory that raises
+    raising = EntryPoint("raising", "flexattn.registry:arch_family", registry.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [*real, broken, raising])
     registry._registry.cache_clear()
     yield
     registry._registry.cache_clear()
@@ -42,12 +44,13 @@ def test_a_plugin_that_fails_to_load_takes_no_other_consumer_down(broken_plugin,
     with caplog.at_level("WARNING", logger="flexattn"):
         found = installed_consumers()
     assert {"reference", "sm90", "sm100"} <= set(found)
-    assert "no_such_module_for_flexattn" in caplog.text
+    assert "no_such_module_for_flexattn" in caplog.text and "flexattn.registry:arch_family" in caplog.text
     q, k, v = qkv()
     plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
     assert flexattn.flex_attn_func(q, k, v, mask_plan=plan).shape == q.shape
     # a family nothing serves: the failure may be why, so the error names it
-    with pytest.raises(flexattn.ConsumerNotFoundError, match="failed to load: broken = no_such_module"):
+    failures = "failed to load: broken = no_such_module.*raising"
+    with pytest.raises(flexattn.ConsumerNotFoundError, match=failures):
         consumer_for("sm999")
 
 

@@ -158,11 +158,12 @@ def test_strided_qkv_trains_without_copies(monkeypatch, layout, deterministic):
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 def test_plan_build_inside_a_capture_is_refused_by_name():
     """A build reads its sizes back to the host, which a capture forbids (torch's own error would
-    invalidate the capture with a CUDA message): it is refused before touching the GPU, and a build
-    after the capture works."""
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-    mask = MASKS["causal"]("cuda")
+    invalidate the capture with a CUDA message): it is refused before touching the GPU, also for a
+    shape no plan had before (whose validation syncs a stream), and a build after the capture works."""
+    b, s = 3, 777  # a shape of this test's own: its sample prefixes are not cached yet
+    q = torch.randn(b, s, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    mask = masks.causal(s, batch=b, device="cuda")
     torch.cuda.synchronize()
     with pytest.raises(flexattn.UnsupportedCallError, match="inside a CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):

@@ -511,13 +511,15 @@ def test_flex_attn_func_option_errors(kw, cls, needles):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, **kw)
 
 
-def test_scale_past_the_accumulation_dtype_is_refused():
+@pytest.mark.parametrize("scale", [1e39, -1e39])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_past_the_accumulation_dtype_is_refused(dtype, scale):
     """fp16 / bf16 / fp32 inputs accumulate in fp32 on the CPU as on the GPU: a scale past its range
     would make every score infinite (NaN outputs), so both refuse it; fp64 inputs hold it."""
-    q, k, v = fixed_qkv(dtype=torch.float32)
+    q, k, v = fixed_qkv(dtype=dtype)
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
-    with expect(InputValueError, ValueError, "softmax_scale=1e+39", "float32"):
-        flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=1e39)
+    with expect(InputValueError, ValueError, f"softmax_scale={scale!r}", "float32"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scale)
     q, k, v = (t.detach().requires_grad_() for t in fixed_qkv())  # fp64
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
     out = flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=1e39)

@@ -134,6 +134,14 @@ def _plan(
     mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pack_gqa, build_backward,
     target,
 ) -> MaskPlan:  # fmt: skip
+    # before validation, which may already sync a stream (a new shape's sample prefixes)
+    for t in (q, mask_func):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda" and _capturing(t.device):
+            raise UnsupportedCallError(
+                "create_mask_plan cannot run inside a CUDA graph capture: a build reads its sizes back "
+                "to the host, which a capture forbids; build the plan before the capture and pass it in "
+                "(a captured step may use it, and every replay reads the same plan)"
+            )
     require_optional_bool("pack_gqa", pack_gqa)
     require_optional_bool("build_backward", build_backward)
     # the device first: on one no consumer runs on (meta, mps) the input rules of another would mislead
@@ -148,12 +156,6 @@ def _plan(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
     )
-    if geometry.device.type == "cuda" and _capturing(geometry.device):
-        raise UnsupportedCallError(
-            "create_mask_plan cannot run inside a CUDA graph capture: a build reads its sizes back to "
-            "the host, which a capture forbids; build the plan before the capture and pass it in (a "
-            "captured step may use it, and every replay reads the same plan)"
-        )
     if build_backward is None:
         build_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if target is not None:

@@ -82,8 +82,8 @@ def consumer_for(family: str) -> Consumer:
         if hint is None:  # a target name nothing claims: say which ones are there
             names = ", ".join(repr(f) for f in sorted(found))
             hint = f"the installed consumers serve {names}; a package may register another"
-        if failed:
-            hint += "; plugins that failed to load: " + "; ".join(failed)
+        if failed:  # first: an installed consumer of this family may be among them
+            hint = "plugins that failed to load: " + "; ".join(failed) + f"; else {hint}"
         raise ConsumerNotFoundError(f"no installed consumer serves {family!r}: {hint}")
     if not consumer.hardware_verified:
         log.warning("%s has been compiled for %s but never run on that hardware", consumer.name, family)
