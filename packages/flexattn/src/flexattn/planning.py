@@ -18,6 +18,7 @@ from maskplan_core import (
     ViewRequest,
     validate_plan_inputs,
 )
+from maskplan_core.consumer import capturing
 from maskplan_core.validation import require_optional_bool
 
 from .registry import arch_family, consumer_for
@@ -136,7 +137,7 @@ def _plan(
 ) -> MaskPlan:  # fmt: skip
     # before validation, which may already sync a stream (a new shape's sample prefixes)
     for t in (q, mask_func):
-        if isinstance(t, torch.Tensor) and t.device.type == "cuda" and _capturing(t.device):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda" and capturing(t.device):
             raise UnsupportedCallError(
                 "create_mask_plan cannot run inside a CUDA graph capture: a build reads its sizes back "
                 "to the host, which a capture forbids; build the plan before the capture and pass it in "
@@ -168,9 +169,3 @@ def _plan(
     if log.isEnabledFor(logging.DEBUG):
         log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
     return consumer.build_plan(mask_func, geometry, fwd, bwd)
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a CUDA graph."""
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()

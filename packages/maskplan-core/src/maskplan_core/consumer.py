@@ -155,6 +155,13 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the CUDA ``device``'s current stream (the one a launch on it uses) is capturing a CUDA
+    graph; without a device switch when ``device`` is the current one (every forward asks)."""
+    with on_device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def thd(t: torch.Tensor) -> torch.Tensor:
     """The ``[total, H, D]`` form of a THD or ``[B, S, H, D]`` tensor: a view where it has one
     (:func:`has_thd_view`), else a contiguous copy."""

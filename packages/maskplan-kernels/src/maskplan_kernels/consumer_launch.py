@@ -39,7 +39,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from maskplan_core.consumer import KERNEL_DTYPE_NAMES, has_thd_view, on_device, thd
+from maskplan_core.consumer import KERNEL_DTYPE_NAMES, capturing, has_thd_view, thd
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
@@ -380,13 +380,6 @@ class _StreamEntry:
         for t in self.value.tensors:
             t.record_stream(stream)
         self.handles.add(handle)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream (the one a launch on it uses) is capturing a CUDA graph;
-    without a device switch when ``device`` is the current one (every forward asks)."""
-    with on_device(device):
-        return torch.cuda.is_current_stream_capturing()
 
 
 def cached_view_args(fn):
