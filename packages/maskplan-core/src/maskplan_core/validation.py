@@ -78,6 +78,19 @@ def require_optional_bool(name: str, value: object) -> None:
         raise InputTypeError(f"{name} must be a bool or None, got {type(value).__name__}")
 
 
+def representable_scale(softmax_scale: float, dtype: torch.dtype, scaled_by: str) -> float:
+    """``softmax_scale`` as a float that ``dtype``, the dtype ``scaled_by`` (e.g. "the GPU kernels
+    compute") scales scores in, holds; else :class:`InputValueError`: a scale past its range would
+    make every score infinite, the outputs NaN."""
+    softmax_scale, limit = float(softmax_scale), torch.finfo(dtype).max
+    if not abs(softmax_scale) <= limit:
+        raise InputValueError(
+            f"softmax_scale={softmax_scale!r} is past the fp{torch.finfo(dtype).bits} range ({limit:.4g}) "
+            f"{scaled_by} scores in"
+        )
+    return softmax_scale
+
+
 def head_dim_contiguous(t: torch.Tensor) -> bool:
     """Whether ``t``'s last (head) dimension is contiguous; a dimension of one element always is,
     whatever stride torch gives it (a transposed ``[..., 1]`` tensor keeps the old one)."""

@@ -43,6 +43,7 @@ from maskplan_core.consumer import KERNEL_DTYPE_NAMES, capturing, has_thd_view, 
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
+from maskplan_core.validation import representable_scale
 
 from . import compile_cache
 from ._cute_args import torch_stream
@@ -242,15 +243,8 @@ FP32_MAX = 3.4028234663852886e38
 
 
 def fp32_softmax_scale(softmax_scale: float) -> float:
-    """``softmax_scale`` as a float the kernels' fp32 holds, else :class:`InputValueError` (a scale
-    past it would make every score infinite: NaN outputs)."""
-    softmax_scale = float(softmax_scale)
-    if not abs(softmax_scale) <= FP32_MAX:
-        raise InputValueError(
-            f"softmax_scale={softmax_scale!r} is past the fp32 range ({FP32_MAX:.4g}) the GPU kernels "
-            "compute scores in"
-        )
-    return softmax_scale
+    """``softmax_scale`` as a float the kernels' fp32 holds, else :class:`InputValueError`."""
+    return representable_scale(softmax_scale, torch.float32, "the GPU kernels compute")
 
 
 def positive_softmax_scale(q: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, float]:

@@ -23,25 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputValueError
 from ..plan import BlockEntries, PlanView
+from ..validation import representable_scale
 
 _TILE_CHUNK = 64
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _checked_scale(softmax_scale: float, cd: torch.dtype) -> float:
-    """``softmax_scale``, refused where the accumulation dtype cannot hold it (every score would be
-    infinite: NaN outputs), as the GPU kernels refuse a scale past fp32."""
-    if not abs(softmax_scale) <= torch.finfo(cd).max:
-        raise InputValueError(
-            f"softmax_scale={softmax_scale!r} is past the {cd} range ({torch.finfo(cd).max:.4g}) the "
-            "reference computes scores in for these inputs"
-        )
-    return softmax_scale
 
 
 @dataclass
@@ -127,7 +116,7 @@ def _probabilities(tl: _Tiles, s: torch.Tensor, row_offset: torch.Tensor) -> tor
 def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool = False):
     g = view.geometry
     cd = compute_dtype(q.dtype)
-    softmax_scale = _checked_scale(softmax_scale, cd)
+    softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     rows = g.num_heads_q * g.total_q
     row_max = torch.full((rows,), float("-inf"), dtype=cd, device=q.device)
@@ -161,7 +150,7 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
     """Gradients (dq, dk, dv) in the inputs' dtype; ``dlse`` ``[Hq, total_q]`` or None."""
     g = view.geometry
     cd = compute_dtype(q.dtype)
-    softmax_scale = _checked_scale(softmax_scale, cd)
+    softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
     qc, kc, vc, doc = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
     lse_flat = lse.to(cd).reshape(-1)
     safe_lse = torch.where(torch.isinf(lse_flat), 0.0, lse_flat)
