@@ -150,13 +150,119 @@ def test_pack_gqa_none_and_false_resolve_to_false():
         assert Sm100Consumer().resolve(request(pack_gqa=value)).signature.topology.pack_gqa is False
 
 
-@pytest.mark.parametrize("dims", [(80, 80), (128, 64), (256, 128), (48, 48)])
+@pytest.mark.parametrize("dims", [(320, 320), (64, 300), (257, 16)])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_rejects_head_dims(direction, dims):
     with pytest.raises(UnsupportedConfigError, match=r"head_dim_qk, head_dim_v") as info:
         Sm100Consumer().resolve(request(direction, dims))
     assert isinstance(info.value, ValueError)
     assert f"({dims[0]}, {dims[1]})" in str(info.value) and "(256, 256)" in str(info.value)
+    assert "zero-padded" in str(info.value)  # and what else runs
+
+
+HELD = [((80, 80), (96, 96)), ((48, 48), (64, 64)), ((64, 128), (128, 128)), ((128, 64), (128, 128)),
+        ((160, 128), (192, 128)), ((256, 128), (256, 256)), ((200, 200), (256, 256))]  # fmt: skip
+
+
+@pytest.mark.parametrize("dims, kernel", HELD, ids=[f"{a}x{b}" for (a, b), _ in HELD])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_head_dims_without_a_kernel_plan_as_the_next_kernel_up(direction, dims, kernel):
+    """A pair without a kernel of its own plans with the views of the cheapest kernel that holds it
+    (and runs on it, on zero-padded copies: test_held_head_dims_run_on_padded_copies), and a
+    warning says so once."""
+    c = Sm100Consumer()
+    said = rf"=\({dims[0]}, {dims[1]}\): they run on the {re.escape(str(kernel))} kernels.* copied per call"
+    with pytest.warns(UserWarning, match=said):
+        view = c.resolve(request(direction, dims))
+    assert view == c.resolve(request(direction, kernel))
+
+
+def _held_plan(dims, total=200, hq=4, hkv=2):
+    import torch
+
+    from maskplan_core import masks
+    from maskplan_core.testing import reference_plan, resolve_view
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(total, h, dims[0], generator=gen).bfloat16() for h in (hq, hkv))
+    v = torch.randn(total, hkv, dims[1], generator=gen).bfloat16()
+    cu = torch.tensor([0, 120, total], dtype=torch.int32)
+    consumer = Sm100Consumer()
+    plan = reference_plan(
+        masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, consumer=consumer.name,
+        forward=lambda g: resolve_view(consumer, g, "forward"),
+        backward=lambda g: resolve_view(consumer, g, "backward"),
+        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120,
+    )  # fmt: skip
+    return consumer, plan, (q, k, v)
+
+
+def _stand_in_launchers(monkeypatch, launches):
+    """The SM100 launchers, stood in for: record what they get, return zero outputs of the view's
+    shapes (what a kernel writes is for SM100 hardware to show)."""
+    import torch
+
+    from flexattn_sm100 import bwd_launch, fwd_launch
+
+    def forward(view, q, k, v, *, out=None, lse=None, **options):
+        g = view.geometry
+        launches.append(("forward", view, (q, k, v), out))
+        return torch.zeros(g.total_q, g.num_heads_q, g.head_dim_v, dtype=q.dtype), lse, None
+
+    def backward(view, *tensors, dq=None, dk=None, dv=None, **options):
+        launches.append(("backward", view, tensors, (dq, dk, dv)))
+        given = zip(tensors[:3], (dq, dk, dv), strict=True)
+        return tuple(torch.zeros_like(t) if b is None else b.zero_() for t, b in given)
+
+    monkeypatch.setattr(fwd_launch, "run_forward", forward)
+    monkeypatch.setattr(bwd_launch, "run_backward", backward)
+
+
+@pytest.mark.parametrize("dims, kernel", [((80, 80), (96, 96)), ((64, 128), (128, 128)), ((96, 96),) * 2])
+def test_held_head_dims_run_on_padded_copies(monkeypatch, dims, kernel):
+    """The launchers get the plan's views at the kernel's head dims (their configs re-selected from
+    those views are the kernel's) and q, k, v, out, dout zero-padded to them; the caller gets its
+    head dims back, in its buffers where it gave them. The plan's own view of a held pair is
+    refused by the launchers' config check: the kernels would read its tensors at their head dims."""
+    import torch
+
+    from flexattn_sm100 import consumer as sm100_consumer
+    from flexattn_sm100 import view_config
+
+    monkeypatch.setattr(sm100_consumer, "_on_sm100", lambda t: True)
+    monkeypatch.setenv(sm100_consumer.UNVERIFIED_ENV, "1")
+    consumer, plan, (q, k, v) = _held_plan(dims)
+    launches = []
+    _stand_in_launchers(monkeypatch, launches)
+    out = torch.full((q.shape[0], q.shape[1], dims[1]), float("nan"), dtype=q.dtype)
+    got = consumer.forward(plan, q, k, v, softmax_scale=0.1, return_max_logit=False, out=out)
+    assert got.out is out and not out.isnan().any()
+    dout = torch.randn_like(out)
+    buffers = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    lse = torch.zeros(q.shape[1], q.shape[0])
+    grads = consumer.backward(
+        plan, q, k, v, out, lse, dout, None, softmax_scale=0.1, deterministic=True,
+        dq=buffers[0], dk=buffers[1], dv=buffers[2],
+    )  # fmt: skip
+    assert all(g is b and not b.isnan().any() for g, b in zip(grads, buffers, strict=True))
+    padded = dims != kernel
+    selectors = {"forward": view_config.fwd_config_for_view, "backward": view_config.bwd_config_for_view}
+    for direction, view, tensors, _ in launches:
+        assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel
+        assert (view is plan.view(direction)) is not padded
+        config = selectors[direction](view)
+        assert (config.head_dim_qk, config.head_dim_v) == kernel
+        inputs = (q, k, v) + ((out, dout) if direction == "backward" else ())
+        if direction == "backward":  # (q, k, v, out, lse, dout, dlse)
+            tensors = tensors[:4] + tensors[5:6]
+        widths = (kernel[0], kernel[0]) + (kernel[1],) * (len(inputs) - 2)
+        for t, given, width in zip(inputs, tensors, widths, strict=True):
+            assert given.shape[-1] == width and torch.equal(given[..., : t.shape[-1]], t)
+            assert not given[..., t.shape[-1] :].any() and (given is t) == (width == t.shape[-1])
+    for direction, select in selectors.items() if padded else ():
+        refusal = rf"{direction} kernels for .*\({dims[0]}, {dims[1]}\) are the {re.escape(str(kernel))} ones"
+        with pytest.raises(UnsupportedConfigError, match=refusal):
+            select(plan.view(direction))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -210,27 +316,27 @@ def test_forward_off_sm100_and_backward_say_so():
 def test_on_sm100_the_never_run_kernels_need_an_opt_in(direction, monkeypatch):
     """On a compute-capability 10.x GPU (stood in for here) the kernels run only when the caller
     opts in by name: they have never run on hardware. With the opt-in the call reaches the launch."""
+    import torch
+
     from flexattn_sm100 import consumer as sm100_consumer
 
     monkeypatch.setattr(sm100_consumer, "_on_sm100", lambda t: True)
     monkeypatch.delenv(sm100_consumer.UNVERIFIED_ENV, raising=False)
-    c = Sm100Consumer()
-    plan = types.SimpleNamespace(view=lambda role: role)  # the launch (stubbed below) gets the view
+    c, plan, (q, k, v) = _held_plan((64, 64))
+    o = torch.zeros(q.shape[0], q.shape[1], 64, dtype=q.dtype)
     call = {
-        "forward": lambda: c.forward(plan, None, None, None, softmax_scale=1.0, return_max_logit=False),
+        "forward": lambda: c.forward(plan, q, k, v, softmax_scale=1.0, return_max_logit=False),
         "backward": lambda: c.backward(
-            plan, None, None, None, None, None, None, None, softmax_scale=1.0, deterministic=True
+            plan, q, k, v, o, None, o, None, softmax_scale=1.0, deterministic=True
         ),
     }[direction]
     with pytest.raises(ConsumerNotFoundError, match=f"{direction} kernel .* FLEXATTN_SM100_UNVERIFIED=1"):
         call()
     monkeypatch.setenv(sm100_consumer.UNVERIFIED_ENV, "1")
     launches = []
-    module = pytest.importorskip(f"flexattn_sm100.{'fwd' if direction == 'forward' else 'bwd'}_launch")
-    name = "run_forward" if direction == "forward" else "run_backward"
-    monkeypatch.setattr(module, name, lambda view, *a, **kw: launches.append(view) or (None, None, None))
+    _stand_in_launchers(monkeypatch, launches)
     call()
-    assert launches == [direction]
+    assert [(d, view) for d, view, *_ in launches] == [(direction, plan.view(direction))]
 
 
 def test_cuda_endpoints_plan_with_the_gpu_planner(monkeypatch):

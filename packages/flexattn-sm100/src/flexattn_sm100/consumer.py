@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import os
 
-from maskplan_core.consumer import AttentionOutputs, KernelConsumer
+from maskplan_core.consumer import KernelConsumer
 from maskplan_core.errors import ConsumerNotFoundError
+from maskplan_core.head_dim_padding import kernel_view, run_padded_backward, run_padded_forward, warn_held
 
 from ._version import __version__
-from .heuristics import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, select_bwd_config, select_fwd_config
+from .heuristics import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    kernel_head_dims,
+    select_bwd_config,
+    select_fwd_config,
+)
 
 #: set to 1 to run the kernels on a compute-capability 10.x GPU although no SM100 hardware has run them
 UNVERIFIED_ENV = "FLEXATTN_SM100_UNVERIFIED"
@@ -39,6 +46,13 @@ class Sm100Consumer(KernelConsumer):
     select_backward = staticmethod(select_bwd_config)
     gpu_planner = "maskplan_kernels"  # its SM100 views are tested on an H200 against the reference
 
+    def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
+        """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it, on
+        zero-padded copies of the tensors, and a warning says so."""
+        kernel = kernel_head_dims(head_dim_qk, head_dim_v)
+        if kernel != (head_dim_qk, head_dim_v):
+            warn_held(self.name, (head_dim_qk, head_dim_v), kernel, f"the kernels' {kernel}")
+
     def forward(
         self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
         payload_via_smem: bool | None = None,  # TMEM-fed kernels: no choice to make
@@ -52,11 +66,10 @@ class Sm100Consumer(KernelConsumer):
         _require_opt_in("forward")
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
-        out, lse, max_logit = run_forward(
-            plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit,
-            out=out, lse=lse,
-        )
-        return AttentionOutputs(out, lse, max_logit)
+        return run_padded_forward(
+            run_forward, _kernel_view(plan, "forward"), q, k, v, out=out, lse=lse,
+            softmax_scale=softmax_scale, return_max_logit=return_max_logit,
+        )  # fmt: skip
 
     def backward(
         self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
@@ -72,10 +85,17 @@ class Sm100Consumer(KernelConsumer):
         _require_opt_in("backward")
         from .bwd_launch import run_backward  # CuTe DSL loads on first use, not on import
 
-        return run_backward(
-            plan.view("backward"), q, k, v, out, lse, dout, dlse,
+        return run_padded_backward(
+            run_backward, _kernel_view(plan, "backward"), q, k, v, out, lse, dout, dlse,
             softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
+
+
+def _kernel_view(plan, direction: str):
+    """The plan's ``direction`` view at the kernels' head dims (its own, or those of the kernel
+    that holds them, whose tensors are then zero-padded copies)."""
+    view = plan.view(direction)
+    return kernel_view(view, kernel_head_dims(view.geometry.head_dim_qk, view.geometry.head_dim_v))
 
 
 def _require_opt_in(direction: str) -> None:

@@ -34,13 +34,16 @@ variant whose head dims have no kernel, ``bwd_launch.run_backward`` a k2q-2cta v
                                                                2 CTAs per K block: head-dim halves)
 ==============  =============================================  ==========================================
 
-Any generic forward variant can be forced for the D <= 192 pairs with ``variant=``.
+Any generic forward variant can be forced for the D <= 192 pairs with ``variant=``. Any other pair
+that one of these holds plans and runs as that one (:func:`kernel_head_dims`), on zero-padded copies
+of the tensors (the consumer makes them, :mod:`maskplan_core.head_dim_padding`).
 """
 
 from __future__ import annotations
 
 from maskplan_core.consumer import require_supported
 from maskplan_core.errors import UnsupportedConfigError
+from maskplan_core.head_dim_padding import holding_head_dims
 
 from .config import BWD_VARIANTS, FWD_VARIANTS, Sm100BwdConfig, Sm100FwdConfig
 
@@ -72,9 +75,12 @@ def check_dtype(dtype: str) -> None:
     require_supported("dtype", dtype, SUPPORTED_DTYPES, "flexattn-sm100")
 
 
-def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
-    head_dims = (head_dim_qk, head_dim_v)
-    require_supported("(head_dim_qk, head_dim_v)", head_dims, SUPPORTED_HEAD_DIMS, "flexattn-sm100")
+def kernel_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
+    """The kernels' head dims that run ``(head_dim_qk, head_dim_v)``
+    (:func:`maskplan_core.head_dim_padding.holding_head_dims`: ``(80, 80)`` on ``(96, 96)``,
+    ``(64, 128)`` on ``(128, 128)``). The kernels read q, k, v, out and dout at their own head dims,
+    so the consumer gives them zero-padded copies of other pairs' tensors."""
+    return holding_head_dims(head_dim_qk, head_dim_v, SUPPORTED_HEAD_DIMS, "flexattn-sm100")
 
 
 def select_fwd_config(
@@ -88,7 +94,7 @@ def select_fwd_config(
     variant: str | None = None,
 ) -> Sm100FwdConfig:
     check_dtype(dtype)
-    check_head_dims(head_dim_qk, head_dim_v)
+    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
     default = _FWD_DEFAULT[(head_dim_qk, head_dim_v)]
     if variant is not None and variant != default:
         allowed = _GENERIC_FWD if default != "d256" else ("d256",)
@@ -112,7 +118,7 @@ def select_bwd_config(
     *, head_dim_qk: int, head_dim_v: int, dtype: str, qhead_per_kvhead: int = 1, varlen: bool = False
 ) -> Sm100BwdConfig:
     check_dtype(dtype)
-    check_head_dims(head_dim_qk, head_dim_v)
+    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
     return Sm100BwdConfig(
         head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_v,

@@ -8,15 +8,13 @@ never computed another way.
 
 from __future__ import annotations
 
-import warnings
+from maskplan_core.consumer import KernelConsumer
+from maskplan_core.head_dim_padding import kernel_view, run_padded_backward, run_padded_forward, warn_held
 
-from maskplan_core.consumer import AttentionOutputs, KernelConsumer
-
-from .head_dim_padding import cut_head_dim, kernel_view, pad_head_dim
 from .heuristics import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
-    check_head_dims,
+    io_head_dims,
     kernel_head_dims,
     select_bwd_config,
     select_fwd_config,
@@ -41,9 +39,11 @@ class Sm90Consumer(KernelConsumer):
     def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
         """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it (the
         tiles' columns past the tensors' head dims read as zeros), and a warning says so."""
-        check_head_dims(head_dim_qk, head_dim_v)
-        if (head_dim_qk, head_dim_v) not in SUPPORTED_HEAD_DIMS:
-            _warn_padded(head_dim_qk, head_dim_v)
+        kernel = kernel_head_dims(head_dim_qk, head_dim_v)
+        if kernel != (head_dim_qk, head_dim_v):
+            io = io_head_dims(head_dim_qk, head_dim_v)
+            copied = io != (head_dim_qk, head_dim_v)
+            warn_held(self.name, (head_dim_qk, head_dim_v), kernel, "a multiple of 8" if copied else None)
 
     def forward(
         self, plan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
@@ -51,15 +51,10 @@ class Sm90Consumer(KernelConsumer):
     ):  # fmt: skip
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
-        view = kernel_view(plan.view("forward"))
-        dqk, dv = view.geometry.head_dim_qk, view.geometry.head_dim_v
-        padded_v = pad_head_dim(v, dv)
-        o, lse, max_logit = run_forward(
-            view, pad_head_dim(q, dqk), pad_head_dim(k, dqk), padded_v,
+        return run_padded_forward(
+            run_forward, _kernel_view(plan, "forward"), q, k, v, out=out, lse=lse,
             softmax_scale=softmax_scale, return_max_logit=return_max_logit, mask_via_smem=payload_via_smem,
-            out=out if padded_v is v else None, lse=lse,
         )  # fmt: skip
-        return AttentionOutputs(cut_head_dim(o, v.shape[-1], out), lse, max_logit)
 
     def backward(
         self, plan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
@@ -67,29 +62,14 @@ class Sm90Consumer(KernelConsumer):
     ):  # fmt: skip
         from .bwd_launch import run_backward
 
-        view = kernel_view(plan.view("backward"))
-        dims_qk, dims_v = view.geometry.head_dim_qk, view.geometry.head_dim_v
-        padded_q, padded_k = (pad_head_dim(t, dims_qk) for t in (q, k))
-        padded_v, padded_out, padded_dout = (pad_head_dim(t, dims_v) for t in (v, out, dout))
-        # a caller's buffer takes the kernels' writes where its head dim is not padded
-        qk_native, v_native = padded_q is q, padded_v is v
-        grads = run_backward(
-            view, padded_q, padded_k, padded_v, padded_out, lse, padded_dout, dlse,
-            softmax_scale=softmax_scale, deterministic=deterministic,
-            dq=dq if qk_native else None, dk=dk if qk_native else None, dv=dv if v_native else None,
+        return run_padded_backward(
+            run_backward, _kernel_view(plan, "backward"), q, k, v, out, lse, dout, dlse,
+            softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
-        inputs, into = (q, k, v), (dq, dk, dv)
-        return tuple(cut_head_dim(g, t.shape[-1], i) for g, t, i in zip(grads, inputs, into, strict=True))
 
 
-def _warn_padded(head_dim_qk: int, head_dim_v: int) -> None:
-    # once per pair: resolve is memoised per request, and Python's default filter shows a message
-    # once per place
-    kernel = kernel_head_dims(head_dim_qk, head_dim_v)
-    warnings.warn(
-        f"flexattn-sm90 has no kernel for (head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}): they run "
-        f"on the {kernel} kernels, at those head dims' cost"
-        + ("" if head_dim_qk % 8 == 0 and head_dim_v % 8 == 0 else
-           " and with q, k, v (and out, dout) copied per call, zero-padded to a multiple of 8"),
-        stacklevel=2,
-    )
+def _kernel_view(plan, direction: str):
+    """The plan's ``direction`` view at the head dims the kernels read its tensors at (multiples
+    of 8: the tensors' own, or a padded copy's)."""
+    view = plan.view(direction)
+    return kernel_view(view, io_head_dims(view.geometry.head_dim_qk, view.geometry.head_dim_v))

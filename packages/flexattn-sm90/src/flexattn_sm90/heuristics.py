@@ -28,7 +28,7 @@ warpgroups compute ``S^T`` (K rows x Q columns): for 128x128 and 64x128 each tak
 from __future__ import annotations
 
 from maskplan_core.consumer import require_pack_gqa_ratio, require_supported
-from maskplan_core.errors import UnsupportedConfigError
+from maskplan_core.head_dim_padding import holding_head_dims
 
 from .config import Sm90BwdConfig, Sm90FwdConfig
 
@@ -45,21 +45,12 @@ def check_dtype(dtype: str) -> None:
 
 
 def kernel_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
-    """The kernels' head dims that run ``(head_dim_qk, head_dim_v)``: the pair itself where the
-    kernels are built for it, else the one of :data:`SUPPORTED_HEAD_DIMS` with the fewest head-dim
-    columns that holds both (``(72, 72)`` on ``(80, 80)``, ``(64, 128)`` on ``(128, 128)``, ``(160,
-    128)`` on ``(192, 128)``). Zero columns change no score, probability or output column, so the
-    padded problem's results are the pair's, at the cost of the kernel's head dims. The kernels
-    read the tensors at their own head dims (:func:`io_head_dims`): TMA fills the columns past them
-    with zeros and the stores leave those out."""
-    fits = [d for d in SUPPORTED_HEAD_DIMS if d[0] >= head_dim_qk and d[1] >= head_dim_v]
-    if not fits:
-        raise UnsupportedConfigError(
-            f"(head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}) is not supported by flexattn-sm90: "
-            f"its kernels run {', '.join(map(repr, SUPPORTED_HEAD_DIMS))} and, zero-padded, any pair "
-            "that one of them holds"
-        )
-    return min(fits, key=lambda d: (d[0] + d[1], d))
+    """The kernels' head dims that run ``(head_dim_qk, head_dim_v)``
+    (:func:`maskplan_core.head_dim_padding.holding_head_dims`: ``(72, 72)`` on ``(80, 80)``,
+    ``(160, 128)`` on ``(192, 128)``). The kernels read the tensors at their own head dims
+    (:func:`io_head_dims`): TMA fills the columns past them with zeros and the stores leave those
+    out."""
+    return holding_head_dims(head_dim_qk, head_dim_v, SUPPORTED_HEAD_DIMS, "flexattn-sm90")
 
 
 def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
@@ -69,7 +60,7 @@ def check_head_dims(head_dim_qk: int, head_dim_v: int) -> None:
 def io_head_dims(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     """The head dims of the tensors the kernels take for a problem's: each rounded up to a multiple
     of 8 (a 16-byte aligned row, as TMA needs); only head dims that are not take a zero-padded copy
-    of the tensors (:mod:`flexattn_sm90.head_dim_padding`)."""
+    of the tensors (:mod:`maskplan_core.head_dim_padding`)."""
     return -(-head_dim_qk // 8) * 8, -(-head_dim_v // 8) * 8
 
 
