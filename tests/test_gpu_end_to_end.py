@@ -678,7 +678,7 @@ def test_a_128k_token_batch_trains_like_the_reference(mask):
     of the other tests would take hours here)."""
     from flexattn_sm90 import Sm90Consumer
     from maskplan_core.reference import attention_backward, attention_forward
-    from maskplan_core.testing import reference_plan, resolve_view, thd
+    from maskplan_core.testing import consumer_plan, thd
 
     torch.manual_seed(5)
     total = sum(LONG_DOCS)
@@ -690,12 +690,7 @@ def test_a_128k_token_batch_trains_like_the_reference(mask):
         torch.randn(*shape, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
     )
     plan = flexattn.create_mask_plan(endpoints, q, k, v, **args)
-    consumer = Sm90Consumer()
-    ref_plan = reference_plan(
-        endpoints, q, k, v, consumer=plan.consumer, **args,
-        forward=lambda g: resolve_view(consumer, g, "forward"),
-        backward=lambda g: resolve_view(consumer, g, "backward"),
-    )  # fmt: skip
+    ref_plan = consumer_plan(Sm90Consumer(), endpoints, q, k, v, **args)
     assert plan.roles == ref_plan.roles == ("forward", "backward")
     for role in plan.roles:
         tensors, want_tensors = plan.view(role).tensors, ref_plan.view(role).tensors

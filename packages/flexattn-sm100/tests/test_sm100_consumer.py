@@ -181,19 +181,15 @@ def _held_plan(dims, total=200, hq=4, hkv=2):
     import torch
 
     from maskplan_core import masks
-    from maskplan_core.testing import reference_plan, resolve_view
+    from maskplan_core.testing import consumer_plan
 
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(total, h, dims[0], generator=gen).bfloat16() for h in (hq, hkv))
     v = torch.randn(total, hkv, dims[1], generator=gen).bfloat16()
     cu = torch.tensor([0, 120, total], dtype=torch.int32)
     consumer = Sm100Consumer()
-    plan = reference_plan(
-        masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, consumer=consumer.name,
-        forward=lambda g: resolve_view(consumer, g, "forward"),
-        backward=lambda g: resolve_view(consumer, g, "backward"),
-        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120,
-    )  # fmt: skip
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120)
+    plan = consumer_plan(consumer, masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, **varlen)
     return consumer, plan, (q, k, v)
 
 

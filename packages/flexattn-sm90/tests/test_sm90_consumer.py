@@ -164,19 +164,15 @@ def test_head_dims_without_a_kernel_run_on_the_next_kernel_up(monkeypatch, dims,
     import flexattn_sm90.bwd_launch as bwd_launch
     import flexattn_sm90.fwd_launch as fwd_launch
     from maskplan_core import masks
-    from maskplan_core.testing import reference_plan, resolve_view
+    from maskplan_core.testing import consumer_plan
 
     (dqk, dv), (iqk, iv) = dims, io
     total, hq, hkv = 200, 4, 2
     q, k, v = _thd(total, hq, dqk, 0), _thd(total, hkv, dqk, 1), _thd(total, hkv, dv, 2)
     cu = torch.tensor([0, 120, 200], dtype=torch.int32)
     consumer = Sm90Consumer()
-    plan = reference_plan(
-        masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, consumer=consumer.name,
-        forward=lambda g: resolve_view(consumer, g, "forward"),
-        backward=lambda g: resolve_view(consumer, g, "backward"),
-        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120,
-    )  # fmt: skip
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=120, max_seqlen_k=120)
+    plan = consumer_plan(consumer, masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, k, v, **varlen)
     copied = io != dims
     seen = {}
 

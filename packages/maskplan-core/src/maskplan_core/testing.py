@@ -7,7 +7,7 @@ to the suite's own ``check``). Torch only; importing it needs no GPU.
 
     q, k, v = qkv((B, S, H), (B, S, H), 128, 128, torch.bfloat16, seed=3, device=dev)
     ep = random_intervals(H, 5, torch.full((B * S,), S), seed=3, device=dev)
-    plan = reference_plan(ep, q, k, v, consumer=c.name, forward=lambda g: resolve_view(c, g, "forward"))
+    plan = consumer_plan(c, ep, q, k, v, backward=False)
     check_forward(run_forward, plan.view("forward"), q, k, v)
 """
 
@@ -123,6 +123,18 @@ def reference_plan(
     resolves for the problem: ``forward(geometry)`` (and ``backward(geometry)``) give them."""
     g = validate_plan_inputs(mask_func, q, k, v, **varlen)
     return build_plan(mask_func, g, forward(g), backward(g) if backward else None, consumer)
+
+
+def consumer_plan(
+    consumer: KernelConsumer, mask_func, q, k, v, *, backward: bool = True, **varlen
+) -> MaskPlan:
+    """:func:`reference_plan` with the views ``consumer`` resolves for the facade's requests
+    (:func:`resolve_view`): forward and, unless ``backward=False``, backward."""
+    return reference_plan(
+        mask_func, q, k, v, consumer=consumer.name,
+        forward=lambda g: resolve_view(consumer, g, "forward"),
+        backward=(lambda g: resolve_view(consumer, g, "backward")) if backward else None, **varlen,
+    )  # fmt: skip
 
 
 def thd(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -600,6 +612,7 @@ __all__ = [
     "check_forward",
     "compare_forward",
     "compare_gradient",
+    "consumer_plan",
     "cuda_arch_major",
     "poison_allocator",
     "qkv",
