@@ -214,7 +214,9 @@ def _stand_in_launchers(monkeypatch, launches):
     monkeypatch.setattr(bwd_launch, "run_backward", backward)
 
 
-@pytest.mark.parametrize("dims, kernel", [((80, 80), (96, 96)), ((64, 128), (128, 128)), ((96, 96),) * 2])
+@pytest.mark.parametrize(
+    "dims, kernel", [((80, 80), (96, 96)), ((64, 128), (128, 128)), ((200, 200), (256, 256)), ((96, 96),) * 2]
+)
 def test_held_head_dims_run_on_padded_copies(monkeypatch, dims, kernel):
     """The launchers get the plan's views at the kernel's head dims (their configs re-selected from
     those views are the kernel's) and q, k, v, out, dout zero-padded to them; the caller gets its
@@ -243,7 +245,7 @@ def test_held_head_dims_run_on_padded_copies(monkeypatch, dims, kernel):
     assert all(g is b and not b.isnan().any() for g, b in zip(grads, buffers, strict=True))
     padded = dims != kernel
     selectors = {"forward": view_config.fwd_config_for_view, "backward": view_config.bwd_config_for_view}
-    for direction, view, tensors, _ in launches:
+    for direction, view, tensors, buffers_given in launches:
         assert (view.geometry.head_dim_qk, view.geometry.head_dim_v) == kernel
         assert (view is plan.view(direction)) is not padded
         config = selectors[direction](view)
@@ -255,6 +257,13 @@ def test_held_head_dims_run_on_padded_copies(monkeypatch, dims, kernel):
         for t, given, width in zip(inputs, tensors, widths, strict=True):
             assert given.shape[-1] == width and torch.equal(given[..., : t.shape[-1]], t)
             assert not given[..., t.shape[-1] :].any() and (given is t) == (width == t.shape[-1])
+        # a caller's buffer reaches the kernel only where its head dim is the kernel's
+        if direction == "forward":
+            callers, got, native = (out,), (buffers_given,), (dims[1] == kernel[1],)
+        else:
+            callers, got = buffers, buffers_given
+            native = (dims[0] == kernel[0],) * 2 + (dims[1] == kernel[1],)
+        assert [b is c for b, c in zip(got, callers, strict=True)] == list(native)
     for direction, select in selectors.items() if padded else ():
         refusal = rf"{direction} kernels for .*\({dims[0]}, {dims[1]}\) are the {re.escape(str(kernel))} ones"
         with pytest.raises(UnsupportedConfigError, match=refusal):
@@ -368,6 +377,9 @@ def test_variant_override_and_mask_delivery():
         select_fwd_config(head_dim_qk=64, head_dim_v=64, dtype="bfloat16", variant="d256")
     with pytest.raises(UnsupportedConfigError, match="variant='qstage2-1cta'"):
         select_fwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16", variant="qstage2-1cta")
+    # a held pair's refusal names the caller's pair and the kernel it runs on
+    with pytest.raises(UnsupportedConfigError, match=r"=\(200, 200\) \(on the \(256, 256\) kernels\)"):
+        select_fwd_config(head_dim_qk=200, head_dim_v=200, dtype="bfloat16", variant="qstage1-1cta")
 
 
 def test_configs_are_frozen_and_keyed():

@@ -86,6 +86,8 @@ def test_kernel_view_is_one_view_per_plan_view_at_the_kernels_head_dims():
     assert (padded.geometry.head_dim_qk, padded.geometry.head_dim_v) == (64, 64)
     assert padded.tensors == view.tensors and padded.signature == view.signature and padded.role == "forward"
     assert kernel_view(view, (64, 64)) is padded
+    wider = kernel_view(view, (96, 96))  # asked at other head dims: never a stale view
+    assert (wider.geometry.head_dim_qk, wider.geometry.head_dim_v) == (96, 96)
 
 
 @pytest.mark.parametrize("dims, kernel", [((36, 52), (64, 64)), ((64, 40), (64, 64)), ((40, 64), (64, 64))])

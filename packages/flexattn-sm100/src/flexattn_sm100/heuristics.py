@@ -93,19 +93,22 @@ def select_fwd_config(
     varlen: bool = False,
     variant: str | None = None,
 ) -> Sm100FwdConfig:
+    """The forward config of a problem, at its kernel's head dims (:func:`kernel_head_dims`: a pair
+    without a kernel of its own gets the one that holds it, whose tensors are padded copies)."""
     check_dtype(dtype)
-    head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
-    default = _FWD_DEFAULT[(head_dim_qk, head_dim_v)]
+    kernel = kernel_head_dims(head_dim_qk, head_dim_v)
+    default = _FWD_DEFAULT[kernel]
     if variant is not None and variant != default:
         allowed = _GENERIC_FWD if default != "d256" else ("d256",)
         if variant not in allowed:
+            on = "" if kernel == (head_dim_qk, head_dim_v) else f" (on the {kernel} kernels)"
             raise UnsupportedConfigError(
-                f"variant={variant!r} cannot run (head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v}); "
-                f"supported variant values for it: {', '.join(repr(a) for a in allowed)}"
+                f"variant={variant!r} cannot run (head_dim_qk, head_dim_v)=({head_dim_qk}, {head_dim_v})"
+                f"{on}; supported variant values for it: {', '.join(repr(a) for a in allowed)}"
             )
     return Sm100FwdConfig(
-        head_dim_qk=head_dim_qk,
-        head_dim_v=head_dim_v,
+        head_dim_qk=kernel[0],
+        head_dim_v=kernel[1],
         dtype=dtype,
         variant=FWD_VARIANTS[variant or default],
         pack_gqa=pack_gqa,
@@ -117,6 +120,7 @@ def select_fwd_config(
 def select_bwd_config(
     *, head_dim_qk: int, head_dim_v: int, dtype: str, qhead_per_kvhead: int = 1, varlen: bool = False
 ) -> Sm100BwdConfig:
+    """The backward config of a problem, at its kernel's head dims (as :func:`select_fwd_config`)."""
     check_dtype(dtype)
     head_dim_qk, head_dim_v = kernel_head_dims(head_dim_qk, head_dim_v)
     return Sm100BwdConfig(

@@ -53,11 +53,9 @@ def warn_held(owner: str, head_dims: tuple[int, int], kernel: tuple[int, int], c
     """Say that ``head_dims`` run on ``owner``'s ``kernel`` pair; ``copied_to``: what q, k, v, out
     and dout are zero-padded to in a copy per call, if they are. Shown once per pair: consumers
     resolve a request once (memoised), and Python's default filter shows a message once per place."""
-    copies = (
-        ""
-        if copied_to is None
-        else f" and with q, k, v (and out, dout) copied per call, zero-padded to {copied_to}"
-    )
+    copies = "" if copied_to is None else (
+        f" and with q, k, v (and out, dout) where narrower copied per call, zero-padded to {copied_to}"
+    )  # fmt: skip
     warnings.warn(
         f"{owner} has no kernel for (head_dim_qk, head_dim_v)={head_dims}: they run on the {kernel} "
         f"kernels, at those head dims' cost{copies}",
