@@ -1,11 +1,14 @@
 """The test support of maskplan_kernels.testing on synthetic PTX, ptxas reports and SMEM offsets (no
 compile, no GPU)."""
 
+import re
 import shutil
 
 import pytest
 
+import maskplan_kernels.testing as support
 from maskplan_kernels.testing import (
+    assert_ptxas_clean,
     assert_row_view,
     assert_waits_before_global_access,
     ptxas_report,
@@ -63,6 +66,28 @@ def _report(*spills: tuple[int, int]) -> str:
 )
 def test_spill_bytes_is_the_largest_of_any_kernel(spills, expect):
     assert spill_bytes(_report(*spills)) == expect
+
+
+CLEAN = _report((0, 0))
+
+
+@pytest.mark.parametrize(
+    "note",
+    [
+        "(C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "insufficient register resources for the function 'k'",
+        "(C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the "
+        "presence of Extern calls in the function 'k'",
+        "(C7517) Potential Performance Loss: wgmma.wait_group is injected in function 'k'",
+    ],
+)
+def test_a_serialised_wgmma_pipeline_is_not_clean(monkeypatch, tmp_path, note):
+    monkeypatch.setattr(support, "ptxas_report", lambda ptx, arch, workdir: CLEAN)
+    assert_ptxas_clean("ptx", "sm_90a", tmp_path)
+    noted = f"ptxas info    : {note}\n" + CLEAN
+    monkeypatch.setattr(support, "ptxas_report", lambda ptx, arch, workdir: noted)
+    with pytest.raises(AssertionError, match=re.escape(note[:7])):
+        assert_ptxas_clean("ptx", "sm_90a", tmp_path)
 
 
 def _blocked_rows(rows: int, cols: int, w: int) -> list[list[int]]:

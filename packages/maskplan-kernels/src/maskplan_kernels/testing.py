@@ -25,8 +25,9 @@ from pathlib import Path
 PTX_VERSION = re.compile(r"^\.version (\d+\.\d+)", re.MULTILINE)
 #: ``ptxas -v``'s spill line of a kernel
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-#: ptxas's notes when it serialises WGMMAs: wgmma.mma_async serialised / warpgroup.wait injected
-WGMMA_SERIALISED = ("(C7515)", "(C7517)")
+#: ptxas's notes when it serialises WGMMAs: for want of registers / wgmma.mma_async serialised /
+#: warpgroup.wait injected
+WGMMA_SERIALISED = ("(C7512)", "(C7515)", "(C7517)")
 #: a WGMMA of a bf16 / fp16 kernel, its shape as group 1
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.(?:bf16|f16)")
 #: an integer division or remainder by a value known only at run time (a static divisor is a
@@ -90,7 +91,8 @@ def spill_bytes(report: str) -> int:
 def assert_ptxas_clean(ptx: str, arch: str, workdir: str | os.PathLike, *, max_spill_bytes: int = 0) -> None:
     """Assert ptxas reports no register spills for ``ptx`` (at most ``max_spill_bytes``, for spills a
     caller has shown harmless and says where they sit) and did not serialise a WGMMA pipeline
-    (C7515, or a C7517 wait it injected: a GEMM the kernel meant to overlap would then run alone).
+    (C7512 for want of registers, C7515, or a C7517 wait it injected: a GEMM the kernel meant to
+    overlap would then run alone).
     Nothing is checked without ptxas."""
     report = ptxas_report(ptx, arch, workdir)
     if report is not None:
