@@ -78,15 +78,20 @@ def _request(g, direction):
     )  # fmt: skip
 
 
+def _at(head_dims):
+    """A consumer's head-dim rule that takes every pair to ``head_dims``."""
+    return lambda head_dim_qk, head_dim_v: head_dims
+
+
 def test_kernel_view_is_one_view_per_plan_view_at_the_kernels_head_dims():
     plan, *_ = _plan((36, 52))
     view = plan.view("forward")
-    assert kernel_view(view, (36, 52)) is view
-    padded = kernel_view(view, (64, 64))
+    assert kernel_view(view, _at((36, 52))) is view
+    padded = kernel_view(view, _at((64, 64)))
     assert (padded.geometry.head_dim_qk, padded.geometry.head_dim_v) == (64, 64)
     assert padded.tensors == view.tensors and padded.signature == view.signature and padded.role == "forward"
-    assert kernel_view(view, (64, 64)) is padded
-    wider = kernel_view(view, (96, 96))  # asked at other head dims: never a stale view
+    assert kernel_view(view, _at((64, 64))) is padded
+    wider = kernel_view(view, _at((96, 96)))  # asked at other head dims: never a stale view
     assert (wider.geometry.head_dim_qk, wider.geometry.head_dim_v) == (96, 96)
 
 
@@ -104,7 +109,7 @@ def test_a_launcher_on_padded_tensors_gives_the_callers_problem(dims, kernel):
 
         return launch
 
-    fwd_view = kernel_view(plan.view("forward"), kernel)
+    fwd_view = kernel_view(plan.view("forward"), _at(kernel))
     got = run_padded_forward(
         launcher(attention_forward, "forward"), fwd_view, q, k, v, softmax_scale=scale, return_max_logit=True
     )
@@ -127,7 +132,7 @@ def test_a_launcher_on_padded_tensors_gives_the_callers_problem(dims, kernel):
     assert (seen["forward"][2][0] is out) == (dims[1] == kernel[1])
 
     dout = torch.randn_like(got.out)
-    bwd_view = kernel_view(plan.view("backward"), kernel)
+    bwd_view = kernel_view(plan.view("backward"), _at(kernel))
     call = (bwd_view, q, k, v, got.out, got.lse, dout, None)
     grads = run_padded_backward(launcher(attention_backward, "backward"), *call, softmax_scale=scale)
     expected = attention_backward(

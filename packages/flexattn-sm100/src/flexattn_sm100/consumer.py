@@ -67,7 +67,7 @@ class Sm100Consumer(KernelConsumer):
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
         return run_padded_forward(
-            run_forward, _kernel_view(plan, "forward"), q, k, v, out=out, lse=lse,
+            run_forward, kernel_view(plan.view("forward"), kernel_head_dims), q, k, v, out=out, lse=lse,
             softmax_scale=softmax_scale, return_max_logit=return_max_logit,
         )  # fmt: skip
 
@@ -86,16 +86,9 @@ class Sm100Consumer(KernelConsumer):
         from .bwd_launch import run_backward  # CuTe DSL loads on first use, not on import
 
         return run_padded_backward(
-            run_backward, _kernel_view(plan, "backward"), q, k, v, out, lse, dout, dlse,
+            run_backward, kernel_view(plan.view("backward"), kernel_head_dims), q, k, v, out, lse, dout, dlse,
             softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
-
-
-def _kernel_view(plan, direction: str):
-    """The plan's ``direction`` view at the kernels' head dims (its own, or those of the kernel
-    that holds them, whose tensors are then zero-padded copies)."""
-    view = plan.view(direction)
-    return kernel_view(view, kernel_head_dims(view.geometry.head_dim_qk, view.geometry.head_dim_v))
 
 
 def _require_opt_in(direction: str) -> None:

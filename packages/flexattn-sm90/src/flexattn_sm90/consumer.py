@@ -52,7 +52,7 @@ class Sm90Consumer(KernelConsumer):
         from .fwd_launch import run_forward  # CuTe DSL loads on first use, not on import
 
         return run_padded_forward(
-            run_forward, _kernel_view(plan, "forward"), q, k, v, out=out, lse=lse,
+            run_forward, kernel_view(plan.view("forward"), io_head_dims), q, k, v, out=out, lse=lse,
             softmax_scale=softmax_scale, return_max_logit=return_max_logit, mask_via_smem=payload_via_smem,
         )  # fmt: skip
 
@@ -63,13 +63,6 @@ class Sm90Consumer(KernelConsumer):
         from .bwd_launch import run_backward
 
         return run_padded_backward(
-            run_backward, _kernel_view(plan, "backward"), q, k, v, out, lse, dout, dlse,
+            run_backward, kernel_view(plan.view("backward"), io_head_dims), q, k, v, out, lse, dout, dlse,
             softmax_scale=softmax_scale, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
         )  # fmt: skip
-
-
-def _kernel_view(plan, direction: str):
-    """The plan's ``direction`` view at the head dims the kernels read its tensors at (multiples
-    of 8: the tensors' own, or a padded copy's)."""
-    view = plan.view(direction)
-    return kernel_view(view, io_head_dims(view.geometry.head_dim_qk, view.geometry.head_dim_v))

@@ -63,10 +63,12 @@ def warn_held(owner: str, head_dims: tuple[int, int], kernel: tuple[int, int], c
     )
 
 
-def kernel_view(view: PlanView, head_dims: tuple[int, int]) -> PlanView:
+def kernel_view(view: PlanView, head_dims_of: Callable[[int, int], tuple[int, int]]) -> PlanView:
     """``view`` where the kernels take its tensors at its own head dims, else (once per view) a
-    copy whose geometry has ``head_dims``, reading the same plan tensors."""
+    copy whose geometry has the head dims ``head_dims_of(head_dim_qk, head_dim_v)`` (the consumer's
+    rule: its kernel pair's, or SM90's multiples of 8) gives, reading the same plan tensors."""
     g = view.geometry
+    head_dims = head_dims_of(g.head_dim_qk, g.head_dim_v)
     if head_dims == (g.head_dim_qk, g.head_dim_v):
         return view
     padded = _KERNEL_VIEWS.get(view)
