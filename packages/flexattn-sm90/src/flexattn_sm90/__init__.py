@@ -1,7 +1,6 @@
 """flexattn-sm90: the Hopper MaskPlan consumer (WGMMA payload layout, configs, consumer).
 
-Pure layout maths and configuration; importing it never imports CuTe DSL (the kernels, when they
-land, import it themselves).
+Importing it never imports CuTe DSL: the kernels (``fwd_*``, ``bwd_*``) load it on first use.
 """
 
 from ._version import __version__

@@ -1,9 +1,9 @@
 """The SM90 (Hopper) consumer: resolves plan views, runs the persistent forward kernel and the
 K-major backward kernel.
 
-A plan built for SM90 carries the signature and WGMMA payload layouts its kernels consume; head
-dims without a backward kernel are refused by the backward launcher (UnsupportedConfigError),
-never computed another way.
+A plan built for SM90 carries the signature and WGMMA payload layouts its kernels consume. Head
+dims with no kernel of their own run on the smallest kernel pair that holds them (with a warning);
+a pair none holds is refused with UnsupportedConfigError when the views are resolved.
 """
 
 from __future__ import annotations

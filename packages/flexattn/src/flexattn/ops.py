@@ -16,9 +16,9 @@ it is built, and :func:`~maskplan_core.plan.plan_for_handle` maps it back throug
 chose this over passing the plan's tensors explicitly because
 
 * the op schema stays small and fixed; the number and meaning of a view's tensors is the
-  consumer's business (a forward view has 9 of them, a backward view more, a third-party
-  consumer may add others), and the static half of a plan (geometry, signatures, payload
-  layout) cannot be a tensor anyway, so a handle would be needed in any case;
+  consumer's business (a fixed-length forward view has 8 of them, 9 varlen, a backward view one
+  more, a third-party consumer may add others), and the static half of a plan (geometry,
+  signatures, payload layout) cannot be a tensor anyway, so a handle would be needed in any case;
 * a plan is immutable, so the handle names fixed content; nothing the op reads can change
   between tracing and running.
 

@@ -1,5 +1,5 @@
-"""Every environment knob of flexattn, read in one place (call :func:`settings`; nothing is cached,
-so a test or a launcher may change the environment between calls).
+"""Every environment knob of flexattn but one (below), read in one place (call :func:`settings`;
+nothing is cached, so a test or a launcher may change the environment between calls).
 
 =========================  ==========================================================================
 variable                   meaning
@@ -10,6 +10,10 @@ variable                   meaning
                            compiled once per process); ``1``/``true``/``on``/``yes`` (the default,
                            see ``CACHE_DEFAULT``) enables it
 =========================  ==========================================================================
+
+One knob is read elsewhere: ``FLEXATTN_SM100_UNVERIFIED=1`` (run the SM100 kernels, which have never
+run on hardware) is read by ``flexattn_sm100.consumer``, which the consumer registry imports without
+CuTe DSL, and importing this package imports CuTe DSL.
 
 CuTe DSL's own variables (``CUTE_DSL_ARCH``, ``CUTE_DSL_LINEINFO``, ...) keep their meaning; the
 ones that change generated code are part of every compile-cache key (see :mod:`.compile_cache`).
