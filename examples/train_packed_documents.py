@@ -1,7 +1,7 @@
 """Train a small transformer on packed documents: one MaskPlan per batch, reused by every layer's
 forward and backward, the whole model optionally under ``torch.compile(fullgraph=True)``.
 
-    python examples/train_packed_documents.py                       # CPU reference path, ~1 min
+    python examples/train_packed_documents.py                       # CPU reference path, seconds
     python examples/train_packed_documents.py --device cuda --seqlen 8192 --batch 2 --dim 1024 \\
         --heads 8 --kv-heads 2 --lr 3e-4 --steps 60 [--compile] [--plan-ahead] [--layers 8]  # Hopper
 

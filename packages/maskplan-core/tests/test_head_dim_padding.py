@@ -49,6 +49,7 @@ def test_the_warning_names_the_kernel_and_any_copy():
     with pytest.warns(UserWarning, match=said) as w:
         warn_held("k", (80, 80), (96, 96), None)
     assert "copied" not in str(w[0].message)
+    assert w[0].filename == __file__  # the caller's line, past the library's frames
     with pytest.warns(UserWarning, match=r"copied per call, zero-padded to a multiple of 8"):
         warn_held("k", (36, 60), (64, 64), "a multiple of 8")
 

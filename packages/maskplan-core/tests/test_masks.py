@@ -545,10 +545,48 @@ def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
     def table_per_head(b, h, q, kv):
         return (q >= kv) & (q - kv < window[h])
 
-    phantom = r"evaluated at head 1 .* raised there \(IndexError.*1 for a model of one"
-    with pytest.raises(InputValueError, match=phantom):
+    one_head_hint = "reads its head index.*H=1 takes a mask_mod that fails at head 1"
+    with pytest.raises(InputValueError, match=one_head_hint):
         masks.from_mask_mod(table_per_head, 1, None, 64, 64)
     assert masks.from_mask_mod(table_per_head, 1, 1, 64, 64).shape[0] == 1
+
+
+def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index():
+    """With one mask for every head, a mask_mod whose result depends on its head index is refused
+    from its trace, wherever the heads first differ (here at head 2: heads 0 and 1 are global,
+    the others local), in from_mask_mod and from_block_mask; one that reads the head index even
+    where every head agrees is refused too (H=Hq keeps one mask). A mask_mod that cannot be traced
+    (Python control flow on its sample index) falls back to comparing head 1 with head 0."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def global_then_local(b, h, q, kv):
+        return (kv <= q) & ((h < 2) | (q - kv < 16))
+
+    assert masks._reads_head(global_then_local, torch.device("cpu"))
+    with pytest.raises(InputValueError, match="reads its head index.*H=None: pass H=Hq"):
+        masks.from_mask_mod(global_then_local, 1, None, 256, 256)
+    block_mask = fa.create_block_mask(global_then_local, 1, None, 256, 256, device="cpu")
+    with pytest.raises(InputValueError, match="reads its head index.*pass heads=Hq"):
+        masks.from_block_mask(block_mask)
+    per_head = masks.from_mask_mod(global_then_local, 1, 4, 256, 256)
+    assert torch.equal(per_head[0], per_head[1]) and not torch.equal(per_head[1], per_head[2])
+    with pytest.raises(InputValueError, match="at head 2; the block mask was made with H=None"):
+        masks.from_block_mask(block_mask, heads=4)  # head 0's full blocks are not head 2's
+
+    def same_for_every_head(b, h, q, kv):
+        return (kv <= q) & (h >= 0)
+
+    with pytest.raises(InputValueError, match="reads its head index"):
+        masks.from_mask_mod(same_for_every_head, 1, None, 64, 64)
+    assert torch.equal(masks.from_mask_mod(same_for_every_head, 1, 4, 64, 64), masks.causal(64))
+
+    def branches_on_sample(b, h, q, kv):  # Python `if` on the sample index: no trace
+        return (kv <= q + h) if b > 0 else (kv <= q + 2 * h)
+
+    assert masks._reads_head(branches_on_sample, torch.device("cpu")) is None
+    with pytest.raises(InputValueError, match="reads its head index"):  # head 1 differs from head 0
+        masks.from_mask_mod(branches_on_sample, 2, None, 64, 64)
+    assert not masks._reads_head(lambda b, h, q, kv: kv <= q, torch.device("cpu"))
 
 
 def test_from_mask_mod_with_python_control_flow_says_why():
@@ -589,6 +627,11 @@ def test_from_mask_mod_round_trip(dense):
     # create_block_mask's positional device; SDPA's [B, H, Sq, Sk] dense layout
     by_position = masks.from_mask_mod(lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], b, h, sq, sk, "cpu")
     assert torch.equal(by_position, ep)
+    # a create_block_mask call with torch's keywords converts as it is
+    by_torch_name = masks.from_mask_mod(
+        lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], B=b, H=h, Q_LEN=sq, KV_LEN=sk, device="cpu"
+    )
+    assert torch.equal(by_torch_name, ep)
     assert torch.equal(masks.from_dense(dense), masks.from_dense(flat))
 
 
@@ -607,6 +650,10 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1.5, 1, 2, 2)
     with pytest.raises(TypeError, match="B must be the batch size, not None"):  # torch's B=None
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, None, 1, 2, 2)
+    with pytest.raises(TypeError, match="Sq or Q_LEN .* got both"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 2, 2, Q_LEN=2)
+    with pytest.raises(TypeError, match="Sk or KV_LEN .* got neither"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, Q_LEN=2)
 
 
 def test_from_block_mask_is_its_mask_mod():
@@ -750,7 +797,7 @@ def test_mask_mods_are_evaluated_a_few_query_rows_at_a_time(monkeypatch):
     monkeypatch.setattr(masks, "_evaluate", lambda *args: rows.append(args[3].numel()) or evaluate(*args))
     monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 40 * 257)  # 40 rows of 256 keys
     assert torch.equal(masks.from_mask_mod(packed, 2, None, 256, 256), whole)
-    assert max(rows) == 40 and sum(rows) == 256 * 3  # sample 0 also at head 1 (the shared-head probe)
+    assert max(rows) == 40 and sum(rows) == 256 * 2  # its trace shows it reads no head index
     rows.clear()
     assert torch.equal(masks.from_block_mask(per_sample), whole_blocks)
     assert set(rows) == {64}
@@ -761,14 +808,14 @@ def test_mask_mods_are_evaluated_a_few_query_rows_at_a_time(monkeypatch):
 
     # the answer does not depend on the chunks: head 1 reads rows 256 + q of a table of 296, so it
     # differs from head 0 in the first chunk (rows 0-39) and fails in the second; a failure at
-    # head 1 means a model of one head with H=1 and a refusal naming it with H=None, as unchunked
+    # head 1 means a model of one head with H=1 (H=None refuses it from its trace), as unchunked
     table = torch.cat([torch.arange(1, 257), torch.full((40,), 256)])
 
     def per_head_rows(b, h, q, kv):
         return kv < table[h * 256 + q]
 
     assert masks.from_mask_mod(per_head_rows, 1, 1, 256, 256).shape == (1, 1, 256)
-    with pytest.raises(InputValueError, match=r"raised there \(IndexError"):
+    with pytest.raises(InputValueError, match="reads its head index"):
         masks.from_mask_mod(per_head_rows, 1, None, 256, 256)
 
     def late_heads(b, h, q, kv):  # head 2 shows more in the first chunk, head 1 only past it

@@ -175,6 +175,19 @@ def test_bhsd_q_gets_a_layout_hint():
         validate_plan_inputs(causal(sk=SQ), *(t.transpose(1, 2) for t in (q, k, v)))
 
 
+def test_bhsd_tensors_of_other_lengths_get_the_layout_hint():
+    """With Sq != Sk, torch's BHSD tensors fail on their "heads" (the sequence lengths) before the
+    mask is looked at: the error shows the shapes and names the layout; a true head mismatch in
+    BSHD tensors gets no layout hint."""
+    q, k, v = fixed_qkv(sq=SQ, sk=SQ + 3, hq=4, hkv=2)
+    bhsd = [t.transpose(1, 2) for t in (q, k, v)]
+    shapes = (str(tuple(bhsd[0].shape)), str(tuple(bhsd[1].shape)))
+    with expect(InputValueError, ValueError, f"q heads ({SQ})", *shapes, "BHSD", "transpose(1, 2)"):
+        validate_plan_inputs(causal(total_q=B * 4, sq=4, sk=4), *bhsd)
+    with pytest.raises(InputValueError, match=r"k/v heads \(2\): q .*\)$"):
+        validate_plan_inputs(causal(), *fixed_qkv(hq=3, hkv=2))
+
+
 def test_varlen_rows_mismatch_names_q_and_cu_seqlens_q():
     """A varlen q shorter than its mask (and cu_seqlens_q) is not blamed on the mask alone."""
     with expect(InputValueError, ValueError, "mask_func", "total_q=15", "q.shape[0]", "cu_seqlens_q[-1]"):
@@ -185,8 +198,9 @@ def test_bhsd_tensors_whose_mask_fits_draw_a_warning():
     """BHSD tensors with a mask built for their (misread) S pass every shape check: many heads and
     few positions per sample draw a warning naming the layout; a BSHD problem does not."""
     q, k, v = fixed_qkv(sq=4, sk=4, hq=256, hkv=256)
-    with pytest.warns(UserWarning, match=r"256 heads and 4 positions.*transpose\(1, 2\)"):
+    with pytest.warns(UserWarning, match=r"256 heads and 4 positions.*transpose\(1, 2\)") as said:
         validate_plan_inputs(causal(total_q=B * 4, sq=4, sk=4), q, k, v)
+    assert said[0].filename == __file__  # the caller's line, past the library's frames
     q, k, v = fixed_qkv(sq=256, sk=256, hq=256, hkv=256)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

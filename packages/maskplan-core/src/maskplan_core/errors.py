@@ -7,6 +7,9 @@ or the builtin one.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 
 class FlexAttnError(Exception):
     """Base of every error raised by maskplan/flexattn."""
@@ -56,3 +59,20 @@ class UnsupportedCallError(FlexAttnError, RuntimeError):
     """A call the library does not serve in the state it is made in: ``execute()`` before
     ``compile()``, eager ``torch.vmap``, a double backward, a vmapped backward or forward-mode
     derivative through attention, a plan built from fake tensors."""
+
+
+#: top-level packages whose frames a warning passes over to reach its caller's line (torch's too:
+#: a call from a module's forward reaches flexattn through ``nn.Module.__call__``)
+_LIBRARY_PACKAGES = frozenset(
+    {"maskplan_core", "maskplan_kernels", "flexattn", "flexattn_sm90", "flexattn_sm100", "torch"}
+)
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside flexattn's packages and torch, so
+    the warning names the caller's line however deep in the library it was raised (and the default
+    filter shows it once per such line)."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARY_PACKAGES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -18,14 +18,13 @@ pad the tensors to those head dims and cut the outputs back, into the caller's b
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 from collections.abc import Callable
 
 import torch
 
 from maskplan_core.consumer import AttentionOutputs
-from maskplan_core.errors import UnsupportedConfigError
+from maskplan_core.errors import UnsupportedConfigError, warn_caller
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import share_ready
 
@@ -56,10 +55,9 @@ def warn_held(owner: str, head_dims: tuple[int, int], kernel: tuple[int, int], c
     copies = "" if copied_to is None else (
         f" and with q, k, v (and out, dout) where narrower copied per call, zero-padded to {copied_to}"
     )  # fmt: skip
-    warnings.warn(
+    warn_caller(
         f"{owner} has no kernel for (head_dim_qk, head_dim_v)={head_dims}: they run on the {kernel} "
-        f"kernels, at those head dims' cost{copies}",
-        stacklevel=3,
+        f"kernels, at those head dims' cost{copies}"
     )
 
 

@@ -612,9 +612,12 @@ def from_mask_mod(
     mask_mod: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     B: int,
     H: int | None,
-    Sq: int,
-    Sk: int,
+    Sq: int | None = None,
+    Sk: int | None = None,
     device: str | torch.device | None = None,
+    *,
+    Q_LEN: int | None = None,
+    KV_LEN: int | None = None,
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
@@ -624,13 +627,16 @@ def from_mask_mod(
     :func:`from_dense` a chunk of query rows at a time (about 16M elements), so the whole
     ``[H, Sq, Sk]`` never exists at once.  Rows are batch-major (``row = b * Sq + q``).  If every head
     gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` or ``1``
-    means one mask for every head, as in torch; a mask_mod that reads its head index is refused
-    there (torch's flex_attention still calls it with each head's index): pass ``H = Hq`` (the check
-    compares head 1's mask with head 0's; heads past 1 are not evaluated). With ``H = 1`` a mask_mod
-    that fails at head 1 (a per-head table of one entry) is taken as one of a model of one head,
-    which torch never calls with head 1. The positional arguments are
-    ``create_block_mask``'s (``Sq`` and ``Sk`` its ``Q_LEN`` and ``KV_LEN``), ``device`` included;
-    its ``BLOCK_SIZE`` has no counterpart (endpoints are per element), and ``B`` cannot be None.
+    means one mask for every head, as in torch; a mask_mod whose result depends on its head index
+    is refused there (torch's flex_attention still calls it with each head's index): pass ``H = Hq``.
+    The check traces the mask_mod (``make_fx``), so it sees the head index wherever it is read;
+    a mask_mod that cannot be traced (Python control flow on ``b``) is evaluated at head 1 and
+    compared with head 0 instead. With ``H = 1`` a mask_mod that fails at head 1 (a per-head table
+    of one entry) is taken as one of a model of one head, which torch never calls with head 1.
+    The positional arguments are ``create_block_mask``'s, ``device`` included; ``Sq`` and ``Sk``
+    are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
+    with torch's keywords converts as it is. Its ``BLOCK_SIZE`` has no counterpart (endpoints are
+    per element), and ``B`` cannot be None.
     The endpoints do not record ``Sk``: used with more keys than ``Sk``, they hide the keys past it
     (torch refuses a block mask made for another ``KV_LEN``).
     """
@@ -641,6 +647,7 @@ def from_mask_mod(
             "B must be the batch size, not None: endpoints name every query row of the batch "
             "(row = b * Sq + q), so mask_mod is evaluated once per sample"
         )
+    Sq, Sk = _torch_name("Sq", Sq, "Q_LEN", Q_LEN), _torch_name("Sk", Sk, "KV_LEN", KV_LEN)
     B = _as_int("B", B, 1)
     H = None if H is None else _as_int("H", H, 1)
     shared_heads = _SHARED_HEAD_HINTS.get(H)
@@ -656,6 +663,16 @@ def from_mask_mod(
     return _join_samples(parts, H)
 
 
+def _torch_name(name: str, value, torch_name: str, torch_value):
+    """A length given as ``name`` or as torch's ``torch_name``: exactly one of them."""
+    if (value is None) == (torch_value is None):
+        given = "both" if value is not None else "neither"
+        raise InputTypeError(
+            f"from_mask_mod takes {name} or {torch_name} (create_block_mask's name), got {given}"
+        )
+    return torch_value if value is None else value
+
+
 def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None = None) -> torch.Tensor:
     """Endpoints of a torch FlexAttention ``BlockMask`` (what ``create_block_mask`` returns): its
     ``mask_mod`` over its batch, heads and ``seq_lengths``, on its device, as :func:`from_mask_mod`.
@@ -663,8 +680,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     A block mask made with ``B=None`` holds one batch entry; ``batch`` then says how many samples
     the endpoints cover (the mask_mod is evaluated for each). Likewise one made with ``H=None``
     holds one head entry, and its mask_mod gives one mask for every head (``Hmask = 1``), refused
-    where it reads its head index (head 1's mask differs from head 0's, or head 1 fails: torch
-    calls the mask_mod with each head's index; heads past 1 are not evaluated), unless ``heads``
+    where its result depends on its head index (as :func:`from_mask_mod` tells: torch calls the
+    mask_mod with each head's index), unless ``heads``
     says how many q heads to evaluate it for: pass ``heads=Hq`` for such a mask_mod (the result
     keeps ``Hmask = 1`` where the heads agree). Every sample's and head's blocks must hold every
     element its mask_mod makes visible (blocks listed besides are harmless: torch finds nothing
@@ -789,15 +806,23 @@ def _mask_mod_rows(
     """``mask_mod`` of batch sample ``b`` as dense bool ``[H, rows, Sk]`` chunks of consecutive query
     rows, each a multiple of ``align`` rows (the last may be shorter) and, where ``align`` allows,
     at most about ``_CHUNK_ELEMENTS`` elements: the whole ``[H, Sq, Sk]`` never exists at once.
-    ``shared_heads`` (one head standing for every head, ``H = 1``) also evaluates head 1 and
-    refuses a mask_mod that differs there (or fails there, unless ``one_head``: then it is one of a
-    model of one head), the string saying how to give the heads."""
+    ``shared_heads`` (one head standing for every head, ``H = 1``, the string saying how to give the
+    heads) refuses a mask_mod whose result depends on its head index (:func:`_reads_head`), since
+    torch calls it with each head's index. Under ``one_head`` (``H = 1``) such a mask_mod is taken
+    as one of a model of one head where it fails at head 1 (a per-head table of one entry), which
+    torch never calls with head 1; it is evaluated at head 1 to tell. Where the mask_mod cannot
+    be traced, head 1 is evaluated instead and compared with head 0 (heads past 1 unchecked)."""
     H, Sq, Sk = shape
     if Sq == 0 or Sk == 0:  # no element to evaluate (an empty problem)
         yield torch.zeros(shape, dtype=torch.bool, device=dev)
         return
+    traced = _reads_head(mask_mod, dev) if shared_heads else False
+    if traced and not one_head:
+        raise _reads_head_error(shared_heads)
     step = max(1, _row_chunk(H, Sk) // align) * align
-    probe, reads_head = shared_heads, False  # a failure at head 1 in any chunk answers first
+    # head 1 evaluated: where the trace shows the head index read (one_head: does it fail there?),
+    # or could not tell; a failure at head 1 in any chunk answers first
+    probe, reads_head = (shared_heads if traced is not False else None), False
     for r0 in range(0, Sq, step):
         q_idx = torch.arange(r0, min(r0 + step, Sq), device=dev)
         res = _evaluate(mask_mod, b, torch.arange(H, device=dev), q_idx, Sk)
@@ -813,24 +838,54 @@ def _mask_mod_rows(
                     ) from err
                 probe, reads_head = None, False
             else:
-                reads_head |= not torch.equal(res[0], other[0])
+                reads_head |= bool(traced) or not torch.equal(res[0], other[0])
         yield res.to(dev)
     if reads_head:
-        raise InputValueError(
-            "mask_mod reads its head index: head 1's mask differs from head 0's, and torch's "
-            "flex_attention calls it with each head's index, so one mask for all heads would "
-            f"differ from what torch computes; {shared_heads} (for a model of one head, give a "
-            "mask_mod that does not read its head index)"
-        )
+        raise _reads_head_error(shared_heads)
+
+
+def _reads_head_error(shared_heads: str) -> InputValueError:
+    return InputValueError(
+        "mask_mod reads its head index, and torch's flex_attention calls it with each head's index, "
+        f"so one mask for every head could differ from what torch computes; {shared_heads} (the "
+        "endpoints keep one mask where every head's is the same; for a model of one head, H=1 takes "
+        "a mask_mod that fails at head 1, such as a per-head table of one entry)"
+    )
+
+
+def _reads_head(mask_mod, dev: torch.device) -> bool | None:
+    """Whether ``mask_mod``'s result depends on its head index ``h``: traced (``make_fx``) as it is
+    evaluated (:func:`_vmapped`), with the sample index batched too, so that indexing by it traces
+    as indexing rather than reading its value. The answer holds for every sample, head, row and
+    key, since the trace records every operation ``h`` flows through. None where the trace fails
+    (Python control flow on the sample index, say; the caller then compares head 1 with head 0)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # distinct tensors: make_fx gives one tensor passed twice one placeholder
+    b, h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(4))
+    per_sample = torch.vmap(_vmapped(mask_mod), in_dims=(0, None, None, None), out_dims=0)
+    try:
+        graph = make_fx(per_sample)(b, h, q_idx, kv_idx).graph
+    except Exception:  # noqa: BLE001 - untraceable: the evaluation itself names any real error
+        return None
+    graph.eliminate_dead_code()
+    head = [node for node in graph.nodes if node.op == "placeholder"][1]
+    return bool(head.users)
+
+
+def _vmapped(mask_mod):
+    """``mask_mod(b, h, q_idx, kv_idx)`` over 1-d ``h``, ``q_idx`` and ``kv_idx`` (``_VMAP_DIMS``)."""
+    fn = mask_mod
+    for in_dims in _VMAP_DIMS:
+        fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
+    return fn
 
 
 def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: int) -> torch.Tensor:
     """``mask_mod`` at sample ``b``, the head indices ``heads``, the query rows ``q_idx`` and every
     kv_idx: bool ``[len(heads), len(q_idx), Sk]``."""
     dev = heads.device
-    fn = mask_mod
-    for in_dims in _VMAP_DIMS:
-        fn = torch.vmap(fn, in_dims=in_dims, out_dims=0)
+    fn = _vmapped(mask_mod)
     kv_idx = torch.arange(Sk, device=dev)
     try:
         res = fn(torch.tensor(b, device=dev), heads, q_idx, kv_idx)

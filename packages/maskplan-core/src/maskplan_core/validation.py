@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import functools
 import numbers
-import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .errors import InputTypeError, InputValueError, UnsupportedCallError
+from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -129,7 +128,16 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
         raise InputValueError(f"head dims must be >= 1, got q/k {q.shape[-1]}, v {v.shape[-1]}")
     hq, hkv = q.shape[-2], k.shape[-2]
     if hq == 0 or hkv == 0 or hq % hkv:
-        raise InputValueError(f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv})")
+        hint = ""
+        if rank == 4 and k.shape[1] and q.shape[1] % k.shape[1] == 0:  # heads in dim 1: torch's layout
+            hint = (
+                "; q and k look like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] "
+                "(q.transpose(1, 2), and k, v alike)"
+            )
+        raise InputValueError(
+            f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}): q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}{hint}"
+        )
     if rank == 4 and q.shape[0] != k.shape[0]:
         raise InputValueError(f"q and k batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
 
@@ -278,12 +286,10 @@ def validate_plan_inputs(
             )
         raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{hint}")
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
-        warnings.warn(
+        warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "
             "[B, S, H, D]; a [B, H, S, D] tensor shows up as many heads and few positions. If that is "
             "what q, k and v are, pass q.transpose(1, 2) (and k, v alike) and build the mask for S",
-            UserWarning,
-            stacklevel=3,
         )
     return PlanGeometry(
         batch=batch,
