@@ -23,6 +23,7 @@ from maskplan_core import (
     RowMajorLayout,
     SeqlenError,
     Topology,
+    UnsupportedConfigError,
     ViewConfig,
     validate_plan_inputs,
 )
@@ -82,13 +83,13 @@ def varlen_mask(nfunc=3) -> torch.Tensor:
     return torch.tensor(k_len_of_row, dtype=torch.int32).expand(1, nfunc, 16).contiguous()
 
 
-def config(direction: str) -> ViewConfig:
+def config(direction: str, pack_gqa: bool = False) -> ViewConfig:
     layout = RowMajorLayout(8, 32)
     signature = PlanSignature(
         arch_family="reference",
         direction=direction,
         kernel_family="test",
-        topology=Topology(tile_m=8, tile_n=32),
+        topology=Topology(tile_m=8, tile_n=32, pack_gqa=pack_gqa),
         mma_layout="none",
         payload=layout.spec,
         scheduler_layout="test",
@@ -99,6 +100,28 @@ def config(direction: str) -> ViewConfig:
 def plan(mask_func, q, k, v, **kw):
     geometry = validate_plan_inputs(mask_func, q, k, v, **kw)
     return build_plan(mask_func, geometry, config("forward"), config("backward"), "test")
+
+
+def test_a_planner_refuses_a_mask_its_geometry_was_not_validated_from():
+    """The planner's own check (a library author calls build_plan with a geometry and views):
+    another mask's shape, dtype or layout than the geometry's, and PackGQA with a mask per head
+    (its work queue has one task per kv head), are refused by name before anything is built."""
+    q, k, v = fixed_qkv()
+    mask = causal()
+    geometry = validate_plan_inputs(mask, q, k, v)
+    fwd = config("forward")
+    for other in (causal(nfunc=3), causal(hmask=HQ), mask.to(torch.int64), mask[:, :, : B * SQ - 1]):
+        with expect(InputValueError, ValueError, "mask_func", "[Hmask, nfunc, total_q] = [1, 1, 48]"):
+            build_plan(other, geometry, fwd, None, "test")
+    with expect(InputValueError, ValueError, "contiguous"):
+        build_plan(torch.cat([mask, mask], 2)[:, :, ::2], geometry, fwd, None, "test")
+    with expect(InputTypeError, TypeError, "mask_func", "list"):
+        build_plan(mask.tolist(), geometry, fwd, None, "test")
+    per_head = causal(hmask=HQ)
+    packed = config("forward", pack_gqa=True)
+    with pytest.raises(UnsupportedConfigError, match="Hmask=4, PackGQA needs Hmask=1"):
+        build_plan(per_head, validate_plan_inputs(per_head, q, k, v), packed, None, "test")
+    assert build_plan(mask, geometry, packed, None, "test").view("forward").fwd_work_desc.shape[0] > 0
 
 
 def test_valid_inputs_pass():

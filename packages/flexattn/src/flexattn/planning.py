@@ -25,48 +25,20 @@ from .registry import arch_family, consumer_for
 
 log = logging.getLogger("flexattn")
 
-_DTYPE_NAMES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
-
 
 def resolve_views(g: PlanGeometry, family: str, cc, pack_gqa, build_backward: bool):
     """``(consumer, forward view, backward view or None)`` for this problem; memoised, since every
     plan build of a training step asks the same question (a refused request raises every time)."""
-    return _resolve_views(
-        family,
-        None if cc is None else tuple(cc),
-        pack_gqa,
-        build_backward,
-        (g.head_dim_qk, g.head_dim_v, g.num_heads_q, g.num_heads_kv, g.mask_heads, g.dtype, g.varlen),
-    )
+    cc = None if cc is None else tuple(cc)
+    request = ViewRequest.for_geometry(g, "forward", family, compute_capability=cc, pack_gqa=pack_gqa)
+    return _resolve_views(request, build_backward)
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve_views(family: str, cc, pack_gqa, build_backward: bool, problem: tuple):
-    head_dim_qk, head_dim_v, num_heads_q, num_heads_kv, mask_heads, dtype, varlen = problem
-    consumer = consumer_for(family)
-
-    def request(direction: str) -> ViewRequest:
-        return ViewRequest(
-            arch_family=family,
-            compute_capability=cc,
-            direction=direction,
-            head_dim_qk=head_dim_qk,
-            head_dim_v=head_dim_v,
-            num_heads_q=num_heads_q,
-            num_heads_kv=num_heads_kv,
-            mask_heads=mask_heads,
-            pack_gqa=pack_gqa,
-            dtype=_DTYPE_NAMES[dtype],
-            varlen=varlen,
-        )
-
-    fwd: ViewConfig = consumer.resolve(request("forward"))
-    bwd = consumer.resolve(request("backward")) if build_backward else None
+def _resolve_views(request: ViewRequest, build_backward: bool):
+    consumer = consumer_for(request.arch_family)
+    fwd: ViewConfig = consumer.resolve(request)
+    bwd = consumer.resolve(request.model_copy(update={"direction": "backward"})) if build_backward else None
     return consumer, fwd, bwd
 
 

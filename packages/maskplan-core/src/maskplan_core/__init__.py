@@ -8,6 +8,8 @@ from .consumer import (
     ENTRY_POINT_GROUP,
     AttentionOutputs,
     Consumer,
+    KernelConfig,
+    KernelConsumer,
     ViewConfig,
     ViewRequest,
     require_view_signature,
@@ -26,8 +28,8 @@ from .errors import (
     UnsupportedConfigError,
 )
 from .geometry import PlanGeometry
-from .payload import PayloadLayout, RowMajorLayout
-from .plan import MaskPlan, PlanMetadata, PlanView
+from .payload import PayloadLayout, RowMajorLayout, fragment_inverse
+from .plan import BlockEntries, MaskPlan, PlanMetadata, PlanView
 from .schema import ABI_VERSION, HEADER_FIELDS, PayloadLayoutSpec, PlanSignature, SignatureDiff, Topology
 from .validation import validate_plan_inputs
 
@@ -38,12 +40,15 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "HEADER_FIELDS",
     "AttentionOutputs",
+    "BlockEntries",
     "Consumer",
     "ConsumerNotFoundError",
     "EndpointError",
     "FlexAttnError",
     "InputTypeError",
     "InputValueError",
+    "KernelConfig",
+    "KernelConsumer",
     "MaskPlan",
     "MissingBackwardViewError",
     "PayloadLayout",
@@ -62,6 +67,7 @@ __all__ = [
     "UnsupportedConfigError",
     "ViewConfig",
     "ViewRequest",
+    "fragment_inverse",
     "masks",
     "require_view_signature",
     "validate_plan_inputs",

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import InputValueError, PlanSignatureMismatch, UnsupportedConfigError
+from .errors import InputTypeError, InputValueError, PlanSignatureMismatch, UnsupportedConfigError
 from .payload import PayloadLayout
 from .schema import Direction, PlanSignature, Topology
 
 if TYPE_CHECKING:
+    from .geometry import PlanGeometry
     from .plan import MaskPlan, PlanView
 
 ENTRY_POINT_GROUP = "maskplan.consumers"
@@ -46,6 +47,21 @@ class ViewRequest(BaseModel):
     pack_gqa: bool | None = None
     dtype: Literal["float16", "bfloat16", "float32", "float64"]
     varlen: bool
+
+    @classmethod
+    def for_geometry(
+        cls, g: PlanGeometry, direction: Direction, arch_family: str, *,
+        compute_capability: tuple[int, int] | None = None, pack_gqa: bool | None = None,
+    ) -> ViewRequest:  # fmt: skip
+        """The request the facade makes for the problem ``g`` (from :func:`validate_plan_inputs`).
+        ``pack_gqa`` is the caller's choice, not part of the geometry (a built view keeps it, as
+        ``view.signature.topology.pack_gqa``)."""
+        return cls(
+            arch_family=arch_family, compute_capability=compute_capability, direction=direction,
+            head_dim_qk=g.head_dim_qk, head_dim_v=g.head_dim_v, num_heads_q=g.num_heads_q,
+            num_heads_kv=g.num_heads_kv, mask_heads=g.mask_heads, pack_gqa=pack_gqa,
+            dtype=str(g.dtype).removeprefix("torch."), varlen=g.varlen,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -311,13 +327,37 @@ def require_pack_gqa_ratio(qhead_per_kvhead: int, tile_m: int) -> None:
         )
 
 
-def require_shared_mask_for_pack_gqa(request: ViewRequest) -> None:
+def require_shared_mask_for_pack_gqa(request: ViewRequest | PlanGeometry) -> None:
     """PackGQA puts the q heads of a kv head in one tile's rows, so they must share the mask."""
     if request.mask_heads != 1:
         raise UnsupportedConfigError(
             f"pack_gqa=True packs the q heads of a kv head into one tile, so they must share "
             f"the mask: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1"
         )
+
+
+def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -> None:
+    """What every planner (the reference one, a GPU one) checks before building: ``mask_func`` is
+    the contiguous int32 ``[Hmask, nfunc, total_q]`` tensor ``geometry`` was validated from (a
+    geometry of another mask would plan other rows, heads or intervals than it holds), on its
+    device, and a PackGQA forward view has one mask for every head (its work queue has one task
+    per kv head)."""
+    if not isinstance(mask_func, torch.Tensor):
+        raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
+    g = geometry
+    expected = (g.mask_heads, g.nfunc, g.total_q)
+    device_type, index = g.device.type, g.device.index
+    same_device = mask_func.device.type == device_type and index in (None, mask_func.device.index)
+    if mask_func.dtype != torch.int32 or tuple(mask_func.shape) != expected or not same_device:
+        raise InputValueError(
+            f"mask_func ({mask_func.dtype} {tuple(mask_func.shape)} on {mask_func.device}) is not the "
+            f"int32 [Hmask, nfunc, total_q] = {list(expected)} tensor on {g.device} that the geometry "
+            "was validated from (validate_plan_inputs(mask_func, q, k, v, ...))"
+        )
+    if not mask_func.is_contiguous():
+        raise InputValueError("mask_func must be contiguous (call .contiguous())")
+    if forward.signature.topology.pack_gqa:
+        require_shared_mask_for_pack_gqa(g)
 
 
 # -- view -> kernel config (the check every kernel launcher runs first) ----------------------------

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from maskplan_core.consumer import ViewConfig
+from maskplan_core.consumer import ViewConfig, check_build_inputs
 from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 from maskplan_core.plan_ready import mark_ready
 
-from ._cute_args import advance, cuda_index, int32_address, torch_stream
+from ._cute_args import advance, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
 from ._sections import ScheduleParams
 from ._tile_packer import ROW_PARTS, MaterializeConfig
@@ -308,7 +308,7 @@ def build_plan_gpu(
     :class:`~maskplan_kernels._launch.CudaEventTimer`).
     """
     timer = stage_timer or no_timer
-    _check_inputs(mask_func, geometry, forward, backward)
+    _check_inputs(mask_func, geometry, forward)
     build = prepare(mask_func, geometry, forward, backward)
     with timer("geometry"):
         stage_geometry(build)
@@ -342,31 +342,12 @@ def read_header(header: torch.Tensor) -> list[int]:
     return header.tolist()
 
 
-def _check_inputs(
-    mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None
-) -> None:
+def _check_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -> None:
     if not isinstance(mask_func, torch.Tensor) or not mask_func.is_cuda:
         raise TypeError(
             "build_plan_gpu needs a CUDA mask_func; CPU tensors use maskplan_core.reference.build_plan"
         )
-    if mask_func.dtype != torch.int32 or mask_func.dim() != 3 or not mask_func.is_contiguous():
-        raise TypeError(
-            f"mask_func must be a contiguous int32 [Hmask, nfunc, total_q] tensor, got "
-            f"{mask_func.dtype} {tuple(mask_func.shape)}"
-        )
-    device = geometry.device
-    same_device = device.type == "cuda" and mask_func.device.index == cuda_index(device)
-    if not same_device or mask_func.shape[2] != geometry.total_q:
-        raise ValueError(
-            f"mask_func {tuple(mask_func.shape)} on {mask_func.device} does not match the geometry "
-            f"({geometry.describe()})"
-        )
-    for cfg in (forward, backward):
-        if cfg is None:
-            continue
-        layout = cfg.layout
-        if (layout.tile_m, layout.tile_n) != (cfg.tile_m, cfg.tile_n):
-            raise ValueError(f"{layout!r} does not match the view tile {cfg.tile_m}x{cfg.tile_n}")
+    check_build_inputs(mask_func, geometry, forward)
 
 
 def prepare(mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None) -> PlanBuild:

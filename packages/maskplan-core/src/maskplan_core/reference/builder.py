@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..consumer import ViewConfig
+from ..consumer import ViewConfig, check_build_inputs
 from ..error_flags import raise_for_error_flags
 from ..geometry import PlanGeometry
 from ..plan import MaskPlan, PlanView
@@ -28,6 +28,7 @@ def build_plan(
     consumer: str,
 ) -> MaskPlan:
     """Build every view of a plan with the reference stages (runs on CPU and CUDA tensors)."""
+    check_build_inputs(mask_func, geometry, forward)
     flags = geometry_error_flags(geometry)
     raise_for_error_flags(flags, mask_func, geometry)  # a bad prefix makes every later stage meaningless
     fwd_geom = block_geometry(geometry, forward.tile_m, forward.tile_n)
