@@ -26,20 +26,29 @@ from .registry import arch_family, consumer_for
 log = logging.getLogger("flexattn")
 
 
+#: resolve_views' answers by problem (a refused request is not kept: it raises every time), keyed by
+#: plain values: a ViewRequest model costs a few microseconds to make, on every plan build and call
+_RESOLVED: dict[tuple, tuple] = {}
+_RESOLVED_MAX = 256
+
+
 def resolve_views(g: PlanGeometry, family: str, cc, pack_gqa, build_backward: bool):
     """``(consumer, forward view, backward view or None)`` for this problem; memoised, since every
-    plan build of a training step asks the same question (a refused request raises every time)."""
+    plan build of a training step asks the same question."""
     cc = None if cc is None else tuple(cc)
-    request = ViewRequest.for_geometry(g, "forward", family, compute_capability=cc, pack_gqa=pack_gqa)
-    return _resolve_views(request, build_backward)
-
-
-@functools.lru_cache(maxsize=256)
-def _resolve_views(request: ViewRequest, build_backward: bool):
-    consumer = consumer_for(request.arch_family)
-    fwd: ViewConfig = consumer.resolve(request)
-    bwd = consumer.resolve(request.model_copy(update={"direction": "backward"})) if build_backward else None
-    return consumer, fwd, bwd
+    problem = (g.head_dim_qk, g.head_dim_v, g.num_heads_q, g.num_heads_kv, g.mask_heads, g.dtype, g.varlen)
+    key = (family, cc, pack_gqa, build_backward, *problem)
+    views = _RESOLVED.get(key)
+    if views is None:
+        consumer = consumer_for(family)
+        request = ViewRequest.for_geometry(g, "forward", family, compute_capability=cc, pack_gqa=pack_gqa)
+        fwd: ViewConfig = consumer.resolve(request)
+        backward = request.model_copy(update={"direction": "backward"})
+        bwd = consumer.resolve(backward) if build_backward else None
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        views = _RESOLVED[key] = (consumer, fwd, bwd)
+    return views
 
 
 def create_mask_plan(
