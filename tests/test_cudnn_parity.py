@@ -3,8 +3,9 @@ signatures, and on an SM90 GPU the same calls, run through each library, both gi
 the kernels' tolerance of the fp32 CPU reference (flexattn's CPU path, the oracle of the GPU tests),
 in tensors of the same shapes, strides and dtypes.
 
-Runs where cuDNN's frontend (``nvidia-cudnn-frontend``) imports; CI has none and skips the file.
-On the GPU machine the peers' bundle (``gpu-bundle --peers``) installs it.
+Runs where cuDNN's frontend (``nvidia-cudnn-frontend``) imports: CI's integration session installs
+it (without its CUDA dependencies) for the name and signature checks, which need no GPU; on the GPU
+machine the peers' bundle (``gpu-bundle --peers``) installs it.
 """
 
 from __future__ import annotations

@@ -374,7 +374,9 @@ class PlanMetadata(dict):
 class MaskPlan:
     """Opaque, read-only owner of a mask's plan views and the geometry they are bound to.
 
-    Build with ``flexattn.create_mask_plan``. Q/K/V identity is not bound: new tensors of the
+    Build with ``flexattn.create_mask_plan``, or with maskplan-core alone through a consumer's
+    :meth:`~maskplan_core.Consumer.build_plan` (the views its ``resolve`` gives; the package README
+    shows one). Q/K/V identity is not bound: new tensors of the
     same geometry, dtype and device reuse the plan. :attr:`handle` is a process-unique int that
     names the plan where only plain values may travel (``torch.library`` custom ops).
     """
