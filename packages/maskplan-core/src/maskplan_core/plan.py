@@ -64,7 +64,8 @@ from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
 from .validation import head_dim_contiguous, require_int, require_strided, write_count
 
-_ENTRY_CHUNK = 4096
+#: tile elements ``to_dense`` decodes at a time (each set one becomes three int64 indices)
+_DENSE_CHUNK_ELEMENTS = 1 << 22
 VIEW_TENSORS = (
     "mask_block_cnt",
     "mask_block_offset",
@@ -242,8 +243,9 @@ class PlanView:
         desc = self.sequence_desc().to(torch.int64)
         t = torch.arange(tm, device=dense.device)
         u = torch.arange(tn, device=dense.device)
-        for c in range(0, e.head.numel(), _ENTRY_CHUNK):
-            sl = slice(c, c + _ENTRY_CHUNK)
+        step = max(1, _DENSE_CHUNK_ELEMENTS // (tm * tn))
+        for c in range(0, e.head.numel(), step):
+            sl = slice(c, c + step)
             b = e.batch[sl]
             q_local = e.q_block[sl, None] * tm + t
             k_local = e.k_block[sl, None] * tn + u

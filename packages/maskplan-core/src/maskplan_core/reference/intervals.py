@@ -76,7 +76,8 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
     n, total_q = head.numel(), mask_func.shape[2]
     tm, tn = geom.tile_m, geom.tile_n
     out = torch.empty(n, tm, tn, dtype=torch.bool, device=head.device)
-    step = max(1, CHUNK_ELEMENTS // (tm * tn))
+    # per tile: tm * nfunc endpoints and their int64 mark positions, tm * (tn + 1) marks and counts
+    step = max(1, CHUNK_ELEMENTS // (tm * (tn + 1 + 2 * mask_func.shape[1])))
     one = torch.ones(1, dtype=torch.uint8, device=head.device)
     for c in range(0, n, step):
         sl = slice(c, c + step)
