@@ -201,3 +201,22 @@ def test_fake_ptr_bounds():
         p.view(4)
     (p + 1).view(2)[:] = 7
     assert t.tolist() == [[0, 0, 0], [0, 7, 7]]
+
+
+def test_endpoints_past_the_materialisers_budget_are_left_to_the_reference_planner():
+    """``unserved`` names the views whose tiles' endpoints the materialisers cannot hold (128-row
+    tiles: nfunc above 73; 64-row ones: above 153), so Consumer.build_plan plans those masks with
+    the reference planner on the GPU instead of launching kernels that do not fit."""
+    from maskplan_core.payload import RowMajorLayout
+    from maskplan_kernels.builder import max_nfunc, unserved
+
+    fwd = view_config(RowMajorLayout(128, 128), "forward")
+    bwd = view_config(RowMajorLayout(64, 128), "backward")
+    assert (max_nfunc(fwd, "k"), max_nfunc(bwd, "q")) == (73, 153)
+    for nfunc, why in ((73, None), (75, "at most 73 endpoints per row on 128 x 128 forward tiles")):
+        g = make_geometry([300], [300], nfunc=nfunc)
+        expected = why and f"the planner kernels take {why}, the mask has nfunc={nfunc}"
+        assert unserved(g, fwd, bwd) == expected
+    narrow = view_config(RowMajorLayout(32, 128), "forward")  # its 32-row tiles take more
+    refusal = unserved(make_geometry([300], [300], nfunc=155), narrow, bwd)
+    assert "at most 153 endpoints per row on 64 x 128 backward tiles" in refusal

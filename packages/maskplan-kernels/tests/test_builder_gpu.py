@@ -484,3 +484,24 @@ def test_stage_timer_records_every_stage():
         "materialize_k2q",
     }
     assert all(t >= 0 for t in times.values())
+
+
+def test_endpoints_past_the_kernels_budget_are_planned_by_the_reference_planner():
+    """nfunc = 75 on SM90's D=64 views (128-row tiles hold at most 73 endpoints a row in the
+    materialisers' shared memory): the consumer says so and the reference planner builds the plan
+    on the GPU, the plan the planner kernels would have built."""
+    consumer_mod = pytest.importorskip("flexattn_sm90.consumer")
+    from maskplan_core.consumer import ViewRequest
+
+    lens = [1000, 300]
+    g = make_geometry(lens, lens, hq=4, hkv=2, hmask=1, nfunc=75, device=DEVICE)
+    mask = make_mask(lens, lens, 1, 75, seed=2, device=DEVICE)
+    consumer = consumer_mod.Sm90Consumer()
+    fwd, bwd = (
+        consumer.resolve(ViewRequest.for_geometry(g, d, "sm90", compute_capability=(9, 0)))
+        for d in ("forward", "backward")
+    )
+    said = "at most 73 endpoints per row .* reference planner builds this plan"
+    with pytest.warns(UserWarning, match=said):
+        got = consumer.build_plan(mask, g, fwd, bwd)
+    assert_plans_equal(build_plan(mask, g, fwd, bwd, consumer.name), got)

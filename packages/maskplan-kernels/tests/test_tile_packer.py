@@ -10,7 +10,12 @@ import pytest
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from maskplan_kernels._primitives import WARP  # noqa: E402
-from maskplan_kernels._tile_packer import SLOT_SMEM_BYTES, MaterializeConfig, TilePacker  # noqa: E402
+from maskplan_kernels._tile_packer import (  # noqa: E402
+    SLOT_SMEM_BYTES,
+    MaterializeConfig,
+    TilePacker,
+    packer_slots,
+)
 
 CONFIGS = [
     MaterializeConfig(tile_m=128, tile_n=128, nfunc=1, words_per_tile=512),  # SM90 fwd
@@ -19,7 +24,7 @@ CONFIGS = [
     MaterializeConfig(tile_m=128, tile_n=80, nfunc=9, words_per_tile=384),  # blocks not dividing warps
     MaterializeConfig(tile_m=256, tile_n=128, nfunc=5, words_per_tile=1024),  # SM100 qstage2 plan block
     MaterializeConfig(tile_m=16, tile_n=32, nfunc=3, words_per_tile=16, num_warps=4),
-    MaterializeConfig(tile_m=64, tile_n=128, nfunc=401, words_per_tile=256),  # long endpoint rows
+    MaterializeConfig(tile_m=64, tile_n=128, nfunc=151, words_per_tile=256),  # long endpoint rows
 ]
 
 
@@ -58,8 +63,24 @@ def test_pass_shared_memory_within_budget(config, listed):
     ends = 4 * config.nfunc * config.tile_m * p.end_slots
     bitmaps = 4 * p.bitmap_words * p.slots
     assert p.end_slots == (p.slots if listed == "q" else 1)
-    if p.slots > 1:  # one slot is the floor, whatever nfunc asks for
-        assert ends + bitmaps <= SLOT_SMEM_BYTES
+    assert ends + bitmaps <= SLOT_SMEM_BYTES
+
+
+@pytest.mark.parametrize("listed", ["q", "k"])
+@pytest.mark.parametrize("tile_m", [128, 64])
+def test_endpoints_past_the_budget_are_refused(tile_m, listed):
+    """The largest nfunc whose one tile fits the budget packs; two more endpoints per row are
+    refused by name (the builder then leaves the plan to the reference planner)."""
+
+    def config(nfunc):
+        return MaterializeConfig(tile_m=tile_m, tile_n=128, nfunc=nfunc, words_per_tile=4 * tile_m)
+
+    largest = max(n for n in range(1, 400, 2) if packer_slots(config(n), listed) > 0)
+    assert TilePacker(config(largest), listed).slots >= 1
+    assert packer_slots(config(largest + 2), listed) == 0
+    with pytest.raises(ValueError, match=f"nfunc={largest + 2} endpoints of a {tile_m}-row tile"):
+        TilePacker(config(largest + 2), listed)
+    assert largest == {128: 73, 64: 153}[tile_m]
 
 
 def test_listed_must_name_a_block_axis():

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import InputTypeError, InputValueError, PlanSignatureMismatch, UnsupportedConfigError
+from .errors import (
+    InputTypeError,
+    InputValueError,
+    PlanSignatureMismatch,
+    UnsupportedConfigError,
+    warn_caller,
+)
 from .payload import PayloadLayout
 from .schema import Direction, PlanSignature, Topology
 
@@ -120,17 +126,26 @@ class Consumer(ABC):
 
     #: the module whose ``build_plan_gpu`` (the reference ``build_plan``'s arguments) plans CUDA
     #: endpoints for this consumer, imported on first use (e.g. ``"maskplan_kernels"``, whose kernels
-    #: are architecture-neutral); None: the reference planner on every device
+    #: are architecture-neutral), and whose optional ``unserved(geometry, forward, backward)`` says
+    #: why its kernels do not build a plan (None where they do); None: the reference planner on
+    #: every device
     gpu_planner: ClassVar[str | None] = None
 
     def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None) -> MaskPlan:
         """Plan with this consumer's views: CUDA endpoints with :attr:`gpu_planner`'s kernels where
-        the consumer names one, else the reference planner (any device), which builds the same
+        the consumer names one and they build the plan, else the reference planner (any device;
+        where the kernels do not, on the GPU with a warning saying why), which builds the same
         tensors."""
         if self.gpu_planner is not None and mask_func.device.type == "cuda":
             planner = importlib.import_module(self.gpu_planner)
-            with on_device(mask_func.device):
-                return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
+            unserved = getattr(planner, "unserved", lambda *views: None)(geometry, forward, backward)
+            if unserved is None:
+                with on_device(mask_func.device):
+                    return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
+            warn_caller(
+                f"{unserved}: the reference planner builds this plan on {mask_func.device} (the same "
+                "tensors as the planner kernels', in a slower build)"
+            )
         from .reference.builder import build_plan
 
         return build_plan(mask_func, geometry, forward, backward, self.name)

@@ -102,6 +102,18 @@ ROW_PARTS = 2
 SLOT_SMEM_BYTES = 40 * 1024
 
 
+def packer_slots(config: MaterializeConfig, listed: str) -> int:
+    """Tiles a pass of :class:`TilePacker` packs: at most one row per thread (one load round trip;
+    one tile at least), with every tile's endpoints and bitmap within ``SLOT_SMEM_BYTES``; 0 where
+    one tile's do not fit (``nfunc`` past about ``SLOT_SMEM_BYTES / (4 tile_m)``): the planner
+    kernels do not build such a plan (:func:`maskplan_kernels.builder.unserved`)."""
+    row_bytes = 4 * config.nfunc * config.tile_m
+    per_slot = 4 * bitmap_words(config.tile_m, config.tile_n) + (row_bytes if listed == "q" else 0)
+    fixed = row_bytes if listed == "k" else 0  # a Q2K pass's tiles share their rows' endpoints
+    by_threads = max(1, config.num_threads // config.tile_m)  # more rows than threads: several loads
+    return max(0, min(by_threads, (SLOT_SMEM_BYTES - fixed) // per_slot))
+
+
 class TilePacker:
     """Constexpr tile geometry + the three device steps of the module docstring.
 
@@ -133,11 +145,12 @@ class TilePacker:
         blocks = -(-self.words_per_tile // WARP)
         self.block_warps = min(blocks, self.num_warps)
         self.slot_phases = self.num_warps // self.block_warps
-        # tiles per pass: at most one row per thread (one load round trip), within the SMEM budget
-        row_bytes = 4 * self.nfunc * self.tile_m
-        per_slot = 4 * self.bitmap_words + (row_bytes if listed == "q" else 0)
-        fixed = row_bytes if listed == "k" else 0
-        self.slots = max(1, min(self.num_threads // self.tile_m, (SLOT_SMEM_BYTES - fixed) // per_slot))
+        self.slots = packer_slots(config, listed)
+        if self.slots == 0:
+            raise ValueError(
+                f"nfunc={config.nfunc} endpoints of a {config.tile_m}-row tile do not fit the packer's "
+                f"{SLOT_SMEM_BYTES} bytes of shared memory"
+            )
         self.end_slots = self.slots if listed == "q" else 1
 
     def host_views(

@@ -40,7 +40,7 @@ from maskplan_core.plan_ready import mark_ready
 from ._cute_args import advance, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
 from ._sections import ScheduleParams
-from ._tile_packer import ROW_PARTS, MaterializeConfig
+from ._tile_packer import ROW_PARTS, MaterializeConfig, packer_slots
 from .classify import ClassifyConfig, compile_classify
 from .geometry import (
     DESC_COLS,
@@ -233,6 +233,29 @@ def _classify_stage(view: ViewConfig, nfunc: int):
 
 def _materialize_config(view: ViewConfig, nfunc: int) -> MaterializeConfig:
     return MaterializeConfig(view.tile_m, view.tile_n, nfunc, view.layout.words_per_tile)
+
+
+def unserved(geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None) -> str | None:
+    """Why the planner kernels do not build this plan, or None where they do: a view whose tiles'
+    endpoints do not fit the materialiser's shared memory (:func:`~._tile_packer.packer_slots`; at
+    SM90's 128-row tiles, nfunc above 73). The consumer then plans with the reference planner on
+    the same device, which builds the same tensors (``Consumer.build_plan``)."""
+    for view, listed in ((forward, "k"), (backward, "q")):
+        if view is not None and packer_slots(_materialize_config(view, geometry.nfunc), listed) == 0:
+            return (
+                f"the planner kernels take at most {max_nfunc(view, listed)} endpoints per row on "
+                f"{view.tile_m} x {view.tile_n} {view.signature.direction} tiles, the mask has "
+                f"nfunc={geometry.nfunc}"
+            )
+    return None
+
+
+def max_nfunc(view: ViewConfig, listed: str) -> int:
+    """The largest (odd) nfunc whose endpoints fit the materialiser of ``view``'s tiles."""
+    nfunc = 1
+    while packer_slots(_materialize_config(view, nfunc + 2), listed) > 0:
+        nfunc += 2
+    return nfunc
 
 
 _PROGRAMS: OrderedDict = OrderedDict()
