@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import itertools
+import re
 
 import pytest
 import torch
@@ -545,10 +546,16 @@ def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
     def table_per_head(b, h, q, kv):
         return (q >= kv) & (q - kv < window[h])
 
-    one_head_hint = "reads its head index.*H=1 takes a mask_mod that fails at head 1"
-    with pytest.raises(InputValueError, match=one_head_hint):
+    one_head_hint = r"reads its head index.*a model of one head, give it head 0: (lambda .*)$"
+    with pytest.raises(InputValueError, match=one_head_hint) as refused:
         masks.from_mask_mod(table_per_head, 1, None, 64, 64)
     assert masks.from_mask_mod(table_per_head, 1, 1, 64, 64).shape[0] == 1
+    # the hint's rewrite runs where a mask_mod that reads its head index is refused for one head
+    rewrite = re.search(one_head_hint, str(refused.value)).group(1)
+    head_zero = eval(rewrite, {"torch": torch, "mask_mod": window_per_head})
+    assert torch.equal(
+        masks.from_mask_mod(head_zero, 1, 1, 64, 64), masks.from_mask_mod(window_per_head, 1, 2, 64, 64)[:1]
+    )
 
 
 def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index():
@@ -928,3 +935,20 @@ def test_module_docstring_examples():
     result = doctest.testmod(masks, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_builders_on_the_meta_device():
+    """Builders that compute endpoints from lengths alone build them on the meta device (shapes
+    only, e.g. to size a plan); those that read a dense mask's or a mask_mod's values name why
+    they cannot."""
+    meta = torch.device("meta")
+    for ep, on_cpu in (
+        (masks.document([3, 5], device=meta), masks.document([3, 5])),
+        (masks.causal(8, device=meta), masks.causal(8)),
+        (masks.sliding_window(8, window_left=2, device=meta), masks.sliding_window(8, window_left=2)),
+    ):
+        assert ep.device == meta and ep.shape == on_cpu.shape and ep.dtype == torch.int32
+    with pytest.raises(InputValueError, match="from_dense reads the endpoints from values.*meta"):
+        masks.from_dense(torch.ones(1, 4, 4, dtype=torch.bool, device=meta))
+    with pytest.raises(InputValueError, match="from_mask_mod reads the endpoints from values.*meta"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, None, 4, 4, "meta")

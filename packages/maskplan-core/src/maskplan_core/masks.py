@@ -140,6 +140,16 @@ def _as_device(device: object) -> torch.device:
     return device
 
 
+def _require_values(builder: str, device: torch.device) -> None:
+    """Builders that read values (a dense mask's runs, a mask_mod's results) need a device that
+    holds them: a meta tensor has shapes only."""
+    if device.type == "meta":
+        raise InputValueError(
+            f"{builder} reads the endpoints from values, which the meta device does not hold: "
+            "build them on 'cpu' or 'cuda'"
+        )
+
+
 def _int_list(name: str, value: object) -> list[int]:
     """Validate a 1-D sequence (list/tuple/1-D integer tensor) of ints."""
     if isinstance(value, torch.Tensor):
@@ -323,7 +333,9 @@ def document(
     seqs = _parse_doc_lens(doc_lens)
     # the index of each token's document (an empty document gets no token), one row per sample
     ids = torch.stack([
-        torch.repeat_interleave(torch.arange(len(seq), device=dev), torch.tensor(seq, device=dev))
+        torch.repeat_interleave(
+            torch.arange(len(seq), device=dev), torch.tensor(seq, device=dev), output_size=sum(seq)
+        )  # output_size: the meta device has no values to sum
         for seq in seqs
     ])  # fmt: skip
     return document_ids(ids, causal=causal, window_left=window_left)
@@ -555,6 +567,7 @@ def from_dense(
         raise InputTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise InputTypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+    _require_values("from_dense", mask.device)
     sdpa = mask.dim() == 4 and cu_seqlens_q is None  # SDPA's [B, H, Sq, Sk]
     if mask.dim() != 3 and not sdpa:
         raise InputValueError(
@@ -655,6 +668,7 @@ def from_mask_mod(
     H = H or 1
     shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)
+    _require_values("from_mask_mod", dev)
     parts = []
     for b in range(B):
         sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
@@ -848,8 +862,8 @@ def _reads_head_error(shared_heads: str) -> InputValueError:
     return InputValueError(
         "mask_mod reads its head index, and torch's flex_attention calls it with each head's index, "
         f"so one mask for every head could differ from what torch computes; {shared_heads} (the "
-        "endpoints keep one mask where every head's is the same; for a model of one head, H=1 takes "
-        "a mask_mod that fails at head 1, such as a per-head table of one entry)"
+        "endpoints keep one mask where every head's is the same). For a model of one head, give it "
+        "head 0: lambda b, h, q, kv: mask_mod(b, torch.tensor(0, device=q.device), q, kv)"
     )
 
 
