@@ -572,7 +572,15 @@ class MaskPlan:
                     f"({g.describe()})"
                 )
             if t.dtype != g.dtype:
-                raise PlanBindingError(f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}")
+                autocast = ""
+                if torch.is_autocast_enabled(t.device.type):  # activations come out of autocast's casts
+                    autocast = (
+                        f" (torch.autocast is on: build the plan from q, k, v of the dtype that reaches "
+                        f"attention, {t.dtype}; only their shapes, dtype and device are read)"
+                    )
+                raise PlanBindingError(
+                    f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}{autocast}"
+                )
             if t.device != g.device:
                 raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
             if not head_dim_contiguous(t):
