@@ -241,7 +241,7 @@ def unserved(geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig |
     SM90's 128-row tiles, nfunc above 73). The consumer then plans with the reference planner on
     the same device, which builds the same tensors (``Consumer.build_plan``)."""
     for view, listed in ((forward, "k"), (backward, "q")):
-        if view is not None and packer_slots(_materialize_config(view, geometry.nfunc), listed) == 0:
+        if view is not None and geometry.nfunc > max_nfunc(view, listed):
             return (
                 f"the planner kernels take at most {max_nfunc(view, listed)} endpoints per row on "
                 f"{view.tile_m} x {view.tile_n} {view.signature.direction} tiles, the mask has "
@@ -250,12 +250,22 @@ def unserved(geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig |
     return None
 
 
+#: max_nfunc's answers by (view id, listed), with the view (kept alive, so its id names it): every
+#: GPU plan build asks
+_MAX_NFUNC: dict[tuple[int, str], tuple[ViewConfig, int]] = {}
+
+
 def max_nfunc(view: ViewConfig, listed: str) -> int:
     """The largest (odd) nfunc whose endpoints fit the materialiser of ``view``'s tiles."""
-    nfunc = 1
-    while packer_slots(_materialize_config(view, nfunc + 2), listed) > 0:
-        nfunc += 2
-    return nfunc
+    known = _MAX_NFUNC.get((id(view), listed))
+    if known is None or known[0] is not view:
+        nfunc = 1
+        while packer_slots(_materialize_config(view, nfunc + 2), listed) > 0:
+            nfunc += 2
+        if len(_MAX_NFUNC) >= PROGRAM_CACHE_SIZE:
+            _MAX_NFUNC.clear()
+        known = _MAX_NFUNC[(id(view), listed)] = (view, nfunc)
+    return known[1]
 
 
 _PROGRAMS: OrderedDict = OrderedDict()
