@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import itertools
 import re
+import threading
 
 import pytest
 import torch
@@ -587,13 +588,44 @@ def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index():
         masks.from_mask_mod(same_for_every_head, 1, None, 64, 64)
     assert torch.equal(masks.from_mask_mod(same_for_every_head, 1, 4, 64, 64), masks.causal(64))
 
-    def branches_on_sample(b, h, q, kv):  # Python `if` on the sample index: no trace
+    def branches_on_sample(b, h, q, kv):  # Python `if` on the sample index: not followed
         return (kv <= q + h) if b > 0 else (kv <= q + 2 * h)
 
     assert masks._reads_head(branches_on_sample, torch.device("cpu")) is None
     with pytest.raises(InputValueError, match="reads its head index"):  # head 1 differs from head 0
         masks.from_mask_mod(branches_on_sample, 2, None, 64, 64)
     assert not masks._reads_head(lambda b, h, q, kv: kv <= q, torch.device("cpu"))
+    one_entry = torch.tensor([6])  # not followed, and it fails at head 1: the refusal says so
+
+    def window_of_one_head(b, h, q, kv):
+        return (kv <= q) & (q - kv < one_entry[h]) if b >= 0 else kv <= q
+
+    with pytest.raises(InputValueError, match=r"evaluated at head 1 .* raised there \(IndexError"):
+        masks.from_mask_mod(window_of_one_head, 1, None, 64, 64)
+    assert masks.from_mask_mod(window_of_one_head, 1, 1, 64, 64).shape[0] == 1  # H=1: a model of one head
+
+
+def test_the_head_index_check_is_the_calling_threads_alone():
+    """The check follows h in a dispatch mode, which is the calling thread's: two threads asking at
+    once both get the answer, and nothing of the process (nn.Module's call) is patched, so a
+    torch.compile elsewhere in the process is not disturbed (fx tracing patched both)."""
+    call = torch.nn.Module.__call__
+
+    def global_then_local(b, h, q, kv):
+        return (kv <= q) & ((h < 2) | (q - kv < 16))
+
+    answers = []
+
+    def ask():
+        answers.extend(masks._reads_head(global_then_local, torch.device("cpu")) for _ in range(20))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [True] * 40
+    assert torch.nn.Module.__call__ is call
 
 
 def test_from_mask_mod_with_python_control_flow_says_why():

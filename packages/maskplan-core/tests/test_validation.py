@@ -209,6 +209,8 @@ def test_bhsd_tensors_of_other_lengths_get_the_layout_hint():
         validate_plan_inputs(causal(total_q=B * 4, sq=4, sk=4), *bhsd)
     with pytest.raises(InputValueError, match=r"k/v heads \(2\): q .*\)$"):
         validate_plan_inputs(causal(), *fixed_qkv(hq=3, hkv=2))
+    with pytest.raises(InputValueError, match=r"k/v heads \(2\): q .*\)$"):  # Sq = Sk: still BSHD
+        validate_plan_inputs(causal(sk=SQ), *fixed_qkv(sk=SQ, hq=3, hkv=2))
 
 
 def test_varlen_rows_mismatch_names_q_and_cu_seqlens_q():

@@ -9,12 +9,18 @@ counting). The device code itself is checked by ``test_builder_gpu.py`` on the G
 
 from __future__ import annotations
 
+import contextlib
+import types
+import warnings
+
 import pytest
 import torch
 from kernel_twins import TWINS, FakePtr
 from plan_cases import assert_plans_equal, make_geometry, make_mask, row_major, view_config
 
+from maskplan_core.consumer import Consumer
 from maskplan_core.errors import EndpointError, SeqlenError
+from maskplan_core.payload import RowMajorLayout
 from maskplan_core.reference import build_plan
 
 
@@ -207,7 +213,6 @@ def test_endpoints_past_the_materialisers_budget_are_left_to_the_reference_plann
     """``unserved`` names the views whose tiles' endpoints the materialisers cannot hold (128-row
     tiles: nfunc above 73; 64-row ones: above 153), so Consumer.build_plan plans those masks with
     the reference planner on the GPU instead of launching kernels that do not fit."""
-    from maskplan_core.payload import RowMajorLayout
     from maskplan_kernels.builder import max_nfunc, unserved
 
     fwd = view_config(RowMajorLayout(128, 128), "forward")
@@ -220,3 +225,47 @@ def test_endpoints_past_the_materialisers_budget_are_left_to_the_reference_plann
     narrow = view_config(RowMajorLayout(32, 128), "forward")  # its 32-row tiles take more
     refusal = unserved(make_geometry([300], [300], nfunc=155), narrow, bwd)
     assert "at most 153 endpoints per row on 64 x 128 backward tiles" in refusal
+
+
+class _PlannedByTheKernels(Consumer):
+    """A consumer whose CUDA plans come from this package (what SM90's and SM100's declare)."""
+
+    name, arch_families, gpu_planner = "planner-test", ("test",), "maskplan_kernels"
+
+    def resolve(self, request):
+        raise NotImplementedError
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def backward(self, *args, **kwargs):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("nfunc, planner", [(73, "kernels"), (75, "reference")])
+def test_a_consumer_leaves_masks_the_kernels_cannot_hold_to_the_reference_planner(
+    nfunc, planner, monkeypatch
+):
+    """Consumer.build_plan on CUDA endpoints (a stand-in here: no GPU) asks the package it names
+    for ``unserved`` and plans with its kernels, or, past their limit, with the reference planner
+    and a warning that names the limit."""
+    import maskplan_core.consumer as consumer_module
+    import maskplan_core.reference.builder as reference_builder
+    import maskplan_kernels
+
+    built = []
+    monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", lambda *args: built.append("kernels"))
+    monkeypatch.setattr(reference_builder, "build_plan", lambda *args: built.append("reference"))
+    monkeypatch.setattr(consumer_module, "on_device", lambda device: contextlib.nullcontext())
+    cuda_mask = types.SimpleNamespace(device=torch.device("cuda", 0))
+    fwd, bwd = (
+        view_config(RowMajorLayout(128, 128), "forward"),
+        view_config(RowMajorLayout(64, 128), "backward"),
+    )
+    geometry = make_geometry([300], [300], nfunc=nfunc)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _PlannedByTheKernels().build_plan(cuda_mask, geometry, fwd, bwd)
+    assert built == [planner]
+    limit = [str(w.message) for w in said if "at most 73 endpoints per row" in str(w.message)]
+    assert len(limit) == (planner == "reference")

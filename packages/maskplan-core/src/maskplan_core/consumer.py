@@ -361,8 +361,7 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     g = geometry
     expected = (g.mask_heads, g.nfunc, g.total_q)
-    device_type, index = g.device.type, g.device.index
-    same_device = mask_func.device.type == device_type and index in (None, mask_func.device.index)
+    same_device = _device_index(mask_func.device) == _device_index(g.device)
     if mask_func.dtype != torch.int32 or tuple(mask_func.shape) != expected or not same_device:
         raise InputValueError(
             f"mask_func ({mask_func.dtype} {tuple(mask_func.shape)} on {mask_func.device}) is not the "
@@ -373,6 +372,13 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
         raise InputValueError("mask_func must be contiguous (call .contiguous())")
     if forward.signature.topology.pack_gqa:
         require_shared_mask_for_pack_gqa(g)
+
+
+def _device_index(device: torch.device) -> tuple[str, int | None]:
+    """``(type, index)`` with a CUDA device's missing index read as the current device's."""
+    if device.type == "cuda" and device.index is None:
+        return "cuda", torch.cuda.current_device()
+    return device.type, device.index
 
 
 # -- view -> kernel config (the check every kernel launcher runs first) ----------------------------

@@ -7,8 +7,11 @@ or the builtin one.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
+
+import torch
 
 
 class FlexAttnError(Exception):
@@ -68,11 +71,25 @@ _LIBRARY_PACKAGES = frozenset(
 )
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _in_library(frame) -> bool:
+    """A frame of the library's or torch's, or of code torch generates (``torch.compile``'s fx
+    graphs, named ``<eval_with_key>.N``) or runs from its directory. A REPL's ``<stdin>`` and a
+    notebook's cells are the caller's."""
+    if frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARY_PACKAGES:
+        return True
+    filename = frame.f_code.co_filename
+    return filename.startswith("<eval_with_key>") or filename.startswith(_TORCH_DIR)
+
+
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside flexattn's packages and torch, so
     the warning names the caller's line however deep in the library it was raised (and the default
-    filter shows it once per such line)."""
+    filter shows it once per such line); on a thread with no such frame (autograd's device
+    thread), to the library's caller of this function."""
     frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARY_PACKAGES:
+    while frame is not None and _in_library(frame):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -71,6 +71,8 @@ import operator
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .errors import InputTypeError, InputValueError
 from .validation import MAX_SEQLEN
@@ -640,11 +642,12 @@ def from_mask_mod(
     :func:`from_dense` a chunk of query rows at a time (about 16M elements), so the whole
     ``[H, Sq, Sk]`` never exists at once.  Rows are batch-major (``row = b * Sq + q``).  If every head
     gives the same mask the result has ``Hmask = 1``, else ``Hmask = H``.  ``H = None`` or ``1``
-    means one mask for every head, as in torch; a mask_mod whose result depends on its head index
-    is refused there (torch's flex_attention still calls it with each head's index): pass ``H = Hq``.
-    The check traces the mask_mod (``make_fx``), so it sees the head index wherever it is read;
-    a mask_mod that cannot be traced (Python control flow on ``b``) is evaluated at head 1 and
-    compared with head 0 instead. With ``H = 1`` a mask_mod that fails at head 1 (a per-head table
+    means one mask for every head, as in torch; a mask_mod that reads its head index is refused
+    there (torch's flex_attention still calls it with each head's index): pass ``H = Hq``. Reads:
+    any operation on ``h`` reaches its result, even one that changes nothing (``h * 0``), as one
+    evaluation that follows ``h`` through every operation tells; a mask_mod that cannot be
+    evaluated so (Python control flow on ``b``) is evaluated at head 1 and compared with head 0
+    instead. With ``H = 1`` a mask_mod that fails at head 1 (a per-head table
     of one entry) is taken as one of a model of one head, which torch never calls with head 1.
     The positional arguments are ``create_block_mask``'s, ``device`` included; ``Sq`` and ``Sk``
     are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
@@ -694,8 +697,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     A block mask made with ``B=None`` holds one batch entry; ``batch`` then says how many samples
     the endpoints cover (the mask_mod is evaluated for each). Likewise one made with ``H=None``
     holds one head entry, and its mask_mod gives one mask for every head (``Hmask = 1``), refused
-    where its result depends on its head index (as :func:`from_mask_mod` tells: torch calls the
-    mask_mod with each head's index), unless ``heads``
+    where it reads its head index (as :func:`from_mask_mod` tells: torch calls the mask_mod with
+    each head's index), unless ``heads``
     says how many q heads to evaluate it for: pass ``heads=Hq`` for such a mask_mod (the result
     keeps ``Hmask = 1`` where the heads agree). Every sample's and head's blocks must hold every
     element its mask_mod makes visible (blocks listed besides are harmless: torch finds nothing
@@ -821,7 +824,7 @@ def _mask_mod_rows(
     rows, each a multiple of ``align`` rows (the last may be shorter) and, where ``align`` allows,
     at most about ``_CHUNK_ELEMENTS`` elements: the whole ``[H, Sq, Sk]`` never exists at once.
     ``shared_heads`` (one head standing for every head, ``H = 1``, the string saying how to give the
-    heads) refuses a mask_mod whose result depends on its head index (:func:`_reads_head`), since
+    heads) refuses a mask_mod that reads its head index (:func:`_reads_head`), since
     torch calls it with each head's index. Under ``one_head`` (``H = 1``) such a mask_mod is taken
     as one of a model of one head where it fails at head 1 (a per-head table of one entry), which
     torch never calls with head 1; it is evaluated at head 1 to tell. Where the mask_mod cannot
@@ -867,24 +870,37 @@ def _reads_head_error(shared_heads: str) -> InputValueError:
     )
 
 
-def _reads_head(mask_mod, dev: torch.device) -> bool | None:
-    """Whether ``mask_mod``'s result depends on its head index ``h``: traced (``make_fx``) as it is
-    evaluated (:func:`_vmapped`), with the sample index batched too, so that indexing by it traces
-    as indexing rather than reading its value. The answer holds for every sample, head, row and
-    key, since the trace records every operation ``h`` flows through. None where the trace fails
-    (Python control flow on the sample index, say; the caller then compares head 1 with head 0)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
+class _FromHead(TorchDispatchMode):
+    """Marks every tensor an operation makes from a marked one, starting with the head index: what
+    a trace would record, without patching anything for the process (fx tracing patches
+    ``nn.Module`` and flags "tracing" globally; a dispatch mode is the calling thread's alone)."""
 
-    # distinct tensors: make_fx gives one tensor passed twice one placeholder
+    def __init__(self, head: torch.Tensor):
+        super().__init__()
+        self.marked = {id(head): head}  # held, so that no id is reused while the evaluation runs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and id(t) in self.marked for t in tree_leaves((args, kwargs))):
+            self.marked.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _reads_head(mask_mod, dev: torch.device) -> bool | None:
+    """Whether ``mask_mod`` reads its head index ``h`` (its result comes out of an operation on
+    ``h``, even one that leaves it unchanged): evaluated as it is evaluated (:func:`_vmapped`) at
+    one element, with the sample index batched too so that indexing by it stays an operation, under
+    :class:`_FromHead`. The answer holds for every sample, head, row and key, since every operation
+    ``h`` flows through is seen. None where the evaluation fails (Python control flow on the sample
+    index, say; the caller then compares head 1 with head 0)."""
     b, h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(4))
     per_sample = torch.vmap(_vmapped(mask_mod), in_dims=(0, None, None, None), out_dims=0)
     try:
-        graph = make_fx(per_sample)(b, h, q_idx, kv_idx).graph
-    except Exception:  # noqa: BLE001 - untraceable: the evaluation itself names any real error
+        with _FromHead(h) as mode:
+            out = per_sample(b, h, q_idx, kv_idx)
+    except Exception:  # noqa: BLE001 - the evaluation itself names any real error
         return None
-    graph.eliminate_dead_code()
-    head = [node for node in graph.nodes if node.op == "placeholder"][1]
-    return bool(head.users)
+    return id(out) in mode.marked
 
 
 def _vmapped(mask_mod):

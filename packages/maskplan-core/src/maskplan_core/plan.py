@@ -573,7 +573,8 @@ class MaskPlan:
                 )
             if t.dtype != g.dtype:
                 autocast = ""
-                if torch.is_autocast_enabled(t.device.type):  # activations come out of autocast's casts
+                device = t.device.type  # activations come out of autocast's casts (where it has any)
+                if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
                     autocast = (
                         f" (torch.autocast is on: build the plan from q, k, v of the dtype that reaches "
                         f"attention, {t.dtype}; only their shapes, dtype and device are read)"

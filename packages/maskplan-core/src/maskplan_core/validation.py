@@ -129,7 +129,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
     hq, hkv = q.shape[-2], k.shape[-2]
     if hq == 0 or hkv == 0 or hq % hkv:
         hint = ""
-        if rank == 4 and k.shape[1] and q.shape[1] % k.shape[1] == 0:  # heads in dim 1: torch's layout
+        # heads in dim 1 (torch's layout): fewer of them than positions, q's a multiple of k's
+        bhsd = rank == 4 and 0 < k.shape[1] < k.shape[2] and q.shape[1] < q.shape[2]
+        if bhsd and q.shape[1] % k.shape[1] == 0:
             hint = (
                 "; q and k look like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] "
                 "(q.transpose(1, 2), and k, v alike)"

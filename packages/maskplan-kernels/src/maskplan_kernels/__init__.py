@@ -25,7 +25,8 @@ What every attention consumer (flexattn_sm90, flexattn_sm100) does with a plan t
     consumer_launch                  host: pointers, input/output checks, view -> kernel arguments
 """
 
-from .builder import build_plan_gpu
+from .builder import build_plan_gpu, unserved
 from .classify import ClassifyConfig, Q2KClassify, classify_gpu, compile_classify
 
-__all__ = ["ClassifyConfig", "Q2KClassify", "build_plan_gpu", "classify_gpu", "compile_classify"]
+#: ``build_plan_gpu`` and ``unserved`` are what ``Consumer.gpu_planner = "maskplan_kernels"`` reads
+__all__ = ["ClassifyConfig", "Q2KClassify", "build_plan_gpu", "classify_gpu", "compile_classify", "unserved"]
