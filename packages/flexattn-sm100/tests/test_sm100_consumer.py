@@ -352,10 +352,12 @@ def test_cuda_endpoints_plan_with_the_gpu_planner(monkeypatch):
 
     import maskplan_kernels
 
-    builds = []
+    builds, asked = [], []
     monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", lambda *args: builds.append(args) or "plan")
+    monkeypatch.setattr(maskplan_kernels, "unserved", lambda *views: asked.append(views))  # served
     mask = types.SimpleNamespace(device=torch.device("cuda"))
     assert Sm100Consumer().build_plan(mask, "geometry", "fwd", "bwd") == "plan"
+    assert asked == [("geometry", "fwd", "bwd")]
     assert builds == [(mask, "geometry", "fwd", "bwd", "flexattn-sm100")]
 
 

@@ -53,14 +53,14 @@ def test_strided_views_go_to_the_kernels_as_they_are():
     got = qkv_operands(view_of(1, T), q, k, v, row_granule=None)
     assert all(a is b for a, b in zip(got, (q, k, v, False), strict=True))
     width = (hq + 2 * hkv) * d
-    assert qkv_strides(q, k, v, 1) == (width, d, width, d, width, d, T * width, T * width, T * width)
+    assert qkv_strides(q, k, v, 1, False) == (width, d, width, d, width, d, 0, 0, 0)  # unread: 0
     bhsd = torch.empty(1, hq, T, d, dtype=torch.float16).transpose(1, 2)
     kept, per_sample = operand(bhsd)
     assert kept.shape == (T, hq, d) and kept.data_ptr() == bhsd.data_ptr() and not per_sample
-    assert qkv_strides(kept, kept, kept, 1)[:2] == (d, T * d)
+    assert qkv_strides(kept, kept, kept, 1, False)[:2] == (d, T * d)
     # one head: torch may give its mode any stride (5 here, not a 16-byte multiple); it is never used
     one_head = torch.empty(T, 3 * d, dtype=torch.bfloat16).as_strided((T, 1, d), (3 * d, 5, 1))
-    assert operand(one_head)[0] is one_head and qkv_strides(one_head, q, q, 1)[:2] == (3 * d, d)
+    assert operand(one_head)[0] is one_head and qkv_strides(one_head, q, q, 1, False)[:2] == (3 * d, d)
 
 
 def test_bshd_views_of_bhsd_are_read_per_sample():
@@ -71,9 +71,10 @@ def test_bshd_views_of_bhsd_are_read_per_sample():
     bhsd = torch.empty(B, H, S, d, dtype=torch.bfloat16).transpose(1, 2)
     kept, per_sample = operand(bhsd, granule=128)
     assert kept is bhsd and per_sample
-    assert qkv_strides(kept, kept, kept, B) == (d, S * d, d, S * d, d, S * d, H * S * d, H * S * d, H * S * d)
+    per_batch = H * S * d
+    assert qkv_strides(kept, kept, kept, B, True) == (d, S * d) * 3 + (per_batch,) * 3
     contiguous = torch.empty(B * S, H, d, dtype=torch.bfloat16)  # THD beside it: its samples are S rows
-    assert qkv_strides(contiguous, kept, kept, B)[6:] == (S * H * d, H * S * d, H * S * d)
+    assert qkv_strides(contiguous, kept, kept, B, True)[6:] == (S * H * d, H * S * d, H * S * d)
     for granule, view in ((None, None), (96, None), (128, view_of(B, S, 192))):
         copy, per_sample = operand(bhsd, granule=granule, view=view)
         assert copy.shape == (B * S, H, d) and copy.is_contiguous() and not per_sample
@@ -114,7 +115,7 @@ def test_views_spanning_past_32_bit_offsets_are_copied():
 def test_int32_offsets_accept_the_largest_tensors_that_fit():
     tokens = (INT32_LIMIT - 1) // (16 * 128)  # q/out and k/v just below 2**31 elements
     require_int32_offsets(geometry(tokens, tokens))
-    require_int32_offsets(geometry(1024, 1024), dq_accum_rows=1024)
+    require_int32_offsets(geometry(1024, 1024), dq_accum=(1024, 128))
     with pytest.raises(UnsupportedConfigError, match="q/out"):  # the larger head dim counts
         require_int32_offsets(geometry(tokens, 1024, dqk=256, dv=128))
 
@@ -129,7 +130,27 @@ def test_int32_offsets_accept_the_largest_tensors_that_fit():
 )
 def test_int32_offsets_refuse_tensors_that_would_wrap(g, rows, name):
     with pytest.raises(UnsupportedConfigError, match=f"{name} holds .* 32-bit offsets"):
-        require_int32_offsets(g, dq_accum_rows=rows)
+        require_int32_offsets(g, dq_accum=None if rows is None else (rows, g.head_dim_qk))
+
+
+def test_the_dq_accumulator_counts_the_kernels_head_dim():
+    """A pair held by a larger kernel ((72, 72) on the 80 ones) has its dQ accumulator at the
+    kernel's head dim: 32 heads x 883008 rows fit 2^31 at 72 columns, not at 80."""
+    g = geometry(883008, 1024, hq=32, hkv=32, dqk=72, dv=72)
+    require_int32_offsets(g, dq_accum=(883008, 72))
+    with pytest.raises(UnsupportedConfigError, match="the dQ accumulator holds 2260500480 elements"):
+        require_int32_offsets(g, dq_accum=(883008, 80))
+
+
+def test_batch_strides_are_passed_only_where_read():
+    """A THD operand kept in place (a slice of a fused QKV tensor at B = 1) spans fewer than 2^31
+    elements, but its THD batch stride (total rows x row stride) may reach 2^31: it is passed as 0
+    unless the kernels read rows per sample (the launch bound-checks every int32 argument)."""
+    T, hq, hkv, d = 2**20, 8, 4, 128
+    packed = torch.empty(T, hq + 2 * hkv, d, dtype=torch.bfloat16, device="meta")
+    q, k, v = packed[:, :hq], packed[:, hq : hq + hkv], packed[:, hq + hkv :]
+    strides = qkv_strides(q, k, v, 1, False)
+    assert strides[6:] == (0, 0, 0) and max(strides) < INT32_LIMIT
 
 
 def test_int32_offsets_cover_the_mask_payload():

@@ -137,19 +137,20 @@ def check_register_split(num_threads: int, split: tuple[tuple[int, int], ...], l
         raise ValueError(f"setmaxnreg counts must be multiples of 8 in [24, 256]: {split}")
 
 
-def require_int32_offsets(g, *, payload_words: int = 0, dq_accum_rows: int | None = None) -> None:
+def require_int32_offsets(g, *, payload_words: int = 0, dq_accum: tuple[int, int] | None = None) -> None:
     """Raise :class:`UnsupportedConfigError` when a tensor the kernels index is too large for their
     32-bit element offsets: THD ``q/k/v/out`` (``total * heads * head_dim``), the view's packed
     predicate payload (``payload_words``: a partial entry's plane starts at ``entry * plane_words``)
-    and, for the backward, the fp32 dQ accumulator (``Hq * dq_accum_rows * head_dim_qk``). Better a
-    clear refusal than a wrapped offset reading or writing elsewhere."""
+    and, for the backward, the fp32 dQ accumulator (``Hq * rows * head_dim``, ``dq_accum = (rows,
+    head_dim)``: the kernel's head dim, which may exceed the view's). Better a clear refusal than a
+    wrapped offset reading or writing elsewhere."""
     extents = {
         "q/out": g.total_q * g.num_heads_q * max(g.head_dim_qk, g.head_dim_v),
         "k/v": g.total_k * g.num_heads_kv * max(g.head_dim_qk, g.head_dim_v),
         "the mask payload": payload_words,
     }
-    if dq_accum_rows is not None:
-        extents["the dQ accumulator"] = g.num_heads_q * dq_accum_rows * g.head_dim_qk
+    if dq_accum is not None:
+        extents["the dQ accumulator"] = g.num_heads_q * dq_accum[0] * dq_accum[1]
     for name, n in extents.items():
         if n >= INT32_LIMIT:
             raise UnsupportedConfigError(
@@ -187,13 +188,14 @@ def qkv_operands(view: PlanView, q, k, v, *, row_granule: int | None) -> tuple:
     return (*kept, any(t.dim() == 4 for t in kept))
 
 
-def qkv_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> tuple[int, ...]:
+def qkv_strides(q, k, v, batch: int, per_sample: bool) -> tuple[int, ...]:
     """The nine stride arguments (elements) of the kernels' host entries for :func:`qkv_operands`'
-    ``q``, ``k``, ``v``: their row and head strides, then their batch strides (a THD tensor's:
-    ``S = total / batch`` rows)."""
+    ``q``, ``k``, ``v``: their row and head strides, then their batch strides, read only
+    ``per_sample`` (a THD tensor's: ``S = total / batch`` rows), else 0 (an int32 argument: a THD
+    tensor's gapped rows may span past it)."""
     rows_heads = [_row_head_strides(t) for t in (q, k, v)]
     batches = (
-        t.stride(0) if t.dim() == 4 else t.shape[0] // batch * row
+        (t.stride(0) if t.dim() == 4 else t.shape[0] // batch * row) if per_sample else 0
         for t, (row, _) in zip((q, k, v), rows_heads, strict=True)
     )
     return (*(x for pair in rows_heads for x in pair), *batches)
@@ -313,7 +315,7 @@ def forward_io(
         return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, False, (), nothing_visible=True)
     q, softmax_scale = positive_softmax_scale(q, softmax_scale)
     q, k, v, per_sample = qkv_operands(view, q, k, v, row_granule=row_granule)
-    strides = qkv_strides(q, k, v, g.batch)
+    strides = qkv_strides(q, k, v, g.batch, per_sample)
     return ForwardIO(q, k, v, softmax_scale, out, lse, max_logit, per_sample, strides)
 
 
@@ -623,13 +625,14 @@ class BackwardIO(NamedTuple):
 
 
 def backward_io(
-    view: PlanView, q, k, v, out, lse, dout, dlse, *, dq=None, dk=None, dv=None,
+    view: PlanView, q, k, v, out, lse, dout, dlse, *, accum_head_dim: int, dq=None, dk=None, dv=None,
     row_granule: int | None = None,
 ) -> BackwardIO:  # fmt: skip
     """Check a backward call's tensors against the view (:func:`check_inputs`, :func:`output`),
     allocate the gradients that were not given, align and convert the inputs (q, k, v:
-    :func:`qkv_operands` with the consumer's ``row_granule``). When nothing is visible the
-    gradients are zeroed and returned as they are (``nothing_visible``)."""
+    :func:`qkv_operands` with the consumer's ``row_granule``). ``accum_head_dim``: the kernel
+    config's ``head_dim_qk``, the dQ accumulator's. When nothing is visible the gradients are
+    zeroed and returned as they are (``nothing_visible``)."""
     check_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
     g = view.geometry
     device = q.device
@@ -638,7 +641,8 @@ def backward_io(
     dv = output(dv, "dv", (g.total_k, g.num_heads_kv, g.head_dim_v), q.dtype, device)
     prep = bwd_view_args(view, device)
     dq_accum_rows = prep.n_qblk * view.signature.topology.tile_m
-    require_int32_offsets(g, payload_words=view.mask_block_masks.numel(), dq_accum_rows=dq_accum_rows)
+    dq_accum = (dq_accum_rows, accum_head_dim)
+    require_int32_offsets(g, payload_words=view.mask_block_masks.numel(), dq_accum=dq_accum)
     io = BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv)
     if io.nothing_visible:
         for x in io.grads:
@@ -648,7 +652,7 @@ def backward_io(
     out, dout = aligned(out), aligned(dout)  # read by the preprocess, which takes contiguous rows
     lse = lse.to(torch.float32).contiguous()
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    strides = qkv_strides(q, k, v, g.batch)
+    strides = qkv_strides(q, k, v, g.batch, per_sample)
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv, per_sample, strides)
 
 
@@ -803,8 +807,9 @@ class BackwardCompiler:
         """
         config = self.config_for_view(view)
         io = backward_io(
-            view, q, k, v, out, lse, dout, dlse, dq=dq, dk=dk, dv=dv, row_granule=self.row_granule(config)
-        )
+            view, q, k, v, out, lse, dout, dlse, accum_head_dim=config.head_dim_qk, dq=dq, dk=dk, dv=dv,
+            row_granule=self.row_granule(config),
+        )  # fmt: skip
         if not io.nothing_visible:
             compiled = self.compile_backward(
                 config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample
