@@ -101,7 +101,8 @@ def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
         shape, dtype = expect[name]
         if name in QKV and x.dim() == 4 and not g.varlen:  # [B, S, H, D]
             shape = (g.batch, shape[0] // g.batch, *shape[1:])
-        if tuple(x.shape) != shape or (dtype is not None and x.dtype != dtype) or x.device.type != "cuda":
+        dtype_ok = x.dtype == dtype if dtype is not None else x.dtype.is_floating_point
+        if tuple(x.shape) != shape or not dtype_ok or x.device.type != "cuda":
             raise InputValueError(
                 f"{name} is {tuple(x.shape)} {x.dtype} on {x.device}; the plan expects {shape} "
                 f"{dtype or 'floating point'} on CUDA (THD layout)"
