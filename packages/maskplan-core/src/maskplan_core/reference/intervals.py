@@ -58,10 +58,8 @@ def block_touch_counts(bounds, geom: BlockGeometry, batch, m_block, total_q) -> 
     return diff.view(h, n_rows, k + 1)[..., :k].cumsum(-1, dtype=torch.int32)
 
 
-def tile_predicates(row_ends, geom: BlockGeometry, head, batch, m_block, n_block) -> torch.Tensor:
+def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_block) -> torch.Tensor:
     """bool ``[n, tile_m, tile_n]``: which score elements of each listed tile are visible and in bounds.
-    ``row_ends``: the endpoints row by row, ``[Hmask, total_q, nfunc]`` (``mask_func.transpose(1, 2)``
-    made contiguous: a tile row's endpoints are gathered side by side, not ``total_q`` apart).
 
     With ``G = [0, F0, F1, ...]`` (sorted), key ``x`` is visible iff an odd number of ``G`` values
     are ``<= x``, i.e. an even number of endpoints ``F``. Per row of a tile starting at key ``s``,
@@ -75,17 +73,17 @@ def tile_predicates(row_ends, geom: BlockGeometry, head, batch, m_block, n_block
     any payload is made, so every key past ``k_len`` has all ``nfunc`` (an odd count) at or below
     it: hidden. A row past ``q_len`` gets all its marks at column 0: hidden everywhere.
     """
-    n, total_q = head.numel(), row_ends.shape[1]
+    n, total_q = head.numel(), mask_func.shape[2]
     tm, tn = geom.tile_m, geom.tile_n
     out = torch.empty(n, tm, tn, dtype=torch.bool, device=head.device)
     # per tile: tm * nfunc endpoints and their int64 mark positions, tm * (tn + 1) marks and counts
-    step = max(1, CHUNK_ELEMENTS // (tm * (tn + 1 + 2 * row_ends.shape[2])))
+    step = max(1, CHUNK_ELEMENTS // (tm * (tn + 1 + 2 * mask_func.shape[1])))
     one = torch.ones(1, dtype=torch.uint8, device=head.device)
     for c in range(0, n, step):
         sl = slice(c, c + step)
         tok, row_ok = row_tokens(geom, batch[sl], m_block[sl], total_q)
         start = n_block[sl].to(torch.int32) * tn  # [c]
-        ends = row_ends[head[sl].unsqueeze(-1), tok]  # [c, tm, nfunc]
+        ends = mask_func[head[sl].unsqueeze(-1), :, tok]  # [c, tm, nfunc]
         column = (ends - start[:, None, None]).clamp_(0, tn).mul_(row_ok.unsqueeze(-1))
         rows = column.shape[0] * tm
         at = torch.arange(rows, device=head.device).view(-1, tm, 1) * (tn + 1) + column  # flat marks
