@@ -559,18 +559,20 @@ def test_from_mask_mod_is_evaluated_as_torch_evaluates_it():
     )
 
 
-def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index():
-    """With one mask for every head, a mask_mod whose result depends on its head index is refused
-    from its trace, wherever the heads first differ (here at head 2: heads 0 and 1 are global,
-    the others local), in from_mask_mod and from_block_mask; one that reads the head index even
-    where every head agrees is refused too (H=Hq keeps one mask). A mask_mod that cannot be traced
-    (Python control flow on its sample index) falls back to comparing head 1 with head 0."""
+def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index(monkeypatch):
+    """With one mask for every head, a mask_mod that reads its head index is refused, wherever the
+    heads first differ (here at head 2: heads 0 and 1 are global, the others local), in
+    from_mask_mod and from_block_mask, and in any sample (one that branches on its sample index in
+    Python, or indexes a list with it, is followed per sample); one that reads the head index even
+    where every head agrees is refused too (H=Hq keeps one mask). Where the check cannot tell (an
+    evaluation it cannot follow), head 1 is compared with head 0."""
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    cpu = torch.device("cpu")
 
     def global_then_local(b, h, q, kv):
         return (kv <= q) & ((h < 2) | (q - kv < 16))
 
-    assert masks._reads_head(global_then_local, torch.device("cpu"))
+    assert masks._reads_head(global_then_local, cpu, 1)
     with pytest.raises(InputValueError, match="reads its head index.*H=None: pass H=Hq"):
         masks.from_mask_mod(global_then_local, 1, None, 256, 256)
     block_mask = fa.create_block_mask(global_then_local, 1, None, 256, 256, device="cpu")
@@ -588,21 +590,32 @@ def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index():
         masks.from_mask_mod(same_for_every_head, 1, None, 64, 64)
     assert torch.equal(masks.from_mask_mod(same_for_every_head, 1, 4, 64, 64), masks.causal(64))
 
-    def branches_on_sample(b, h, q, kv):  # Python `if` on the sample index: not followed
-        return (kv <= q + h) if b > 0 else (kv <= q + 2 * h)
+    window, lengths = torch.tensor([3, 3, 7, 9]), [10, 12]  # heads 2, 3 differ; a Python list by b
 
-    assert masks._reads_head(branches_on_sample, torch.device("cpu")) is None
-    with pytest.raises(InputValueError, match="reads its head index"):  # head 1 differs from head 0
-        masks.from_mask_mod(branches_on_sample, 2, None, 64, 64)
-    assert not masks._reads_head(lambda b, h, q, kv: kv <= q, torch.device("cpu"))
-    one_entry = torch.tensor([6])  # not followed, and it fails at head 1: the refusal says so
+    def per_sample_python(b, h, q, kv):
+        return (kv <= q) & (q - kv < window[h]) & (kv < lengths[b])
+
+    def second_sample_reads_it(b, h, q, kv):  # sample 0 never reads h
+        return (kv <= q + window[h]) if b > 0 else (kv <= q)
+
+    for mask_mod in (per_sample_python, second_sample_reads_it):
+        assert masks._reads_head(mask_mod, cpu, 2)
+        with pytest.raises(InputValueError, match="reads its head index"):
+            masks.from_mask_mod(mask_mod, 2, None, 16, 16)
+    assert not masks._reads_head(second_sample_reads_it, cpu, 1)
+    assert not masks._reads_head(lambda b, h, q, kv: kv <= q, cpu, 3)
+
+    monkeypatch.setattr(masks, "_reads_head", lambda *args: None)  # cannot tell: head 1 against head 0
+    with pytest.raises(InputValueError, match="reads its head index"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q + h, 1, None, 64, 64)
+    one_entry = torch.tensor([6])  # fails at head 1: the refusal says so; H=1 takes it as one head's
 
     def window_of_one_head(b, h, q, kv):
-        return (kv <= q) & (q - kv < one_entry[h]) if b >= 0 else kv <= q
+        return (kv <= q) & (q - kv < one_entry[h])
 
     with pytest.raises(InputValueError, match=r"evaluated at head 1 .* raised there \(IndexError"):
         masks.from_mask_mod(window_of_one_head, 1, None, 64, 64)
-    assert masks.from_mask_mod(window_of_one_head, 1, 1, 64, 64).shape[0] == 1  # H=1: a model of one head
+    assert masks.from_mask_mod(window_of_one_head, 1, 1, 64, 64).shape[0] == 1
 
 
 def test_the_head_index_check_is_the_calling_threads_alone():
@@ -617,7 +630,7 @@ def test_the_head_index_check_is_the_calling_threads_alone():
     answers = []
 
     def ask():
-        answers.extend(masks._reads_head(global_then_local, torch.device("cpu")) for _ in range(20))
+        answers.extend(masks._reads_head(global_then_local, torch.device("cpu"), 1) for _ in range(20))
 
     threads = [threading.Thread(target=ask) for _ in range(2)]
     for t in threads:

@@ -8,6 +8,7 @@ word. Each case asserts the precise ``maskplan_core.errors`` class, the builtin
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from contextlib import contextmanager
 
@@ -117,6 +118,9 @@ def test_a_planner_refuses_a_mask_its_geometry_was_not_validated_from():
         build_plan(torch.cat([mask, mask], 2)[:, :, ::2], geometry, fwd, None, "test")
     with expect(InputTypeError, TypeError, "mask_func", "list"):
         build_plan(mask.tolist(), geometry, fwd, None, "test")
+    on_cuda = dataclasses.replace(geometry, device=torch.device("cuda"))  # no CUDA needed to refuse
+    with expect(InputValueError, ValueError, "mask_func", "on cpu", "on cuda"):
+        build_plan(mask, on_cuda, fwd, None, "test")
     per_head = causal(hmask=HQ)
     packed = config("forward", pack_gqa=True)
     with pytest.raises(UnsupportedConfigError, match="Hmask=4, PackGQA needs Hmask=1"):

@@ -361,7 +361,9 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     g = geometry
     expected = (g.mask_heads, g.nfunc, g.total_q)
-    same_device = _device_index(mask_func.device) == _device_index(g.device)
+    same_device = mask_func.device.type == g.device.type and (
+        _device_index(mask_func.device) == _device_index(g.device)
+    )
     if mask_func.dtype != torch.int32 or tuple(mask_func.shape) != expected or not same_device:
         raise InputValueError(
             f"mask_func ({mask_func.dtype} {tuple(mask_func.shape)} on {mask_func.device}) is not the "

@@ -71,14 +71,14 @@ _LIBRARY_PACKAGES = frozenset(
 )
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")  # with its separator: not torchvision
 
 
 def _in_library(frame) -> bool:
     """A frame of the library's or torch's, or of code torch generates (``torch.compile``'s fx
     graphs, named ``<eval_with_key>.N``) or runs from its directory. A REPL's ``<stdin>`` and a
     notebook's cells are the caller's."""
-    if frame.f_globals.get("__name__", "").split(".")[0] in _LIBRARY_PACKAGES:
+    if str(frame.f_globals.get("__name__") or "").split(".")[0] in _LIBRARY_PACKAGES:
         return True
     filename = frame.f_code.co_filename
     return filename.startswith("<eval_with_key>") or filename.startswith(_TORCH_DIR)
@@ -87,8 +87,8 @@ def _in_library(frame) -> bool:
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside flexattn's packages and torch, so
     the warning names the caller's line however deep in the library it was raised (and the default
-    filter shows it once per such line); on a thread with no such frame (autograd's device
-    thread), to the library's caller of this function."""
+    filter shows it once per such line); where every frame is theirs (a thread the library runs
+    on), to this function's caller."""
     frame, level = sys._getframe(1), 2  # stacklevel 2: this function's caller
     while frame is not None and _in_library(frame):
         frame, level = frame.f_back, level + 1

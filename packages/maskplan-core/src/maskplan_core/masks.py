@@ -675,7 +675,7 @@ def from_mask_mod(
     parts = []
     for b in range(B):
         sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
-        chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head)
+        chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head, samples=B)
         parts += [_encode(rows) for rows in chunks]
     return _join_samples(parts, H)
 
@@ -749,7 +749,10 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
         entry = b if blocks.shape[0] > 1 else 0
         first = 0  # the chunk's first Q block
         differs = torch.zeros(heads, dtype=torch.bool, device=blocks.device)  # per head, over the chunks
-        for dense in _mask_mod_rows(block_mask.mask_mod, b, shape, blocks.device, sample_heads, align=bq):
+        chunks = _mask_mod_rows(
+            block_mask.mask_mod, b, shape, blocks.device, sample_heads, align=bq, samples=batch
+        )
+        for dense in chunks:
             # torch computes mask_mod inside the listed blocks and nothing outside them: a listed block
             # where the mask_mod shows nothing is harmless, an unlisted one where it shows something is not
             seen = _per_block(dense, (bq, bk), torch.any)
@@ -818,22 +821,22 @@ _VMAP_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None
 
 def _mask_mod_rows(
     mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None,
-    *, one_head: bool = False, align: int = 1,
+    *, one_head: bool = False, align: int = 1, samples: int = 1,
 ):  # fmt: skip
     """``mask_mod`` of batch sample ``b`` as dense bool ``[H, rows, Sk]`` chunks of consecutive query
     rows, each a multiple of ``align`` rows (the last may be shorter) and, where ``align`` allows,
     at most about ``_CHUNK_ELEMENTS`` elements: the whole ``[H, Sq, Sk]`` never exists at once.
     ``shared_heads`` (one head standing for every head, ``H = 1``, the string saying how to give the
-    heads) refuses a mask_mod that reads its head index (:func:`_reads_head`), since
+    heads) refuses a mask_mod that reads its head index in any of ``samples`` (:func:`_reads_head`), since
     torch calls it with each head's index. Under ``one_head`` (``H = 1``) such a mask_mod is taken
     as one of a model of one head where it fails at head 1 (a per-head table of one entry), which
-    torch never calls with head 1; it is evaluated at head 1 to tell. Where the mask_mod cannot
-    be traced, head 1 is evaluated instead and compared with head 0 (heads past 1 unchecked)."""
+    torch never calls with head 1; it is evaluated at head 1 to tell. Where that cannot be told,
+    head 1 is evaluated instead and compared with head 0 (heads past 1 unchecked)."""
     H, Sq, Sk = shape
     if Sq == 0 or Sk == 0:  # no element to evaluate (an empty problem)
         yield torch.zeros(shape, dtype=torch.bool, device=dev)
         return
-    traced = _reads_head(mask_mod, dev) if shared_heads else False
+    traced = _reads_head(mask_mod, dev, samples) if shared_heads else False
     if traced and not one_head:
         raise _reads_head_error(shared_heads)
     step = max(1, _row_chunk(H, Sk) // align) * align
@@ -886,21 +889,25 @@ class _FromHead(TorchDispatchMode):
         return out
 
 
-def _reads_head(mask_mod, dev: torch.device) -> bool | None:
+def _reads_head(mask_mod, dev: torch.device, samples: int) -> bool | None:
     """Whether ``mask_mod`` reads its head index ``h`` (its result comes out of an operation on
-    ``h``, even one that leaves it unchanged): evaluated as it is evaluated (:func:`_vmapped`) at
-    one element, with the sample index batched too so that indexing by it stays an operation, under
-    :class:`_FromHead`. The answer holds for every sample, head, row and key, since every operation
-    ``h`` flows through is seen. None where the evaluation fails (Python control flow on the sample
-    index, say; the caller then compares head 1 with head 0)."""
-    b, h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(4))
-    per_sample = torch.vmap(_vmapped(mask_mod), in_dims=(0, None, None, None), out_dims=0)
-    try:
-        with _FromHead(h) as mode:
-            out = per_sample(b, h, q_idx, kv_idx)
-    except Exception:  # noqa: BLE001 - the evaluation itself names any real error
-        return None
-    return id(out) in mode.marked
+    ``h``, even one that leaves it unchanged): evaluated as :func:`_evaluate` evaluates it, at one
+    element of each of ``samples`` samples (the sample index is a plain value, which a mask_mod may
+    branch on or index a list with), under :class:`_FromHead`. For a sample, the answer holds for
+    every head, row and key, since every operation ``h`` flows through is seen. None where an
+    evaluation fails and none read ``h`` (the caller then compares head 1 with head 0)."""
+    h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3))
+    fn, failed = _vmapped(mask_mod), False
+    for b in range(samples):
+        try:
+            with _FromHead(h) as mode:
+                out = fn(torch.tensor(b, device=dev), h, q_idx, kv_idx)
+        except Exception:  # noqa: BLE001 - the evaluation itself names any real error
+            failed = True
+            continue
+        if id(out) in mode.marked:
+            return True
+    return None if failed else False
 
 
 def _vmapped(mask_mod):
