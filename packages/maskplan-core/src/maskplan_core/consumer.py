@@ -361,9 +361,8 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     g = geometry
     expected = (g.mask_heads, g.nfunc, g.total_q)
-    same_device = mask_func.device.type == g.device.type and (
-        _device_index(mask_func.device) == _device_index(g.device)
-    )
+    a, b = mask_func.device, g.device
+    same_device = a.type == b.type and (a.type != "cuda" or cuda_index(a) == cuda_index(b))
     if mask_func.dtype != torch.int32 or tuple(mask_func.shape) != expected or not same_device:
         raise InputValueError(
             f"mask_func ({mask_func.dtype} {tuple(mask_func.shape)} on {mask_func.device}) is not the "
@@ -376,11 +375,9 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
         require_shared_mask_for_pack_gqa(g)
 
 
-def _device_index(device: torch.device) -> tuple[str, int | None]:
-    """``(type, index)`` with a CUDA device's missing index read as the current device's."""
-    if device.type == "cuda" and device.index is None:
-        return "cuda", torch.cuda.current_device()
-    return device.type, device.index
+def cuda_index(device: torch.device) -> int:
+    """The ordinal of a CUDA device (``torch.device("cuda")`` names the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 # -- view -> kernel config (the check every kernel launcher runs first) ----------------------------

@@ -23,6 +23,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32, Int64
 
+from maskplan_core.consumer import cuda_index
+
 INT32_BYTES = 4
 #: the alignment every planner pointer assumes (one element)
 ALIGN_BYTES = INT32_BYTES
@@ -73,11 +75,6 @@ def torch_stream(device: torch.device) -> int:
     Read through the raw-handle accessor torch's own compiled code uses (no ``Stream`` object:
     ~0.3 instead of ~5 us, and every plan build and attention call reads it)."""
     return _current_raw_stream(cuda_index(device))
-
-
-def cuda_index(device: torch.device) -> int:
-    """The ordinal of a CUDA device (``torch.device("cuda")`` names the current one)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _stream_handle(index: int) -> int:
