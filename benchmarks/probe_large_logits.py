@@ -71,10 +71,10 @@ def main() -> None:
         if "sdpa" in names:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            backends = [SDPBackend.MATH] if args.device == "cpu" else list(SDPBackend)
+            # named, not iterated: SDPBackend is a pybind11 enum, which torch 2.11 cannot iterate
+            gpu = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+            backends = [SDPBackend.MATH] if args.device == "cpu" else [*gpu, SDPBackend.MATH]
             for backend in backends:
-                if backend == SDPBackend.OVERRIDEABLE:
-                    continue
                 try:
                     with sdpa_kernel(backend):
                         o = torch.nn.functional.scaled_dot_product_attention(
