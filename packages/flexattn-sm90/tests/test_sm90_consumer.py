@@ -6,6 +6,7 @@ import dataclasses
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -357,3 +358,32 @@ def test_resolve_is_memoised_and_refusals_repeat():
     for _ in range(2):  # a refused request is never cached
         with pytest.raises(UnsupportedConfigError, match="Hmask=8"):
             c.resolve(request(pack_gqa=True, mask_heads=8))
+
+
+def test_softmax_scales_past_fp32_are_refused_where_nothing_is_visible(monkeypatch):
+    """A call with no visible key runs no kernel (its outputs are set on the host), yet a scale the
+    kernels' fp32 cannot hold is refused there as on every other call, not answered with zeros. The
+    device checks are stood in for so the shortcut is reached on the CPU."""
+    import flexattn_sm90.bwd_launch as bwd_launch
+    import flexattn_sm90.fwd_launch as fwd_launch
+    import maskplan_kernels.consumer_launch as consumer_launch
+    from maskplan_core.errors import InputValueError
+    from maskplan_core.testing import consumer_plan
+
+    total, hq, hkv, d = 64, 2, 1, 64
+    q, k, v = _thd(total, hq, d, 0), _thd(0, hkv, d, 1), _thd(0, hkv, d, 2)  # no key
+    nothing = torch.zeros(1, 1, total, dtype=torch.int32)
+    plan = consumer_plan(Sm90Consumer(), nothing, q[None], k[None], v[None])  # B = 1: THD is [B*S, H, D]
+    monkeypatch.setattr(consumer_launch, "check_inputs", lambda view, **tensors: None)
+    grads = tuple(torch.zeros_like(t) for t in (q, k, v))
+    empty_io = SimpleNamespace(nothing_visible=True, grads=grads)
+    monkeypatch.setattr(consumer_launch, "backward_io", lambda *args, **kwargs: empty_io)
+    fwd, bwd = plan.view("forward"), plan.view("backward")
+    out, lse, _ = fwd_launch.run_forward(fwd, q, k, v, softmax_scale=0.1, return_max_logit=False)
+    assert not out.any() and bool((lse == float("-inf")).all())
+    assert bwd_launch.run_backward(bwd, q, k, v, out, lse, out, None, softmax_scale=0.1) == grads
+    refused = "softmax_scale=1e\\+39 is past the fp32 range"
+    with pytest.raises(InputValueError, match=refused):
+        fwd_launch.run_forward(fwd, q, k, v, softmax_scale=1e39, return_max_logit=False)
+    with pytest.raises(InputValueError, match=refused):
+        bwd_launch.run_backward(bwd, q, k, v, out, lse, out, None, softmax_scale=1e39)

@@ -301,6 +301,7 @@ def forward_io(
     ``out``/``lse`` and the -inf initialised ``max_logit``. Returns :class:`ForwardIO`. An empty
     problem (no query row or no key: ``nothing_visible``) gets ``out = 0`` and ``lse = -inf`` here,
     as cuDNN returns them, and its q, k, v are returned as they are."""
+    softmax_scale = fp32_softmax_scale(softmax_scale)  # refused even where no kernel runs
     check_inputs(view, q=q, k=k, v=v)
     g, device = view.geometry, q.device
     require_int32_offsets(g, payload_words=view.mask_block_masks.numel())
@@ -807,6 +808,7 @@ class BackwardCompiler:
         shapes and q's dtype) to be written in place; every element of them is written.
         """
         config = self.config_for_view(view)
+        softmax_scale = fp32_softmax_scale(softmax_scale)  # refused even where no kernel runs
         io = backward_io(
             view, q, k, v, out, lse, dout, dlse, accum_head_dim=config.head_dim_qk, dq=dq, dk=dk, dv=dv,
             row_granule=self.row_granule(config),
