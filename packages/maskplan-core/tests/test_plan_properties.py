@@ -514,7 +514,8 @@ def test_chunked_planning_builds_the_same_plan(tiles, monkeypatch):
     """The reference planner's chunks (classification rows, tile predicates, payload packing) of a
     few tiles each give the plan of one chunk, tensor for tensor: where most tiles are partial the
     predicates of all of them are the dense mask, so they are made and packed a chunk at a time.
-    ``to_dense`` decodes a few tiles at a time too (check_plan compares it with the mask)."""
+    ``to_dense`` and ``validate`` decode a few tiles at a time too (check_plan compares it with the
+    mask)."""
     # the modules themselves (the package's ``classify`` is also a function of that name)
     names = ("classify", "csr", "intervals")
     modules = [importlib.import_module(f"maskplan_core.reference.{name}") for name in names]
@@ -523,8 +524,9 @@ def test_chunked_planning_builds_the_same_plan(tiles, monkeypatch):
     tile_elements = tiles[0][0] * tiles[0][1]
     for module in modules:
         monkeypatch.setattr(module, "CHUNK_ELEMENTS", 3 * tile_elements)
-    plan_module = importlib.import_module("maskplan_core.plan")
-    monkeypatch.setattr(plan_module, "_DENSE_CHUNK_ELEMENTS", 2 * tile_elements)
+    monkeypatch.setattr(
+        importlib.import_module("maskplan_core.view_check"), "TILE_CHUNK_ELEMENTS", 2 * tile_elements
+    )
     _, chunked, _ = small_plan(p, tiles, build_backward=True)
     for role in whole.roles:
         a, b = whole.view(role).tensors, chunked.view(role).tensors

@@ -140,6 +140,19 @@ def test_signature_of_another_abi_version_fails_to_parse(version):
         PlanSignature.model_validate(data)
 
 
+def test_a_json_signature_names_its_abi_version():
+    """Python may leave ``abi_version`` out (it is this version's), JSON may not, and the published
+    schema requires it: a producer in another language cannot write a signature of no version,
+    which the next ABI would read with its own meaning."""
+    data = signature().model_dump()
+    assert PlanSignature.model_validate_json(json.dumps(data)) == signature()
+    del data["abi_version"]
+    assert PlanSignature(**data) == PlanSignature.model_validate(data) == signature()
+    with pytest.raises(ValidationError, match=f"abi_version is missing.*this is {ABI_VERSION}"):
+        PlanSignature.model_validate_json(json.dumps(data))
+    assert PlanSignature.model_json_schema()["required"][0] == "abi_version"
+
+
 def test_diff_of_equal_signatures_is_empty():
     assert signature().diff(signature()) == []
 

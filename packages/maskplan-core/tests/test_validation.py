@@ -139,6 +139,18 @@ def test_valid_inputs_pass():
     plan(causal(hmask=HQ, nfunc=5), *fixed_qkv())
 
 
+def test_fixed_length_batches_past_int32_tokens_are_refused():
+    """B x S past 2^31 - 1 tokens would wrap the int32 prefixes (``[0, 2^30, -2^31]`` at B = 2,
+    S = 2^30): refused naming the tensor, as a varlen total is. Expanded tensors: no memory."""
+    big = torch.empty(1, 1, 1, 8).expand(2, 2**30, 1, 8)
+    small = torch.empty(1, 1, 1, 8).expand(2, 16, 1, 8)
+    mask = torch.empty(1, 1, 1, dtype=torch.int32).expand(1, 1, 2**31)
+    with pytest.raises(InputValueError, match=r"q \(2, 1073741824, 1, 8\) holds 2147483648 tokens"):
+        validate_plan_inputs(mask, big, small, small)
+    with pytest.raises(InputValueError, match=r"k \(2, 1073741824, 1, 8\) holds 2147483648 tokens"):
+        validate_plan_inputs(mask[..., :32], small, big, big)
+
+
 def test_fixed_length_prefixes_are_made_once_per_shape():
     a = validate_plan_inputs(causal(), *fixed_qkv())
     b = validate_plan_inputs(causal(), *fixed_qkv())

@@ -86,6 +86,8 @@ def run_case(
     fwd_layout, bwd_layout = layouts
     ref, got = build_both(g, mask, fwd_layout, bwd_layout if backward else None, pack_gqa=pack_gqa)
     assert_plans_equal(ref, got)
+    for role in got.roles:  # the ABI's value checks, on CUDA tensors
+        got.view(role).validate()
     return ref, got
 
 

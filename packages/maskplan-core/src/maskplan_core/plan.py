@@ -8,6 +8,18 @@ Sparse format of one view, for mask head ``h`` and outer plan row ``r`` (a Q blo
                      with payload mask_block_masks[mask_block_offset[h, r] + i]
     full entries:    full_block_idx[full_block_offset[h, r] + i],  i < full_block_cnt[h, r]
 
+Every tensor is int32 on the plan's device (uint32 bit patterns stored as int32 in the payload)::
+
+    mask_block_cnt / _offset, full_block_cnt / _offset   [Hmask, rows]   rows: the view's outer blocks
+    mask_block_idx, full_block_idx                       [nnz]           of every sample, in order
+    mask_block_masks        [partial nnz, subtiles, groups, words_per_group]   (the view's layout)
+    sequence_desc           [B, 8]          varlen views only
+    fwd_work_desc           [tasks, 4]      forward view only
+    dq_write_order(_full)   [partial (full) nnz]                               backward view only
+
+``maskplan_core.view_check`` checks them: their structure whenever a view is made, their values
+in :meth:`PlanView.validate`.
+
 Offsets are exclusive scans of the counts over ``(h, r)``, shaped like them (``[Hmask, rows]``):
 unlike spec 4.5's ``offset[i + 1] = offset[i] + count[i]`` there is no closing total, so a row's
 range ends at ``offset + count``, never at the next row's offset (a kernel written for cuDNN's
@@ -47,6 +59,7 @@ What a kernel may rely on besides the loop above (the ABI a consumer's kernels r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -63,9 +76,8 @@ from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
 from .validation import head_dim_contiguous, require_int, require_strided, write_count
+from .view_check import check_structure, check_values, entry_tiles, fixed_blocks
 
-#: tile elements ``to_dense`` decodes at a time (each set one becomes three int64 indices)
-_DENSE_CHUNK_ELEMENTS = 1 << 22
 VIEW_TENSORS = (
     "mask_block_cnt",
     "mask_block_offset",
@@ -97,9 +109,7 @@ def fixed_sequence_desc(
     The attention kernels derive the same columns on the device
     (``maskplan_kernels.consumer_plan.desc_field``).
     """
-    block_m, block_n = block
-    q_blocks, k_blocks = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-    outer_blocks, inner_blocks = (q_blocks, k_blocks) if outer == "q" else (k_blocks, q_blocks)
+    outer_blocks, inner_blocks = fixed_blocks(seqlen_q, seqlen_k, block, outer)
     b = torch.arange(batch, dtype=torch.int32, device=device)
     same = functools.partial(torch.full_like, b)  # one value for every sample
     cols = [b * seqlen_q, b * seqlen_k, same(seqlen_q), same(seqlen_k)]
@@ -139,6 +149,19 @@ class PlanView:
                 f"the layout it is packed with ({self.layout.spec})"
             )
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        check_structure(self)
+
+    def validate(self) -> PlanView:
+        """Read every tensor and raise :class:`InputValueError` unless they hold what the ABI says
+        (:func:`maskplan_core.view_check.check_values`: offsets, index ranges and order, disjoint
+        partial and full lists, payload bits within the sample, the varlen descriptor, the forward
+        task queue, the dQ ranks). Making a view checks only its tensors' structure; a planner or
+        loader of one's own calls this once per plan. Returns the view."""
+        check_values(self)
+        return self
+
+    def __reduce__(self):  # the read-only mapping does not pickle; the view is its five fields
+        return PlanView, (self.role, self.signature, self.layout, self.geometry, dict(self.tensors))
 
     def __getattr__(self, name: str):
         if name in VIEW_TENSORS:
@@ -230,35 +253,22 @@ class PlanView:
 
     def to_dense(self) -> torch.Tensor:
         """bool ``[Hmask, total_q, Sk]``; varlen: ``Sk`` is the longest sample's k_len (not the
-        declared ``max_seqlen_k``, which may be a loose bound), False past each sample's k_len."""
-        g = self.geometry
+        declared ``max_seqlen_k``, which may be a loose bound), False past each sample's k_len.
+        Runs :meth:`validate` first: a view that breaks the ABI is refused, not decoded."""
+        g = self.validate().geometry
         sk = int(self.sequence_desc()[:, 3].max()) if g.varlen else g.max_seqlen_k
         dense = torch.zeros(g.mask_heads, g.total_q, sk, dtype=torch.bool, device=g.device)
-        for kind in ("partial", "full"):
-            self._scatter_tiles(dense, self.entries(kind))
-        return dense
-
-    def _scatter_tiles(self, dense: torch.Tensor, e: BlockEntries) -> None:
         tm, tn = self.block_size
         desc = self.sequence_desc().to(torch.int64)
-        t = torch.arange(tm, device=dense.device)
-        u = torch.arange(tn, device=dense.device)
-        step = max(1, _DENSE_CHUNK_ELEMENTS // (tm * tn))
-        for c in range(0, e.head.numel(), step):
-            sl = slice(c, c + step)
-            b = e.batch[sl]
-            q_local = e.q_block[sl, None] * tm + t
-            k_local = e.k_block[sl, None] * tn + u
-            row_ok = q_local < desc[b, 2, None]
-            col_ok = k_local < desc[b, 3, None]
-            if e.payload is None:
-                tiles = row_ok[:, :, None] & col_ok[:, None, :]
-            else:
-                tiles = self.layout.unpack(e.payload[sl])
-                if (tiles & ~(row_ok[:, :, None] & col_ok[:, None, :])).any():
-                    raise AssertionError("payload sets a bit outside the sample's bounds")
-            n, r, k = tiles.nonzero(as_tuple=True)
-            dense[e.head[sl][n], desc[b[n], 0] + q_local[n, r], k_local[n, k]] = True
+        for kind in ("partial", "full"):
+            e = self.entries(kind)
+            first = 0
+            for tiles, _ in entry_tiles(self, e):
+                n, r, k = tiles.nonzero(as_tuple=True)
+                n += first
+                first += tiles.shape[0]
+                dense[e.head[n], desc[e.batch[n], 0] + e.q_block[n] * tm + r, e.k_block[n] * tn + k] = True
+        return dense
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values() if t is not None)
@@ -341,6 +351,30 @@ def _plan_storage(
     )
 
 
+def _check_views(geometry: PlanGeometry, views: dict[str, PlanView]) -> None:
+    """A plan holds a forward view, and a backward one at most, each under its own role and bound
+    to the plan's geometry (a consumer reads the plan's geometry with either view's tensors)."""
+    if "forward" not in views:
+        raise InputValueError(f"a MaskPlan needs a forward view; it was given {list(views)}")
+    for role, view in views.items():
+        if role not in ("forward", "backward") or view.role != role:
+            raise InputValueError(
+                f"a MaskPlan's views are 'forward' and 'backward'; {role!r} holds a {view.role} view"
+            )
+        if not _same_geometry(view.geometry, geometry):
+            raise InputValueError(
+                f"the {role} view was built for {view.geometry.describe()}, not for the plan's "
+                f"{geometry.describe()}"
+            )
+
+
+def _same_geometry(a: PlanGeometry, b: PlanGeometry) -> bool:
+    if a is b:
+        return True
+    pairs = ((getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in pairs)
+
+
 def _write_counts(storage: tuple[tuple[str, torch.Tensor], ...]) -> tuple[int, ...]:
     return tuple(write_count(t) for _, t in storage)
 
@@ -391,6 +425,7 @@ class MaskPlan:
     def __init__(
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
     ):
+        _check_views(geometry, views)
         init = object.__setattr__  # __setattr__ refuses every write once _consumer is set
         init(self, "_geometry", geometry)
         init(self, "_views", dict(views))

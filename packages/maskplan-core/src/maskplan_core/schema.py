@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 #: 2: fixed-length views no longer carry ``sequence_desc`` (consumers derive it)
 ABI_VERSION = 2
@@ -69,7 +69,9 @@ class PlanSignature(_Frozen):
     """What one materialised view is for. Dispatch compares it field by field (spec section 7)."""
 
     #: a plan of another ABI version fails to parse, naming this field, rather than being read
-    #: with this version's meaning of its tensors
+    #: with this version's meaning of its tensors. Python code may leave it out (it is this
+    #: version's); JSON must carry it (:meth:`_json_names_its_version`), and the published schema
+    #: says so, so a producer in another language cannot write a signature of no version
     abi_version: Literal[ABI_VERSION] = ABI_VERSION  # type: ignore[valid-type]
     arch_family: str = Field(description="'reference', 'sm90', 'sm100', ...")
     direction: Direction
@@ -79,6 +81,17 @@ class PlanSignature(_Frozen):
     payload: PayloadLayoutSpec
     scheduler_layout: str
     dq_order_format: Literal["none", "rank_int32"] = "none"
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: schema["required"].insert(0, "abi_version"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_names_its_version(cls, data, info: ValidationInfo):
+        if info.mode == "json" and isinstance(data, dict) and "abi_version" not in data:
+            raise ValueError(
+                f"abi_version is missing: a signature in JSON names its ABI version (this is {ABI_VERSION})"
+            )
+        return data
 
     def diff(self, actual: PlanSignature) -> list[SignatureDiff]:
         """Fields (dotted for nested models) where ``actual`` differs from ``self``."""

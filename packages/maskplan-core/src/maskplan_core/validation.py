@@ -251,6 +251,12 @@ def validate_plan_inputs(
                 f"q and k must have a nonzero batch size, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
         total_q, total_k = batch * max_q, batch * max_k
+        for name, t, total in (("q", q, total_q), ("k", k, total_k)):
+            if total > MAX_SEQLEN:  # the int32 prefixes would wrap
+                raise InputValueError(
+                    f"{name} {tuple(t.shape)} holds {total} tokens (B x S); a plan's int32 token "
+                    f"offsets reach {MAX_SEQLEN}"
+                )
         cu_q, cu_k = fixed_prefixes(batch, max_q, max_k, device)
     if not isinstance(mask_func, torch.Tensor) or mask_func.dtype == torch.bool:
         kind, convert = mask_kind(mask_func), endpoints_of(mask_func)

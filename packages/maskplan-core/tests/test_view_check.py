@@ -1,0 +1,213 @@
+"""maskplan_core.view_check: a view whose tensors break the ABI is refused by name (its structure when
+it is made, its values by ``validate`` and ``to_dense``), where a consumer would misread it."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+
+import pytest
+import torch
+from test_plan_properties import small_config
+
+from maskplan_core import MaskPlan, PlanView, masks, validate_plan_inputs
+from maskplan_core.errors import InputValueError
+from maskplan_core.reference import build_plan
+
+CU = [0, 70, 70, 150]  # an empty middle sample
+
+
+def _plan(varlen: bool, hmask: int = 2, *, heads: int = 2, backward: bool = True) -> MaskPlan:
+    """Sliding windows (one per mask head) over two samples: empty, partial and full tiles at the
+    16x32 forward / 32x16 backward blocks."""
+    if varlen:
+        cu = torch.tensor(CU, dtype=torch.int32)
+        shape, extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu), dict(max_seqlen_q=80, max_seqlen_k=80)
+        q = k = torch.randn(CU[-1], heads, 8)
+        extra |= shape
+    else:
+        shape, extra = dict(seqlen_q=90, seqlen_k=100, batch=2), {}
+        q, k = torch.randn(2, 90, heads, 8), torch.randn(2, 100, heads, 8)
+    ep = torch.cat([masks.sliding_window(**shape, window_left=w) for w in (70, 50)[:hmask]])
+    g = validate_plan_inputs(ep, q, k, k, **extra)
+    bwd = small_config("backward", (32, 16)) if backward else None
+    return build_plan(ep, g, small_config("forward", (16, 32)), bwd, "test")
+
+
+def _remade(view: PlanView, **tensors) -> PlanView:
+    return PlanView(view.role, view.signature, view.layout, view.geometry, {**view.tensors, **tensors})
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_planned_views_pass(varlen):
+    plan = _plan(varlen)
+    for role in plan.roles:
+        view = plan.view(role)
+        assert view.validate() is view
+        assert view.stats()["partial"] and view.stats()["full"]  # the tampering below has both kinds
+
+
+def _structure_cases(view: PlanView) -> dict:
+    t = view.tensors
+    idx = t["mask_block_idx"]
+    return {
+        "tensors lack mask_block_idx": {"mask_block_idx": None},
+        "tensors include sequence_desc": {"sequence_desc": torch.zeros(2, 8, dtype=torch.int32)},
+        "mask_block_idx is torch.int64": {"mask_block_idx": idx.long()},
+        "mask_block_cnt is torch.float32": {"mask_block_cnt": t["mask_block_cnt"].float()},
+        "mask_block_offset is int": {"mask_block_offset": 3},
+        r"mask_block_cnt has shape \(\d+, 2\)": {"mask_block_cnt": t["mask_block_cnt"].T.contiguous()},
+        r"mask_block_cnt has shape \(\d+,\)": {"mask_block_cnt": t["mask_block_cnt"].reshape(-1)},
+        "full_block_offset has shape": {"full_block_offset": t["full_block_offset"][:, :-1]},
+        "mask_block_idx has shape .* one-dimensional": {"mask_block_idx": idx[None]},
+        "mask_block_masks has shape": {"mask_block_masks": t["mask_block_masks"].reshape(idx.numel(), -1)},
+        "fwd_work_desc has shape": {"fwd_work_desc": t["fwd_work_desc"][:, :3]},
+        "full_block_idx is torch.int32 on meta; .* on the plan's cpu": {
+            "full_block_idx": t["full_block_idx"].to("meta")
+        },
+    }
+
+
+@pytest.mark.parametrize("case", list(_structure_cases(_plan(False).view("forward"))))
+def test_structure_is_checked_when_a_view_is_made(case):
+    view = _plan(False).view("forward")
+    with pytest.raises(InputValueError, match=f"the forward view's {case}"):
+        _remade(view, **_structure_cases(view)[case])
+
+
+def test_structure_of_rows_and_role_tensors():
+    plan = _plan(False)
+    fwd, bwd = plan.view("forward"), plan.view("backward")
+    csr = ("mask_block_cnt", "mask_block_offset", "full_block_cnt", "full_block_offset")
+    with pytest.raises(InputValueError, match=r"CSR rows are \d+; B x Q blocks is"):
+        _remade(fwd, **{name: fwd.tensors[name][:, 1:] for name in csr})
+    with pytest.raises(InputValueError, match="lack dq_write_order_full"):
+        _remade(bwd, dq_write_order_full=None)
+    with pytest.raises(InputValueError, match="dq_write_order has shape"):
+        _remade(bwd, dq_write_order=bwd.tensors["dq_write_order"][1:])
+    with pytest.raises(InputValueError, match="include fwd_work_desc, which a backward view does not hold"):
+        _remade(bwd, fwd_work_desc=fwd.tensors["fwd_work_desc"])
+    varlen = _plan(True).view("forward")
+    with pytest.raises(InputValueError, match="lack sequence_desc"):
+        _remade(varlen, sequence_desc=None)
+    with pytest.raises(InputValueError, match=r"sequence_desc has shape \(2, 8\), expected \(3, 8\)"):
+        _remade(varlen, sequence_desc=varlen.tensors["sequence_desc"][:2])
+
+
+def _first_row_with(cnt: torch.Tensor, at_least: int) -> int:
+    return int((cnt.reshape(-1) >= at_least).nonzero()[0])
+
+
+def _value_cases(view: PlanView) -> list[tuple[str, dict]]:
+    """Tampered tensors of ``view`` (right structure, wrong values) -> the refusal's words."""
+    t = {name: x.clone() for name, x in view.tensors.items() if x is not None}
+    cases = []
+
+    def case(words, **changes):
+        cases.append((words, changes))
+
+    idx, cnt = t["mask_block_idx"], t["mask_block_cnt"]
+    case("mask_block_idx has a block index outside", mask_block_idx=idx - 1 - idx.min())
+    case("full_block_idx has a block index outside", full_block_idx=t["full_block_idx"] + 7)
+    case("mask_block_cnt has a negative count", mask_block_cnt=cnt - (cnt == cnt.max()).int() * 2 * cnt.max())
+    moved = cnt.clone().reshape(-1)
+    r = _first_row_with(moved, 1)
+    moved[r] -= 1
+    moved[-1] += 1  # same total, the entries now belong to other rows
+    case("mask_block_offset is not the exclusive scan", mask_block_cnt=moved.view_as(cnt))
+    offset = t["mask_block_offset"].clone().reshape(-1)
+    offset[_first_row_with(cnt, 1) + 1] = 0  # a row pointing at another's entries (the helper's t6)
+    case("mask_block_offset is not the exclusive scan", mask_block_offset=offset.view_as(cnt))
+    swapped = idx.clone()
+    r = _first_row_with(cnt, 2)
+    first = int(t["mask_block_offset"].reshape(-1)[r])
+    swapped[first], swapped[first + 1] = idx[first + 1], idx[first]
+    case("mask_block_idx is not ascending within a row", mask_block_idx=swapped)
+    payload = t["mask_block_masks"].clone()
+    payload[:] = -1  # every bit, past q_len / k_len too
+    case("mask_block_masks sets a bit past its sample", mask_block_masks=payload)
+    if view.role == "forward":
+        work = t["fwd_work_desc"].clone()
+        work[1] = work[0]
+        case("fwd_work_desc is not one", fwd_work_desc=work)
+        work = t["fwd_work_desc"].clone()
+        work[:, 3] = 16
+        case("fwd_work_desc is not one", fwd_work_desc=work)
+    else:
+        case("dq_write_order.* is not each entry's K block rank", dq_write_order=t["dq_write_order"].flip(0))
+    return cases
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("role", ["forward", "backward"])
+def test_values_are_checked_by_validate_and_to_dense(varlen, role):
+    view = _plan(varlen).view(role)
+    cases = _value_cases(view)
+    assert len(cases) >= 8
+    for words, changes in cases:
+        bad = _remade(view, **changes)  # the structure is right: made without complaint
+        for check in (bad.validate, bad.to_dense):
+            with pytest.raises(InputValueError, match=f"the {role} view's {words}"):
+                check()
+
+
+def test_a_tile_in_both_lists_and_a_full_tile_past_the_sample_are_refused():
+    view = _plan(False, hmask=1).view("forward")
+    t = view.tensors
+    full_cnt, full_idx = t["full_block_cnt"].clone().reshape(-1), t["full_block_idx"]
+    cnt, idx = t["mask_block_cnt"].reshape(-1), t["mask_block_idx"]
+    # move row r's first partial tile into its full list as well (sorted into place)
+    r = int(((cnt > 0) & (full_cnt > 0)).nonzero()[0])
+    off_p, off_f = int(t["mask_block_offset"].reshape(-1)[r]), int(t["full_block_offset"].reshape(-1)[r])
+    row_full = torch.cat([full_idx[off_f : off_f + int(full_cnt[r])], idx[off_p : off_p + 1]]).sort().values
+    new_idx = torch.cat([full_idx[:off_f], row_full, full_idx[off_f + int(full_cnt[r]) :]])
+    full_cnt[r] += 1
+    shared = dict(
+        full_block_idx=new_idx,
+        full_block_cnt=full_cnt.view_as(t["full_block_cnt"]),
+        full_block_offset=(torch.cumsum(full_cnt, 0) - full_cnt).int().view_as(t["full_block_cnt"]),
+    )
+    with pytest.raises(InputValueError, match="partial and full lists share a tile"):
+        _remade(view, **shared).validate()
+    # sample 0's last K block (100 keys on 32-column tiles) listed full: past k_len
+    last = torch.full_like(full_idx, 3)
+    with pytest.raises(InputValueError, match="full_block_idx lists a tile reaching past"):
+        _remade(view, full_block_idx=last).validate()
+
+
+def test_varlen_descriptor_must_be_the_geometrys():
+    view = _plan(True).view("forward")
+    desc = view.tensors["sequence_desc"].clone()
+    desc[2, 2] -= 1
+    with pytest.raises(InputValueError, match="sequence_desc is not its geometry's"):
+        _remade(view, sequence_desc=desc).validate()
+
+
+def test_a_plan_holds_views_of_its_own_geometry_and_roles():
+    plan, other = _plan(False), _plan(False, hmask=1)
+    fwd, bwd = plan.view("forward"), plan.view("backward")
+    header, g = (0,) * 8, plan.geometry
+    MaskPlan(dataclasses.replace(g), {"forward": fwd}, header, "test")  # an equal geometry will do
+    with pytest.raises(InputValueError, match="the backward view was built for .* not for the plan's"):
+        MaskPlan(g, {"forward": fwd, "backward": other.view("backward")}, header, "test")
+    with pytest.raises(InputValueError, match="needs a forward view"):
+        MaskPlan(g, {"backward": bwd}, header, "test")
+    with pytest.raises(InputValueError, match="'forward' holds a backward view"):
+        MaskPlan(g, {"forward": bwd}, header, "test")
+
+
+def test_views_pickle_and_torch_save():
+    view = _plan(True).view("backward")
+    for copy in (pickle.loads(pickle.dumps(view)), _torch_round_trip(view)):
+        assert copy.signature == view.signature and copy.geometry.describe() == view.geometry.describe()
+        assert copy.tensors.keys() == view.tensors.keys()
+        assert all(torch.equal(copy.tensors[n], view.tensors[n]) for n in view.tensors)
+        assert torch.equal(copy.to_dense(), view.to_dense())
+
+
+def _torch_round_trip(view: PlanView) -> PlanView:
+    buffer = io.BytesIO()
+    torch.save(view, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
