@@ -9,6 +9,7 @@ Rows with no visible key must give ``O = 0``, ``LSE = -inf`` and zero gradients.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -519,3 +520,27 @@ def test_small_tile_reference_attention_matches_dense(c, tiles, scale):
     want = grads((ref_out * dout).sum() + (ref_lse[finite] * dlse[finite]).sum(), (q, k, v))
     for name, g, r in zip("qkv", got, want, strict=True):
         torch.testing.assert_close(g, r, **tol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_tensors_of_another_problem_are_refused_by_name():
+    """Called directly (the facade checks first), the reference attention refuses THD tensors of
+    other sizes than its view's plan, naming the tensor: shorter q was an IndexError deep in the tile
+    gather, longer q and more heads were accepted with outputs of the plan's sizes."""
+    from maskplan_core import masks
+    from maskplan_core.errors import InputValueError
+
+    B, S, H, D = 2, 200, 2, 16
+    q = torch.randn(B, S, H, D)
+    ep = masks.sliding_window(S, window_left=30, batch=B)
+    g = validate_plan_inputs(ep, q, q, q)
+    plan = build_plan(ep, g, small_config("forward", 64, 48), small_config("backward", 48, 64), "test")
+    fwd, bwd = plan.view("forward"), plan.view("backward")
+    thd = q.reshape(B * S, H, D)
+    out, lse, _ = attention_forward(fwd, thd, thd, thd, softmax_scale=0.25)
+    for name, bad in (("q", thd[:200]), ("k", torch.randn(600, H, D)), ("v", torch.randn(B * S, 4, D))):
+        args = {"q": thd, "k": thd, "v": thd, name: bad}
+        shape = re.escape(str(tuple(bad.shape)))
+        with pytest.raises(InputValueError, match=rf"{name} is {shape} on cpu; .* takes THD"):
+            attention_forward(fwd, *args.values(), softmax_scale=0.25)
+    with pytest.raises(InputValueError, match=r"lse is \(400, 2\) on cpu; the plan's backward view takes"):
+        attention_backward(bwd, thd, thd, thd, out, lse.T, out, None, softmax_scale=0.25)

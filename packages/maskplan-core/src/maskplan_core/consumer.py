@@ -361,9 +361,8 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     g = geometry
     expected = (g.mask_heads, g.nfunc, g.total_q)
-    a, b = mask_func.device, g.device
-    same_device = a.type == b.type and (a.type != "cuda" or cuda_index(a) == cuda_index(b))
-    if mask_func.dtype != torch.int32 or tuple(mask_func.shape) != expected or not same_device:
+    same = same_device(mask_func.device, g.device)
+    if mask_func.dtype != torch.int32 or tuple(mask_func.shape) != expected or not same:
         raise InputValueError(
             f"mask_func ({mask_func.dtype} {tuple(mask_func.shape)} on {mask_func.device}) is not the "
             f"int32 [Hmask, nfunc, total_q] = {list(expected)} tensor on {g.device} that the geometry "
@@ -378,6 +377,45 @@ def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -
 def cuda_index(device: torch.device) -> int:
     """The ordinal of a CUDA device (``torch.device("cuda")`` names the current one)."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device (``cuda`` and ``cuda:0`` may)."""
+    return a.type == b.type and (a.type != "cuda" or cuda_index(a) == cuda_index(b))
+
+
+def thd_shapes(g: PlanGeometry) -> dict[str, tuple[int, ...]]:
+    """The THD shapes of an attention call's tensors for a plan of geometry ``g``: ``q, k, v, out,
+    dout`` (``[total, H, D]``) and the statistics ``lse, dlse`` (``[Hq, total_q]``)."""
+    o = (g.total_q, g.num_heads_q, g.head_dim_v)
+    return {
+        "q": (g.total_q, g.num_heads_q, g.head_dim_qk),
+        "k": (g.total_k, g.num_heads_kv, g.head_dim_qk),
+        "v": (g.total_k, g.num_heads_kv, g.head_dim_v),
+        "out": o,
+        "dout": o,
+        "lse": (g.num_heads_q, g.total_q),
+        "dlse": (g.num_heads_q, g.total_q),
+    }
+
+
+def check_thd_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
+    """Raise :class:`InputValueError` unless every given tensor (None is skipped) has the THD shape
+    :func:`thd_shapes` gives for ``view``'s geometry, on the plan's device: what a consumer's
+    ``forward`` / ``backward`` receive from the facade, checked where they are called directly
+    (the reference attention runs it). Dtypes are the caller's to check: the reference computes in
+    its own."""
+    g, shapes = view.geometry, thd_shapes(view.geometry)
+    for name, x in tensors.items():
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if tuple(x.shape) != shapes[name] or not same_device(x.device, g.device):
+            raise InputValueError(
+                f"{name} is {tuple(x.shape)} on {x.device}; the plan's {view.role} view takes THD "
+                f"{shapes[name]} on {g.device} ({g.describe()})"
+            )
 
 
 # -- view -> kernel config (the check every kernel launcher runs first) ----------------------------

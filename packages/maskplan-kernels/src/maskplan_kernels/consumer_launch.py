@@ -39,7 +39,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from maskplan_core.consumer import KERNEL_DTYPE_NAMES, capturing, has_thd_view, thd
+from maskplan_core.consumer import KERNEL_DTYPE_NAMES, capturing, has_thd_view, thd, thd_shapes
 from maskplan_core.errors import InputValueError, UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
@@ -81,24 +81,12 @@ def check_inputs(view: PlanView, **tensors: torch.Tensor | None) -> None:
     None is skipped) is a tensor of the THD shape and dtype the view's geometry expects, on ``q``'s
     CUDA device; a fixed-length view's ``q``, ``k``, ``v`` may also be ``[B, S, H, D]``."""
     g = view.geometry
-    q_shape = (g.total_q, g.num_heads_q, g.head_dim_qk)
-    k_shape = (g.total_k, g.num_heads_kv, g.head_dim_qk)
-    v_shape = (g.total_k, g.num_heads_kv, g.head_dim_v)
-    o_shape = (g.total_q, g.num_heads_q, g.head_dim_v)
-    stat_shape = (g.num_heads_q, g.total_q)
-    expect = {
-        "q": (q_shape, g.dtype),
-        "k": (k_shape, g.dtype),
-        "v": (v_shape, g.dtype),
-        "out": (o_shape, g.dtype),
-        "dout": (o_shape, g.dtype),
-        "lse": (stat_shape, torch.float32),
-        "dlse": (stat_shape, None),  # any floating point dtype
-    }
+    shapes = thd_shapes(g)
+    dtypes = {"lse": torch.float32, "dlse": None}  # dlse: any floating point dtype; the rest g.dtype
     for name, x in tensors.items():
         if x is None:
             continue
-        shape, dtype = expect[name]
+        shape, dtype = shapes[name], dtypes.get(name, g.dtype)
         if name in QKV and x.dim() == 4 and not g.varlen:  # [B, S, H, D]
             shape = (g.batch, shape[0] // g.batch, *shape[1:])
         dtype_ok = x.dtype == dtype if dtype is not None else x.dtype.is_floating_point

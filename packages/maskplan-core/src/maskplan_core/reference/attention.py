@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..consumer import check_thd_inputs
 from ..plan import BlockEntries, PlanView
 from ..validation import representable_scale
 
@@ -114,6 +115,7 @@ def _probabilities(tl: _Tiles, s: torch.Tensor, row_offset: torch.Tensor) -> tor
 
 @_exact
 def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool = False):
+    check_thd_inputs(view, q=q, k=k, v=v)
     g = view.geometry
     cd = compute_dtype(q.dtype)
     softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
@@ -148,6 +150,7 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
 @_exact
 def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax_scale: float):
     """Gradients (dq, dk, dv) in the inputs' dtype; ``dlse`` ``[Hq, total_q]`` or None."""
+    check_thd_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
     g = view.geometry
     cd = compute_dtype(q.dtype)
     softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
