@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .consumer import same_device
 from .errors import InputValueError
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def check_structure(view: PlanView) -> None:
             view, f"tensors include {', '.join(extra)}, which a {view.role} view does not hold{why}"
         )
     for name, t in present.items():
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.device != g.device:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or not same_device(t.device, g.device):
             got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise _refuse(view, f"{name} is {got}; the ABI holds int32 tensors on the plan's {g.device}")
 
