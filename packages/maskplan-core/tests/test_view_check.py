@@ -3,6 +3,7 @@ it is made, its values by ``validate`` and ``to_dense``), where a consumer would
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import pickle
@@ -125,8 +126,11 @@ def _value_cases(view: PlanView) -> list[tuple[str, dict]]:
     swapped[first], swapped[first + 1] = idx[first + 1], idx[first]
     case("mask_block_idx is not ascending within a row", mask_block_idx=swapped)
     payload = t["mask_block_masks"].clone()
-    payload[:] = -1  # every bit, past q_len / k_len too
+    every_element = view.layout.pack(torch.ones(1, *view.block_size, dtype=torch.bool))
+    payload[:] = every_element  # past q_len / k_len too
     case("mask_block_masks sets a bit past its sample", mask_block_masks=payload)
+    if not bool((every_element == -1).all()):  # the layout has padding bits
+        case("mask_block_masks sets a padding bit", mask_block_masks=torch.full_like(payload, -1))
     if view.role == "forward":
         work = t["fwd_work_desc"].clone()
         work[1] = work[0]
@@ -176,6 +180,26 @@ def test_a_tile_in_both_lists_and_a_full_tile_past_the_sample_are_refused():
         _remade(view, full_block_idx=last).validate()
 
 
+def test_a_geometry_that_contradicts_itself_is_refused():
+    """A kernel sizes its workspace from ``max_seqlen`` and reads rows up to the prefixes' end: a
+    hand-made geometry whose totals, prefixes and bounds disagree is refused (the facade never makes
+    one; a loader of stored plans might)."""
+    from maskplan_core.errors import SeqlenError
+
+    for varlen, changes, words in (
+        (True, dict(total_q=100), "cu_seqlens_q"),
+        (True, dict(max_seqlen_q=40), "cu_seqlens_q"),
+        (False, dict(total_q=150), "fixed-length geometry is not B samples of S rows"),
+        (False, dict(cu_seqlens_k=torch.tensor([0, 90, 200], dtype=torch.int32)), "fixed-length geometry"),
+        (False, dict(cu_seqlens_q=torch.tensor([0, 90, 180])), "geometry's cu_seqlens_q is torch.int64"),
+    ):
+        view = _plan(varlen).view("forward")
+        bad = PlanView(view.role, view.signature, view.layout, dataclasses.replace(view.geometry, **changes),
+                       view.tensors)  # fmt: skip
+        with pytest.raises((InputValueError, SeqlenError), match=words):
+            bad.validate()
+
+
 def test_varlen_descriptor_must_be_the_geometrys():
     view = _plan(True).view("forward")
     desc = view.tensors["sequence_desc"].clone()
@@ -197,13 +221,14 @@ def test_a_plan_holds_views_of_its_own_geometry_and_roles():
         MaskPlan(g, {"forward": bwd}, header, "test")
 
 
-def test_views_pickle_and_torch_save():
+def test_views_pickle_and_torch_save_and_copy_as_themselves():
     view = _plan(True).view("backward")
-    for copy in (pickle.loads(pickle.dumps(view)), _torch_round_trip(view)):
-        assert copy.signature == view.signature and copy.geometry.describe() == view.geometry.describe()
-        assert copy.tensors.keys() == view.tensors.keys()
-        assert all(torch.equal(copy.tensors[n], view.tensors[n]) for n in view.tensors)
-        assert torch.equal(copy.to_dense(), view.to_dense())
+    assert copy.copy(view) is view and copy.deepcopy(view) is view  # read-only, as a MaskPlan
+    for loaded in (pickle.loads(pickle.dumps(view)), _torch_round_trip(view)):
+        assert loaded.signature == view.signature and loaded.geometry.describe() == view.geometry.describe()
+        assert loaded.tensors.keys() == view.tensors.keys()
+        assert all(torch.equal(loaded.tensors[n], view.tensors[n]) for n in view.tensors)
+        assert torch.equal(loaded.to_dense(), view.to_dense())
 
 
 def _torch_round_trip(view: PlanView) -> PlanView:

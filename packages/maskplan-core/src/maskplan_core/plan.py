@@ -71,6 +71,7 @@ from types import MappingProxyType
 
 import torch
 
+from .consumer import same_device
 from .errors import InputTypeError, InputValueError, MissingBackwardViewError, PlanBindingError
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
@@ -161,7 +162,15 @@ class PlanView:
         return self
 
     def __reduce__(self):  # the read-only mapping does not pickle; the view is its five fields
-        return PlanView, (self.role, self.signature, self.layout, self.geometry, dict(self.tensors))
+        return type(self), (self.role, self.signature, self.layout, self.geometry, dict(self.tensors))
+
+    # Read-only, so a copy is the view itself (as a MaskPlan's): a consumer on another stream then
+    # still waits for the plan's build (maskplan_core.plan_ready keeps the event per view)
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
     def __getattr__(self, name: str):
         if name in VIEW_TENSORS:
@@ -260,14 +269,14 @@ class PlanView:
         dense = torch.zeros(g.mask_heads, g.total_q, sk, dtype=torch.bool, device=g.device)
         tm, tn = self.block_size
         desc = self.sequence_desc().to(torch.int64)
+        t, u = torch.arange(tm, device=g.device), torch.arange(tn, device=g.device)
         for kind in ("partial", "full"):
             e = self.entries(kind)
-            first = 0
-            for tiles, _ in entry_tiles(self, e):
+            for sl, tiles, _ in entry_tiles(self, e):
+                rows = desc[e.batch[sl], 0, None] + e.q_block[sl, None] * tm + t  # [n, tm] tokens
+                cols = e.k_block[sl, None] * tn + u
                 n, r, k = tiles.nonzero(as_tuple=True)
-                n += first
-                first += tiles.shape[0]
-                dense[e.head[n], desc[e.batch[n], 0] + e.q_block[n] * tm + r, e.k_block[n] * tn + k] = True
+                dense[e.head[sl][n], rows[n, r], cols[n, k]] = True
         return dense
 
     def nbytes(self) -> int:
@@ -371,8 +380,13 @@ def _check_views(geometry: PlanGeometry, views: dict[str, PlanView]) -> None:
 def _same_geometry(a: PlanGeometry, b: PlanGeometry) -> bool:
     if a is b:
         return True
-    pairs = ((getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in pairs)
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return same_device(x.device, y.device) and torch.equal(x, y)
+        return same_device(x, y) if isinstance(x, torch.device) else x == y
+
+    return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
 
 
 def _write_counts(storage: tuple[tuple[str, torch.Tensor], ...]) -> tuple[int, ...]:

@@ -116,6 +116,7 @@ def check_values(view: PlanView) -> None:
     from .reference.block_geometry import block_geometry
 
     g, t = view.geometry, view.tensors
+    _check_geometry(view)
     geom = block_geometry(g, *view.block_size)
     expected_desc = geom.sequence_desc(view.outer)
     if g.varlen and not torch.equal(view.sequence_desc(), expected_desc):
@@ -147,11 +148,20 @@ def check_values(view: PlanView) -> None:
         if bool(((row[1:] == row[:-1]) & (idx[1:] <= idx[:-1])).any()):
             raise _refuse(view, f"{prefix}_idx is not ascending within a row")
         keys[kind] = row * (geom.max_q_blocks + geom.max_k_blocks + 1) + idx
-        for tiles, in_bounds in entry_tiles(view, e):
-            if kind == "partial" and bool((tiles & ~in_bounds).any()):
-                raise _refuse(view, "mask_block_masks sets a bit past its sample's q_len / k_len")
-            if kind == "full" and not bool(in_bounds.all()):
+        if kind == "full":  # a full tile lies wholly inside its sample
+            tm, tn = view.block_size
+            inside = ((e.q_block + 1) * tm <= geom.q_lens[e.batch]) & (
+                (e.k_block + 1) * tn <= geom.k_lens[e.batch]
+            )
+            if not bool(inside.all()):
                 raise _refuse(view, "full_block_idx lists a tile reaching past its sample's q_len / k_len")
+            continue
+        layout_bits = view.layout.pack(torch.ones(1, *view.block_size, dtype=torch.bool, device=idx.device))
+        if bool((t["mask_block_masks"] & ~layout_bits).any()):
+            raise _refuse(view, "mask_block_masks sets a padding bit (one no tile element maps to)")
+        for _, tiles, in_bounds in entry_tiles(view, e):
+            if bool((tiles & ~in_bounds).any()):
+                raise _refuse(view, "mask_block_masks sets a bit past its sample's q_len / k_len")
     if torch.isin(keys["partial"], keys["full"]).any():
         raise _refuse(view, "partial and full lists share a tile")
     if view.role == "forward":
@@ -160,9 +170,38 @@ def check_values(view: PlanView) -> None:
         _check_dq_ranks(view, geom)
 
 
-def entry_tiles(view: PlanView, e: BlockEntries) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Per chunk of entries: their tiles (bool ``[n, tile_m, tile_n]``, a full entry's all True)
-    and which elements lie within the entry's sample."""
+def _check_geometry(view: PlanView) -> None:
+    """The view's geometry agrees with itself: varlen prefixes start at 0, end at ``total_q/k``,
+    do not decrease and stay within ``max_seqlen_q/k`` (a kernel sizes its workspace by them);
+    fixed-length ones are ``b * S`` with ``total = B * S``."""
+    from .error_flags import SEQLEN_FLAGS, raise_for_error_flags
+    from .reference.block_geometry import geometry_error_flags
+
+    g = view.geometry
+    for name, cu in (("cu_seqlens_q", g.cu_seqlens_q), ("cu_seqlens_k", g.cu_seqlens_k)):
+        shape_ok = cu.dtype == torch.int32 and tuple(cu.shape) == (g.batch + 1,)
+        if not shape_ok or not same_device(cu.device, g.device):
+            raise _refuse(
+                view, f"geometry's {name} is {cu.dtype} {tuple(cu.shape)} on {cu.device}, not int32 "
+                f"[B + 1 = {g.batch + 1}] on {g.device}"
+            )  # fmt: skip
+    if g.varlen:
+        raise_for_error_flags(geometry_error_flags(g) & SEQLEN_FLAGS, None, g)
+        return
+    steps = torch.arange(g.batch + 1, dtype=torch.int32, device=g.cu_seqlens_q.device)
+    fixed = (
+        g.total_q == g.batch * g.max_seqlen_q
+        and g.total_k == g.batch * g.max_seqlen_k
+        and torch.equal(g.cu_seqlens_q, steps * g.max_seqlen_q)
+        and torch.equal(g.cu_seqlens_k, steps * g.max_seqlen_k)
+    )
+    if not fixed:
+        raise _refuse(view, f"fixed-length geometry is not B samples of S rows ({g.describe()})")
+
+
+def entry_tiles(view: PlanView, e: BlockEntries) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Per chunk of entries: their slice of ``e``, their tiles (bool ``[n, tile_m, tile_n]``, a
+    full entry's all True) and which elements lie within the entry's sample."""
     tm, tn = view.block_size
     desc = view.sequence_desc().to(torch.int64)
     t, u = torch.arange(tm, device=desc.device), torch.arange(tn, device=desc.device)
@@ -174,7 +213,7 @@ def entry_tiles(view: PlanView, e: BlockEntries) -> Iterator[tuple[torch.Tensor,
         col_ok = e.k_block[sl, None] * tn + u < desc[b, 3, None]
         in_bounds = row_ok[:, :, None] & col_ok[:, None, :]
         tiles = in_bounds if e.payload is None else view.layout.unpack(e.payload[sl])
-        yield tiles, in_bounds
+        yield sl, tiles, in_bounds
 
 
 def _check_work(view: PlanView, geom) -> None:
