@@ -77,21 +77,9 @@ from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
 from .validation import head_dim_contiguous, require_int, require_strided, write_count
-from .view_check import check_structure, check_values, entry_tiles, fixed_blocks
+from .view_check import CSR_TENSORS, ROLE_TENSORS, check_structure, check_values, entry_tiles, fixed_blocks
 
-VIEW_TENSORS = (
-    "mask_block_cnt",
-    "mask_block_offset",
-    "mask_block_idx",
-    "mask_block_masks",
-    "full_block_cnt",
-    "full_block_offset",
-    "full_block_idx",
-    "sequence_desc",
-    "fwd_work_desc",
-    "dq_write_order",
-    "dq_write_order_full",
-)
+VIEW_TENSORS = (*CSR_TENSORS, "sequence_desc", *ROLE_TENSORS["forward"], *ROLE_TENSORS["backward"])
 
 
 def fixed_sequence_desc(
