@@ -36,13 +36,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Tiles:
-    """One chunk of tiles of one mask head: token indices, keep mask and the Q heads it serves."""
+    """One chunk of tiles of one mask head: token indices, keep mask and the Q heads it serves.
+    A chunk of full tiles, which lie wholly inside their sample, keeps everything: its ``q_ok``,
+    ``k_ok`` and ``keep`` are None, and no mask work is done for it (most tiles of most masks)."""
 
     q_tok: torch.Tensor  # [n, tm]
     k_tok: torch.Tensor  # [n, tn]
-    q_ok: torch.Tensor  # [n, tm]: the row lies in the tile's sample
-    k_ok: torch.Tensor  # [n, tn]: the column lies in the tile's sample
-    keep: torch.Tensor  # [n, tm, tn]
+    q_ok: torch.Tensor | None  # [n, tm]: the row lies in the tile's sample
+    k_ok: torch.Tensor | None  # [n, tn]: the column lies in the tile's sample
+    keep: torch.Tensor | None  # [n, tm, tn]
     q_heads: torch.Tensor  # [hq']
     kv_heads: torch.Tensor  # [hq']
 
@@ -59,10 +61,10 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
             sl = slice(c, c + _TILE_CHUNK)
             b = e.batch[sl]
             q_local, k_local = e.q_block[sl, None] * tm + t, e.k_block[sl, None] * tn + u
-            row_ok, col_ok = q_local < desc[b, 2, None], k_local < desc[b, 3, None]
-            keep = row_ok[:, :, None] & col_ok[:, None, :]
+            row_ok = col_ok = keep = None
             if e.payload is not None:
-                keep = keep & view.layout.unpack(e.payload[sl])
+                row_ok, col_ok = q_local < desc[b, 2, None], k_local < desc[b, 3, None]
+                keep = row_ok[:, :, None] & col_ok[:, None, :] & view.layout.unpack(e.payload[sl])
             q_tok = (desc[b, 0, None] + q_local).clamp(max=max(g.total_q - 1, 0))
             k_tok = (desc[b, 1, None] + k_local).clamp(max=max(g.total_k - 1, 0))
             for h in e.head[sl].unique().tolist():
@@ -72,15 +74,26 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
                     if g.mask_heads == 1
                     else torch.tensor([h], device=dev)
                 )
-                yield _Tiles(
-                    q_tok[mine], k_tok[mine], row_ok[mine], col_ok[mine], keep[mine], q_heads,
-                    q_heads // g.qhead_per_kvhead,
-                )  # fmt: skip
+                masks = (None if x is None else x[mine] for x in (row_ok, col_ok, keep))
+                yield _Tiles(q_tok[mine], k_tok[mine], *masks, q_heads, q_heads // g.qhead_per_kvhead)
 
 
-def _rows(x: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+def _rows(x: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
     """``x[tok][:, :, heads]`` (``[n, t, h, d]``), zero where ``ok`` is False (another sample's token)."""
-    return torch.where(ok[:, :, None, None], x[tok][:, :, heads], 0)
+    return _masked(x[tok][:, :, heads], ok, 0.0, _OVER_ROWS)
+
+
+# how a chunk's masks broadcast: keep [n, tm, tn] over scores [n, h, tm, tn]; q_ok [n, tm] over
+# rows of output [n, h, tm, d]; a row mask [n, t] over gathered rows [n, t, h, d]
+_OVER_SCORES = (slice(None), None)
+_OVER_OUTPUT_ROWS = (slice(None), None, slice(None), None)
+_OVER_ROWS = (Ellipsis, None, None)
+
+
+def _masked(x: torch.Tensor, keep: torch.Tensor | None, value: float, at: tuple) -> torch.Tensor:
+    """``x`` with ``value`` where ``keep[at]`` (broadcast) is False; ``x`` itself where ``keep`` is
+    None (a chunk of full tiles keeps everything)."""
+    return x if keep is None else x.masked_fill(~keep[at], value)
 
 
 def _exact(fn):
@@ -100,7 +113,7 @@ def _scores(tl: _Tiles, q, k, scale) -> torch.Tensor:
     qt = _rows(q, tl.q_tok, tl.q_ok, tl.q_heads)  # [n, tm, h, d]
     kt = _rows(k, tl.k_tok, tl.k_ok, tl.kv_heads)  # [n, tn, h, d]
     s = torch.einsum("nmhd,nkhd->nhmk", qt, kt) * scale
-    return s.masked_fill(~tl.keep[:, None], float("-inf"))
+    return _masked(s, tl.keep, float("-inf"), _OVER_SCORES)
 
 
 def _row_index(tl: _Tiles, total_q: int) -> torch.Tensor:
@@ -110,7 +123,7 @@ def _row_index(tl: _Tiles, total_q: int) -> torch.Tensor:
 
 def _probabilities(tl: _Tiles, s: torch.Tensor, row_offset: torch.Tensor) -> torch.Tensor:
     """``exp(s - row_offset)``, exactly 0 off the mask (a padding row's offset is another sample's)."""
-    return torch.exp(s - row_offset.unsqueeze(-1)).masked_fill(~tl.keep[:, None], 0.0)
+    return _masked(torch.exp(s - row_offset.unsqueeze(-1)), tl.keep, 0.0, _OVER_SCORES)
 
 
 @_exact
@@ -135,7 +148,7 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
         p = _probabilities(tl, _scores(tl, q, k, softmax_scale), safe_max[idx])
         row_sum.index_add_(0, idx.reshape(-1), p.sum(-1).reshape(-1))
         pv = torch.einsum("nhmk,nkhd->nhmd", p, _rows(v, tl.k_tok, tl.k_ok, tl.kv_heads))
-        pv = pv.masked_fill(~tl.q_ok[:, None, :, None], 0.0)
+        pv = _masked(pv, tl.q_ok, 0.0, _OVER_OUTPUT_ROWS)
         acc.view(rows, -1).index_add_(0, idx.reshape(-1), pv.reshape(-1, g.head_dim_v))
     empty = row_sum == 0
     out = acc / torch.where(empty, 1.0, row_sum).view(g.num_heads_q, g.total_q, 1)
@@ -169,7 +182,7 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
         do_t, q_t = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (doc, qc))  # [n, tm, h, d]
         v_t, k_t = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vc, kc))  # [n, tn, h, d]
         dp = torch.einsum("nmhd,nkhd->nhmk", do_t, v_t)
-        ds = (p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale).masked_fill(~tl.keep[:, None], 0.0)
+        ds = _masked(p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale, tl.keep, 0.0, _OVER_SCORES)
         _add_rows(dq, tl.q_tok, tl.q_ok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))
         _add_rows(dk, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", ds, q_t))
         _add_rows(dv, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", p, do_t))
@@ -177,11 +190,11 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
 
 
 def _add_rows(
-    dst: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor, heads: torch.Tensor, val: torch.Tensor
+    dst: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor, val: torch.Tensor
 ) -> None:
     """dst[tok, heads] += val for tiles ``[n, t, h, d]`` (GQA heads sharing a kv head accumulate);
     rows where ``ok`` is False (another sample's token) add nothing."""
     n_heads = dst.shape[1]
     flat = (tok[:, :, None] * n_heads + heads[None, None, :]).reshape(-1)
-    val = val.masked_fill(~ok[:, :, None, None], 0.0)
+    val = _masked(val, ok, 0.0, _OVER_ROWS)
     dst.view(-1, dst.shape[-1]).index_add_(0, flat, val.reshape(-1, dst.shape[-1]))
