@@ -80,7 +80,7 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
 
 def _rows(x: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
     """``x[tok][:, :, heads]`` (``[n, t, h, d]``), zero where ``ok`` is False (another sample's token)."""
-    return _masked(x[tok][:, :, heads], ok, 0.0, _OVER_ROWS)
+    return _masked(x[tok[:, :, None], heads], ok, 0.0, _OVER_ROWS)  # one gather
 
 
 # how a chunk's masks broadcast: keep [n, tm, tn] over scores [n, h, tm, tn]; q_ok [n, tm] over
