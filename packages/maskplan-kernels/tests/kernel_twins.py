@@ -138,7 +138,7 @@ def geometry_twin(config):
                 )
                 begin += count
             desc[B] = 0
-            rb = rb_ptr.view(max(upper, 1))
+            rb = rb_ptr.view(upper) if upper else None  # no plan row: nothing is written
             for b in range(B):
                 r0, cnt = int(desc[b, 4]), int(desc[b, 5])
                 for r in range(r0, r0 + cnt):

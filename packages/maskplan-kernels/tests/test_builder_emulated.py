@@ -69,10 +69,11 @@ CASES = [
     ([70, 0, 33, 1, 65], [50, 90, 0, 5, 128], True),
     ([0, 0, 64], [10, 0, 64], True),
     ([129], [31], True),
+    ([0], [0], True),  # no token at all: every plan row count is 0
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{len(c[0])}{'-varlen' if c[2] else ''}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{len(c[0])}-{sum(c[0])}{'-varlen' if c[2] else ''}")
 @pytest.mark.parametrize("nfunc", [1, 5])
 @pytest.mark.parametrize("heads", [(2, 1, 1), (4, 2, 4)], ids=["hm1-gqa2", "hm4-gqa2"])
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
