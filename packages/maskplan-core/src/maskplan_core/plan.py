@@ -255,16 +255,14 @@ class PlanView:
         g = self.validate().geometry
         sk = int(self.sequence_desc()[:, 3].max()) if g.varlen else g.max_seqlen_k
         dense = torch.zeros(g.mask_heads, g.total_q, sk, dtype=torch.bool, device=g.device)
-        tm, tn = self.block_size
-        desc = self.sequence_desc().to(torch.int64)
-        t, u = torch.arange(tm, device=g.device), torch.arange(tn, device=g.device)
+        q_offset = self.sequence_desc()[:, 0].to(torch.int64)
         for kind in ("partial", "full"):
             e = self.entries(kind)
-            for sl, tiles, _ in entry_tiles(self, e):
-                rows = desc[e.batch[sl], 0, None] + e.q_block[sl, None] * tm + t  # [n, tm] tokens
-                cols = e.k_block[sl, None] * tn + u
-                n, r, k = tiles.nonzero(as_tuple=True)
-                dense[e.head[sl][n], rows[n, r], cols[n, k]] = True
+            for chunk in entry_tiles(self, e):
+                sl = chunk.entries
+                rows = q_offset[e.batch[sl], None] + chunk.q_local  # [n, tm] tokens
+                n, r, k = chunk.tiles.nonzero(as_tuple=True)
+                dense[e.head[sl][n], rows[n, r], chunk.k_local[n, k]] = True
         return dense
 
     def nbytes(self) -> int:

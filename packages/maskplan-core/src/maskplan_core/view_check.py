@@ -14,8 +14,8 @@ sample's keys, or out of bounds):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -114,6 +114,7 @@ def check_values(view: PlanView) -> None:
     """Raise :class:`InputValueError`, naming what is wrong, unless the view's tensors hold what the
     ABI says (:mod:`maskplan_core.plan`); reads every tensor (a device sync on CUDA)."""
     from .reference.block_geometry import block_geometry
+    from .reference.csr import exclusive_offsets
 
     g, t = view.geometry, view.tensors
     _check_geometry(view)
@@ -124,7 +125,7 @@ def check_values(view: PlanView) -> None:
     n_rows = geom.n_q_rows if view.outer == "q" else geom.n_k_rows
     if t["mask_block_cnt"].shape[1] != n_rows:
         raise _refuse(view, f"CSR rows are {t['mask_block_cnt'].shape[1]}; its samples have {n_rows}")
-    keys = {}
+    keys, entries = {}, {}
     for kind, prefix in (("partial", "mask_block"), ("full", "full_block")):
         cnt, offset, idx = (t[f"{prefix}_{name}"].to(torch.int64) for name in ("cnt", "offset", "idx"))
         if bool((cnt < 0).any()):
@@ -133,15 +134,15 @@ def check_values(view: PlanView) -> None:
             raise _refuse(
                 view, f"{prefix}_cnt sums to {int(cnt.sum())}; {prefix}_idx has {idx.numel()} entries"
             )
-        flat = cnt.reshape(-1)
-        if not torch.equal(offset.reshape(-1), torch.cumsum(flat, 0) - flat):
+        if not torch.equal(offset, exclusive_offsets(cnt).to(torch.int64)):
             raise _refuse(
                 view, f"{prefix}_offset is not the exclusive scan of {prefix}_cnt in (head, row) order"
             )
-        e = view.entries(kind)
+        e = entries[kind] = view.entries(kind)
         if bool(((idx < 0) | (idx >= expected_desc[e.batch, 6])).any()):
             inner = "K" if view.outer == "q" else "Q"
             raise _refuse(view, f"{prefix}_idx has a block index outside its sample's {inner} blocks")
+        flat = cnt.reshape(-1)
         row = torch.repeat_interleave(
             torch.arange(flat.numel(), device=flat.device), flat, output_size=idx.numel()
         )
@@ -159,15 +160,15 @@ def check_values(view: PlanView) -> None:
         layout_bits = view.layout.pack(torch.ones(1, *view.block_size, dtype=torch.bool, device=idx.device))
         if bool((t["mask_block_masks"] & ~layout_bits).any()):
             raise _refuse(view, "mask_block_masks sets a padding bit (one no tile element maps to)")
-        for _, tiles, in_bounds in entry_tiles(view, e):
-            if bool((tiles & ~in_bounds).any()):
+        for chunk in entry_tiles(view, e):
+            if bool((chunk.tiles & ~chunk.in_bounds).any()):
                 raise _refuse(view, "mask_block_masks sets a bit past its sample's q_len / k_len")
     if torch.isin(keys["partial"], keys["full"]).any():
         raise _refuse(view, "partial and full lists share a tile")
     if view.role == "forward":
         _check_work(view, geom)
     else:
-        _check_dq_ranks(view, geom)
+        _check_dq_ranks(view, geom, entries.values())
 
 
 def _check_geometry(view: PlanView) -> None:
@@ -199,9 +200,18 @@ def _check_geometry(view: PlanView) -> None:
         raise _refuse(view, f"fixed-length geometry is not B samples of S rows ({g.describe()})")
 
 
-def entry_tiles(view: PlanView, e: BlockEntries) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Per chunk of entries: their slice of ``e``, their tiles (bool ``[n, tile_m, tile_n]``, a
-    full entry's all True) and which elements lie within the entry's sample."""
+class TileChunk(NamedTuple):
+    """A chunk of a view's entries (:func:`entry_tiles`)."""
+
+    entries: slice  # of the BlockEntries
+    q_local: torch.Tensor  # [n, tile_m]: each tile row's sample-local query position
+    k_local: torch.Tensor  # [n, tile_n]: each tile column's sample-local key position
+    tiles: torch.Tensor  # bool [n, tile_m, tile_n]: the payloads (a full entry's: in_bounds)
+    in_bounds: torch.Tensor  # bool [n, tile_m, tile_n]: the element lies within its sample
+
+
+def entry_tiles(view: PlanView, e: BlockEntries) -> Iterator[TileChunk]:
+    """``e``'s tiles a chunk at a time (about ``TILE_CHUNK_ELEMENTS`` elements)."""
     tm, tn = view.block_size
     desc = view.sequence_desc().to(torch.int64)
     t, u = torch.arange(tm, device=desc.device), torch.arange(tn, device=desc.device)
@@ -209,11 +219,10 @@ def entry_tiles(view: PlanView, e: BlockEntries) -> Iterator[tuple[slice, torch.
     for c in range(0, e.head.numel(), step):
         sl = slice(c, c + step)
         b = e.batch[sl]
-        row_ok = e.q_block[sl, None] * tm + t < desc[b, 2, None]
-        col_ok = e.k_block[sl, None] * tn + u < desc[b, 3, None]
-        in_bounds = row_ok[:, :, None] & col_ok[:, None, :]
+        q_local, k_local = e.q_block[sl, None] * tm + t, e.k_block[sl, None] * tn + u
+        in_bounds = (q_local < desc[b, 2, None])[:, :, None] & (k_local < desc[b, 3, None])[:, None, :]
         tiles = in_bounds if e.payload is None else view.layout.unpack(e.payload[sl])
-        yield sl, tiles, in_bounds
+        yield TileChunk(sl, q_local, k_local, tiles, in_bounds)
 
 
 def _check_work(view: PlanView, geom) -> None:
@@ -239,9 +248,10 @@ def _sorted_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _check_dq_ranks(view: PlanView, geom) -> None:
-    """``dq_write_order(_full)``: each entry's K block rank among the K blocks reaching its Q block."""
-    parts = [view.entries(kind) for kind in ("partial", "full")]
+def _check_dq_ranks(view: PlanView, geom, parts: Iterable[BlockEntries]) -> None:
+    """``dq_write_order(_full)``: each entry's K block rank among the K blocks reaching its Q block
+    (``parts``: the view's partial then full entries)."""
+    parts = list(parts)
     head, batch, q_block, k_block = (
         torch.cat([getattr(e, f) for e in parts]) for f in ("head", "batch", "q_block", "k_block")
     )
