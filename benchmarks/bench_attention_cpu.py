@@ -1,17 +1,22 @@
 """Time attention on CPU tensors: flexattn's reference consumer against torch's SDPA, same run.
 
     python benchmarks/bench_attention_cpu.py [--seqlen 1024,4096] [--heads 4] [--dim 64] [--repeats 3]
+                                             [--sample-len L]
 
 The laptop case: a causal mask, B=1, fp32, forward and backward (``torch.autograd.grad`` of the
 output's sum) timed separately for flexattn (plan built once, outside the timing) and together
 for SDPA (``is_causal=True``, BHSD), median of ``--repeats`` after one warm-up. The reference walks
 the plan tile by tile the way a kernel does (it is the GPU kernels' oracle), so it trails SDPA's
-dense kernel; this shows by how much. Time it on an otherwise idle machine.
+dense kernel; this shows by how much. ``--sample-len L``: the S tokens as varlen THD samples of L
+tokens each, causal within each (SDPA: a batch of S / L samples), where a sample shorter than the
+reference's 128 x 128 tiles leaves most of each tile outside it. Time it on an otherwise idle
+machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -31,13 +36,24 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def one_length(seqlen: int, heads: int, dim: int, repeats: int) -> tuple[float, float, float]:
+def one_length(
+    seqlen: int, heads: int, dim: int, repeats: int, sample_len: int | None = None
+) -> tuple[float, float, float]:
     """(flexattn forward, flexattn backward, SDPA forward + backward) in ms."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, seqlen, heads, dim, generator=gen, requires_grad=True) for _ in range(3))
-    plan = flexattn.create_mask_plan(masks.causal(seqlen), q, k, v)
-    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
-    fwd = median_ms(lambda: flexattn.flex_attn_func(q, k, v, mask_plan=plan), repeats)
+    samples, length = (1, seqlen) if sample_len is None else (seqlen // sample_len, sample_len)
+    q, k, v = (torch.randn(samples, length, heads, dim, generator=gen, requires_grad=True) for _ in range(3))
+    if sample_len is None:
+        plan = flexattn.create_mask_plan(masks.causal(seqlen), q, k, v)
+        run = functools.partial(flexattn.flex_attn_func, q, k, v, mask_plan=plan)
+    else:  # THD: the batch's rows, samples delimited by cu_seqlens
+        cu = torch.arange(0, samples * length + 1, length, dtype=torch.int32)
+        thd = [x.view(-1, heads, dim) for x in (q, k, v)]
+        varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length, max_seqlen_k=length)
+        plan = flexattn.create_mask_plan(masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), *thd, **varlen)
+        run = functools.partial(flexattn.flex_attn_func, *thd, mask_plan=plan)
+    out = run()
+    fwd = median_ms(run, repeats)
     bwd = median_ms(lambda: torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True), repeats)
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
 
@@ -54,11 +70,13 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sample-len", type=int, default=None, help="varlen samples of this many tokens")
     args = p.parse_args()
-    print(f"CPU, {torch.get_num_threads()} threads, B=1 H={args.heads} D={args.dim} fp32, causal")
+    layout = "B=1" if args.sample_len is None else f"varlen samples of {args.sample_len}"
+    print(f"CPU, {torch.get_num_threads()} threads, {layout} H={args.heads} D={args.dim} fp32, causal")
     print(f"{'S':>6} {'flexattn fwd ms':>16} {'flexattn bwd ms':>16} {'SDPA fwd+bwd ms':>16} {'ratio':>7}")
     for s in (int(x) for x in args.seqlen.split(",")):
-        fwd, bwd, dense = one_length(s, args.heads, args.dim, args.repeats)
+        fwd, bwd, dense = one_length(s, args.heads, args.dim, args.repeats, args.sample_len)
         print(f"{s:>6} {fwd:>16.1f} {bwd:>16.1f} {dense:>16.1f} {(fwd + bwd) / dense:>6.1f}x")
 
 

@@ -232,6 +232,10 @@ CASES = {
     "fixed-sq-lt-sk-nfunc9": fixed(1, 130, 400, hq=2, hkv=2, kinds=("random", "window"), nfunc=9, seed=3),
     "varlen-gqa": Case(True, (130, 0, 257), (200, 17, 0), hq=4, hkv=1, kinds=("random",), nfunc=5, seed=1),
     "varlen-per-head": Case(True, (1, 300, 64), (383, 1, 128), hq=2, kinds=("window", "random"), seed=2),
+    # samples far shorter than a tile: the reference trims its partial tiles to the kept extent
+    "varlen-tiny-samples": Case(
+        True, (5, 17, 0, 3, 9, 1, 12), (7, 2, 4, 0, 9, 30, 12), hq=2, kinds=("causal", "random"), seed=4
+    ),
 }
 
 
@@ -239,6 +243,21 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_matches_dense_attention(case):
     run_and_compare(case)
+
+
+@needs_flexattn
+def test_partial_tiles_are_trimmed_to_what_they_keep():
+    """Tiles of samples shorter than a tile are cut after the last row and column that any tile of
+    the chunk keeps, so the reference does not compute 128 x 128 scores for a 5-token sample."""
+    from maskplan_core.reference.attention import _tiles
+
+    c = CASES["varlen-tiny-samples"]
+    plan = flexattn.create_mask_plan(make_endpoints(c), *make_inputs(c), **plan_kwargs(c))
+    chunks = list(_tiles(plan.view("forward")))
+    partial = [tl for tl in chunks if tl.keep is not None]
+    assert partial and all(tl.keep.shape[1:] == (tl.q_tok.shape[1], tl.k_tok.shape[1]) for tl in partial)
+    assert max(tl.q_tok.shape[1] for tl in partial) <= max(c.q_lens)
+    assert max(tl.k_tok.shape[1] for tl in partial) <= max(c.k_lens)
 
 
 @needs_flexattn

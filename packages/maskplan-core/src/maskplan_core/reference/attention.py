@@ -38,13 +38,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class _Tiles:
     """One chunk of tiles of one mask head: token indices, keep mask and the Q heads it serves.
     A chunk of full tiles, which lie wholly inside their sample, keeps everything: its ``q_ok``,
-    ``k_ok`` and ``keep`` are None, and no mask work is done for it (most tiles of most masks)."""
+    ``k_ok`` and ``keep`` are None, and no mask work is done for it (most tiles of most masks).
+    A chunk of partial tiles holds each tile's first ``m <= tm`` rows and ``k <= tn`` columns, up
+    to the last ones that any of its tiles keeps."""
 
-    q_tok: torch.Tensor  # [n, tm]
-    k_tok: torch.Tensor  # [n, tn]
-    q_ok: torch.Tensor | None  # [n, tm]: the row lies in the tile's sample
-    k_ok: torch.Tensor | None  # [n, tn]: the column lies in the tile's sample
-    keep: torch.Tensor | None  # [n, tm, tn]
+    q_tok: torch.Tensor  # [n, m]
+    k_tok: torch.Tensor  # [n, k]
+    q_ok: torch.Tensor | None  # [n, m]: the row lies in the tile's sample
+    k_ok: torch.Tensor | None  # [n, k]: the column lies in the tile's sample
+    keep: torch.Tensor | None  # [n, m, k]
     q_heads: torch.Tensor  # [hq']
     kv_heads: torch.Tensor  # [hq']
 
@@ -65,6 +67,11 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
             if e.payload is not None:
                 row_ok, col_ok = q_local < desc[b, 2, None], k_local < desc[b, 3, None]
                 keep = row_ok[:, :, None] & col_ok[:, None, :] & view.layout.unpack(e.payload[sl])
+                # rows and columns past the last one any tile of the chunk keeps contribute nothing:
+                # drop them (a tile of a sample shorter than the tile is mostly such rows)
+                rows, cols = (_kept_extent(keep.any(d).any(0)) for d in (2, 1))
+                q_local, row_ok, keep = q_local[:, :rows], row_ok[:, :rows], keep[:, :rows, :cols]
+                k_local, col_ok = k_local[:, :cols], col_ok[:, :cols]
             q_tok = (desc[b, 0, None] + q_local).clamp(max=max(g.total_q - 1, 0))
             k_tok = (desc[b, 1, None] + k_local).clamp(max=max(g.total_k - 1, 0))
             for h in e.head[sl].unique().tolist():
@@ -78,13 +85,18 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
                 yield _Tiles(q_tok[mine], k_tok[mine], *masks, q_heads, q_heads // g.qhead_per_kvhead)
 
 
+def _kept_extent(kept: torch.Tensor) -> int:
+    """One past the last True of ``kept`` (at least 1, so that shapes stay non-empty)."""
+    return int(kept.nonzero().max()) + 1 if kept.any() else 1
+
+
 def _rows(x: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
     """``x[tok][:, :, heads]`` (``[n, t, h, d]``), zero where ``ok`` is False (another sample's token)."""
     return _masked(x[tok[:, :, None], heads], ok, 0.0, _OVER_ROWS)  # one gather
 
 
-# how a chunk's masks broadcast: keep [n, tm, tn] over scores [n, h, tm, tn]; q_ok [n, tm] over
-# rows of output [n, h, tm, d]; a row mask [n, t] over gathered rows [n, t, h, d]
+# how a chunk's masks broadcast: keep [n, m, k] over scores [n, h, m, k]; q_ok [n, m] over
+# rows of output [n, h, m, d]; a row mask [n, t] over gathered rows [n, t, h, d]
 _OVER_SCORES = (slice(None), None)
 _OVER_OUTPUT_ROWS = (slice(None), None, slice(None), None)
 _OVER_ROWS = (Ellipsis, None, None)
@@ -109,15 +121,15 @@ def _exact(fn):
 
 
 def _scores(tl: _Tiles, q, k, scale) -> torch.Tensor:
-    """Scaled scores ``[n, hq', tm, tn]`` with masked elements at -inf."""
-    qt = _rows(q, tl.q_tok, tl.q_ok, tl.q_heads)  # [n, tm, h, d]
-    kt = _rows(k, tl.k_tok, tl.k_ok, tl.kv_heads)  # [n, tn, h, d]
+    """Scaled scores ``[n, hq', m, k]`` with masked elements at -inf."""
+    qt = _rows(q, tl.q_tok, tl.q_ok, tl.q_heads)  # [n, m, h, d]
+    kt = _rows(k, tl.k_tok, tl.k_ok, tl.kv_heads)  # [n, k, h, d]
     s = torch.einsum("nmhd,nkhd->nhmk", qt, kt) * scale
     return _masked(s, tl.keep, float("-inf"), _OVER_SCORES)
 
 
 def _row_index(tl: _Tiles, total_q: int) -> torch.Tensor:
-    """Flat index ``head * total_q + token`` of every score row ``[n, hq', tm]``."""
+    """Flat index ``head * total_q + token`` of every score row ``[n, hq', m]``."""
     return tl.q_heads[None, :, None] * total_q + tl.q_tok[:, None, :]
 
 
@@ -178,9 +190,9 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
     dv = torch.zeros(g.total_k, g.num_heads_kv, g.head_dim_v, dtype=cd, device=q.device)
     for tl in _tiles(view):
         idx = _row_index(tl, g.total_q)
-        p = _probabilities(tl, _scores(tl, qc, kc, softmax_scale), safe_lse[idx])  # [n, h, tm, tn]
-        do_t, q_t = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (doc, qc))  # [n, tm, h, d]
-        v_t, k_t = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vc, kc))  # [n, tn, h, d]
+        p = _probabilities(tl, _scores(tl, qc, kc, softmax_scale), safe_lse[idx])  # [n, h, m, k]
+        do_t, q_t = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (doc, qc))  # [n, m, h, d]
+        v_t, k_t = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vc, kc))  # [n, k, h, d]
         dp = torch.einsum("nmhd,nkhd->nhmk", do_t, v_t)
         ds = _masked(p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale, tl.keep, 0.0, _OVER_SCORES)
         _add_rows(dq, tl.q_tok, tl.q_ok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))
