@@ -58,12 +58,15 @@ def test_fixed_length(sq, sk, device):
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("empty", ["q", "k"], ids=["no-queries", "no-keys"])
-def test_varlen_all_samples_empty(empty, device):
-    """Varlen samples whose Q (or K) sides are all empty: total_q (total_k) = 0."""
+@pytest.mark.parametrize("exact_max", [False, True], ids=["max-70", "max-of-lengths"])
+def test_varlen_all_samples_empty(empty, exact_max, device):
+    """Varlen samples whose Q (or K) sides are all empty: total_q (total_k) = 0; the max sequence
+    lengths either 70 or each side's longest sample (``seqlens.max()``: 0 on the empty side)."""
     full = torch.tensor([0, 70, 130], dtype=torch.int32, device=device)
     none = torch.zeros(3, dtype=torch.int32, device=device)
     cu_q, cu_k = (none, full) if empty == "q" else (full, none)
-    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=70, max_seqlen_k=70)
+    max_q, max_k = (int(cu.diff().max()) for cu in (cu_q, cu_k)) if exact_max else (70, 70)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
     gen = torch.Generator().manual_seed(3)
     rows_q, rows_k = int(cu_q[-1]), int(cu_k[-1])
     shapes = ((rows_q, H, D), (rows_k, HKV, D), (rows_k, HKV, D))

@@ -9,6 +9,7 @@ word. Each case asserts the precise ``maskplan_core.errors`` class, the builtin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from contextlib import contextmanager
 
@@ -179,6 +180,8 @@ def test_error_hierarchy():
         (torch.ones(B * SQ, SK, dtype=torch.bool), InputTypeError, TypeError,
          ("mask_func", "bool tensor", "from_dense")),
         (lambda b, h, q, kv: q >= kv, InputTypeError, TypeError, ("mask_func", "function", "from_mask_mod")),
+        (functools.partial(lambda b, h, q, kv, w: q - kv < w, w=4), InputTypeError, TypeError,
+         ("mask_func", "partial", "from_mask_mod")),
         (causal().to(torch.int64), InputTypeError, TypeError, ("mask_func", "int32", "int64")),
         (causal().float(), InputTypeError, TypeError, ("mask_func", "int32", "float32")),
         (causal()[0], InputValueError, ValueError, ("mask_func", "rank 3")),
@@ -189,22 +192,32 @@ def test_error_hierarchy():
          ("mask_func", "contiguous")),
         (causal(hmask=3), InputValueError, ValueError, ("mask_func", "Hmask=3", f"Hq={HQ}")),
         (causal(hmask=HKV), InputValueError, ValueError, ("mask_func", f"Hmask={HKV}")),
-        (causal(nfunc=2), InputValueError, ValueError, ("mask_func", "nfunc", "2")),
+        (causal(nfunc=2), InputValueError, ValueError, ("mask_func", "nfunc", "2", "[0, F0) U [F1, F2)")),
         (causal(nfunc=4), InputValueError, ValueError, ("mask_func", "nfunc", "4")),
         (causal(nfunc=3)[:, :0], InputValueError, ValueError, ("mask_func", "nfunc", "0")),
         (causal(total_q=B * SQ + 1), InputValueError, ValueError, ("mask_func", "total_q", str(B * SQ + 1))),
         (causal(total_q=SQ), InputValueError, ValueError,
          ("mask_func", "total_q", str(B * SQ), "one sample", "batch=B")),
+        (causal(nfunc=3).transpose(1, 2).contiguous(), InputValueError, ValueError,
+         ("mask_func", "nfunc", str(B * SQ), "[Hmask, total_q, nfunc]", "transpose(1, 2)")),
     ],
     ids=[
-        "list", "none", "dense-bool", "mask-mod", "int64", "float32", "rank2", "rank4", "strided-rows",
-        "transposed-heads",
+        "list", "none", "dense-bool", "mask-mod", "partial-mask-mod", "int64", "float32", "rank2", "rank4",
+        "strided-rows", "transposed-heads",
         "hmask-3", "hmask-hkv", "nfunc-2", "nfunc-4", "nfunc-0", "total_q-plus-1", "total_q-one-sample",
+        "transposed-rows",
     ],
 )
 def test_mask_func_structure(mask_func, cls, builtin, needles):
     with expect(cls, builtin, *needles):
         validate_plan_inputs(mask_func, *fixed_qkv())
+
+
+def test_transposed_endpoints_of_an_odd_row_count_are_named():
+    """[Hmask, total_q, nfunc] with an odd total_q passes the nfunc check, then its rows are named."""
+    q, k, v = fixed_qkv(b=1, sq=25)
+    with expect(InputValueError, ValueError, "total_q=25", "[Hmask, total_q, nfunc]"):
+        validate_plan_inputs(causal(total_q=25, sq=25, nfunc=3).transpose(1, 2).contiguous(), q, k, v)
 
 
 def test_bhsd_q_gets_a_layout_hint():
@@ -268,7 +281,8 @@ def test_mask_func_on_another_device():
 def test_endpoint_above_k_len():
     ep = causal(nfunc=3)
     ep[0, 2, 30] = SK + 1
-    with expect(EndpointError, ValueError, "mask_func[0, 2, 30]", str(SK + 1), "row 30", f"k_len = {SK}"):
+    needles = ("mask_func[0, 2, 30]", str(SK + 1), "row 30", f"k_len = {SK}", "inside the row's sample")
+    with expect(EndpointError, ValueError, *needles):
         plan(ep, *fixed_qkv())
 
 
@@ -385,8 +399,7 @@ def test_cu_seqlens_shapes_differ():
 @pytest.mark.parametrize(
     "name, value, cls, needles",
     [
-        ("max_seqlen_q", 0, InputValueError, (">= 1", "0")),
-        ("max_seqlen_k", -4, InputValueError, (">= 1", "-4")),
+        ("max_seqlen_k", -4, InputValueError, (">= 0", "-4")),
         ("max_seqlen_q", 11.0, InputTypeError, ("int", "float")),
         ("max_seqlen_k", True, InputTypeError, ("int", "bool")),
         ("max_seqlen_k", torch.tensor(7), InputTypeError, ("int", "Tensor")),
@@ -424,6 +437,17 @@ def test_cu_seqlens_values(kw, qkv, needles):
 # --------------------------------------------------------------------------------------------------
 # q / k / v (spec 4.1)
 # --------------------------------------------------------------------------------------------------
+
+
+def test_max_seqlen_0_plans_a_batch_of_empty_samples():
+    """``max_seqlen = seqlens.max()`` of a batch whose samples are all empty is 0: an empty problem,
+    as a fixed-length batch of S = 0 is; with a token in some sample it is refused by name."""
+    empty = dict(cu_seqlens_q=torch.tensor([0, 0, 0], dtype=torch.int32), max_seqlen_q=0, max_seqlen_k=0)
+    empty["cu_seqlens_k"] = empty["cu_seqlens_q"]
+    geometry = validate_plan_inputs(torch.zeros(1, 1, 0, dtype=torch.int32), *varlen_qkv(0, 0), **empty)
+    assert (geometry.total_q, geometry.max_seqlen_q, geometry.max_seqlen_k) == (0, 0, 0)
+    with expect(SeqlenError, ValueError, "cu_seqlens_q", "sample 0 length 5", "max_seqlen_q = 0"):
+        plan(varlen_mask(), *varlen_qkv(), **varlen_args(max_q=0))
 
 
 def _replace(index: int, tensor):

@@ -87,6 +87,15 @@ def test_matches_reference(twins, case, nfunc, heads, backward):
     assert len(twins) == 1  # exactly one header read per build
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
+def test_empty_samples_with_max_seqlen_0(twins, backward):
+    """``max_seqlen = seqlens.max()`` of a varlen batch of empty samples: no Q or K block at all."""
+    g = make_geometry([0, 0], [0, 0], max_q=0, max_k=0)
+    mask = make_mask([0, 0], [0, 0], 1, 3, seed=1)
+    ref, got = _build_both(g, mask, row_major(32, 16), row_major(16, 32) if backward else None)
+    assert_plans_equal(ref, got)
+
+
 #: (forward, backward) layout arguments of the consumer's maker, by consumer
 CONSUMER_LAYOUTS = {
     "sm90-st-64x64": ((64, 64), (64, 64, 2, True)),

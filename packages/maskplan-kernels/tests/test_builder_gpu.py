@@ -153,6 +153,14 @@ def test_varlen_loose_max_seqlen():
     assert_plans_equal(ref, got)
 
 
+def test_varlen_empty_samples_with_max_seqlen_0():
+    """``max_seqlen = seqlens.max()`` of a batch of empty samples is 0: a plan with no block."""
+    g = make_geometry([0, 0], [0, 0], hq=2, hkv=1, hmask=1, nfunc=3, device=DEVICE, max_q=0, max_k=0)
+    mask = make_mask([0, 0], [0, 0], 1, 3, seed=2, device=DEVICE)
+    ref, got = build_both(g, mask, RowMajorLayout(128, 128), RowMajorLayout(128, 128))
+    assert_plans_equal(ref, got)
+
+
 @pytest.mark.parametrize(
     "tiles",
     [((64, 128), (64, 128)), ((128, 80), (128, 80)), ((16, 32), (32, 16))],

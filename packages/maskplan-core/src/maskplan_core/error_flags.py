@@ -46,7 +46,8 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
         h, f, row = _first(bad)
         raise EndpointError(
             f"mask_func[{h}, {f}, {row}] = {int(mask_func[h, f, row])} is outside [0, k_len] for query row "
-            f"{row}, whose sample has k_len = {int(sample_k_len[row])}"
+            f"{row}, whose sample has k_len = {int(sample_k_len[row])} (endpoints are key positions "
+            "inside the row's sample, counted from its first key)"
         )
     if flags & ENDPOINT_ORDER:
         bad = mask_func[:, 1:, :] < mask_func[:, :-1, :]

@@ -13,6 +13,11 @@ or the total query token count for varlen batches (samples delimited by ``cu_seq
 
 Every builder returns a contiguous ``int32`` tensor ``[Hmask, nfunc, total_q]``.
 
+Build a mask for the key length its plan will see: ``seqlen_k`` defaults to ``seqlen_q``, and the
+endpoints do not record the length they were made for, so ``causal(Sq)`` planned with ``Sk > Sq``
+keys is a valid mask that hides the keys past ``Sq`` (top-left aligned) rather than the
+bottom-right causal mask ``causal(Sq, Sk)``.
+
 Examples (``.tolist()`` drops the tensor wrapper):
 
 ``causal`` -- bottom-right aligned causal mask, ``nfunc = 1``:

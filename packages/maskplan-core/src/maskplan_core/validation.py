@@ -45,9 +45,13 @@ def mask_kind(mask: object) -> str:
 
 
 def endpoints_of(mask: object) -> str | None:
-    """The call that converts ``mask`` (a torch ``BlockMask``, a ``mask_mod`` or a bool tensor) to
+    """The call that converts ``mask`` (a torch ``BlockMask``, a ``mask_mod`` -- a function or any
+    other callable but a class or module, such as a ``functools.partial`` -- or a bool tensor) to
     interval endpoints, or None for any other object."""
-    return _ENDPOINTS_OF.get(mask_kind(mask))
+    kind = mask_kind(mask)
+    if kind not in _ENDPOINTS_OF and callable(mask) and not isinstance(mask, (type, torch.nn.Module)):
+        kind = "function"
+    return _ENDPOINTS_OF.get(kind)
 
 
 def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -236,8 +240,8 @@ def validate_plan_inputs(
                 f"cu_seqlens_q and cu_seqlens_k must have the same shape, "
                 f"got {tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
             )
-        max_q = require_int("max_seqlen_q", max_seqlen_q, minimum=1)
-        max_k = require_int("max_seqlen_k", max_seqlen_k, minimum=1)
+        max_q = require_int("max_seqlen_q", max_seqlen_q, minimum=0)
+        max_k = require_int("max_seqlen_k", max_seqlen_k, minimum=0)
         for name, n in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
             if n > MAX_SEQLEN:
                 raise InputValueError(f"{name} = {n} exceeds the int32 sequence range (<= {MAX_SEQLEN})")
@@ -279,11 +283,23 @@ def validate_plan_inputs(
     hmask, nfunc, rows = mask_func.shape
     if hmask not in (1, hq):
         raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}")
+    transposed = (
+        "; mask_func looks like [Hmask, total_q, nfunc]: its layout is [Hmask, nfunc, total_q] "
+        "(mask_func.transpose(1, 2).contiguous())"
+    )
     if nfunc <= 0 or nfunc % 2 == 0:
-        raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}")
+        hint = transposed
+        if nfunc != total_q:
+            hint = (
+                "; a row's endpoints F0 <= F1 <= ... give the visible keys [0, F0) U [F1, F2) U ..., an "
+                "odd count (for [a, b) alone, F0 = 0: [0, a, b])"
+            )
+        raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}{hint}")
     if rows != total_q:
         hint = ""
-        if varlen:
+        if nfunc == total_q:
+            hint = transposed
+        elif varlen:
             hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
         elif rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
