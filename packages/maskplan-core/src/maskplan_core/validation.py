@@ -283,13 +283,14 @@ def validate_plan_inputs(
     hmask, nfunc, rows = mask_func.shape
     if hmask not in (1, hq):
         raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}")
-    transposed = (
+    transposed = nfunc == total_q and rows != total_q
+    transposed_hint = (
         "; mask_func looks like [Hmask, total_q, nfunc]: its layout is [Hmask, nfunc, total_q] "
         "(mask_func.transpose(1, 2).contiguous())"
     )
     if nfunc <= 0 or nfunc % 2 == 0:
-        hint = transposed
-        if nfunc != total_q:
+        hint = transposed_hint
+        if not transposed:
             hint = (
                 "; a row's endpoints F0 <= F1 <= ... give the visible keys [0, F0) U [F1, F2) U ..., an "
                 "odd count (for [a, b) alone, F0 = 0: [0, a, b])"
@@ -297,8 +298,8 @@ def validate_plan_inputs(
         raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}{hint}")
     if rows != total_q:
         hint = ""
-        if nfunc == total_q:
-            hint = transposed
+        if transposed:
+            hint = transposed_hint
         elif varlen:
             hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
         elif rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
