@@ -90,16 +90,22 @@ def _kept_extent(kept: torch.Tensor) -> int:
     return int(kept.nonzero().max()) + 1 if kept.any() else 1
 
 
-def _rows(x: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
-    """``x[tok][:, :, heads]`` (``[n, t, h, d]``), zero where ``ok`` is False (another sample's token)."""
-    return _masked(x[tok[:, :, None], heads], ok, 0.0, _OVER_ROWS)  # one gather
+def _heads_major(x: torch.Tensor) -> torch.Tensor:
+    """THD ``[total, H, D]`` as ``[H, total, D]``, contiguous: a chunk's rows gathered from it are
+    ``[h, n, t, d]``, the batch-major layout the chunk's matrix products take without a copy."""
+    return x.transpose(0, 1).contiguous()
 
 
-# how a chunk's masks broadcast: keep [n, m, k] over scores [n, h, m, k]; q_ok [n, m] over
-# rows of output [n, h, m, d]; a row mask [n, t] over gathered rows [n, t, h, d]
-_OVER_SCORES = (slice(None), None)
-_OVER_OUTPUT_ROWS = (slice(None), None, slice(None), None)
-_OVER_ROWS = (Ellipsis, None, None)
+def _rows(xt: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor) -> torch.Tensor:
+    """Rows ``tok`` of heads ``heads`` of a heads-major ``xt`` (``[h, n, t, d]``), zero where ``ok``
+    is False (another sample's token)."""
+    return _masked(xt[heads[:, None, None], tok], ok, 0.0, _OVER_ROWS)  # one gather
+
+
+# how a chunk's masks broadcast: keep [n, m, k] over scores [h, n, m, k]; a row mask [n, t] over
+# rows [h, n, t, d] (gathered, or of an output)
+_OVER_SCORES = (None,)
+_OVER_ROWS = (None, Ellipsis, None)
 
 
 def _masked(x: torch.Tensor, keep: torch.Tensor | None, value: float, at: tuple) -> torch.Tensor:
@@ -120,17 +126,17 @@ def _exact(fn):
     return run
 
 
-def _scores(tl: _Tiles, q, k, scale) -> torch.Tensor:
-    """Scaled scores ``[n, hq', m, k]`` with masked elements at -inf."""
-    qt = _rows(q, tl.q_tok, tl.q_ok, tl.q_heads)  # [n, m, h, d]
-    kt = _rows(k, tl.k_tok, tl.k_ok, tl.kv_heads)  # [n, k, h, d]
-    s = torch.einsum("nmhd,nkhd->nhmk", qt, kt) * scale
+def _scores(tl: _Tiles, qt, kt, scale) -> torch.Tensor:
+    """Scaled scores ``[hq', n, m, k]`` with masked elements at -inf (``qt``, ``kt`` heads-major)."""
+    qs = _rows(qt, tl.q_tok, tl.q_ok, tl.q_heads)  # [h, n, m, d]
+    ks = _rows(kt, tl.k_tok, tl.k_ok, tl.kv_heads)  # [h, n, k, d]
+    s = torch.einsum("hnmd,hnkd->hnmk", qs, ks) * scale
     return _masked(s, tl.keep, float("-inf"), _OVER_SCORES)
 
 
-def _row_index(tl: _Tiles, total_q: int) -> torch.Tensor:
-    """Flat index ``head * total_q + token`` of every score row ``[n, hq', m]``."""
-    return tl.q_heads[None, :, None] * total_q + tl.q_tok[:, None, :]
+def _row_index(tl: _Tiles, total: int, heads: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    """Flat index ``head * total + token`` (``[h, n, t]``) of rows ``tok`` of heads ``heads``."""
+    return heads[:, None, None] * total + tok[None]
 
 
 def _probabilities(tl: _Tiles, s: torch.Tensor, row_offset: torch.Tensor) -> torch.Tensor:
@@ -144,23 +150,22 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     g = view.geometry
     cd = compute_dtype(q.dtype)
     softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
-    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    qt, kt, vt = (_heads_major(x.to(cd)) for x in (q, k, v))
     rows = g.num_heads_q * g.total_q
     row_max = torch.full((rows,), float("-inf"), dtype=cd, device=q.device)
     for tl in _tiles(view):
-        s = _scores(tl, q, k, softmax_scale)
-        row_max.scatter_reduce_(
-            0, _row_index(tl, g.total_q).unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax"
-        )
+        s = _scores(tl, qt, kt, softmax_scale)
+        idx = _row_index(tl, g.total_q, tl.q_heads, tl.q_tok)
+        row_max.scatter_reduce_(0, idx.unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax")
     safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)
     row_sum = torch.zeros(rows, dtype=cd, device=q.device)
     acc = torch.zeros(g.num_heads_q, g.total_q, g.head_dim_v, dtype=cd, device=q.device)
     for tl in _tiles(view):
-        idx = _row_index(tl, g.total_q)
-        p = _probabilities(tl, _scores(tl, q, k, softmax_scale), safe_max[idx])
+        idx = _row_index(tl, g.total_q, tl.q_heads, tl.q_tok)
+        p = _probabilities(tl, _scores(tl, qt, kt, softmax_scale), safe_max[idx])
         row_sum.index_add_(0, idx.reshape(-1), p.sum(-1).reshape(-1))
-        pv = torch.einsum("nhmk,nkhd->nhmd", p, _rows(v, tl.k_tok, tl.k_ok, tl.kv_heads))
-        pv = _masked(pv, tl.q_ok, 0.0, _OVER_OUTPUT_ROWS)
+        pv = torch.einsum("hnmk,hnkd->hnmd", p, _rows(vt, tl.k_tok, tl.k_ok, tl.kv_heads))
+        pv = _masked(pv, tl.q_ok, 0.0, _OVER_ROWS)
         acc.view(rows, -1).index_add_(0, idx.reshape(-1), pv.reshape(-1, g.head_dim_v))
     empty = row_sum == 0
     out = acc / torch.where(empty, 1.0, row_sum).view(g.num_heads_q, g.total_q, 1)
@@ -179,34 +184,32 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
     g = view.geometry
     cd = compute_dtype(q.dtype)
     softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
-    qc, kc, vc, doc = q.to(cd), k.to(cd), v.to(cd), dout.to(cd)
+    qt, kt, vt, dot = (_heads_major(x.to(cd)) for x in (q, k, v, dout))
     lse_flat = lse.to(cd).reshape(-1)
     safe_lse = torch.where(torch.isinf(lse_flat), 0.0, lse_flat)
-    delta = (doc * out.to(cd)).sum(-1).transpose(0, 1).reshape(-1)  # [Hq * total_q]
+    delta = (dot * _heads_major(out.to(cd))).sum(-1).reshape(-1)  # [Hq * total_q]
     if dlse is not None:
         delta = delta - dlse.to(cd).reshape(-1)
-    dq = torch.zeros(g.total_q, g.num_heads_q, g.head_dim_qk, dtype=cd, device=q.device)
-    dk = torch.zeros(g.total_k, g.num_heads_kv, g.head_dim_qk, dtype=cd, device=q.device)
-    dv = torch.zeros(g.total_k, g.num_heads_kv, g.head_dim_v, dtype=cd, device=q.device)
+    # heads-major accumulators, [H, total, D]
+    dq, dk, dv = (torch.zeros_like(x) for x in (qt, kt, vt))
     for tl in _tiles(view):
-        idx = _row_index(tl, g.total_q)
-        p = _probabilities(tl, _scores(tl, qc, kc, softmax_scale), safe_lse[idx])  # [n, h, m, k]
-        do_t, q_t = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (doc, qc))  # [n, m, h, d]
-        v_t, k_t = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vc, kc))  # [n, k, h, d]
-        dp = torch.einsum("nmhd,nkhd->nhmk", do_t, v_t)
+        idx = _row_index(tl, g.total_q, tl.q_heads, tl.q_tok)
+        p = _probabilities(tl, _scores(tl, qt, kt, softmax_scale), safe_lse[idx])  # [h, n, m, k]
+        do_s, q_s = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (dot, qt))  # [h, n, m, d]
+        v_s, k_s = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vt, kt))  # [h, n, k, d]
+        dp = torch.einsum("hnmd,hnkd->hnmk", do_s, v_s)
         ds = _masked(p * (dp - delta[idx].unsqueeze(-1)) * softmax_scale, tl.keep, 0.0, _OVER_SCORES)
-        _add_rows(dq, tl.q_tok, tl.q_ok, tl.q_heads, torch.einsum("nhmk,nkhd->nmhd", ds, k_t))
-        _add_rows(dk, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", ds, q_t))
-        _add_rows(dv, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("nhmk,nmhd->nkhd", p, do_t))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        _add_rows(dq, tl.q_tok, tl.q_ok, tl.q_heads, torch.einsum("hnmk,hnkd->hnmd", ds, k_s))
+        _add_rows(dk, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("hnmk,hnmd->hnkd", ds, q_s))
+        _add_rows(dv, tl.k_tok, tl.k_ok, tl.kv_heads, torch.einsum("hnmk,hnmd->hnkd", p, do_s))
+    return tuple(x.transpose(0, 1).to(t.dtype).contiguous() for x, t in ((dq, q), (dk, k), (dv, v)))
 
 
 def _add_rows(
     dst: torch.Tensor, tok: torch.Tensor, ok: torch.Tensor | None, heads: torch.Tensor, val: torch.Tensor
 ) -> None:
-    """dst[tok, heads] += val for tiles ``[n, t, h, d]`` (GQA heads sharing a kv head accumulate);
-    rows where ``ok`` is False (another sample's token) add nothing."""
-    n_heads = dst.shape[1]
-    flat = (tok[:, :, None] * n_heads + heads[None, None, :]).reshape(-1)
+    """Heads-major ``dst[heads, tok] += val`` for tiles ``[h, n, t, d]`` (GQA heads sharing a kv
+    head accumulate); rows where ``ok`` is False (another sample's token) add nothing."""
+    flat = heads[:, None, None] * dst.shape[1] + tok[None]
     val = _masked(val, ok, 0.0, _OVER_ROWS)
-    dst.view(-1, dst.shape[-1]).index_add_(0, flat, val.reshape(-1, dst.shape[-1]))
+    dst.view(-1, dst.shape[-1]).index_add_(0, flat.reshape(-1), val.reshape(-1, dst.shape[-1]))
