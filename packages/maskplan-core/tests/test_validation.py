@@ -220,6 +220,23 @@ def test_transposed_endpoints_of_an_odd_row_count_are_named():
         validate_plan_inputs(causal(total_q=25, sq=25, nfunc=3).transpose(1, 2).contiguous(), q, k, v)
 
 
+@pytest.mark.parametrize(
+    "mask_func, q_shape, needles",
+    [
+        # one decoding query, a mask of 100 rows (nfunc 1 = total_q): transposing it gives nfunc 100
+        (causal(total_q=100, sq=100, sk=100), (1, 1), ("100 query rows", "total_q=1")),
+        # a mask for one sample of a batch of 3 single-token samples: the batch hint, not a transpose
+        (causal(total_q=1, sq=1, sk=50, nfunc=3), (3, 1), ("one sample", "batch=B")),
+    ],
+    ids=["decode-step", "one-sample-of-single-tokens"],
+)
+def test_no_transpose_hint_where_a_transpose_cannot_be_meant(mask_func, q_shape, needles):
+    q, k, v = fixed_qkv(b=q_shape[0], sq=q_shape[1], sk=100)
+    with pytest.raises(InputValueError) as info:
+        validate_plan_inputs(mask_func, q, k, v)
+    assert all(n in str(info.value) for n in needles) and "transpose" not in str(info.value), str(info.value)
+
+
 def test_bhsd_q_gets_a_layout_hint():
     """torch FlexAttention's BHSD layout, passed as is, names the layout flexattn takes."""
     q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=4)

@@ -283,7 +283,8 @@ def validate_plan_inputs(
     hmask, nfunc, rows = mask_func.shape
     if hmask not in (1, hq):
         raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}")
-    transposed = nfunc == total_q and rows != total_q
+    # [Hmask, total_q, nfunc] passed as is: its rows are an odd nfunc, its nfunc the query rows
+    transposed = nfunc == total_q and rows != total_q and rows % 2 == 1
     transposed_hint = (
         "; mask_func looks like [Hmask, total_q, nfunc]: its layout is [Hmask, nfunc, total_q] "
         "(mask_func.transpose(1, 2).contiguous())"
@@ -298,17 +299,17 @@ def validate_plan_inputs(
         raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}{hint}")
     if rows != total_q:
         hint = ""
-        if transposed:
-            hint = transposed_hint
-        elif varlen:
+        if varlen and not transposed:
             hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
-        elif rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
+        elif not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
-        elif rows == max_q and batch > 1:
+        elif not varlen and rows == max_q and batch > 1:
             hint = (
                 f"; mask_func covers one sample of {max_q} rows, q holds {batch}: build it for the batch "
                 "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded to B)"
             )
+        elif transposed:
+            hint = transposed_hint
         raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{hint}")
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
         warn_caller(

@@ -69,7 +69,7 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
                 keep = row_ok[:, :, None] & col_ok[:, None, :] & view.layout.unpack(e.payload[sl])
                 # rows and columns past the last one any tile of the chunk keeps contribute nothing:
                 # drop them (a tile of a sample shorter than the tile is mostly such rows)
-                rows, cols = (_kept_extent(keep.any(d).any(0)) for d in (2, 1))
+                rows, cols = _kept_extents(keep)
                 q_local, row_ok, keep = q_local[:, :rows], row_ok[:, :rows], keep[:, :rows, :cols]
                 k_local, col_ok = k_local[:, :cols], col_ok[:, :cols]
             q_tok = (desc[b, 0, None] + q_local).clamp(max=max(g.total_q - 1, 0))
@@ -85,9 +85,15 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
                 yield _Tiles(q_tok[mine], k_tok[mine], *masks, q_heads, q_heads // g.qhead_per_kvhead)
 
 
-def _kept_extent(kept: torch.Tensor) -> int:
-    """One past the last True of ``kept`` (at least 1, so that shapes stay non-empty)."""
-    return int(kept.nonzero().max()) + 1 if kept.any() else 1
+def _kept_extents(keep: torch.Tensor) -> tuple[int, int]:
+    """One past the last row and the last column that any tile of ``keep`` (``[n, m, k]``) keeps,
+    at least 1 so that shapes stay non-empty; one device read."""
+    ends = [
+        (kept.any(0) * torch.arange(1, kept.shape[1] + 1, device=keep.device)).max()
+        for kept in (keep.any(2), keep.any(1))
+    ]
+    rows, cols = torch.stack(ends).tolist()
+    return max(rows, 1), max(cols, 1)
 
 
 def _heads_major(x: torch.Tensor) -> torch.Tensor:
