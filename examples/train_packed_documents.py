@@ -7,7 +7,7 @@ forward and backward, the whole model optionally under ``torch.compile(fullgraph
 
 The loop waits for the GPU only where it prints (every 10 steps): the time a step is the average
 since the last print, plans included. On the H200 (session 25) the Hopper command took the loss
-from 4.13 to 2.50 in 60 steps at 10.0-11.3 ms a step (1.5-1.8 ms of host time a plan), the same
+from 4.13 to 2.50 in 60 steps at 10.0-11.3 ms a step, plans included, the same
 with ``--compile`` (9.9-11.5 ms) or ``--plan-ahead`` (9.6-11.2 ms): with 2 layers the host issues
 work no faster than the GPU runs it, so there is nothing to overlap. With ``--layers 8`` (and
 ``--steps 40``) the GPU runs ahead of the host, and ``--plan-ahead`` took a step from 31.8-34.6

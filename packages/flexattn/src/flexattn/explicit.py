@@ -322,7 +322,8 @@ class FlexAttentionFwd(_Explicit):
 
 class FlexAttentionBwd(_Explicit):
     """Backward into caller-allocated ``dq`` / ``dk`` / ``dv`` (shaped and typed like q / k / v), from
-    the forward's ``o`` and fp32 ``lse`` (and optionally an LSE gradient ``dlse`` of the LSE's shape)."""
+    the forward's ``o`` and ``lse`` (fp32; fp64 for fp64 inputs) and optionally an LSE gradient ``dlse``
+    of the LSE's shape."""
 
     training = True
     outputs = ("dq", "dk", "dv")

@@ -98,7 +98,8 @@ class ViewConfig:
 
 @dataclass(frozen=True)
 class AttentionOutputs:
-    """THD output ``[total_q, Hq, Dv]``, fp32 LSE ``[Hq, total_q]``, fp32 max logit ``[Hq]`` or None."""
+    """THD output ``[total_q, Hq, Dv]``, LSE ``[Hq, total_q]`` and max logit ``[Hq]`` or None, both fp32
+    (fp64 for fp64 inputs)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -156,7 +157,8 @@ class Consumer(ABC):
         payload_via_smem: bool | None = None,
     ) -> AttentionOutputs:  # fmt: skip
         """``q``, ``k``, ``v`` are THD views with a contiguous head dim and any other strides (e.g.
-        slices of one fused QKV tensor). ``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse``
+        slices of one fused QKV tensor), or a fixed-length ``[B, S, H, D]`` tensor that has no THD
+        view, as it is (class docstring). ``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse``
         (``[Hq, total_q]``, fp32; fp64 for fp64 inputs), when given, are contiguous, 16-byte aligned
         tensors the results must be written into (and returned). ``flex_attn_func`` never passes
         them; the facade's explicit ``FlexAttentionFwd`` does where the caller's buffers are such
