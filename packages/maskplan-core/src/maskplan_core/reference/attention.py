@@ -140,7 +140,7 @@ def _scores(tl: _Tiles, qt, kt, scale) -> torch.Tensor:
     return _masked(s, tl.keep, float("-inf"), _OVER_SCORES)
 
 
-def _row_index(tl: _Tiles, total: int, heads: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+def _row_index(total: int, heads: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     """Flat index ``head * total + token`` (``[h, n, t]``) of rows ``tok`` of heads ``heads``."""
     return heads[:, None, None] * total + tok[None]
 
@@ -161,13 +161,13 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     row_max = torch.full((rows,), float("-inf"), dtype=cd, device=q.device)
     for tl in _tiles(view):
         s = _scores(tl, qt, kt, softmax_scale)
-        idx = _row_index(tl, g.total_q, tl.q_heads, tl.q_tok)
+        idx = _row_index(g.total_q, tl.q_heads, tl.q_tok)
         row_max.scatter_reduce_(0, idx.unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax")
     safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)
     row_sum = torch.zeros(rows, dtype=cd, device=q.device)
     acc = torch.zeros(g.num_heads_q, g.total_q, g.head_dim_v, dtype=cd, device=q.device)
     for tl in _tiles(view):
-        idx = _row_index(tl, g.total_q, tl.q_heads, tl.q_tok)
+        idx = _row_index(g.total_q, tl.q_heads, tl.q_tok)
         p = _probabilities(tl, _scores(tl, qt, kt, softmax_scale), safe_max[idx])
         row_sum.index_add_(0, idx.reshape(-1), p.sum(-1).reshape(-1))
         pv = torch.einsum("hnmk,hnkd->hnmd", p, _rows(vt, tl.k_tok, tl.k_ok, tl.kv_heads))
@@ -199,7 +199,7 @@ def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax
     # heads-major accumulators, [H, total, D]
     dq, dk, dv = (torch.zeros_like(x) for x in (qt, kt, vt))
     for tl in _tiles(view):
-        idx = _row_index(tl, g.total_q, tl.q_heads, tl.q_tok)
+        idx = _row_index(g.total_q, tl.q_heads, tl.q_tok)
         p = _probabilities(tl, _scores(tl, qt, kt, softmax_scale), safe_lse[idx])  # [h, n, m, k]
         do_s, q_s = (_rows(x, tl.q_tok, tl.q_ok, tl.q_heads) for x in (dot, qt))  # [h, n, m, d]
         v_s, k_s = (_rows(x, tl.k_tok, tl.k_ok, tl.kv_heads) for x in (vt, kt))  # [h, n, k, d]
@@ -216,6 +216,6 @@ def _add_rows(
 ) -> None:
     """Heads-major ``dst[heads, tok] += val`` for tiles ``[h, n, t, d]`` (GQA heads sharing a kv
     head accumulate); rows where ``ok`` is False (another sample's token) add nothing."""
-    flat = heads[:, None, None] * dst.shape[1] + tok[None]
     val = _masked(val, ok, 0.0, _OVER_ROWS)
-    dst.view(-1, dst.shape[-1]).index_add_(0, flat.reshape(-1), val.reshape(-1, dst.shape[-1]))
+    flat = _row_index(dst.shape[1], heads, tok).reshape(-1)
+    dst.view(-1, dst.shape[-1]).index_add_(0, flat, val.reshape(-1, dst.shape[-1]))
