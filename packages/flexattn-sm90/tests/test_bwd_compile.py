@@ -21,12 +21,12 @@ from maskplan_kernels.testing import assert_ptxas_clean, integer_divisions, wgmm
 
 def _ptx(
     kind, dq=128, dv=128, dtype="bfloat16", *, tmp_path, deterministic=False, with_dlse=False,
-    per_sample=False,
+    per_sample=False, sparse_rows=False,
 ) -> str:  # fmt: skip
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype=dtype)
     compiled = compile_uncached(
         kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample,
-        extra_options=f"--keep-ptx --dump-dir {tmp_path}",
+        sparse_rows=sparse_rows, extra_options=f"--keep-ptx --dump-dir {tmp_path}",
     )  # fmt: skip
     ptx = compiled.__ptx__
     assert ".target sm_90a" in ptx
@@ -94,21 +94,28 @@ def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
     _assert_ptxas_clean(ptx, tmp_path, dq, dv)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_main_kernel_d128_instructions(deterministic, tmp_path):
-    ptx = _ptx("main", tmp_path=tmp_path, deterministic=deterministic)
+#: the main kernel's dQ modes: (deterministic, sparse_rows)
+DQ_MODES = {"atomic": (False, False), "atomic-sparse": (False, True), "deterministic": (True, False)}
+
+
+@pytest.mark.parametrize("mode", DQ_MODES)
+def test_main_kernel_d128_instructions(mode, tmp_path):
+    deterministic, sparse_rows = DQ_MODES[mode]
+    stored = deterministic or sparse_rows  # BackwardCompiler.first_dq_stored
+    ptx = _ptx("main", tmp_path=tmp_path, deterministic=deterministic, sparse_rows=sparse_rows)
     assert "cp.async.bulk.tensor" in ptx  # TMA loads of K, V, Q, dO
     assert re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)  # payload plane, LSE, D
-    # dQ accumulation: a bulk add per warpgroup chunk, in each dQ writer (two in deterministic mode)
-    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2 * (1 + deterministic)
+    # dQ accumulation: a bulk add per warpgroup chunk, in each dQ writer (two with turnstiles)
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2 * (1 + stored)
     assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx
     assert "st.shared.v4" in ptx  # dQ fragments into the 16-byte vectors of their chunk
-    # the turnstile: acquire spin, then a release increment, only in deterministic mode
-    assert ("ld.acquire.gpu.global.b32" in ptx) == deterministic
-    assert ("red.release.gpu.global.add.s32" in ptx) == deterministic
-    # deterministic mode stores each Q block's first contribution (rank 0) rather than adding it
-    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group ") == 4 * deterministic
+    # the turnstile (acquire spin, then a release increment) where each Q block's first
+    # contribution (rank 0) is stored rather than added: the others wait for their rank
+    # (deterministic) or for the first (atomic mode on sparse rows)
+    assert ("ld.acquire.gpu.global.b32" in ptx) == stored
+    assert ("red.release.gpu.global.add.s32" in ptx) == stored
+    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group ") == 4 * stored
     _assert_ptxas_clean(ptx, tmp_path)
 
 
@@ -126,28 +133,34 @@ def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
 @pytest.mark.parametrize(
     "dq,dv,expect",
     [
-        # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic / deterministic mode: a
-        # deterministic kernel runs two dQ writers on alternate steps
-        (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
-        (192, 128, ((2, 1, 2, 1), (2, 2, 2, 1))),  # the 96-row K / V leave SMEM for 1 dO stage
-        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic / atomic-sparse /
+        # deterministic mode: a kernel with turnstiles runs two dQ writers on alternate steps
+        (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2), (2, 2, 2, 2))),
+        (192, 128, ((2, 1, 2, 1), (2, 2, 2, 1), (2, 2, 2, 1))),  # the 96-row K / V leave SMEM for 1 dO stage
+        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1), (1, 2, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):
     from flexattn_sm90.bwd_kernel import Sm90BwdKernel
 
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
-    for deterministic, want in zip((False, True), expect, strict=True):
-        k = Sm90BwdKernel(config, deterministic=deterministic)
+    for (deterministic, sparse_rows), want in zip(DQ_MODES.values(), expect, strict=True):
+        k = Sm90BwdKernel(config, deterministic=deterministic, first_dq_stored=deterministic or sparse_rows)
         assert (k.dq_chunks, k.dq_writers, k.q_stages, k.do_stages) == want
+    with pytest.raises(ValueError, match="first_dq_stored=False"):
+        Sm90BwdKernel(config, deterministic=True, first_dq_stored=False)
 
 
-def test_preprocess_is_the_shared_one(tmp_path):
+@pytest.mark.parametrize("mode", DQ_MODES)
+def test_preprocess_is_the_shared_one(mode, tmp_path):
     """The preprocess is maskplan_kernels.consumer_bwd_preprocess at this backward's tile_m (its own
-    compile tests live in packages/maskplan-kernels/tests)."""
-    ptx = _ptx("pre", tmp_path=tmp_path, with_dlse=True)
+    compile tests live in packages/maskplan-kernels/tests). It zeroes the dQ accumulator (its
+    16-byte stores) only in atomic mode on dense K2Q rows: elsewhere the main kernel stores each Q
+    block's first contribution."""
+    deterministic, sparse_rows = DQ_MODES[mode]
+    ptx = _ptx("pre", tmp_path=tmp_path, with_dlse=True, deterministic=deterministic, sparse_rows=sparse_rows)
     assert "consumer_bwd_preprocessBwdPreprocess" in ptx
-    assert "st.global.v4" in ptx
+    assert bool(re.search(r"st\.global\.(v4\.[fb]32|v2\.b64)", ptx)) == (mode == "atomic")
 
 
 @pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
@@ -166,11 +179,18 @@ def test_postprocess_compiles(dq, dv, dtype, deterministic, tmp_path):
     _assert_ptxas_clean(ptx, tmp_path)
 
 
-def test_deterministic_postprocess_reads_the_turnstile_count(tmp_path):
-    """Deterministic mode's postprocess loads one more int32, the block's turnstile count (0: no
-    K block visited the block, whose accumulator nothing wrote)."""
+def test_postprocess_reads_the_turnstile_count_where_the_first_dq_is_stored(tmp_path):
+    """The postprocess of deterministic mode and of atomic mode on sparse K2Q rows (one kernel)
+    loads one more int32 than atomic mode's on dense rows, the block's turnstile count (0: no K
+    block visited the block, whose accumulator nothing wrote)."""
+    config = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    keys = {
+        mode: kernel_keys(config, deterministic=d, with_dlse=False, sparse_rows=s)["post"]
+        for mode, (d, s) in DQ_MODES.items()
+    }
+    assert keys["atomic-sparse"] == keys["deterministic"] != keys["atomic"]
     load = re.compile(r"ld\.global\.(?:[a-z]+\.)*[bsu]32\b")
-    loads = [len(load.findall(_ptx("post", tmp_path=tmp_path, deterministic=det))) for det in (False, True)]
+    loads = [len(load.findall(_ptx("post", tmp_path=tmp_path, sparse_rows=s))) for s in (False, True)]
     assert loads[1] == loads[0] + 1, loads
 
 
@@ -194,10 +214,15 @@ def test_kernel_keys_ignore_runtime_geometry():
     b = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16", qhead_per_kvhead=4, varlen=True)
     kw = {"deterministic": False, "with_dlse": False}
     assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
-    # deterministic mode: its main kernel stores each Q block's first dQ, so its preprocess does not
-    # zero the accumulator and its postprocess zeroes the blocks nothing visited
+    # deterministic mode and atomic mode on sparse K2Q rows: their main kernels store each Q block's
+    # first dQ, so their preprocess does not zero the accumulator and their postprocess zeroes the
+    # blocks nothing visited; deterministic mode ignores the row fill
     det, base = kernel_keys(a, deterministic=True, with_dlse=False), kernel_keys(a, **kw)
     assert all(det[kind] != base[kind] for kind in ("pre", "main", "post"))
+    sparse = kernel_keys(a, **kw, sparse_rows=True)
+    assert [sparse[kind] == det[kind] for kind in ("pre", "main", "post")] == [True, False, True]
+    assert sparse["main"] != base["main"]
+    assert kernel_keys(a, deterministic=True, with_dlse=False, sparse_rows=True) == det
     dlse = kernel_keys(a, deterministic=False, with_dlse=True)
     assert dlse["pre"] != kernel_keys(a, **kw)["pre"] and dlse["main"] == kernel_keys(a, **kw)["main"]
 

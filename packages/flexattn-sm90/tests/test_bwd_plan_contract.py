@@ -128,17 +128,19 @@ def test_launch_head_group_follows_the_k2q_row_fill(name):
     """The kernels' launch-order rule (``consumer_plan.view_row_fill``: entries over K rows x the
     Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192 D=128:
     causal rows are half full (atomic mode takes ATOMIC_HEAD_GROUP heads at a time), sliding-window
-    and document rows sparse (all heads at a time), random intervals dense (deterministic mode
-    takes DENSE_HEAD_GROUP)."""
+    and document rows sparse (all heads at a time, and atomic mode stores each Q block's first dQ:
+    the host reckons the fill as the kernels do, ``BwdViewArgs.sparse_rows``), random intervals
+    dense (deterministic mode takes DENSE_HEAD_GROUP)."""
     ep, expected = LAUNCH_MASKS[name]
     q = torch.zeros(2, 8192, 1, 128, dtype=torch.bfloat16)
     view = plan_for(ep, q, q, q).view("backward")
     stats = view.stats()
     batch = view.sequence_desc().shape[0]
-    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(),
-                        bwd_view_args(view, CPU).n_qblk / batch)  # fmt: skip
+    prep = bwd_view_args(view, CPU)
+    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), prep.n_qblk / batch)
     sparse, dense = fill < SPARSE_ROW_FILL, fill >= Sm90BwdKernel.DENSE_ROW_FILL
     assert (sparse, dense) == (expected == "all", expected == "dense"), fill
+    assert prep.sparse_rows == sparse
 
 
 @pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)

@@ -226,8 +226,12 @@ def smem_bytes(geo: BwdGeometry, q_stages: int, do_stages: int) -> int:
 class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
     """Static configuration of one compiled backward main kernel; see the module docstring."""
 
-    def __init__(self, config: Sm100BwdConfig, *, deterministic: bool = False):
+    def __init__(
+        self, config: Sm100BwdConfig, *, deterministic: bool = False, first_dq_stored: bool = False
+    ):  # fmt: skip
         variant = config.variant
+        if first_dq_stored:  # BackwardCompiler.stores_first_dq is "never" for this consumer
+            raise NotImplementedError("the SM100 backward kernel adds every dQ contribution: first_dq_stored")
         if variant.name not in IMPLEMENTED_VARIANTS:
             raise NotImplementedError(
                 f"the SM100 backward kernel implements variants {IMPLEMENTED_VARIANTS}, not {variant.name!r}"

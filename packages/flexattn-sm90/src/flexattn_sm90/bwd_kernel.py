@@ -11,8 +11,9 @@ later reduction), while each visited Q block's dQ contribution goes to an fp32 a
                       stages each, dO 1 from (192, 128) on), bulk copy of the partial payloads (2-stage SMEM
                       mask pipeline)
     warp 1 (WG0)      dQ writer: bulk fp32 reduce-add (cp.reduce.async.bulk) of each Q block's dQ
-                      from SMEM into the accumulator; deterministic mode takes a turnstile first
-    warp 2 (WG0)      deterministic mode: a second dQ writer, which takes the odd steps
+                      from SMEM into the accumulator, or store of its first one (first_dq_stored),
+                      after the block's turnstile where there is one
+    warp 2 (WG0)      with first_dq_stored: a second dQ writer, which takes the odd steps
                       (write_dq_block says why)
     warps 2-3         otherwise idle (give their registers back and exit)
     WG1, WG2          MMA warpgroups (bwd_mainloop.py):
@@ -64,13 +65,18 @@ session 27).
 
 dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sample ``b`` is
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
-(P = 0) and D = 0, so they contribute nothing. ``deterministic=True``: the dQ writer of the CTA
-whose entry has rank ``k`` waits until ``dq_semaphore[hq, block] == k``, adds (rank 0 stores: the
-preprocess does not zero the accumulator in this mode, and the postprocess writes dQ = 0 where the
-count stayed 0), waits for the add to complete and increments it: every run adds the contributions
-in ``dq_write_order`` (ascending K block). Waiting only on lower K blocks of the same (sample, kv
-head), i.e. on lower tickets, which running CTAs hold (every ticket comes from the counter), it
-cannot deadlock.
+(P = 0) and D = 0, so they contribute nothing. ``first_dq_stored`` (always in deterministic mode,
+in atomic mode on sparse K2Q rows: ``BackwardCompiler.first_dq_stored``): nothing zeroes the
+accumulator; the contribution of rank 0 in ``dq_write_order`` (the block's lowest K block) is
+stored and counted on the block's turnstile ``dq_semaphore[hq, block]``, and the postprocess
+writes dQ = 0 where the count stayed 0. ``deterministic=True``: the dQ writer of the CTA whose
+entry has rank ``k`` waits until the count is ``k``, stores or adds, waits for the copy to
+complete and increments it: every run adds the contributions in ``dq_write_order`` (ascending K
+block). Atomic mode with ``first_dq_stored``: the other ranks wait only for a count of 1, then
+add in any order; without it the preprocess zeroes the accumulator and every rank adds at once.
+Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower tickets
+(``consumer_plan.grouped_launch_slot``), which running CTAs hold (every ticket comes from the
+counter), a writer cannot deadlock.
 Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block
 below it on causal, sliding-window and document masks (``consumer_plan.walk_descending``), so
 the turnstile rarely waits; deterministic
@@ -179,7 +185,18 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     SCHED_STAGES = 2
     ITEM_WORDS = 2 + len(ITEM_FIELDS)
 
-    def __init__(self, config: Sm90BwdConfig, *, deterministic: bool = False, per_sample: bool = False):
+    def __init__(
+        self, config: Sm90BwdConfig, *, deterministic: bool = False, per_sample: bool = False,
+        first_dq_stored: bool | None = None,
+    ):  # fmt: skip
+        # first_dq_stored (the module docstring): deterministic mode's turnstile needs it; in atomic
+        # mode it saves zeroing the accumulator, which pays where K2Q rows are sparse (None: as
+        # deterministic)
+        first_dq_stored = deterministic if first_dq_stored is None else first_dq_stored
+        if deterministic and not first_dq_stored:
+            raise ValueError(
+                "first_dq_stored=False: the deterministic SM90 backward stores each Q block's first dQ"
+            )
         self.row_granule = config.row_granule if per_sample else 0  # q, k, v rows per sample
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
         widest = max(config.head_dim_qk, config.head_dim_v)
@@ -220,13 +237,15 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             )
         self.config = config
         self.deterministic = deterministic
+        self.first_dq_stored = first_dq_stored
         self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
         self.do_stages, self.q_stages = config.do_stages, config.q_stages
-        # deterministic mode: two dQ writers on alternate steps (write_dq_block); 7-10% faster
-        # than one at D=128 sliding, (256, 256) and 26% at (192, 128) (RESULTS, sessions 13-14)
-        self.dq_writers = 2 if deterministic else 1
+        # with turnstiles: two dQ writers on alternate steps (write_dq_block); in deterministic mode
+        # 7-10% faster than one at D=128 sliding, (256, 256) and 26% at (192, 128) (RESULTS,
+        # sessions 13-14); without, two were no faster (session 48)
+        self.dq_writers = 2 if first_dq_stored else 1
         self.mask_stages = config.mask_pipeline_stages
         # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
         q_block_bytes = self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v)
@@ -729,15 +748,21 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self, sdQ, mdQaccum, mdQsem, q_head: Int32, q_block: Int32, rank: Int32, lane: Int32,
         writer: cutlass.Constexpr[int],
     ):  # fmt: skip
-        """One step's dQ. Deterministic mode runs two writers on alternate steps, so one step's
-        turnstile chain (adds complete, release, the next acquire: dependent L2 round trips)
+        """One step's dQ. With ``first_dq_stored`` the block's first contribution (``rank`` 0)
+        is stored and counted on the block's turnstile; deterministic mode adds the others in rank
+        order (each waits for its rank), atomic mode in any order once the first is stored (each
+        waits for a count of 1). Two writers then take alternate steps, so one step's turnstile
+        chain (store or adds complete, release, the next acquire: dependent L2 round trips)
         overlaps the next step's: a writer hands the chunks back (to the next step, the other
-        writer's, or to the item's epilogue, which stages dV there) as soon as its adds have read
-        them, then completes its turn."""
+        writer's, or to the item's epilogue, which stages dV there) as soon as its bulk copies
+        have read them, then completes its turn."""
         shared = self.dq_chunks == 1  # one SMEM chunk, filled by the warpgroups in turn
         counter = element_ptr(mdQsem, q_head * mdQsem.shape[1] + q_block, 4)
-        if const_expr(self.deterministic):
-            turnstile_wait(counter, rank, lane)
+        if const_expr(self.first_dq_stored):
+            turn = rank
+            if const_expr(not self.deterministic):
+                turn = cutlass.min(rank, Int32(1))
+            turnstile_wait(counter, turn, lane)
         base = q_head * mdQaccum.shape[1] + q_block * self.dq_block
         for wg in cutlass.range_constexpr(self.num_mma_wg):
             if const_expr(shared and wg > 0):
@@ -749,7 +774,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             if lane == 0:
                 dst = element_ptr(mdQaccum, base + wg * self.dq_chunk)
                 src = sdQ.iterator + self.dq_chunk_offset(wg)
-                if const_expr(self.deterministic):
+                if const_expr(self.first_dq_stored):
                     if rank == 0:  # the block's first contribution; its accumulator was not zeroed
                         bulk_store(src, dst, self.dq_chunk * 4)
                     else:
@@ -761,6 +786,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         for wg in cutlass.range_constexpr(self.dq_chunks):
             cute.arch.cp_async_bulk_wait_group(self.dq_chunks - 1 - wg, read=True)
             self.dq_chunk_empty(wg)
-        if const_expr(self.deterministic):
-            cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are complete in GMEM
-            turnstile_advance(counter, lane)
+        if const_expr(self.first_dq_stored):
+            if self.deterministic or rank == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the copies are complete in GMEM
+                turnstile_advance(counter, lane)

@@ -14,9 +14,11 @@ view; ``q/k/v`` may also be ``[B, S, H, D]``, read in place per sample where the
 Launches, all on the current stream::
 
     preprocess   (Q blocks, Hq, B)    D = rowsum(dO O) - dlse, LSE in log2 (+inf: no key), dQ
-                                      accumulator (atomic mode) and turnstiles zeroed  (shared with SM100:
+                                      accumulator (atomic mode, dense K2Q rows) and turnstiles
+                                      zeroed                                  (shared with SM100:
                                                           maskplan_kernels.consumer_bwd_preprocess)
-    main         (K plan rows, Hkv)   dK, dV stored; dQ bulk-added in fp32    bwd_kernel.py
+    main         (K plan rows, Hkv)   dK, dV stored; dQ bulk-stored / added   bwd_kernel.py
+                                      in fp32 (first_dq_stored)
     postprocess  (Q blocks, Hq, B)    dQ = scale * accumulator, input dtype   bwd_postprocess.py
 
 Like the forward, every kernel takes raw pointers and int32 sizes, so it is compiled once per
@@ -95,12 +97,13 @@ COMPILER = BackwardCompiler(
     io_head_dims=lambda config: config.io_head_dims,
     row_granule=lambda config: config.row_granule,
 )
-#: kernel_keys(config, *, deterministic, with_dlse, per_sample=False) -> {"pre"|"main"|"post": key}
+#: kernel_keys(config, *, deterministic, with_dlse, per_sample=False, sparse_rows=False)
+#:     -> {"pre"|"main"|"post": key}
 kernel_keys = COMPILER.kernel_keys
 #: compile_uncached(kind, config, *, deterministic=False, with_dlse=False, per_sample=False,
-#:                  extra_options="")
+#:                  sparse_rows=False, extra_options="")
 compile_uncached = COMPILER.compile_uncached
-#: compile_backward(config, *, deterministic, with_dlse, per_sample=False)
+#: compile_backward(config, *, deterministic, with_dlse, per_sample=False, sparse_rows=False)
 #:     -> {"pre"|"main"|"post": compiled}
 compile_backward = COMPILER.compile_backward
 #: run_backward(view, q, k, v, out, lse, dout, dlse, *, softmax_scale, deterministic=False,

@@ -8,9 +8,10 @@ padded SMEM tile by ``stmatrix``; the CTA then stores the rows of the block that
 sample (``< q_len``) in 16-byte row pieces, so each warp store writes whole lines (the C fragment
 itself holds 4-byte row pieces). Rows of padding never leave the workspace.
 
-``zero_unvisited`` (deterministic mode, where the main kernel stores each block's first contribution
-and nothing zeroes the accumulator): a block whose turnstile count is 0 had no contribution, and
-its dQ is written as 0 without reading the accumulator.
+``zero_unvisited`` (where the main kernel stores each block's first contribution and nothing
+zeroes the accumulator: deterministic mode, and atomic mode on sparse K2Q rows): a block whose
+turnstile count is 0 had no contribution, and its dQ is written as 0 without reading the
+accumulator.
 """
 
 import cutlass

@@ -14,7 +14,7 @@ backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_
     dQaccum[hq, blk]         = 0      (tile_m x D fp32, the main kernel bulk-adds into it; not with
                                        zero_dq_accum=False, where the main kernel stores the first
                                        contribution: BackwardCompiler.stores_first_dq)
-    dQsemaphore[hq, blk]     = 0      (deterministic mode's turnstile)
+    dQsemaphore[hq, blk]     = 0      (the Q block's turnstile, where the main kernel keeps one)
     dQsemaphore[Hq * n_qblk] = 0      (by block (0, 0, 0): a persistent main kernel's ticket counter)
 
 ``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key

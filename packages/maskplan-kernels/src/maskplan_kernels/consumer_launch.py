@@ -49,7 +49,7 @@ from . import compile_cache
 from ._cute_args import torch_stream
 from ._launch import persistent_ctas
 from .consumer_bwd_preprocess import BwdPreprocess
-from .consumer_plan import CUTE_DTYPES
+from .consumer_plan import CUTE_DTYPES, SPARSE_ROW_FILL, k2q_row_fill
 from .geometry import ViewBounds
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
@@ -533,6 +533,14 @@ class BwdViewArgs:
     max_q_blocks: int  # Q blocks of the longest sample, a host bound (grid of pre/postprocess)
     varlen: int  # 1: the kernels read sequence_desc; 0: they derive it
 
+    @property
+    def sparse_rows(self) -> bool:
+        """Whether the view's K2Q rows are sparse (``consumer_plan.k2q_row_fill`` below
+        ``SPARSE_ROW_FILL``), from sizes alone, as the kernels' ``view_row_fill`` reckons it."""
+        entries, k_rows = self.partial_nnz + self.full_nnz, self.mask_heads * self.k_rows
+        fill = k2q_row_fill(entries, k_rows, self.n_qblk / self.batch)
+        return fill < SPARSE_ROW_FILL
+
 
 @cached_view_args
 def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
@@ -698,16 +706,20 @@ class BackwardCompiler:
     ``tile_m`` and whatever its kernels read). GQA ratio, varlen-ness and all sizes are runtime
     values: no key holds them.
 
-    ``stores_first_dq``: the consumer's deterministic main kernel stores each Q block's first dQ
-    contribution (rank 0 of ``dq_write_order``) rather than adding it, so in deterministic mode the
-    preprocess leaves the fp32 accumulator unzeroed (half of its memory traffic) and the
-    postprocess writes dQ = 0 for the blocks whose turnstile count is 0 (no K block visited them).
+    ``stores_first_dq``: the consumer's main kernel stores each Q block's first dQ contribution
+    (rank 0 of ``dq_write_order``) rather than adding it in deterministic mode, and in atomic mode
+    on sparse K2Q rows (:attr:`BwdViewArgs.sparse_rows`). There the preprocess leaves the fp32
+    accumulator unzeroed (half of its memory traffic) and the postprocess writes dQ = 0 for the
+    blocks whose turnstile count is 0 (no K block visited them). Atomic mode's other contributions
+    then wait for the first: on dense rows that cost more than the zeroing saves (SM90, session 49:
+    causal -1.7%, random-5 -0.9%; sliding-1024 +5.7%, document +5.5% at D = 128).
     """
 
     gpu_arch: str  # e.g. "sm_90a", passed as --gpu-arch
     source_packages: tuple[str, ...]  # packages the kernels are built from (on-disk cache key)
     key_prefixes: tuple[str, str, str]  # first field of the "pre", "main" and "post" keys
-    main_kernel: Callable[..., Any]  # main_kernel(config, deterministic=...) -> kernel with from_pointers
+    #: main_kernel(config, deterministic=..., first_dq_stored=...) -> kernel with from_pointers
+    main_kernel: Callable[..., Any]
     #: postprocess(config, zero_unvisited) -> kernel with from_pointers (DqPostprocessHostEntry)
     postprocess: Callable[[Any, bool], Any]
     main_key: Callable[[Any], tuple]  # static fields of the main kernel's key (before deterministic)
@@ -719,50 +731,56 @@ class BackwardCompiler:
     #: the kernels zero-fill the rest of their tiles); default: the config's head dims
     io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
     #: the granule of a config's main kernel that takes q, k, v rows per sample
-    #: (``main_kernel(config, deterministic=..., per_sample=True)``; ``ThdHostEntry.row_granule``),
+    #: (``main_kernel(config, ..., per_sample=True)``; ``ThdHostEntry.row_granule``),
     #: or None where the consumer has none (such q, k, v are copied: :func:`qkv_operands`)
     row_granule: Callable[[Any], int | None] = lambda config: None
 
-    def first_dq_stored(self, deterministic: bool) -> bool:
+    def first_dq_stored(self, deterministic: bool, sparse_rows: bool = False) -> bool:
         """Whether the main kernel stores each Q block's first dQ contribution (class docstring)."""
-        return deterministic and self.stores_first_dq
+        return self.stores_first_dq and (deterministic or sparse_rows)
 
     def kernel_keys(
-        self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False
-    ) -> dict[str, tuple]:
-        """Compile keys of the three kernels."""
+        self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
+        sparse_rows: bool = False,
+    ) -> dict[str, tuple]:  # fmt: skip
+        """Compile keys of the three kernels (``sparse_rows``: :attr:`BwdViewArgs.sparse_rows`)."""
         dims, (pre, main, post) = kernel_dims(config), self.key_prefixes
-        stored = self.first_dq_stored(deterministic)
+        stored = self.first_dq_stored(deterministic, sparse_rows)
         io = ("io_head_dims", self.io_head_dims(config))
         return {
             "pre": (pre, dims, io, config.tile_m, ("dlse", with_dlse), ("zero_dq_accum", not stored)),
             "main": (
-                main, *self.main_key(config), io, ("deterministic", deterministic), ("per_sample", per_sample)
-            ),
+                main, *self.main_key(config), io, ("deterministic", deterministic),
+                ("per_sample", per_sample), ("first_dq_stored", stored),
+            ),  # fmt: skip
             "post": (post, dims, io, config.tile_m, *self.post_key(config), ("zero_unvisited", stored)),
         }
 
-    def build(self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False):
+    def build(
+        self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
+        sparse_rows: bool = False,
+    ):  # fmt: skip
         """The kernel object of ``kind``."""
-        stored = self.first_dq_stored(deterministic)
+        stored = self.first_dq_stored(deterministic, sparse_rows)
         if kind == "pre":
             return BwdPreprocess(
                 config.head_dim_qk, self.io_head_dims(config)[1], config.dtype, tile_m=config.tile_m,
                 with_dlse=with_dlse, zero_dq_accum=not stored,
             )  # fmt: skip
-        if kind == "main" and per_sample:
-            return self.main_kernel(config, deterministic=deterministic, per_sample=True)
         if kind == "main":
-            return self.main_kernel(config, deterministic=deterministic)
+            sample = {"per_sample": True} if per_sample else {}
+            return self.main_kernel(config, deterministic=deterministic, first_dq_stored=stored, **sample)
         return self.postprocess(config, stored)
 
     def jit_and_placeholders(
-        self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False
-    ) -> tuple:
+        self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
+        sparse_rows: bool = False,
+    ) -> tuple:  # fmt: skip
         """``(kernel.from_pointers, *placeholder arguments)``: what ``cute.compile`` takes."""
         kernel = self.build(
-            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample
-        )
+            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample,
+            sparse_rows=sparse_rows,
+        )  # fmt: skip
         dtype = cute_dtype(getattr(torch, config.dtype))
         return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
 
@@ -774,13 +792,15 @@ class BackwardCompiler:
         deterministic: bool = False,
         with_dlse: bool = False,
         per_sample: bool = False,
+        sparse_rows: bool = False,
         extra_options: str = "",
     ):
         """Trace and compile kernel ``kind`` for :attr:`gpu_arch` (no GPU needed)."""
         options = f"--gpu-arch {self.gpu_arch} {extra_options}".strip()
         jit = self.jit_and_placeholders(
-            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample
-        )
+            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample,
+            sparse_rows=sparse_rows,
+        )  # fmt: skip
         return cute.compile(*jit, options=options)
 
     def run_backward(
@@ -803,18 +823,23 @@ class BackwardCompiler:
         )  # fmt: skip
         if not io.nothing_visible:
             compiled = self.compile_backward(
-                config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample
-            )
+                config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample,
+                sparse_rows=io.prep.sparse_rows,
+            )  # fmt: skip
             launch_backward(compiled, io, config, softmax_scale)
         return io.grads
 
     def compile_backward(
-        self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False
-    ) -> dict[str, object]:
+        self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
+        sparse_rows: bool = False,
+    ) -> dict[str, object]:  # fmt: skip
         """The three compiled kernels for ``config``: compiled on first use, then served by the
         project's compile cache (in process and on disk). Thread-safe, one compile per key."""
         compiled = {}
-        options = {"deterministic": deterministic, "with_dlse": with_dlse, "per_sample": per_sample}
+        options = {
+            "deterministic": deterministic, "with_dlse": with_dlse, "per_sample": per_sample,
+            "sparse_rows": sparse_rows,
+        }  # fmt: skip
         for kind, key in self.kernel_keys(config, **options).items():
 
             def build(kind=kind):
