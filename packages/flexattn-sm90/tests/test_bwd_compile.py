@@ -120,11 +120,12 @@ def test_main_kernel_d128_instructions(mode, tmp_path):
 
 
 @pytest.mark.parametrize("dq,dv", [(192, 128), (256, 256)])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_wide_heads_dq_path(dq, dv, deterministic, tmp_path):
-    """Both modes at (192, 128) and (256, 256) take dQ out through the dQ writer's bulk adds from
-    SMEM; no MMA thread reduces into GMEM itself."""
-    ptx = _ptx("main", dq, dv, tmp_path=tmp_path, deterministic=deterministic)
+@pytest.mark.parametrize("mode", DQ_MODES)
+def test_wide_heads_dq_path(dq, dv, mode, tmp_path):
+    """Every dQ mode at (192, 128) and (256, 256) takes dQ out through the dQ writer's bulk adds
+    from SMEM; no MMA thread reduces into GMEM itself."""
+    deterministic, sparse_rows = DQ_MODES[mode]
+    ptx = _ptx("main", dq, dv, tmp_path=tmp_path, deterministic=deterministic, sparse_rows=sparse_rows)
     assert "red.global.add" not in ptx
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     _assert_ptxas_clean(ptx, tmp_path)

@@ -5,8 +5,9 @@ twin of the kernels' indexing (no GPU, no compile).
   sample) match the view's ``sequence_desc()``; the kernels get the retained descriptor only for a
   varlen view.
 * ``dq_write_order`` is a complete turnstile: for every (mask head, Q block) the ranks of its
-  writers are 0..n-1 in ascending K-block order, so deterministic mode neither deadlocks (a
-  writer only waits on lower K blocks, i.e. lower CTA indices) nor skips a rank.
+  writers are 0..n-1 in ascending K-block order, so the turnstile neither deadlocks (a writer only
+  waits on lower K blocks, i.e. lower tickets: deterministic mode on its rank, atomic mode on sparse
+  rows on rank 0's store) nor skips a rank.
 * :func:`emulate_backward` walks CTAs, Q heads and each K row's partial and full entries merged
   by descending Q block exactly as ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks,
   per-(head, block) dQ accumulation in rank order, the packed predicate applied after the
@@ -128,8 +129,8 @@ def test_launch_head_group_follows_the_k2q_row_fill(name):
     """The kernels' launch-order rule (``consumer_plan.view_row_fill``: entries over K rows x the
     Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192 D=128:
     causal rows are half full (atomic mode takes ATOMIC_HEAD_GROUP heads at a time), sliding-window
-    and document rows sparse (all heads at a time, and atomic mode stores each Q block's first dQ:
-    the host reckons the fill as the kernels do, ``BwdViewArgs.sparse_rows``), random intervals
+    and document rows sparse (all heads at a time; the host's ``BwdViewArgs.sparse_rows``, from
+    the same sizes, agrees, so atomic mode stores each Q block's first dQ there), random intervals
     dense (deterministic mode takes DENSE_HEAD_GROUP)."""
     ep, expected = LAUNCH_MASKS[name]
     q = torch.zeros(2, 8192, 1, 128, dtype=torch.bfloat16)
@@ -141,6 +142,36 @@ def test_launch_head_group_follows_the_k2q_row_fill(name):
     sparse, dense = fill < SPARSE_ROW_FILL, fill >= Sm90BwdKernel.DENSE_ROW_FILL
     assert (sparse, dense) == (expected == "all", expected == "dense"), fill
     assert prep.sparse_rows == sparse
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_run_backward_stores_the_first_dq_per_row_fill(deterministic, monkeypatch):
+    """``run_backward`` compiles the three kernels for the view's K2Q row fill: in atomic mode a
+    sparse view (a 128-key sliding window over 2048) gets the first-dQ store (the preprocess does not
+    zero the accumulator, the postprocess zeroes unvisited blocks), a causal one the zeroed
+    accumulator; deterministic mode stores it on both. The device work is stood in for."""
+    import maskplan_kernels.consumer_launch as consumer_launch
+    from flexattn_sm90.bwd_launch import COMPILER, run_backward
+
+    compiled = []
+    monkeypatch.setattr(
+        type(COMPILER), "compile_backward", lambda self, config, **options: compiled.append(options) or {}
+    )
+    monkeypatch.setattr(consumer_launch, "launch_backward", lambda *args: None)
+    q = torch.zeros(2, 2048, 1, 128, dtype=torch.bfloat16)
+    config = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    sparse_and_dense = (masks.sliding_window(2048, window_left=128, batch=2), masks.causal(2048, batch=2))
+    for ep, sparse in zip(sparse_and_dense, (True, False), strict=True):
+        view = plan_for(ep, q, q, q).view("backward")
+        prep = bwd_view_args(view, CPU)
+        assert prep.sparse_rows == sparse
+        io = consumer_launch.BackwardIO(view, prep, *[None] * 10)  # the tensors are not read
+        monkeypatch.setattr(consumer_launch, "backward_io", lambda *args, io=io, **kwargs: io)
+        run_backward(view, *[None] * 7, softmax_scale=0.1, deterministic=deterministic)
+        keys = COMPILER.kernel_keys(config, **compiled[-1])
+        stored = deterministic or sparse
+        assert ("zero_dq_accum", not stored) in keys["pre"] and ("zero_unvisited", stored) in keys["post"]
+        assert ("first_dq_stored", stored) in keys["main"]
 
 
 @pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)

@@ -230,7 +230,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
         self, config: Sm100BwdConfig, *, deterministic: bool = False, first_dq_stored: bool = False
     ):  # fmt: skip
         variant = config.variant
-        if first_dq_stored:  # BackwardCompiler.stores_first_dq is "never" for this consumer
+        if first_dq_stored:  # BackwardCompiler.stores_first_dq is False for this consumer
             raise NotImplementedError("the SM100 backward kernel adds every dQ contribution: first_dq_stored")
         if variant.name not in IMPLEMENTED_VARIANTS:
             raise NotImplementedError(

@@ -1,6 +1,6 @@
 """Device helpers of the SM90 backward kernels (CuTe DSL): SMEM layouts that serve two WGMMA
 operand roles and the dQ accumulator's fragment-ordered chunks. The bulk fp32 reduction, the
-per-Q-block turnstile of deterministic mode and the K2Q walk are shared with the SM100 backward
+per-Q-block turnstile and the K2Q walk are shared with the SM100 backward
 (:mod:`maskplan_kernels.consumer_plan`).
 
 Generic WGMMA issue, the accumulator row/column views and the register-A view of an accumulator

@@ -712,10 +712,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         writer: cutlass.Constexpr[int],
     ):  # fmt: skip
         """Per step (of ``dq_writers``, every ``writer``-th) of every item: [wait for this entry's
-        turn,] bulk-add each chunk into the GMEM accumulator once its warpgroup has written it, then
-        hand the chunks back. With one shared chunk (``dq_chunks == 1``) warpgroup 0 gets it
-        first and warpgroup 1 once the first add has read it, so warpgroup 1's dQ store also waits
-        for the turnstile."""
+        turn,] bulk-add (or store: the block's first, ``first_dq_stored``) each chunk into the GMEM
+        accumulator once its warpgroup has written it, then hand the chunks back. With one shared
+        chunk (``dq_chunks == 1``) warpgroup 0 gets it first and warpgroup 1 once the first add has
+        read it, so warpgroup 1's dQ store also waits for the turnstile."""
         lane = cute.arch.lane_idx()
         step = Int32(0)
         item = Int32(0)

@@ -29,10 +29,12 @@ of the ``G = Hq / Hkv`` q heads sharing the kv head (:func:`head_range`)::
 
 and each step bulk-adds its fp32 dQ into the (q head, Q block) accumulator
 (:func:`bulk_reduce_add_f32`), in deterministic mode in ``dq_write_order`` behind a turnstile
-(:func:`turnstile_wait` / :func:`turnstile_advance`). Both consumers share their kernels' host
-entries, :class:`FwdHostEntry` and :class:`BwdHostEntry` (raw pointers -> the row-major views
-:func:`thd_tensor`, :func:`row_major`, :func:`vector` and the plan's tensors); a persistent forward
-(SM90: a stream-local atomic tile counter) takes one argument more than a grid of one CTA per task.
+(:func:`turnstile_wait` / :func:`turnstile_advance`; SM90's atomic mode on sparse K2Q rows waits
+there only for the block's first contribution, which it stores: :func:`bulk_store`). Both
+consumers share their kernels' host entries, :class:`FwdHostEntry` and :class:`BwdHostEntry` (raw
+pointers -> the row-major views :func:`thd_tensor`, :func:`row_major`, :func:`vector` and the
+plan's tensors); a persistent forward (SM90: a stream-local atomic tile counter) takes one
+argument more than a grid of one CTA per task.
 """
 
 from typing import NamedTuple
@@ -618,8 +620,8 @@ class DqPostprocessHostEntry:
     The kernel class provides ``tile_m``, ``head_dim``, ``num_threads``, ``zero_unvisited`` and
     ``kernel_operands()`` (its compile-time operands, e.g. a ``TiledMma``); ``dq``'s head dim is
     :meth:`io_head_dim` (``head_dim`` unless a class overrides it). With ``zero_unvisited``
-    the accumulator was not zeroed (a deterministic main kernel stored each Q block's first
-    contribution: ``BackwardCompiler.stores_first_dq``), and a block whose turnstile count is 0
+    the accumulator was not zeroed (the main kernel stored each Q block's first contribution:
+    ``BackwardCompiler.first_dq_stored``), and a block whose turnstile count is 0
     had none: its dQ is 0. Otherwise ``mdQsem`` is None.
     """
 
@@ -857,8 +859,9 @@ def grouped_launch_slot(launch: Int32, kv_heads: Int32, k_rows: Int32, group: In
 
     ``group >= kv_heads`` is heads-major order, ``group == 1`` rows-major. Every CTA of a head
     launches (or is taken) after the CTAs of the same head with lower K rows, which the
-    deterministic turnstiles (``dq_write_order`` ranks ascend with the K block) need to never wait on
-    a CTA not yet resident.
+    turnstiles (``dq_write_order`` ranks ascend with the K block; deterministic mode waits for the
+    ranks below, SM90's atomic mode on sparse rows for rank 0) need to never wait on a CTA not yet
+    resident.
     A plain function of integers, so that it also runs on the CPU (its test)."""
     span = group * k_rows
     first = launch // span * group
@@ -880,8 +883,8 @@ def decode_work(
     """The CTA's K block from its block index ``x`` in a 1-D grid of ``splits * Hkv * K rows`` CTAs
     (:func:`launch_grid`), or from ``ticket`` (:func:`take_ticket`) in a persistent kernel: launch
     slot ``x // splits`` is ``(K row, kv head)`` in the order of :func:`grouped_launch_slot`, taking
-    ``head_group`` kv heads at a time (deterministic mode: ascending K rows per head, so the writers
-    of a Q block run in ``dq_write_order``). The ``splits`` CTAs of one K block (a kernel splitting
+    ``head_group`` kv heads at a time (ascending K rows per head, so the writers of a Q block run
+    in ``dq_write_order``, which the turnstiles need). The ``splits`` CTAs of one K block (a kernel splitting
     its outputs' head dim, or a cluster along K) are adjacent in x, so they launch together. Grid x
     holds 2^31 - 1 CTAs (grid y only 65535)."""
     x = Int32(0)
@@ -1013,7 +1016,7 @@ def after_predecessor():
     cute.arch.griddepcontrol_launch_dependents()
 
 
-# -- dQ accumulation: PTX the DSL has no op for, and the deterministic turnstile ----------------------
+# -- dQ accumulation: PTX the DSL has no op for, and the per-Q-block turnstile ---------------------
 def _bulk_to_global(instruction: str, smem_src: cute.Pointer, gmem_dst: cute.Pointer, num_bytes: int, loc, ip):  # noqa: E501
     llvm.inline_asm(
         None,
