@@ -162,7 +162,7 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
     for tl in _tiles(view):
         s = _scores(tl, qt, kt, softmax_scale)
         idx = _row_index(g.total_q, tl.q_heads, tl.q_tok)
-        row_max.scatter_reduce_(0, idx.unsqueeze(-1).expand_as(s).reshape(-1), s.reshape(-1), "amax")
+        row_max.scatter_reduce_(0, idx.reshape(-1), s.amax(-1).reshape(-1), "amax")
     safe_max = torch.where(torch.isinf(row_max), 0.0, row_max)
     row_sum = torch.zeros(rows, dtype=cd, device=q.device)
     acc = torch.zeros(g.num_heads_q, g.total_q, g.head_dim_v, dtype=cd, device=q.device)
