@@ -38,6 +38,26 @@ def test_a_plan_nobody_holds_lives_until_the_backward():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_layer_building_its_plan(reentrant):
+    """Activation checkpointing of a layer that builds its own plan: the backward recomputes the
+    layer (a new plan, collected when the recomputation returns; non-reentrant checkpointing then
+    hands the backward the recomputed saved tensors, the new plan's handle among them) and gives
+    the gradients of the plain layer."""
+    from torch.utils.checkpoint import checkpoint
+
+    def layer(q, k, v):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v))
+
+    grads = []
+    for run in (layer, lambda *x: checkpoint(layer, *x, use_reentrant=reentrant)):
+        q, k, v = inputs(4)
+        run(q, k, v).square().sum().backward()  # reentrant checkpointing refuses autograd.grad
+        grads.append([x.grad for x in (q, k, v)])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_kept_lse_does_not_keep_an_eager_calls_plan():
     """An eager training call's LSE kept for logging (``lse.detach()``) holds no plan: the call's
     autograd context kept the plan until the backward, and only compiled calls pin it to the LSE's

@@ -221,8 +221,11 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
 
 
-def _gradients(ctx, dout, dlse, backward_fn):
-    q, k, v, out, lse, plan = ctx.saved_tensors
+def _gradients(ctx, dout, dlse, backward_fn, plan=None):
+    """The op's gradients from its saved tensors; ``plan`` (a handle tensor) in place of the saved
+    handle where the caller holds the plan itself (:func:`_eager_backward`)."""
+    q, k, v, out, lse, saved_plan = ctx.saved_tensors
+    plan = saved_plan if plan is None else plan
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = backward_fn(q, k, v, out, lse, dout.contiguous(), dlse, plan, ctx.scale, ctx.deterministic)
@@ -277,8 +280,11 @@ def _eager_backward(ctx, dout, dlse, _dmax):
             "(is_grads_batched=True, jacobian(vectorize=True), torch.func.jacrev): loop over the "
             "gradients, or batch through the B dimension of q/k/v"
         )
+    # the plan of the context, not the saved handle: non-reentrant checkpointing replaces the saved
+    # tensors with those of a recomputed forward, whose handle names the plan that recomputation
+    # built (when the checkpointed function builds its plan), collected once it returned
     with torch.no_grad():
-        grads = _gradients(ctx, dout, dlse, _backward_impl)
+        grads = _gradients(ctx, dout, dlse, _backward_impl, ctx.mask_plan.handle_tensor)
     if torch.is_grad_enabled():  # create_graph=True
         q, k, v = ctx.saved_tensors[:3]
         grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
