@@ -515,12 +515,15 @@ def test_compiled_errors_are_the_eager_errors():
 
 def test_plans_are_built_outside_the_compiled_region():
     """``create_mask_plan`` refuses to be traced (a plan is host-side work on the mask's values):
-    with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo breaks the graph
-    there, once, and the plan is built eagerly (traced, the planner broke it dozens of times)."""
+    with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo stops tracing
+    there (a graph break, or here, with nothing traced before it, the frame runs eagerly and the
+    attention call is compiled as a frame of its own) and the plan is built eagerly (traced, the
+    planner broke the graph dozens of times)."""
     _, (q, k, v), _ = fixed_case(requires_grad=False)
+    mask = masks.causal(S, batch=B)
 
     def attend(q, k, v):
-        plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+        plan = flexattn.create_mask_plan(mask, q, k, v)
         return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
     torch._dynamo.reset()
@@ -529,7 +532,35 @@ def test_plans_are_built_outside_the_compiled_region():
     torch._dynamo.reset()
     assert torch.equal(torch.compile(attend, backend="aot_eager")(q, k, v), attend(q, k, v))
     torch._dynamo.reset()
-    assert torch._dynamo.explain(attend)(q, k, v).graph_break_count == 1
+    assert torch._dynamo.explain(attend)(q, k, v).graph_break_count <= 1
+
+
+def test_mask_builders_run_eagerly_in_a_compiled_region():
+    """A mask builder called in a compiled region runs eagerly, as ``create_mask_plan`` does (with
+    fullgraph, Dynamo's error names it): its endpoints are eager's, contiguous (traced,
+    ``from_dense``'s of a mask with several runs a row came back with inductor's strides, which
+    ``create_mask_plan`` refuses, and its host reads broke the graph 7 times). Every builder of
+    ``flexattn.masks`` is wrapped."""
+    import maskplan_core.masks as core_masks
+
+    assert all(getattr(masks, name).__wrapped__ is getattr(core_masks, name) for name in core_masks.__all__)
+    dense = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(0)) < 0.5
+    torch._dynamo.reset()
+    got = torch.compile(masks.from_dense)(dense)
+    assert got.is_contiguous() and torch.equal(got, masks.from_dense(dense))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"flexattn.masks.from_dense runs outside torch.compile"):
+        torch.compile(masks.from_dense, fullgraph=True)(dense)
+    _, (q, k, v), _ = fixed_case(requires_grad=False)
+
+    def attend(q, k, v):
+        plan = flexattn.create_mask_plan(masks.from_dense(dense), q, k, v)
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attend, backend="aot_eager")(q, k, v), attend(q, k, v))
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(attend)(q, k, v).graph_break_count <= 2
 
 
 def _live_plans() -> int:

@@ -88,23 +88,32 @@ def create_mask_plan(
     (``torch.cuda.synchronize()`` or ``wait_stream``), as must one whose tensors are read
     otherwise on another stream (``to_dense()``, ``stats()``, a library's own kernels).
     """
-    if torch.compiler.is_compiling():  # Dynamo tracing the call: with fullgraph, its error quotes this
-        raise InputValueError(
-            "create_mask_plan runs outside torch.compile: build the plan before the compiled region "
-            "(e.g. in the training step) and pass it to the compiled model as an argument"
-        )
-    return _untraced(_plan)(
+    return _PLAN(
         mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, pack_gqa,
         build_backward, target,
     )  # fmt: skip
 
 
-def _untraced(fn):
-    """``fn``, under Dynamo's ``disable`` where Dynamo is loaded: without fullgraph, Dynamo breaks
-    the graph at a ``create_mask_plan`` in a compiled region and would trace the planner's frames
-    one by one (a dozen more breaks); eager code never imports Dynamo."""
-    dynamo = sys.modules.get("torch._dynamo")
-    return fn if dynamo is None else _disabled(fn)
+def untraced(fn, name: str | None = None):
+    """``fn`` (called ``name``, by default ``flexattn.masks.<its name>``) as a function that runs
+    eagerly where ``torch.compile`` traces a call to it: host-side work on the mask's values (the
+    planner; a mask builder, which traced gave endpoints of inductor's strides, refused by
+    ``create_mask_plan``, and broke the graph at each host read). With fullgraph, Dynamo's error
+    quotes the reason raised here; without, Dynamo breaks the graph there, once, and the call runs
+    eagerly under Dynamo's ``disable``. Eager code never imports Dynamo."""
+    name = name or f"flexattn.masks.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            raise InputValueError(
+                f"{name} runs outside torch.compile: build the mask and its plan before the compiled "
+                "region (e.g. in the training step) and pass the plan to the compiled model as an argument"
+            )
+        dynamo = sys.modules.get("torch._dynamo")
+        return (fn if dynamo is None else _disabled(fn))(*args, **kwargs)
+
+    return run
 
 
 @functools.cache
@@ -150,3 +159,7 @@ def _plan(
     if log.isEnabledFor(logging.DEBUG):
         log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
     return consumer.build_plan(mask_func, geometry, fwd, bwd)
+
+
+#: :func:`create_mask_plan`'s build, run eagerly where torch.compile traces the call
+_PLAN = untraced(_plan, "create_mask_plan")
