@@ -293,17 +293,19 @@ def test_unknown_view_role():
     [
         (lambda: fixed_qkv(sq=SQ + 1), ("q", "shape", str(SQ + 1))),
         (lambda: fixed_qkv(sk=SK - 1), ("k", "shape", str(SK - 1))),
-        (lambda: fixed_qkv(b=B + 1), ("q", "shape")),
+        (lambda: fixed_qkv(b=B + 1), ("q", "shape", "build one for these tensors")),
         (lambda: fixed_qkv(hq=2 * HQ), ("q", "shape")),
         (lambda: fixed_qkv(hkv=HQ), ("k", "shape")),
         (lambda: fixed_qkv(dv=2 * D), ("v", "shape", str(2 * D))),
-        (lambda: fixed_qkv(dtype=torch.float32), ("q", "float32", "float64")),
+        (lambda: fixed_qkv(dtype=torch.float32), ("q", "float32", "float64", "tensors of torch.float32")),
         (lambda: (*fixed_qkv()[:2], fixed_qkv(dtype=torch.float32)[2]), ("v", "float32")),
         (lambda: tuple(t.reshape(-1, *t.shape[2:]) for t in fixed_qkv()), ("q", "shape")),
         (lambda: (torch.randn(B, SQ, HQ, 2 * D, dtype=torch.float64)[..., ::2], *fixed_qkv()[1:]),
-         ("q", "contiguous")),
+         ("q", "contiguous", "q.contiguous()")),
+        (lambda: (fixed_qkv()[0].transpose(1, 2).contiguous(), *fixed_qkv()[1:]),
+         ("q", "[B, H, S, D] (SDPA's layout)", "q.transpose(1, 2)")),
     ],
-    ids=["sq", "sk", "batch", "hq", "hkv", "dv", "dtype", "v-dtype", "thd-for-fixed", "strided-q"],
+    ids=["sq", "sk", "batch", "hq", "hkv", "dv", "dtype", "v-dtype", "thd-for-fixed", "strided-q", "bhsd-q"],
 )
 def test_plan_refuses_other_geometry_or_dtype(make, needles):
     plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())

@@ -451,7 +451,9 @@ def test_from_dense_validation():
         masks.from_dense([[[True]]])
     with pytest.raises(TypeError, match="mask"):
         masks.from_dense(torch.ones(1, 2, 3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(TypeError, match=r"additive mask of 0 / -inf: pass torch.isfinite\(mask\)"):
+        masks.from_dense(torch.zeros(1, 1, 2, 3))  # SDPA's float attn_mask
+    with pytest.raises(ValueError, match=r"mask\[None, None\].expand\(B, 1, Sq, Sk\)"):
         masks.from_dense(torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask"):
         masks.from_dense(torch.ones(0, 2, 3, dtype=torch.bool))

@@ -237,6 +237,17 @@ def test_no_transpose_hint_where_a_transpose_cannot_be_meant(mask_func, q_shape,
     assert all(n in str(info.value) for n in needles) and "transpose" not in str(info.value), str(info.value)
 
 
+def test_a_key_padding_mask_of_one_row_per_sample_gets_the_expand_hint():
+    """SDPA's key-padding mask ``[B, 1, 1, Sk]`` converted as it is gives one query row per sample:
+    the error says to expand it to every query row first."""
+    q, k, v = fixed_qkv()
+    from maskplan_core.masks import from_dense
+
+    padding = from_dense(torch.ones(B, 1, 1, SK, dtype=torch.bool))
+    with expect(InputValueError, ValueError, f"{B} query rows", "key-padding", f"expand({B}, -1, {SQ}, -1)"):
+        validate_plan_inputs(padding, q, k, v)
+
+
 def test_bhsd_q_gets_a_layout_hint():
     """torch FlexAttention's BHSD layout, passed as is, names the layout flexattn takes."""
     q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=4)

@@ -573,13 +573,19 @@ def from_dense(
     if not isinstance(mask, torch.Tensor):
         raise InputTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise InputTypeError(f"mask must be a bool tensor, got dtype {mask.dtype}")
+        additive = ""
+        if mask.is_floating_point():
+            additive = " (an additive mask of 0 / -inf: pass torch.isfinite(mask))"
+        raise InputTypeError(f"mask must be a bool tensor (True: visible), got dtype {mask.dtype}{additive}")
     _require_values("from_dense", mask.device)
     sdpa = mask.dim() == 4 and cu_seqlens_q is None  # SDPA's [B, H, Sq, Sk]
     if mask.dim() != 3 and not sdpa:
+        square = ""
+        if mask.dim() == 2:
+            square = " (one [Sq, Sk] mask for the batch: mask[None, None].expand(B, 1, Sq, Sk))"
         raise InputValueError(
             f"mask must have rank 3 [Hmask, total_q, Sk] (or, fixed length, rank 4 [B, Hmask, Sq, Sk]), "
-            f"got shape {tuple(mask.shape)}"
+            f"got shape {tuple(mask.shape)}{square}"
         )
     if mask.shape[1 if sdpa else 0] == 0:
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")

@@ -602,12 +602,21 @@ class MaskPlan:
                     raise PlanBindingError(
                         f"{name} has another shape than the plan was built for (an eager call shows both)"
                     )
+                bhsd = not g.varlen and t.dim() == 4 and tuple(t.transpose(1, 2).shape) == expect[name]
+                hint = (
+                    f"; {name} looks like [B, H, S, D] (SDPA's layout): pass {name}.transpose(1, 2)"
+                    if bhsd
+                    else "; a plan is bound to its batch's shapes: build one for these tensors"
+                )
                 raise PlanBindingError(
                     f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} "
-                    f"({g.describe()})"
+                    f"({g.describe()}){hint}"
                 )
             if t.dtype != g.dtype:
-                autocast = ""
+                autocast = (
+                    f" (a plan binds q, k, v's dtype: build one from tensors of {t.dtype}, as after "
+                    f"model.half() / .to(dtype))"
+                )
                 device = t.device.type  # activations come out of autocast's casts (where it has any)
                 if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
                     autocast = (
@@ -620,4 +629,6 @@ class MaskPlan:
             if t.device != g.device:
                 raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
             if not head_dim_contiguous(t):
-                raise PlanBindingError(f"{name} must have a contiguous last (head) dimension")
+                raise PlanBindingError(
+                    f"{name} must have a contiguous last (head) dimension ({name}.contiguous() copies it)"
+                )

@@ -111,7 +111,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
             raise InputValueError(f"{name} must be {layout} (rank {rank}), got shape {tuple(t.shape)}{hint}")
         if not head_dim_contiguous(t):
             raise InputValueError(
-                f"{name} must have a contiguous last (head) dimension, got strides {t.stride()}"
+                f"{name} must have a contiguous last (head) dimension, got strides {t.stride()} "
+                f"({name}.contiguous() copies it)"
             )
         if t.device != q.device:
             raise InputValueError(f"{name} is on {t.device} but q is on {q.device}")
@@ -307,6 +308,11 @@ def validate_plan_inputs(
             hint = (
                 f"; mask_func covers one sample of {max_q} rows, q holds {batch}: build it for the batch "
                 "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded to B)"
+            )
+        elif not varlen and rows == batch and max_q > 1:
+            hint = (
+                "; one query row per sample, as a [B, 1, 1, Sk] key-padding mask gives: expand a dense "
+                f"mask to every query row before masks.from_dense (mask.expand({batch}, -1, {max_q}, -1))"
             )
         elif transposed:
             hint = transposed_hint
