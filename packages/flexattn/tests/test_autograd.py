@@ -42,8 +42,8 @@ def test_a_plan_nobody_holds_lives_until_the_backward():
 def test_checkpointed_layer_building_its_plan(reentrant):
     """Activation checkpointing of a layer that builds its own plan: the backward recomputes the
     layer (a new plan, collected when the recomputation returns; non-reentrant checkpointing then
-    hands the backward the recomputed saved tensors, the new plan's handle among them) and gives
-    the gradients of the plain layer."""
+    hands the backward the recomputed saved tensors, the new plan's handle among them, which it
+    unpacks once only, ``create_graph=True`` included) and gives the gradients of the plain layer."""
     from torch.utils.checkpoint import checkpoint
 
     def layer(q, k, v):
@@ -56,6 +56,12 @@ def test_checkpointed_layer_building_its_plan(reentrant):
         grads.append([x.grad for x in (q, k, v)])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+    if not reentrant:  # reentrant checkpointing refuses autograd.grad, which create_graph needs
+        q, k, v = inputs(4)
+        out = checkpoint(layer, q, k, v, use_reentrant=False)
+        got = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+        for a, b in zip(got, grads[0], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_kept_lse_does_not_keep_an_eager_calls_plan():

@@ -298,7 +298,7 @@ def test_unknown_view_role():
         (lambda: fixed_qkv(hkv=HQ), ("k", "shape")),
         (lambda: fixed_qkv(dv=2 * D), ("v", "shape", str(2 * D))),
         (lambda: fixed_qkv(dtype=torch.float32), ("q", "float32", "float64", "tensors of torch.float32")),
-        (lambda: (*fixed_qkv()[:2], fixed_qkv(dtype=torch.float32)[2]), ("v", "float32")),
+        (lambda: (*fixed_qkv()[:2], fixed_qkv(dtype=torch.float32)[2]), ("v", "float32", "share one dtype")),
         (lambda: tuple(t.reshape(-1, *t.shape[2:]) for t in fixed_qkv()), ("q", "shape")),
         (lambda: (torch.randn(B, SQ, HQ, 2 * D, dtype=torch.float64)[..., ::2], *fixed_qkv()[1:]),
          ("q", "contiguous", "q.contiguous()")),

@@ -540,10 +540,16 @@ def test_mask_builders_run_eagerly_in_a_compiled_region():
     fullgraph, Dynamo's error names it): its endpoints are eager's, contiguous (traced,
     ``from_dense``'s of a mask with several runs a row came back with inductor's strides, which
     ``create_mask_plan`` refuses, and its host reads broke the graph 7 times). Every builder of
-    ``flexattn.masks`` is wrapped."""
+    ``flexattn.masks`` is wrapped, and pickles by its name (a builder in a DataLoader worker's
+    ``functools.partial``)."""
+    import pickle
+
     import maskplan_core.masks as core_masks
 
-    assert all(getattr(masks, name).__wrapped__ is getattr(core_masks, name) for name in core_masks.__all__)
+    for name in core_masks.__all__:
+        builder = getattr(masks, name)
+        assert builder.__wrapped__ is getattr(core_masks, name)
+        assert pickle.loads(pickle.dumps(builder)) is builder
     dense = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(0)) < 0.5
     torch._dynamo.reset()
     got = torch.compile(masks.from_dense)(dense)

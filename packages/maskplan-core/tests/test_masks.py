@@ -451,9 +451,9 @@ def test_from_dense_validation():
         masks.from_dense([[[True]]])
     with pytest.raises(TypeError, match="mask"):
         masks.from_dense(torch.ones(1, 2, 3, dtype=torch.int32))
-    with pytest.raises(TypeError, match=r"additive mask of 0 / -inf: pass torch.isfinite\(mask\)"):
+    with pytest.raises(TypeError, match=r"hidden: pass mask == 0; a 0 / 1 mask: mask.bool\(\)"):
         masks.from_dense(torch.zeros(1, 1, 2, 3))  # SDPA's float attn_mask
-    with pytest.raises(ValueError, match=r"mask\[None, None\].expand\(B, 1, Sq, Sk\)"):
+    with pytest.raises(ValueError, match=r"\[None, None\].expand\(B, 1, Sq, Sk\); a \[B, Sk\] key-padding"):
         masks.from_dense(torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask"):
         masks.from_dense(torch.ones(0, 2, 3, dtype=torch.bool))

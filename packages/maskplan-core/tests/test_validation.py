@@ -246,6 +246,10 @@ def test_a_key_padding_mask_of_one_row_per_sample_gets_the_expand_hint():
     padding = from_dense(torch.ones(B, 1, 1, SK, dtype=torch.bool))
     with expect(InputValueError, ValueError, f"{B} query rows", "key-padding", f"expand({B}, -1, {SQ}, -1)"):
         validate_plan_inputs(padding, q, k, v)
+    # B == Sq: one sample's rows or one row per sample, the error cannot tell: it names both
+    q, k, v = fixed_qkv(b=4, sq=4)
+    with expect(InputValueError, ValueError, "one sample of 4 rows", "or, if mask_func came from a [B, 1, 1"):
+        validate_plan_inputs(from_dense(torch.ones(4, 1, 1, SK, dtype=torch.bool)), q, k, v)
 
 
 def test_bhsd_q_gets_a_layout_hint():

@@ -4,15 +4,22 @@ eagerly where ``torch.compile`` traces a call to one: :func:`flexattn.planning.u
 import maskplan_core.masks as _builders
 from maskplan_core.masks import __all__  # noqa: F401
 
-from .planning import untraced
+from .planning import untraced as _untraced
 
-causal = untraced(_builders.causal)
-chunked = untraced(_builders.chunked)
-document = untraced(_builders.document)
-document_ids = untraced(_builders.document_ids)
-from_block_mask = untraced(_builders.from_block_mask)
-from_dense = untraced(_builders.from_dense)
-from_mask_mod = untraced(_builders.from_mask_mod)
-prefix_lm = untraced(_builders.prefix_lm)
-sliding_window = untraced(_builders.sliding_window)
 
+def _builder(fn):
+    """``fn`` run eagerly under torch.compile, under this module's name (so that it pickles)."""
+    run = _untraced(fn)
+    run.__module__ = __name__
+    return run
+
+
+causal = _builder(_builders.causal)
+chunked = _builder(_builders.chunked)
+document = _builder(_builders.document)
+document_ids = _builder(_builders.document_ids)
+from_block_mask = _builder(_builders.from_block_mask)
+from_dense = _builder(_builders.from_dense)
+from_mask_mod = _builder(_builders.from_mask_mod)
+prefix_lm = _builder(_builders.prefix_lm)
+sliding_window = _builder(_builders.sliding_window)

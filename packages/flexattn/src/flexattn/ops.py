@@ -221,11 +221,10 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
 
 
-def _gradients(ctx, dout, dlse, backward_fn, plan=None):
-    """The op's gradients from its saved tensors; ``plan`` (a handle tensor) in place of the saved
-    handle where the caller holds the plan itself (:func:`_eager_backward`)."""
-    q, k, v, out, lse, saved_plan = ctx.saved_tensors
-    plan = saved_plan if plan is None else plan
+def _gradients(ctx, saved, dout, dlse, backward_fn):
+    """The op's gradients from ``saved``, its saved tensors (read once: non-reentrant checkpointing
+    allows one unpack), the plan's handle last."""
+    q, k, v, out, lse, plan = saved
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = backward_fn(q, k, v, out, lse, dout.contiguous(), dlse, plan, ctx.scale, ctx.deterministic)
@@ -233,7 +232,7 @@ def _gradients(ctx, dout, dlse, backward_fn, plan=None):
 
 
 def _backward(ctx, dout, dlse, _dmax):
-    return _gradients(ctx, dout, dlse, torch.ops.flexattn.bwd)
+    return _gradients(ctx, ctx.saved_tensors, dout, dlse, torch.ops.flexattn.bwd)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -283,10 +282,10 @@ def _eager_backward(ctx, dout, dlse, _dmax):
     # the plan of the context, not the saved handle: non-reentrant checkpointing replaces the saved
     # tensors with those of a recomputed forward, whose handle names the plan that recomputation
     # built (when the checkpointed function builds its plan), collected once it returned
+    q, k, v, out, lse, _ = ctx.saved_tensors
     with torch.no_grad():
-        grads = _gradients(ctx, dout, dlse, _backward_impl, ctx.mask_plan.handle_tensor)
+        grads = _gradients(ctx, (q, k, v, out, lse, ctx.mask_plan.handle_tensor), dout, dlse, _backward_impl)
     if torch.is_grad_enabled():  # create_graph=True
-        q, k, v = ctx.saved_tensors[:3]
         grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
     return grads
 

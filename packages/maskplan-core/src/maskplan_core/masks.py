@@ -575,14 +575,20 @@ def from_dense(
     if mask.dtype != torch.bool:
         additive = ""
         if mask.is_floating_point():
-            additive = " (an additive mask of 0 / -inf: pass torch.isfinite(mask))"
+            additive = (
+                " (an additive mask, 0 where visible and -inf or finfo.min where hidden: pass mask == 0; "
+                "a 0 / 1 mask: mask.bool())"
+            )
         raise InputTypeError(f"mask must be a bool tensor (True: visible), got dtype {mask.dtype}{additive}")
     _require_values("from_dense", mask.device)
     sdpa = mask.dim() == 4 and cu_seqlens_q is None  # SDPA's [B, H, Sq, Sk]
     if mask.dim() != 3 and not sdpa:
         square = ""
         if mask.dim() == 2:
-            square = " (one [Sq, Sk] mask for the batch: mask[None, None].expand(B, 1, Sq, Sk))"
+            square = (
+                " (one [Sq, Sk] mask for the batch: mask[None, None].expand(B, 1, Sq, Sk); a [B, Sk] "
+                "key-padding mask: mask[:, None, None, :].expand(B, 1, Sq, Sk))"
+            )
         raise InputValueError(
             f"mask must have rank 3 [Hmask, total_q, Sk] (or, fixed length, rank 4 [B, Hmask, Sq, Sk]), "
             f"got shape {tuple(mask.shape)}{square}"

@@ -304,16 +304,21 @@ def validate_plan_inputs(
             hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
         elif not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
-        elif not varlen and rows == max_q and batch > 1:
-            hint = (
-                f"; mask_func covers one sample of {max_q} rows, q holds {batch}: build it for the batch "
-                "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded to B)"
-            )
-        elif not varlen and rows == batch and max_q > 1:
-            hint = (
-                "; one query row per sample, as a [B, 1, 1, Sk] key-padding mask gives: expand a dense "
-                f"mask to every query row before masks.from_dense (mask.expand({batch}, -1, {max_q}, -1))"
-            )
+        elif not varlen and ((rows == max_q and batch > 1) or (rows == batch and max_q > 1)):
+            hints = []
+            if rows == max_q:
+                hints.append(
+                    f"mask_func covers one sample of {max_q} rows, q holds {batch}: build it for the batch "
+                    "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded "
+                    "to B)"
+                )
+            if rows == batch:
+                hints.append(
+                    "if mask_func came from a [B, 1, 1, Sk] key-padding mask (one query row per sample), "
+                    f"expand that to every query row before masks.from_dense (mask.expand({batch}, -1, "
+                    f"{max_q}, -1))"
+                )
+            hint = "; " + "; or, ".join(hints)
         elif transposed:
             hint = transposed_hint
         raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{hint}")
