@@ -79,11 +79,12 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
     # per tile: tm * nfunc endpoints and their int64 mark positions, tm * (tn + 1) marks and counts
     step = max(1, CHUNK_ELEMENTS // (tm * (tn + 1 + 2 * mask_func.shape[1])))
     one = torch.ones(1, dtype=torch.uint8, device=head.device)
+    rows_major = mask_func.transpose(1, 2).contiguous()  # [Hmask, total_q, nfunc]: a row's gather is one read
     for c in range(0, n, step):
         sl = slice(c, c + step)
         tok, row_ok = row_tokens(geom, batch[sl], m_block[sl], total_q)
         start = n_block[sl].to(torch.int32) * tn  # [c]
-        ends = mask_func[head[sl].unsqueeze(-1), :, tok]  # [c, tm, nfunc]
+        ends = rows_major[head[sl].unsqueeze(-1), tok]  # [c, tm, nfunc]
         column = (ends - start[:, None, None]).clamp_(0, tn).mul_(row_ok.unsqueeze(-1))
         rows = column.shape[0] * tm
         at = torch.arange(rows, device=head.device).view(-1, tm, 1) * (tn + 1) + column  # flat marks
