@@ -614,20 +614,20 @@ class MaskPlan:
                 )
             if t.dtype != g.dtype:
                 dtypes = [getattr(x, "dtype", None) for x in (q, k, v)]
-                autocast = (
+                hint = (
                     f" (a plan binds q, k, v's dtype: build one from tensors of {t.dtype}, as after "
                     f"model.half() / .to(dtype))"
                 )
                 device = t.device.type  # activations come out of autocast's casts (where it has any)
                 if len(set(dtypes)) > 1:
-                    autocast = f" (q, k and v must share one dtype: they have {', '.join(map(str, dtypes))})"
+                    hint = f" (q, k and v must share one dtype: they have {', '.join(map(str, dtypes))})"
                 elif torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-                    autocast = (
+                    hint = (
                         f" (torch.autocast is on: build the plan from q, k, v of the dtype that reaches "
                         f"attention, {t.dtype}; only their shapes, dtype and device are read)"
                     )
                 raise PlanBindingError(
-                    f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}{autocast}"
+                    f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}{hint}"
                 )
             if t.device != g.device:
                 raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")

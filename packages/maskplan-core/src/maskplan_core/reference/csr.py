@@ -77,8 +77,9 @@ def pack_payloads(
     row_b, row_m = geom.q_row_owner()
     batch, m_block = row_b[q_row], row_m[q_row]
     step = max(1, CHUNK_ELEMENTS // (geom.tile_m * geom.tile_n))
+    rows = mask_func.transpose(1, 2).contiguous()  # one copy of the mask per view: tile_predicates
     return torch.cat([
-        layout.pack(tile_predicates(mask_func, geom, head[sl], batch[sl], m_block[sl], n_block[sl]))
+        layout.pack(tile_predicates(rows, geom, head[sl], batch[sl], m_block[sl], n_block[sl]))
         for sl in (slice(c, c + step) for c in range(0, max(head.numel(), 1), step))
     ])  # fmt: skip
 

@@ -58,8 +58,11 @@ def block_touch_counts(bounds, geom: BlockGeometry, batch, m_block, total_q) -> 
     return diff.view(h, n_rows, k + 1)[..., :k].cumsum(-1, dtype=torch.int32)
 
 
-def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_block) -> torch.Tensor:
+def tile_predicates(row_endpoints, geom: BlockGeometry, head, batch, m_block, n_block) -> torch.Tensor:
     """bool ``[n, tile_m, tile_n]``: which score elements of each listed tile are visible and in bounds.
+    ``row_endpoints``: the mask rows-major, ``[Hmask, total_q, nfunc]`` contiguous (a row's
+    endpoints one read; gathered strided from ``[Hmask, nfunc, total_q]``, a 50% random mask of
+    nfunc 2169 at S = 4096 planned in 3.8 s rather than 2.9).
 
     With ``G = [0, F0, F1, ...]`` (sorted), key ``x`` is visible iff an odd number of ``G`` values
     are ``<= x``, i.e. an even number of endpoints ``F``. Per row of a tile starting at key ``s``,
@@ -73,18 +76,17 @@ def tile_predicates(mask_func, geom: BlockGeometry, head, batch, m_block, n_bloc
     any payload is made, so every key past ``k_len`` has all ``nfunc`` (an odd count) at or below
     it: hidden. A row past ``q_len`` gets all its marks at column 0: hidden everywhere.
     """
-    n, total_q = head.numel(), mask_func.shape[2]
+    n, total_q = head.numel(), row_endpoints.shape[1]
     tm, tn = geom.tile_m, geom.tile_n
     out = torch.empty(n, tm, tn, dtype=torch.bool, device=head.device)
     # per tile: tm * nfunc endpoints and their int64 mark positions, tm * (tn + 1) marks and counts
-    step = max(1, CHUNK_ELEMENTS // (tm * (tn + 1 + 2 * mask_func.shape[1])))
+    step = max(1, CHUNK_ELEMENTS // (tm * (tn + 1 + 2 * row_endpoints.shape[2])))
     one = torch.ones(1, dtype=torch.uint8, device=head.device)
-    rows_major = mask_func.transpose(1, 2).contiguous()  # [Hmask, total_q, nfunc]: a row's gather is one read
     for c in range(0, n, step):
         sl = slice(c, c + step)
         tok, row_ok = row_tokens(geom, batch[sl], m_block[sl], total_q)
         start = n_block[sl].to(torch.int32) * tn  # [c]
-        ends = rows_major[head[sl].unsqueeze(-1), tok]  # [c, tm, nfunc]
+        ends = row_endpoints[head[sl].unsqueeze(-1), tok]  # [c, tm, nfunc]
         column = (ends - start[:, None, None]).clamp_(0, tn).mul_(row_ok.unsqueeze(-1))
         rows = column.shape[0] * tm
         at = torch.arange(rows, device=head.device).view(-1, tm, 1) * (tn + 1) + column  # flat marks
