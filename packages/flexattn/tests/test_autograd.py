@@ -140,6 +140,17 @@ def test_torch_func_grad_matches_autograd():
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
+def test_eager_calls_do_not_read_torchs_process_wide_mode_flag(monkeypatch):
+    """torch's ``is_in_torch_dispatch_mode()`` is one flag for the process, set by a mode on any
+    thread (and left set by two entered at once): an eager call, ``torch.func.grad`` included, keeps
+    its route while it is set, since no mode is on this thread's stacks."""
+    import torch.utils._python_dispatch as python_dispatch
+
+    monkeypatch.setattr(python_dispatch, "_is_in_torch_dispatch_mode", True)
+    assert python_dispatch.is_in_torch_dispatch_mode()
+    test_torch_func_grad_matches_autograd()
+
+
 @pytest.mark.parametrize("how", ["is_grads_batched", "jacobian-vectorize", "jacrev", "vmap-grad"])
 def test_batched_gradients_are_refused_with_the_alternative(how):
     """A vmapped backward (one vector-Jacobian product per batch entry) is refused by the library,

@@ -623,7 +623,11 @@ def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index(monk
 def test_the_head_index_check_is_the_calling_threads_alone():
     """The check follows h in a dispatch mode, which is the calling thread's: two threads asking at
     once both get the answer, and nothing of the process (nn.Module's call) is patched, so a
-    torch.compile elsewhere in the process is not disturbed (fx tracing patched both)."""
+    torch.compile elsewhere in the process is not disturbed (fx tracing patched both). torch's
+    process-wide "in a dispatch mode" flag is left unset (two modes entered at once left it set,
+    and every later eager attention call took the traced route)."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
     call = torch.nn.Module.__call__
 
     def global_then_local(b, h, q, kv):
@@ -641,6 +645,7 @@ def test_the_head_index_check_is_the_calling_threads_alone():
         t.join()
     assert answers == [True] * 40
     assert torch.nn.Module.__call__ is call
+    assert not is_in_torch_dispatch_mode()
 
 
 def test_from_mask_mod_with_python_control_flow_says_why():

@@ -61,7 +61,7 @@ import math
 from weakref import WeakKeyDictionary
 
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 
 from maskplan_core import MaskPlan, PlanSignatureMismatch, UnsupportedCallError
 from maskplan_core.consumer import on_device
@@ -359,12 +359,23 @@ def attention(
     tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its fake
     implementation."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
-    if plain and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode():
+    compiling = torch.compiler.is_compiling()
+    in_mode = not compiling and _under_dispatch_mode()  # (Dynamo cannot trace the stacks' lengths)
+    if plain and not compiling and not in_mode:
         eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
         return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
     handle = mask_plan.handle_tensor
-    if not torch.compiler.is_compiling() and is_in_torch_dispatch_mode():
+    if in_mode:
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
-        # constant of the traced graph under make_fx
-        handle = torch.tensor(mask_plan.handle, dtype=torch.int64)
+        # constant of the traced graph under make_fx; on the host whatever the default device
+        handle = torch.tensor(mask_plan.handle, dtype=torch.int64, device="cpu")
     return fwd(q, k, v, handle, scale, training, deterministic, want_max)
+
+
+def _under_dispatch_mode() -> bool:
+    """Whether this thread runs under a ``TorchDispatchMode`` (``make_fx``, ``FakeTensorMode``,
+    export's pre-dispatch modes), from the mode stacks. torch's ``is_in_torch_dispatch_mode()``
+    reads a process-wide flag instead, which a mode on any thread sets for every thread, and which
+    modes entered on two threads at once leave set (each exit restores the flag the other saw):
+    eager calls then took the custom op, whose route refuses ``torch.func`` transforms."""
+    return torch._C._len_torch_dispatch_stack() > 0 or _len_torch_dispatch_stack_pre_dispatch() > 0

@@ -73,6 +73,7 @@ Examples (``.tolist()`` drops the tensor wrapper):
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -893,7 +894,9 @@ def _reads_head_error(shared_heads: str) -> InputValueError:
 class _FromHead(TorchDispatchMode):
     """Marks every tensor an operation makes from a marked one, starting with the head index: what
     a trace would record, without patching anything for the process (fx tracing patches
-    ``nn.Module`` and flags "tracing" globally; a dispatch mode is the calling thread's alone)."""
+    ``nn.Module`` and flags "tracing" globally; a dispatch mode's stack is the calling thread's).
+    Entered under ``_MODE_LOCK``: a mode's enter and exit save and restore torch's process-wide
+    ``is_in_torch_dispatch_mode()`` flag, and two threads inside one at once left it set."""
 
     def __init__(self, head: torch.Tensor):
         super().__init__()
@@ -904,6 +907,10 @@ class _FromHead(TorchDispatchMode):
         if any(isinstance(t, torch.Tensor) and id(t) in self.marked for t in tree_leaves((args, kwargs))):
             self.marked.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+#: one :class:`_FromHead` at a time in the process (its docstring says why)
+_MODE_LOCK = threading.Lock()
 
 
 def _reads_head(mask_mod, dev: torch.device, samples: int) -> bool | None:
@@ -917,7 +924,7 @@ def _reads_head(mask_mod, dev: torch.device, samples: int) -> bool | None:
     fn, failed = _vmapped(mask_mod), False
     for b in range(samples):
         try:
-            with _FromHead(h) as mode:
+            with _MODE_LOCK, _FromHead(h) as mode:
                 out = fn(torch.tensor(b, device=dev), h, q_idx, kv_idx)
         except Exception:  # noqa: BLE001 - the evaluation itself names any real error
             failed = True
