@@ -9,7 +9,7 @@ from .planning import untraced as _untraced
 
 def _builder(fn):
     """``fn`` run eagerly under torch.compile, under this module's name (so that it pickles)."""
-    run = _untraced(fn)
+    run = _untraced(fn, f"{__name__}.{fn.__name__}")
     run.__module__ = __name__
     return run
 

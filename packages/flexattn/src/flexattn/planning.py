@@ -94,14 +94,13 @@ def create_mask_plan(
     )  # fmt: skip
 
 
-def untraced(fn, name: str | None = None):
-    """``fn`` (called ``name``, by default ``flexattn.masks.<its name>``) as a function that runs
-    eagerly where ``torch.compile`` traces a call to it: host-side work on the mask's values (the
-    planner; a mask builder, which traced gave endpoints of inductor's strides, refused by
-    ``create_mask_plan``, and broke the graph at each host read). With fullgraph, Dynamo's error
+def untraced(fn, name: str):
+    """``fn`` (called ``name`` in the error) as a function that runs eagerly where ``torch.compile``
+    traces a call to it: host-side work on the mask's values (the planner; a mask builder, which
+    traced gave endpoints of inductor's strides, refused by ``create_mask_plan``, and broke the
+    graph at each host read). With fullgraph, Dynamo's error
     quotes the reason raised here; without, Dynamo breaks the graph there, once, and the call runs
     eagerly under Dynamo's ``disable``. Eager code never imports Dynamo."""
-    name = name or f"flexattn.masks.{fn.__name__}"
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
