@@ -44,7 +44,7 @@ from maskplan_core.testing import (  # noqa: E402
     varlen_args,
 )
 from maskplan_kernels.consumer_launch import bwd_view_args, qkv_operands  # noqa: E402
-from maskplan_kernels.consumer_plan import SPARSE_ROW_FILL, k2q_row_fill  # noqa: E402
+from maskplan_kernels.consumer_plan import k2q_row_fill  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -240,11 +240,7 @@ def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
     B, S, H = 2, 1000, 6
     q, k, v = CASES.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=16)
     plan = sm90_plan(masks.sliding_window(S, window_left=40, batch=B, device=DEV), q, k, v)
-    view = plan.view("backward")
-    stats = view.stats()
-    q_blocks = -(-S // view.block_size[0])  # per sample
-    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
-    assert fill < SPARSE_ROW_FILL, fill
+    assert bwd_view_args(plan.view("backward"), DEV).sparse_rows
     kernel = Sm90BwdKernel(select_bwd_config(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16"))
     assert 0 < kernel.sparse_heads < H
     repeats = 3 if deterministic else 1
