@@ -358,7 +358,12 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def test_planner_kernel_round_trips_through_the_disk_cache(fresh_cache, monkeypatch, caplog, stats):
-    compiled = compile_k2q_count(K2QCountConfig())
+    with caplog.at_level(logging.INFO, logger="flexattn"):
+        compiled = compile_k2q_count(K2QCountConfig())
+    # a first call's compile says what it compiles before the wait, and how long it took after
+    said = [r.getMessage() for r in caplog.records if r.name == "flexattn"]
+    assert [m.split()[0] for m in said] == ["compiling", "compiled"] and "k2q_count" in said[0], said
+    caplog.clear()
     assert compile_k2q_count(K2QCountConfig()) is compiled  # in-process layer
     assert stats() == {"compile": 1, "write": 1, "memory_hit": 1}
     (entry,) = fresh_cache.glob("k2q_count-*.o")

@@ -339,6 +339,7 @@ def _cute_compile(key: Hashable, build: Callable[[], tuple], options: str):
     import cutlass.cute as cute
 
     fn, *args = build()
+    log.info("compiling %s (a first call's compile takes seconds; cached afterwards)", canonical(key))
     start = time.perf_counter()
     compiled = cute.compile(fn, *args, options=options)
     STATS["compile"] += 1
