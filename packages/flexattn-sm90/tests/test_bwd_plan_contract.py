@@ -183,17 +183,6 @@ def test_sparse_rows_head_cap_follows_the_q_block_size(dims):
     assert kernel.sparse_heads == (0 if max(dims) <= 128 else Sm90BwdKernel.SPARSE_HEAD_CAP)
 
 
-@pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
-def test_dense_rows_head_group_follows_the_q_block_size(dims):
-    """Deterministic mode on dense K2Q rows takes DENSE_HEAD_GROUP kv heads at a time, and
-    DENSE_WIDE_HEAD_GROUP where a Q block's Q, dO and fp32 dQ take DENSE_WIDE_BYTES (only the
-    (256, 256) kernel's 64 x 256 blocks, 128 KB; ``Sm90BwdKernel.launch_head_group``)."""
-    config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
-    kernel = Sm90BwdKernel(config, deterministic=True)
-    wide = Sm90BwdKernel.DENSE_WIDE_HEAD_GROUP
-    assert kernel.dense_heads == (wide if dims == (256, 256) else Sm90BwdKernel.DENSE_HEAD_GROUP)
-
-
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
 def test_dq_write_order_is_a_complete_turnstile(problem):
     _, ep, q, k, v, varlen = problem

@@ -83,8 +83,7 @@ the turnstile rarely waits; deterministic
 mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
-order takes ``DENSE_HEAD_GROUP`` kv heads at a time, 2 at (256, 256)
-(:meth:`Sm90BwdKernel.launch_head_group`).
+order takes ``DENSE_HEAD_GROUP`` kv heads at a time (:meth:`Sm90BwdKernel.launch_head_group`).
 
 Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_plan.grouped_launch_slot``)::
 
@@ -172,11 +171,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM, or a tail is zeroed (zero_tail)
     BAR_DQ_FULL = 2  # + wg + 2 * writer: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
-    #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group),
-    #: DENSE_WIDE_HEAD_GROUP where a Q block's Q, dO and fp32 dQ take DENSE_WIDE_BYTES or more
+    #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group)
     DENSE_HEAD_GROUP = 4
-    DENSE_WIDE_HEAD_GROUP = 2
-    DENSE_WIDE_BYTES = 128 * 1024
     #: K2Q row fill (consumer_plan.k2q_row_fill) from which the rows count as dense
     DENSE_ROW_FILL = 0.75
     #: atomic mode on sparse K2Q rows: all kv heads at a time while a Q block's Q, dO and fp32 dQ
@@ -254,8 +250,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
         q_block_bytes = self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v)
         self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
-        wide = q_block_bytes >= self.DENSE_WIDE_BYTES
-        self.dense_heads = self.DENSE_WIDE_HEAD_GROUP if wide else self.DENSE_HEAD_GROUP
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -406,24 +400,20 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
         documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
         session 31). Deterministic mode: all of them, unless the K2Q rows
-        are dense (``k2q_row_fill`` of ``DENSE_ROW_FILL`` or more), then ``dense_heads``.
+        are dense (``k2q_row_fill`` of ``DENSE_ROW_FILL`` or more), then ``DENSE_HEAD_GROUP``.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
         0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
         TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
-        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31.
-        ``dense_heads`` is ``DENSE_HEAD_GROUP``, or ``DENSE_WIDE_HEAD_GROUP`` where a Q block takes
-        ``DENSE_WIDE_BYTES`` or more, which only (256, 256)'s 128 KB blocks do: there fwd+bwd on
-        causal ran 312 TFLOP/s at 4 heads and at all 16, 415 at 2 and 414 at 1 (H100, session 50;
-        (192, 128)'s 88 KB blocks were not measured). Any order gives the same bits
-        (dq_write_order fixes the adds)."""
+        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. Any order
+        gives the same bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
         if view_row_fill(plan, n_qblk) >= self.DENSE_ROW_FILL:
-            group = Int32(self.dense_heads)
+            group = Int32(self.DENSE_HEAD_GROUP)
         return group
 
     def _tiled_mmas(self):
