@@ -247,6 +247,25 @@ def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
     check_backward(run_backward, plan, q, k, v, deterministic=deterministic, repeats=repeats)
 
 
+def test_half_full_rows_capped_head_group():
+    """Half-full K2Q rows (causal) and 6 kv heads at (256, 256): deterministic mode takes
+    ``half_full_heads`` (4) kv heads at a time, then the remaining 2
+    (``Sm90BwdKernel.launch_head_group``). Matches the reference; three runs are bit-identical."""
+    B, S, H = 2, 1000, 6
+    q, k, v = CASES.qkv((B, S, H), (B, S, H), 256, 256, torch.bfloat16, seed=18)
+    plan = sm90_plan(masks.causal(S, batch=B, device=DEV), q, k, v)
+    view = plan.view("backward")
+    stats = view.stats()
+    q_blocks = -(-S // view.block_size[0])  # per sample
+    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
+    assert not bwd_view_args(view, DEV).sparse_rows and fill < Sm90BwdKernel.DENSE_ROW_FILL, fill
+    kernel = Sm90BwdKernel(
+        select_bwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16"), deterministic=True
+    )
+    assert 0 < kernel.half_full_heads < H
+    check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
+
+
 @pytest.mark.parametrize("dqk,dv", SUPPORTED_HEAD_DIMS)
 def test_atomic_sparse_rows_store_the_first_dq(dqk, dv):
     """Atomic mode on sparse K2Q rows (a 300-key sliding window, GQA 4/2) stores each Q block's

@@ -183,6 +183,36 @@ def test_sparse_rows_head_cap_follows_the_q_block_size(dims):
     assert kernel.sparse_heads == (0 if max(dims) <= 128 else Sm90BwdKernel.SPARSE_HEAD_CAP)
 
 
+@pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
+def test_half_full_rows_head_cap_follows_the_q_block_size(dims):
+    """Deterministic mode takes SPARSE_HEAD_CAP kv heads at a time on half-full K2Q rows (causal's:
+    ``test_launch_head_group_follows_the_k2q_row_fill``) only where a Q block's Q, dO and fp32 dQ
+    take HALF_FULL_CAP_BYTES: the (256, 256) kernel's 64 x 256 blocks, 128 KB
+    (``Sm90BwdKernel.launch_head_group``); elsewhere all heads, as before."""
+    config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
+    kernel = Sm90BwdKernel(config, deterministic=True)
+    assert kernel.half_full_heads == (Sm90BwdKernel.SPARSE_HEAD_CAP if dims == (256, 256) else 0)
+
+
+@pytest.mark.parametrize("name", LAUNCH_MASKS)
+def test_row_fill_classes_at_256(name):
+    """On the (256, 256) kernel's 64 x 64 tiles the benchmark's masks fall in the same fill classes
+    as at D = 128, so the measured deterministic orders are the ones that run: causal half full
+    (``half_full_heads``), sliding-window and document rows sparse (all heads), random-5 dense."""
+    ep, expected = LAUNCH_MASKS[name]
+    q = torch.zeros(2, 8192, 1, 256, dtype=torch.bfloat16)
+    view = plan_for(ep, q, q, q).view("backward")
+    assert view.block_size == (64, 64)
+    stats = view.stats()
+    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), 8192 // 64)
+    half_full = SPARSE_ROW_FILL <= fill < Sm90BwdKernel.DENSE_ROW_FILL
+    assert (fill < SPARSE_ROW_FILL, half_full, fill >= Sm90BwdKernel.DENSE_ROW_FILL) == (
+        expected == "all",
+        expected == "pairs",
+        expected == "dense",
+    ), fill
+
+
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
 def test_dq_write_order_is_a_complete_turnstile(problem):
     _, ep, q, k, v, varlen = problem

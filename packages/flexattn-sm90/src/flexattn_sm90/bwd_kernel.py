@@ -114,6 +114,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from maskplan_kernels.consumer_plan import (
     CUTE_DTYPES,
+    SPARSE_ROW_FILL,
     BwdHostEntry,
     BwdPlanTensors,
     Work,
@@ -179,6 +180,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
     SPARSE_ALL_HEADS_BYTES = 64 * 1024
     SPARSE_HEAD_CAP = 4
+    #: deterministic mode on half-full K2Q rows (causal's): SPARSE_HEAD_CAP heads at a time where a
+    #: Q block takes HALF_FULL_CAP_BYTES or more (launch_head_group)
+    HALF_FULL_CAP_BYTES = 128 * 1024
     #: CTAs take their (K row, kv head) items from a ticket counter (BwdHostEntry.persistent)
     persistent = True
     #: stages of the item record (producer -> MMA warpgroups and dQ writers) and its int32 words
@@ -250,6 +254,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
         q_block_bytes = self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v)
         self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
+        self.half_full_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.HALF_FULL_CAP_BYTES else 0
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -407,13 +412,20 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
         TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
-        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. Any order
-        gives the same bits (dq_write_order fixes the adds)."""
+        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. Half-full
+        rows (causal's) take ``half_full_heads`` where that is set: (256, 256), whose 128 KB Q
+        blocks ran causal fwd+bwd at 312 TFLOP/s over all 16 heads and 415 over 4 (H100, session
+        50; (192, 128)'s 88 KB blocks were not measured). Any order gives the same bits
+        (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
-        if view_row_fill(plan, n_qblk) >= self.DENSE_ROW_FILL:
+        fill = view_row_fill(plan, n_qblk)
+        if fill >= self.DENSE_ROW_FILL:
             group = Int32(self.DENSE_HEAD_GROUP)
+        elif const_expr(self.half_full_heads != 0):
+            if fill >= SPARSE_ROW_FILL:
+                group = cutlass.min(kv_heads, Int32(self.half_full_heads))
         return group
 
     def _tiled_mmas(self):
