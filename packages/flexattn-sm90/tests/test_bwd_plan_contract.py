@@ -124,16 +124,18 @@ LAUNCH_MASKS = {
 }
 
 
+@pytest.mark.parametrize("dim", [128, 256])
 @pytest.mark.parametrize("name", LAUNCH_MASKS)
-def test_launch_head_group_follows_the_k2q_row_fill(name):
+def test_launch_head_group_follows_the_k2q_row_fill(name, dim):
     """The kernels' launch-order rule (``consumer_plan.view_row_fill``: entries over K rows x the
-    Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192 D=128:
-    causal rows are half full (atomic mode takes ATOMIC_HEAD_GROUP heads at a time), sliding-window
-    and document rows sparse (all heads at a time; the host's ``BwdViewArgs.sparse_rows``, from
-    the same sizes, agrees, so atomic mode stores each Q block's first dQ there), random intervals
-    dense (deterministic mode takes DENSE_HEAD_GROUP)."""
+    Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192, on the
+    D=128 kernel's 64 x 128 tiles and the (256, 256) kernel's 64 x 64: causal rows are half full
+    (atomic mode takes ATOMIC_HEAD_GROUP heads at a time, deterministic mode at (256, 256)
+    ``half_full_heads``), sliding-window and document rows sparse (all heads at a time; the host's
+    ``BwdViewArgs.sparse_rows``, from the same sizes, agrees, so atomic mode stores each Q block's
+    first dQ there), random intervals dense (deterministic mode takes DENSE_HEAD_GROUP)."""
     ep, expected = LAUNCH_MASKS[name]
-    q = torch.zeros(2, 8192, 1, 128, dtype=torch.bfloat16)
+    q = torch.zeros(2, 8192, 1, dim, dtype=torch.bfloat16)
     view = plan_for(ep, q, q, q).view("backward")
     stats = view.stats()
     batch = view.sequence_desc().shape[0]
@@ -192,25 +194,6 @@ def test_half_full_rows_head_cap_follows_the_q_block_size(dims):
     config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
     kernel = Sm90BwdKernel(config, deterministic=True)
     assert kernel.half_full_heads == (Sm90BwdKernel.SPARSE_HEAD_CAP if dims == (256, 256) else 0)
-
-
-@pytest.mark.parametrize("name", LAUNCH_MASKS)
-def test_row_fill_classes_at_256(name):
-    """On the (256, 256) kernel's 64 x 64 tiles the benchmark's masks fall in the same fill classes
-    as at D = 128, so the measured deterministic orders are the ones that run: causal half full
-    (``half_full_heads``), sliding-window and document rows sparse (all heads), random-5 dense."""
-    ep, expected = LAUNCH_MASKS[name]
-    q = torch.zeros(2, 8192, 1, 256, dtype=torch.bfloat16)
-    view = plan_for(ep, q, q, q).view("backward")
-    assert view.block_size == (64, 64)
-    stats = view.stats()
-    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), 8192 // 64)
-    half_full = SPARSE_ROW_FILL <= fill < Sm90BwdKernel.DENSE_ROW_FILL
-    assert (fill < SPARSE_ROW_FILL, half_full, fill >= Sm90BwdKernel.DENSE_ROW_FILL) == (
-        expected == "all",
-        expected == "pairs",
-        expected == "dense",
-    ), fill
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
