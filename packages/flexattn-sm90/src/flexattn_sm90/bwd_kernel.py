@@ -83,7 +83,8 @@ the turnstile rarely waits; deterministic
 mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
-order takes ``DENSE_HEAD_GROUP`` kv heads at a time (:meth:`Sm90BwdKernel.launch_head_group`).
+order takes ``DENSE_HEAD_GROUP`` kv heads at a time, and at (256, 256) also on half-full rows
+(causal's; :meth:`Sm90BwdKernel.launch_head_group`).
 
 Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_plan.grouped_launch_slot``)::
 
@@ -404,8 +405,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         (16 heads, S = 8192) had its main kernel at 39% DRAM throughput and a 76% L2 hit rate
         (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
         documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
-        session 31). Deterministic mode: all of them, unless the K2Q rows
-        are dense (``k2q_row_fill`` of ``DENSE_ROW_FILL`` or more), then ``DENSE_HEAD_GROUP``.
+        session 31). Deterministic mode: ``DENSE_HEAD_GROUP`` on dense K2Q rows (``k2q_row_fill``
+        of ``DENSE_ROW_FILL`` or more), ``half_full_heads`` where set on half-full rows (below),
+        else all of them.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
@@ -415,8 +417,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. Half-full
         rows (causal's) take ``half_full_heads`` where that is set: (256, 256), whose 128 KB Q
         blocks ran causal fwd+bwd at 312 TFLOP/s over all 16 heads and 415 over 4 (H100, session
-        50; (192, 128)'s 88 KB blocks were not measured). Any order gives the same bits
-        (dq_write_order fixes the adds)."""
+        50). (192, 128)'s 88 KB blocks keep all heads: 4 gave no gain there in session 14 (H200,
+        the non-persistent kernel: 408.6 -> 403.5); not measured since. Any order gives the same
+        bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
