@@ -63,6 +63,13 @@ def sm90_plan(mask_func, q, k, v, *, gpu_planner=False, **varlen):
     return build_plan(mask_func, g, view("forward"), view("backward"), consumer.name)
 
 
+def row_fill(view, seqlen: int) -> float:
+    """The backward view's K2Q row fill (``consumer_plan.k2q_row_fill``) on fixed-length samples."""
+    stats = view.stats()
+    q_blocks = -(-seqlen // view.block_size[0])  # per sample
+    return k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
+
+
 def check(mask_func, q, k, v, *, varlen=None, gpu_planner=False, **options):
     """The plan for the problem, then :func:`maskplan_core.testing.check_backward` with ``options``
     (scale, deterministic, with_dlse, repeats, seed); returns ``(plan, runs)``."""
@@ -220,12 +227,7 @@ def test_deterministic_grouped_launch_order(dqk, dv, kind):
     else:
         ep = CASES.random_intervals(1, 3, torch.full((B * S,), S), seed=15)
     plan = sm90_plan(ep, q, k, v)
-    view = plan.view("backward")
-    stats = view.stats()
-    q_blocks = -(-S // view.block_size[0])  # per sample
-    assert k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks) >= (
-        Sm90BwdKernel.DENSE_ROW_FILL
-    )
+    assert row_fill(plan.view("backward"), S) >= Sm90BwdKernel.DENSE_ROW_FILL
     assert H > Sm90BwdKernel.DENSE_HEAD_GROUP
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
@@ -255,9 +257,7 @@ def test_half_full_rows_capped_head_group():
     q, k, v = CASES.qkv((B, S, H), (B, S, H), 256, 256, torch.bfloat16, seed=18)
     plan = sm90_plan(masks.causal(S, batch=B, device=DEV), q, k, v)
     view = plan.view("backward")
-    stats = view.stats()
-    q_blocks = -(-S // view.block_size[0])  # per sample
-    fill = k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
+    fill = row_fill(view, S)
     assert not bwd_view_args(view, DEV).sparse_rows and fill < Sm90BwdKernel.DENSE_ROW_FILL, fill
     kernel = Sm90BwdKernel(
         select_bwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16"), deterministic=True
