@@ -237,7 +237,9 @@ def test_deterministic_grouped_launch_order(dqk, dv, kind):
 def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
     """Sparse K2Q rows (a sliding window) and 6 kv heads on the tiles whose Q blocks are large in
     L2: the atomic launch order takes SPARSE_HEAD_CAP (4) kv heads at a time, then the remaining
-    2 (``Sm90BwdKernel.launch_head_group``); deterministic mode all 6. Matches the reference, and
+    2 (``Sm90BwdKernel.launch_head_group``); deterministic mode the same at (256, 256), where the
+    window's K rows end staggered (``consumer_plan.staggered_row_ends``; test_bwd_plan_contract's
+    ``test_staggered_row_ends`` has this mask), all 6 at (192, 128). Matches the reference, and
     deterministic runs are bit-identical."""
     B, S, H = 2, 1000, 6
     q, k, v = CASES.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=16)
@@ -251,7 +253,7 @@ def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
 
 def test_half_full_rows_capped_head_group():
     """Half-full K2Q rows (causal) and 6 kv heads at (256, 256): deterministic mode takes
-    ``half_full_heads`` (4) kv heads at a time, then the remaining 2
+    ``det_capped_heads`` (4) kv heads at a time, then the remaining 2
     (``Sm90BwdKernel.launch_head_group``). Matches the reference; three runs are bit-identical."""
     B, S, H = 2, 1000, 6
     q, k, v = CASES.qkv((B, S, H), (B, S, H), 256, 256, torch.bfloat16, seed=18)
@@ -262,7 +264,7 @@ def test_half_full_rows_capped_head_group():
     kernel = Sm90BwdKernel(
         select_bwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16"), deterministic=True
     )
-    assert 0 < kernel.half_full_heads < H
+    assert 0 < kernel.det_capped_heads < H
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 

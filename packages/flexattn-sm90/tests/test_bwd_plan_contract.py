@@ -29,7 +29,13 @@ from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.errors import PlanSignatureMismatch  # noqa: E402
 from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
-from maskplan_kernels.consumer_plan import SPARSE_ROW_FILL, k2q_row_fill  # noqa: E402
+from maskplan_kernels.consumer_plan import (  # noqa: E402
+    SPARSE_ROW_FILL,
+    STAGGER_PAIRS,
+    STAGGER_RUN,
+    k2q_row_fill,
+    stagger_pair_row,
+)
 
 CPU = torch.device("cpu")
 CU_Q = [0, 100, 100, 164, 500, 700]
@@ -131,7 +137,8 @@ def test_launch_head_group_follows_the_k2q_row_fill(name, dim):
     Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192, on the
     D=128 kernel's 64 x 128 tiles and the (256, 256) kernel's 64 x 64: causal rows are half full
     (atomic mode takes ATOMIC_HEAD_GROUP heads at a time, deterministic mode at (256, 256)
-    ``half_full_heads``), sliding-window and document rows sparse (all heads at a time; the host's
+    ``det_capped_heads``), sliding-window and document rows sparse (all heads at a time, but
+    deterministic mode at (256, 256) caps sliding windows: ``test_staggered_row_ends``; the host's
     ``BwdViewArgs.sparse_rows``, from the same sizes, agrees, so atomic mode stores each Q block's
     first dQ there), random intervals dense (deterministic mode takes DENSE_HEAD_GROUP)."""
     ep, expected = LAUNCH_MASKS[name]
@@ -186,14 +193,71 @@ def test_sparse_rows_head_cap_follows_the_q_block_size(dims):
 
 
 @pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
-def test_half_full_rows_head_cap_follows_the_q_block_size(dims):
+def test_deterministic_head_cap_follows_the_q_block_size(dims):
     """Deterministic mode takes SPARSE_HEAD_CAP kv heads at a time on half-full K2Q rows (causal's:
-    ``test_launch_head_group_follows_the_k2q_row_fill``) only where a Q block's Q, dO and fp32 dQ
-    take HALF_FULL_CAP_BYTES: the (256, 256) kernel's 64 x 256 blocks, 128 KB
-    (``Sm90BwdKernel.launch_head_group``); elsewhere all heads, as before."""
+    ``test_launch_head_group_follows_the_k2q_row_fill``) and on sparse rows with staggered ends
+    (``test_staggered_row_ends``) only where a Q block's Q, dO and fp32 dQ take DET_CAP_BYTES: the
+    (256, 256) kernel's 64 x 256 blocks, 128 KB (``Sm90BwdKernel.launch_head_group``); elsewhere
+    all heads."""
     config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
     kernel = Sm90BwdKernel(config, deterministic=True)
-    assert kernel.half_full_heads == (Sm90BwdKernel.SPARSE_HEAD_CAP if dims == (256, 256) else 0)
+    assert kernel.det_capped_heads == (Sm90BwdKernel.SPARSE_HEAD_CAP if dims == (256, 256) else 0)
+
+
+def staggered_row_ends(view) -> tuple[int, int]:
+    """``consumer_plan.staggered_row_ends`` on the host, from the view's tensors: ``(staggered,
+    pairs)`` over the sampled pairs of adjacent K rows of one sample (mask head 0)."""
+    k_row_batch = bwd_view_args(view, CPU).tensors[10].tolist()
+    t = {name: view.tensors[name].to(torch.int64) for name in view.tensors}
+
+    def last_q_block(row):
+        ends = [-1]
+        for kind in ("mask", "full"):
+            cnt, off = int(t[f"{kind}_block_cnt"][0, row]), int(t[f"{kind}_block_offset"][0, row])
+            ends += t[f"{kind}_block_idx"][off : off + cnt].tolist()
+        return max(ends)
+
+    k_rows = len(k_row_batch)
+    rows = [stagger_pair_row(p, k_rows) for p in range(STAGGER_PAIRS)]
+    rows = [r for r in rows if r + 1 < k_rows and k_row_batch[r] == k_row_batch[r + 1]]
+    return sum(last_q_block(r) != last_q_block(r + 1) for r in rows), len(rows)
+
+
+def test_stagger_pairs_are_adjacent_rows_spread_over_the_view():
+    """Every sampled pair lies in the view where it has two rows; from 21 rows the 16 pairs are
+    distinct, and the last run starts in the view's last quarter."""
+    for k_rows in (1, 2, 5, 6, 20, 21, 64, 256, 1000):
+        rows = [stagger_pair_row(p, k_rows) for p in range(STAGGER_PAIRS)]
+        starts = rows[::STAGGER_RUN]
+        assert starts[0] == 0 and starts == sorted(starts)
+        if k_rows >= STAGGER_RUN + 1:
+            assert rows[-1] + 1 < k_rows
+        if k_rows >= 21:
+            assert len(set(rows)) == STAGGER_PAIRS and rows[-1] >= k_rows * 3 // 4 - STAGGER_RUN - 1
+
+
+STAGGER_MASKS = {
+    "sliding-1024": (masks.sliding_window(8192, window_left=1024, batch=2), True),
+    "sliding-128": (masks.sliding_window(8192, window_left=128, batch=2), True),
+    "document": (LAUNCH_MASKS["document"][0], False),
+    "documents-256": (masks.document([[256] * 32] * 2), False),
+    "causal": (LAUNCH_MASKS["causal"][0], False),
+    # test_bwd_gpu's test_sparse_rows_capped_head_group
+    "sliding-40-1000": (masks.sliding_window(1000, window_left=40, batch=2), True),
+}
+
+
+@pytest.mark.parametrize("name", STAGGER_MASKS)
+def test_staggered_row_ends(name):
+    """The (256, 256) kernel's 64 x 64 tiles: sliding windows' K rows end at staggered Q blocks, so
+    deterministic mode caps them at ``det_capped_heads`` (their CTAs reach each Q block in
+    ``dq_write_order``), documents' and causal's end together (documents keep all heads)."""
+    ep, expected = STAGGER_MASKS[name]
+    seqlen = int(ep.shape[-1]) // 2
+    q = torch.zeros(2, seqlen, 1, 256, dtype=torch.bfloat16)
+    staggered, pairs = staggered_row_ends(plan_for(ep, q, q, q).view("backward"))
+    assert pairs >= STAGGER_PAIRS - 2  # at most two sampled pairs cross a sample's end
+    assert (staggered * 2 > pairs) == expected, (staggered, pairs)
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])

@@ -83,8 +83,9 @@ the turnstile rarely waits; deterministic
 mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
-order takes ``DENSE_HEAD_GROUP`` kv heads at a time, and at (256, 256) also on half-full rows
-(causal's; :meth:`Sm90BwdKernel.launch_head_group`).
+order takes ``DENSE_HEAD_GROUP`` kv heads at a time, and at (256, 256) ``SPARSE_HEAD_CAP`` on
+half-full rows (causal's) and on sparse rows with staggered ends (sliding windows';
+:meth:`Sm90BwdKernel.launch_head_group`).
 
 Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_plan.grouped_launch_slot``)::
 
@@ -133,6 +134,7 @@ from maskplan_kernels.consumer_plan import (
     record_pipeline,
     rows_from,
     select_modes,
+    staggered_row_ends,
     take_ticket,
     ticket_counter,
     turnstile_advance,
@@ -181,9 +183,10 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
     SPARSE_ALL_HEADS_BYTES = 64 * 1024
     SPARSE_HEAD_CAP = 4
-    #: deterministic mode on half-full K2Q rows (causal's): SPARSE_HEAD_CAP heads at a time where a
-    #: Q block takes HALF_FULL_CAP_BYTES or more (launch_head_group)
-    HALF_FULL_CAP_BYTES = 128 * 1024
+    #: deterministic mode on half-full K2Q rows (causal's) and on sparse ones with staggered ends
+    #: (sliding windows'): SPARSE_HEAD_CAP heads at a time where a Q block takes DET_CAP_BYTES or
+    #: more (launch_head_group)
+    DET_CAP_BYTES = 128 * 1024
     #: CTAs take their (K row, kv head) items from a ticket counter (BwdHostEntry.persistent)
     persistent = True
     #: stages of the item record (producer -> MMA warpgroups and dQ writers) and its int32 words
@@ -255,7 +258,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
         q_block_bytes = self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v)
         self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
-        self.half_full_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.HALF_FULL_CAP_BYTES else 0
+        self.det_capped_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.DET_CAP_BYTES else 0
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -406,29 +409,37 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
         documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
         session 31). Deterministic mode: ``DENSE_HEAD_GROUP`` on dense K2Q rows (``k2q_row_fill``
-        of ``DENSE_ROW_FILL`` or more), ``half_full_heads`` where set on half-full rows (below),
-        else all of them.
+        of ``DENSE_ROW_FILL`` or more), ``det_capped_heads`` where set on half-full rows and on
+        sparse rows with staggered ends (below), else all of them.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
         0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
         TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
-        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. Half-full
-        rows (causal's) take ``half_full_heads`` where that is set: (256, 256), whose 128 KB Q
-        blocks ran causal fwd+bwd at 312 TFLOP/s over all 16 heads and 415 over 4 (H100, session
-        50). (192, 128)'s 88 KB blocks keep all heads: 4 gave no gain there in session 14 (H200,
-        the non-persistent kernel: 408.6 -> 403.5); not measured since. Any order gives the same
-        bits (dq_write_order fixes the adds)."""
+        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. That
+        loss is the documents': their K rows end together at the document's last Q block, so
+        walking down they reach each Q block at the same step and queue on its turnstile, which
+        their short walks do not amortise. A sliding window's rows end staggered
+        (``consumer_plan.staggered_row_ends``) and reach each Q block in ``dq_write_order``.
+        Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
+        and sparse rows with staggered ends take that many heads: on an H100, causal fwd+bwd ran
+        at 312 TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at
+        291 and 202 (session 50). (192, 128)'s 88 KB blocks keep all heads: 4 gave no gain on
+        causal there in session 14 (H200, the non-persistent kernel: 408.6 -> 403.5); not measured
+        since. Any order gives the same bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
         fill = view_row_fill(plan, n_qblk)
         if fill >= self.DENSE_ROW_FILL:
             group = Int32(self.DENSE_HEAD_GROUP)
-        elif const_expr(self.half_full_heads != 0):
-            if fill >= SPARSE_ROW_FILL:
-                group = cutlass.min(kv_heads, Int32(self.half_full_heads))
+        elif const_expr(self.det_capped_heads != 0):
+            capped = fill >= SPARSE_ROW_FILL
+            if not capped:
+                capped = staggered_row_ends(plan)
+            if capped:
+                group = cutlass.min(kv_heads, Int32(self.det_capped_heads))
         return group
 
     def _tiled_mmas(self):
@@ -551,12 +562,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             cute.recast_ptr(dv_ptr, sV_layout.inner, dtype=self.dtype), sV_layout.outer
         )
         kv_heads = mK.shape[2]
-        group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)
         items = Items(mQ.shape[2] // kv_heads, plan.mask_block_cnt.shape[0], pipes[-1], s["sWork"])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.producer_warp:
+                group = self.launch_head_group(plan, mdQsem.shape[1], kv_heads)  # tickets -> items
                 self.producer(
                     tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, items, group, counter,
                     pipes,

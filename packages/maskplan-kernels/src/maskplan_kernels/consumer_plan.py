@@ -987,6 +987,56 @@ def walk_descending(plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, fu
 
 
 @cute.jit
+def k_row_last_q_block(plan: BwdPlanTensors, row: Int32) -> Int32:
+    """The last Q block K row ``row`` of mask head 0 visits (-1 where it visits none)."""
+    hr = HeadRange(
+        Int32(0),
+        plan.mask_block_cnt[0, row],
+        plan.mask_block_offset[0, row],
+        plan.full_block_cnt[0, row],
+        plan.full_block_offset[0, row],
+    )
+    return walk_descending(plan, hr, hr.partial_cnt, hr.full_cnt).q_block
+
+
+#: pairs of adjacent K rows :func:`staggered_row_ends` samples, in runs of STAGGER_RUN pairs
+STAGGER_PAIRS = 16
+STAGGER_RUN = 4
+
+
+def stagger_pair_row(pair: int, k_rows):
+    """The lower K row of sampled pair ``pair`` (of ``STAGGER_PAIRS``; the pair is that row and the
+    next). Runs of ``STAGGER_RUN`` pairs start evenly over the rows::
+
+        k rows  0 ..................................................... k_rows - 1
+                [0 1 2 3 4]        [run]        [run]        [run]
+
+    A plain function of integers, so that the kernel and its CPU test sample the same rows (a
+    row of ``k_rows - 1`` or more leaves no pair: only where ``k_rows`` is below
+    ``STAGGER_RUN + 1``)."""
+    span = cutlass.max(k_rows - STAGGER_RUN - 1, 0)
+    return span * (pair // STAGGER_RUN) // (STAGGER_PAIRS // STAGGER_RUN) + pair % STAGGER_RUN
+
+
+@cute.jit
+def staggered_row_ends(plan: BwdPlanTensors) -> cutlass.Boolean:
+    """Whether more than half of the sampled pairs of adjacent K rows (:func:`stagger_pair_row`;
+    mask head 0, pairs within one sample) end their K2Q walks at different Q blocks, as a sliding
+    window's rows do; a document's rows end together at the document's last Q block, causal's at
+    the sample's. A few dozen loads, once per CTA."""
+    k_rows = cute.size(plan.mask_block_cnt, mode=[1])
+    pairs = Int32(0)
+    staggered = Int32(0)
+    for p in cutlass.range_constexpr(STAGGER_PAIRS):
+        row = stagger_pair_row(p, k_rows)
+        if row + 1 < k_rows:
+            if plan.k_row_batch[row] == plan.k_row_batch[row + 1]:
+                pairs += 1
+                staggered += Int32(k_row_last_q_block(plan, row) != k_row_last_q_block(plan, row + 1))
+    return staggered * 2 > pairs
+
+
+@cute.jit
 def total_steps(plan: BwdPlanTensors, work: Work) -> Int32:
     """Q blocks (partial + full, all q heads of the kv head) the CTA's K block visits."""
     n = Int32(0)
@@ -1080,6 +1130,8 @@ __all__ = [
     "CUTE_DTYPES",
     "PDL",
     "SPARSE_ROW_FILL",
+    "STAGGER_PAIRS",
+    "STAGGER_RUN",
     "TASK_WORDS",
     "BwdHostEntry",
     "BwdPlanTensors",
@@ -1107,6 +1159,7 @@ __all__ = [
     "fetch_task",
     "grouped_launch_slot",
     "head_range",
+    "k_row_last_q_block",
     "k2q_row_fill",
     "launch_grid",
     "load_payload_plane",
@@ -1116,6 +1169,8 @@ __all__ = [
     "record_pipeline",
     "sample_q",
     "select_modes",
+    "stagger_pair_row",
+    "staggered_row_ends",
     "take_ticket",
     "ticket_counter",
     "thd_tensor",
