@@ -274,3 +274,13 @@ def test_main_kernel_compiles_rows_per_sample(dq, dv, tmp_path):
     flat = _ptx("main", dq, dv, tmp_path=tmp_path, **kw)
     assert integer_divisions(ptx) == integer_divisions(flat)
     _assert_ptxas_clean(ptx, tmp_path, dq, dv)
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_launch_order_probe_compiles(dim, deterministic):
+    """test_bwd_gpu's one-warp probe of the main kernel's launch-order rule (``launch_order_probe``)
+    compiles for sm_90a, so the GPU test fails on the rule, not on the probe."""
+    from launch_order_probe import compile_probe
+
+    assert compile_probe(dim, dim, deterministic) is not None

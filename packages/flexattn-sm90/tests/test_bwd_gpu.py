@@ -28,6 +28,8 @@ from maskplan_core import testing  # noqa: E402
 if testing.cuda_arch_major() != 9:
     pytest.skip("needs an SM90 (Hopper) GPU", allow_module_level=True)
 
+from launch_order_probe import host_stagger, probe_launch_order  # noqa: E402
+
 from flexattn_sm90 import SUPPORTED_HEAD_DIMS, Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
 from flexattn_sm90.bwd_launch import config_for_view, run_backward  # noqa: E402
@@ -44,7 +46,7 @@ from maskplan_core.testing import (  # noqa: E402
     varlen_args,
 )
 from maskplan_kernels.consumer_launch import bwd_view_args, qkv_operands  # noqa: E402
-from maskplan_kernels.consumer_plan import k2q_row_fill  # noqa: E402
+from maskplan_kernels.consumer_plan import ATOMIC_HEAD_GROUP, k2q_row_fill  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -266,6 +268,57 @@ def test_half_full_rows_capped_head_group():
     )
     assert 0 < kernel.det_capped_heads < H
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
+
+
+#: kv heads the launch order takes at a time, H = 6 kv heads, B=2 S=8192 (the benchmark's masks):
+#: {(dim, deterministic): (causal, sliding-1024, document, random-5)}. Causal's K2Q rows are half
+#: full, sliding windows' and documents' sparse (sliding windows' ends staggered), random-5's dense
+LAUNCH_GROUPS = {
+    (128, False): (ATOMIC_HEAD_GROUP, 6, 6, ATOMIC_HEAD_GROUP),  # sparse rows: all heads
+    (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),  # sparse rows: SPARSE_HEAD_CAP
+    (128, True): (6, 6, 6, 4),  # dense rows: DENSE_HEAD_GROUP
+    (256, True): (4, 4, 6, 4),  # det_capped_heads on half-full and staggered sparse rows
+}
+
+
+@pytest.mark.parametrize("dim,deterministic", LAUNCH_GROUPS, ids=lambda x: str(x))
+def test_launch_order_as_the_kernel_decides(dim, deterministic):
+    """Every launch order gives the same bits, so a one-warp probe (``launch_order_probe``) runs the
+    main kernel's own ``launch_head_group`` and ``staggered_row_ends`` on the benchmark's masks:
+    the kv heads at a time are LAUNCH_GROUPS', and the staggered flag is the host's count of the
+    sampled pairs (``host_stagger``)."""
+    B, S, H = 2, 8192, 6
+    q = torch.zeros(B, S, H, dim, dtype=torch.bfloat16, device=DEV)
+    eps = (
+        masks.causal(S, batch=B, device=DEV),
+        masks.sliding_window(S, window_left=1024, batch=B, device=DEV),
+        masks.document([[3000, 2000, 1500, 1692], [5000, 3192]], device=DEV),
+        CASES.random_intervals(1, 5, torch.full((B * S,), S), seed=3),
+    )
+    for ep, group in zip(eps, LAUNCH_GROUPS[dim, deterministic], strict=True):
+        view = sm90_plan(ep, q, q, q).view("backward")
+        staggered, pairs = host_stagger(view)
+        assert probe_launch_order(view, deterministic=deterministic, device=DEV) == (
+            group, int(staggered * 2 > pairs)
+        )  # fmt: skip
+
+
+def test_launch_order_probe_on_small_and_varlen_views():
+    """The staggered-ends sample on views of 1-5 K rows (pairs repeat or are missing) and on a
+    varlen view whose pairs cross samples: the kernel's flag equals the host's count."""
+    cases = [(masks.sliding_window(n, window_left=16, batch=1, device=DEV), n) for n in (40, 100, 200, 320)]
+    cu = torch.tensor([0, 700, 900, 2900, 3000], dtype=torch.int32, device=DEV)
+    cases.append((masks.sliding_window(window_left=64, cu_seqlens_q=cu, cu_seqlens_k=cu), None))
+    for ep, seqlen in cases:
+        if seqlen is None:
+            q = torch.zeros(int(cu[-1]), 2, 256, dtype=torch.bfloat16, device=DEV)
+            view = sm90_plan(ep, q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2000,
+                             max_seqlen_k=2000).view("backward")  # fmt: skip
+        else:
+            q = torch.zeros(1, seqlen, 2, 256, dtype=torch.bfloat16, device=DEV)
+            view = sm90_plan(ep, q, q, q).view("backward")
+        staggered, pairs = host_stagger(view)
+        assert probe_launch_order(view, deterministic=True, device=DEV)[1] == int(staggered * 2 > pairs)
 
 
 @pytest.mark.parametrize("dqk,dv", SUPPORTED_HEAD_DIMS)

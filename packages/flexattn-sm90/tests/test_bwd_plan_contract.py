@@ -21,6 +21,8 @@ import torch
 
 pytest.importorskip("cutlass.cute")
 
+from launch_order_probe import host_stagger  # noqa: E402
+
 from flexattn_sm90 import Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
 from flexattn_sm90.bwd_launch import config_for_view  # noqa: E402
@@ -204,25 +206,6 @@ def test_deterministic_head_cap_follows_the_q_block_size(dims):
     assert kernel.det_capped_heads == (Sm90BwdKernel.SPARSE_HEAD_CAP if dims == (256, 256) else 0)
 
 
-def staggered_row_ends(view) -> tuple[int, int]:
-    """``consumer_plan.staggered_row_ends`` on the host, from the view's tensors: ``(staggered,
-    pairs)`` over the sampled pairs of adjacent K rows of one sample (mask head 0)."""
-    k_row_batch = bwd_view_args(view, CPU).tensors[10].tolist()
-    t = {name: view.tensors[name].to(torch.int64) for name in view.tensors}
-
-    def last_q_block(row):
-        ends = [-1]
-        for kind in ("mask", "full"):
-            cnt, off = int(t[f"{kind}_block_cnt"][0, row]), int(t[f"{kind}_block_offset"][0, row])
-            ends += t[f"{kind}_block_idx"][off : off + cnt].tolist()
-        return max(ends)
-
-    k_rows = len(k_row_batch)
-    rows = [stagger_pair_row(p, k_rows) for p in range(STAGGER_PAIRS)]
-    rows = [r for r in rows if r + 1 < k_rows and k_row_batch[r] == k_row_batch[r + 1]]
-    return sum(last_q_block(r) != last_q_block(r + 1) for r in rows), len(rows)
-
-
 def test_stagger_pairs_are_adjacent_rows_spread_over_the_view():
     """Every sampled pair lies in the view where it has two rows; from 21 rows the 16 pairs are
     distinct, and the last run starts in the view's last quarter."""
@@ -250,12 +233,13 @@ STAGGER_MASKS = {
 @pytest.mark.parametrize("name", STAGGER_MASKS)
 def test_staggered_row_ends(name):
     """The (256, 256) kernel's 64 x 64 tiles: sliding windows' K rows end at staggered Q blocks, so
-    deterministic mode caps them at ``det_capped_heads`` (their CTAs reach each Q block in
-    ``dq_write_order``), documents' and causal's end together (documents keep all heads)."""
+    deterministic mode caps them at ``det_capped_heads``, documents' and causal's end together
+    (documents keep all heads). The pairs are counted on the host (``launch_order_probe.host_stagger``;
+    test_bwd_gpu's ``test_launch_order_as_the_kernel_decides`` checks the kernel against it)."""
     ep, expected = STAGGER_MASKS[name]
     seqlen = int(ep.shape[-1]) // 2
     q = torch.zeros(2, seqlen, 1, 256, dtype=torch.bfloat16)
-    staggered, pairs = staggered_row_ends(plan_for(ep, q, q, q).view("backward"))
+    staggered, pairs = host_stagger(plan_for(ep, q, q, q).view("backward"))
     assert pairs >= STAGGER_PAIRS - 2  # at most two sampled pairs cross a sample's end
     assert (staggered * 2 > pairs) == expected, (staggered, pairs)
 

@@ -417,11 +417,12 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
         TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
-        atomic cap on sparse rows). Measured: benchmarks/RESULTS.md, sessions 14 and 31. That
-        loss is the documents': their K rows end together at the document's last Q block, so
-        walking down they reach each Q block at the same step and queue on its turnstile, which
-        their short walks do not amortise. A sliding window's rows end staggered
-        (``consumer_plan.staggered_row_ends``) and reach each Q block in ``dq_write_order``.
+        atomic cap on sparse rows whose ends are aligned). Measured: benchmarks/RESULTS.md,
+        sessions 14 and 31. Our reading of that loss (not measured directly): a document's K rows
+        end together at its last Q block, so walking down they reach each Q block at the same step
+        and queue on its turnstile, which their short walks do not amortise; a sliding window's
+        rows end staggered (``consumer_plan.staggered_row_ends``) and reach each Q block in
+        ``dq_write_order``.
         Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
         and sparse rows with staggered ends take that many heads: on an H100, causal fwd+bwd ran
         at 312 TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at

@@ -1021,9 +1021,9 @@ def stagger_pair_row(pair: int, k_rows):
 @cute.jit
 def staggered_row_ends(plan: BwdPlanTensors) -> cutlass.Boolean:
     """Whether more than half of the sampled pairs of adjacent K rows (:func:`stagger_pair_row`;
-    mask head 0, pairs within one sample) end their K2Q walks at different Q blocks, as a sliding
-    window's rows do; a document's rows end together at the document's last Q block, causal's at
-    the sample's. A few dozen loads, once per CTA."""
+    mask head 0; pairs within one sample whose rows both visit a Q block) end their K2Q walks at
+    different Q blocks, as a sliding window's rows do; a document's rows end together at the
+    document's last Q block, causal's at the sample's. A few dozen loads, once per CTA."""
     k_rows = cute.size(plan.mask_block_cnt, mode=[1])
     pairs = Int32(0)
     staggered = Int32(0)
@@ -1031,8 +1031,10 @@ def staggered_row_ends(plan: BwdPlanTensors) -> cutlass.Boolean:
         row = stagger_pair_row(p, k_rows)
         if row + 1 < k_rows:
             if plan.k_row_batch[row] == plan.k_row_batch[row + 1]:
-                pairs += 1
-                staggered += Int32(k_row_last_q_block(plan, row) != k_row_last_q_block(plan, row + 1))
+                lower, upper = k_row_last_q_block(plan, row), k_row_last_q_block(plan, row + 1)
+                if cutlass.min(lower, upper) >= 0:  # both rows visit a Q block
+                    pairs += 1
+                    staggered += Int32(lower != upper)
     return staggered * 2 > pairs
 
 
