@@ -16,9 +16,12 @@ payload ring) and ``qstage2-1cta`` (two q stages per CTA; Dqk <= 128) have kerne
 hardware. The backward variant ``k2q-2cta`` (a CTA pair along K: each CTA still holds its K rows'
 S^T, dP^T, dV and dK, so it saves no TMEM; the pair multicasts Q, dO, LSE and D and reduces dQ in the cluster
 before one GMEM add) has a kernel (``bwd_kernel.py``) for the same head dims as ``k2q-1cta`` but is
-no default either: it runs when a view is planned for it explicitly (its ``Sm100BwdConfig`` signature
-and payload layout, as the tests build them; the backward selection takes no ``variant=``, since
-view_config derives the config from the view). ``fwd_launch.run_forward`` refuses a view of a forced
+no default either: its launcher runs a view planned for it explicitly (its ``Sm100BwdConfig``
+signature and payload layout, as the tests build them through the consumer; the backward selection
+takes no ``variant=``, since view_config derives the config from the view). The public API does
+not reach these variants: ``create_mask_plan`` takes no variant, and ``flex_attn_func`` resolves
+the default views for the call's tensors and refuses a plan of another variant with
+``PlanSignatureMismatch``. ``fwd_launch.run_forward`` refuses a view of a forced
 variant whose head dims have no kernel, ``bwd_launch.run_backward`` a k2q-2cta view of (256, 256), with
 :class:`UnsupportedConfigError` naming the variant.
 
