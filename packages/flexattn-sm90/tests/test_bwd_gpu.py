@@ -45,8 +45,8 @@ from maskplan_core.testing import (  # noqa: E402
     resolve_view,
     varlen_args,
 )
+from maskplan_kernels.consumer_k2q import ATOMIC_HEAD_GROUP, k2q_row_fill  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_view_args, qkv_operands  # noqa: E402
-from maskplan_kernels.consumer_plan import ATOMIC_HEAD_GROUP, k2q_row_fill  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -66,7 +66,7 @@ def sm90_plan(mask_func, q, k, v, *, gpu_planner=False, **varlen):
 
 
 def row_fill(view, seqlen: int) -> float:
-    """The backward view's K2Q row fill (``consumer_plan.k2q_row_fill``) on fixed-length samples."""
+    """The backward view's K2Q row fill (``consumer_k2q.k2q_row_fill``) on fixed-length samples."""
     stats = view.stats()
     q_blocks = -(-seqlen // view.block_size[0])  # per sample
     return k2q_row_fill(stats["partial"] + stats["full"], view.mask_block_cnt.numel(), q_blocks)
@@ -240,7 +240,7 @@ def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
     """Sparse K2Q rows (a sliding window) and 6 kv heads on the tiles whose Q blocks are large in
     L2: the atomic launch order takes SPARSE_HEAD_CAP (4) kv heads at a time, then the remaining
     2 (``Sm90BwdKernel.launch_head_group``); deterministic mode the same at (256, 256), where the
-    window's K rows end staggered (``consumer_plan.staggered_row_ends``; test_bwd_plan_contract's
+    window's K rows end staggered (``consumer_k2q.staggered_row_ends``; test_bwd_plan_contract's
     ``test_staggered_row_ends`` has this mask), all 6 at (192, 128). Matches the reference, and
     deterministic runs are bit-identical."""
     B, S, H = 2, 1000, 6

@@ -30,14 +30,14 @@ from flexattn_sm90.heuristics import SUPPORTED_HEAD_DIMS, select_bwd_config  # n
 from maskplan_core import ViewRequest, masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.errors import PlanSignatureMismatch  # noqa: E402
 from maskplan_core.reference import attention_backward, attention_forward, build_plan  # noqa: E402
-from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
-from maskplan_kernels.consumer_plan import (  # noqa: E402
+from maskplan_kernels.consumer_k2q import (  # noqa: E402
     SPARSE_ROW_FILL,
     STAGGER_PAIRS,
     STAGGER_RUN,
     k2q_row_fill,
     stagger_pair_row,
 )
+from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
 
 CPU = torch.device("cpu")
 CU_Q = [0, 100, 100, 164, 500, 700]
@@ -135,7 +135,7 @@ LAUNCH_MASKS = {
 @pytest.mark.parametrize("dim", [128, 256])
 @pytest.mark.parametrize("name", LAUNCH_MASKS)
 def test_launch_head_group_follows_the_k2q_row_fill(name, dim):
-    """The kernels' launch-order rule (``consumer_plan.view_row_fill``: entries over K rows x the
+    """The kernels' launch-order rule (``consumer_k2q.view_row_fill``: entries over K rows x the
     Q blocks per sample, as the launch passes them) on the benchmark's masks, B=2 S=8192, on the
     D=128 kernel's 64 x 128 tiles and the (256, 256) kernel's 64 x 64: causal rows are half full
     (atomic mode takes ATOMIC_HEAD_GROUP heads at a time, deterministic mode at (256, 256)
@@ -261,7 +261,7 @@ def test_dq_write_order_is_a_complete_turnstile(problem):
 
 def walk_descending(view, h: int, r: int) -> list[tuple[str, int]]:
     """``(kind, entry)`` of K row ``r`` (mask head ``h``) in the kernel's order: the partial and full
-    entries merged by descending Q block (``maskplan_kernels.consumer_plan.walk_descending``)."""
+    entries merged by descending Q block (``maskplan_kernels.consumer_k2q.walk_descending``)."""
     steps = []
     for kind, pre in (("partial", "mask_block"), ("full", "full_block")):
         cnt, off = int(view.tensors[f"{pre}_cnt"][h, r]), int(view.tensors[f"{pre}_offset"][h, r])

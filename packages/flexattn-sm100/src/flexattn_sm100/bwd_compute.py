@@ -34,13 +34,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 
-from maskplan_kernels.consumer_plan import (
-    bulk_reduce_add_f32,
-    element_ptr,
-    head_range,
-    turnstile_advance,
-    turnstile_wait,
-)
+from maskplan_kernels.consumer_dq import bulk_reduce_add_f32, turnstile_advance, turnstile_wait
+from maskplan_kernels.consumer_k2q import head_range
+from maskplan_kernels.consumer_plan import element_ptr
 
 from .bwd_helpers import (
     DQ_CHUNK,

@@ -64,9 +64,9 @@ Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b
         for e in full_block_offset[h, r] + [0, full_block_cnt[h, r]):   # full Q blocks
             step(full_block_idx[e], no payload, rank = dq_write_order_full[e])
 
-Launch order (as SM90, ``consumer_plan.decode_work`` on a 1-D grid): deterministic mode takes all
+Launch order (as SM90, ``consumer_k2q.decode_work`` on a 1-D grid): deterministic mode takes all
 kv heads at a time (resident CTAs form many short turnstile chains), atomic mode
-``consumer_plan.atomic_head_group`` (the SM90 measurement; not measured on SM100).
+``consumer_k2q.atomic_head_group`` (the SM90 measurement; not measured on SM100).
 
 K2Q-2CTA (variant ``k2q-2cta``): the plan block is 128 Q x 256 K rows, run by a cluster of two CTAs
 along K (cluster (2, 1, 1) over grid x, the pair adjacent in x: decode_work with ``splits = 2``).
@@ -171,17 +171,10 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
+from maskplan_kernels.consumer_entry import BwdHostEntry
+from maskplan_kernels.consumer_k2q import atomic_head_group, decode_work, launch_grid, total_steps
 from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
-from maskplan_kernels.consumer_plan import (
-    CUTE_DTYPES,
-    BwdHostEntry,
-    BwdPlanTensors,
-    atomic_head_group,
-    decode_work,
-    launch_grid,
-    select_modes,
-    total_steps,
-)
+from maskplan_kernels.consumer_plan import CUTE_DTYPES, BwdPlanTensors, select_modes
 from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .bwd_compute import ComputeRoles

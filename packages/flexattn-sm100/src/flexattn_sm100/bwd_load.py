@@ -28,7 +28,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from maskplan_kernels.consumer_plan import desc_field, head_range, total_steps
+from maskplan_kernels.consumer_k2q import head_range, total_steps
+from maskplan_kernels.consumer_plan import desc_field
 from maskplan_kernels.geometry import DESC_Q_LEN
 from maskplan_kernels.stage_fill import fill_stage, row_view
 

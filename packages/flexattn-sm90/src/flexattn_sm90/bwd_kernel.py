@@ -1,7 +1,7 @@
 """SM90 (Hopper) K-major attention backward that consumes a MaskPlan's K2Q backward view (spec 6.3).
 
 Persistent: one CTA per SM takes work items, (K plan row = K block of ``tile_n`` keys, kv head),
-from a ticket counter (``consumer_plan.take_ticket``) until none is left. Per item it loads the
+from a ticket counter (``consumer_k2q.take_ticket``) until none is left. Per item it loads the
 K/V tile once and accumulates dK/dV in registers over every Q head of its kv head (GQA needs no
 later reduction), while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM.
 384 threads::
@@ -75,10 +75,10 @@ complete and increments it: every run adds the contributions in ``dq_write_order
 block). Atomic mode with ``first_dq_stored``: the other ranks wait only for a count of 1, then
 add in any order; without it the preprocess zeroes the accumulator and every rank adds at once.
 Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower tickets
-(``consumer_plan.grouped_launch_slot``), which running CTAs hold (every ticket comes from the
+(``consumer_k2q.grouped_launch_slot``), which running CTAs hold (every ticket comes from the
 counter), a writer cannot deadlock.
 Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block
-below it on causal, sliding-window and document masks (``consumer_plan.walk_descending``), so
+below it on causal, sliding-window and document masks (``consumer_k2q.walk_descending``), so
 the turnstile rarely waits; deterministic
 mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
@@ -87,18 +87,18 @@ order takes ``DENSE_HEAD_GROUP`` kv heads at a time, and at (256, 256) ``SPARSE_
 half-full rows (causal's) and on sparse rows with staggered ends (sliding windows';
 :meth:`Sm90BwdKernel.launch_head_group`).
 
-Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_plan.grouped_launch_slot``)::
+Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_k2q.grouped_launch_slot``)::
 
     ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
 
-Atomic mode takes ``consumer_plan.ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time
+Atomic mode takes ``consumer_k2q.ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time
 (K rows first) left a tail: on causal masks a sample's longest K rows come first, so the last
 head's second sample started its longest CTAs in the last waves (a list-scheduling model of 132
 SMs: 5.6% past the ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at
 a time fill the waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs
 still share few heads' Q and dO in L2; all heads at a time spread them over every head and lost
 more in L2 than it gained (benchmarks/RESULTS.md, session 18). Except on sparse K2Q rows
-(documents, sliding windows: ``consumer_plan.atomic_head_group``), where a wave over all heads
+(documents, sliding windows: ``consumer_k2q.atomic_head_group``), where a wave over all heads
 still fits L2 and all heads at a time measured 3-5% faster on documents (session 19); from (192,
 128) on it does not, and those rows take ``SPARSE_HEAD_CAP`` heads (``launch_head_group``).
 """
@@ -114,33 +114,31 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from maskplan_kernels.consumer_plan import (
-    CUTE_DTYPES,
+from maskplan_kernels.consumer_dq import bulk_reduce_add_f32, bulk_store, turnstile_advance, turnstile_wait
+from maskplan_kernels.consumer_entry import BwdHostEntry, rows_from
+from maskplan_kernels.consumer_k2q import (
     SPARSE_ROW_FILL,
-    BwdHostEntry,
-    BwdPlanTensors,
     Work,
     atomic_head_group,
-    bulk_reduce_add_f32,
-    bulk_store,
     decode_work,
-    desc_field,
-    element_ptr,
-    fetch_record,
     head_range,
     launch_grid,
-    load_payload_plane,
-    publish_record,
-    record_pipeline,
-    rows_from,
-    select_modes,
     staggered_row_ends,
     take_ticket,
     ticket_counter,
-    turnstile_advance,
-    turnstile_wait,
     view_row_fill,
     walk_descending,
+)
+from maskplan_kernels.consumer_plan import (
+    CUTE_DTYPES,
+    BwdPlanTensors,
+    desc_field,
+    element_ptr,
+    fetch_record,
+    load_payload_plane,
+    publish_record,
+    record_pipeline,
+    select_modes,
 )
 from maskplan_kernels.consumer_softmax import LOG2_E
 from maskplan_kernels.geometry import DESC_Q_LEN
@@ -169,7 +167,7 @@ class Items(NamedTuple):
 
 class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     """Static configuration of one compiled backward main kernel; see the module docstring. Its host
-    entry ``from_pointers`` is :class:`maskplan_kernels.consumer_plan.BwdHostEntry` (shared with SM100)."""
+    entry ``from_pointers`` is :class:`maskplan_kernels.consumer_entry.BwdHostEntry` (shared with SM100)."""
 
     #: named barriers (0 is __syncthreads)
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM, or a tail is zeroed (zero_tail)
@@ -177,7 +175,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
     #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group)
     DENSE_HEAD_GROUP = 4
-    #: K2Q row fill (consumer_plan.k2q_row_fill) from which the rows count as dense
+    #: K2Q row fill (consumer_k2q.k2q_row_fill) from which the rows count as dense
     DENSE_ROW_FILL = 0.75
     #: atomic mode on sparse K2Q rows: all kv heads at a time while a Q block's Q, dO and fp32 dQ
     #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
@@ -402,7 +400,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     @cute.jit
     def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
         """Kv heads the item order (tickets, ``decode_work``) takes at a time. Atomic mode:
-        ``consumer_plan.atomic_head_group``, all heads on sparse K2Q rows only while a Q block
+        ``consumer_k2q.atomic_head_group``, all heads on sparse K2Q rows only while a Q block
         (its Q, dO and fp32 dQ) takes at most ``SPARSE_ALL_HEADS_BYTES``, so up to D = 128. With
         larger blocks a wave over all heads no longer fits L2: (256, 256) fwd+bwd on sliding-1024
         (16 heads, S = 8192) had its main kernel at 39% DRAM throughput and a 76% L2 hit rate
@@ -421,7 +419,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         sessions 14 and 31. Our reading of that loss (not measured directly): a document's K rows
         end together at its last Q block, so walking down they reach each Q block at the same step
         and queue on its turnstile, which their short walks do not amortise; a sliding window's
-        rows end staggered (``consumer_plan.staggered_row_ends``) and reach each Q block in
+        rows end staggered (``consumer_k2q.staggered_row_ends``) and reach each Q block in
         ``dq_write_order``.
         Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
         and sparse rows with staggered ends take that many heads: on an H100, causal fwd+bwd ran
@@ -615,7 +613,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     @cute.jit
     def next_work(self, items: Items, item: Int32):
         """``(valid, work, q_len)``: the ``item``-th item the producer published (``valid == 0``:
-        none), as ``consumer_plan.Work`` (its fields outside :data:`ITEM_FIELDS` but ``q_per_kv``
+        none), as ``consumer_k2q.Work`` (its fields outside :data:`ITEM_FIELDS` but ``q_per_kv``
         and ``mask_heads`` are 0: the producer's alone) and its sample's ``q_len``."""
         state = item_state(self.SCHED_STAGES, item, pipeline.PipelineUserType.Consumer)
         valid, values, _ = fetch_record(items.pipe, state, items.sWork, len(ITEM_FIELDS) + 1)
@@ -633,7 +631,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, mLSE, mDsum, s, plan, items, head_group, counter,
         pipes,
     ):  # fmt: skip
-        """Takes the CTA's items (tickets, in the order of ``consumer_plan.decode_work`` with
+        """Takes the CTA's items (tickets, in the order of ``consumer_k2q.decode_work`` with
         ``head_group`` kv heads at a time) and publishes them decoded; per item, TMA loads
         of K / V once and of each step's Q / dO (+ LSE / D), the partial payloads. Rows of a tile past
         the sample land as they are: the MMA warpgroups zero them (``BwdMainloop.zero_tail``). The

@@ -21,7 +21,7 @@ S, dK / dV read dK^T / dV^T, and P / dS leave by plain stmatrix. One step (one K
                     dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
 
 Steps follow the merged descending walk of the K row's partial and full lists
-(``consumer_plan.walk_descending``), each specialised at compile time for its kind. Partial
+(``consumer_k2q.walk_descending``), each specialised at compile time for its kind. Partial
 entries apply the packed predicate to P^T after the exponential, so a masked element is
 exactly 0 whatever its score (tail rows of another sample, rows without a visible key). Full
 entries never touch the mask pipeline.
@@ -48,7 +48,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import head_range, walk_descending
+from maskplan_kernels.consumer_k2q import head_range, walk_descending
 from maskplan_kernels.stage_fill import zero_rows
 
 from .bwd_helpers import dq_chunk_layout, item_state, stage_result, store_result_rows

@@ -18,13 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from maskplan_kernels.consumer_plan import (
-    CUTE_DTYPES,
-    DqPostprocessHostEntry,
-    SequenceDesc,
-    element_ptr,
-    sample_q,
-)
+from maskplan_kernels.consumer_entry import DqPostprocessHostEntry
+from maskplan_kernels.consumer_plan import CUTE_DTYPES, SequenceDesc, element_ptr, sample_q
 
 from .bwd_helpers import (
     dq_chunk_layout,

@@ -63,11 +63,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from maskplan_kernels.consumer_entry import FwdHostEntry
+from maskplan_kernels.consumer_k2q import take_ticket
 from maskplan_kernels.consumer_plan import (
     CUTE_DTYPES,
     PDL,
     TASK_WORDS,
-    FwdHostEntry,
     FwdPlanTensors,
     after_predecessor,
     decode_task,
@@ -77,7 +78,6 @@ from maskplan_kernels.consumer_plan import (
     publish_task,
     record_pipeline,
     select_modes,
-    take_ticket,
 )
 from maskplan_kernels.stage_fill import fill_stage
 

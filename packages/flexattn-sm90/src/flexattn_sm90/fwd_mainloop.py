@@ -25,7 +25,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_plan import apply_packed_predicate, element_ptr, fetch_task, rows_from
+from maskplan_kernels.consumer_entry import rows_from
+from maskplan_kernels.consumer_plan import apply_packed_predicate, element_ptr, fetch_task
 from maskplan_kernels.consumer_softmax import LOG2_E
 
 from .fwd_helpers import (

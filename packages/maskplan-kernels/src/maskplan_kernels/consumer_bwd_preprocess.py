@@ -28,15 +28,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ._cute_args import row_major
-from .consumer_plan import (
-    CUTE_DTYPES,
-    SequenceDesc,
-    backward_q_desc,
-    element_ptr,
-    sample_q,
-    thd_tensor,
-    ticket_counter,
-)
+from .consumer_entry import backward_q_desc, thd_tensor
+from .consumer_k2q import ticket_counter
+from .consumer_plan import CUTE_DTYPES, SequenceDesc, element_ptr, sample_q
 from .consumer_softmax import LOG2_E
 
 VECTOR = 8  # 16-bit elements in a 16-byte load

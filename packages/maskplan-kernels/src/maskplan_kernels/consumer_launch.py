@@ -49,7 +49,8 @@ from . import compile_cache
 from ._cute_args import torch_stream
 from ._launch import persistent_ctas
 from .consumer_bwd_preprocess import BwdPreprocess
-from .consumer_plan import CUTE_DTYPES, SPARSE_ROW_FILL, k2q_row_fill
+from .consumer_k2q import SPARSE_ROW_FILL, k2q_row_fill
+from .consumer_plan import CUTE_DTYPES
 from .geometry import ViewBounds
 
 #: alignment (bytes) of Q/K/V/O and the payload tensor (TMA, bulk copies, 16-byte vector loads)
@@ -443,7 +444,7 @@ def qkv_stride_placeholders() -> list:
 
 def fwd_placeholders(kernel, *, with_max_logit: bool) -> list:
     """Compile-time stand-ins for the arguments of a forward kernel's ``from_pointers``
-    (:class:`maskplan_kernels.consumer_plan.FwdHostEntry`; same types as
+    (:class:`maskplan_kernels.consumer_entry.FwdHostEntry`; same types as
     :meth:`ForwardIO.arguments` passes). ``kernel`` gives the dtype and whether it is
     ``persistent`` (a tile counter, else None)."""
     return [
@@ -535,7 +536,7 @@ class BwdViewArgs:
 
     @property
     def sparse_rows(self) -> bool:
-        """Whether the view's K2Q rows are sparse (``consumer_plan.k2q_row_fill`` below
+        """Whether the view's K2Q rows are sparse (``consumer_k2q.k2q_row_fill`` below
         ``SPARSE_ROW_FILL``), from sizes alone, as the kernels' ``view_row_fill`` reckons it."""
         entries, k_rows = self.partial_nnz + self.full_nnz, self.mask_heads * self.k_rows
         fill = k2q_row_fill(entries, k_rows, self.n_qblk / self.batch)

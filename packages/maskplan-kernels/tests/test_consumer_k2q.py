@@ -1,10 +1,10 @@
-"""Host-side checks of maskplan_kernels.consumer_plan's plain integer helpers (no GPU)."""
+"""Host-side checks of maskplan_kernels.consumer_k2q's plain integer helpers (no GPU)."""
 
 import pytest
 
 pytest.importorskip("cutlass.cute")
 
-from maskplan_kernels.consumer_plan import grouped_launch_slot  # noqa: E402
+from maskplan_kernels.consumer_k2q import grouped_launch_slot  # noqa: E402
 
 
 def launch_order(kv_heads, k_rows, group):
