@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from maskplan_core import masks
 from maskplan_core.errors import FlexAttnError, InputValueError
+from maskplan_core.masks import convert
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -438,7 +439,7 @@ def test_from_dense_matches_builders():
 
 def test_from_dense_large_chunked(monkeypatch):
     # force many row chunks in the encoder and check it still round-trips
-    monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(convert, "_CHUNK_ELEMENTS", 64)
     g = torch.Generator().manual_seed(0)
     dense = torch.rand(2, 57, 13, generator=g) < 0.4
     ep = masks.from_dense(dense)
@@ -574,7 +575,7 @@ def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index(monk
     def global_then_local(b, h, q, kv):
         return (kv <= q) & ((h < 2) | (q - kv < 16))
 
-    assert masks._reads_head(global_then_local, cpu, 1)
+    assert convert._reads_head(global_then_local, cpu, 1)
     with pytest.raises(InputValueError, match="reads its head index.*H=None: pass H=Hq"):
         masks.from_mask_mod(global_then_local, 1, None, 256, 256)
     block_mask = fa.create_block_mask(global_then_local, 1, None, 256, 256, device="cpu")
@@ -601,13 +602,13 @@ def test_a_shared_head_mask_mod_is_refused_wherever_it_reads_its_head_index(monk
         return (kv <= q + window[h]) if b > 0 else (kv <= q)
 
     for mask_mod in (per_sample_python, second_sample_reads_it):
-        assert masks._reads_head(mask_mod, cpu, 2)
+        assert convert._reads_head(mask_mod, cpu, 2)
         with pytest.raises(InputValueError, match="reads its head index"):
             masks.from_mask_mod(mask_mod, 2, None, 16, 16)
-    assert not masks._reads_head(second_sample_reads_it, cpu, 1)
-    assert not masks._reads_head(lambda b, h, q, kv: kv <= q, cpu, 3)
+    assert not convert._reads_head(second_sample_reads_it, cpu, 1)
+    assert not convert._reads_head(lambda b, h, q, kv: kv <= q, cpu, 3)
 
-    monkeypatch.setattr(masks, "_reads_head", lambda *args: None)  # cannot tell: head 1 against head 0
+    monkeypatch.setattr(convert, "_reads_head", lambda *args: None)  # cannot tell: head 1 against head 0
     with pytest.raises(InputValueError, match="reads its head index"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q + h, 1, None, 64, 64)
     one_entry = torch.tensor([6])  # fails at head 1: the refusal says so; H=1 takes it as one head's
@@ -636,7 +637,7 @@ def test_the_head_index_check_is_the_calling_threads_alone():
     answers = []
 
     def ask():
-        answers.extend(masks._reads_head(global_then_local, torch.device("cpu"), 1) for _ in range(20))
+        answers.extend(convert._reads_head(global_then_local, torch.device("cpu"), 1) for _ in range(20))
 
     threads = [threading.Thread(target=ask) for _ in range(2)]
     for t in threads:
@@ -852,9 +853,9 @@ def test_mask_mods_are_evaluated_a_few_query_rows_at_a_time(monkeypatch):
     per_sample = fa.create_block_mask(packed, 2, None, 256, 256, device="cpu", BLOCK_SIZE=64)
     one_entry = fa.create_block_mask(packed, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
     whole_blocks = masks.from_block_mask(per_sample)
-    rows, evaluate = [], masks._evaluate
-    monkeypatch.setattr(masks, "_evaluate", lambda *args: rows.append(args[3].numel()) or evaluate(*args))
-    monkeypatch.setattr(masks, "_CHUNK_ELEMENTS", 40 * 257)  # 40 rows of 256 keys
+    rows, evaluate = [], convert._evaluate
+    monkeypatch.setattr(convert, "_evaluate", lambda *args: rows.append(args[3].numel()) or evaluate(*args))
+    monkeypatch.setattr(convert, "_CHUNK_ELEMENTS", 40 * 257)  # 40 rows of 256 keys
     assert torch.equal(masks.from_mask_mod(packed, 2, None, 256, 256), whole)
     assert max(rows) == 40 and sum(rows) == 256 * 2  # its trace shows it reads no head index
     rows.clear()
@@ -984,7 +985,7 @@ def test_device_argument_forms():
 
 
 def test_module_docstring_examples():
-    result = doctest.testmod(masks, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(masks, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0
     assert result.failed == 0
 

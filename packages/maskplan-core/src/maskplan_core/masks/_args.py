@@ -1,0 +1,121 @@
+"""Argument checks and the output assembly the mask builders share."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import InputTypeError, InputValueError
+from ..validation import MAX_SEQLEN
+
+
+def _as_int(name: str, value: object, minimum: int | None = None) -> int:
+    """Return ``value`` as a Python int, raising TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if minimum is not None and out < minimum:
+        raise InputValueError(f"{name} must be >= {minimum}, got {out}")
+    return out
+
+
+def _as_length(name: str, value: object) -> int:
+    """A sequence length: ``0 .. 2**31 - 1`` (int32 endpoints; 0 makes an empty problem, whose
+    attention returns zeros and an LSE of -inf, as cuDNN's)."""
+    out = _as_int(name, value, 0)
+    if out > MAX_SEQLEN:
+        raise InputValueError(f"{name} = {out} exceeds the int32 endpoint range (<= {MAX_SEQLEN})")
+    return out
+
+
+def _as_extent(name: str, value: object, minimum: int = 0) -> int:
+    """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
+    clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow)."""
+    return min(_as_int(name, value, minimum), MAX_SEQLEN)
+
+
+def _as_device(device: object) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise InputValueError(f"device is not a valid device string: {device!r} ({exc})") from None
+    if not isinstance(device, torch.device):
+        raise InputTypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputValueError(f"device={str(device)!r}, but this torch has no CUDA device (use 'cpu')")
+    return device
+
+
+def _require_values(builder: str, device: torch.device) -> None:
+    """Builders that read values (a dense mask's runs, a mask_mod's results) need a device that
+    holds them: a meta tensor has shapes only."""
+    if device.type == "meta":
+        raise InputValueError(
+            f"{builder} reads the endpoints from values, which the meta device does not hold: "
+            "build them on 'cpu' or 'cuda'"
+        )
+
+
+def _int_list(name: str, value: object) -> list[int]:
+    """Validate a 1-D sequence (list/tuple/1-D integer tensor) of ints."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+            raise InputTypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
+        if value.dim() != 1:
+            raise InputValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InputTypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
+    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _finish(rows: list[torch.Tensor], batch: int) -> torch.Tensor:
+    """Stack per-endpoint rows ``[S]`` into ``[1, nfunc, batch * S]`` contiguous int32."""
+    ep = torch.stack(rows).to(torch.int32)
+    if batch > 1:
+        ep = ep.repeat(1, batch)
+    return ep.unsqueeze(0).contiguous()
+
+
+def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+            raise InputTypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
+        if value.dim() != 1:
+            raise InputValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        cu = value.to(device=device, dtype=torch.int64)
+    else:
+        cu = torch.tensor(_int_list(name, value), dtype=torch.int64, device=device)
+    if cu.numel() < 2:
+        raise InputValueError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
+    if int(cu[0]) != 0:
+        raise InputValueError(f"{name} must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] < cu[:-1]).any()):
+        raise InputValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+    if int(cu[-1]) > MAX_SEQLEN:
+        raise InputValueError(
+            f"{name}[-1] = {int(cu[-1])} exceeds the int32 endpoint range (<= {MAX_SEQLEN})"
+        )
+    return cu
+
+
+def _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both prefix arrays, checked, as int64 on ``device``."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise InputValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
+    cu_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    cu_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if cu_q.numel() != cu_k.numel():
+        raise InputValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), "
+            f"got {cu_q.numel()} and {cu_k.numel()}"
+        )
+    return cu_q, cu_k

@@ -1,0 +1,279 @@
+"""The analytic mask builders: causal, sliding window, documents, prefix-LM, chunked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import InputTypeError, InputValueError
+from ..validation import MAX_SEQLEN
+from ._args import _as_device, _as_extent, _as_int, _as_length, _finish, _int_list, _varlen_prefixes
+
+
+def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) -> tuple[torch.Tensor, ...]:
+    """``(d, k_len)`` per query row of the batch: ``d`` is the row's bottom-right aligned diagonal
+    key (its sample-local position ``+ k_len - q_len``), ``k_len`` its sample's key count. Fixed
+    length from ``seqlen_q/k`` and ``batch``, varlen from ``cu_seqlens_q/k``."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        if seqlen_q is None:
+            raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
+        seqlen_q = _as_length("seqlen_q", seqlen_q)
+        seqlen_k = seqlen_q if seqlen_k is None else _as_length("seqlen_k", seqlen_k)
+        batch = _as_int("batch", batch, 1)
+        i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
+        d = (i + (seqlen_k - seqlen_q)).repeat(batch)
+        return d, torch.full_like(d, seqlen_k)
+    if seqlen_q is not None or seqlen_k is not None or batch != 1 or isinstance(batch, bool):
+        raise InputValueError(
+            "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
+        )
+    if device is None and isinstance(cu_seqlens_q, torch.Tensor):
+        device = cu_seqlens_q.device
+    dev = _as_device(device)
+    cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
+    q_lens, k_lens = cu_q.diff(), cu_k.diff()
+    per_row = lambda x: torch.repeat_interleave(x, q_lens)  # noqa: E731
+    k_len = per_row(k_lens)
+    d = torch.arange(int(cu_q[-1]), device=dev) - per_row(cu_q[:-1]) + k_len - per_row(q_lens)
+    return d, k_len
+
+
+def causal(
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    *,
+    batch: int = 1,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Bottom-right aligned causal mask: row ``i`` sees keys ``< i + 1 + seqlen_k - seqlen_q``.
+
+    The bound is clipped to ``[0, seqlen_k]`` (rows before the diagonal starts see nothing).
+    Returns ``[1, 1, batch * seqlen_q]`` int32. Varlen: give ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` (int ``[B + 1]``) instead of the lengths; each sample is aligned by its own
+    lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
+    """
+    d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1)
+
+
+def sliding_window(
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    *,
+    window_left: int,
+    window_right: int = 0,
+    batch: int = 1,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Sliding-window mask: row ``i`` sees keys ``[d - window_left, d + window_right]`` (inclusive).
+
+    ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal); the window is clipped to
+    ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
+    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen as
+    :func:`causal`.
+    """
+    window_left = _as_extent("window_left", window_left)
+    window_right = _as_extent("window_right", window_right)
+    d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    lo = torch.minimum((d - window_left).clamp(min=0), k_len)
+    hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
+    empty = lo >= hi
+    lo = lo.masked_fill(empty, 0)
+    hi = hi.masked_fill(empty, 0)
+    return _finish([torch.zeros_like(lo), lo, hi], 1)
+
+
+def _is_sequence(x: object) -> bool:
+    """True for a list/tuple/… or a tensor of rank >= 1 (not for str/bytes or 0-d tensors)."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() >= 1
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes))
+
+
+def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
+    """Normalise ``doc_lens`` to a list (one entry per batch sample) of document length lists."""
+    nested_input = False
+    if isinstance(doc_lens, torch.Tensor):
+        nested_input = doc_lens.dim() == 2
+        if doc_lens.dim() == 1:
+            seqs = [_int_list("doc_lens", doc_lens)]
+        elif doc_lens.dim() == 2:
+            seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
+        else:
+            raise InputValueError(
+                f"doc_lens must be 1-D or 2-D, got a tensor of shape {tuple(doc_lens.shape)}"
+            )
+    elif isinstance(doc_lens, (str, bytes)) or not isinstance(doc_lens, Sequence):
+        raise InputTypeError(
+            f"doc_lens must be a sequence of ints or a sequence of such sequences, "
+            f"got {type(doc_lens).__name__}"
+        )
+    elif len(doc_lens) == 0:
+        raise InputValueError("doc_lens must not be empty")
+    else:
+        nested = [_is_sequence(x) for x in doc_lens]
+        if all(nested):
+            nested_input = True
+            seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
+        elif not any(nested):
+            seqs = [_int_list("doc_lens", doc_lens)]
+        else:
+            raise InputTypeError(
+                "doc_lens must be either a sequence of ints or a sequence of sequences, not a mix"
+            )
+    for b, seq in enumerate(seqs):
+        name = f"doc_lens[{b}]" if nested_input else "doc_lens"
+        if len(seq) == 0:
+            raise InputValueError(f"{name} must contain at least one document length")
+        for j, n in enumerate(seq):
+            if n < 0:
+                raise InputValueError(f"{name}[{j}] must be >= 0, got {n}")
+    totals = [sum(seq) for seq in seqs]
+    if totals[0] > MAX_SEQLEN:
+        raise InputValueError(
+            f"doc_lens sum to {totals[0]}, beyond the int32 endpoint range (<= {MAX_SEQLEN})"
+        )
+    if any(t != totals[0] for t in totals):
+        raise InputValueError(
+            f"every sample in doc_lens must have the same total length, got totals {totals}"
+        )
+    return seqs
+
+
+def document(
+    doc_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    *,
+    causal: bool = True,
+    window_left: int | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Packed-document (block-diagonal) self-attention mask.
+
+    ``doc_lens`` is either one sequence of document lengths (one packed sequence, batch 1) or a
+    sequence of such sequences (one per batch sample; every sample must sum to the same ``S``),
+    also accepted as a 1-D / 2-D integer tensor.  Zero-length documents are allowed and ignored;
+    a total length of 0 gives endpoints without rows (an empty problem).
+
+    A row at position ``i`` in document ``[s, e)`` sees keys ``[s, e)`` (``causal=False``),
+    ``[s, i]`` (``causal=True``).  ``window_left`` additionally limits the left edge to
+    ``max(s, i - window_left)`` (for ``causal=False`` the right edge stays ``e``).
+    Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
+    """
+    dev = _as_device(device)
+    seqs = _parse_doc_lens(doc_lens)
+    # the index of each token's document (an empty document gets no token), one row per sample
+    ids = torch.stack([
+        torch.repeat_interleave(
+            torch.arange(len(seq), device=dev), torch.tensor(seq, device=dev), output_size=sum(seq)
+        )  # output_size: the meta device has no values to sum
+        for seq in seqs
+    ])  # fmt: skip
+    return document_ids(ids, causal=causal, window_left=window_left)
+
+
+def document_ids(
+    doc_ids: torch.Tensor, *, causal: bool = True, window_left: int | None = None
+) -> torch.Tensor:
+    """:func:`document` from per-token document ids, built on ``doc_ids``' device without reading
+    it back to the host (a CUDA tensor from the data loader stays on the GPU, with no sync).
+
+    ``doc_ids`` is an integer tensor ``[S]`` (one packed sequence) or ``[B, S]`` (one row per batch
+    sample); each maximal run of equal consecutive ids within a row is one document, so ids need
+    not be sorted or distinct across documents (``[7, 7, 3, 3, 3]`` is two documents; so is
+    ``[0, 0, 1, 1, 1]``). Rows see keys as :func:`document` describes. Returns ``[1, 3, B * S]``
+    int32 endpoints ``[0, lo, hi]``. Position ids that restart at 0 in every document give the ids
+    as ``(position_ids == 0).cumsum(-1)``.
+    """
+    if not isinstance(doc_ids, torch.Tensor):
+        raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
+        raise InputTypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):
+        raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
+    if not isinstance(causal, bool):
+        raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window_left is not None:
+        window_left = _as_extent("window_left", window_left)
+    ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
+    seqlen = ids.shape[1]
+    i = torch.arange(seqlen, device=ids.device).expand_as(ids)
+    starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    lo = torch.where(starts, i, 0).cummax(dim=1).values  # the latest start at or before i
+    if causal:
+        hi = i + 1
+    else:  # one past the row's document: the earliest start after i, or S
+        next_start = torch.where(starts[:, 1:], i[:, 1:], seqlen)
+        # the closing column in i's int64: ids of a narrow dtype (uint8, int16, ...) cannot hold S
+        hi = torch.cat([next_start, torch.full_like(i[:, :1], seqlen)], dim=1)
+        hi = hi.flip(1).cummin(dim=1).values.flip(1)
+    if window_left is not None:
+        lo = torch.maximum(lo, i - window_left)
+    return _finish([torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)], 1)
+
+
+def prefix_lm(
+    seqlen: int,
+    prefix_len: int | Sequence[int] | torch.Tensor,
+    *,
+    batch: int | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Prefix-LM mask: row ``i`` sees keys ``[0, max(prefix_len, i + 1))``, clipped to ``seqlen``.
+
+    ``prefix_len`` is an int (same prefix for every sample) or a per-sample sequence / 1-D tensor.
+    ``batch`` defaults to 1 for an int ``prefix_len`` and to ``len(prefix_len)`` for a sequence
+    (if given, it must match).  Returns ``[1, 1, batch * seqlen]`` int32.
+    """
+    seqlen = _as_length("seqlen", seqlen)
+    dev = _as_device(device)
+    if not _is_sequence(prefix_len):
+        prefixes = [_as_extent("prefix_len", prefix_len)]
+        batch = 1 if batch is None else _as_int("batch", batch, 1)
+        prefixes = prefixes * batch
+    else:
+        prefixes = _int_list("prefix_len", prefix_len)
+        if len(prefixes) == 0:
+            raise InputValueError("prefix_len must not be an empty sequence")
+        for b, p in enumerate(prefixes):
+            if p < 0:
+                raise InputValueError(f"prefix_len[{b}] must be >= 0, got {p}")
+        if batch is not None:
+            batch = _as_int("batch", batch, 1)
+            if batch != len(prefixes):
+                raise InputValueError(f"prefix_len has {len(prefixes)} entries but batch={batch}")
+    p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
+    i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
+    f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
+    return _finish([f0], 1)
+
+
+def chunked(
+    seqlen: int,
+    chunk_size: int,
+    *,
+    causal: bool = True,
+    batch: int = 1,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """Chunked attention (Llama-4 style): row ``i`` sees keys of its chunk
+    ``[c * chunk_size, (c+1) * chunk_size)``.
+
+    ``c = i // chunk_size``; the chunk is clipped to ``seqlen``; with ``causal=True`` keys are further
+    limited to ``<= i``.  Returns ``[1, 3, batch * seqlen]`` int32 with endpoints ``[0, lo, hi]``.
+    """
+    seqlen = _as_length("seqlen", seqlen)
+    chunk_size = _as_extent("chunk_size", chunk_size, 1)
+    if not isinstance(causal, bool):
+        raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
+    batch = _as_int("batch", batch, 1)
+    dev = _as_device(device)
+    i = torch.arange(seqlen, device=dev, dtype=torch.int64)
+    lo = torch.div(i, chunk_size, rounding_mode="floor") * chunk_size
+    hi = i + 1 if causal else (lo + chunk_size).clamp(max=seqlen)
+    return _finish([torch.zeros_like(lo), lo, hi], batch)
