@@ -37,7 +37,7 @@ from maskplan_core import masks  # noqa: E402
 from maskplan_core.consumer import ViewConfig  # noqa: E402
 from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
 from maskplan_core.testing import qkv, reference_plan  # noqa: E402
-from maskplan_kernels.consumer_launch import check_register_split  # noqa: E402
+from maskplan_kernels.consumer_inputs import check_register_split  # noqa: E402
 from maskplan_kernels.testing import assert_ptxas_clean  # noqa: E402
 
 pytestmark = pytest.mark.skipif(

@@ -45,8 +45,9 @@ from maskplan_core.testing import (  # noqa: E402
     resolve_view,
     varlen_args,
 )
+from maskplan_kernels.consumer_inputs import qkv_operands  # noqa: E402
 from maskplan_kernels.consumer_k2q import ATOMIC_HEAD_GROUP, k2q_row_fill  # noqa: E402
-from maskplan_kernels.consumer_launch import bwd_view_args, qkv_operands  # noqa: E402
+from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]

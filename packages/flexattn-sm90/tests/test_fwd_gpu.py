@@ -32,7 +32,7 @@ from maskplan_core.testing import (  # noqa: E402
     reference_plan,
     resolve_view,
 )
-from maskplan_kernels.consumer_launch import qkv_operands  # noqa: E402
+from maskplan_kernels.consumer_inputs import qkv_operands  # noqa: E402
 
 DEV = torch.device("cuda")
 qkv = functools.partial(testing.qkv, device=DEV)

@@ -172,8 +172,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_entry import BwdHostEntry
+from maskplan_kernels.consumer_inputs import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_k2q import atomic_head_group, decode_work, launch_grid, total_steps
-from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import CUTE_DTYPES, BwdPlanTensors, select_modes
 from maskplan_kernels.consumer_softmax import LOG2_E
 

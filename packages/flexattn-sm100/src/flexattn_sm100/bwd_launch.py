@@ -35,11 +35,7 @@ The host side (input checks, per-view plan tensors, workspace and the three laun
 
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
-from maskplan_kernels.consumer_launch import (
-    BackwardCompiler,
-    cached_per_view,
-    kernel_dims,
-)
+from maskplan_kernels.consumer_launch import BackwardCompiler, cached_per_view, kernel_dims
 
 from . import view_config
 from .bwd_kernel import HEAD_DIMS, IMPLEMENTED_VARIANTS, Sm100BwdKernel

@@ -109,7 +109,7 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from maskplan_kernels.consumer_entry import FwdHostEntry
-from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
+from maskplan_kernels.consumer_inputs import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import (
     CUTE_DTYPES,
     TASK_WORDS,

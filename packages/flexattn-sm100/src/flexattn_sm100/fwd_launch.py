@@ -31,12 +31,7 @@ from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.plan import PlanView
 from maskplan_kernels import compile_cache
 from maskplan_kernels._cute_args import torch_stream
-from maskplan_kernels.consumer_launch import (
-    cached_per_view,
-    forward_io,
-    fwd_placeholders,
-    fwd_view_args,
-)
+from maskplan_kernels.consumer_launch import cached_per_view, forward_io, fwd_placeholders, fwd_view_args
 
 from . import view_config
 from .config import Sm100FwdConfig

@@ -7,7 +7,7 @@
 
 ``q/k/v/out/dout`` are THD (``[total, H, D]``; a fixed BSHD tensor is passed as its ``[B*S, H, D]``
 view; ``q/k/v`` may also be ``[B, S, H, D]``, read in place per sample where their samples are not
-``S`` rows apart: ``maskplan_kernels.consumer_launch.qkv_operands``), ``lse`` is the forward's
+``S`` rows apart: ``maskplan_kernels.consumer_inputs.qkv_operands``), ``lse`` is the forward's
 ``[Hq, total_q]`` fp32 LSE, ``dlse`` its gradient or None. Returns THD ``dq [total_q, Hq, Dqk]``,
 ``dk [total_k, Hkv, Dqk]``, ``dv [total_k, Hkv, Dv]`` in q's dtype.
 
@@ -32,11 +32,7 @@ is :meth:`maskplan_kernels.consumer_launch.BackwardCompiler.run_backward` of :da
 """
 
 from maskplan_core.plan import PlanView
-from maskplan_kernels.consumer_launch import (
-    BackwardCompiler,
-    cached_per_view,
-    kernel_dims,
-)
+from maskplan_kernels.consumer_launch import BackwardCompiler, cached_per_view, kernel_dims
 
 from . import view_config
 from .bwd_kernel import Sm90BwdKernel

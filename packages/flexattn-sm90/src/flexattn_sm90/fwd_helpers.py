@@ -16,7 +16,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.tensor_utils import LayoutEnum
 
-from maskplan_kernels.consumer_launch import check_register_split, max_launch_registers
+from maskplan_kernels.consumer_inputs import check_register_split, max_launch_registers
 from maskplan_kernels.consumer_plan import element_ptr
 from maskplan_kernels.consumer_softmax import LN_2, row_max_of
 
@@ -25,7 +25,7 @@ from maskplan_kernels.consumer_softmax import LN_2, row_max_of
 def register_split(num_mma_warpgroups: int, producer_regs: int, mma_regs: int) -> tuple[int, int]:
     """``(producer_regs, mma_regs)`` for ``setmaxnreg`` of one producer and ``num_mma_warpgroups``
     MMA warpgroups, checked against the launch allocation
-    (:func:`maskplan_kernels.consumer_launch.check_register_split`)."""
+    (:func:`maskplan_kernels.consumer_inputs.check_register_split`)."""
     threads = 128 * (1 + num_mma_warpgroups)
     split = ((producer_regs, 4), (mma_regs, 4 * num_mma_warpgroups))
     check_register_split(threads, split, max_launch_registers(threads))

@@ -6,7 +6,7 @@
 
 ``q/k/v`` are THD (``[total, H, D]``, the consumer protocol; a fixed BSHD tensor is passed as its
 ``[B*S, H, D]`` view, or as itself where it has none: ``[B, S, H, D]`` read per sample, see
-``maskplan_kernels.consumer_launch.qkv_operands``). ``out`` is ``[total_q, Hq, Dv]`` in q's dtype,
+``maskplan_kernels.consumer_inputs.qkv_operands``). ``out`` is ``[total_q, Hq, Dv]`` in q's dtype,
 ``lse`` ``[Hq, total_q]`` fp32, ``max_logit`` ``[Hq]`` fp32 (or None). The scheduler counter is
 runtime workspace of the stream the call runs on (:func:`scheduler_counter`), never plan state, so
 one plan may run on several streams at once.
@@ -102,7 +102,7 @@ def compile_forward(
     """The compiled kernel for ``config``: compiled on first use, then served by the project's
     compile cache (:mod:`maskplan_kernels.compile_cache`: in process, and on disk across
     processes). Thread-safe, one compile per key. ``per_sample``: q, k, v rows per sample
-    (``maskplan_kernels.consumer_launch.qkv_operands``)."""
+    (``maskplan_kernels.consumer_inputs.qkv_operands``)."""
     variant = {"mask_via_smem": mask_via_smem, "schedule": schedule, "per_sample": per_sample}
     key = kernel_key(config, with_max_logit=with_max_logit, **variant)
 

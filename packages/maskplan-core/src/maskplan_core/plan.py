@@ -569,7 +569,7 @@ class MaskPlan:
         blocks or name another plan. The write check (the tensors' version counters, about 0.2 us
         each) runs on eager calls; a compiled graph checks what it traced only once. Tensors made
         under ``torch.inference_mode`` keep no counter, so a write there, under inference mode too,
-        goes unseen."""
+        goes unseen; so does a write through ``tensor.data``, which torch does not count."""
         g = self._geometry
         if not torch.compiler.is_compiling():
             counts = _write_counts(self._storage)
