@@ -270,9 +270,10 @@ class DqPostprocessHostEntry:
     consumer: raw pointers plus int32 sizes, turned into ``(mdQaccum, mdQsem, mdQ, sequence_desc,
     q_block_begin)`` (the fp32 accumulator ``(Hq, n_qblk * tile_m * head_dim)`` in the consumer's
     own order inside a Q block; the turnstile counts ``(Hq, n_qblk)``, or None; THD ``dq``; the
-    backward view's :class:`SequenceDesc` with Q columns only; the ``(B,)`` first padded Q block of
-    each sample) for the class's ``@cute.kernel kernel(*those, *self.kernel_operands(),
-    softmax_scale)``, one CTA of ``num_threads`` per (Q block, q head, sample).
+    backward view's :class:`maskplan_kernels.consumer_plan.SequenceDesc` with Q columns only; the
+    ``(B,)`` first padded Q block of each sample) for the class's ``@cute.kernel kernel(*those,
+    *self.kernel_operands(), softmax_scale)``, one CTA of ``num_threads`` per (Q block, q head,
+    sample).
 
     The kernel class provides ``tile_m``, ``head_dim``, ``num_threads``, ``zero_unvisited`` and
     ``kernel_operands()`` (its compile-time operands, e.g. a ``TiledMma``); ``dq``'s head dim is
@@ -316,8 +317,9 @@ class DqPostprocessHostEntry:
 
 
 def backward_q_desc(sequence_desc: cute.Pointer, varlen: Int32, *, batch: Int32, total_q: Int32, tile_m: int):
-    """The backward (K2Q) view's :class:`SequenceDesc` for the kernels around the main one (pre- and
-    postprocess), which walk Q blocks and are not given the K sizes: Q columns and INNER_BLOCKS."""
+    """The backward (K2Q) view's :class:`maskplan_kernels.consumer_plan.SequenceDesc` for the
+    kernels around the main one (pre- and postprocess), which walk Q blocks and are not given the
+    K sizes: Q columns and INNER_BLOCKS."""
     return make_sequence_desc(
         sequence_desc, varlen, batch=batch, total_q=total_q, total_k=None,
         block_m=tile_m, block_n=None, k_major=True,
