@@ -276,7 +276,8 @@ def staggered_row_ends(plan: BwdPlanTensors) -> cutlass.Boolean:
     """Whether more than half of the sampled pairs of adjacent K rows (:func:`stagger_pair_row`;
     mask head 0; pairs within one sample whose rows both visit a Q block) end their K2Q walks at
     different Q blocks, as a sliding window's rows do; a document's rows end together at the
-    document's last Q block, causal's at the sample's. A few dozen loads, once per CTA."""
+    document's last Q block, causal's at the sample's. Up to 14 loads a pair (224 in all), once
+    per CTA; their cost is not measured."""
     k_rows = cute.size(plan.mask_block_cnt, mode=[1])
     pairs = Int32(0)
     staggered = Int32(0)
