@@ -40,7 +40,7 @@ class LaunchOrderProbe(Sm90BwdKernel):
         max_ctas: Int32, softmax_scale: Float32, stream: cuda.CUstream,
     ):  # fmt: skip
         out = cute.make_tensor(mdQsem.iterator, cute.make_layout(2))
-        kv_heads = mK.shape[2]
+        kv_heads = mK.shape[1]  # THD (rows, heads, d)
         n_qblk = mdQsem.shape[1]
         self.probe(plan, out, n_qblk, kv_heads).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
