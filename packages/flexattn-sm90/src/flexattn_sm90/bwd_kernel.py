@@ -87,20 +87,8 @@ order takes ``DENSE_HEAD_GROUP`` kv heads at a time, and at (256, 256) ``SPARSE_
 half-full rows (causal's) and on sparse rows with staggered ends (sliding windows';
 :meth:`Sm90BwdKernel.launch_head_group`).
 
-Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_k2q.grouped_launch_slot``)::
-
-    ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
-
-Atomic mode takes ``consumer_k2q.ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time
-(K rows first) left a tail: on causal masks a sample's longest K rows come first, so the last
-head's second sample started its longest CTAs in the last waves (a list-scheduling model of 132
-SMs: 5.6% past the ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at
-a time fill the waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs
-still share few heads' Q and dO in L2; all heads at a time spread them over every head and lost
-more in L2 than it gained (benchmarks/RESULTS.md, session 18). Except on sparse K2Q rows
-(documents, sliding windows: ``consumer_k2q.atomic_head_group``), where a wave over all heads
-still fits L2 and all heads at a time measured 3-5% faster on documents (session 19); from (192,
-128) on it does not, and those rows take ``SPARSE_HEAD_CAP`` heads (``launch_head_group``).
+The item order (tickets, ``consumer_k2q.grouped_launch_slot``) and how many kv heads it takes
+at a time: bwd_launch_order.py.
 """
 
 from typing import NamedTuple
@@ -117,16 +105,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from maskplan_kernels.consumer_dq import bulk_reduce_add_f32, bulk_store, turnstile_advance, turnstile_wait
 from maskplan_kernels.consumer_entry import BwdHostEntry, rows_from
 from maskplan_kernels.consumer_k2q import (
-    SPARSE_ROW_FILL,
     Work,
-    atomic_head_group,
     decode_work,
     head_range,
     launch_grid,
-    staggered_row_ends,
     take_ticket,
     ticket_counter,
-    view_row_fill,
     walk_descending,
 )
 from maskplan_kernels.consumer_plan import (
@@ -145,6 +129,7 @@ from maskplan_kernels.geometry import DESC_Q_LEN
 from maskplan_kernels.stage_fill import fill_stage
 
 from .bwd_helpers import common_major, dq_warpgroup_tile, item_state, make_dq_tiled_mma, smem_layout
+from .bwd_launch_order import LaunchOrder
 from .bwd_mainloop import BwdMainloop
 from .config import SMEM_LIMIT, SMEM_RESERVE, Sm90BwdConfig
 from .fwd_helpers import register_split
@@ -165,7 +150,7 @@ class Items(NamedTuple):
     sWork: cute.Tensor
 
 
-class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
+class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
     """Static configuration of one compiled backward main kernel; see the module docstring. Its host
     entry ``from_pointers`` is :class:`maskplan_kernels.consumer_entry.BwdHostEntry` (shared with SM100)."""
 
@@ -173,18 +158,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
     BAR_PDS = 1  # both MMA warpgroups: dS of a step is in SMEM, or a tail is zeroed (zero_tail)
     BAR_DQ_FULL = 2  # + wg + 2 * writer: MMA warpgroup wg -> dQ writer, its dQ chunk is in SMEM
     BAR_DQ_EMPTY = 6  # + wg: dQ writer -> MMA warpgroup wg, the chunk may be overwritten
-    #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group)
-    DENSE_HEAD_GROUP = 4
-    #: K2Q row fill (consumer_k2q.k2q_row_fill) from which the rows count as dense
-    DENSE_ROW_FILL = 0.75
-    #: atomic mode on sparse K2Q rows: all kv heads at a time while a Q block's Q, dO and fp32 dQ
-    #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
-    SPARSE_ALL_HEADS_BYTES = 64 * 1024
-    SPARSE_HEAD_CAP = 4
-    #: deterministic mode on half-full K2Q rows (causal's) and on sparse ones with staggered ends
-    #: (sliding windows'): SPARSE_HEAD_CAP heads at a time where a Q block takes DET_CAP_BYTES or
-    #: more (launch_head_group)
-    DET_CAP_BYTES = 128 * 1024
     #: CTAs take their (K row, kv head) items from a ticket counter (BwdHostEntry.persistent)
     persistent = True
     #: stages of the item record (producer -> MMA warpgroups and dQ writers) and its int32 words
@@ -254,9 +227,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
         self.dq_writers = 2 if first_dq_stored else 1
         self.mask_stages = config.mask_pipeline_stages
         # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
-        q_block_bytes = self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v)
-        self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
-        self.det_capped_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.DET_CAP_BYTES else 0
+        self.init_launch_order(self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v))
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -396,50 +367,6 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop):
             stream=stream,
             min_blocks_per_mp=1,
         )  # fmt: skip
-
-    @cute.jit
-    def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
-        """Kv heads the item order (tickets, ``decode_work``) takes at a time. Atomic mode:
-        ``consumer_k2q.atomic_head_group``, all heads on sparse K2Q rows only while a Q block
-        (its Q, dO and fp32 dQ) takes at most ``SPARSE_ALL_HEADS_BYTES``, so up to D = 128. With
-        larger blocks a wave over all heads no longer fits L2: (256, 256) fwd+bwd on sliding-1024
-        (16 heads, S = 8192) had its main kernel at 39% DRAM throughput and a 76% L2 hit rate
-        (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
-        documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
-        session 31). Deterministic mode: ``DENSE_HEAD_GROUP`` on dense K2Q rows (``k2q_row_fill``
-        of ``DENSE_ROW_FILL`` or more), ``det_capped_heads`` where set on half-full rows and on
-        sparse rows with staggered ends (below), else all of them.
-        With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
-        head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
-        which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
-        0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
-        turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
-        TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
-        atomic cap on sparse rows whose ends are aligned). Measured: benchmarks/RESULTS.md,
-        sessions 14 and 31. Our reading of that loss (not measured directly): a document's K rows
-        end together at its last Q block, so walking down they reach each Q block at the same step
-        and queue on its turnstile, which their short walks do not amortise; a sliding window's
-        rows end staggered (``consumer_k2q.staggered_row_ends``) and reach each Q block in
-        ``dq_write_order``.
-        Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
-        and sparse rows with staggered ends take that many heads: on an H100, causal fwd+bwd ran
-        at 312 TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at
-        291 and 202 (session 50). (192, 128)'s 88 KB blocks keep all heads: 4 gave no gain on
-        causal there in session 14 (H200, the non-persistent kernel: 408.6 -> 403.5); not measured
-        since. Any order gives the same bits (dq_write_order fixes the adds)."""
-        if const_expr(not self.deterministic):
-            return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
-        group = kv_heads
-        fill = view_row_fill(plan, n_qblk)
-        if fill >= self.DENSE_ROW_FILL:
-            group = Int32(self.DENSE_HEAD_GROUP)
-        elif const_expr(self.det_capped_heads != 0):
-            capped = fill >= SPARSE_ROW_FILL
-            if not capped:
-                capped = staggered_row_ends(plan)
-            if capped:
-                group = cutlass.min(kv_heads, Int32(self.det_capped_heads))
-        return group
 
     def _tiled_mmas(self):
         """``(sdp, dk, dv, dq)``: S^T / dP^T (tile_n x tile_m) or S / dP (tile_m x tile_n), the payload

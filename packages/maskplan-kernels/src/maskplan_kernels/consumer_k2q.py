@@ -192,12 +192,18 @@ def head_range(plan: BwdPlanTensors, work: Work, g: Int32) -> HeadRange:
     """The partial and full K2Q ranges of q head ``g`` (of ``G``) of the CTA's kv head."""
     q_head = work.kv_head * work.q_per_kv + g
     h = cutlass.min(q_head, work.mask_heads - 1)  # Hmask is 1 (shared mask) or Hq
+    return row_range(plan, h, work.row, q_head)
+
+
+@cute.jit
+def row_range(plan: BwdPlanTensors, h: Int32, row: Int32, q_head: Int32) -> HeadRange:
+    """The partial and full K2Q ranges of K row ``row`` of mask head ``h``, for q head ``q_head``."""
     return HeadRange(
         q_head,
-        plan.mask_block_cnt[h, work.row],
-        plan.mask_block_offset[h, work.row],
-        plan.full_block_cnt[h, work.row],
-        plan.full_block_offset[h, work.row],
+        plan.mask_block_cnt[h, row],
+        plan.mask_block_offset[h, row],
+        plan.full_block_cnt[h, row],
+        plan.full_block_offset[h, row],
     )
 
 
@@ -242,13 +248,7 @@ def walk_descending(plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, fu
 @cute.jit
 def k_row_last_q_block(plan: BwdPlanTensors, row: Int32) -> Int32:
     """The last Q block K row ``row`` of mask head 0 visits (-1 where it visits none)."""
-    hr = HeadRange(
-        Int32(0),
-        plan.mask_block_cnt[0, row],
-        plan.mask_block_offset[0, row],
-        plan.full_block_cnt[0, row],
-        plan.full_block_offset[0, row],
-    )
+    hr = row_range(plan, Int32(0), row, Int32(0))
     return walk_descending(plan, hr, hr.partial_cnt, hr.full_cnt).q_block
 
 
@@ -317,6 +317,7 @@ __all__ = [
     "k_row_last_q_block",
     "k2q_row_fill",
     "launch_grid",
+    "row_range",
     "stagger_pair_row",
     "staggered_row_ends",
     "take_ticket",

@@ -1,0 +1,98 @@
+"""The SM90 backward's launch order: which kv heads its item order takes at a time.
+
+Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_k2q.grouped_launch_slot``)::
+
+    ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
+
+Atomic mode takes ``consumer_k2q.ATOMIC_HEAD_GROUP`` kv heads at a time. One head at a time
+(K rows first) left a tail: on causal masks a sample's longest K rows come first, so the last
+head's second sample started its longest CTAs in the last waves (a list-scheduling model of 132
+SMs: 5.6% past the ideal finish for MHA, 11% for GQA 32/8, whose CTAs walk 4 heads). Two heads at
+a time fill the waves with half-length rows in between (model: 0.1-0.6%) while each wave's CTAs
+still share few heads' Q and dO in L2; all heads at a time spread them over every head and lost
+more in L2 than it gained (benchmarks/RESULTS.md, session 18). Except on sparse K2Q rows
+(documents, sliding windows: ``consumer_k2q.atomic_head_group``), where a wave over all heads
+still fits L2 and all heads at a time measured 3-5% faster on documents (session 19); from (192,
+128) on it does not, and those rows take ``SPARSE_HEAD_CAP`` heads (``launch_head_group``).
+
+Deterministic mode: :meth:`LaunchOrder.launch_head_group`.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from maskplan_kernels.consumer_k2q import (
+    SPARSE_ROW_FILL,
+    atomic_head_group,
+    staggered_row_ends,
+    view_row_fill,
+)
+from maskplan_kernels.consumer_plan import BwdPlanTensors
+
+
+class LaunchOrder:
+    """Mixin of :class:`flexattn_sm90.bwd_kernel.Sm90BwdKernel`: the kv heads its item order takes at
+    a time, from the kernel's mode (``self.deterministic``) and the L2 footprint of its Q blocks."""
+
+    #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group)
+    DENSE_HEAD_GROUP = 4
+    #: K2Q row fill (consumer_k2q.k2q_row_fill) from which the rows count as dense
+    DENSE_ROW_FILL = 0.75
+    #: atomic mode on sparse K2Q rows: all kv heads at a time while a Q block's Q, dO and fp32 dQ
+    #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
+    SPARSE_ALL_HEADS_BYTES = 64 * 1024
+    SPARSE_HEAD_CAP = 4
+    #: deterministic mode on half-full K2Q rows (causal's) and on sparse ones with staggered ends
+    #: (sliding windows'): SPARSE_HEAD_CAP heads at a time where a Q block takes DET_CAP_BYTES or
+    #: more (launch_head_group)
+    DET_CAP_BYTES = 128 * 1024
+
+    def init_launch_order(self, q_block_bytes: int) -> None:
+        """Set the caps from what every step streams through L2 per Q block (its Q, dO and fp32 dQ)."""
+        self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
+        self.det_capped_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.DET_CAP_BYTES else 0
+
+    @cute.jit
+    def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
+        """Kv heads the item order (tickets, ``decode_work``) takes at a time. Atomic mode:
+        ``consumer_k2q.atomic_head_group``, all heads on sparse K2Q rows only while a Q block
+        (its Q, dO and fp32 dQ) takes at most ``SPARSE_ALL_HEADS_BYTES``, so up to D = 128. With
+        larger blocks a wave over all heads no longer fits L2: (256, 256) fwd+bwd on sliding-1024
+        (16 heads, S = 8192) had its main kernel at 39% DRAM throughput and a 76% L2 hit rate
+        (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
+        documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
+        session 31). Deterministic mode: ``DENSE_HEAD_GROUP`` on dense K2Q rows (``k2q_row_fill``
+        of ``DENSE_ROW_FILL`` or more), ``det_capped_heads`` where set on half-full rows and on
+        sparse rows with staggered ends (below), else all of them.
+        With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
+        head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
+        which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
+        0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
+        turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
+        TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
+        atomic cap on sparse rows whose ends are aligned). Measured: benchmarks/RESULTS.md,
+        sessions 14 and 31. Our reading of that loss (not measured directly): a document's K rows
+        end together at its last Q block, so walking down they reach each Q block at the same step
+        and queue on its turnstile, which their short walks do not amortise; a sliding window's
+        rows end staggered (``consumer_k2q.staggered_row_ends``) and reach each Q block in
+        ``dq_write_order``.
+        Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
+        and sparse rows with staggered ends take that many heads: on an H100, causal fwd+bwd ran
+        at 312 TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at
+        291 and 202 (session 50). (192, 128)'s 88 KB blocks keep all heads: 4 gave no gain on
+        causal there in session 14 (H200, the non-persistent kernel: 408.6 -> 403.5); not measured
+        since. Any order gives the same bits (dq_write_order fixes the adds)."""
+        if const_expr(not self.deterministic):
+            return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
+        group = kv_heads
+        fill = view_row_fill(plan, n_qblk)
+        if fill >= self.DENSE_ROW_FILL:
+            group = Int32(self.DENSE_HEAD_GROUP)
+        elif const_expr(self.det_capped_heads != 0):
+            capped = fill >= SPARSE_ROW_FILL
+            if not capped:
+                capped = staggered_row_ends(plan)
+            if capped:
+                group = cutlass.min(kv_heads, Int32(self.det_capped_heads))
+        return group
