@@ -488,24 +488,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             storage.mbar_dq_peer_full.data_ptr() if pair else None,
             storage.mbar_dq_peer_empty.data_ptr() if pair else None,
         )
-        if warp_idx == self.mma_warp:
-            with cute.arch.elect_one():
-                for bar in (bars.s, bars.dp, bars.dq, bars.dkv):
-                    cute.arch.mbarrier_init(bar, 1)
-                cute.arch.mbarrier_init(bars.p, self.num_compute_threads)
-                cute.arch.mbarrier_init(bars.ds, self.num_compute_threads)
-                cute.arch.mbarrier_init(bars.dq_empty, self.num_dq_threads)
-                cute.arch.mbarrier_init(storage.mbar_tail.data_ptr(), 1)  # the load warp's own
-                if const_expr(pair):  # one arrival each: the leader warp's lane 0 (dq_step)
-                    for w in cutlass.range_constexpr(len(self.dq_warps)):
-                        cute.arch.mbarrier_init(bars.dq_peer_full + w, 1)
-                        cute.arch.mbarrier_init(bars.dq_peer_empty + w, 1)
-        cute.arch.mbarrier_init_fence()
-        if const_expr(pair):  # the peer multicasts into, commits and arrives on this CTA's barriers
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
+        self.init_handshakes(bars, storage.mbar_tail.data_ptr(), warp_idx)
 
         # operand tiles; the second role of a buffer is the same memory through its other layout
         def tile(buf, layout):
@@ -587,6 +570,30 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             # releases are multicast commits) or write its SMEM
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def init_handshakes(self, bars, tail_bar, warp_idx: Int32):
+        """The MMA warp initialises the handshake barriers (:class:`Handshakes`; ``tail_bar`` is the
+        load warp's own); no role uses one before both CTAs of a pair have them."""
+        pair = self.pair > 1
+        if warp_idx == self.mma_warp:
+            with cute.arch.elect_one():
+                for bar in (bars.s, bars.dp, bars.dq, bars.dkv):
+                    cute.arch.mbarrier_init(bar, 1)
+                cute.arch.mbarrier_init(bars.p, self.num_compute_threads)
+                cute.arch.mbarrier_init(bars.ds, self.num_compute_threads)
+                cute.arch.mbarrier_init(bars.dq_empty, self.num_dq_threads)
+                cute.arch.mbarrier_init(tail_bar, 1)
+                if const_expr(pair):  # one arrival each: the leader warp's lane 0 (dq_step)
+                    for w in cutlass.range_constexpr(len(self.dq_warps)):
+                        cute.arch.mbarrier_init(bars.dq_peer_full + w, 1)
+                        cute.arch.mbarrier_init(bars.dq_peer_empty + w, 1)
+        cute.arch.mbarrier_init_fence()
+        if const_expr(pair):  # the peer multicasts into, commits and arrives on this CTA's barriers
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
     def _make_pipelines(self, storage):
         # Q and dO stages are filled by both CTAs of a pair (multicast halves) and released by both
