@@ -1,0 +1,279 @@
+"""Tests for maskplan_core.masks.builders: every analytic builder against a brute-force dense mask."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from mask_oracle import FAST, assert_matches, dense_from_rule
+
+from maskplan_core import masks
+
+# --------------------------------------------------------------------------------------------------
+# causal
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_causal(sq: int, sk: int, batch: int) -> torch.Tensor:
+    rows = [i for _ in range(batch) for i in range(sq)]
+    return dense_from_rule(rows, sk, lambda i, k: k < i + 1 + sk - sq)
+
+
+@FAST
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 3))
+def test_causal_matches_dense(sq, sk, batch):
+    ep = masks.causal(sq, sk, batch=batch)
+    assert ep.shape == (1, 1, batch * sq)
+    assert_matches(ep, ref_causal(sq, sk, batch), sk)
+
+
+def test_causal_default_square():
+    ep = masks.causal(4)
+    assert ep.tolist() == [[[1, 2, 3, 4]]]
+    assert torch.equal(masks.causal(4, device="cpu"), masks.causal(4, 4, device=torch.device("cpu")))
+
+
+def test_causal_more_queries_than_keys_gives_empty_rows():
+    ep = masks.causal(5, 2)
+    assert ep.tolist() == [[[0, 0, 0, 1, 2]]]
+
+
+# --------------------------------------------------------------------------------------------------
+# sliding_window
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_sliding(sq: int, sk: int, wl: int, wr: int, batch: int) -> torch.Tensor:
+    rows = [i for _ in range(batch) for i in range(sq)]
+
+    def rule(i, k):
+        d = i + sk - sq
+        return d - wl <= k <= d + wr
+
+    return dense_from_rule(rows, sk, rule)
+
+
+@FAST
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 10), st.integers(0, 10), st.integers(1, 3))
+def test_sliding_window_matches_dense(sq, sk, wl, wr, batch):
+    ep = masks.sliding_window(sq, sk, window_left=wl, window_right=wr, batch=batch)
+    assert ep.shape == (1, 3, batch * sq)
+    ref = ref_sliding(sq, sk, wl, wr, batch)
+    assert_matches(ep, ref, sk)
+    assert bool((ep[:, 0] == 0).all())
+    # rows with no visible key have all endpoints equal
+    empty = ~ref[0].any(-1)
+    assert bool((ep[0, :, empty] == ep[0, :1, empty]).all())
+
+
+def test_sliding_window_out_of_range_rows_are_all_zero():
+    # Sq > Sk: first rows' windows lie entirely left of key 0; window_right=0
+    ep = masks.sliding_window(6, 2, window_left=1)
+    assert ep[0, :, 0].tolist() == [0, 0, 0]
+    assert ep[0, :, 1].tolist() == [0, 0, 0]
+    assert ep[0, :, 2].tolist() == [0, 0, 0]
+    assert ep[0, :, 4].tolist() == [0, 0, 1]
+    # Sq < Sk with a huge left window offset: nothing empty, but windows clip at 0
+    assert masks.sliding_window(2, 5, window_left=100).tolist() == [[[0, 0], [0, 0], [4, 5]]]
+
+
+@pytest.mark.parametrize(
+    "q_lens,k_lens",
+    [([3, 0, 5, 2], [4, 6, 5, 0]), ([1], [1]), ([7, 2], [2, 7])],
+    ids=["mixed", "one", "cross"],
+)
+def test_varlen_causal_and_sliding_window_are_the_samples_concatenated(q_lens, k_lens):
+    """Each sample aligned by its own lengths: the fixed builder per sample, rows of samples without
+    keys see nothing, samples without queries add no rows."""
+    cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
+    builders = {
+        "causal": (masks.causal, {}, 1),
+        "sliding": (masks.sliding_window, {"window_left": 2, "window_right": 1}, 3),
+    }
+    for build, kw, nfunc in builders.values():
+        parts = [
+            build(sq, sk, **kw) if sk else torch.zeros(1, nfunc, sq, dtype=torch.int32)
+            for sq, sk in zip(q_lens, k_lens, strict=True)
+            if sq
+        ]
+        want = torch.cat(parts, dim=2)
+        assert torch.equal(build(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw), want)
+        assert torch.equal(build(cu_seqlens_q=cu_q.tolist(), cu_seqlens_k=cu_k.tolist(), **kw), want)
+
+
+def test_varlen_builder_argument_errors():
+    with pytest.raises(ValueError, match="given together"):
+        masks.causal(cu_seqlens_q=[0, 2])
+    with pytest.raises(ValueError, match="leave seqlen_q, seqlen_k and batch unset"):
+        masks.sliding_window(4, window_left=1, cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2])
+    with pytest.raises(ValueError, match="leave seqlen_q, seqlen_k and batch unset"):  # True == 1
+        masks.causal(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2], batch=True)
+    with pytest.raises(ValueError, match="same length"):
+        masks.causal(cu_seqlens_q=[0, 2, 3], cu_seqlens_k=[0, 2])
+    with pytest.raises(TypeError, match="seqlen_q is required"):
+        masks.causal()
+
+
+# --------------------------------------------------------------------------------------------------
+# document
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_document(seqs: list[list[int]], causal: bool, wl) -> torch.Tensor:
+    rows = []
+    for seq in seqs:
+        start = 0
+        for n in seq:
+            for i in range(start, start + n):
+                rows.append((start, start + n, i))
+            start += n
+    s = sum(seqs[0])
+
+    def rule(r, k):
+        lo, hi, i = r
+        if wl is not None:
+            lo = max(lo, i - wl)
+        if causal:
+            hi = i + 1
+        return lo <= k < hi
+
+    return dense_from_rule(rows, s, rule)
+
+
+@st.composite
+def doc_batches(draw):
+    total = draw(st.integers(1, 10))
+    batch = draw(st.integers(1, 3))
+    seqs = []
+    for _ in range(batch):
+        cuts = sorted(draw(st.lists(st.integers(0, total), max_size=4)))
+        bounds = [0, *cuts, total]
+        seqs.append([b - a for a, b in itertools.pairwise(bounds)])  # may contain zero-length docs
+    return seqs
+
+
+@FAST
+@given(doc_batches(), st.booleans(), st.one_of(st.none(), st.integers(0, 6)), st.booleans())
+def test_document_matches_dense(seqs, causal, wl, as_tensor):
+    s = sum(seqs[0])
+    if len(seqs) == 1 and as_tensor:
+        arg = torch.tensor(seqs[0])
+    elif len(seqs) == 1:
+        arg = seqs[0]
+    else:
+        arg = seqs
+    ep = masks.document(arg, causal=causal, window_left=wl)
+    assert ep.shape == (1, 3, len(seqs) * s)
+    assert_matches(ep, ref_document(seqs, causal, wl), s)
+
+
+def test_document_examples():
+    assert masks.document([2, 3]).tolist() == [[[0] * 5, [0, 0, 2, 2, 2], [1, 2, 3, 4, 5]]]
+    assert masks.document([2, 3], causal=False).tolist() == [[[0] * 5, [0, 0, 2, 2, 2], [2, 2, 5, 5, 5]]]
+    assert masks.document([4], window_left=1).tolist() == [[[0] * 4, [0, 0, 1, 2], [1, 2, 3, 4]]]
+    two_d = masks.document(torch.tensor([[1, 2], [2, 1]]))
+    assert torch.equal(two_d, masks.document([[1, 2], [2, 1]]))
+
+
+@FAST
+@given(doc_batches(), st.booleans(), st.one_of(st.none(), st.integers(0, 6)), st.integers(0, 2**31 - 2))
+def test_document_ids_is_document_of_the_runs(seqs, causal, wl, seed):
+    """Per-token ids (random values, each document's differing from its neighbour's) give the same
+    endpoints as the document lengths; empty documents have no tokens and leave no trace."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for seq in seqs:
+        ids, prev = [], None
+        for n in (n for n in seq if n):
+            value = int(torch.randint(0, 3, (1,), generator=gen))
+            value = value if value != prev else value + 1  # a new run
+            ids += [value] * n
+            prev = value
+        rows.append(ids)
+    doc_ids = torch.tensor(rows) if len(rows) > 1 else torch.tensor(rows[0])
+    got = masks.document_ids(doc_ids, causal=causal, window_left=wl)
+    assert torch.equal(got, masks.document(seqs, causal=causal, window_left=wl))
+
+
+def test_document_ids_takes_runs_and_checks_its_argument():
+    same = masks.document_ids(torch.tensor([[0, 0, 1, 1, 1], [4, 9, 9, 4, 4]], dtype=torch.int32))
+    assert torch.equal(same, masks.document([[2, 3], [1, 2, 2]]))
+    with pytest.raises(TypeError, match="doc_ids must be an integer tensor"):
+        masks.document_ids(torch.zeros(4))
+    with pytest.raises(TypeError, match="doc_ids must be a torch.Tensor"):
+        masks.document_ids([0, 0, 1])
+    with pytest.raises(ValueError, match=r"doc_ids must be \[S\] or \[B, S\]"):
+        masks.document_ids(torch.zeros(2, 2, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="window_left"):
+        masks.document_ids(torch.zeros(3, dtype=torch.long), window_left=-1)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.int32]
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_ids_of_any_integer_dtype(dtype, causal):
+    """Ids from a data loader come in narrow dtypes too; S may exceed what they can hold."""
+    seqs = [[150, 40000 - 150]] if dtype.itemsize >= 2 else [[150, 150]]
+    ids = torch.cat([torch.full((n,), d, dtype=dtype) for d, n in enumerate(seqs[0])])
+    assert torch.equal(masks.document_ids(ids, causal=causal), masks.document(seqs, causal=causal))
+
+
+# --------------------------------------------------------------------------------------------------
+# prefix_lm
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_prefix(s: int, prefixes: list[int]) -> torch.Tensor:
+    rows = [(p, i) for p in prefixes for i in range(s)]
+    return dense_from_rule(rows, s, lambda r, k: k < r[0] or k <= r[1])
+
+
+@FAST
+@given(st.integers(1, 9), st.lists(st.integers(0, 12), min_size=1, max_size=3), st.booleans())
+def test_prefix_lm_matches_dense(s, prefixes, per_batch):
+    if per_batch:
+        ep = masks.prefix_lm(s, prefixes)
+        expect = prefixes
+    else:
+        ep = masks.prefix_lm(s, prefixes[0], batch=len(prefixes))
+        expect = [prefixes[0]] * len(prefixes)
+    assert ep.shape == (1, 1, len(expect) * s)
+    assert_matches(ep, ref_prefix(s, expect), s)
+
+
+def test_prefix_lm_batch_and_tensor_forms():
+    assert masks.prefix_lm(3, 2).tolist() == [[[2, 2, 3]]]
+    assert torch.equal(masks.prefix_lm(3, torch.tensor([1, 2])), masks.prefix_lm(3, [1, 2], batch=2))
+    assert torch.equal(masks.prefix_lm(3, torch.tensor(2)), masks.prefix_lm(3, 2))
+    with pytest.raises(ValueError, match="batch"):
+        masks.prefix_lm(3, [1, 2], batch=3)
+    with pytest.raises(ValueError, match=r"prefix_len\[1\]"):
+        masks.prefix_lm(3, [1, -2])
+
+
+# --------------------------------------------------------------------------------------------------
+# chunked
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_chunked(s: int, chunk: int, causal: bool, batch: int) -> torch.Tensor:
+    rows = [i for _ in range(batch) for i in range(s)]
+
+    def rule(i, k):
+        same = k // chunk == i // chunk
+        return same and (k <= i or not causal)
+
+    return dense_from_rule(rows, s, rule)
+
+
+@FAST
+@given(st.integers(1, 12), st.integers(1, 14), st.booleans(), st.integers(1, 3))
+def test_chunked_matches_dense(s, chunk, causal, batch):
+    ep = masks.chunked(s, chunk, causal=causal, batch=batch)
+    assert ep.shape == (1, 3, batch * s)
+    assert_matches(ep, ref_chunked(s, chunk, causal, batch), s)
