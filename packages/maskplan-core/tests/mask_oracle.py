@@ -1,5 +1,5 @@
-"""The oracle of the mask tests (test_masks, test_mask_builders, test_mask_convert): endpoints
-decoded to dense boolean masks by brute force, and the well-formedness every builder's output has."""
+"""The oracle of the mask tests (test_mask_builders, test_mask_convert): endpoints decoded to
+dense boolean masks by brute force, and the well-formedness every builder's output has."""
 
 from __future__ import annotations
 

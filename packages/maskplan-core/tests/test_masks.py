@@ -1,5 +1,6 @@
-"""Tests for maskplan_core.masks as a whole: argument validation of every builder and converter,
-device handling, the docstring examples (per builder: test_mask_builders, test_mask_convert)."""
+"""Tests for maskplan_core.masks as a whole: the argument checks shared by the builders (and one
+of from_mask_mod's), device handling, the docstring examples. Each builder's and converter's own
+argument checks are with its tests (test_mask_builders, test_mask_convert)."""
 
 from __future__ import annotations
 
