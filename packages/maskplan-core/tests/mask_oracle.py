@@ -1,5 +1,6 @@
-"""The oracle of the mask tests (test_mask_builders, test_mask_convert): endpoints decoded to
-dense boolean masks by brute force, and the well-formedness every builder's output has."""
+"""The oracle of maskplan-core's tests: endpoints decoded to dense boolean masks by brute force
+(test_mask_builders, test_mask_convert, and within samples test_plan_properties and
+test_reference_attention), and the well-formedness every builder's output has."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ def decode(ep: torch.Tensor, sk: int) -> torch.Tensor:
     for j in range(1, ep.shape[1], 2):
         vis = vis | ((e[:, j, :, None] <= k) & (k < e[:, j + 1, :, None]))
     return vis
+
+
+def decode_within_samples(ep: torch.Tensor, sk: int, q_lens, k_lens) -> torch.Tensor:
+    """:func:`decode` of the rows of samples of ``q_lens`` query rows, keys from each row's sample's
+    ``k_len`` on hidden: bool [H, total_q, sk]."""
+    row_klen = torch.repeat_interleave(torch.tensor(k_lens), torch.tensor(q_lens))
+    return decode(ep, sk) & (torch.arange(sk) < row_klen[:, None])
 
 
 def check_wellformed(ep: torch.Tensor, row_klen) -> None:

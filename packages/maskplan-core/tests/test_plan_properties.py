@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mask_oracle import decode_within_samples
 
 from maskplan_core import PlanSignature, RowMajorLayout, Topology, ViewConfig, validate_plan_inputs
 from maskplan_core.errors import InputValueError
@@ -132,18 +133,6 @@ def make_endpoints(p: Problem) -> torch.Tensor:
                 vals.zero_()
             ep[h, :, cu_q[b] : cu_q[b + 1]] = vals.sort(0).values
     return ep.to(torch.int32).contiguous()
-
-
-def brute_force_dense(ep: torch.Tensor, p: Problem) -> torch.Tensor:
-    """bool [Hmask, total_q, max_k]: key k of row r is visible iff k < k_len(r) and
-    k in [0, F0) U [F1, F2) U ... -- decoded straight from the endpoints."""
-    e = ep.to(torch.int64)
-    k = torch.arange(p.max_k)
-    row_klen = torch.repeat_interleave(torch.tensor(p.k_lens), torch.tensor(p.q_lens))
-    vis = k < e[:, 0, :, None]
-    for j in range(1, p.nfunc, 2):
-        vis |= (e[:, j, :, None] <= k) & (k < e[:, j + 1, :, None])
-    return vis & (k < row_klen[:, None])
 
 
 def qkv(p: Problem, dtype=torch.float32):
@@ -443,7 +432,7 @@ def check_block_map(view, p: Problem, dense: torch.Tensor) -> None:
 
 
 def check_plan(plan, ep: torch.Tensor, p: Problem, element_size: int) -> None:
-    dense = brute_force_dense(ep, p)
+    dense = decode_within_samples(ep, p.max_k, p.q_lens, p.k_lens)
     check_header(plan, p)
     for role in plan.roles:
         view = plan.view(role)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mask_oracle import decode_within_samples
 
 from maskplan_core import PlanSignature, RowMajorLayout, Topology, ViewConfig, validate_plan_inputs
 from maskplan_core.reference import attention_backward, attention_forward, build_plan
@@ -94,14 +95,8 @@ def make_endpoints(c: Case) -> torch.Tensor:
 
 
 def dense_mask(ep: torch.Tensor, c: Case) -> torch.Tensor:
-    """bool [Hmask, total_q, max_k] decoded from endpoints: k in [0, F0) U [F1, F2) U ..., k < k_len."""
-    e = ep.to(torch.int64)
-    k = torch.arange(c.max_k)
-    vis = k < e[:, 0, :, None]
-    for j in range(1, c.nfunc, 2):
-        vis |= (e[:, j, :, None] <= k) & (k < e[:, j + 1, :, None])
-    row_klen = torch.repeat_interleave(torch.tensor(c.k_lens), torch.tensor(c.q_lens))
-    return vis & (k < row_klen[:, None])
+    """bool [Hmask, total_q, max_k] decoded from the case's endpoints."""
+    return decode_within_samples(ep, c.max_k, c.q_lens, c.k_lens)
 
 
 def make_inputs(c: Case, dtype=torch.float64):

@@ -228,8 +228,7 @@ def int32_tensor(t: torch.Tensor, device: torch.device, shape_if_empty: tuple[in
         if key not in _DUMMY:
             _DUMMY[key] = torch.zeros(shape_if_empty, dtype=torch.int32, device=device)
         return _DUMMY[key]
-    t = t.to(device=device, dtype=torch.int32).contiguous()
-    return t if t.data_ptr() % ALIGN == 0 else t.clone()
+    return aligned(t.to(device=device, dtype=torch.int32))
 
 
 def sequence_desc_source(view: PlanView) -> torch.Tensor:
