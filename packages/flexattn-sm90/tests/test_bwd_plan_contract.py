@@ -197,13 +197,15 @@ def test_sparse_rows_head_cap_follows_the_q_block_size(dims):
 @pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
 def test_deterministic_head_cap_follows_the_q_block_size(dims):
     """Deterministic mode takes SPARSE_HEAD_CAP kv heads at a time on half-full K2Q rows (causal's:
-    ``test_launch_head_group_follows_the_k2q_row_fill``) and on sparse rows with staggered ends
-    (``test_staggered_row_ends``) only where a Q block's Q, dO and fp32 dQ take DET_CAP_BYTES: the
-    (256, 256) kernel's 64 x 256 blocks, 128 KB (``Sm90BwdKernel.launch_head_group``); elsewhere
-    all heads."""
+    ``test_launch_head_group_follows_the_k2q_row_fill``) only where a Q block's Q, dO and fp32 dQ
+    take DET_CAP_BYTES: the (256, 256) kernel's 64 x 256 blocks, 128 KB; on sparse rows with
+    staggered ends (``test_staggered_row_ends``) from STAGGER_CAP_BYTES: those and (192, 128)'s
+    88 KB blocks (``Sm90BwdKernel.launch_head_group``); elsewhere all heads."""
     config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
     kernel = Sm90BwdKernel(config, deterministic=True)
-    assert kernel.det_capped_heads == (Sm90BwdKernel.SPARSE_HEAD_CAP if dims == (256, 256) else 0)
+    cap = Sm90BwdKernel.SPARSE_HEAD_CAP
+    assert kernel.det_capped_heads == (cap if dims == (256, 256) else 0)
+    assert kernel.det_stagger_heads == (cap if dims in ((192, 128), (256, 256)) else 0)
 
 
 def test_stagger_pairs_are_adjacent_rows_spread_over_the_view():
@@ -233,7 +235,7 @@ STAGGER_MASKS = {
 @pytest.mark.parametrize("name", STAGGER_MASKS)
 def test_staggered_row_ends(name):
     """The (256, 256) kernel's 64 x 64 tiles: sliding windows' K rows end at staggered Q blocks, so
-    deterministic mode caps them at ``det_capped_heads``, documents' and causal's end together
+    deterministic mode caps them at ``det_stagger_heads``, documents' and causal's end together
     (documents keep all heads). The pairs are counted on the host (``launch_order_probe.host_stagger``;
     test_bwd_gpu's ``test_launch_order_as_the_kernel_decides`` checks the kernel against it)."""
     ep, expected = STAGGER_MASKS[name]

@@ -36,22 +36,24 @@ class LaunchOrder:
     a time, from the kernel's mode (``self.deterministic``) and the L2 footprint of its Q blocks."""
 
     #: kv heads the deterministic item order takes at a time on dense K2Q rows (launch_head_group)
-    DENSE_HEAD_GROUP = 4
+    DENSE_HEAD_GROUP = 2
     #: K2Q row fill (consumer_k2q.k2q_row_fill) from which the rows count as dense
     DENSE_ROW_FILL = 0.75
     #: atomic mode on sparse K2Q rows: all kv heads at a time while a Q block's Q, dO and fp32 dQ
     #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
     SPARSE_ALL_HEADS_BYTES = 64 * 1024
     SPARSE_HEAD_CAP = 4
-    #: deterministic mode on half-full K2Q rows (causal's) and on sparse ones with staggered ends
-    #: (sliding windows'): SPARSE_HEAD_CAP heads at a time where a Q block takes DET_CAP_BYTES or
-    #: more (launch_head_group)
+    #: deterministic mode: SPARSE_HEAD_CAP heads at a time on half-full K2Q rows (causal's) where
+    #: a Q block takes DET_CAP_BYTES or more, on sparse ones with staggered ends (sliding windows')
+    #: where it takes STAGGER_CAP_BYTES or more (launch_head_group)
     DET_CAP_BYTES = 128 * 1024
+    STAGGER_CAP_BYTES = 88 * 1024
 
     def init_launch_order(self, q_block_bytes: int) -> None:
         """Set the caps from what every step streams through L2 per Q block (its Q, dO and fp32 dQ)."""
         self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
         self.det_capped_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.DET_CAP_BYTES else 0
+        self.det_stagger_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.STAGGER_CAP_BYTES else 0
 
     @cute.jit
     def launch_head_group(self, plan: BwdPlanTensors, n_qblk: Int32, kv_heads: Int32) -> Int32:
@@ -68,7 +70,10 @@ class LaunchOrder:
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
-        0.66 of atomic). Fewer heads at a time share those blocks among more CTAs but make longer
+        0.66 of atomic). On an H100, random-5 fwd+bwd in deterministic mode at (256, 256) ran at
+        162 TFLOP/s over 4 heads at a time, 217 over 1 and 232 over 2 (atomic: 239); at D = 128
+        297 / 287 / 297 (atomic 307), at (192, 128) 262 over 4 and 260 over 2 (session 53,
+        RESULTS.md). Fewer heads at a time share those blocks among more CTAs but make longer
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
         TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
         atomic cap on sparse rows whose ends are aligned). Measured: benchmarks/RESULTS.md,
@@ -78,21 +83,22 @@ class LaunchOrder:
         rows end staggered (``consumer_k2q.staggered_row_ends``) and reach each Q block in
         ``dq_write_order``.
         Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
-        and sparse rows with staggered ends take that many heads: on an H100, causal fwd+bwd ran
-        at 312 TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at
-        291 and 202 (session 50). (192, 128)'s 88 KB blocks keep all heads: 4 gave no gain on
-        causal there in session 14 (H200, the non-persistent kernel: 408.6 -> 403.5); not measured
-        since. Any order gives the same bits (dq_write_order fixes the adds)."""
+        take that many heads, and where ``det_stagger_heads`` is (also (192, 128)'s 88 KB blocks)
+        sparse rows with staggered ends do: on an H100 at (256, 256), causal fwd+bwd ran at 312
+        TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at 291
+        and 202 (session 50); at (192, 128) sliding-1024 at 370 and 395 (atomic 406), causal at
+        504 and 485 over 4 (session 53), so half-full rows keep all heads there. Any order gives
+        the same bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
         fill = view_row_fill(plan, n_qblk)
         if fill >= self.DENSE_ROW_FILL:
             group = Int32(self.DENSE_HEAD_GROUP)
-        elif const_expr(self.det_capped_heads != 0):
-            capped = fill >= SPARSE_ROW_FILL
-            if not capped:
-                capped = staggered_row_ends(plan)
-            if capped:
+        elif fill >= SPARSE_ROW_FILL:
+            if const_expr(self.det_capped_heads != 0):
                 group = cutlass.min(kv_heads, Int32(self.det_capped_heads))
+        elif const_expr(self.det_stagger_heads != 0):
+            if staggered_row_ends(plan):
+                group = cutlass.min(kv_heads, Int32(self.det_stagger_heads))
         return group
