@@ -252,6 +252,15 @@ def test_a_key_padding_mask_of_one_row_per_sample_gets_the_expand_hint():
         validate_plan_inputs(from_dense(torch.ones(4, 1, 1, SK, dtype=torch.bool)), q, k, v)
 
 
+def test_a_batch_mask_of_another_length_names_both_readings():
+    """A mask for B samples of S/B rows has as many rows as one sample of q: the error gives q's
+    samples and lengths and names both readings (one sample; the batch at another S)."""
+    q, k, v = fixed_qkv(b=2, sq=128, sk=128)
+    needles = ("total_q=256 (2 samples of 128)", "batch=B", "if for 2 samples, its S is not q's 128")
+    with expect(InputValueError, ValueError, *needles):
+        validate_plan_inputs(causal(total_q=128, sq=64, sk=64), q, k, v)
+
+
 def test_bhsd_q_gets_a_layout_hint():
     """torch FlexAttention's BHSD layout, passed as is, names the layout flexattn takes."""
     q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=4)
@@ -316,6 +325,17 @@ def test_endpoint_above_k_len():
     needles = ("mask_func[0, 2, 30]", str(SK + 1), "row 30", f"k_len = {SK}", "inside the row's sample")
     with expect(EndpointError, ValueError, *needles):
         plan(ep, *fixed_qkv())
+
+
+def test_a_flat_document_list_for_a_batch_gets_the_per_sample_hint():
+    """One flat list of document lengths for a batch of 2 has the batch's rows but counts keys across
+    samples: the range error says to build the mask per sample."""
+    from maskplan_core.masks import document
+
+    q, k, v = fixed_qkv(b=2, sq=64, sk=64)
+    with expect(EndpointError, ValueError, "k_len = 64", "masks.document([[lengths of sample 0]"):
+        plan(document([20, 50, 58]), q, k, v)
+    plan(document([[20, 44], [50, 14]]), q, k, v)
 
 
 def test_endpoint_negative():

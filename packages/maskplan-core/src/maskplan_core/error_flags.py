@@ -44,10 +44,18 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
     if flags & ENDPOINT_RANGE:
         bad = (mask_func < 0) | (mask_func > sample_k_len.view(1, 1, -1))
         h, f, row = _first(bad)
+        value, k_len = int(mask_func[h, f, row]), int(sample_k_len[row])
+        hint = ""
+        if value > k_len and geometry.cu_seqlens_q.numel() > 2:
+            hint = (
+                "; if mask_func was built for one sequence of the whole batch's rows (masks.document with "
+                "one flat list of lengths), it counts keys across samples: build it per sample "
+                "(masks.document([[lengths of sample 0], [lengths of sample 1], ...]))"
+            )
         raise EndpointError(
-            f"mask_func[{h}, {f}, {row}] = {int(mask_func[h, f, row])} is outside [0, k_len] for query row "
-            f"{row}, whose sample has k_len = {int(sample_k_len[row])} (endpoints are key positions "
-            "inside the row's sample, counted from its first key)"
+            f"mask_func[{h}, {f}, {row}] = {value} is outside [0, k_len] for query row {row}, whose sample "
+            f"has k_len = {k_len} (endpoints are key positions inside the row's sample, counted from its "
+            f"first key){hint}"
         )
     if flags & ENDPOINT_ORDER:
         bad = mask_func[:, 1:, :] < mask_func[:, :-1, :]

@@ -308,9 +308,9 @@ def validate_plan_inputs(
             hints = []
             if rows == max_q:
                 hints.append(
-                    f"mask_func covers one sample of {max_q} rows, q holds {batch}: build it for the batch "
+                    f"if mask_func was built for one sample of {max_q} rows, build it for the batch "
                     "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded "
-                    "to B)"
+                    f"to B); if for {batch} samples, its S is not q's {max_q}"
                 )
             if rows == batch:
                 hints.append(
@@ -321,7 +321,10 @@ def validate_plan_inputs(
             hint = "; " + "; or, ".join(hints)
         elif transposed:
             hint = transposed_hint
-        raise InputValueError(f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{hint}")
+        layout = "" if varlen else f" ({batch} samples of {max_q})"
+        raise InputValueError(
+            f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
+        )
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
         warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "
