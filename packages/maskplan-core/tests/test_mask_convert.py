@@ -319,10 +319,13 @@ def test_the_head_index_check_is_the_calling_threads_alone():
 
 
 def test_from_mask_mod_with_python_control_flow_says_why():
-    """Python `and` / `if` on the index tensors fail under torch.vmap, as in torch: the error says
-    so and names the tensor operators; other errors of the mask_mod pass through unchanged."""
+    """Python `and` / `if` and `.item()` on the index tensors fail under torch.vmap, as in torch:
+    the error says so and names the tensor operators; other errors of the mask_mod pass through
+    unchanged."""
     with pytest.raises(InputValueError, match="under torch.vmap.*`&`"):
         masks.from_mask_mod(lambda b, h, q, kv: (q >= kv) and (q - kv < 4), 1, None, 8, 8)
+    with pytest.raises(InputValueError, match=r"under torch.vmap.*`\.item\(\)`"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q.item(), 1, None, 8, 8)
 
     def raises(b, h, q, kv):
         raise RuntimeError("the user's own failure")

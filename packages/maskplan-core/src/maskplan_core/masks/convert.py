@@ -479,6 +479,10 @@ def _vmapped(mask_mod):
     return fn
 
 
+#: torch.vmap's errors where a mask_mod reads a value of an index tensor (Python control flow, .item())
+_VMAP_VALUE_ERRORS = ("data-dependent control flow", "Boolean value of Tensor", "calling .item()")
+
+
 def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: int) -> torch.Tensor:
     """``mask_mod`` at sample ``b``, the head indices ``heads``, the query rows ``q_idx`` and every
     kv_idx: bool ``[len(heads), len(q_idx), Sk]``."""
@@ -488,12 +492,12 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
     try:
         res = fn(torch.tensor(b, device=dev), heads, q_idx, kv_idx)
     except RuntimeError as err:
-        if "data-dependent control flow" not in str(err) and "Boolean value of Tensor" not in str(err):
+        if not any(sign in str(err) for sign in _VMAP_VALUE_ERRORS):
             raise
         raise InputValueError(
             "mask_mod is evaluated as torch FlexAttention's create_block_mask evaluates it (under "
-            "torch.vmap), so Python `and` / `or` / `if` on its index tensors fail: use `&`, `|` and "
-            f"torch.where ({err})"
+            "torch.vmap), so Python `and` / `or` / `if` and `.item()` on its index tensors fail: use "
+            f"`&`, `|` and torch.where, and index tensors with tensors ({err})"
         ) from err
     except ValueError as err:
         if "must only return Tensors" not in str(err):
