@@ -255,10 +255,10 @@ def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
 
 
 def test_half_full_rows_capped_head_group():
-    """Half-full K2Q rows (causal) and 6 kv heads at (256, 256): deterministic mode takes
-    ``det_capped_heads`` (4) kv heads at a time, then the remaining 2
+    """Half-full K2Q rows (causal) and 10 kv heads at (256, 256): deterministic mode takes
+    ``det_capped_heads`` (8) kv heads at a time, then the remaining 2
     (``Sm90BwdKernel.launch_head_group``). Matches the reference; three runs are bit-identical."""
-    B, S, H = 2, 1000, 6
+    B, S, H = 2, 1000, 10
     q, k, v = CASES.qkv((B, S, H), (B, S, H), 256, 256, torch.bfloat16, seed=18)
     plan = sm90_plan(masks.causal(S, batch=B, device=DEV), q, k, v)
     view = plan.view("backward")
@@ -271,14 +271,14 @@ def test_half_full_rows_capped_head_group():
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 
-#: kv heads the launch order takes at a time, H = 6 kv heads, B=2 S=8192 (the benchmark's masks):
+#: kv heads the launch order takes at a time, H = 10 kv heads, B=2 S=8192 (the benchmark's masks):
 #: {(dim, deterministic): (causal, sliding-1024, document, random-5)}. Causal's K2Q rows are half
 #: full, sliding windows' and documents' sparse (sliding windows' ends staggered), random-5's dense
 LAUNCH_GROUPS = {
-    (128, False): (ATOMIC_HEAD_GROUP, 6, 6, ATOMIC_HEAD_GROUP),  # sparse rows: all heads
+    (128, False): (ATOMIC_HEAD_GROUP, 10, 10, ATOMIC_HEAD_GROUP),  # sparse rows: all heads
     (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),  # sparse rows: SPARSE_HEAD_CAP
-    (128, True): (6, 6, 6, 2),  # dense rows: DENSE_HEAD_GROUP
-    (256, True): (4, 4, 6, 2),  # det_capped_heads on half-full and staggered sparse rows
+    (128, True): (10, 10, 10, 2),  # dense rows: DENSE_HEAD_GROUP
+    (256, True): (8, 4, 10, 2),  # det_capped_heads on half-full rows, det_stagger_heads on staggered
 }
 
 
@@ -288,7 +288,7 @@ def test_launch_order_as_the_kernel_decides(dim, deterministic):
     main kernel's own ``launch_head_group`` and ``staggered_row_ends`` on the benchmark's masks:
     the kv heads at a time are LAUNCH_GROUPS', and the staggered flag is the host's count of the
     sampled pairs (``host_stagger``)."""
-    B, S, H = 2, 8192, 6
+    B, S, H = 2, 8192, 10
     q = torch.zeros(B, S, H, dim, dtype=torch.bfloat16, device=DEV)
     eps = (
         masks.causal(S, batch=B, device=DEV),

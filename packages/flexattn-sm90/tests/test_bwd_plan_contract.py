@@ -196,16 +196,17 @@ def test_sparse_rows_head_cap_follows_the_q_block_size(dims):
 
 @pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
 def test_deterministic_head_cap_follows_the_q_block_size(dims):
-    """Deterministic mode takes SPARSE_HEAD_CAP kv heads at a time on half-full K2Q rows (causal's:
-    ``test_launch_head_group_follows_the_k2q_row_fill``) only where a Q block's Q, dO and fp32 dQ
-    take DET_CAP_BYTES: the (256, 256) kernel's 64 x 256 blocks, 128 KB; on sparse rows with
-    staggered ends (``test_staggered_row_ends``) from STAGGER_CAP_BYTES: those and (192, 128)'s
-    88 KB blocks (``Sm90BwdKernel.launch_head_group``); elsewhere all heads."""
+    """Deterministic mode takes HALF_FULL_HEAD_CAP kv heads at a time on half-full K2Q rows
+    (causal's: ``test_launch_head_group_follows_the_k2q_row_fill``) only where a Q block's Q, dO
+    and fp32 dQ take DET_CAP_BYTES: the (256, 256) kernel's 64 x 256 blocks, 128 KB; and
+    SPARSE_HEAD_CAP on sparse rows with staggered ends (``test_staggered_row_ends``) from
+    STAGGER_CAP_BYTES: those and (192, 128)'s 88 KB blocks (``Sm90BwdKernel.launch_head_group``);
+    elsewhere all heads."""
     config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
     kernel = Sm90BwdKernel(config, deterministic=True)
-    cap = Sm90BwdKernel.SPARSE_HEAD_CAP
-    assert kernel.det_capped_heads == (cap if dims == (256, 256) else 0)
-    assert kernel.det_stagger_heads == (cap if dims in ((192, 128), (256, 256)) else 0)
+    half_full, stagger = Sm90BwdKernel.HALF_FULL_HEAD_CAP, Sm90BwdKernel.SPARSE_HEAD_CAP
+    assert kernel.det_capped_heads == (half_full if dims == (256, 256) else 0)
+    assert kernel.det_stagger_heads == (stagger if dims in ((192, 128), (256, 256)) else 0)
 
 
 def test_stagger_pairs_are_adjacent_rows_spread_over_the_view():

@@ -43,16 +43,17 @@ class LaunchOrder:
     #: take at most SPARSE_ALL_HEADS_BYTES, else SPARSE_HEAD_CAP heads (launch_head_group)
     SPARSE_ALL_HEADS_BYTES = 64 * 1024
     SPARSE_HEAD_CAP = 4
-    #: deterministic mode: SPARSE_HEAD_CAP heads at a time on half-full K2Q rows (causal's) where
-    #: a Q block takes DET_CAP_BYTES or more, on sparse ones with staggered ends (sliding windows')
-    #: where it takes STAGGER_CAP_BYTES or more (launch_head_group)
+    #: deterministic mode: HALF_FULL_HEAD_CAP heads at a time on half-full K2Q rows (causal's) where
+    #: a Q block takes DET_CAP_BYTES or more, SPARSE_HEAD_CAP on sparse ones with staggered ends
+    #: (sliding windows') where it takes STAGGER_CAP_BYTES or more (launch_head_group)
     DET_CAP_BYTES = 128 * 1024
+    HALF_FULL_HEAD_CAP = 8
     STAGGER_CAP_BYTES = 88 * 1024
 
     def init_launch_order(self, q_block_bytes: int) -> None:
         """Set the caps from what every step streams through L2 per Q block (its Q, dO and fp32 dQ)."""
         self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
-        self.det_capped_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.DET_CAP_BYTES else 0
+        self.det_capped_heads = self.HALF_FULL_HEAD_CAP if q_block_bytes >= self.DET_CAP_BYTES else 0
         self.det_stagger_heads = self.SPARSE_HEAD_CAP if q_block_bytes >= self.STAGGER_CAP_BYTES else 0
 
     @cute.jit
@@ -86,8 +87,10 @@ class LaunchOrder:
         take that many heads, and where ``det_stagger_heads`` is (also (192, 128)'s 88 KB blocks)
         sparse rows with staggered ends do: on an H100 at (256, 256), causal fwd+bwd ran at 312
         TFLOP/s over all 16 heads and 415 over 4, sliding-1024 at 268 and 347, documents at 291
-        and 202 (session 50); at (192, 128) sliding-1024 at 370 and 395 (atomic 406), causal at
-        504 and 485 over 4 (session 53), so half-full rows keep all heads there. Any order gives
+        and 202 (session 50); causal at 423 and 421 over 8 against 415 and 413 over 4 in two
+        rounds, 359 over 2 (sliding-1024: 351 and 351 over 8, 346 and 346 over 4, 326 over 2);
+        at (192, 128) sliding-1024 at 370 over 16 heads and 395 over 4 (atomic 406), causal at
+        504 and 485 over 4, so half-full rows keep all heads there (session 53). Any order gives
         the same bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
