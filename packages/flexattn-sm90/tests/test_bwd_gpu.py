@@ -248,8 +248,10 @@ def test_sparse_rows_capped_head_group(dqk, dv, deterministic):
     q, k, v = CASES.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=16)
     plan = sm90_plan(masks.sliding_window(S, window_left=40, batch=B, device=DEV), q, k, v)
     assert bwd_view_args(plan.view("backward"), DEV).sparse_rows
-    kernel = Sm90BwdKernel(select_bwd_config(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16"))
-    assert 0 < kernel.sparse_heads < H
+    kernel = Sm90BwdKernel(
+        select_bwd_config(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16"), deterministic=deterministic
+    )
+    assert 0 < (kernel.det_stagger_heads if deterministic else kernel.sparse_heads) < H
     repeats = 3 if deterministic else 1
     check_backward(run_backward, plan, q, k, v, deterministic=deterministic, repeats=repeats)
 
@@ -272,13 +274,16 @@ def test_half_full_rows_capped_head_group():
 
 
 #: kv heads the launch order takes at a time, H = 10 kv heads, B=2 S=8192 (the benchmark's masks):
-#: {(dim, deterministic): (causal, sliding-1024, document, random-5)}. Causal's K2Q rows are half
-#: full, sliding windows' and documents' sparse (sliding windows' ends staggered), random-5's dense
+#: {(dim, deterministic): (causal, sliding-1024, document, random-5)}, dim 192 with Dv = 128.
+#: Causal's K2Q rows are half full, sliding windows' and documents' sparse (sliding windows' ends
+#: staggered), random-5's dense
 LAUNCH_GROUPS = {
     (128, False): (ATOMIC_HEAD_GROUP, 10, 10, ATOMIC_HEAD_GROUP),  # sparse rows: all heads
-    (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),  # sparse rows: SPARSE_HEAD_CAP
+    (192, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),  # sparse rows: SPARSE_HEAD_CAP
+    (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),
     (128, True): (10, 10, 10, 2),  # dense rows: DENSE_HEAD_GROUP
-    (256, True): (8, 4, 10, 2),  # det_capped_heads on half-full rows, det_stagger_heads on staggered
+    (192, True): (10, 4, 10, 2),  # staggered rows: det_stagger_heads
+    (256, True): (8, 4, 10, 2),  # and half-full rows: det_capped_heads
 }
 
 
@@ -290,6 +295,7 @@ def test_launch_order_as_the_kernel_decides(dim, deterministic):
     sampled pairs (``host_stagger``)."""
     B, S, H = 2, 8192, 10
     q = torch.zeros(B, S, H, dim, dtype=torch.bfloat16, device=DEV)
+    v = q if dim != 192 else torch.zeros(B, S, H, 128, dtype=torch.bfloat16, device=DEV)
     eps = (
         masks.causal(S, batch=B, device=DEV),
         masks.sliding_window(S, window_left=1024, batch=B, device=DEV),
@@ -297,7 +303,7 @@ def test_launch_order_as_the_kernel_decides(dim, deterministic):
         CASES.random_intervals(1, 5, torch.full((B * S,), S), seed=3),
     )
     for ep, group in zip(eps, LAUNCH_GROUPS[dim, deterministic], strict=True):
-        view = sm90_plan(ep, q, q, q).view("backward")
+        view = sm90_plan(ep, q, q, v).view("backward")
         staggered, pairs = host_stagger(view)
         assert probe_launch_order(view, deterministic=deterministic, device=DEV) == (
             group, int(staggered * 2 > pairs)

@@ -326,6 +326,8 @@ def test_from_mask_mod_with_python_control_flow_says_why():
         masks.from_mask_mod(lambda b, h, q, kv: (q >= kv) and (q - kv < 4), 1, None, 8, 8)
     with pytest.raises(InputValueError, match=r"under torch.vmap.*`\.item\(\)`"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q.item(), 1, None, 8, 8)
+    with pytest.raises(InputValueError, match="under torch.vmap"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q.tolist(), 1, None, 8, 8)
 
     def raises(b, h, q, kv):
         raise RuntimeError("the user's own failure")

@@ -323,6 +323,37 @@ def test_layout_coordinates_must_fit_the_payload():
         layout.pack(torch.ones(1, 2, 32, dtype=torch.bool))
 
 
+class _ColumnsForward(RowMajorLayout):
+    """Row-major bits under an id of this test's own (the process keeps the first order of an id)."""
+
+    def __init__(self, tile_m: int, tile_n: int, layout_id: str = "test-columns-v1"):
+        super().__init__(tile_m, tile_n)
+        self.layout_id = layout_id
+
+
+class _ColumnsReversed(_ColumnsForward):
+    """The same tile with each row's columns on the bits in reverse order."""
+
+    def element_coords(self):
+        s, g, _, _ = super().element_coords()
+        n = (self.tile_n - 1 - torch.arange(self.tile_n)).expand(self.tile_m, self.tile_n)
+        return s, g, n // 32, n % 32
+
+
+def test_one_layout_id_names_one_bit_order():
+    """A signature carries the layout_id, not the map: a layout whose bits differ from another's of
+    the same id (a subclass overriding element_coords and keeping the id) is refused where its
+    order is first used, naming both; with an id of its own, or with the same order, it is not."""
+    tiles = torch.rand(3, 4, 40) < 0.5
+    forward = _ColumnsForward(4, 40)
+    assert torch.equal(forward.unpack(forward.pack(tiles)), tiles)
+    with pytest.raises(InputValueError, match="test-columns-v1 .*_ColumnsReversed.* _ColumnsForward of that"):
+        _ColumnsReversed(4, 40).pack(tiles)
+    reversed_ = _ColumnsReversed(4, 40, layout_id="test-columns-reversed-v1")
+    assert torch.equal(reversed_.unpack(reversed_.pack(tiles)), tiles)
+    assert torch.equal(_ColumnsForward(4, 40).pack(tiles), forward.pack(tiles))
+
+
 def test_a_view_carries_a_signature_of_its_own_direction_and_layout():
     """The runtime dispatches on a view's signature alone, so a view config whose signature names
     the other direction, or a payload other than the one it packs, is refused when the view is

@@ -66,8 +66,9 @@ class LaunchOrder:
         (cuDNN's: 18%, 88%); ``SPARSE_HEAD_CAP`` heads at a time measured +7-9% there, +2% on
         documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
         session 31). Deterministic mode: ``DENSE_HEAD_GROUP`` on dense K2Q rows (``k2q_row_fill``
-        of ``DENSE_ROW_FILL`` or more), ``det_capped_heads`` where set on half-full rows and on
-        sparse rows with staggered ends (below), else all of them.
+        of ``DENSE_ROW_FILL`` or more), ``det_capped_heads`` where set on half-full rows and
+        ``det_stagger_heads`` where set on sparse rows with staggered ends (below), else all of
+        them.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,

@@ -14,14 +14,14 @@ packed ``dqkv`` buffer) take the kernels' result through a copy, as a fixed-leng
 (``[B, Hq, Sq]`` is not the kernels' ``[Hq, total_q]`` order). Each output holds elements of its own:
 none twice, none another output's or an input's, and none of an autograd graph (:func:`_require_apart`).
 Inputs (q / k / v, and o / do / lse / dlse of the backward) may have any strides, as
-``flex_attn_func``'s; the kernels read q / k / v in place where their head dim is contiguous and
-their base, row and head strides are 16-byte multiples (slices of one packed QKV tensor; on Hopper
-also ``[B, H, S, D]`` tensors transposed, per sample, where S is a multiple of the kernels'
-granule), and a copy otherwise. With ``current_stream`` the work runs on that stream and every
-tensor it reads or writes, the plan's included, is recorded on it (freeing them right after
-``execute`` is safe); like any CUDA stream, it must be ordered after the work that made them
-(``s.wait_stream(torch.cuda.current_stream())`` where they were made on the current stream). No
-autograd: this is the inference / hand-written training-loop API.
+``flex_attn_func``'s, but q / k / v need a contiguous head dim (refused otherwise); the kernels
+read q / k / v in place where their base, row and head strides are 16-byte multiples (slices of
+one packed QKV tensor; on Hopper also ``[B, H, S, D]`` tensors transposed, per sample, where S is
+a multiple of the kernels' granule), and a copy otherwise. With ``current_stream`` the work runs
+on that stream and every tensor it reads or writes, the plan's included, is recorded on it
+(freeing them right after ``execute`` is safe); like any CUDA stream, it must be ordered after the
+work that made them (``s.wait_stream(torch.cuda.current_stream())`` where they were made on the
+current stream). No autograd: this is the inference / hand-written training-loop API.
 
 What differs from cuDNN: flexattn's kernels take their workspace (scheduler counter, dQ
 accumulator) from PyTorch's caching allocator, so ``workspace_size`` is 0: ``execute`` takes

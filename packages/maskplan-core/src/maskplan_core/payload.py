@@ -14,6 +14,7 @@ Bit 1 keeps the score, bit 0 replaces it with -inf. Bits no element maps to are 
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from functools import cached_property
 
@@ -24,6 +25,12 @@ from .schema import PayloadLayoutSpec
 
 WORD_BITS = 32
 _BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8, device="cpu")
+
+#: layout_id -> (class name, flat bit index) of the first layout of that id this process built: a
+#: signature names the bit order by layout_id alone, so two orders under one id (a subclass that
+#: overrides element_coords but keeps its parent's id) would let one read the other's payloads
+_ORDERS_BY_ID: dict[str, tuple[str, torch.Tensor]] = {}
+_ORDERS_LOCK = threading.Lock()
 
 
 class PayloadLayout(ABC):
@@ -70,6 +77,14 @@ class PayloadLayout(ABC):
         flat = word * WORD_BITS + b
         if flat.unique().numel() != flat.numel():
             raise InputValueError(f"payload layout {self.layout_id} maps two elements to one bit")
+        with _ORDERS_LOCK:
+            first, known = _ORDERS_BY_ID.setdefault(self.layout_id, (type(self).__name__, flat))
+        if known is not flat and not torch.equal(known, flat):
+            raise InputValueError(
+                f"payload layout {self.layout_id} ({type(self).__name__}) puts elements on other bits than "
+                f"the {first} of that layout_id did: a layout_id names one bit order (a plan's signature "
+                "carries only the id), so a layout of another order needs an id of its own"
+            )
         return flat
 
     @cached_property

@@ -307,10 +307,11 @@ def validate_plan_inputs(
         elif not varlen and ((rows == max_q and batch > 1) or (rows == batch and max_q > 1)):
             hints = []
             if rows == max_q:
+                other_s = f"; if for {batch} samples, its S is not q's {max_q}" if max_q % batch == 0 else ""
                 hints.append(
                     f"if mask_func was built for one sample of {max_q} rows, build it for the batch "
                     "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded "
-                    f"to B); if for {batch} samples, its S is not q's {max_q}"
+                    f"to B){other_s}"
                 )
             if rows == batch:
                 hints.append(

@@ -479,8 +479,11 @@ def _vmapped(mask_mod):
     return fn
 
 
-#: torch.vmap's errors where a mask_mod reads a value of an index tensor (Python control flow, .item())
-_VMAP_VALUE_ERRORS = ("data-dependent control flow", "Boolean value of Tensor", "calling .item()")
+#: torch.vmap's errors where a mask_mod reads a value of an index tensor (Python control flow,
+#: .item(), .tolist())
+_VMAP_VALUE_ERRORS = (
+    "data-dependent control flow", "Boolean value of Tensor", "calling .item()", "Cannot access data pointer"
+)
 
 
 def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: int) -> torch.Tensor:
