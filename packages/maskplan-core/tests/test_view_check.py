@@ -221,6 +221,20 @@ def test_a_plan_holds_views_of_its_own_geometry_and_roles():
         MaskPlan(g, {"forward": bwd}, header, "test")
 
 
+@pytest.mark.parametrize(
+    "header, match",
+    [((1, 2, 3), "holds 8 counts .* got \\(1, 2, 3\\)"), ((0,) * 7 + (-1,), "holds 8 counts"),
+     ((0.0,) * 8, "holds 8 counts"), ((0,) * 7 + (256,), "error_flags 0x100")],
+    ids=["short", "negative", "float", "error-flags"],
+)
+def test_a_plan_header_holds_the_planners_counts(header, match):
+    """A plan remade from stored views (pickled views rebuild into a MaskPlan) names a header that is
+    not the planner's: eight non-negative int counts, error flags 0."""
+    plan = _plan(False)
+    with pytest.raises(InputValueError, match=match):
+        MaskPlan(plan.geometry, {"forward": plan.view("forward")}, header, "test")
+
+
 def test_views_pickle_and_torch_save_and_copy_as_themselves():
     view = _plan(True).view("backward")
     assert copy.copy(view) is view and copy.deepcopy(view) is view  # read-only, as a MaskPlan

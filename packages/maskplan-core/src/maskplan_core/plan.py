@@ -346,6 +346,21 @@ def _plan_storage(
     )
 
 
+def _check_header(header: tuple[int, ...]) -> None:
+    """The planner's allocation header (``HEADER_FIELDS``): counts, and no error flag (a builder
+    raises the flags' error before it makes a plan)."""
+    header = tuple(header)
+    if len(header) != len(HEADER_FIELDS) or any(type(v) is not int or v < 0 for v in header):
+        raise InputValueError(
+            f"a MaskPlan's header holds {len(HEADER_FIELDS)} counts ({', '.join(HEADER_FIELDS)}), "
+            f"got {header!r}"
+        )
+    if header[-1] != 0:
+        raise InputValueError(
+            f"a MaskPlan's header has error_flags 0x{header[-1]:x}: the planner refused the mask"
+        )
+
+
 def _check_views(geometry: PlanGeometry, views: dict[str, PlanView]) -> None:
     """A plan holds a forward view, and a backward one at most, each under its own role and bound
     to the plan's geometry (a consumer reads the plan's geometry with either view's tensors)."""
@@ -426,6 +441,7 @@ class MaskPlan:
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
     ):
         _check_views(geometry, views)
+        _check_header(header)
         init = object.__setattr__  # __setattr__ refuses every write once _consumer is set
         init(self, "_geometry", geometry)
         init(self, "_views", dict(views))
@@ -507,7 +523,7 @@ class MaskPlan:
         items = {
             "consumer": self._consumer,
             "geometry": g.describe(),
-            "allocation_header": dict(zip(HEADER_FIELDS, self._header, strict=False)),
+            "allocation_header": dict(zip(HEADER_FIELDS, self._header, strict=True)),
             "signatures": {role: v.signature.model_dump() for role, v in self._views.items()},
         }
         arch = None
