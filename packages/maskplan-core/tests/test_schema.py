@@ -119,11 +119,18 @@ def test_extra_fields_are_forbidden(model, data):
         {"tile_m": 128, "tile_n": 128, "cluster_axis": "k"},
         {"tile_m": 128, "tile_n": 128, "cta_group_size": 3},
         {"tile_m": 128, "tile_n": 128, "cta_group_size": 0},
+        # strict: an ABI field is not coerced from another type
+        {"tile_m": True, "tile_n": 128},
+        {"tile_m": "64", "tile_n": 128},
+        {"tile_m": 64.0, "tile_n": 128},
+        {"tile_m": 128, "tile_n": 128, "pack_gqa": 1},
     ],
 )
 def test_topology_rejects_bad_values(data):
     with pytest.raises(ValidationError):
         Topology.model_validate(data)
+    with pytest.raises(ValidationError):
+        Topology.model_validate_json(json.dumps(data))
 
 
 def test_signature_rejects_unknown_direction_and_dq_format():

@@ -32,7 +32,7 @@ Direction = Literal["forward", "backward"]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class Topology(_Frozen):
