@@ -46,7 +46,7 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
         h, f, row = _first(bad)
         value, k_len = int(mask_func[h, f, row]), int(sample_k_len[row])
         hint = ""
-        if value > k_len and geometry.cu_seqlens_q.numel() > 2:
+        if value > k_len and geometry.batch > 1:
             hint = (
                 "; if mask_func was built for one sequence of the whole batch's rows (masks.document with "
                 "one flat list of lengths), it counts keys across samples: build it per sample "
