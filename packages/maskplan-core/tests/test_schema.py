@@ -24,9 +24,13 @@ from maskplan_core import (
 FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None)
 
 
-def spec(layout_id: str, groups: int = 1, words: int = 1) -> PayloadLayoutSpec:
+def spec(layout_id: str, groups: int = 1, words: int = 1, bit_order: str = "sha256:" + "0" * 16):
     return PayloadLayoutSpec(
-        layout_id=layout_id, physical_subtiles=1, payload_groups=groups, words_per_group=words
+        layout_id=layout_id,
+        bit_order=bit_order,
+        physical_subtiles=1,
+        payload_groups=groups,
+        words_per_group=words,
     )
 
 
@@ -131,6 +135,12 @@ def test_topology_rejects_bad_values(data):
         Topology.model_validate(data)
     with pytest.raises(ValidationError):
         Topology.model_validate_json(json.dumps(data))
+
+
+@pytest.mark.parametrize("bit_order", ["sha256:" + "0" * 15, "sha256:" + "A" * 16, "0" * 16, "md5:0000"])
+def test_payload_spec_rejects_a_bit_order_not_a_digest(bit_order):
+    with pytest.raises(ValidationError, match="bit_order"):
+        spec("x", bit_order=bit_order)
 
 
 def test_signature_rejects_unknown_direction_and_dq_format():
@@ -331,15 +341,15 @@ def test_layout_coordinates_must_fit_the_payload():
 
 
 class _ColumnsForward(RowMajorLayout):
-    """Row-major bits under an id of this test's own (the process keeps the first order of an id)."""
+    """Row-major bits under an id of this test's own."""
 
-    def __init__(self, tile_m: int, tile_n: int, layout_id: str = "test-columns-v1"):
+    def __init__(self, tile_m: int, tile_n: int):
         super().__init__(tile_m, tile_n)
-        self.layout_id = layout_id
+        self.layout_id = "test-columns-v1"
 
 
 class _ColumnsReversed(_ColumnsForward):
-    """The same tile with each row's columns on the bits in reverse order."""
+    """The same tile and id with each row's columns on the bits in reverse order."""
 
     def element_coords(self):
         s, g, _, _ = super().element_coords()
@@ -347,18 +357,49 @@ class _ColumnsReversed(_ColumnsForward):
         return s, g, n // 32, n % 32
 
 
-def test_one_layout_id_names_one_bit_order():
-    """A signature carries the layout_id, not the map: a layout whose bits differ from another's of
-    the same id (a subclass overriding element_coords and keeping the id) is refused where its
-    order is first used, naming both; with an id of its own, or with the same order, it is not."""
+def test_bit_order_is_the_documented_digest():
+    """``bit_order`` is reproducible from the map alone (the schema's recipe, written out here with
+    hashlib and struct), so a producer in another language or process computes the same string."""
+    import hashlib
+    import struct
+
+    layout = RowMajorLayout(4, 40)  # bit = (m * 2 + n // 32) * 32 + n % 32
+    flat = [(m * 2 + n // 32) * 32 + n % 32 for m in range(4) for n in range(40)]
+    digest = hashlib.sha256(struct.pack(f"<{2 + len(flat)}q", 4, 40, *flat)).hexdigest()[:16]
+    assert layout.bit_order == layout.spec.bit_order == "sha256:" + digest
+    assert RowMajorLayout(40, 4).bit_order != layout.bit_order  # the tile shape is hashed too
+
+
+def test_a_signature_names_the_bit_order_not_only_the_id():
+    """Two layouts of one ``layout_id`` whose bits differ (a subclass overriding element_coords and
+    keeping its parent's id, or a layout changed without a new version) each pack and unpack in
+    their own order, and their signatures differ in ``payload.bit_order``: a plan packed by one is
+    refused by a consumer of the other, whichever process built it (the signature is all it
+    carries)."""
+    from maskplan_core import PlanSignatureMismatch, masks, validate_plan_inputs
+    from maskplan_core.consumer import ViewConfig, require_view_signature
+    from maskplan_core.reference import build_plan
+
     tiles = torch.rand(3, 4, 40) < 0.5
-    forward = _ColumnsForward(4, 40)
-    assert torch.equal(forward.unpack(forward.pack(tiles)), tiles)
-    with pytest.raises(InputValueError, match="test-columns-v1 .*_ColumnsReversed.* _ColumnsForward of that"):
-        _ColumnsReversed(4, 40).pack(tiles)
-    reversed_ = _ColumnsReversed(4, 40, layout_id="test-columns-reversed-v1")
-    assert torch.equal(reversed_.unpack(reversed_.pack(tiles)), tiles)
-    assert torch.equal(_ColumnsForward(4, 40).pack(tiles), forward.pack(tiles))
+    forward, reversed_ = _ColumnsForward(4, 40), _ColumnsReversed(4, 40)
+    for layout in (forward, reversed_):
+        assert torch.equal(layout.unpack(layout.pack(tiles)), tiles)
+    assert not torch.equal(forward.pack(tiles), reversed_.pack(tiles))
+    assert forward.bit_order != reversed_.bit_order
+    assert _ColumnsForward(4, 40).bit_order == forward.bit_order
+
+    def config(layout):
+        topology = Topology(tile_m=4, tile_n=40)
+        return ViewConfig(signature(topology=topology, payload=layout.spec), layout)
+
+    q = torch.randn(1, 100, 1, 8)
+    mask = masks.sliding_window(100, window_left=7)
+    plan = build_plan(mask, validate_plan_inputs(mask, q, q, q), config(reversed_), None, "test")
+    assert plan.view("forward").stats()["partial"] > 0
+    require_view_signature(plan.view("forward"), "forward", config(reversed_), arch="test")
+    with pytest.raises(PlanSignatureMismatch, match=r"payload\.bit_order: plan has 'sha256:") as info:
+        require_view_signature(plan.view("forward"), "forward", config(forward), arch="test")
+    assert [d.field for d in info.value.diffs] == ["payload.bit_order"]
 
 
 def test_a_view_carries_a_signature_of_its_own_direction_and_layout():

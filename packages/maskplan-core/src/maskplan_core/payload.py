@@ -14,7 +14,8 @@ Bit 1 keeps the score, bit 0 replaces it with -inf. Bits no element maps to are 
 
 from __future__ import annotations
 
-import threading
+import hashlib
+import struct
 from abc import ABC, abstractmethod
 from functools import cached_property
 
@@ -25,13 +26,6 @@ from .schema import PayloadLayoutSpec
 
 WORD_BITS = 32
 _BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8, device="cpu")
-
-#: layout_id -> (class name, flat bit index) of the first layout of that id this process built: a
-#: signature names the bit order by layout_id alone, so two orders under one id (a subclass that
-#: overrides element_coords but keeps its parent's id) would let one read the other's payloads
-_ORDERS_BY_ID: dict[str, tuple[str, torch.Tensor]] = {}
-_ORDERS_LOCK = threading.Lock()
-
 
 class PayloadLayout(ABC):
     """Element -> (subtile, group, word, bit) map of one consumer's partial-block payload."""
@@ -51,6 +45,7 @@ class PayloadLayout(ABC):
     def spec(self) -> PayloadLayoutSpec:
         return PayloadLayoutSpec(
             layout_id=self.layout_id,
+            bit_order=self.bit_order,
             physical_subtiles=self.subtiles,
             payload_groups=self.groups,
             words_per_group=self.words_per_group,
@@ -77,15 +72,15 @@ class PayloadLayout(ABC):
         flat = word * WORD_BITS + b
         if flat.unique().numel() != flat.numel():
             raise InputValueError(f"payload layout {self.layout_id} maps two elements to one bit")
-        with _ORDERS_LOCK:
-            first, known = _ORDERS_BY_ID.setdefault(self.layout_id, (type(self).__name__, flat))
-        if known is not flat and not torch.equal(known, flat):
-            raise InputValueError(
-                f"payload layout {self.layout_id} ({type(self).__name__}) puts elements on other bits than "
-                f"the {first} of that layout_id did: a layout_id names one bit order (a plan's signature "
-                "carries only the id), so a layout of another order needs an id of its own"
-            )
         return flat
+
+    @cached_property
+    def bit_order(self) -> str:
+        """Digest of the bit order (:func:`bit_order_digest`): the signature carries it beside
+        ``layout_id``, so a plan packed in another order under the same id (a subclass overriding
+        ``element_coords`` and keeping its parent's id, a layout changed without a new version)
+        is refused by the consumer's signature check, in this process or any other."""
+        return bit_order_digest(self.flat_bit_index)
 
     @cached_property
     def _bit_source(self) -> torch.Tensor:
@@ -147,6 +142,16 @@ class PayloadLayout(ABC):
             f"{type(self).__name__}({self.layout_id}: tile {self.tile_m}x{self.tile_n}, "
             f"{self.subtiles} subtile(s) x {self.groups} groups x {self.words_per_group} words)"
         )
+
+
+def bit_order_digest(flat_bit_index: torch.Tensor) -> str:
+    """``"sha256:"`` and the first 16 hex digits of the SHA-256 of ``tile_m``, ``tile_n`` and then
+    every element's flat bit index (``((subtile * groups + group) * words_per_group + word) * 32
+    + bit``) in row-major ``(m, n)`` order, all as little-endian int64: the schema's
+    ``PayloadLayoutSpec.bit_order``, reproducible in any language from the layout's map."""
+    tile_m, tile_n = flat_bit_index.shape
+    values = [tile_m, tile_n, *flat_bit_index.reshape(-1).tolist()]
+    return "sha256:" + hashlib.sha256(struct.pack(f"<{len(values)}q", *values)).hexdigest()[:16]
 
 
 def fragment_inverse(layout: PayloadLayout, m, n, coords, holders: int = 1) -> tuple[torch.Tensor, ...]:

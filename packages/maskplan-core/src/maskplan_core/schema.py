@@ -14,7 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 #: 2: fixed-length views no longer carry ``sequence_desc`` (consumers derive it)
-ABI_VERSION = 2
+#: 3: ``PayloadLayoutSpec.bit_order``: the signature names the bit order by digest, not by id alone
+ABI_VERSION = 3
 
 #: The allocation header (spec 4.5): eight int32 values read once per plan build.
 HEADER_FIELDS = (
@@ -51,6 +52,14 @@ class PayloadLayoutSpec(_Frozen):
     """Shape and identity of the packed predicate payload of one partial block."""
 
     layout_id: str = Field(description="Versioned name of the element -> (subtile, group, word, bit) map.")
+    bit_order: str = Field(
+        pattern=r"^sha256:[0-9a-f]{16}$",
+        description=(
+            "Digest of that map: 'sha256:' and the first 16 hex digits of the SHA-256 of tile_m, "
+            "tile_n, then each element's flat bit index ((subtile * payload_groups + group) * "
+            "words_per_group + word) * 32 + bit in row-major (m, n) order, as little-endian int64."
+        ),
+    )
     physical_subtiles: int = Field(gt=0)
     payload_groups: int = Field(gt=0)
     words_per_group: int = Field(gt=0, description="uint32 words per payload group (padded).")

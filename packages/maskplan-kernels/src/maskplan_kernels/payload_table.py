@@ -105,10 +105,11 @@ _LOCK = threading.Lock()
 
 
 def layout_key(layout: PayloadLayout) -> tuple:
-    """Identity of a layout's bit map: its versioned ``layout_id`` (the schema's contract: one id,
-    one map) plus the shape fields, so two shapes never share a table."""
+    """Identity of a layout's bit map: its ``layout_id`` and ``bit_order`` digest (two orders
+    under one id never share a table) plus the shape fields, so two shapes never share one."""
     return (
         layout.layout_id,
+        layout.bit_order,
         layout.tile_m,
         layout.tile_n,
         layout.subtiles,
