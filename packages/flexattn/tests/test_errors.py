@@ -685,6 +685,35 @@ def test_a_mask_in_place_of_the_plan_names_the_plan_to_build():
             flexattn.flex_attn_func(*fixed_qkv(), mask_plan=mask)
 
 
+@pytest.mark.parametrize(
+    "keyword, remedy",
+    [
+        ("scale", "pass softmax_scale="),
+        ("enable_gqa", "Hq a multiple of Hkv is GQA"),
+        ("block_mask", "masks.from_block_mask(block_mask)"),
+        ("score_mod", "masks only"),
+        ("return_aux", "return_lse=True"),
+        ("kernel_options", "drop it"),
+        ("attn_mask", "masks.from_dense(attn_mask)"),
+        ("is_causal", "masks.causal(Sq, Sk, batch=B)"),
+        ("dropout_p", "no attention dropout"),
+    ],
+)
+def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, remedy):
+    """A call ported from torch's flex_attention or SDPA that keeps one of their keywords is refused
+    with what to do instead (Python's own error names the keyword only); the signature stays cuDNN's,
+    and another unknown keyword gets Python's error."""
+    import inspect
+
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    with expect(InputTypeError, TypeError, f"flex_attn_func() got {keyword}=", remedy):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: None})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scal'"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, scal=0.5)
+    assert "scale" not in inspect.signature(flexattn.flex_attn_func).parameters
+
+
 def test_flex_attn_func_return_arity():
     q, k, v = fixed_qkv()
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)

@@ -51,10 +51,6 @@ def varlen_case(dtype=torch.float64, requires_grad=True, seed=0):
 CASES = {"fixed": fixed_case, "varlen": varlen_case}
 
 
-def thd(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1, *t.shape[-2:])
-
-
 # --------------------------------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------------------------------
@@ -77,7 +73,7 @@ def test_ops_are_registered_with_their_schemas():
 @pytest.mark.parametrize("want_max", [False, True])
 def test_opcheck_forward(case, want_max):
     plan, qkv, _ = CASES[case]()
-    q, k, v = (thd(t).requires_grad_() for t in qkv)
+    q, k, v = (t.detach().requires_grad_() for t in qkv)  # the caller's tensors, as flex_attn_func passes
     args = (q, k, v, plan.handle_tensor, 0.3, True, False, want_max)
     torch.library.opcheck(torch.ops.flexattn.fwd.default, args)
 
@@ -86,7 +82,7 @@ def test_opcheck_forward(case, want_max):
 @pytest.mark.parametrize("with_dlse", [False, True])
 def test_opcheck_backward(case, with_dlse):
     plan, qkv, _ = CASES[case]()
-    q, k, v = (thd(t) for t in qkv)
+    q, k, v = (t.detach() for t in qkv)
     out, lse, _ = torch.ops.flexattn.fwd(q, k, v, plan.handle_tensor, 0.3, True, False, False)
     gen = torch.Generator().manual_seed(1)
     dout = torch.randn(out.shape, generator=gen, dtype=out.dtype)
@@ -106,7 +102,7 @@ def test_plan_handles_are_unique_and_weak():
     with pytest.raises(InputValueError, match=f"handle {handle}"):
         plan_for_handle(handle)
     with pytest.raises(InputValueError, match="garbage-collected"):
-        torch.ops.flexattn.fwd(*(thd(t) for t in qkv), handle_tensor, 0.25, False, False, False)
+        torch.ops.flexattn.fwd(*(t.detach() for t in qkv), handle_tensor, 0.25, False, False, False)
 
 
 _FIRST_HANDLE_SCRIPT = """
@@ -381,6 +377,65 @@ def test_new_plans_of_one_geometry_reuse_the_graph(passed_as):
     assert len(graphs) == 1
 
 
+@pytest.mark.parametrize("passed_as", ["argument", "module attribute"])
+def test_plans_of_other_shapes_recompile_as_any_input_however_the_model_holds_them(passed_as):
+    """Batches of other B and S (a plan each) take a few graphs with dynamic=True, the plan an
+    argument or an attribute of the model alike. Held as an attribute, the plan's geometry is a
+    constant to Dynamo, so the traced binding check and the output view once pinned q's sizes to it:
+    a graph per shape, past Dynamo's recompile limit (then eager)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan) * 2
+
+    holder = _PlanHolder()
+    torch._dynamo.reset()
+    if passed_as == "argument":
+        compiled = torch.compile(attend, fullgraph=True, backend=counting_backend, dynamic=True)
+    else:
+        compiled_holder = torch.compile(holder, fullgraph=True, backend=counting_backend, dynamic=True)
+
+        def compiled(q, k, v, plan):
+            holder.plan = plan
+            return compiled_holder(q, k, v)
+
+    gen = torch.Generator().manual_seed(3)
+    for b, s in ((2, 64), (2, 32), (3, 48), (4, 16), (1, 64), (2, 48), (3, 32), (2, 16), (4, 32), (3, 64)):
+        q, k, v = (torch.randn(b, s, H, D, generator=gen, dtype=torch.float64) for _ in "qkv")
+        plan = flexattn.create_mask_plan(masks.causal(s, batch=b), q, k, v)
+        assert torch.equal(compiled(q, k, v, plan), attend(q, k, v, plan))
+    assert len(graphs) <= 3
+
+
+def test_batch_and_sequence_marked_dynamic_take_one_graph():
+    """``torch._dynamo.mark_dynamic`` on B and S of q, k and v: one graph serves every batch shape
+    (the traced binding check compared them with the plan's, which raised here)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend=counting_backend)
+    gen = torch.Generator().manual_seed(4)
+    for b, s in ((2, 64), (3, 48), (4, 32), (2, 96)):
+        q, k, v = (torch.randn(b, s, H, D, generator=gen, dtype=torch.float64) for _ in "qkv")
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        plan = flexattn.create_mask_plan(masks.causal(s, batch=b), q, k, v)
+        assert torch.equal(compiled(q, k, v, plan), attend(q, k, v, plan))
+    assert len(graphs) == 1
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_a_float_scale_traces_without_a_graph_break(dynamic):
     """Dynamo turns a float argument that changes between calls (or any, with dynamic=True) into a
@@ -467,7 +522,8 @@ def test_varlen_batches_of_other_token_totals_reuse_the_graph(dynamic, graphs):
 
 def test_a_compiled_varlen_call_refuses_a_plan_of_another_token_total():
     """A graph that serves every token total still refuses a plan made for another total than q's,
-    on its first call and on later ones (Dynamo's ``Unsupported`` quoting the binding error)."""
+    on its first call and on later ones, with eager's error: the op checks the binding on the values
+    it runs."""
     plan, qkv = _packed_documents((30, 20), requires_grad=False)
     other, _ = _packed_documents((30, 21), requires_grad=False)
 
@@ -477,39 +533,37 @@ def test_a_compiled_varlen_call_refuses_a_plan_of_another_token_total():
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager", dynamic=True)
     compiled(*qkv, plan)
+    sizes = r"q has shape \(50, 4, 16\) but the plan was built for \(51,"
     for _ in range(2):
-        with pytest.raises(
-            Exception, match="PlanBindingError.*q has another shape than the plan was built for"
-        ):
+        with pytest.raises(PlanBindingError, match=sizes):
             compiled(*qkv, other)
-    with pytest.raises(PlanBindingError, match=r"q has shape \(50, 4, 16\) but the plan was built for \(51,"):
-        attend(*qkv, other)  # eager: the sizes
+    with pytest.raises(PlanBindingError, match=sizes):
+        attend(*qkv, other)
 
 
 def test_compiled_errors_are_the_eager_errors():
-    """A binding error is raised while Dynamo traces: the eager exception without fullgraph; with
-    fullgraph, Dynamo's ``Unsupported`` ("Observed exception") quoting it -- Dynamo's rule for any
-    exception raised in traced code. Traced, the message leaves the sizes out (a recompiling graph
-    holds them as symbols, which no traced string can show), also after a good call."""
+    """A plan of other shapes than q's is refused by a compiled call with eager's error, sizes and
+    all, with or without fullgraph, on a first call and after a good one: the traced code leaves
+    the sizes to the op, which checks them on the values it runs (traced, the check was Dynamo's
+    ``Unsupported`` quoting a message without sizes, and a guard on every size)."""
     _, (q, k, v), _ = fixed_case(requires_grad=False)
     plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
 
     def attend(q, k, v, plan):
         return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
-    torch._dynamo.reset()
-    with pytest.raises(PlanBindingError, match=f"q has shape \\(2, 50, {H}, {D}\\)"):
-        torch.compile(attend, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
-    torch._dynamo.reset()
-    traced = r"PlanBindingError.*q has another shape than the plan was built for"  # Dynamo's Unsupported
-    with pytest.raises(Exception, match=traced):
-        torch.compile(attend, fullgraph=True, backend="aot_eager")(q[:, :50].contiguous(), k, v, plan)
+    shorter = f"q has shape \\(2, 50, {H}, {D}\\) but the plan was built for \\(2, {S},"
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        with pytest.raises(PlanBindingError, match=shorter):
+            compiled = torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")
+            compiled(q[:, :50].contiguous(), k, v, plan)
     torch._dynamo.reset()
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
     compiled(q, k, v, plan)
     q1 = q.reshape(1, 2 * S, H, D)
-    longer = flexattn.create_mask_plan(masks.causal(2 * S), q1, q1, q1)  # recompiles with symbolic sizes
-    with pytest.raises(Exception, match=traced):
+    longer = flexattn.create_mask_plan(masks.causal(2 * S), q1, q1, q1)
+    with pytest.raises(PlanBindingError, match=f"but the plan was built for \\(1, {2 * S},"):
         compiled(q, k, v, longer)
 
 

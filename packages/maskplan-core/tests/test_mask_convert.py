@@ -366,6 +366,11 @@ def test_from_mask_mod_round_trip(dense):
         lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], B=b, H=h, Q_LEN=sq, KV_LEN=sk, device="cpu"
     )
     assert torch.equal(by_torch_name, ep)
+    # ... its BLOCK_SIZE and _compile too, which change nothing (endpoints are per element)
+    with_blocks = masks.from_mask_mod(
+        lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], b, h, sq, sk, "cpu", BLOCK_SIZE=(64, 32), _compile=True
+    )
+    assert torch.equal(with_blocks, ep)
     assert torch.equal(masks.from_dense(dense), masks.from_dense(flat))
 
 

@@ -329,13 +329,82 @@ def test_endpoint_above_k_len():
 
 def test_a_flat_document_list_for_a_batch_gets_the_per_sample_hint():
     """One flat list of document lengths for a batch of 2 has the batch's rows but counts keys across
-    samples: the range error says to build the mask per sample."""
+    samples: the builder's record refuses it, and a copy (no record) gets the planner's range error;
+    both say to build the mask per sample."""
     from maskplan_core.masks import document
 
     q, k, v = fixed_qkv(b=2, sq=64, sk=64)
+    flat = document([20, 50, 58])
+    with expect(InputValueError, ValueError, "built by masks.document for 1 sample of 128 rows",
+                "q has 2 samples of 64 rows", "one list of document lengths per sample"):  # fmt: skip
+        plan(flat, q, k, v)
     with expect(EndpointError, ValueError, "k_len = 64", "masks.document([[lengths of sample 0]"):
-        plan(document([20, 50, 58]), q, k, v)
+        plan(flat.clone(), q, k, v)
     plan(document([[20, 44], [50, 14]]), q, k, v)
+
+
+@pytest.mark.parametrize("hq", [4, 2])
+def test_a_per_sample_dense_mask_read_as_heads_gets_the_sdpa_hint(hq):
+    """``masks.from_dense`` reads rank 3 as ``[Hmask, total_q, Sk]``: a per-sample ``[B, Sq, Sk]``
+    mask becomes B heads of Sq rows. Whichever check it then fails (B heads for Hq = 4, Sq rows for
+    a batch of 2 where Hq = B = 2), the error says to pass SDPA's ``[B, 1, Sq, Sk]``."""
+    from maskplan_core import masks
+
+    per_sample = torch.ones(2, 8, 8, dtype=torch.bool).tril()
+    q = torch.randn(2, 8, hq, D)
+    with expect(InputValueError, ValueError, "read its 2 samples as heads", "pass mask[:, None]"):
+        plan(masks.from_dense(per_sample), q, q, q)
+    plan(masks.from_dense(per_sample[:, None]), q, q, q)
+
+
+CU = [0, 64, 128]  # two varlen samples of 64
+
+
+def _causal_block_mask(batch: int, seqlen: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q, kv: kv <= q, batch, None, seqlen, seqlen, device="cpu")
+
+
+def _varlen_qkv(cu: list[int]):
+    t = torch.randn(cu[-1], HQ, D)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    n = max(b - a for a, b in zip(cu, cu[1:], strict=False))
+    return (t, t, t), dict(cu_seqlens_q=cu_t, cu_seqlens_k=cu_t, max_seqlen_q=n, max_seqlen_k=n)
+
+
+@pytest.mark.parametrize(
+    "builder, make",
+    [
+        ("masks.causal", lambda m: m.causal(64, batch=2)),
+        ("masks.sliding_window", lambda m: m.sliding_window(cu_seqlens_q=CU, cu_seqlens_k=CU, window_left=5)),
+        ("masks.full", lambda m: m.full(64, batch=2)),
+        ("masks.document_ids", lambda m: m.document_ids(torch.zeros(2, 64, dtype=torch.int64))),
+        ("masks.prefix_lm", lambda m: m.prefix_lm(64, [3, 9])),
+        ("masks.chunked", lambda m: m.chunked(64, 16, batch=2)),
+        ("masks.from_mask_mod", lambda m: m.from_mask_mod(lambda b, h, q, kv: kv <= q, 2, None, 64, 64)),
+        ("masks.from_dense", lambda m: m.from_dense(torch.ones(2, 1, 64, 64, dtype=torch.bool).tril())),
+        ("masks.from_block_mask", lambda m: m.from_block_mask(_causal_block_mask(2, 64))),
+    ],
+)
+def test_a_mask_built_for_other_samples_of_the_same_rows_is_refused(builder, make):
+    """Endpoints are sample-local: a mask built for 2 samples of 64 rows has the row count of one
+    sample of 128 (or of varlen samples 50 + 78), where its endpoints would show other keys. The
+    builders record the split of what they return, so such a plan is refused (as torch refuses a
+    BlockMask of other lengths) rather than built; the same split, fixed or varlen, plans."""
+    from maskplan_core import masks
+
+    endpoints = make(masks)
+    with expect(InputValueError, ValueError, f"built by {builder} for 2 samples of 64 rows",
+                "q has 1 sample of 128 rows"):  # fmt: skip
+        plan(endpoints, *fixed_qkv(b=1, sq=128, sk=128))
+    qkv, varlen = _varlen_qkv([0, 50, 128])
+    with expect(InputValueError, ValueError, "q has 2 samples of 50, 78 rows"):
+        plan(endpoints, *qkv, **varlen)
+    plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
+    qkv, varlen = _varlen_qkv([0, 64, 128])
+    plan(endpoints, *qkv, **varlen)
+    plan(endpoints.clone(), *fixed_qkv(b=1, sq=128, sk=128))  # a copy has no record: taken as it is
 
 
 def test_endpoint_negative():

@@ -8,6 +8,7 @@ shapes, dtypes and Python values only, so ``torch.compile`` traces it without a 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import sys
@@ -20,7 +21,6 @@ from maskplan_core import (
     MaskPlan,
     MissingBackwardViewError,
 )
-from maskplan_core.consumer import has_thd_view, thd
 from maskplan_core.validation import endpoints_of, mask_kind
 
 from . import ops
@@ -63,17 +63,10 @@ def resolve_scale(softmax_scale, g) -> float:
     return 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
 
 
-def qkv_operand(t: torch.Tensor) -> torch.Tensor:
-    """q, k or v as consumers take it (``maskplan_core.consumer.Consumer``): the ``[total, H, D]``
-    view of a BSHD / THD tensor, or a BSHD tensor that has none (a ``[B, H, S, D]`` tensor transposed
-    at B > 1) as it is, for the consumer to read in place or copy."""
-    return thd(t) if has_thd_view(t) else t
-
-
-def caller_lse(lse: torch.Tensor, g) -> torch.Tensor:
-    """The kernels' ``[Hq, total_q]`` LSE in the caller's layout: ``[B, Hq, Sq]`` (a view) for fixed
-    length, itself for varlen."""
-    return lse if g.varlen else lse.view(g.num_heads_q, g.batch, g.max_seqlen_q).transpose(0, 1)
+def caller_lse(lse: torch.Tensor, bsh: tuple | None) -> torch.Tensor:
+    """The kernels' ``[Hq, total_q]`` LSE in the caller's layout: for fixed length ``[B, Hq, Sq]``
+    (a view) of ``bsh = (B, Sq, Hq)``, for varlen (``bsh`` None) itself."""
+    return lse if bsh is None else lse.view(bsh[2], bsh[0], bsh[1]).transpose(0, 1)
 
 
 def require_plan(mask_plan: object) -> None:
@@ -89,6 +82,36 @@ def require_plan(mask_plan: object) -> None:
         )
 
 
+#: keywords of torch's flex_attention and scaled_dot_product_attention a ported call may still
+#: pass, and what to do instead (packages/flexattn/README.md, "Coming from torch FlexAttention")
+_PEER_KEYWORDS = {
+    "block_mask": "pass mask_plan=create_mask_plan(masks.from_block_mask(block_mask), q, k, v)",
+    "scale": "pass softmax_scale=",
+    "enable_gqa": "drop it: Hq a multiple of Hkv is GQA",
+    "return_aux": "pass return_lse=True (and return_max_logit=True: one maximum per head)",
+    "score_mod": "flexattn masks only; a score_mod that only masks is a mask_mod (masks.from_mask_mod)",
+    "kernel_options": "drop it: the plan fixes the kernels' tiles",
+    "attn_mask": "pass mask_plan=create_mask_plan(masks.from_dense(attn_mask), q, k, v)",
+    "is_causal": "pass mask_plan=create_mask_plan(masks.causal(Sq, Sk, batch=B), q, k, v)",
+    "dropout_p": "drop it: flexattn has no attention dropout",
+}
+
+
+def _peer_keywords(fn):
+    """``fn``, refusing a keyword of torch's attention functions with what to do instead (a
+    wrapper, so that ``fn``'s signature stays cuDNN's; Python's own error names the keyword only)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for name in kwargs:
+            if name in _PEER_KEYWORDS:
+                raise InputTypeError(f"{fn.__name__}() got {name}=, torch's keyword: {_PEER_KEYWORDS[name]}")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@_peer_keywords
 def flex_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,13 +153,13 @@ def flex_attn_func(
             "create_mask_plan(..., build_backward=True), or call under torch.no_grad()"
         )
     scale = resolve_scale(softmax_scale, g)
-    out, lse, max_logit = ops.attention(
-        qkv_operand(q), qkv_operand(k), qkv_operand(v), mask_plan, scale, training, deterministic,
-        return_max_logit,
-    )  # fmt: skip
-    if not g.varlen:
-        out = out.view(g.batch, g.max_seqlen_q, g.num_heads_q, g.head_dim_v)
+    out, lse, max_logit = ops.attention(q, k, v, mask_plan, scale, training, deterministic, return_max_logit)
+    # q's sizes, not the geometry's: equal (checked), but compiled, q's are symbols where a plan held
+    # as a constant (a module attribute, a global) has numbers, and a view by those would pin them
+    bsh = None if g.varlen else tuple(q.shape[:3])
+    if bsh is not None:
+        out = out.view(*bsh, v.shape[-1])
     max_logit = max_logit.detach()  # a statistic, not differentiable
-    returned_lse = (caller_lse(lse, g).contiguous(),) if return_lse else ()
+    returned_lse = (caller_lse(lse, bsh).contiguous(),) if return_lse else ()
     results = (out,) + returned_lse + ((max_logit,) if return_max_logit else ())
     return results[0] if len(results) == 1 else results

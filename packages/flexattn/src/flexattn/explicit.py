@@ -46,11 +46,12 @@ from maskplan_core import (
     MissingBackwardViewError,
     UnsupportedCallError,
 )
-from maskplan_core.consumer import on_device
+from maskplan_core.consumer import on_device, thd
 
 from . import ops
-from .attention import caller_lse, check_scale, qkv_operand, require_plan, resolve_scale, thd
+from .attention import caller_lse, check_scale, require_plan, resolve_scale
 from .buffers import overlaps_itself, shared_pair
+from .ops import qkv_operand
 
 
 def _descriptor(t: torch.Tensor | None):
@@ -315,7 +316,8 @@ class FlexAttentionFwd(_Explicit):
             )  # fmt: skip
             _write(o_tensor, res.out)
             if lse_tensor is not None and in_place_lse is None:
-                lse_tensor.copy_(caller_lse(res.lse, g))
+                bsh = None if g.varlen else (g.batch, g.max_seqlen_q, g.num_heads_q)
+                lse_tensor.copy_(caller_lse(res.lse, bsh))
             if max_logit_tensor is not None:
                 max_logit_tensor.copy_(res.max_logit)
 

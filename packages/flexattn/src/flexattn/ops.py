@@ -64,7 +64,7 @@ import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 
 from maskplan_core import MaskPlan, PlanSignatureMismatch, UnsupportedCallError
-from maskplan_core.consumer import on_device
+from maskplan_core.consumer import has_thd_view, on_device, thd
 from maskplan_core.plan import plan_for_handle
 
 from .planning import resolve_views
@@ -122,18 +122,23 @@ def _forward_impl(
     deterministic: bool,
     want_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """THD (or ``[B, S, H, D]``: ``attention.qkv_operand``) in: ``out [total_q, Hq, Dv]``,
+    """The caller's THD or ``[B, S, H, D]`` q, k, v in: ``out [total_q, Hq, Dv]``,
     ``lse [Hq, total_q]``, ``max_logit [Hq]`` (``[0]`` unless
     ``want_max``). ``plan`` is a :attr:`MaskPlan.handle_tensor`; ``training`` selects the signature check
     (forward and backward views); ``deterministic`` is only kept for the backward. A training call
-    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle."""
-    return _run_forward(q, k, v, plan, scale, training, want_max, pin=training)
-
-
-def _run_forward(q, k, v, plan, scale, training, want_max, *, pin: bool):
-    """:func:`_forward_impl`, pinning the plan to the LSE only where ``pin`` (eager calls keep
-    their plan in their autograd context instead, so an LSE the caller keeps does not keep it)."""
+    pins the plan to its LSE (:func:`_pin_plan`): the op's compiled callers hold only the handle.
+    The plan binding is checked here, on the values: a compiled ``flex_attn_func`` leaves q, k and
+    v's sizes to this check (``MaskPlan.check_binding``), so that it raises eager's error and traces
+    no guard pinning them to a plan Dynamo holds as a constant (a module attribute, a global)."""
     mask_plan = plan_for_handle(int(plan))
+    mask_plan.check_binding(q, k, v)
+    return _run_forward(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, want_max, pin=training)
+
+
+def _run_forward(q, k, v, mask_plan, scale, training, want_max, *, pin: bool):
+    """:func:`_forward_impl` after its binding check, pinning the plan to the LSE only where ``pin``
+    (eager calls keep their plan in their autograd context instead, so an LSE the caller keeps does
+    not keep it)."""
     consumer = checked_consumer(mask_plan, q.device, training)
     with on_device(q.device):
         res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
@@ -176,9 +181,10 @@ def _backward_impl(
     or None."""
     mask_plan = plan_for_handle(int(plan))
     consumer = checked_consumer(mask_plan, q.device, True)
+    operands = map(qkv_operand, (q, k, v))
     with on_device(q.device):
         dq, dk, dv = consumer.backward(
-            mask_plan, q, k, v, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
+            mask_plan, *operands, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
         )
     return tuple(g.contiguous().view(x.shape) for g, x in ((dq, q), (dk, k), (dv, v)))
 
@@ -197,7 +203,7 @@ bwd = torch.library.custom_op("flexattn::bwd", _backward_impl, mutates_args=(), 
 def _fwd_fake(q, k, v, plan, scale, training, deterministic, want_max):
     # Shapes only. Never read ``plan`` here: using its value would specialise the graph on one
     # plan, and an error raised while tracing reaches the user as Dynamo's TorchRuntimeError.
-    # q: THD, or [B, S, H, D] (qkv_operand). The product of its sizes, not numel(), which Dynamo
+    # q: THD, or [B, S, H, D]. The product of its sizes, not numel(), which Dynamo
     # takes as a fixed number: a varlen batch of another token total was a graph of its own
     total_q, num_heads_q = math.prod(q.shape[:-2]), q.shape[-2]
     stat = stat_dtype(q.dtype)
@@ -305,7 +311,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
-        output = _run_forward(q, k, v, mask_plan.handle_tensor, scale, training, want_max, pin=False)
+        output = _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
         _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output)
         return output
 
@@ -319,7 +325,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
-        return _run_forward(q, k, v, mask_plan.handle_tensor, scale, training, want_max, pin=False)
+        return _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
 
     setup_context = staticmethod(_eager_setup)
     backward = staticmethod(_eager_backward)
@@ -354,22 +360,31 @@ class FirstOrderGradients(torch.autograd.Function):
 def attention(
     q, k, v, mask_plan: MaskPlan, scale: float, training: bool, deterministic: bool, want_max: bool
 ):
-    """``(out, lse, max_logit)`` THD: :class:`EagerAttention` for plain tensors in plain eager
-    mode; the custom op (which carries ``mask_plan.handle_tensor``) under ``torch.compile``, fake tensors,
-    tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its fake
-    implementation."""
+    """``(out, lse, max_logit)`` THD of the caller's q, k, v: :class:`EagerAttention` for plain
+    tensors in plain eager mode (after ``flex_attn_func``'s binding check); the custom op (which
+    carries ``mask_plan.handle_tensor`` and checks the binding itself) under ``torch.compile``, fake
+    tensors, tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its
+    fake implementation."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
     in_mode = not compiling and _under_dispatch_mode()  # (Dynamo cannot trace the stacks' lengths)
     if plain and not compiling and not in_mode:
         eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
-        return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
+        return eager.apply(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, deterministic, want_max)
     handle = mask_plan.handle_tensor
     if in_mode:
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
         # constant of the traced graph under make_fx; on the host whatever the default device
         handle = torch.tensor(mask_plan.handle, dtype=torch.int64, device="cpu")
     return fwd(q, k, v, handle, scale, training, deterministic, want_max)
+
+
+def qkv_operand(t: torch.Tensor) -> torch.Tensor:
+    """q, k or v as consumers take it (``maskplan_core.consumer.Consumer``): the ``[total, H, D]``
+    view of a BSHD / THD tensor, or a BSHD tensor that has none (a ``[B, H, S, D]`` tensor transposed
+    at B > 1) as it is, for the consumer to read in place or copy. The op takes the caller's tensors
+    (its binding check needs their B and S) and consumers view them so themselves."""
+    return thd(t) if has_thd_view(t) else t
 
 
 def _under_dispatch_mode() -> bool:

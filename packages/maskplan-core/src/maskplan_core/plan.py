@@ -323,7 +323,9 @@ def plan_for_handle(handle: int) -> MaskPlan:
             "process). A torch.compile'd call carries only the plan's handle: keep a reference to the "
             "plan while compiled calls use it. A training forward keeps its plan for the backward with "
             "the LSE it saves, unless a saved-tensor hook (e.g. torch.autograd.graph.save_on_cpu) "
-            "replaces that LSE: then keep the reference until the backward has run"
+            "replaces that LSE, or activation checkpointing inside the compiled code "
+            "(torch.utils.checkpoint) recomputes the forward in the backward: then keep the reference "
+            "until the backward has run"
         )
     return plan
 
@@ -582,8 +584,9 @@ class MaskPlan:
         geometry, dtype and device, and none of the plan's own tensors (its handle tensor,
         ``geometry.cu_seqlens_q/k`` and its views' tensors: plan storage, handed out read-only) has
         been written in place since it was built: such a write would move its samples, change its
-        blocks or name another plan. The write check (the tensors' version counters, about 0.2 us
-        each) runs on eager calls; a compiled graph checks what it traced only once. Tensors made
+        blocks or name another plan. Traced by ``torch.compile``, it leaves out the shapes and the
+        write check (the tensors' version counters, about 0.2 us each), which the caller's op then
+        runs on each call's values (flexattn's does: ``flexattn.ops``). Tensors made
         under ``torch.inference_mode`` keep no counter, so a write there, under inference mode too,
         goes unseen; so does a write through ``tensor.data``, which torch does not count."""
         g = self._geometry
@@ -613,11 +616,10 @@ class MaskPlan:
             if not isinstance(t, torch.Tensor):
                 raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             require_strided(name, t)
-            if tuple(t.shape) != expect[name]:
-                if torch.compiler.is_compiling():  # the sizes may be symbolic: no string can show them
-                    raise PlanBindingError(
-                        f"{name} has another shape than the plan was built for (an eager call shows both)"
-                    )
+            # traced by torch.compile, the sizes are not compared: against a plan Dynamo holds as a
+            # constant (a module attribute, a global) each comparison is a guard pinning q's sizes,
+            # a graph per shape; flexattn's op checks them on the values it runs (flexattn.ops)
+            if not torch.compiler.is_compiling() and tuple(t.shape) != expect[name]:
                 bhsd = not g.varlen and t.dim() == 4 and tuple(t.transpose(1, 2).shape) == expect[name]
                 hint = (
                     f"; {name} looks like [B, H, S, D] (SDPA's layout): pass {name}.transpose(1, 2)"

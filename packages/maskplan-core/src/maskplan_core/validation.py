@@ -13,6 +13,7 @@ import numbers
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .endpoint_samples import check_samples
 from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
 
@@ -282,8 +283,16 @@ def validate_plan_inputs(
     if not mask_func.is_contiguous():
         raise InputValueError("mask_func must be contiguous (call .contiguous())")
     hmask, nfunc, rows = mask_func.shape
+    # a per-sample [B, Sq, Sk] bool mask given to masks.from_dense, which reads rank 3 as
+    # [Hmask, total_q, Sk]: B heads of Sq rows
+    batch_as_heads = not varlen and batch > 1 and hmask == batch and rows == max_q
+    batch_as_heads_hint = (
+        f"if mask_func came from a [B, Sq, Sk] bool mask, masks.from_dense read its {batch} samples as "
+        "heads (rank 3 is [Hmask, total_q, Sk]): pass mask[:, None], SDPA's [B, 1, Sq, Sk]"
+    )
     if hmask not in (1, hq):
-        raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}")
+        hint = f"; {batch_as_heads_hint}" if batch_as_heads else ""
+        raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}{hint}")
     # [Hmask, total_q, nfunc] passed as is: its rows are an odd nfunc, its nfunc the query rows
     transposed = nfunc == total_q and rows != total_q and rows % 2 == 1
     transposed_hint = (
@@ -313,6 +322,8 @@ def validate_plan_inputs(
                     "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded "
                     f"to B){other_s}"
                 )
+            if batch_as_heads:
+                hints.append(batch_as_heads_hint)
             if rows == batch:
                 hints.append(
                     "if mask_func came from a [B, 1, 1, Sk] key-padding mask (one query row per sample), "
@@ -326,6 +337,7 @@ def validate_plan_inputs(
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
+    check_samples(mask_func, lambda: cu_q.diff().tolist() if varlen else [max_q] * batch)
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
         warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "

@@ -29,6 +29,13 @@ Examples (``.tolist()`` drops the tensor wrapper):
 >>> causal(cu_seqlens_q=[0, 2, 5], cu_seqlens_k=[0, 3, 6]).tolist()  # varlen: per-sample alignment
 [[[2, 3, 1, 2, 3]]]
 
+``full`` -- no mask (every key of the row's sample), ``nfunc = 1``:
+
+>>> full(2, 3, batch=2).tolist()
+[[[3, 3, 3, 3]]]
+>>> full(cu_seqlens_q=[0, 2, 3], cu_seqlens_k=[0, 1, 5]).tolist()
+[[[1, 1, 4]]]
+
 ``sliding_window`` -- keys ``[d - window_left, d + window_right]`` with ``d = i + Sk - Sq``, ``nfunc = 3``:
 
 >>> sliding_window(4, window_left=1).tolist()
@@ -70,7 +77,7 @@ Examples (``.tolist()`` drops the tensor wrapper):
 [[[1, 2, 3]]]
 """
 
-from .builders import causal, chunked, document, document_ids, prefix_lm, sliding_window
+from .builders import causal, chunked, document, document_ids, full, prefix_lm, sliding_window
 from .convert import from_block_mask, from_dense, from_mask_mod
 
 __all__ = [
@@ -81,6 +88,7 @@ __all__ = [
     "from_block_mask",
     "from_dense",
     "from_mask_mod",
+    "full",
     "prefix_lm",
     "sliding_window",
 ]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..endpoint_samples import record_samples
 from ..errors import InputTypeError, InputValueError
 from ..validation import MAX_SEQLEN
 
@@ -77,12 +78,13 @@ def _int_list(name: str, value: object) -> list[int]:
     return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
-def _finish(rows: list[torch.Tensor], batch: int) -> torch.Tensor:
-    """Stack per-endpoint rows ``[S]`` into ``[1, nfunc, batch * S]`` contiguous int32."""
+def _finish(rows: list[torch.Tensor], batch: int, builder: str, q_lens: Sequence[int]) -> torch.Tensor:
+    """Stack per-endpoint rows ``[S]`` into ``[1, nfunc, batch * S]`` contiguous int32, recorded as
+    ``builder``'s for samples of ``q_lens`` rows (:mod:`maskplan_core.endpoint_samples`)."""
     ep = torch.stack(rows).to(torch.int32)
     if batch > 1:
         ep = ep.repeat(1, batch)
-    return ep.unsqueeze(0).contiguous()
+    return record_samples(ep.unsqueeze(0).contiguous(), builder, q_lens)
 
 
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:

@@ -6,15 +6,17 @@ from collections.abc import Sequence
 
 import torch
 
+from ..endpoint_samples import record_samples
 from ..errors import InputTypeError, InputValueError
 from ..validation import MAX_SEQLEN
 from ._args import _as_device, _as_extent, _as_int, _as_length, _finish, _int_list, _varlen_prefixes
 
 
 def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) -> tuple[torch.Tensor, ...]:
-    """``(d, k_len)`` per query row of the batch: ``d`` is the row's bottom-right aligned diagonal
-    key (its sample-local position ``+ k_len - q_len``), ``k_len`` its sample's key count. Fixed
-    length from ``seqlen_q/k`` and ``batch``, varlen from ``cu_seqlens_q/k``."""
+    """``(d, k_len, q_lens)``: per query row of the batch ``d``, the row's bottom-right aligned
+    diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, its sample's key
+    count; and the samples' query rows. Fixed length from ``seqlen_q/k`` and ``batch``, varlen from
+    ``cu_seqlens_q/k``."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if seqlen_q is None:
             raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
@@ -23,7 +25,7 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
         batch = _as_int("batch", batch, 1)
         i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
         d = (i + (seqlen_k - seqlen_q)).repeat(batch)
-        return d, torch.full_like(d, seqlen_k)
+        return d, torch.full_like(d, seqlen_k), [seqlen_q] * batch
     if seqlen_q is not None or seqlen_k is not None or batch != 1 or isinstance(batch, bool):
         raise InputValueError(
             "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
@@ -36,7 +38,7 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
     per_row = lambda x: torch.repeat_interleave(x, q_lens)  # noqa: E731
     k_len = per_row(k_lens)
     d = torch.arange(int(cu_q[-1]), device=dev) - per_row(cu_q[:-1]) + k_len - per_row(q_lens)
-    return d, k_len
+    return d, k_len, q_lens.tolist()
 
 
 def causal(
@@ -55,8 +57,24 @@ def causal(
     ``cu_seqlens_k`` (int ``[B + 1]``) instead of the lengths; each sample is aligned by its own
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
     """
-    d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
-    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1)
+    d, k_len, q_lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", q_lens)
+
+
+def full(
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    *,
+    batch: int = 1,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+) -> torch.Tensor:
+    """No mask: row ``i`` sees every key of its sample (torch's ``block_mask=None``; with varlen
+    samples, attention within each sample). Returns ``[1, 1, batch * seqlen_q]`` int32 (varlen:
+    ``[1, 1, total_q]``), taking the lengths as :func:`causal` does."""
+    _, k_len, q_lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    return _finish([k_len], 1, "masks.full", q_lens)
 
 
 def sliding_window(
@@ -79,13 +97,13 @@ def sliding_window(
     """
     window_left = _as_extent("window_left", window_left)
     window_right = _as_extent("window_right", window_right)
-    d, k_len = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    d, k_len, q_lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)
     hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
     empty = lo >= hi
     lo = lo.masked_fill(empty, 0)
     hi = hi.masked_fill(empty, 0)
-    return _finish([torch.zeros_like(lo), lo, hi], 1)
+    return _finish([torch.zeros_like(lo), lo, hi], 1, "masks.sliding_window", q_lens)
 
 
 def _is_sequence(x: object) -> bool:
@@ -173,7 +191,8 @@ def document(
         )  # output_size: the meta device has no values to sum
         for seq in seqs
     ])  # fmt: skip
-    return document_ids(ids, causal=causal, window_left=window_left)
+    endpoints = document_ids(ids, causal=causal, window_left=window_left)
+    return record_samples(endpoints, "masks.document", [sum(seq) for seq in seqs])
 
 
 def document_ids(
@@ -214,7 +233,8 @@ def document_ids(
         hi = hi.flip(1).cummin(dim=1).values.flip(1)
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
-    return _finish([torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)], 1)
+    rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
+    return _finish(rows, 1, "masks.document_ids", [seqlen] * ids.shape[0])
 
 
 def prefix_lm(
@@ -250,7 +270,7 @@ def prefix_lm(
     p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
     f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
-    return _finish([f0], 1)
+    return _finish([f0], 1, "masks.prefix_lm", [seqlen] * len(prefixes))
 
 
 def chunked(
@@ -276,4 +296,4 @@ def chunked(
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)
     lo = torch.div(i, chunk_size, rounding_mode="floor") * chunk_size
     hi = i + 1 if causal else (lo + chunk_size).clamp(max=seqlen)
-    return _finish([torch.zeros_like(lo), lo, hi], batch)
+    return _finish([torch.zeros_like(lo), lo, hi], batch, "masks.chunked", [seqlen] * batch)

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..endpoint_samples import record_samples
 from ..errors import InputTypeError, InputValueError
 from ._args import (
     _as_device,
@@ -133,9 +134,11 @@ def from_dense(
         )
     if mask.shape[1 if sdpa else 0] == 0:
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
+    samples = None  # the samples' rows where the mask says them: SDPA's layout, or cu_seqlens_q
     if sdpa:  # rows are batch-major
         b, hm, sq, sk = mask.shape
         mask = mask.transpose(0, 1).reshape(hm, b * sq, sk)
+        samples = [sq] * b
     h, t, sk = mask.shape
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
@@ -167,7 +170,9 @@ def from_dense(
                     f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
                     f"k_len {int(row_klen[row])}"
                 )
-    return _encode(mask)
+        samples = q_lens.tolist()
+    endpoints = _encode(mask)
+    return endpoints if samples is None else record_samples(endpoints, "masks.from_dense", samples)
 
 
 #: ``from_mask_mod``'s ``H`` values that stand for one mask of every head, as ``create_block_mask``'s
@@ -188,6 +193,8 @@ def from_mask_mod(
     *,
     Q_LEN: int | None = None,
     KV_LEN: int | None = None,
+    BLOCK_SIZE: int | tuple[int, int] | None = None,
+    _compile: bool = False,
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
@@ -206,8 +213,9 @@ def from_mask_mod(
     of one entry) is taken as one of a model of one head, which torch never calls with head 1.
     The positional arguments are ``create_block_mask``'s, ``device`` included; ``Sq`` and ``Sk``
     are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
-    with torch's keywords converts as it is. Its ``BLOCK_SIZE`` has no counterpart (endpoints are
-    per element), and ``B`` cannot be None.
+    with torch's keywords converts as it is; its ``BLOCK_SIZE`` and ``_compile`` are taken too and
+    change nothing (endpoints are per element, and the mask_mod is evaluated eagerly). ``B`` cannot
+    be None.
     The endpoints do not record ``Sk``: used with more keys than ``Sk``, they hide the keys past it
     (torch refuses a block mask made for another ``KV_LEN``).
     """
@@ -232,7 +240,7 @@ def from_mask_mod(
         sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
         chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head, samples=B)
         parts += [_encode(rows) for rows in chunks]
-    return _join_samples(parts, H)
+    return record_samples(_join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B)
 
 
 def _torch_name(name: str, value, torch_name: str, torch_value):
@@ -320,7 +328,7 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
             first += seen.shape[1]
         if bool(differs.any()):
             raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
-    return _join_samples(parts, heads)
+    return record_samples(_join_samples(parts, heads), "masks.from_block_mask", [shape[1]] * batch)
 
 
 def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> InputValueError:
