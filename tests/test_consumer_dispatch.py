@@ -131,3 +131,19 @@ def test_compiled_signature_mismatch_is_the_eager_error():
             torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, k, v, other)
         assert "arch_family" in {d.field for d in info.value.diffs}
 
+
+
+def test_a_laptop_plan_for_the_gpu_says_what_the_gpu_planner_would():
+    """A plan for SM90's tiles made from CPU tensors warns where the GPU's planner kernels would not
+    take the mask (more endpoints a row than their shared memory holds: the reference planner then
+    builds it on the GPU, slower), as a plan built on the GPU does; a mask they take builds quietly."""
+    import warnings
+
+    q, k, v = qkv()
+    dilated = masks.from_mask_mod(lambda b, h, qi, kv: (kv <= qi) & ((qi - kv) % 2 == 0), B, None, S, S)
+    assert dilated.shape[1] > 75
+    with pytest.warns(UserWarning, match=r"nfunc=\d+: on a GPU the reference planner would build this plan"):
+        flexattn.create_mask_plan(dilated, q, k, v, target="sm90")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, target="sm90")

@@ -690,7 +690,7 @@ def test_a_mask_in_place_of_the_plan_names_the_plan_to_build():
     [
         ("scale", "pass softmax_scale="),
         ("enable_gqa", "Hq a multiple of Hkv is GQA"),
-        ("block_mask", "masks.from_block_mask(block_mask)"),
+        ("block_mask", "masks.full(Sq, Sk, batch=B)"),
         ("score_mod", "masks only"),
         ("return_aux", "return_lse=True"),
         ("kernel_options", "drop it"),
@@ -712,6 +712,8 @@ def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, remedy)
     with pytest.raises(TypeError, match="unexpected keyword argument 'scal'"):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, scal=0.5)
     assert "scale" not in inspect.signature(flexattn.flex_attn_func).parameters
+    with expect(InputTypeError, TypeError, "block_mask=", "masks.from_block_mask(block_mask)"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, block_mask=object())  # None: no mask, masks.full
 
 
 def test_flex_attn_func_return_arity():

@@ -567,6 +567,41 @@ def test_compiled_errors_are_the_eager_errors():
         compiled(q, k, v, longer)
 
 
+def test_compiled_calls_refuse_a_plan_of_another_rank_or_split():
+    """What the traced code still checks, and what the op checks at run time: a fixed-length plan
+    with THD q (another rank) is refused while tracing; a plan of another split of the same rows
+    (2 x 64 against 1 x 128, whose THD views agree) by the op, and by the explicit API, which
+    calls the consumer without the op, while tracing."""
+    q, k, v = (torch.randn(2, 64, H, D, dtype=torch.float64) for _ in "qkv")
+    plan = flexattn.create_mask_plan(masks.causal(64, batch=2), q, k, v)
+    q1, k1, v1 = (t.reshape(1, 128, H, D) for t in (q, k, v))
+    other_split = flexattn.create_mask_plan(masks.causal(128), q1, k1, v1)
+
+    def attend(q, k, v, plan):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    for fullgraph, error in ((False, PlanBindingError), (True, Exception)):  # Dynamo's Unsupported
+        torch._dynamo.reset()
+        with pytest.raises(error, match=r"q has (another )?shape"):
+            torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q.reshape(128, H, D), k, v, plan)
+    torch._dynamo.reset()
+    split = r"q has shape \(2, 64, 4, 16\) but the plan was built for \(1, 128,"
+    with pytest.raises(PlanBindingError, match=split):
+        torch.compile(attend, backend="aot_eager", dynamic=True)(q, k, v, other_split)
+
+    out = torch.empty_like(q)
+    fwd = flexattn.FlexAttentionFwd(q, k, v, out, plan)
+    fwd.compile()
+
+    def run(q, k, v, o, plan):
+        fwd.execute(q, k, v, o, plan)
+        return o
+
+    torch._dynamo.reset()
+    with pytest.raises(PlanBindingError, match=r"q has (another )?shape"):
+        torch.compile(run, backend="eager")(q, k, v, out, other_split)
+
+
 def test_plans_are_built_outside_the_compiled_region():
     """``create_mask_plan`` refuses to be traced (a plan is host-side work on the mask's values):
     with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo stops tracing

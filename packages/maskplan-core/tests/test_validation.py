@@ -343,6 +343,21 @@ def test_a_flat_document_list_for_a_batch_gets_the_per_sample_hint():
     plan(document([[20, 44], [50, 14]]), q, k, v)
 
 
+def test_the_sample_record_leaves_out_empty_samples_and_rewritten_buffers():
+    """Samples of no rows hold no endpoints: a mask of 2 x 64 serves varlen samples 64, 64, 0. A
+    builder's tensor written in place since (a reused buffer) no longer claims the builder's split."""
+    from maskplan_core import masks
+
+    mask = masks.causal(64, batch=2)
+    qkv, varlen = _varlen_qkv([0, 64, 128, 128])
+    plan(mask, *qkv, **varlen)
+    q1 = fixed_qkv(b=1, sq=128, sk=128)
+    with expect(InputValueError, ValueError, "built by masks.causal for 2 samples of 64 rows"):
+        plan(mask, *q1)
+    mask.copy_(masks.causal(128))
+    plan(mask, *q1)
+
+
 @pytest.mark.parametrize("hq", [4, 2])
 def test_a_per_sample_dense_mask_read_as_heads_gets_the_sdpa_hint(hq):
     """``masks.from_dense`` reads rank 3 as ``[Hmask, total_q, Sk]``: a per-sample ``[B, Sq, Sk]``

@@ -103,9 +103,12 @@ def _peer_keywords(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        for name in kwargs:
+        for name, value in kwargs.items():
             if name in _PEER_KEYWORDS:
-                raise InputTypeError(f"{fn.__name__}() got {name}=, torch's keyword: {_PEER_KEYWORDS[name]}")
+                fix = _PEER_KEYWORDS[name]
+                if name == "block_mask" and value is None:  # torch's "no mask"
+                    fix = "pass mask_plan=create_mask_plan(masks.full(Sq, Sk, batch=B), q, k, v)"
+                raise InputTypeError(f"{fn.__name__}() got {name}=, torch's keyword: {fix}")
         return fn(*args, **kwargs)
 
     return call
@@ -144,7 +147,7 @@ def flex_attn_func(
     """
     require_plan(mask_plan)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
-    mask_plan.check_binding(q, k, v)
+    mask_plan.check_binding(q, k, v, op_checks_sizes=True)  # the op checks them (ops.attention)
     g = mask_plan.geometry
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if training and not mask_plan.has_backward:
@@ -154,8 +157,8 @@ def flex_attn_func(
         )
     scale = resolve_scale(softmax_scale, g)
     out, lse, max_logit = ops.attention(q, k, v, mask_plan, scale, training, deterministic, return_max_logit)
-    # q's sizes, not the geometry's: equal (checked), but compiled, q's are symbols where a plan held
-    # as a constant (a module attribute, a global) has numbers, and a view by those would pin them
+    # q's sizes, not the geometry's: the same (checked eagerly above, compiled by the op), but
+    # compiled, q's are symbols where a plan held as a constant has numbers, which would pin them
     bsh = None if g.varlen else tuple(q.shape[:3])
     if bsh is not None:
         out = out.view(*bsh, v.shape[-1])

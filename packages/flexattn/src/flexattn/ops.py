@@ -1,11 +1,14 @@
 """``flexattn::fwd`` / ``flexattn::bwd``: ``flex_attn_func`` as ``torch.library`` custom ops.
 
-``flex_attn_func`` checks its arguments in Python (type checks, plan binding, the backward-view
-check: all shape/dtype/metadata work, so Dynamo traces it and turns it into guards), then calls
-``torch.ops.flexattn.fwd``; autograd reaches ``torch.ops.flexattn.bwd`` through
-``register_autograd``. Both ops have fake implementations (output shapes and dtypes from the
-input shapes alone), so ``torch.compile(fullgraph=True)`` traces a model that calls
-``flex_attn_func`` without a graph break, and AOTAutograd traces its backward.
+``flex_attn_func`` checks its arguments in Python (type checks, the plan's dtype, device and
+rank, the backward-view check: metadata work, which Dynamo traces into guards), then calls
+``torch.ops.flexattn.fwd`` with the caller's q, k, v, which checks their sizes against the plan
+on each call's values (traced, each comparison would be a guard pinning q's sizes to a plan
+Dynamo holds as a constant, a module attribute or a global: a graph per shape); autograd
+reaches ``torch.ops.flexattn.bwd`` through ``register_autograd``. Both ops have fake
+implementations (output shapes and dtypes from the input shapes alone), so
+``torch.compile(fullgraph=True)`` traces a model that calls ``flex_attn_func`` without a graph
+break, and AOTAutograd traces its backward.
 
 How the MaskPlan crosses the op boundary
 ----------------------------------------

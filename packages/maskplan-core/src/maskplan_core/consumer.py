@@ -134,19 +134,25 @@ class Consumer(ABC):
 
     def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None) -> MaskPlan:
         """Plan with this consumer's views: CUDA endpoints with :attr:`gpu_planner`'s kernels where
-        the consumer names one and they build the plan, else the reference planner (any device;
-        where the kernels do not, on the GPU with a warning saying why), which builds the same
-        tensors."""
-        if self.gpu_planner is not None and mask_func.device.type == "cuda":
+        the consumer names one and they build the plan, else the reference planner (any device),
+        which builds the same tensors. Where the kernels would not build it, a warning says why,
+        on the GPU and also for endpoints on another device (a plan for the GPU's tiles made on a
+        laptop says what the GPU would)."""
+        if self.gpu_planner is not None:
             planner = importlib.import_module(self.gpu_planner)
             unserved = getattr(planner, "unserved", lambda *views: None)(geometry, forward, backward)
-            if unserved is None:
+            on_gpu = mask_func.device.type == "cuda"
+            if unserved is None and on_gpu:
                 with on_device(mask_func.device):
                     return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
-            warn_caller(
-                f"{unserved}: the reference planner builds this plan on {mask_func.device} (the same "
-                "tensors as the planner kernels', in a slower build)"
-            )
+            if unserved is not None:
+                slower = "(the same tensors as the planner kernels', in a slower build)"
+                warn_caller(
+                    f"{unserved}: the reference planner builds this plan on {mask_func.device} {slower}"
+                    if on_gpu
+                    else f"{unserved}: on a GPU the reference planner would build this plan {slower}; on "
+                    f"{mask_func.device} it builds every plan"
+                )
         from .reference.builder import build_plan
 
         return build_plan(mask_func, geometry, forward, backward, self.name)

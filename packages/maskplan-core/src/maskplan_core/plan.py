@@ -269,6 +269,10 @@ class PlanView:
         return sum(t.numel() * t.element_size() for t in self.tensors.values() if t is not None)
 
     def stats(self) -> dict:
+        """The view's blocks: ``rows``, its plan rows per mask head (Q blocks of every sample in a
+        forward view, K blocks in a backward one); ``block`` (tile_m, tile_n); ``partial``, ``full``
+        and ``empty``, blocks summed over every sample and mask head; ``density``, the share a
+        kernel visits ((partial + full) / all); ``bytes``, the view's tensors."""
         desc = self.sequence_desc().to(torch.int64)
         pairs = int((desc[:, 5] * desc[:, 6]).sum()) * self.geometry.mask_heads
         partial = int(self.tensors["mask_block_idx"].numel())
@@ -566,6 +570,8 @@ class MaskPlan:
         return snap
 
     def summary(self) -> str:
+        """A line per view of :meth:`PlanView.stats` (``rows`` per mask head, block counts over
+        them all), under the plan's consumer and geometry."""
         lines = [f"MaskPlan for {self._consumer}: {self._geometry.describe()}"]
         for role, v in self._views.items():
             s = v.stats()
@@ -579,16 +585,23 @@ class MaskPlan:
     def __repr__(self) -> str:
         return self.summary()
 
-    def check_binding(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_binding(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, op_checks_sizes: bool = False
+    ) -> None:
         """Raise ``PlanBindingError`` unless Q/K/V (tensors, else ``InputTypeError``) match the plan's
         geometry, dtype and device, and none of the plan's own tensors (its handle tensor,
         ``geometry.cu_seqlens_q/k`` and its views' tensors: plan storage, handed out read-only) has
         been written in place since it was built: such a write would move its samples, change its
-        blocks or name another plan. Traced by ``torch.compile``, it leaves out the shapes and the
-        write check (the tensors' version counters, about 0.2 us each), which the caller's op then
-        runs on each call's values (flexattn's does: ``flexattn.ops``). Tensors made
-        under ``torch.inference_mode`` keep no counter, so a write there, under inference mode too,
-        goes unseen; so does a write through ``tensor.data``, which torch does not count."""
+        blocks or name another plan. The write check (the tensors' version counters, about 0.2 us
+        each) runs where the call is not traced (flexattn's op runs the whole check on each call's
+        values; a compiled graph holding only the handle tensor does not see that tensor rewritten
+        to name another plan). ``op_checks_sizes``: traced by ``torch.compile``, leave the sizes
+        (not the rank) to the op the traced code calls, which checks them on each call's values
+        (flexattn's ``flex_attn_func``: ``flexattn.ops``); compared here, each is a guard
+        pinning q's sizes to those of a plan Dynamo holds as a constant (a module attribute, a
+        global), a graph per shape. Tensors made under ``torch.inference_mode`` keep no counter,
+        so a write there, under inference mode too, goes unseen; so does a write through
+        ``tensor.data``, which torch does not count."""
         g = self._geometry
         if not torch.compiler.is_compiling():
             counts = _write_counts(self._storage)
@@ -616,10 +629,13 @@ class MaskPlan:
             if not isinstance(t, torch.Tensor):
                 raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             require_strided(name, t)
-            # traced by torch.compile, the sizes are not compared: against a plan Dynamo holds as a
-            # constant (a module attribute, a global) each comparison is a guard pinning q's sizes,
-            # a graph per shape; flexattn's op checks them on the values it runs (flexattn.ops)
-            if not torch.compiler.is_compiling() and tuple(t.shape) != expect[name]:
+            compiling = torch.compiler.is_compiling()
+            sizes = not (op_checks_sizes and compiling)
+            if t.dim() != len(expect[name]) or (sizes and tuple(t.shape) != expect[name]):
+                if compiling:  # the sizes may be symbolic: no string can show them
+                    raise PlanBindingError(
+                        f"{name} has another shape than the plan was built for (an eager call shows both)"
+                    )
                 bhsd = not g.varlen and t.dim() == 4 and tuple(t.transpose(1, 2).shape) == expect[name]
                 hint = (
                     f"; {name} looks like [B, H, S, D] (SDPA's layout): pass {name}.transpose(1, 2)"

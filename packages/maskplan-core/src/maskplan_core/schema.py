@@ -55,9 +55,10 @@ class PayloadLayoutSpec(_Frozen):
     bit_order: str = Field(
         pattern=r"^sha256:[0-9a-f]{16}$",
         description=(
-            "Digest of that map: 'sha256:' and the first 16 hex digits of the SHA-256 of tile_m, "
-            "tile_n, then each element's flat bit index ((subtile * payload_groups + group) * "
-            "words_per_group + word) * 32 + bit in row-major (m, n) order, as little-endian int64."
+            "Digest of that map: 'sha256:' and the first 16 hex digits of the SHA-256 of the tile's "
+            "rows and columns (the signature's topology.tile_m, tile_n), then each element's flat "
+            "bit index ((subtile * payload_groups + group) * words_per_group + word) * 32 + bit in "
+            "row-major (m, n) order, as little-endian int64."
         ),
     )
     physical_subtiles: int = Field(gt=0)

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..endpoint_samples import record_samples
 from ..errors import InputTypeError, InputValueError
 from ..validation import MAX_SEQLEN
 from ._args import _as_device, _as_extent, _as_int, _as_length, _finish, _int_list, _varlen_prefixes
@@ -191,8 +190,7 @@ def document(
         )  # output_size: the meta device has no values to sum
         for seq in seqs
     ])  # fmt: skip
-    endpoints = document_ids(ids, causal=causal, window_left=window_left)
-    return record_samples(endpoints, "masks.document", [sum(seq) for seq in seqs])
+    return _documents(ids, causal, window_left, "masks.document")
 
 
 def document_ids(
@@ -214,11 +212,15 @@ def document_ids(
         raise InputTypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
     if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):
         raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
+    ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
+    return _documents(ids, causal, window_left, "masks.document_ids")
+
+
+def _documents(ids: torch.Tensor, causal: bool, window_left: int | None, builder: str) -> torch.Tensor:
+    """:func:`document_ids` of checked ``ids`` ``[B, S]``, as ``builder`` returns it."""
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if window_left is not None:
-        window_left = _as_extent("window_left", window_left)
-    ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
+    window_left = None if window_left is None else _as_extent("window_left", window_left)
     seqlen = ids.shape[1]
     i = torch.arange(seqlen, device=ids.device).expand_as(ids)
     starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
@@ -234,7 +236,7 @@ def document_ids(
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
     rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
-    return _finish(rows, 1, "masks.document_ids", [seqlen] * ids.shape[0])
+    return _finish(rows, 1, builder, [seqlen] * ids.shape[0])
 
 
 def prefix_lm(
