@@ -345,31 +345,38 @@ class _PlanHolder(torch.nn.Module):
         return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan) * 2
 
 
+def _attend_twice(q, k, v, plan):
+    return flexattn.flex_attn_func(q, k, v, mask_plan=plan) * 2
+
+
+def _compiled_holding_the_plan(passed_as: str, graphs: list, **options):
+    """``_attend_twice`` compiled (fullgraph, a backend counting into ``graphs``), taking the plan
+    as an argument or, ``"module attribute"``, from a :class:`_PlanHolder` it is set on first."""
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    if passed_as == "argument":
+        return torch.compile(_attend_twice, fullgraph=True, backend=counting_backend, **options)
+    holder = _PlanHolder()
+    compiled_holder = torch.compile(holder, fullgraph=True, backend=counting_backend, **options)
+
+    def compiled(q, k, v, plan):
+        holder.plan = plan
+        return compiled_holder(q, k, v)
+
+    return compiled
+
+
 @pytest.mark.parametrize("passed_as", ["argument", "module attribute"])
 def test_new_plans_of_one_geometry_reuse_the_graph(passed_as):
     """The plan enters the graph as its handle tensor, a graph input: every plan of one geometry
     runs the first graph, whether it is an argument or an attribute of the model (an int would be
     a constant, and each new plan a recompile)."""
     graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def attend(q, k, v, plan):
-        return flexattn.flex_attn_func(q, k, v, mask_plan=plan) * 2
-
-    holder = _PlanHolder()
-    torch._dynamo.reset()
-    if passed_as == "argument":
-        compiled = torch.compile(attend, fullgraph=True, backend=counting_backend)
-    else:
-        compiled_holder = torch.compile(holder, fullgraph=True, backend=counting_backend)
-
-        def compiled(q, k, v, plan):
-            holder.plan = plan
-            return compiled_holder(q, k, v)
-
+    compiled, attend = _compiled_holding_the_plan(passed_as, graphs), _attend_twice
     _, (q, k, v), _ = fixed_case(requires_grad=False)
     for window in (3, 9, 17, 33, 65, 5, 7, 11, 13, 15):  # more plans than Dynamo's recompile limit
         plan = flexattn.create_mask_plan(masks.sliding_window(S, window_left=window, batch=B), q, k, v)
@@ -384,25 +391,7 @@ def test_plans_of_other_shapes_recompile_as_any_input_however_the_model_holds_th
     constant to Dynamo, so the traced binding check and the output view once pinned q's sizes to it:
     a graph per shape, past Dynamo's recompile limit (then eager)."""
     graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def attend(q, k, v, plan):
-        return flexattn.flex_attn_func(q, k, v, mask_plan=plan) * 2
-
-    holder = _PlanHolder()
-    torch._dynamo.reset()
-    if passed_as == "argument":
-        compiled = torch.compile(attend, fullgraph=True, backend=counting_backend, dynamic=True)
-    else:
-        compiled_holder = torch.compile(holder, fullgraph=True, backend=counting_backend, dynamic=True)
-
-        def compiled(q, k, v, plan):
-            holder.plan = plan
-            return compiled_holder(q, k, v)
-
+    compiled, attend = _compiled_holding_the_plan(passed_as, graphs, dynamic=True), _attend_twice
     gen = torch.Generator().manual_seed(3)
     for b, s in ((2, 64), (2, 32), (3, 48), (4, 16), (1, 64), (2, 48), (3, 32), (2, 16), (4, 32), (3, 64)):
         q, k, v = (torch.randn(b, s, H, D, generator=gen, dtype=torch.float64) for _ in "qkv")
@@ -415,16 +404,7 @@ def test_batch_and_sequence_marked_dynamic_take_one_graph():
     """``torch._dynamo.mark_dynamic`` on B and S of q, k and v: one graph serves every batch shape
     (the traced binding check compared them with the plan's, which raised here)."""
     graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def attend(q, k, v, plan):
-        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(attend, fullgraph=True, backend=counting_backend)
+    compiled, attend = _compiled_holding_the_plan("argument", graphs), _attend_twice
     gen = torch.Generator().manual_seed(4)
     for b, s in ((2, 64), (3, 48), (4, 32), (2, 96)):
         q, k, v = (torch.randn(b, s, H, D, generator=gen, dtype=torch.float64) for _ in "qkv")

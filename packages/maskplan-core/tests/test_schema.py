@@ -340,23 +340,6 @@ def test_layout_coordinates_must_fit_the_payload():
         layout.pack(torch.ones(1, 2, 32, dtype=torch.bool))
 
 
-class _ColumnsForward(RowMajorLayout):
-    """Row-major bits under an id of this test's own."""
-
-    def __init__(self, tile_m: int, tile_n: int):
-        super().__init__(tile_m, tile_n)
-        self.layout_id = "test-columns-v1"
-
-
-class _ColumnsReversed(_ColumnsForward):
-    """The same tile and id with each row's columns on the bits in reverse order."""
-
-    def element_coords(self):
-        s, g, _, _ = super().element_coords()
-        n = (self.tile_n - 1 - torch.arange(self.tile_n)).expand(self.tile_m, self.tile_n)
-        return s, g, n // 32, n % 32
-
-
 def test_bit_order_is_the_documented_digest():
     """``bit_order`` is reproducible from the map alone (the schema's recipe, written out here with
     hashlib and struct), so a producer in another language or process computes the same string."""
@@ -379,14 +362,16 @@ def test_a_signature_names_the_bit_order_not_only_the_id():
     from maskplan_core import PlanSignatureMismatch, masks, validate_plan_inputs
     from maskplan_core.consumer import ViewConfig, require_view_signature
     from maskplan_core.reference import build_plan
+    from maskplan_core.testing import ReversedColumnsLayout
 
     tiles = torch.rand(3, 4, 40) < 0.5
-    forward, reversed_ = _ColumnsForward(4, 40), _ColumnsReversed(4, 40)
+    forward, reversed_ = RowMajorLayout(4, 40), ReversedColumnsLayout(4, 40)
+    assert forward.layout_id == reversed_.layout_id
     for layout in (forward, reversed_):
         assert torch.equal(layout.unpack(layout.pack(tiles)), tiles)
     assert not torch.equal(forward.pack(tiles), reversed_.pack(tiles))
     assert forward.bit_order != reversed_.bit_order
-    assert _ColumnsForward(4, 40).bit_order == forward.bit_order
+    assert RowMajorLayout(4, 40).bit_order == forward.bit_order
 
     def config(layout):
         topology = Topology(tile_m=4, tile_n=40)

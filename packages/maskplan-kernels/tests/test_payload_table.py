@@ -148,21 +148,13 @@ def test_layout_tables_are_host_tensors_whatever_the_default_device(name, make):
     assert torch.equal(packed, want_layout.pack(tiles)) and torch.equal(unpacked, tiles)
 
 
-class _ReversedColumns(RowMajorLayout):
-    """RowMajorLayout's id and tile with each row's columns on the bits in reverse order."""
-
-    def element_coords(self):
-        s, g, _, _ = super().element_coords()
-        n = (self.tile_n - 1 - torch.arange(self.tile_n)).expand(self.tile_m, self.tile_n)
-        return s, g, n // 32, n % 32
-
-
 def test_device_tables_of_two_orders_under_one_id_are_two_tables():
     """The uploaded table is cached per layout identity, which takes the bit order's digest besides
     the id: a layout keeping its parent's id but not its order gets a table of its own order."""
+    from maskplan_core.testing import ReversedColumnsLayout
     from maskplan_kernels.payload_table import device_source_table
 
-    forward, reversed_ = RowMajorLayout(4, 40), _ReversedColumns(4, 40)
+    forward, reversed_ = RowMajorLayout(4, 40), ReversedColumnsLayout(4, 40)
     assert forward.layout_id == reversed_.layout_id
     cpu = torch.device("cpu")
     for layout in (forward, reversed_, forward):

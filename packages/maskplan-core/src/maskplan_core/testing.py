@@ -21,9 +21,21 @@ import torch
 from . import consumer, masks
 from .consumer import Consumer, ViewConfig, ViewRequest
 from .geometry import PlanGeometry
+from .payload import WORD_BITS, RowMajorLayout
 from .plan import MaskPlan, PlanView
 from .reference import attention_backward, attention_forward, build_plan
 from .validation import validate_plan_inputs
+
+
+class ReversedColumnsLayout(RowMajorLayout):
+    """:class:`~maskplan_core.payload.RowMajorLayout`'s id and tile with each row's columns on the
+    bits in reverse order: a layout that keeps another's ``layout_id`` but not its bit order, whose
+    plans that layout's consumer must refuse (the signatures differ in ``payload.bit_order``)."""
+
+    def element_coords(self):
+        s, g, _, _ = super().element_coords()
+        n = (self.tile_n - 1 - torch.arange(self.tile_n)).expand(self.tile_m, self.tile_n)
+        return s, g, n // WORD_BITS, n % WORD_BITS
 
 
 def cuda_arch_major() -> int | None:
