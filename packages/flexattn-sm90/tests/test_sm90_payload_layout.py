@@ -236,6 +236,22 @@ def test_pack_gqa_shape(case):
 
 
 @pytest.mark.parametrize("case", PACK_CASES, ids=PACK_IDS)
+def test_pack_gqa_coordinates_follow_the_lane_rule(case):
+    """Position p's column n is held by lane quad member ``(n % 8) // 2`` of the rows of p, as bit
+    ``2 (n // 8) + n % 2`` of its register (the WGMMA rule of ``ownership_rule``, one row per
+    position): group ``4 p + (n % 8) // 2``, word 0. A plan of this id names this order's digest."""
+    rows, tile_n, g = case
+    layout = wgmma_pack_gqa_layout(rows, tile_n, g)
+    p = torch.arange(layout.tile_m)[:, None].expand(layout.tile_m, layout.tile_n)
+    n = torch.arange(layout.tile_n)[None, :].expand(layout.tile_m, layout.tile_n)
+    group, bit = 4 * p + (n % 8) // 2, 2 * (n // 8) + n % 2
+    s, gr, w, b = layout.element_coords()
+    assert bool((s == 0).all()) and bool((w == 0).all())
+    assert torch.equal(gr, group) and torch.equal(b, bit)
+    assert layout.spec.bit_order == bit_order_digest(group * 32 + bit)
+
+
+@pytest.mark.parametrize("case", PACK_CASES, ids=PACK_IDS)
 def test_pack_gqa_kernel_view_of_a_packed_tile(case):
     """What the kernel does, simulated: every consumer thread loads its registers through
     ``register_source`` from a plane packed by ``element_coords`` and tests ``register_bit(e)``
