@@ -63,10 +63,12 @@ def resolve_scale(softmax_scale, g) -> float:
     return 1.0 / math.sqrt(g.head_dim_qk) if softmax_scale is None else float(softmax_scale)
 
 
-def caller_lse(lse: torch.Tensor, bsh: tuple | None) -> torch.Tensor:
-    """The kernels' ``[Hq, total_q]`` LSE in the caller's layout: for fixed length ``[B, Hq, Sq]``
-    (a view) of ``bsh = (B, Sq, Hq)``, for varlen (``bsh`` None) itself."""
-    return lse if bsh is None else lse.view(bsh[2], bsh[0], bsh[1]).transpose(0, 1)
+def caller_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``[Hq, total_q]`` LSE in the layout of the caller's ``q`` (bound to the plan):
+    for a fixed-length ``[B, Sq, Hq, D]`` q ``[B, Hq, Sq]`` (a view), for a varlen THD q itself.
+    q's sizes, not the geometry's: compiled, q's are symbols where a plan Dynamo holds as a
+    constant has numbers, which a view by them would pin."""
+    return lse if q.dim() == 3 else lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1)
 
 
 def require_plan(mask_plan: object) -> None:
@@ -157,12 +159,9 @@ def flex_attn_func(
         )
     scale = resolve_scale(softmax_scale, g)
     out, lse, max_logit = ops.attention(q, k, v, mask_plan, scale, training, deterministic, return_max_logit)
-    # q's sizes, not the geometry's: the same (checked eagerly above, compiled by the op), but
-    # compiled, q's are symbols where a plan held as a constant has numbers, which would pin them
-    bsh = None if g.varlen else tuple(q.shape[:3])
-    if bsh is not None:
-        out = out.view(*bsh, v.shape[-1])
+    if q.dim() == 4:  # by q's sizes, as caller_lse
+        out = out.view(*q.shape[:3], v.shape[-1])
     max_logit = max_logit.detach()  # a statistic, not differentiable
-    returned_lse = (caller_lse(lse, bsh).contiguous(),) if return_lse else ()
+    returned_lse = (caller_lse(lse, q).contiguous(),) if return_lse else ()
     results = (out,) + returned_lse + ((max_logit,) if return_max_logit else ())
     return results[0] if len(results) == 1 else results

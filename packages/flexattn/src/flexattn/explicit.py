@@ -316,8 +316,7 @@ class FlexAttentionFwd(_Explicit):
             )  # fmt: skip
             _write(o_tensor, res.out)
             if lse_tensor is not None and in_place_lse is None:
-                bsh = None if g.varlen else (g.batch, g.max_seqlen_q, g.num_heads_q)
-                lse_tensor.copy_(caller_lse(res.lse, bsh))
+                lse_tensor.copy_(caller_lse(res.lse, q_tensor))
             if max_logit_tensor is not None:
                 max_logit_tensor.copy_(res.max_logit)
 

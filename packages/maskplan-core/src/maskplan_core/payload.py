@@ -27,6 +27,7 @@ from .schema import PayloadLayoutSpec
 WORD_BITS = 32
 _BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8, device="cpu")
 
+
 class PayloadLayout(ABC):
     """Element -> (subtile, group, word, bit) map of one consumer's partial-block payload."""
 

@@ -603,7 +603,8 @@ class MaskPlan:
         so a write there, under inference mode too, goes unseen; so does a write through
         ``tensor.data``, which torch does not count."""
         g = self._geometry
-        if not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
             counts = _write_counts(self._storage)
             if counts != self._write_counts:
                 pairs = zip(self._storage, counts, self._write_counts, strict=True)
@@ -625,12 +626,11 @@ class MaskPlan:
                 "k": (*bk, g.num_heads_kv, g.head_dim_qk),
                 "v": (*bk, g.num_heads_kv, g.head_dim_v),
             }
+        sizes = not (op_checks_sizes and compiling)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             require_strided(name, t)
-            compiling = torch.compiler.is_compiling()
-            sizes = not (op_checks_sizes and compiling)
             if t.dim() != len(expect[name]) or (sizes and tuple(t.shape) != expect[name]):
                 if compiling:  # the sizes may be symbolic: no string can show them
                     raise PlanBindingError(
