@@ -422,6 +422,55 @@ def test_a_mask_built_for_other_samples_of_the_same_rows_is_refused(builder, mak
     plan(endpoints.clone(), *fixed_qkv(b=1, sq=128, sk=128))  # a copy has no record: taken as it is
 
 
+def _tril(b, h, q, kv):
+    return kv <= q
+
+
+@pytest.mark.parametrize(
+    "builder, make, how",
+    [
+        ("masks.causal", lambda m: m.causal(64, batch=2), "masks.causal(Sq, Sk)"),
+        ("masks.full", lambda m: m.full(64, batch=2), "masks.full(Sq, Sk)"),
+        ("masks.document", lambda m: m.document([[20, 44], [64]]), "self-attention masks"),
+        ("masks.from_mask_mod", lambda m: m.from_mask_mod(_tril, 2, 1, 64, 64), "KV_LEN"),
+        ("masks.from_dense", lambda m: m.from_dense(torch.ones(2, 1, 64, 64).bool()), "key columns"),
+    ],
+)
+def test_a_mask_built_for_other_key_lengths_is_refused(builder, make, how):
+    """A mask built for 64 keys planned with 96 would hide keys 64-95 (and a bottom-right aligned
+    diagonal would sit 32 keys early): the builders record the keys of their samples too, and the
+    error says how to give the builder k's length."""
+    from maskplan_core import masks
+
+    endpoints = make(masks)
+    with expect(InputValueError, ValueError, f"built by {builder} for 2 samples of 64 keys",
+                "k has 2 samples of 96 keys", how):  # fmt: skip
+        plan(endpoints, *fixed_qkv(b=2, sq=64, sk=96))
+    plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
+
+
+def test_the_key_record_follows_each_varlen_sample():
+    """Varlen samples are aligned each by its own key count: a causal mask for keys 80, 40 is
+    refused for keys 40, 80 (the same total) and plans for its own; a sample of no query rows
+    holds no endpoints, so its keys do not count."""
+    from maskplan_core import masks
+
+    cu_q = [0, 64, 128, 128]
+    mask = masks.causal(cu_seqlens_q=cu_q, cu_seqlens_k=[0, 80, 120, 150])
+    (q, _, _), varlen = _varlen_qkv(cu_q)
+
+    def run(cu_k):
+        k = torch.randn(cu_k[-1], HQ, D)
+        cu_k = torch.tensor(cu_k, dtype=torch.int32)
+        return plan(mask, q, k, k, cu_seqlens_q=varlen["cu_seqlens_q"], cu_seqlens_k=cu_k,
+                    max_seqlen_q=64, max_seqlen_k=80)  # fmt: skip
+
+    with expect(InputValueError, ValueError, "built by masks.causal for 2 samples of 80, 40 keys",
+                "k has 2 samples of 40, 80 keys"):  # fmt: skip
+        run([0, 40, 120, 150])
+    run([0, 80, 120, 121])
+
+
 def test_endpoint_negative():
     ep = causal(hmask=HQ, nfunc=3)
     ep[2, 0, 7] = -3

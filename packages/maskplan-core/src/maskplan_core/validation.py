@@ -337,7 +337,8 @@ def validate_plan_inputs(
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
-    check_samples(mask_func, lambda: cu_q.diff().tolist() if varlen else [max_q] * batch)
+    per_sample = lambda: (cu_q.diff().tolist(), cu_k.diff().tolist())  # noqa: E731
+    check_samples(mask_func, per_sample if varlen else lambda: ([max_q] * batch, [max_k] * batch))
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
         warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "

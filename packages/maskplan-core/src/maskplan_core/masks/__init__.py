@@ -13,10 +13,12 @@ or the total query token count for varlen batches (samples delimited by ``cu_seq
 
 Every builder returns a contiguous ``int32`` tensor ``[Hmask, nfunc, total_q]``.
 
-Build a mask for the key length its plan will see: ``seqlen_k`` defaults to ``seqlen_q``, and the
-endpoints do not record the length they were made for, so ``causal(Sq)`` planned with ``Sk > Sq``
-keys is a valid mask that hides the keys past ``Sq`` (top-left aligned) rather than the
-bottom-right causal mask ``causal(Sq, Sk)``.
+Build a mask for the key length its plan will see: ``seqlen_k`` defaults to ``seqlen_q``. A
+builder records the query rows and keys of the samples it built for, and a plan for q or k of
+other samples refuses its result, as torch refuses a block mask made for other lengths:
+``causal(Sq)`` with ``Sk > Sq`` keys would hide the keys past ``Sq`` rather than be the
+bottom-right causal mask ``causal(Sq, Sk)``. The endpoints themselves do not hold the lengths: a
+tensor made from a builder's result (``.clone()``, ``torch.cat``, ``.to()``) is taken as it is.
 
 Examples (``.tolist()`` drops the tensor wrapper):
 

@@ -78,13 +78,16 @@ def _int_list(name: str, value: object) -> list[int]:
     return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
-def _finish(rows: list[torch.Tensor], batch: int, builder: str, q_lens: Sequence[int]) -> torch.Tensor:
+def _finish(
+    rows: list[torch.Tensor], batch: int, builder: str, q_lens: Sequence[int], k_lens: Sequence[int]
+) -> torch.Tensor:
     """Stack per-endpoint rows ``[S]`` into ``[1, nfunc, batch * S]`` contiguous int32, recorded as
-    ``builder``'s for samples of ``q_lens`` rows (:mod:`maskplan_core.endpoint_samples`)."""
+    ``builder``'s for samples of ``q_lens`` rows and ``k_lens`` keys
+    (:mod:`maskplan_core.endpoint_samples`)."""
     ep = torch.stack(rows).to(torch.int32)
     if batch > 1:
         ep = ep.repeat(1, batch)
-    return record_samples(ep.unsqueeze(0).contiguous(), builder, q_lens)
+    return record_samples(ep.unsqueeze(0).contiguous(), builder, q_lens, k_lens)
 
 
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:

@@ -12,10 +12,10 @@ from ._args import _as_device, _as_extent, _as_int, _as_length, _finish, _int_li
 
 
 def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) -> tuple[torch.Tensor, ...]:
-    """``(d, k_len, q_lens)``: per query row of the batch ``d``, the row's bottom-right aligned
-    diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, its sample's key
-    count; and the samples' query rows. Fixed length from ``seqlen_q/k`` and ``batch``, varlen from
-    ``cu_seqlens_q/k``."""
+    """``(d, k_len, q_lens, k_lens)``: per query row of the batch ``d``, the row's bottom-right
+    aligned diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, its
+    sample's key count; and the samples' query rows and keys. Fixed length from ``seqlen_q/k`` and
+    ``batch``, varlen from ``cu_seqlens_q/k``."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if seqlen_q is None:
             raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
@@ -24,7 +24,7 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
         batch = _as_int("batch", batch, 1)
         i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
         d = (i + (seqlen_k - seqlen_q)).repeat(batch)
-        return d, torch.full_like(d, seqlen_k), [seqlen_q] * batch
+        return d, torch.full_like(d, seqlen_k), [seqlen_q] * batch, [seqlen_k] * batch
     if seqlen_q is not None or seqlen_k is not None or batch != 1 or isinstance(batch, bool):
         raise InputValueError(
             "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
@@ -37,7 +37,7 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
     per_row = lambda x: torch.repeat_interleave(x, q_lens)  # noqa: E731
     k_len = per_row(k_lens)
     d = torch.arange(int(cu_q[-1]), device=dev) - per_row(cu_q[:-1]) + k_len - per_row(q_lens)
-    return d, k_len, q_lens.tolist()
+    return d, k_len, q_lens.tolist(), k_lens.tolist()
 
 
 def causal(
@@ -56,8 +56,8 @@ def causal(
     ``cu_seqlens_k`` (int ``[B + 1]``) instead of the lengths; each sample is aligned by its own
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
     """
-    d, k_len, q_lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
-    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", q_lens)
+    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens)
 
 
 def full(
@@ -72,8 +72,8 @@ def full(
     """No mask: row ``i`` sees every key of its sample (torch's ``block_mask=None``; with varlen
     samples, attention within each sample). Returns ``[1, 1, batch * seqlen_q]`` int32 (varlen:
     ``[1, 1, total_q]``), taking the lengths as :func:`causal` does."""
-    _, k_len, q_lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
-    return _finish([k_len], 1, "masks.full", q_lens)
+    _, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    return _finish([k_len], 1, "masks.full", *lens)
 
 
 def sliding_window(
@@ -96,13 +96,13 @@ def sliding_window(
     """
     window_left = _as_extent("window_left", window_left)
     window_right = _as_extent("window_right", window_right)
-    d, k_len, q_lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)
     hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
     empty = lo >= hi
     lo = lo.masked_fill(empty, 0)
     hi = hi.masked_fill(empty, 0)
-    return _finish([torch.zeros_like(lo), lo, hi], 1, "masks.sliding_window", q_lens)
+    return _finish([torch.zeros_like(lo), lo, hi], 1, "masks.sliding_window", *lens)
 
 
 def _is_sequence(x: object) -> bool:
@@ -236,7 +236,8 @@ def _documents(ids: torch.Tensor, causal: bool, window_left: int | None, builder
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
     rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
-    return _finish(rows, 1, builder, [seqlen] * ids.shape[0])
+    lens = [seqlen] * ids.shape[0]  # self-attention: as many keys as query rows
+    return _finish(rows, 1, builder, lens, lens)
 
 
 def prefix_lm(
@@ -272,7 +273,8 @@ def prefix_lm(
     p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
     f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
-    return _finish([f0], 1, "masks.prefix_lm", [seqlen] * len(prefixes))
+    lens = [seqlen] * len(prefixes)
+    return _finish([f0], 1, "masks.prefix_lm", lens, lens)
 
 
 def chunked(
@@ -298,4 +300,5 @@ def chunked(
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)
     lo = torch.div(i, chunk_size, rounding_mode="floor") * chunk_size
     hi = i + 1 if causal else (lo + chunk_size).clamp(max=seqlen)
-    return _finish([torch.zeros_like(lo), lo, hi], batch, "masks.chunked", [seqlen] * batch)
+    lens = [seqlen] * batch
+    return _finish([torch.zeros_like(lo), lo, hi], batch, "masks.chunked", lens, lens)

@@ -134,11 +134,11 @@ def from_dense(
         )
     if mask.shape[1 if sdpa else 0] == 0:
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
-    samples = None  # the samples' rows where the mask says them: SDPA's layout, or cu_seqlens_q
+    samples = None  # the samples' rows and keys where the mask says them: SDPA's layout, or cu_seqlens
     if sdpa:  # rows are batch-major
         b, hm, sq, sk = mask.shape
         mask = mask.transpose(0, 1).reshape(hm, b * sq, sk)
-        samples = [sq] * b
+        samples = [sq] * b, [sk] * b
     h, t, sk = mask.shape
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
@@ -170,9 +170,9 @@ def from_dense(
                     f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
                     f"k_len {int(row_klen[row])}"
                 )
-        samples = q_lens.tolist()
+        samples = q_lens.tolist(), k_lens.tolist()
     endpoints = _encode(mask)
-    return endpoints if samples is None else record_samples(endpoints, "masks.from_dense", samples)
+    return endpoints if samples is None else record_samples(endpoints, "masks.from_dense", *samples)
 
 
 #: ``from_mask_mod``'s ``H`` values that stand for one mask of every head, as ``create_block_mask``'s
@@ -216,8 +216,8 @@ def from_mask_mod(
     with torch's keywords converts as it is; its ``BLOCK_SIZE`` and ``_compile`` are taken too and
     change nothing (endpoints are per element, and the mask_mod is evaluated eagerly). ``B`` cannot
     be None.
-    The endpoints do not record ``Sk``: used with more keys than ``Sk``, they hide the keys past it
-    (torch refuses a block mask made for another ``KV_LEN``).
+    The result is refused for q or k of other lengths than ``Sq`` and ``Sk``, as torch refuses a
+    block mask made for another ``Q_LEN`` or ``KV_LEN`` (:mod:`maskplan_core.endpoint_samples`).
     """
     if not callable(mask_mod):
         raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
@@ -240,7 +240,7 @@ def from_mask_mod(
         sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
         chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head, samples=B)
         parts += [_encode(rows) for rows in chunks]
-    return record_samples(_join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B)
+    return record_samples(_join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B)
 
 
 def _torch_name(name: str, value, torch_name: str, torch_value):
@@ -328,7 +328,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
             first += seen.shape[1]
         if bool(differs.any()):
             raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
-    return record_samples(_join_samples(parts, heads), "masks.from_block_mask", [shape[1]] * batch)
+    return record_samples(
+        _join_samples(parts, heads), "masks.from_block_mask", [shape[1]] * batch, [shape[2]] * batch
+    )
 
 
 def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> InputValueError:
