@@ -340,6 +340,32 @@ def test_layout_coordinates_must_fit_the_payload():
         layout.pack(torch.ones(1, 2, 32, dtype=torch.bool))
 
 
+class _Coords(RowMajorLayout):
+    """RowMajorLayout's coordinates passed through ``transform`` (a layout author's mistake)."""
+
+    def __init__(self, transform):
+        super().__init__(2, 32)
+        self.transform = transform
+
+    def element_coords(self):
+        return self.transform(super().element_coords())
+
+
+@pytest.mark.parametrize(
+    "transform, words",
+    [
+        (lambda c: c[:3], "must return 4 tensors .* got 3 values"),
+        (lambda c: torch.stack(c), "must return 4 tensors .* got Tensor"),
+        (lambda c: (*c[:3], c[3].float()), "bit must be an integer tensor .* got torch.float32"),
+        (lambda c: (c[0].tolist(), *c[1:]), "subtile must be an integer tensor .* got list"),
+    ],
+)
+def test_malformed_element_coords_are_refused_by_name(transform, words):
+    with pytest.raises(InputValueError, match=f"payload layout rowmajor.*element_coords.*{words}"):
+        _ = _Coords(transform).spec
+    assert _Coords(lambda c: list(c)).spec == RowMajorLayout(2, 32).spec  # a list of 4 is as good
+
+
 def test_bit_order_is_the_documented_digest():
     """``bit_order`` is reproducible from the map alone (the schema's recipe, written out here with
     hashlib and struct), so a producer in another language or process computes the same string."""

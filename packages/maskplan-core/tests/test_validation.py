@@ -129,6 +129,21 @@ def test_a_planner_refuses_a_mask_its_geometry_was_not_validated_from():
     assert build_plan(mask, geometry, packed, None, "test").view("forward").fwd_work_desc.shape[0] > 0
 
 
+def test_a_view_request_where_a_config_belongs_is_refused_by_name():
+    """A request describes the problem; the planner takes the consumer's config for it. Handing it
+    the request (through a consumer or the reference planner) names the argument and the fix."""
+    from maskplan_core import ViewRequest
+    from maskplan_core.reference.consumer import ReferenceConsumer
+
+    q, k, v = fixed_qkv()
+    geometry = validate_plan_inputs(causal(), q, k, v)
+    request = ViewRequest.for_geometry(geometry, "forward", "maskplan-reference")
+    with expect(InputTypeError, TypeError, "forward must be a ViewConfig, got ViewRequest", ".resolve("):
+        ReferenceConsumer().build_plan(causal(), geometry, request, None)
+    with expect(InputTypeError, TypeError, "backward must be a ViewConfig or None, got str"):
+        build_plan(causal(), geometry, config("forward"), "backward", "test")
+
+
 def test_valid_inputs_pass():
     g = validate_plan_inputs(causal(), *fixed_qkv())
     assert (g.batch, g.max_seqlen_q, g.max_seqlen_k, g.total_q, g.total_k) == (B, SQ, SK, B * SQ, B * SK)
@@ -469,6 +484,8 @@ def test_the_key_record_follows_each_varlen_sample():
                 "k has 2 samples of 40, 80 keys"):  # fmt: skip
         run([0, 40, 120, 150])
     run([0, 80, 120, 121])
+    with expect(SeqlenError, ValueError, "cu_seqlens_k decreases at index 2"):  # not "samples of 80, -10"
+        run([0, 80, 70, 150])
 
 
 def test_endpoint_negative():

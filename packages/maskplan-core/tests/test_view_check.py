@@ -67,6 +67,11 @@ def _structure_cases(view: PlanView) -> dict:
         "full_block_idx is torch.int32 on meta; .* on the plan's cpu": {
             "full_block_idx": t["full_block_idx"].to("meta")
         },
+        # right shape and values, but a kernel reading from the base address would see other entries
+        r"fwd_work_desc has strides \(1, \d+\); .* contiguous": {
+            "fwd_work_desc": t["fwd_work_desc"].T.contiguous().T
+        },
+        "mask_block_idx has strides": {"mask_block_idx": torch.stack([idx, idx], 1)[:, 0]},
     }
 
 

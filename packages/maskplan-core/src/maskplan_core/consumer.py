@@ -138,6 +138,7 @@ class Consumer(ABC):
         which builds the same tensors. Where the kernels would not build it, a warning says why,
         on the GPU and also for endpoints on another device (a plan for the GPU's tiles made on a
         laptop says what the GPU would)."""
+        check_view_configs(forward, backward)
         if self.gpu_planner is not None:
             planner = importlib.import_module(self.gpu_planner)
             unserved = getattr(planner, "unserved", lambda *views: None)(geometry, forward, backward)
@@ -359,14 +360,28 @@ def require_shared_mask_for_pack_gqa(request: ViewRequest | PlanGeometry) -> Non
         )
 
 
-def check_build_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -> None:
+def check_view_configs(forward: ViewConfig, backward: ViewConfig | None) -> None:
+    """A planner's view arguments are configs (a consumer's ``resolve`` of a request), not requests."""
+    for name, config in (("forward", forward), ("backward", backward)):
+        if not isinstance(config, ViewConfig) and (name == "forward" or config is not None):
+            hint = f" (consumer.resolve({name}_request) makes one)" if isinstance(config, ViewRequest) else ""
+            raise InputTypeError(
+                f"{name} must be a ViewConfig{' or None' if name == 'backward' else ''}, got "
+                f"{type(config).__name__}{hint}"
+            )
+
+
+def check_build_inputs(
+    mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None
+) -> None:
     """What every planner (the reference one, a GPU one) checks before building: ``mask_func`` is
     the contiguous int32 ``[Hmask, nfunc, total_q]`` tensor ``geometry`` was validated from (a
     geometry of another mask would plan other rows, heads or intervals than it holds), on its
-    device, and a PackGQA forward view has one mask for every head (its work queue has one task
-    per kv head)."""
+    device, the views are configs (:class:`ViewConfig`), and a PackGQA forward view has one mask for every
+    head (its work queue has one task per kv head)."""
     if not isinstance(mask_func, torch.Tensor):
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
+    check_view_configs(forward, backward)
     g = geometry
     expected = (g.mask_heads, g.nfunc, g.total_q)
     same = same_device(mask_func.device, g.device)

@@ -60,8 +60,25 @@ class PayloadLayout(ABC):
     def flat_bit_index(self) -> torch.Tensor:
         """int64 ``[tile_m, tile_n]``: position of each element's bit in the tile's flat bit string."""
         coords = self.element_coords()
+        names = ("subtile", "group", "word", "bit")
+        if not isinstance(coords, (tuple, list)) or len(coords) != len(names):
+            got = f"{len(coords)} values" if isinstance(coords, (tuple, list)) else type(coords).__name__
+            raise InputValueError(
+                f"payload layout {self.layout_id}: element_coords must return 4 tensors "
+                f"(subtile, group, word, bit), got {got}"
+            )
+        for name, c in zip(names, coords, strict=True):
+            if not isinstance(c, torch.Tensor) or c.dtype.is_floating_point or c.dtype.is_complex or (
+                c.dtype == torch.bool
+            ):
+                got = c.dtype if isinstance(c, torch.Tensor) else type(c).__name__
+                raise InputValueError(
+                    f"payload layout {self.layout_id}: element_coords' {name} must be an integer tensor "
+                    f"[tile_m, tile_n], got {got}"
+                )
+        coords = tuple(c.to(torch.int64) for c in coords)
         extents = (self.subtiles, self.groups, self.words_per_group, WORD_BITS)
-        for name, c, extent in zip(("subtile", "group", "word", "bit"), coords, extents, strict=True):
+        for name, c, extent in zip(names, coords, extents, strict=True):
             if tuple(c.shape) != (self.tile_m, self.tile_n) or bool(((c < 0) | (c >= extent)).any()):
                 raise InputValueError(
                     f"payload layout {self.layout_id}: element_coords' {name} must be [tile_m, tile_n] = "

@@ -39,13 +39,31 @@ class _Frozen(BaseModel):
 class Topology(_Frozen):
     """Block geometry and CTA topology of one consumer view."""
 
-    tile_m: int = Field(gt=0, description="Q rows per block (the M of the score tile).")
-    tile_n: int = Field(gt=0, description="K columns per block (the N of the score tile).")
+    tile_m: int = Field(
+        gt=0,
+        description=(
+            "Q positions per block (the M of the score tile the planner classifies and the payload "
+            "covers). With pack_gqa the kernel's tile holds qhead_per_kvhead rows per position."
+        ),
+    )
+    tile_n: int = Field(gt=0, description="K positions per block (the N of the score tile).")
     q_stage: int = Field(1, gt=0, description="Q tiles in flight per CTA.")
     cta_group_size: Literal[1, 2] = Field(1, description="CTAs cooperating on one MMA.")
-    cluster_axis: Literal["none", "m", "n"] = "none"
-    pack_gqa: bool = False
-    qhead_per_kvhead: int = Field(1, gt=0)
+    cluster_axis: Literal["none", "m", "n"] = Field(
+        "none",
+        description=(
+            "The axis along which a cluster's CTAs split one tile (its payload subtiles): 'm' (Q rows), "
+            "'n' (K columns), or 'none' (one CTA per tile)."
+        ),
+    )
+    pack_gqa: bool = Field(
+        False,
+        description=(
+            "Forward view only: the q heads of one kv head share each tile (so Hmask is 1), the work "
+            "queue names the kv head, and a payload bit guards one (position, key) for every packed head."
+        ),
+    )
+    qhead_per_kvhead: int = Field(1, gt=0, description="num_heads_q / num_heads_kv of the problem.")
 
 
 class PayloadLayoutSpec(_Frozen):
@@ -61,9 +79,17 @@ class PayloadLayoutSpec(_Frozen):
             "row-major (m, n) order, as little-endian int64."
         ),
     )
-    physical_subtiles: int = Field(gt=0)
-    payload_groups: int = Field(gt=0)
-    words_per_group: int = Field(gt=0, description="uint32 words per payload group (padded).")
+    physical_subtiles: int = Field(gt=0, description="Subtiles of one partial block's payload (dim 1).")
+    payload_groups: int = Field(
+        gt=0, description="Groups per subtile (dim 2): typically the consumer threads that hold its bits."
+    )
+    words_per_group: int = Field(
+        gt=0,
+        description=(
+            "uint32 words per payload group (dim 3, padded; stored as int32). Bit b of a word is "
+            "(word >> b) & 1; 1 means visible. Bits no element maps to are 0."
+        ),
+    )
 
 
 class SignatureDiff(_Frozen):
@@ -82,15 +108,31 @@ class PlanSignature(_Frozen):
     #: with this version's meaning of its tensors. Python code may leave it out (it is this
     #: version's); JSON must carry it (:meth:`_json_names_its_version`), and the published schema
     #: says so, so a producer in another language cannot write a signature of no version
-    abi_version: Literal[ABI_VERSION] = ABI_VERSION  # type: ignore[valid-type]
+    abi_version: Literal[ABI_VERSION] = Field(  # type: ignore[valid-type]
+        ABI_VERSION, description="The plan ABI version whose tensor meanings the view follows."
+    )
     arch_family: str = Field(description="'reference', 'sm90', 'sm100', ...")
-    direction: Direction
-    kernel_family: str
+    direction: Direction = Field(
+        description=(
+            "'forward': a Q-major view (rows are Q blocks, entries K blocks) with fwd_work_desc; "
+            "'backward': a K-major (K2Q) view (rows are K blocks, entries Q blocks) with dq_write_order."
+        )
+    )
+    kernel_family: str = Field(description="The consumer kernel the view is made for; compared as a name.")
     topology: Topology
-    mma_layout: str
+    mma_layout: str = Field(description="The MMA whose accumulator ownership the payload follows; a name.")
     payload: PayloadLayoutSpec
-    scheduler_layout: str
-    dq_order_format: Literal["none", "rank_int32"] = "none"
+    scheduler_layout: str = Field(
+        description="The task queue's format and order rule (fwd_work_desc rows); compared as a name."
+    )
+    dq_order_format: Literal["none", "rank_int32"] = Field(
+        "none",
+        description=(
+            "'rank_int32' (backward views): dq_write_order / dq_write_order_full hold, per entry, the "
+            "int32 rank of its K block among every K block reaching that Q block (ascending K); "
+            "'none': no dQ order."
+        ),
+    )
 
     model_config = ConfigDict(json_schema_extra=lambda schema: schema["required"].insert(0, "abi_version"))
 

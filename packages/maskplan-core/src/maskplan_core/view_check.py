@@ -52,8 +52,8 @@ def fixed_blocks(seqlen_q: int, seqlen_k: int, block: tuple[int, int], outer: st
 
 def check_structure(view: PlanView) -> None:
     """Raise :class:`InputValueError`, naming the view and tensor, unless ``view`` holds exactly the
-    tensors of its role (``sequence_desc`` iff varlen), int32 on the geometry's device, shaped as
-    the ABI says for its geometry and payload layout."""
+    tensors of its role (``sequence_desc`` iff varlen), contiguous int32 on the geometry's device,
+    shaped as the ABI says for its geometry and payload layout."""
     g = view.geometry
     present = {name: t for name, t in view.tensors.items() if t is not None}
     expected = (*CSR_TENSORS, *ROLE_TENSORS[view.role], *(("sequence_desc",) if g.varlen else ()))
@@ -108,6 +108,11 @@ def check_structure(view: PlanView) -> None:
     else:
         shaped("dq_write_order", (nnz,))
         shaped("dq_write_order_full", (present["full_block_idx"].numel(),))
+    for name, t in present.items():
+        if not t.is_contiguous():  # kernels read the tensors through their base address alone
+            raise _refuse(
+                view, f"{name} has strides {t.stride()}; the ABI holds contiguous tensors (.contiguous())"
+            )
 
 
 def check_values(view: PlanView) -> None:

@@ -341,7 +341,7 @@ def build_plan_gpu(
     :class:`~maskplan_kernels._launch.CudaEventTimer`).
     """
     timer = stage_timer or no_timer
-    _check_inputs(mask_func, geometry, forward)
+    _check_inputs(mask_func, geometry, forward, backward)
     build = prepare(mask_func, geometry, forward, backward)
     with timer("geometry"):
         stage_geometry(build)
@@ -375,12 +375,12 @@ def read_header(header: torch.Tensor) -> list[int]:
     return header.tolist()
 
 
-def _check_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig) -> None:
+def _check_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None):
     if not isinstance(mask_func, torch.Tensor) or not mask_func.is_cuda:
         raise TypeError(
             "build_plan_gpu needs a CUDA mask_func; CPU tensors use maskplan_core.reference.build_plan"
         )
-    check_build_inputs(mask_func, geometry, forward)
+    check_build_inputs(mask_func, geometry, forward, backward)
 
 
 def prepare(mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None) -> PlanBuild:

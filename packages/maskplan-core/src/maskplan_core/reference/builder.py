@@ -28,7 +28,7 @@ def build_plan(
     consumer: str,
 ) -> MaskPlan:
     """Build every view of a plan with the reference stages (runs on CPU and CUDA tensors)."""
-    check_build_inputs(mask_func, geometry, forward)
+    check_build_inputs(mask_func, geometry, forward, backward)
     flags = geometry_error_flags(geometry)
     raise_for_error_flags(flags, mask_func, geometry)  # a bad prefix makes every later stage meaningless
     fwd_geom = block_geometry(geometry, forward.tile_m, forward.tile_n)
