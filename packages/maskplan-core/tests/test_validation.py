@@ -488,6 +488,35 @@ def test_the_key_record_follows_each_varlen_sample():
         run([0, 80, 70, 150])
 
 
+def test_prefixes_that_do_not_fit_q_are_named_before_the_sample_record():
+    """A mask recorded for samples 100, 0, 1, 155 planned with cu_seqlens_q ending at 250 for q of
+    256 rows: the error is the prefixes' (their end is not q's rows), not the mask's samples."""
+    from maskplan_core import masks
+
+    cu = [0, 100, 100, 101, 256]
+    mask = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    t = torch.randn(256, HQ, D)
+    stale = torch.tensor([0, 100, 100, 101, 250], dtype=torch.int32)
+    with expect(SeqlenError, ValueError, "cu_seqlens_q", "250", "256"):
+        plan(mask, t, t, t, cu_seqlens_q=stale, cu_seqlens_k=torch.tensor(cu, dtype=torch.int32),
+             max_seqlen_q=155, max_seqlen_k=155)  # fmt: skip
+
+
+def test_a_flat_document_mask_for_varlen_samples_gets_the_varlen_hint():
+    """Varlen samples of other lengths cannot take one list of document lengths per sample (the
+    builder wants equal totals): the hint says how to build their mask."""
+    from maskplan_core import masks
+
+    cu = [0, 50, 128]
+    flat = masks.document([20, 30, 78])
+    (q, k, v), varlen = _varlen_qkv(cu)
+    with expect(InputValueError, ValueError, "built by masks.document for 1 sample of 128 rows",
+                "torch.cat([masks.document(lens_b)"):  # fmt: skip
+        plan(flat, q, k, v, **varlen)
+    per_sample = torch.cat([masks.document([20, 30]), masks.document([78])], dim=2)
+    plan(per_sample, q, k, v, **varlen)
+
+
 def test_endpoint_negative():
     ep = causal(hmask=HQ, nfunc=3)
     ep[2, 0, 7] = -3
@@ -575,9 +604,9 @@ def test_varlen_needs_all_four_arguments(given):
 @pytest.mark.parametrize(
     "make, cls, builtin, needles",
     [
-        (lambda t: t.to(torch.int64), InputTypeError, TypeError, ("int32", "int64")),
+        (lambda t: t.to(torch.int64), InputTypeError, TypeError, ("int32", "int64", ".int()")),
         (lambda t: t.float(), InputTypeError, TypeError, ("int32",)),
-        (lambda t: t.tolist(), InputTypeError, TypeError, ("Tensor",)),
+        (lambda t: t.tolist(), InputTypeError, TypeError, ("Tensor", "dtype=torch.int32, device=q.device")),
         (lambda t: t[None], InputValueError, ValueError, ("rank-1",)),
         (lambda t: t[:1], InputValueError, ValueError, ("rank-1", "(1,)")),
         (lambda t: t.repeat_interleave(2)[::2], InputValueError, ValueError, ("contiguous",)),
@@ -604,7 +633,7 @@ def test_cu_seqlens_shapes_differ():
         ("max_seqlen_k", -4, InputValueError, (">= 0", "-4")),
         ("max_seqlen_q", 11.0, InputTypeError, ("int", "float")),
         ("max_seqlen_k", True, InputTypeError, ("int", "bool")),
-        ("max_seqlen_k", torch.tensor(7), InputTypeError, ("int", "Tensor")),
+        ("max_seqlen_k", torch.tensor(7), InputTypeError, ("int", "Tensor", "max_seqlen_k.item()")),
         ("max_seqlen_k", 2**31, InputValueError, ("2147483648", "int32")),
     ],
 )

@@ -64,19 +64,28 @@ def _describe(lens: tuple[int, ...], unit: str) -> str:
     return f"{len(lens)} samples of {shown} {unit}"
 
 
-def check_samples(mask_func: torch.Tensor, lens: Callable[[], tuple[Sequence[int], Sequence[int]]]) -> None:
+def check_samples(
+    mask_func: torch.Tensor, lens: Callable[[], tuple[Sequence[int], Sequence[int]] | None]
+) -> None:
     """Refuse ``mask_func`` where a builder recorded it for samples other than q's and k's (those
-    with query rows). ``lens``: a zero-argument callable giving the per-sample query rows and keys
-    (only called for a recorded mask, so a varlen batch reads its ``cu_seqlens`` back only then)."""
+    with query rows). ``lens``: a zero-argument callable giving the per-sample query rows and keys,
+    or None where the prefixes are not valid ones (the planner's prefix check then names them);
+    only called for a recorded mask, so a varlen batch reads its ``cu_seqlens`` back only then."""
     ref, version, builder, rows, keys = _SAMPLES.get(id(mask_func), (None, 0, "", (), ()))
     if ref is None or ref() is not mask_func or mask_func._version != version:
         return
-    q_lens, k_lens = lens()
-    if min(q_lens, default=0) < 0 or min(k_lens, default=0) < 0:
-        return  # decreasing cu_seqlens: the planner's prefix check names them
-    actual_rows, actual_keys = _with_rows(q_lens, k_lens)
+    given = lens()
+    if given is None:
+        return
+    actual_rows, actual_keys = _with_rows(*given)
     if rows != actual_rows:
-        how = " (one list of document lengths per sample)" if builder == "masks.document" else ""
+        how = ""
+        if builder == "masks.document":
+            how = (
+                " (one list of document lengths per sample; varlen samples of other lengths: "
+                "torch.cat([masks.document(lens_b) for each sample b], dim=2), or masks.causal("
+                "cu_seqlens_q=..., cu_seqlens_k=...) where each sample is one document)"
+            )
         raise InputValueError(
             f"mask_func was built by {builder} for {_describe(rows, 'rows')}, but q has "
             f"{_describe(actual_rows, 'rows')}: its endpoints are sample-local to the samples it was "

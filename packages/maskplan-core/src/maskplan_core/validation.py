@@ -71,7 +71,9 @@ def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
 def require_int(name: str, value: object, *, minimum: int = 0) -> int:
     """``value`` as a Python int: an int or another integral number (a numpy integer), not a bool."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+        tensor = isinstance(value, torch.Tensor) and value.numel() == 1
+        hint = f" ({name}.item() reads it back)" if tensor else ""
+        raise InputTypeError(f"{name} must be an int, got {type(value).__name__}{hint}")
     if value < minimum:
         raise InputValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
@@ -151,9 +153,14 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
 
 
 def _check_prefix(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    if isinstance(cu, (list, tuple)):
+        raise InputTypeError(
+            f"{name} must be a torch.Tensor, got {type(cu).__name__} (torch.tensor({name}, "
+            "dtype=torch.int32, device=q.device))"
+        )
     cu = require_tensor(name, cu)
     if cu.dtype != torch.int32:
-        raise InputTypeError(f"{name} must be int32, got {cu.dtype}")
+        raise InputTypeError(f"{name} must be int32, got {cu.dtype} ({name}.int(), as cuDNN takes it)")
     if cu.dim() != 1 or cu.numel() < 2:
         raise InputValueError(f"{name} must be rank-1 with B+1 >= 2 entries, got shape {tuple(cu.shape)}")
     if not cu.is_contiguous():
@@ -204,6 +211,18 @@ def _shared_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -
     if cu_q.is_cuda:
         torch.cuda.current_stream(cu_q.device).synchronize()
     return cu_q, cu_k
+
+
+def _varlen_samples(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int):
+    """Each varlen sample's query rows and keys, or None where the prefixes do not start at 0, end
+    at q's and k's token counts and never decrease (the planner's prefix check names which)."""
+    lens = []
+    for cu, total in ((cu_q.tolist(), total_q), (cu_k.tolist(), total_k)):
+        steps = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+        if cu[0] != 0 or cu[-1] != total or min(steps) < 0:
+            return None
+        lens.append(steps)
+    return tuple(lens)
 
 
 def validate_plan_inputs(
@@ -337,8 +356,10 @@ def validate_plan_inputs(
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
-    per_sample = lambda: (cu_q.diff().tolist(), cu_k.diff().tolist())  # noqa: E731
-    check_samples(mask_func, per_sample if varlen else lambda: ([max_q] * batch, [max_k] * batch))
+    if varlen:
+        check_samples(mask_func, functools.partial(_varlen_samples, cu_q, cu_k, total_q, total_k))
+    else:
+        check_samples(mask_func, lambda: ([max_q] * batch, [max_k] * batch))
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
         warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "
