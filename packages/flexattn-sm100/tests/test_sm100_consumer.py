@@ -358,9 +358,11 @@ def test_cuda_endpoints_plan_with_the_gpu_planner(monkeypatch):
     monkeypatch.setattr(maskplan_kernels, "build_plan_gpu", lambda *args: builds.append(args) or "plan")
     monkeypatch.setattr(maskplan_kernels, "unserved", lambda *views: asked.append(views))  # served
     mask = types.SimpleNamespace(device=torch.device("cuda"))
-    assert Sm100Consumer().build_plan(mask, "geometry", "fwd", "bwd") == "plan"
-    assert asked == [("geometry", "fwd", "bwd")]
-    assert builds == [(mask, "geometry", "fwd", "bwd", "flexattn-sm100")]
+    consumer = Sm100Consumer()
+    fwd, bwd = (consumer.resolve(request(direction)) for direction in ("forward", "backward"))
+    assert consumer.build_plan(mask, "geometry", fwd, bwd) == "plan"
+    assert asked == [("geometry", fwd, bwd)]
+    assert builds == [(mask, "geometry", fwd, bwd, "flexattn-sm100")]
 
 
 def test_variant_override_and_mask_delivery():
