@@ -327,6 +327,8 @@ def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_att
     with pytest.raises(PlanBindingError) as refused:
         flexattn.flex_attn_func(*(t.bfloat16() for t in (q, k, v)), mask_plan=plan)
     assert "autocast" not in str(refused.value)
+    # a TypeError too, as cudnn.flex_attention raises for a dtype mismatch (code catching that works)
+    assert isinstance(refused.value, TypeError) and isinstance(refused.value, flexattn.PlanDtypeError)
     on_meta = [torch.empty_like(t, device="meta", dtype=torch.bfloat16) for t in (q, k, v)]
     with pytest.raises(PlanBindingError, match="dtype"):  # a device without autocast: no hint to give
         flexattn.flex_attn_func(*on_meta, mask_plan=plan)

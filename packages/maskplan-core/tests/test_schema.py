@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from maskplan_core import (
     ABI_VERSION,
     HEADER_FIELDS,
+    InputTypeError,
     InputValueError,
     PayloadLayoutSpec,
     PlanSignature,
@@ -69,6 +70,19 @@ def test_signature_json_schema_is_published():
         schema["required"]
     )
     json.dumps(schema)  # serialisable as is
+
+
+def test_every_schema_field_says_what_it_means():
+    """A producer or consumer in another language reads the published schema: every field has a
+    description, or names a model that has one (``topology``, ``payload``)."""
+    schema = PlanSignature.model_json_schema()
+    models = {"PlanSignature": schema, **schema["$defs"]}
+    for model_name, model in models.items():
+        assert model.get("description"), model_name
+        for field_name, field in model["properties"].items():
+            ref = field.get("$ref", "").rsplit("/", 1)[-1]
+            described = field.get("description") or models.get(ref, {}).get("description")
+            assert described, (model_name, field_name)
 
 
 @pytest.mark.parametrize(
@@ -361,7 +375,7 @@ class _Coords(RowMajorLayout):
     ],
 )
 def test_malformed_element_coords_are_refused_by_name(transform, words):
-    with pytest.raises(InputValueError, match=f"payload layout rowmajor.*element_coords.*{words}"):
+    with pytest.raises(InputTypeError, match=f"payload layout rowmajor.*element_coords.*{words}"):
         _ = _Coords(transform).spec
     assert _Coords(lambda c: list(c)).spec == RowMajorLayout(2, 32).spec  # a list of 4 is as good
 

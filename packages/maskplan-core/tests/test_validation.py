@@ -142,6 +142,10 @@ def test_a_view_request_where_a_config_belongs_is_refused_by_name():
         ReferenceConsumer().build_plan(causal(), geometry, request, None)
     with expect(InputTypeError, TypeError, "backward must be a ViewConfig or None, got str"):
         build_plan(causal(), geometry, config("forward"), "backward", "test")
+    backward = ViewRequest.for_geometry(geometry, "backward", "maskplan-reference")
+    with expect(InputTypeError, TypeError, "backward must be a ViewConfig or None, got ViewRequest",
+                "consumer.resolve(backward_request)"):  # fmt: skip
+        build_plan(causal(), geometry, config("forward"), backward, "test")
 
 
 def test_valid_inputs_pass():
@@ -444,23 +448,30 @@ def _tril(b, h, q, kv):
 @pytest.mark.parametrize(
     "builder, make, how",
     [
-        ("masks.causal", lambda m: m.causal(64, batch=2), "masks.causal(Sq, Sk)"),
-        ("masks.full", lambda m: m.full(64, batch=2), "masks.full(Sq, Sk)"),
-        ("masks.document", lambda m: m.document([[20, 44], [64]]), "self-attention masks"),
-        ("masks.from_mask_mod", lambda m: m.from_mask_mod(_tril, 2, 1, 64, 64), "KV_LEN"),
-        ("masks.from_dense", lambda m: m.from_dense(torch.ones(2, 1, 64, 64).bool()), "key columns"),
+        ("masks.causal", lambda m: m.causal(64, batch=2), "masks.causal(seqlen_q, seqlen_k"),
+        ("masks.full", lambda m: m.full(64, batch=2), "masks.full(seqlen_q, seqlen_k"),
+        ("masks.sliding_window", lambda m: m.sliding_window(64, batch=2, window_left=8), "sliding_window("),
+        ("masks.document", lambda m: m.document([[20, 44], [64]]), "builds self-attention masks"),
+        ("masks.chunked", lambda m: m.chunked(64, 16, batch=2), "builds self-attention masks"),
+        ("masks.from_mask_mod", lambda m: m.from_mask_mod(_tril, 2, 1, 64, 64), "Sk (KV_LEN)"),
+        ("masks.from_block_mask", lambda m: m.from_block_mask(_causal_block_mask(2, 64)), "KV_LEN"),
+        ("masks.from_dense", lambda m: m.from_dense(torch.ones(2, 1, 64, 64).bool()), "k's key columns"),
     ],
 )
 def test_a_mask_built_for_other_key_lengths_is_refused(builder, make, how):
     """A mask built for 64 keys planned with 96 would hide keys 64-95 (and a bottom-right aligned
     diagonal would sit 32 keys early): the builders record the keys of their samples too, and the
-    error says how to give the builder k's length."""
+    error says how to give the builder k's length (and that a copy is taken as it is). With fewer
+    keys than built for, its endpoints may reach past them: a copy is no way out, and not offered."""
     from maskplan_core import masks
 
     endpoints = make(masks)
     with expect(InputValueError, ValueError, f"built by {builder} for 2 samples of 64 keys",
-                "k has 2 samples of 96 keys", how):  # fmt: skip
+                "k has 2 samples of 96 keys", how, "keys past them are hidden", ".clone()"):  # fmt: skip
         plan(endpoints, *fixed_qkv(b=2, sq=64, sk=96))
+    with pytest.raises(InputValueError, match="may reach past k's keys") as fewer:
+        plan(endpoints, *fixed_qkv(b=2, sq=64, sk=48))
+    assert ".clone()" not in str(fewer.value)
     plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
 
 
@@ -488,6 +499,21 @@ def test_the_key_record_follows_each_varlen_sample():
         run([0, 80, 70, 150])
 
 
+def test_a_varlen_dense_mask_names_cu_seqlens_k_for_other_keys():
+    from maskplan_core import masks
+
+    cu_q, cu_k = [0, 50, 128], [0, 80, 120]
+    dense = torch.zeros(1, 128, 80, dtype=torch.bool)
+    dense[:, :, :40] = True
+    mask = masks.from_dense(dense, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    (q, _, _), varlen = _varlen_qkv(cu_q)
+    k = torch.randn(120, HQ, D)
+    swapped = torch.tensor([0, 40, 120], dtype=torch.int32)
+    with expect(InputValueError, ValueError, "2 samples of 80, 40 keys", "from_dense(mask, cu_seqlens_q"):
+        plan(mask, q, k, k, cu_seqlens_q=varlen["cu_seqlens_q"], cu_seqlens_k=swapped, max_seqlen_q=78,
+             max_seqlen_k=80)  # fmt: skip
+
+
 def test_prefixes_that_do_not_fit_q_are_named_before_the_sample_record():
     """A mask recorded for samples 100, 0, 1, 155 planned with cu_seqlens_q ending at 250 for q of
     256 rows: the error is the prefixes' (their end is not q's rows), not the mask's samples."""
@@ -500,6 +526,27 @@ def test_prefixes_that_do_not_fit_q_are_named_before_the_sample_record():
     with expect(SeqlenError, ValueError, "cu_seqlens_q", "250", "256"):
         plan(mask, t, t, t, cu_seqlens_q=stale, cu_seqlens_k=torch.tensor(cu, dtype=torch.int32),
              max_seqlen_q=155, max_seqlen_k=155)  # fmt: skip
+    moved = torch.tensor([0, 200, 200, 201, 256], dtype=torch.int32)  # sample 0 past max_seqlen_q
+    with expect(SeqlenError, ValueError, "cu_seqlens_q gives sample 0 length 200", "max_seqlen_q = 155"):
+        plan(mask, t, t, t, cu_seqlens_q=moved, cu_seqlens_k=torch.tensor(cu, dtype=torch.int32),
+             max_seqlen_q=155, max_seqlen_k=155)  # fmt: skip
+
+
+def test_only_a_recorded_mask_reads_varlen_prefixes_back(monkeypatch):
+    """A GPU plan build reads 8 sizes back; the sample check's read of cu_seqlens happens only for
+    a builder's mask (a copy, or endpoints of one's own, never read them there)."""
+    from maskplan_core import masks, validation
+
+    cu = [0, 64, 128]
+    mask = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    (q, k, v), varlen = _varlen_qkv(cu)
+    calls = []
+    real = validation._varlen_samples
+    monkeypatch.setattr(validation, "_varlen_samples", lambda *a: calls.append(a) or real(*a))
+    plan(mask.clone(), q, k, v, **varlen)
+    assert calls == []
+    plan(mask, q, k, v, **varlen)
+    assert len(calls) == 1
 
 
 def test_a_flat_document_mask_for_varlen_samples_gets_the_varlen_hint():

@@ -138,7 +138,7 @@ class Consumer(ABC):
         which builds the same tensors. Where the kernels would not build it, a warning says why,
         on the GPU and also for endpoints on another device (a plan for the GPU's tiles made on a
         laptop says what the GPU would)."""
-        check_view_configs(forward, backward)
+        check_view_configs(forward, backward)  # before unserved() reads them (the planners check again)
         if self.gpu_planner is not None:
             planner = importlib.import_module(self.gpu_planner)
             unserved = getattr(planner, "unserved", lambda *views: None)(geometry, forward, backward)

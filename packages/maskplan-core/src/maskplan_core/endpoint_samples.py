@@ -16,38 +16,49 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .errors import InputValueError
 
-#: id(endpoints) -> (a weak reference to them, their version counter when recorded, the builder
-#: that returned them, their samples' query rows, and those samples' keys). Keyed by id, not a
-#: WeakKeyDictionary: that compares two references to one tensor with ==, which a tensor answers
-#: elementwise
-_SAMPLES: dict[int, tuple[weakref.ref, int, str, tuple[int, ...], tuple[int, ...]]] = {}
 
-#: how to give a builder the key length, where it takes one
-_KEY_LENGTH_HINTS = {
-    "masks.causal": "masks.causal(Sq, Sk), or cu_seqlens_k",
-    "masks.full": "masks.full(Sq, Sk), or cu_seqlens_k",
-    "masks.sliding_window": "masks.sliding_window(Sq, Sk, ...), or cu_seqlens_k",
-    "masks.from_mask_mod": "its Sk / KV_LEN",
-    "masks.from_block_mask": "create_block_mask's KV_LEN",
-    "masks.from_dense": "a mask of k's key columns",
-}
+@dataclass(frozen=True)
+class Built:
+    """What a builder made its endpoints for: its name, its samples' query rows and keys (the
+    samples with rows), and how to make it for other rows or keys (``rows_hint``, ``keys_hint``:
+    the builder's own arguments, said in the refusal)."""
+
+    builder: str
+    rows: tuple[int, ...]
+    keys: tuple[int, ...]
+    rows_hint: str = ""
+    keys_hint: str = ""
+
+
+#: id(endpoints) -> (a weak reference to them, their version counter when recorded, what they were
+#: built for). Keyed by id, not a WeakKeyDictionary: that compares two references to one tensor
+#: with ==, which a tensor answers elementwise
+_SAMPLES: dict[int, tuple[weakref.ref, int, Built]] = {}
 
 
 def record_samples(
-    endpoints: torch.Tensor, builder: str, q_lens: Sequence[int], k_lens: Sequence[int]
+    endpoints: torch.Tensor,
+    builder: str,
+    q_lens: Sequence[int],
+    k_lens: Sequence[int],
+    *,
+    rows_hint: str = "",
+    keys_hint: str,
 ) -> torch.Tensor:
     """``endpoints``, recorded as ``builder``'s for samples of ``q_lens`` query rows and ``k_lens``
-    keys."""
+    keys; ``keys_hint`` says how the builder takes other key lengths, ``rows_hint`` anything the
+    refusal of other query rows should add."""
     if not endpoints.is_inference():
         key = id(endpoints)
         gone = lambda ref: _SAMPLES.pop(key, None) if _SAMPLES.get(key, (None,))[0] is ref else None  # noqa: E731
-        rows, keys = _with_rows(q_lens, k_lens)
-        _SAMPLES[key] = (weakref.ref(endpoints, gone), endpoints._version, builder, rows, keys)
+        built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint)
+        _SAMPLES[key] = (weakref.ref(endpoints, gone), endpoints._version, built)
     return endpoints
 
 
@@ -69,34 +80,31 @@ def check_samples(
 ) -> None:
     """Refuse ``mask_func`` where a builder recorded it for samples other than q's and k's (those
     with query rows). ``lens``: a zero-argument callable giving the per-sample query rows and keys,
-    or None where the prefixes are not valid ones (the planner's prefix check then names them);
+    or None where the prefixes break a rule of the planner's prefix check (which then names it);
     only called for a recorded mask, so a varlen batch reads its ``cu_seqlens`` back only then."""
-    ref, version, builder, rows, keys = _SAMPLES.get(id(mask_func), (None, 0, "", (), ()))
+    ref, version, built = _SAMPLES.get(id(mask_func), (None, 0, None))
     if ref is None or ref() is not mask_func or mask_func._version != version:
         return
     given = lens()
     if given is None:
         return
-    actual_rows, actual_keys = _with_rows(*given)
-    if rows != actual_rows:
-        how = ""
-        if builder == "masks.document":
-            how = (
-                " (one list of document lengths per sample; varlen samples of other lengths: "
-                "torch.cat([masks.document(lens_b) for each sample b], dim=2), or masks.causal("
-                "cu_seqlens_q=..., cu_seqlens_k=...) where each sample is one document)"
-            )
+    rows, keys = _with_rows(*given)
+    if rows != built.rows:
         raise InputValueError(
-            f"mask_func was built by {builder} for {_describe(rows, 'rows')}, but q has "
-            f"{_describe(actual_rows, 'rows')}: its endpoints are sample-local to the samples it was "
-            f"built for, so here they would show other keys; build it for q's samples{how}"
+            f"mask_func was built by {built.builder} for {_describe(built.rows, 'rows')}, but q has "
+            f"{_describe(rows, 'rows')}: its endpoints are sample-local to the samples it was built "
+            f"for, so here they would show other keys; build it for q's samples{built.rows_hint}"
         )
-    if keys != actual_keys:
-        how = _KEY_LENGTH_HINTS.get(builder, f"{builder} makes self-attention masks: k's length is q's")
+    if keys != built.keys:
+        fewer = any(k < b for k, b in zip(keys, built.keys, strict=True))
+        why = (
+            "its endpoints may reach past k's keys"
+            if fewer
+            else "keys past them are hidden, and a diagonal aligned to the last key moves with the length"
+        )
+        escape = "" if fewer else "; or, to hide padded keys on purpose, pass a copy (mask_func.clone())"
         raise InputValueError(
-            f"mask_func was built by {builder} for {_describe(keys, 'keys')}, but k has "
-            f"{_describe(actual_keys, 'keys')}: its endpoints are key positions for the lengths it was "
-            f"built for (keys past them are hidden, and a diagonal aligned to the last key moves with "
-            f"the length); build it for k's lengths ({how}), or, to hide padded keys on purpose, pass "
-            f"a copy (mask_func.clone() is taken as it is)"
+            f"mask_func was built by {built.builder} for {_describe(built.keys, 'keys')}, but k has "
+            f"{_describe(keys, 'keys')}: its endpoints are key positions for the lengths it was built "
+            f"for ({why}); {built.keys_hint}{escape}"
         )

@@ -38,6 +38,11 @@ class PlanBindingError(InputValueError):
     """Q/K/V (or the call) do not match the geometry, dtype or device the plan was built for."""
 
 
+class PlanDtypeError(PlanBindingError, TypeError):
+    """Q/K/V of another dtype than the plan's: a ``TypeError`` too, as ``cudnn.flex_attention``
+    raises for it."""
+
+
 class PlanSignatureMismatch(InputValueError):
     """A plan view was materialised for another consumer; ``diffs`` lists the differing fields."""
 

@@ -21,7 +21,7 @@ from functools import cached_property
 
 import torch
 
-from .errors import InputValueError
+from .errors import InputTypeError, InputValueError
 from .schema import PayloadLayoutSpec
 
 WORD_BITS = 32
@@ -63,7 +63,7 @@ class PayloadLayout(ABC):
         names = ("subtile", "group", "word", "bit")
         if not isinstance(coords, (tuple, list)) or len(coords) != len(names):
             got = f"{len(coords)} values" if isinstance(coords, (tuple, list)) else type(coords).__name__
-            raise InputValueError(
+            raise InputTypeError(
                 f"payload layout {self.layout_id}: element_coords must return 4 tensors "
                 f"(subtile, group, word, bit), got {got}"
             )
@@ -72,7 +72,7 @@ class PayloadLayout(ABC):
                 c.dtype == torch.bool
             ):
                 got = c.dtype if isinstance(c, torch.Tensor) else type(c).__name__
-                raise InputValueError(
+                raise InputTypeError(
                     f"payload layout {self.layout_id}: element_coords' {name} must be an integer tensor "
                     f"[tile_m, tile_n], got {got}"
                 )

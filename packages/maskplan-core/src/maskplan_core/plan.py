@@ -8,7 +8,8 @@ Sparse format of one view, for mask head ``h`` and outer plan row ``r`` (a Q blo
                      with payload mask_block_masks[mask_block_offset[h, r] + i]
     full entries:    full_block_idx[full_block_offset[h, r] + i],  i < full_block_cnt[h, r]
 
-Every tensor is int32 on the plan's device (uint32 bit patterns stored as int32 in the payload)::
+Every tensor is contiguous int32 on the plan's device (uint32 bit patterns stored as int32 in the
+payload)::
 
     mask_block_cnt / _offset, full_block_cnt / _offset   [Hmask, rows]   rows: the view's outer blocks
     mask_block_idx, full_block_idx                       [nnz]           of every sample, in order
@@ -72,7 +73,13 @@ from types import MappingProxyType
 import torch
 
 from .consumer import same_device
-from .errors import InputTypeError, InputValueError, MissingBackwardViewError, PlanBindingError
+from .errors import (
+    InputTypeError,
+    InputValueError,
+    MissingBackwardViewError,
+    PlanBindingError,
+    PlanDtypeError,
+)
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
@@ -660,9 +667,7 @@ class MaskPlan:
                         f" (torch.autocast is on: build the plan from q, k, v of the dtype that reaches "
                         f"attention, {t.dtype}; only their shapes, dtype and device are read)"
                     )
-                raise PlanBindingError(
-                    f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}{hint}"
-                )
+                raise PlanDtypeError(f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}{hint}")
             if t.device != g.device:
                 raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
             if not head_dim_contiguous(t):

@@ -53,7 +53,7 @@ class Topology(_Frozen):
         "none",
         description=(
             "The axis along which a cluster's CTAs split one tile (its payload subtiles): 'm' (Q rows), "
-            "'n' (K columns), or 'none' (one CTA per tile)."
+            "'n' (K columns), or 'none' (no cluster splits the tile)."
         ),
     )
     pack_gqa: bool = Field(
@@ -123,7 +123,10 @@ class PlanSignature(_Frozen):
     mma_layout: str = Field(description="The MMA whose accumulator ownership the payload follows; a name.")
     payload: PayloadLayoutSpec
     scheduler_layout: str = Field(
-        description="The task queue's format and order rule (fwd_work_desc rows); compared as a name."
+        description=(
+            "How the consumer's kernels take the view's work, compared as a name: for a forward view "
+            "the fwd_work_desc queue's format and order rule; for a backward view the K-major grid's."
+        )
     )
     dq_order_format: Literal["none", "rank_int32"] = Field(
         "none",

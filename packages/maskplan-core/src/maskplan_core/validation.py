@@ -213,13 +213,14 @@ def _shared_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -
     return cu_q, cu_k
 
 
-def _varlen_samples(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int):
-    """Each varlen sample's query rows and keys, or None where the prefixes do not start at 0, end
-    at q's and k's token counts and never decrease (the planner's prefix check names which)."""
+def _varlen_samples(cu_q: torch.Tensor, cu_k: torch.Tensor, totals: tuple, max_lens: tuple):
+    """Each varlen sample's query rows and keys, or None where the prefixes break a rule of the
+    planner's prefix check (spec 3.2, ``reference.block_geometry.geometry_error_flags``: start at 0,
+    end at the token count, never decrease, no sample past max_seqlen), which then names it."""
     lens = []
-    for cu, total in ((cu_q.tolist(), total_q), (cu_k.tolist(), total_k)):
+    for cu, total, max_len in zip(torch.stack((cu_q, cu_k)).tolist(), totals, max_lens, strict=True):
         steps = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-        if cu[0] != 0 or cu[-1] != total or min(steps) < 0:
+        if cu[0] != 0 or cu[-1] != total or min(steps) < 0 or max(steps) > max_len:
             return None
         lens.append(steps)
     return tuple(lens)
@@ -357,7 +358,8 @@ def validate_plan_inputs(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
     if varlen:
-        check_samples(mask_func, functools.partial(_varlen_samples, cu_q, cu_k, total_q, total_k))
+        lens = functools.partial(_varlen_samples, cu_q, cu_k, (total_q, total_k), (max_q, max_k))
+        check_samples(mask_func, lens)
     else:
         check_samples(mask_func, lambda: ([max_q] * batch, [max_k] * batch))
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):

@@ -375,7 +375,9 @@ def read_header(header: torch.Tensor) -> list[int]:
     return header.tolist()
 
 
-def _check_inputs(mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None):
+def _check_inputs(
+    mask_func, geometry: PlanGeometry, forward: ViewConfig, backward: ViewConfig | None
+) -> None:
     if not isinstance(mask_func, torch.Tensor) or not mask_func.is_cuda:
         raise TypeError(
             "build_plan_gpu needs a CUDA mask_func; CPU tensors use maskplan_core.reference.build_plan"

@@ -79,15 +79,28 @@ def _int_list(name: str, value: object) -> list[int]:
 
 
 def _finish(
-    rows: list[torch.Tensor], batch: int, builder: str, q_lens: Sequence[int], k_lens: Sequence[int]
+    rows: list[torch.Tensor],
+    batch: int,
+    builder: str,
+    q_lens: Sequence[int],
+    k_lens: Sequence[int] | None = None,
+    **hints: str,
 ) -> torch.Tensor:
     """Stack per-endpoint rows ``[S]`` into ``[1, nfunc, batch * S]`` contiguous int32, recorded as
-    ``builder``'s for samples of ``q_lens`` rows and ``k_lens`` keys
-    (:mod:`maskplan_core.endpoint_samples`)."""
+    ``builder``'s for samples of ``q_lens`` rows and ``k_lens`` keys, or as a self-attention mask's
+    (as many keys as rows) without ``k_lens`` (:mod:`maskplan_core.endpoint_samples`; ``hints``:
+    its ``rows_hint`` and ``keys_hint``)."""
     ep = torch.stack(rows).to(torch.int32)
     if batch > 1:
         ep = ep.repeat(1, batch)
-    return record_samples(ep.unsqueeze(0).contiguous(), builder, q_lens, k_lens)
+    if k_lens is None:
+        k_lens = q_lens
+        hints.setdefault(
+            "keys_hint",
+            f"{builder} builds self-attention masks, whose keys are q's rows; for other key lengths "
+            "use masks.from_mask_mod or masks.from_dense",
+        )
+    return record_samples(ep.unsqueeze(0).contiguous(), builder, q_lens, k_lens, **hints)
 
 
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,9 @@ from ..validation import MAX_SEQLEN
 from ._args import _as_device, _as_extent, _as_int, _as_length, _finish, _int_list, _varlen_prefixes
 
 
-def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) -> tuple[torch.Tensor, ...]:
+def _diagonals(
+    seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """``(d, k_len, q_lens, k_lens)``: per query row of the batch ``d``, the row's bottom-right
     aligned diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, its
     sample's key count; and the samples' query rows and keys. Fixed length from ``seqlen_q/k`` and
@@ -37,7 +39,21 @@ def _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device) ->
     per_row = lambda x: torch.repeat_interleave(x, q_lens)  # noqa: E731
     k_len = per_row(k_lens)
     d = torch.arange(int(cu_q[-1]), device=dev) - per_row(cu_q[:-1]) + k_len - per_row(q_lens)
-    return d, k_len, q_lens.tolist(), k_lens.tolist()
+    return d, k_len, *torch.stack((q_lens, k_lens)).tolist()  # one read back
+
+
+def _keys_hint(builder: str) -> str:
+    return f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...), or with cu_seqlens_k"
+
+
+#: a flat list of document lengths for a batch: what to give instead
+_DOCUMENT_ROWS_HINT = {
+    "masks.document": (
+        " (one list of document lengths per sample; varlen samples of other lengths: "
+        "torch.cat([masks.document(lens_b) for each sample b], dim=2), or masks.causal("
+        "cu_seqlens_q=..., cu_seqlens_k=...) where each sample is one document)"
+    )
+}
 
 
 def causal(
@@ -57,7 +73,9 @@ def causal(
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
     """
     d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
-    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens)
+    return _finish(
+        [torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens, keys_hint=_keys_hint("causal")
+    )
 
 
 def full(
@@ -73,7 +91,7 @@ def full(
     samples, attention within each sample). Returns ``[1, 1, batch * seqlen_q]`` int32 (varlen:
     ``[1, 1, total_q]``), taking the lengths as :func:`causal` does."""
     _, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
-    return _finish([k_len], 1, "masks.full", *lens)
+    return _finish([k_len], 1, "masks.full", *lens, keys_hint=_keys_hint("full"))
 
 
 def sliding_window(
@@ -102,7 +120,8 @@ def sliding_window(
     empty = lo >= hi
     lo = lo.masked_fill(empty, 0)
     hi = hi.masked_fill(empty, 0)
-    return _finish([torch.zeros_like(lo), lo, hi], 1, "masks.sliding_window", *lens)
+    hint = _keys_hint("sliding_window")
+    return _finish([torch.zeros_like(lo), lo, hi], 1, "masks.sliding_window", *lens, keys_hint=hint)
 
 
 def _is_sequence(x: object) -> bool:
@@ -236,8 +255,7 @@ def _documents(ids: torch.Tensor, causal: bool, window_left: int | None, builder
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
     rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
-    lens = [seqlen] * ids.shape[0]  # self-attention: as many keys as query rows
-    return _finish(rows, 1, builder, lens, lens)
+    return _finish(rows, 1, builder, [seqlen] * ids.shape[0], rows_hint=_DOCUMENT_ROWS_HINT.get(builder, ""))
 
 
 def prefix_lm(
@@ -273,8 +291,7 @@ def prefix_lm(
     p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
     f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
-    lens = [seqlen] * len(prefixes)
-    return _finish([f0], 1, "masks.prefix_lm", lens, lens)
+    return _finish([f0], 1, "masks.prefix_lm", [seqlen] * len(prefixes))
 
 
 def chunked(
@@ -300,5 +317,4 @@ def chunked(
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)
     lo = torch.div(i, chunk_size, rounding_mode="floor") * chunk_size
     hi = i + 1 if causal else (lo + chunk_size).clamp(max=seqlen)
-    lens = [seqlen] * batch
-    return _finish([torch.zeros_like(lo), lo, hi], batch, "masks.chunked", lens, lens)
+    return _finish([torch.zeros_like(lo), lo, hi], batch, "masks.chunked", [seqlen] * batch)

@@ -139,6 +139,7 @@ def from_dense(
         b, hm, sq, sk = mask.shape
         mask = mask.transpose(0, 1).reshape(hm, b * sq, sk)
         samples = [sq] * b, [sk] * b
+        keys_hint = "build it for k's lengths: a dense mask of k's key columns"
     h, t, sk = mask.shape
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
@@ -170,9 +171,12 @@ def from_dense(
                     f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
                     f"k_len {int(row_klen[row])}"
                 )
-        samples = q_lens.tolist(), k_lens.tolist()
+        samples = torch.stack((q_lens, k_lens)).tolist()  # one read back
+        keys_hint = "build it for k's lengths: masks.from_dense(mask, cu_seqlens_q, cu_seqlens_k) with k's"
     endpoints = _encode(mask)
-    return endpoints if samples is None else record_samples(endpoints, "masks.from_dense", *samples)
+    if samples is None:
+        return endpoints
+    return record_samples(endpoints, "masks.from_dense", *samples, keys_hint=keys_hint)
 
 
 #: ``from_mask_mod``'s ``H`` values that stand for one mask of every head, as ``create_block_mask``'s
@@ -240,7 +244,10 @@ def from_mask_mod(
         sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
         chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head, samples=B)
         parts += [_encode(rows) for rows in chunks]
-    return record_samples(_join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B)
+    keys_hint = "build it for k's lengths: from_mask_mod's Sk (KV_LEN)"
+    return record_samples(
+        _join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint
+    )
 
 
 def _torch_name(name: str, value, torch_name: str, torch_value):
@@ -328,9 +335,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
             first += seen.shape[1]
         if bool(differs.any()):
             raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
-    return record_samples(
-        _join_samples(parts, heads), "masks.from_block_mask", [shape[1]] * batch, [shape[2]] * batch
-    )
+    keys_hint = "build it for k's lengths: the block mask's KV_LEN (create_block_mask)"
+    lens = [shape[1]] * batch, [shape[2]] * batch
+    return record_samples(_join_samples(parts, heads), "masks.from_block_mask", *lens, keys_hint=keys_hint)
 
 
 def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> InputValueError:
