@@ -377,8 +377,8 @@ def check_build_inputs(
     """What every planner (the reference one, a GPU one) checks before building: ``mask_func`` is
     the contiguous int32 ``[Hmask, nfunc, total_q]`` tensor ``geometry`` was validated from (a
     geometry of another mask would plan other rows, heads or intervals than it holds), on its
-    device, the views are configs (:class:`ViewConfig`), and a PackGQA forward view has one mask for every
-    head (its work queue has one task per kv head)."""
+    device, the views are configs (:class:`ViewConfig`), and a PackGQA forward view has one mask for
+    every head (its work queue has one task per kv head)."""
     if not isinstance(mask_func, torch.Tensor):
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     check_view_configs(forward, backward)

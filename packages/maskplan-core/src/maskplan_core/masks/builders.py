@@ -46,14 +46,12 @@ def _keys_hint(builder: str) -> str:
     return f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...), or with cu_seqlens_k"
 
 
-#: a flat list of document lengths for a batch: what to give instead
-_DOCUMENT_ROWS_HINT = {
-    "masks.document": (
-        " (one list of document lengths per sample; varlen samples of other lengths: "
-        "torch.cat([masks.document(lens_b) for each sample b], dim=2), or masks.causal("
-        "cu_seqlens_q=..., cu_seqlens_k=...) where each sample is one document)"
-    )
-}
+#: document's refusal of other samples: a flat list of document lengths for a batch, and what to give
+_DOCUMENT_ROWS_HINT = (
+    " (one list of document lengths per sample; varlen samples of other lengths: "
+    "torch.cat([masks.document(lens_b) for each sample b], dim=2), or masks.causal("
+    "cu_seqlens_q=..., cu_seqlens_k=...) where each sample is one document)"
+)
 
 
 def causal(
@@ -209,7 +207,7 @@ def document(
         )  # output_size: the meta device has no values to sum
         for seq in seqs
     ])  # fmt: skip
-    return _documents(ids, causal, window_left, "masks.document")
+    return _documents(ids, causal, window_left, "masks.document", rows_hint=_DOCUMENT_ROWS_HINT)
 
 
 def document_ids(
@@ -235,8 +233,11 @@ def document_ids(
     return _documents(ids, causal, window_left, "masks.document_ids")
 
 
-def _documents(ids: torch.Tensor, causal: bool, window_left: int | None, builder: str) -> torch.Tensor:
-    """:func:`document_ids` of checked ``ids`` ``[B, S]``, as ``builder`` returns it."""
+def _documents(
+    ids: torch.Tensor, causal: bool, window_left: int | None, builder: str, rows_hint: str = ""
+) -> torch.Tensor:
+    """:func:`document_ids` of checked ``ids`` ``[B, S]``, as ``builder`` returns it (``rows_hint``:
+    its refusal of other samples' addition, :mod:`maskplan_core.endpoint_samples`)."""
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     window_left = None if window_left is None else _as_extent("window_left", window_left)
@@ -255,7 +256,7 @@ def _documents(ids: torch.Tensor, causal: bool, window_left: int | None, builder
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
     rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
-    return _finish(rows, 1, builder, [seqlen] * ids.shape[0], rows_hint=_DOCUMENT_ROWS_HINT.get(builder, ""))
+    return _finish(rows, 1, builder, [seqlen] * ids.shape[0], rows_hint=rows_hint)
 
 
 def prefix_lm(
