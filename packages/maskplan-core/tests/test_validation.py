@@ -712,6 +712,35 @@ def test_cu_seqlens_values(kw, qkv, needles):
         plan(ep, *varlen_qkv(*qkv), **varlen_args(**kw))
 
 
+def test_host_prefix_rule_is_the_planners_first_flag():
+    """``broken_prefix_rule`` (which names a prefix's broken rule, and lets the sample check step
+    aside for it) breaks a rule exactly where the planner's prefix flags do, and names the
+    lowest-numbered one, on random prefixes that break none, one or several rules."""
+    from maskplan_core.error_flags import broken_prefix_rule, prefix_error_flags
+
+    words = ("[0] must be 0", "[-1] must equal", "decreases at", "more than max_seqlen")
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(400):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        cu = torch.randint(-2, 12, (n + 1,), generator=g).sort().values
+        if torch.rand(1, generator=g) < 0.5:
+            cu = cu[torch.randperm(n + 1, generator=g)]
+        if torch.rand(1, generator=g) < 0.5:
+            cu = cu - cu[0]
+        total = int(cu[-1]) + int(torch.randint(-1, 2, (1,), generator=g))
+        max_len = int(torch.randint(0, 12, (1,), generator=g))
+        flags = prefix_error_flags(cu.to(torch.int32), total, max_len, is_q=False)
+        rule = broken_prefix_rule("cu_seqlens_k", cu.tolist(), total, max_len)
+        if flags == 0:
+            assert rule is None, (cu.tolist(), total, max_len, rule)
+            continue
+        first = (flags >> 4 & -(flags >> 4)).bit_length() - 1
+        assert rule is not None and rule.startswith("cu_seqlens_k") and words[first] in rule, (cu, rule)
+        seen.add(first)
+    assert seen == {0, 1, 2, 3}
+
+
 # --------------------------------------------------------------------------------------------------
 # q / k / v (spec 4.1)
 # --------------------------------------------------------------------------------------------------

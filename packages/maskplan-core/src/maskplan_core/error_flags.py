@@ -73,20 +73,29 @@ def _raise_seqlen(flags: int, g: PlanGeometry) -> None:
         ("cu_seqlens_q", g.cu_seqlens_q, g.total_q, g.max_seqlen_q, 0),
         ("cu_seqlens_k", g.cu_seqlens_k, g.total_k, g.max_seqlen_k, 4),
     ):
-        vals = cu.cpu().tolist()
-        lens = [b - a for a, b in zip(vals[:-1], vals[1:], strict=False)]
-        if flags & (1 << shift):
-            raise SeqlenError(f"{name}[0] must be 0, got {vals[0]}")
-        if flags & (2 << shift):
-            raise SeqlenError(f"{name}[-1] must equal the total token count {total}, got {vals[-1]}")
-        if flags & (4 << shift):
-            i = next(i for i, n in enumerate(lens) if n < 0)
-            raise SeqlenError(f"{name} decreases at index {i + 1}: {vals[i]} -> {vals[i + 1]}")
-        if flags & (8 << shift):
-            i = next(i for i, n in enumerate(lens) if n > max_len)
-            raise SeqlenError(
-                f"{name} gives sample {i} length {lens[i]}, more than max_seqlen_{name[-1]} = {max_len}"
-            )
+        if flags & (0xF << shift):
+            rule = broken_prefix_rule(name, cu.cpu().tolist(), total, max_len)
+            if rule is None:
+                raise AssertionError(f"the planner flagged {name} (0x{flags:x}), whose values break no rule")
+            raise SeqlenError(rule)
+
+
+def broken_prefix_rule(name: str, cu: list[int], total: int, max_len: int) -> str | None:
+    """What the first prefix rule of spec 3.2 that the host values ``cu`` of prefix ``name`` break
+    says (the rules in the order of the ``CU_*`` bits: start at 0, end at ``total``, never
+    decrease, no sample past ``max_len``), or None where they keep every rule."""
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    if cu[0] != 0:
+        return f"{name}[0] must be 0, got {cu[0]}"
+    if cu[-1] != total:
+        return f"{name}[-1] must equal the total token count {total}, got {cu[-1]}"
+    for i, n in enumerate(lens):
+        if n < 0:
+            return f"{name} decreases at index {i + 1}: {cu[i]} -> {cu[i + 1]}"
+    for i, n in enumerate(lens):
+        if n > max_len:
+            return f"{name} gives sample {i} length {n}, more than max_seqlen_{name[-1]} = {max_len}"
+    return None
 
 
 def _row_k_len(g: PlanGeometry) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .endpoint_samples import check_samples
+from .error_flags import broken_prefix_rule
 from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
 
@@ -215,14 +216,14 @@ def _shared_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -
 
 def _varlen_samples(cu_q: torch.Tensor, cu_k: torch.Tensor, totals: tuple, max_lens: tuple):
     """Each varlen sample's query rows and keys, or None where the prefixes break a rule of the
-    planner's prefix check (spec 3.2, ``reference.block_geometry.geometry_error_flags``: start at 0,
-    end at the token count, never decrease, no sample past max_seqlen), which then names it."""
+    planner's prefix check (spec 3.2, ``error_flags.broken_prefix_rule``), which then names it."""
     lens = []
-    for cu, total, max_len in zip(torch.stack((cu_q, cu_k)).tolist(), totals, max_lens, strict=True):
-        steps = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-        if cu[0] != 0 or cu[-1] != total or min(steps) < 0 or max(steps) > max_len:
+    for name, cu, total, max_len in zip(
+        ("cu_seqlens_q", "cu_seqlens_k"), torch.stack((cu_q, cu_k)).tolist(), totals, max_lens, strict=True
+    ):
+        if broken_prefix_rule(name, cu, total, max_len) is not None:
             return None
-        lens.append(steps)
+        lens.append([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)])
     return tuple(lens)
 
 
