@@ -285,6 +285,19 @@ def test_rejects_pack_gqa():
         Sm100Consumer().resolve(request(pack_gqa=True))
 
 
+def test_a_refused_request_warns_of_nothing():
+    """Head dims without a kernel of their own warn that they run on a larger one, but only for a
+    request that is then served: a refused one (pack_gqa here) raises without the warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UnsupportedConfigError, match="pack_gqa=True"):
+            Sm100Consumer().resolve(request(dims=(16, 16), pack_gqa=True))
+    with pytest.warns(UserWarning, match=r"\(16, 16\): they run on the \(32, 32\) kernels"):
+        Sm100Consumer().resolve(request(dims=(16, 16)))
+
+
 @pytest.mark.parametrize(
     "overrides, argument",
     [

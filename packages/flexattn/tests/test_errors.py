@@ -9,6 +9,7 @@ from __future__ import annotations
 import fractions
 import math
 import pickle
+import re
 from contextlib import contextmanager
 
 import pytest
@@ -688,20 +689,21 @@ def test_a_mask_in_place_of_the_plan_names_the_plan_to_build():
 
 
 @pytest.mark.parametrize(
-    "keyword, remedy",
+    "keyword, value, remedy",
     [
-        ("scale", "pass softmax_scale="),
-        ("enable_gqa", "Hq a multiple of Hkv is GQA"),
-        ("block_mask", "masks.full(Sq, Sk, batch=B)"),
-        ("score_mod", "masks only"),
-        ("return_aux", "return_lse=True"),
-        ("kernel_options", "drop it"),
-        ("attn_mask", "masks.from_dense(attn_mask)"),
-        ("is_causal", "masks.causal(Sq, Sk, batch=B)"),
-        ("dropout_p", "no attention dropout"),
+        ("scale", 0.5, "pass softmax_scale="),
+        ("enable_gqa", True, "Hq a multiple of Hkv is GQA"),
+        ("block_mask", object(), "masks.from_block_mask(block_mask)"),
+        ("score_mod", lambda s, b, h, q, kv: s, "masks only"),
+        ("return_aux", object(), "return_lse=True"),
+        ("kernel_options", {}, "the plan fixes the kernels' tiles"),
+        ("attn_mask", torch.ones(1), "masks.from_dense(attn_mask)"),
+        ("is_causal", True, "masks.causal(S, batch=B)"),
+        ("dropout_p", 0.1, "no attention dropout"),
+        ("query", torch.ones(1), "pass q, k, v positionally"),
     ],
 )
-def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, remedy):
+def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, value, remedy):
     """A call ported from torch's flex_attention or SDPA that keeps one of their keywords is refused
     with what to do instead (Python's own error names the keyword only); the signature stays cuDNN's,
     and another unknown keyword gets Python's error."""
@@ -710,12 +712,57 @@ def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, remedy)
     q, k, v = fixed_qkv()
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
     with expect(InputTypeError, TypeError, f"flex_attn_func() got {keyword}=", remedy):
-        flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: None})
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: value})
     with pytest.raises(TypeError, match="unexpected keyword argument 'scal'"):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, scal=0.5)
     assert "scale" not in inspect.signature(flexattn.flex_attn_func).parameters
-    with expect(InputTypeError, TypeError, "block_mask=", "masks.from_block_mask(block_mask)"):
-        flexattn.flex_attn_func(q, k, v, mask_plan=plan, block_mask=object())  # None: no mask, masks.full
+
+
+def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
+    """torch's defaults (score_mod=None, is_causal=False, dropout_p=0.0, ...) ask for nothing: the
+    refusal says to drop them, and a mask keyword's default without a mask_plan (torch's "no mask")
+    names the plan of no mask; SDPA's is_causal=True names the top-left mask where Sq != Sk."""
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    for keyword, value in (("score_mod", None), ("is_causal", False), ("dropout_p", 0.0), ("scale", None)):
+        with expect(InputTypeError, TypeError, f"got {keyword}=", "drop it", "torch's default"):
+            flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: value})
+    for keyword, value in (("block_mask", None), ("attn_mask", None), ("is_causal", False)):
+        with expect(InputTypeError, TypeError, f"got {keyword}=", "torch's no mask", "masks.full(Sq, Sk"):
+            flexattn.flex_attn_func(q, k, v, **{keyword: value})
+    with expect(InputTypeError, TypeError, "kv_idx <= q_idx, B, 1, Sq, Sk)", "top-left"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, is_causal=True)
+    with expect(InputTypeError, TypeError, "needs mask_plan=", "masks.full(Sq, Sk"):
+        flexattn.flex_attn_func(q, k, v)
+    with expect(InputTypeError, TypeError, "got NoneType", "masks.full(Sq, Sk"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=None)
+
+
+def test_torch_positional_arguments_are_named():
+    """flex_attention(q, k, v, score_mod, block_mask) and SDPA(q, k, v, attn_mask) in torch's
+    positions: the error says what the extra argument looks like and what to pass instead."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    block_mask = fa.create_block_mask(lambda b, h, q, kv: kv <= q, B, None, SQ, SK, device="cpu")
+    for args, needles in (
+        ((None, block_mask), ("argument 5 is BlockMask", "masks.from_block_mask(block_mask)")),
+        ((lambda s, b, h, q, kv: s,), ("argument 4 is function", "score_mod?")),
+        ((torch.zeros(SQ, SK),), ("argument 4 is Tensor", "SDPA's attn_mask?", "attn_mask == 0")),
+        ((plan,), ("argument 4 is MaskPlan", "pass it as mask_plan=")),
+        ((None,), ("drop them",)),
+    ):
+        with expect(InputTypeError, TypeError, "takes q, k, v positionally", *needles):
+            flexattn.flex_attn_func(q, k, v, *args)
+
+
+def test_torch_names_looked_up_on_the_package_name_flexattns_way():
+    for name, needle in (("flex_attention", "flex_attn_func("), ("create_block_mask", "from_mask_mod(")):
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}' \(torch's\).*{re.escape(needle)}"):
+            getattr(flexattn, name)
+    assert not hasattr(flexattn, "flex_attention")
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'$"):
+        flexattn.nothing_here  # noqa: B018
 
 
 def test_flex_attn_func_return_arity():

@@ -3,6 +3,7 @@ against brute-force dense masks, and what they refuse."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 
@@ -366,11 +367,16 @@ def test_from_mask_mod_round_trip(dense):
         lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], B=b, H=h, Q_LEN=sq, KV_LEN=sk, device="cpu"
     )
     assert torch.equal(by_torch_name, ep)
-    # ... its BLOCK_SIZE and _compile too, which change nothing (endpoints are per element)
+    # ... its block options too, which change nothing (endpoints are per element)
     with_blocks = masks.from_mask_mod(
-        lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], b, h, sq, sk, "cpu", BLOCK_SIZE=(64, 32), _compile=True
-    )
+        lambda bi, hi, qi, ki: dense[bi, hi, qi, ki], b, h, sq, sk, "cpu", BLOCK_SIZE=(64, 32), _compile=True,
+        separate_full_blocks=False, compute_dq_write_order=True, dq_kv_order=False,
+    )  # fmt: skip
     assert torch.equal(with_blocks, ep)
+    # every keyword of this torch's create_block_mask is taken
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    ours = inspect.signature(masks.from_mask_mod).parameters
+    assert set(inspect.signature(fa.create_block_mask).parameters) <= set(ours)
     assert torch.equal(masks.from_dense(dense), masks.from_dense(flat))
 
 

@@ -210,7 +210,8 @@ def test_error_hierarchy():
         (causal(hmask=HQ, nfunc=3).transpose(0, 1).contiguous().transpose(0, 1), InputValueError, ValueError,
          ("mask_func", "contiguous")),
         (causal(hmask=3), InputValueError, ValueError, ("mask_func", "Hmask=3", f"Hq={HQ}")),
-        (causal(hmask=HKV), InputValueError, ValueError, ("mask_func", f"Hmask={HKV}")),
+        (causal(hmask=HKV), InputValueError, ValueError,
+         ("mask_func", f"Hmask={HKV}", "one per k/v head", f"repeat_interleave({HQ // HKV}, dim=0)")),
         (causal(nfunc=2), InputValueError, ValueError, ("mask_func", "nfunc", "2", "[0, F0) U [F1, F2)")),
         (causal(nfunc=4), InputValueError, ValueError, ("mask_func", "nfunc", "4")),
         (causal(nfunc=3)[:, :0], InputValueError, ValueError, ("mask_func", "nfunc", "0")),
@@ -232,6 +233,18 @@ def test_mask_func_structure(mask_func, cls, builtin, needles):
         validate_plan_inputs(mask_func, *fixed_qkv())
 
 
+def test_transposed_endpoints_with_as_many_endpoints_as_samples_are_named():
+    """nfunc = B = 3: the transposed layout is named ahead of the one-row-per-sample guess; one
+    sample is "1 sample"; q without heads is named as that."""
+    q, k, v = fixed_qkv(b=3, sk=SQ)
+    with expect(InputValueError, ValueError, "[Hmask, total_q, nfunc]", "transpose(1, 2)"):
+        validate_plan_inputs(causal(total_q=3 * SQ, sk=SQ, nfunc=3).transpose(1, 2).contiguous(), q, k, v)
+    with expect(InputValueError, ValueError, "(1 sample of 48)"):
+        validate_plan_inputs(causal(total_q=SQ, sk=2 * SQ), *fixed_qkv(b=1, sq=2 * SQ, sk=2 * SQ))
+    with expect(InputValueError, ValueError, "at least one head each"):
+        validate_plan_inputs(causal(), *fixed_qkv(hq=0))
+
+
 def test_transposed_endpoints_of_an_odd_row_count_are_named():
     """[Hmask, total_q, nfunc] with an odd total_q passes the nfunc check, then its rows are named."""
     q, k, v = fixed_qkv(b=1, sq=25)
@@ -244,16 +257,22 @@ def test_transposed_endpoints_of_an_odd_row_count_are_named():
     [
         # one decoding query, a mask of 100 rows (nfunc 1 = total_q): transposing it gives nfunc 100
         (causal(total_q=100, sq=100, sk=100), (1, 1), ("100 query rows", "total_q=1")),
-        # a mask for one sample of a batch of 3 single-token samples: the batch hint, not a transpose
-        (causal(total_q=1, sq=1, sk=50, nfunc=3), (3, 1), ("one sample", "batch=B")),
     ],
-    ids=["decode-step", "one-sample-of-single-tokens"],
+    ids=["decode-step"],
 )
 def test_no_transpose_hint_where_a_transpose_cannot_be_meant(mask_func, q_shape, needles):
     q, k, v = fixed_qkv(b=q_shape[0], sq=q_shape[1], sk=100)
     with pytest.raises(InputValueError) as info:
         validate_plan_inputs(mask_func, q, k, v)
     assert all(n in str(info.value) for n in needles) and "transpose" not in str(info.value), str(info.value)
+
+
+def test_both_readings_named_where_both_fit():
+    """A mask of one row and nfunc 3 for a batch of 3 single-token samples is a mask for one
+    sample, or [Hmask, total_q, nfunc] transposed: the error names both."""
+    q, k, v = fixed_qkv(b=3, sq=1, sk=100)
+    with expect(InputValueError, ValueError, "[Hmask, total_q, nfunc]", "; or, ", "one sample", "batch=B"):
+        validate_plan_inputs(causal(total_q=1, sq=1, sk=50, nfunc=3), q, k, v)
 
 
 def test_a_key_padding_mask_of_one_row_per_sample_gets_the_expand_hint():
@@ -300,6 +319,23 @@ def test_bhsd_tensors_of_other_lengths_get_the_layout_hint():
         validate_plan_inputs(causal(), *fixed_qkv(hq=3, hkv=2))
     with pytest.raises(InputValueError, match=r"k/v heads \(2\): q .*\)$"):  # Sq = Sk: still BSHD
         validate_plan_inputs(causal(sk=SQ), *fixed_qkv(sk=SQ, hq=3, hkv=2))
+
+
+def test_bhsd_k_and_v_alone_get_the_layout_hint():
+    """q transposed to BSHD but k, v still [B, Hkv, S, D] (a KV cache in torch's layout): the head
+    check names k and v's layout and their transposes, not q's."""
+    q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=2)
+    needles = ("k and v look like BHSD", "k.transpose(1, 2), v.transpose(1, 2)")
+    with expect(InputValueError, ValueError, *needles):
+        validate_plan_inputs(causal(sk=SQ), q, k.transpose(1, 2), v.transpose(1, 2))
+
+
+def test_mask_on_another_device_names_the_builders_device():
+    """A mask built on the CPU (the builders' default; torch's create_block_mask defaults to the
+    accelerator) for q elsewhere: the error says where to build it."""
+    q, k, v = fixed_qkv(sk=SQ)
+    with expect(InputValueError, ValueError, "mask_func is on meta but q is on cpu", "device=q.device"):
+        validate_plan_inputs(causal(sk=SQ).to("meta"), q, k, v)
 
 
 def test_varlen_rows_mismatch_names_q_and_cu_seqlens_q():
@@ -360,6 +396,11 @@ def test_a_flat_document_list_for_a_batch_gets_the_per_sample_hint():
     with expect(EndpointError, ValueError, "k_len = 64", "masks.document([[lengths of sample 0]"):
         plan(flat.clone(), q, k, v)
     plan(document([[20, 44], [50, 14]]), q, k, v)
+    wrong = document([[20, 44], [50, 14]]).clone()
+    wrong[0, 2, 10] = 65  # past k_len in sample 0, where no flat list counts across samples
+    with pytest.raises(EndpointError, match="k_len = 64") as info:
+        plan(wrong, q, k, v)
+    assert "masks.document" not in str(info.value)
 
 
 def test_the_sample_record_leaves_out_empty_samples_and_rewritten_buffers():

@@ -39,6 +39,22 @@ _log = logging.getLogger("flexattn")
 if not any(isinstance(h, logging.NullHandler) for h in _log.handlers):
     _log.addHandler(logging.NullHandler())
 
+#: torch's names a ported call may look for here, and flexattn's way
+_TORCH_NAMES = {
+    "flex_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan) on [B, S, H, D] tensors",
+    "scaled_dot_product_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan), a plan of the mask",
+    "create_block_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk), then create_mask_plan",
+    "create_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk) (endpoints, not a dense mask)",
+    "BlockMask": "flexattn.MaskPlan, from create_mask_plan (masks.from_block_mask converts a BlockMask)",
+}
+
+
+def __getattr__(name: str):
+    if name in _TORCH_NAMES:
+        raise AttributeError(f"module 'flexattn' has no attribute {name!r} (torch's): {_TORCH_NAMES[name]}")
+    raise AttributeError(f"module 'flexattn' has no attribute {name!r}")
+
+
 __all__ = [
     "ConsumerNotFoundError",
     "EndpointError",

@@ -79,14 +79,23 @@ def require_plan(mask_plan: object) -> None:
         if convert is None and isinstance(mask_plan, torch.Tensor):
             convert = "mask_func"  # endpoints already
         hint = f"; build one with create_mask_plan({convert}, q, k, v)" if convert else ""
+        if mask_plan is None:
+            hint = f"; {_NO_MASK}"
         raise InputTypeError(
             f"mask_plan must be a MaskPlan from create_mask_plan, got {mask_kind(mask_plan)}{hint}"
         )
 
 
+_NO_MASK = "for attention without a mask pass mask_plan=create_mask_plan(masks.full(Sq, Sk, batch=B), ...)"
+#: SDPA's is_causal where Sq != Sk (masks.causal aligns the diagonal bottom-right there)
+_TOP_LEFT = "masks.from_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B, 1, Sq, Sk)"
+
 #: keywords of torch's flex_attention and scaled_dot_product_attention a ported call may still
 #: pass, and what to do instead (packages/flexattn/README.md, "Coming from torch FlexAttention")
 _PEER_KEYWORDS = {
+    "query": "pass q, k, v positionally",
+    "key": "pass q, k, v positionally",
+    "value": "pass q, k, v positionally",
     "block_mask": "pass mask_plan=create_mask_plan(masks.from_block_mask(block_mask), q, k, v)",
     "scale": "pass softmax_scale=",
     "enable_gqa": "drop it: Hq a multiple of Hkv is GQA",
@@ -94,23 +103,78 @@ _PEER_KEYWORDS = {
     "score_mod": "flexattn masks only; a score_mod that only masks is a mask_mod (masks.from_mask_mod)",
     "kernel_options": "drop it: the plan fixes the kernels' tiles",
     "attn_mask": "pass mask_plan=create_mask_plan(masks.from_dense(attn_mask), q, k, v)",
-    "is_causal": "pass mask_plan=create_mask_plan(masks.causal(Sq, Sk, batch=B), q, k, v)",
+    "is_causal": (
+        "pass mask_plan=create_mask_plan(masks.causal(S, batch=B), q, k, v) where Sq == Sk; where Sq != "
+        f"Sk masks.causal aligns the diagonal bottom-right and SDPA's is_causal top-left: {_TOP_LEFT}"
+    ),
     "dropout_p": "drop it: flexattn has no attention dropout",
 }
+#: those keywords' values that ask for nothing (torch's defaults): refused all the same, with "drop
+#: it" (a mask keyword's, without a mask_plan, with the plan of no mask)
+_PEER_DEFAULTS = {
+    "block_mask": None, "score_mod": None, "attn_mask": None, "kernel_options": None, "return_aux": None,
+    "scale": None, "is_causal": False, "dropout_p": 0.0,
+}  # fmt: skip
+
+
+def _peer_fix(name: str, value: object, has_plan: bool) -> str:
+    """What to do instead of torch's keyword ``name=value``."""
+    default = _PEER_DEFAULTS.get(name, ...)
+    if default is None:
+        asks_nothing = value is None
+    elif default is False:
+        asks_nothing = value is False
+    else:
+        asks_nothing = type(value) in (int, float) and value == default
+    if not asks_nothing:
+        return _PEER_KEYWORDS[name]
+    if not has_plan and name in ("block_mask", "attn_mask", "is_causal"):
+        return f"torch's no mask; {_NO_MASK}"
+    return f"drop it: {value!r} is torch's default, which asks for nothing"
+
+
+def _positional_fix(args: tuple) -> str:
+    """What to do instead of the positional arguments past q, k, v of a call in torch's form
+    (flex_attention's score_mod, block_mask, scale, ...; SDPA's attn_mask, dropout_p, ...)."""
+    given = [(i, a) for i, a in enumerate(args[3:], 4) if a is not None]
+    if not given:
+        return "drop them: None asks for nothing"
+    i, arg = given[0]
+    convert = endpoints_of(arg)
+    if isinstance(arg, MaskPlan):
+        fix = "pass it as mask_plan="
+    elif convert == "masks.from_block_mask(block_mask)":
+        fix = f"torch's block_mask? {_PEER_KEYWORDS['block_mask']}"
+    elif convert is not None and convert.startswith("masks.from_mask_mod"):
+        fix = f"torch's score_mod? {_PEER_KEYWORDS['score_mod']}"
+    elif isinstance(arg, torch.Tensor):
+        fix = f"SDPA's attn_mask? {_PEER_KEYWORDS['attn_mask']} (an additive one: attn_mask == 0)"
+    else:
+        fix = "pass it by its keyword"
+    return f"argument {i} is {mask_kind(arg)}: {fix}"
 
 
 def _peer_keywords(fn):
-    """``fn``, refusing a keyword of torch's attention functions with what to do instead (a
-    wrapper, so that ``fn``'s signature stays cuDNN's; Python's own error names the keyword only)."""
+    """``fn``, refusing torch's keywords and positional arguments of its attention functions with
+    what to do instead (a wrapper, so that ``fn``'s signature stays cuDNN's; Python's own error
+    names the keyword or the argument count only)."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if len(args) > 3:
+            raise InputTypeError(
+                f"{fn.__name__}() takes q, k, v positionally and the rest by keyword (mask_plan=, "
+                f"softmax_scale=, ...); {_positional_fix(args)}"
+            )
         for name, value in kwargs.items():
             if name in _PEER_KEYWORDS:
-                fix = _PEER_KEYWORDS[name]
-                if name == "block_mask" and value is None:  # torch's "no mask"
-                    fix = "pass mask_plan=create_mask_plan(masks.full(Sq, Sk, batch=B), q, k, v)"
+                fix = _peer_fix(name, value, "mask_plan" in kwargs)
                 raise InputTypeError(f"{fn.__name__}() got {name}=, torch's keyword: {fix}")
+        if "mask_plan" not in kwargs:
+            raise InputTypeError(
+                f"{fn.__name__}() needs mask_plan=, a MaskPlan from create_mask_plan(mask_func, q, k, v) "
+                f"({_NO_MASK.replace('pass mask_plan=', '')})"
+            )
         return fn(*args, **kwargs)
 
     return call
@@ -145,7 +209,9 @@ def flex_attn_func(
     Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
     gradient never reaches another sample's outputs or gradients (the tiles past a sample's end
     hold the next sample's rows; the reference and the SM90 kernels zero them before use, as do
-    the compile-checked SM100 kernels but their CTA-pair variants).
+    the compile-checked SM100 kernels but their CTA-pair variants). Within a sample, a nan / inf
+    in the V of a key hidden from a row still reaches that row where they share a tile (0 x nan in
+    P V, as in SDPA): keep hidden keys' K and V finite (zero a KV cache's unwritten slots).
     """
     require_plan(mask_plan)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)

@@ -325,7 +325,6 @@ class KernelConsumer(Consumer):
             cc = tuple(request.compute_capability)
             require_supported("compute_capability", cc, self.compute_capabilities, self.name)
         require_supported("dtype", request.dtype, self.supported_dtypes, self.name)
-        self.check_head_dims(request.head_dim_qk, request.head_dim_v)
         if request.num_heads_q % request.num_heads_kv:
             raise UnsupportedConfigError(
                 f"num_heads_q={request.num_heads_q} is not a multiple of num_heads_kv={request.num_heads_kv}"
@@ -337,6 +336,8 @@ class KernelConsumer(Consumer):
                     "None, False"
                 )
             require_shared_mask_for_pack_gqa(request)
+        # last: a consumer's check may warn (head dims run on a larger kernel), not before a refusal
+        self.check_head_dims(request.head_dim_qk, request.head_dim_v)
 
 
 def require_pack_gqa_ratio(qhead_per_kvhead: int, tile_m: int) -> None:

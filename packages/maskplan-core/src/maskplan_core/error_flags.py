@@ -46,7 +46,9 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
         h, f, row = _first(bad)
         value, k_len = int(mask_func[h, f, row]), int(sample_k_len[row])
         hint = ""
-        if value > k_len and geometry.batch > 1:
+        # a flat document mask counts keys from the batch's first: past k_len in a later sample only
+        counted_across = geometry.batch > 1 and row >= int(geometry.cu_seqlens_q[1])
+        if k_len < value <= geometry.total_k and counted_across:
             hint = (
                 "; if mask_func was built for one sequence of the whole batch's rows (masks.document with "
                 "one flat list of lengths), it counts keys across samples: build it per sample "

@@ -136,15 +136,23 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
     if q.shape[-1] == 0 or v.shape[-1] == 0:
         raise InputValueError(f"head dims must be >= 1, got q/k {q.shape[-1]}, v {v.shape[-1]}")
     hq, hkv = q.shape[-2], k.shape[-2]
-    if hq == 0 or hkv == 0 or hq % hkv:
+    if hq == 0 or hkv == 0:
+        raise InputValueError(
+            f"q and k/v need at least one head each (dim {rank - 2}): q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if hq % hkv:
         hint = ""
-        # heads in dim 1 (torch's layout): fewer of them than positions, q's a multiple of k's
-        bhsd = rank == 4 and 0 < k.shape[1] < k.shape[2] and q.shape[1] < q.shape[2]
-        if bhsd and q.shape[1] % k.shape[1] == 0:
-            hint = (
-                "; q and k look like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] "
-                "(q.transpose(1, 2), and k, v alike)"
-            )
+        # heads in dim 1 (torch's layout: fewer of them than positions) in q, in k, or in both,
+        # where reading them so makes q's heads a multiple of k's
+        bhsd = [rank == 4 and 0 < t.shape[1] < t.shape[2] for t in (q, k)]
+        heads = [t.shape[1] if b else t.shape[-2] for t, b in zip((q, k), bhsd, strict=True)]
+        if any(bhsd) and heads[1] > 0 and heads[0] % heads[1] == 0:
+            which, fix = {
+                (True, True): ("q and k look", "q.transpose(1, 2), and k, v alike"),
+                (True, False): ("q looks", "q.transpose(1, 2)"),
+                (False, True): ("k and v look", "k.transpose(1, 2), v.transpose(1, 2)"),
+            }[tuple(bhsd)]
+            hint = f"; {which} like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] ({fix})"
         raise InputValueError(
             f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}): q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}{hint}"
@@ -165,7 +173,7 @@ def _check_prefix(name: str, cu: object, device: torch.device) -> torch.Tensor:
     if cu.dim() != 1 or cu.numel() < 2:
         raise InputValueError(f"{name} must be rank-1 with B+1 >= 2 entries, got shape {tuple(cu.shape)}")
     if not cu.is_contiguous():
-        raise InputValueError(f"{name} must be contiguous")
+        raise InputValueError(f"{name} must be contiguous (call .contiguous())")
     if cu.device != device:
         raise InputValueError(f"{name} is on {cu.device} but q is on {device}")
     return cu
@@ -300,7 +308,11 @@ def validate_plan_inputs(
             f"mask_func must be [Hmask, nfunc, total_q] (rank 3), got shape {tuple(mask_func.shape)}"
         )
     if mask_func.device != device:
-        raise InputValueError(f"mask_func is on {mask_func.device} but q is on {device}")
+        raise InputValueError(
+            f"mask_func is on {mask_func.device} but q is on {device}: build it there (the mask "
+            f"builders' device=q.device; they default to the CPU, torch's create_block_mask to the "
+            f"current accelerator) or move it (mask_func.to(q.device))"
+        )
     if not mask_func.is_contiguous():
         raise InputValueError("mask_func must be contiguous (call .contiguous())")
     hmask, nfunc, rows = mask_func.shape
@@ -313,6 +325,11 @@ def validate_plan_inputs(
     )
     if hmask not in (1, hq):
         hint = f"; {batch_as_heads_hint}" if batch_as_heads else ""
+        if hmask == k.shape[-2]:  # one mask per kv head (GQA), where masks are per q head
+            hint = (
+                f"; that is one per k/v head: masks are per q head (a builder's H or heads is Hq; "
+                f"mask_func.repeat_interleave({hq // hmask}, dim=0) gives each q head its kv head's)"
+            )
         raise InputValueError(f"mask_func has Hmask={hmask} heads; it must be 1 or Hq={hq}{hint}")
     # [Hmask, total_q, nfunc] passed as is: its rows are an odd nfunc, its nfunc the query rows
     transposed = nfunc == total_q and rows != total_q and rows % 2 == 1
@@ -335,7 +352,7 @@ def validate_plan_inputs(
         elif not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
         elif not varlen and ((rows == max_q and batch > 1) or (rows == batch and max_q > 1)):
-            hints = []
+            hints = [transposed_hint[2:]] if transposed else []
             if rows == max_q:
                 other_s = f"; if for {batch} samples, its S is not q's {max_q}" if max_q % batch == 0 else ""
                 hints.append(
@@ -354,7 +371,7 @@ def validate_plan_inputs(
             hint = "; " + "; or, ".join(hints)
         elif transposed:
             hint = transposed_hint
-        layout = "" if varlen else f" ({batch} samples of {max_q})"
+        layout = "" if varlen else f" ({batch} sample{'s' * (batch != 1)} of {max_q})"
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )

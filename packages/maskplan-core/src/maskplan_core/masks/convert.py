@@ -199,6 +199,9 @@ def from_mask_mod(
     KV_LEN: int | None = None,
     BLOCK_SIZE: int | tuple[int, int] | None = None,
     _compile: bool = False,
+    separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
@@ -217,8 +220,9 @@ def from_mask_mod(
     of one entry) is taken as one of a model of one head, which torch never calls with head 1.
     The positional arguments are ``create_block_mask``'s, ``device`` included; ``Sq`` and ``Sk``
     are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
-    with torch's keywords converts as it is; its ``BLOCK_SIZE`` and ``_compile`` are taken too and
-    change nothing (endpoints are per element, and the mask_mod is evaluated eagerly). ``B`` cannot
+    with torch's keywords converts as it is; its ``BLOCK_SIZE``, ``_compile``, ``separate_full_blocks``,
+    ``compute_dq_write_order`` and ``dq_kv_order`` are taken too and change nothing (endpoints are
+    per element, the mask_mod is evaluated eagerly, and the plan makes its own block lists). ``B`` cannot
     be None.
     The result is refused for q or k of other lengths than ``Sq`` and ``Sk``, as torch refuses a
     block mask made for another ``Q_LEN`` or ``KV_LEN`` (:mod:`maskplan_core.endpoint_samples`).
@@ -302,7 +306,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
         )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
     # one head entry standing for every head (H=None) unless ``heads`` says how many there are
-    shared_heads = "H=None: pass heads=Hq" if heads is None and blocks.shape[1] == 1 else None
+    # (a block mask made with H=1 holds one entry too: torch keeps no difference)
+    shared_heads = "H=None (or 1): pass heads=Hq" if heads is None and blocks.shape[1] == 1 else None
     counts = {}
     for name, given, entries in (("batch", batch, blocks.shape[0]), ("heads", heads, blocks.shape[1])):
         counts[name] = entries if given is None else _as_int(name, given, 1)
@@ -347,7 +352,7 @@ def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> I
     # a shared entry (B=None / H=None) holds sample 0's, head 0's blocks: torch applies them
     # to the others, which their own mask_mod contradicts here
     named = (("B", entries[0], b), ("H", entries[1], head))
-    shared = [f"{noun}=None" for noun, count, i in named if count == 1 and i > 0]
+    shared = [f"{noun}=None (or 1)" for noun, count, i in named if count == 1 and i > 0]
     if shared:
         hint = (
             f"the block mask was made with {' and '.join(shared)}, so it lists sample 0's / head 0's "
