@@ -698,7 +698,7 @@ def test_a_mask_in_place_of_the_plan_names_the_plan_to_build():
         ("return_aux", object(), "return_lse=True"),
         ("kernel_options", {}, "the plan fixes the kernels' tiles"),
         ("attn_mask", torch.ones(1), "masks.from_dense(attn_mask)"),
-        ("is_causal", True, "masks.causal(S, batch=B)"),
+        ("is_causal", True, "masks.causal(S, batch=B, device=q.device)"),
         ("dropout_p", 0.1, "no attention dropout"),
         ("query", torch.ones(1), "pass q, k, v positionally"),
     ],
@@ -730,7 +730,7 @@ def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
     for keyword, value in (("block_mask", None), ("attn_mask", None), ("is_causal", False)):
         with expect(InputTypeError, TypeError, f"got {keyword}=", "torch's no mask", "masks.full(Sq, Sk"):
             flexattn.flex_attn_func(q, k, v, **{keyword: value})
-    with expect(InputTypeError, TypeError, "kv_idx <= q_idx, B, 1, Sq, Sk)", "top-left"):
+    with expect(InputTypeError, TypeError, "kv_idx <= q_idx, B, 1, Sq, Sk, device=q.device)", "top-left"):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, is_causal=True)
     with expect(InputTypeError, TypeError, "needs mask_plan=", "masks.full(Sq, Sk"):
         flexattn.flex_attn_func(q, k, v)
@@ -750,10 +750,16 @@ def test_torch_positional_arguments_are_named():
         ((lambda s, b, h, q, kv: s,), ("argument 4 is function", "score_mod?")),
         ((torch.zeros(SQ, SK),), ("argument 4 is Tensor", "SDPA's attn_mask?", "attn_mask == 0")),
         ((plan,), ("argument 4 is MaskPlan", "pass it as mask_plan=")),
-        ((None,), ("drop them",)),
+        ((causal_mask(),), ("argument 4 is Tensor", "endpoints?", "create_mask_plan(mask_func, q, k, v)")),
+        ((torch.zeros(SQ, SK, dtype=torch.bool),), ("a bool tensor", "from_dense(attn_mask), q, k, v)")),
+        ((None, 0.0, True), ("argument 6 is bool", "SDPA's is_causal?", "top-left")),
+        ((None, None, 0.5), ("argument 6 is float", "softmax_scale=")),
+        ((None, False), ("pass mask_plan=create_mask_plan(masks.full(",)),
     ):
         with expect(InputTypeError, TypeError, "takes q, k, v positionally", *needles):
             flexattn.flex_attn_func(q, k, v, *args)
+    with expect(InputTypeError, TypeError, "drop them: torch's defaults ask for nothing"):
+        flexattn.flex_attn_func(q, k, v, None, 0.0, False, mask_plan=plan)
 
 
 def test_torch_names_looked_up_on_the_package_name_flexattns_way():

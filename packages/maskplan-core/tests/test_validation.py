@@ -241,8 +241,9 @@ def test_transposed_endpoints_with_as_many_endpoints_as_samples_are_named():
         validate_plan_inputs(causal(total_q=3 * SQ, sk=SQ, nfunc=3).transpose(1, 2).contiguous(), q, k, v)
     with expect(InputValueError, ValueError, "(1 sample of 48)"):
         validate_plan_inputs(causal(total_q=SQ, sk=2 * SQ), *fixed_qkv(b=1, sq=2 * SQ, sk=2 * SQ))
-    with expect(InputValueError, ValueError, "at least one head each"):
-        validate_plan_inputs(causal(), *fixed_qkv(hq=0))
+    for heads in (dict(hq=0), dict(hkv=0)):
+        with expect(InputValueError, ValueError, "at least one head each"):
+            validate_plan_inputs(causal(), *fixed_qkv(**heads))
 
 
 def test_transposed_endpoints_of_an_odd_row_count_are_named():
@@ -321,11 +322,31 @@ def test_bhsd_tensors_of_other_lengths_get_the_layout_hint():
         validate_plan_inputs(causal(sk=SQ), *fixed_qkv(sk=SQ, hq=3, hkv=2))
 
 
+def test_per_kv_head_hint_only_where_the_rows_fit():
+    """A per-sample [B, Sq, Sk] dense mask read as B heads, where B = Hkv: the batch-as-heads
+    hint, not the per-kv-head one, which needs a mask of total_q rows."""
+    q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=B)
+    with pytest.raises(InputValueError, match="read its 2 samples as heads") as info:
+        validate_plan_inputs(causal(total_q=SQ, sk=SQ, hmask=B), q, k, v)
+    assert "one per k/v head" not in str(info.value)
+
+
+def test_bhsd_q_alone_gets_a_conditional_layout_hint():
+    """q of fewer positions than heads may be BSHD (a decoding step) or BHSD: the hint is
+    conditional; with k too in the BHSD shape it says they look so."""
+    q, k = torch.zeros(1, 8, 12, 16), torch.zeros(1, 100, 8, 16)
+    with expect(InputValueError, ValueError, "if q is BHSD [B, H, S, D]", "(q.transpose(1, 2))"):
+        validate_plan_inputs(causal(total_q=8, sq=8, sk=100), q, k, k)
+    q, k, v = fixed_qkv(sq=SQ, sk=SQ + 3, hq=4, hkv=2)
+    with expect(InputValueError, ValueError, "q and k look like BHSD"):
+        validate_plan_inputs(causal(total_q=B * 4, sq=4, sk=4), *(t.transpose(1, 2) for t in (q, k, v)))
+
+
 def test_bhsd_k_and_v_alone_get_the_layout_hint():
     """q transposed to BSHD but k, v still [B, Hkv, S, D] (a KV cache in torch's layout): the head
     check names k and v's layout and their transposes, not q's."""
     q, k, v = fixed_qkv(sk=SQ, hq=4, hkv=2)
-    needles = ("k and v look like BHSD", "k.transpose(1, 2), v.transpose(1, 2)")
+    needles = ("if k and v are BHSD", "k.transpose(1, 2), v.transpose(1, 2)")
     with expect(InputValueError, ValueError, *needles):
         validate_plan_inputs(causal(sk=SQ), q, k.transpose(1, 2), v.transpose(1, 2))
 
@@ -398,6 +419,11 @@ def test_a_flat_document_list_for_a_batch_gets_the_per_sample_hint():
     plan(document([[20, 44], [50, 14]]), q, k, v)
     wrong = document([[20, 44], [50, 14]]).clone()
     wrong[0, 2, 10] = 65  # past k_len in sample 0, where no flat list counts across samples
+    with pytest.raises(EndpointError, match="k_len = 64") as info:
+        plan(wrong, q, k, v)
+    assert "masks.document" not in str(info.value)
+    wrong = document([[20, 44], [50, 14]]).clone()
+    wrong[0, 2, 100] = 129  # in sample 1, but past the batch's 128 keys: no flat list either
     with pytest.raises(EndpointError, match="k_len = 64") as info:
         plan(wrong, q, k, v)
     assert "masks.document" not in str(info.value)
@@ -697,7 +723,7 @@ def test_varlen_needs_all_four_arguments(given):
         (lambda t: t.tolist(), InputTypeError, TypeError, ("Tensor", "dtype=torch.int32, device=q.device")),
         (lambda t: t[None], InputValueError, ValueError, ("rank-1",)),
         (lambda t: t[:1], InputValueError, ValueError, ("rank-1", "(1,)")),
-        (lambda t: t.repeat_interleave(2)[::2], InputValueError, ValueError, ("contiguous",)),
+        (lambda t: t.repeat_interleave(2)[::2], InputValueError, ValueError, ("contiguous", ".contiguous()")),
         (lambda t: t.to("meta"), InputValueError, ValueError, ("meta",)),
     ],
     ids=["int64", "float", "list", "rank2", "one-entry", "non-contiguous", "meta-device"],

@@ -43,8 +43,9 @@ if not any(isinstance(h, logging.NullHandler) for h in _log.handlers):
 _TORCH_NAMES = {
     "flex_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan) on [B, S, H, D] tensors",
     "scaled_dot_product_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan), a plan of the mask",
-    "create_block_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk), then create_mask_plan",
-    "create_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk) (endpoints, not a dense mask)",
+    "create_block_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk, device=q.device), then "
+    "create_mask_plan",
+    "create_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk, device=q.device) (endpoints)",
     "BlockMask": "flexattn.MaskPlan, from create_mask_plan (masks.from_block_mask converts a BlockMask)",
 }
 

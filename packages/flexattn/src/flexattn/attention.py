@@ -80,15 +80,16 @@ def require_plan(mask_plan: object) -> None:
             convert = "mask_func"  # endpoints already
         hint = f"; build one with create_mask_plan({convert}, q, k, v)" if convert else ""
         if mask_plan is None:
-            hint = f"; {_NO_MASK}"
+            hint = f"; for attention without a mask pass mask_plan={_FULL_PLAN}"
         raise InputTypeError(
             f"mask_plan must be a MaskPlan from create_mask_plan, got {mask_kind(mask_plan)}{hint}"
         )
 
 
-_NO_MASK = "for attention without a mask pass mask_plan=create_mask_plan(masks.full(Sq, Sk, batch=B), ...)"
+#: the plan of no mask (torch's block_mask=None, SDPA without attn_mask)
+_FULL_PLAN = "create_mask_plan(masks.full(Sq, Sk, batch=B, device=q.device), q, k, v)"
 #: SDPA's is_causal where Sq != Sk (masks.causal aligns the diagonal bottom-right there)
-_TOP_LEFT = "masks.from_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B, 1, Sq, Sk)"
+_TOP_LEFT = "masks.from_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B, 1, Sq, Sk, device=q.device)"
 
 #: keywords of torch's flex_attention and scaled_dot_product_attention a ported call may still
 #: pass, and what to do instead (packages/flexattn/README.md, "Coming from torch FlexAttention")
@@ -104,54 +105,64 @@ _PEER_KEYWORDS = {
     "kernel_options": "drop it: the plan fixes the kernels' tiles",
     "attn_mask": "pass mask_plan=create_mask_plan(masks.from_dense(attn_mask), q, k, v)",
     "is_causal": (
-        "pass mask_plan=create_mask_plan(masks.causal(S, batch=B), q, k, v) where Sq == Sk; where Sq != "
-        f"Sk masks.causal aligns the diagonal bottom-right and SDPA's is_causal top-left: {_TOP_LEFT}"
+        "pass mask_plan=create_mask_plan(masks.causal(S, batch=B, device=q.device), q, k, v) where Sq == "
+        "Sk; where Sq != Sk masks.causal aligns the diagonal bottom-right and SDPA's is_causal top-left: "
+        f"{_TOP_LEFT}"
     ),
     "dropout_p": "drop it: flexattn has no attention dropout",
 }
-#: those keywords' values that ask for nothing (torch's defaults): refused all the same, with "drop
-#: it" (a mask keyword's, without a mask_plan, with the plan of no mask)
+#: torch's defaults of those keywords, which ask for nothing: refused all the same, with "drop it"
 _PEER_DEFAULTS = {
     "block_mask": None, "score_mod": None, "attn_mask": None, "kernel_options": None, "return_aux": None,
-    "scale": None, "is_causal": False, "dropout_p": 0.0,
+    "scale": None, "is_causal": False, "enable_gqa": False, "dropout_p": 0.0,
 }  # fmt: skip
+#: the keywords whose default is torch's "no mask": without a mask_plan, the plan of no mask
+_MASK_KEYWORDS = ("block_mask", "attn_mask", "is_causal")
+
+
+def _asks_nothing(value: object, default: object) -> bool:
+    if isinstance(default, float):
+        return type(value) in (int, float) and value == default
+    return value is default
 
 
 def _peer_fix(name: str, value: object, has_plan: bool) -> str:
     """What to do instead of torch's keyword ``name=value``."""
-    default = _PEER_DEFAULTS.get(name, ...)
-    if default is None:
-        asks_nothing = value is None
-    elif default is False:
-        asks_nothing = value is False
-    else:
-        asks_nothing = type(value) in (int, float) and value == default
-    if not asks_nothing:
+    if name not in _PEER_DEFAULTS or not _asks_nothing(value, _PEER_DEFAULTS[name]):
         return _PEER_KEYWORDS[name]
-    if not has_plan and name in ("block_mask", "attn_mask", "is_causal"):
-        return f"torch's no mask; {_NO_MASK}"
+    if not has_plan and name in _MASK_KEYWORDS:
+        return f"torch's no mask: pass mask_plan={_FULL_PLAN}"
     return f"drop it: {value!r} is torch's default, which asks for nothing"
 
 
-def _positional_fix(args: tuple) -> str:
+def _positional_fix(args: tuple, has_plan: bool) -> str:
     """What to do instead of the positional arguments past q, k, v of a call in torch's form
-    (flex_attention's score_mod, block_mask, scale, ...; SDPA's attn_mask, dropout_p, ...)."""
-    given = [(i, a) for i, a in enumerate(args[3:], 4) if a is not None]
+    (flex_attention's score_mod, block_mask, scale, ...; SDPA's attn_mask, dropout_p, is_causal,
+    scale): the first that asks for something (not None, False or 0), by what it is."""
+    defaults = (None, False, 0.0)
+    given = [(i, a) for i, a in enumerate(args[3:], 4) if not any(_asks_nothing(a, d) for d in defaults)]
     if not given:
-        return "drop them: None asks for nothing"
+        return "drop them: torch's defaults ask for nothing" if has_plan else f"pass mask_plan={_FULL_PLAN}"
     i, arg = given[0]
-    convert = endpoints_of(arg)
+    kind = mask_kind(arg)
     if isinstance(arg, MaskPlan):
         fix = "pass it as mask_plan="
-    elif convert == "masks.from_block_mask(block_mask)":
+    elif kind == "BlockMask":
         fix = f"torch's block_mask? {_PEER_KEYWORDS['block_mask']}"
-    elif convert is not None and convert.startswith("masks.from_mask_mod"):
+    elif endpoints_of(arg) is not None and callable(arg):
         fix = f"torch's score_mod? {_PEER_KEYWORDS['score_mod']}"
+    elif isinstance(arg, torch.Tensor) and arg.dtype == torch.int32:
+        fix = "interval endpoints? pass mask_plan=create_mask_plan(mask_func, q, k, v)"
     elif isinstance(arg, torch.Tensor):
-        fix = f"SDPA's attn_mask? {_PEER_KEYWORDS['attn_mask']} (an additive one: attn_mask == 0)"
+        dense = "attn_mask" if arg.dtype == torch.bool else "attn_mask == 0"  # an additive mask's zeros
+        fix = f"SDPA's attn_mask? pass mask_plan=create_mask_plan(masks.from_dense({dense}), q, k, v)"
+    elif arg is True:
+        fix = f"SDPA's is_causal? {_PEER_KEYWORDS['is_causal']}"
+    elif isinstance(arg, numbers.Real):
+        fix = "torch's scale? pass softmax_scale= (SDPA's dropout_p: flexattn has no dropout)"
     else:
         fix = "pass it by its keyword"
-    return f"argument {i} is {mask_kind(arg)}: {fix}"
+    return f"argument {i} is {kind}: {fix}"
 
 
 def _peer_keywords(fn):
@@ -161,19 +172,20 @@ def _peer_keywords(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        has_plan = "mask_plan" in kwargs
         if len(args) > 3:
             raise InputTypeError(
                 f"{fn.__name__}() takes q, k, v positionally and the rest by keyword (mask_plan=, "
-                f"softmax_scale=, ...); {_positional_fix(args)}"
+                f"softmax_scale=, ...); {_positional_fix(args, has_plan)}"
             )
         for name, value in kwargs.items():
             if name in _PEER_KEYWORDS:
-                fix = _peer_fix(name, value, "mask_plan" in kwargs)
+                fix = _peer_fix(name, value, has_plan)
                 raise InputTypeError(f"{fn.__name__}() got {name}=, torch's keyword: {fix}")
-        if "mask_plan" not in kwargs:
+        if not has_plan:
             raise InputTypeError(
-                f"{fn.__name__}() needs mask_plan=, a MaskPlan from create_mask_plan(mask_func, q, k, v) "
-                f"({_NO_MASK.replace('pass mask_plan=', '')})"
+                f"{fn.__name__}() needs mask_plan=, a MaskPlan from create_mask_plan(mask_func, q, k, v); "
+                f"for attention without a mask, mask_plan={_FULL_PLAN}"
             )
         return fn(*args, **kwargs)
 

@@ -336,7 +336,8 @@ class KernelConsumer(Consumer):
                     "None, False"
                 )
             require_shared_mask_for_pack_gqa(request)
-        # last: a consumer's check may warn (head dims run on a larger kernel), not before a refusal
+        # last: a consumer's check may warn (head dims run on a larger kernel), and should not before
+        # a refusal here (select_forward / select_backward may still refuse after it)
         self.check_head_dims(request.head_dim_qk, request.head_dim_v)
 
 

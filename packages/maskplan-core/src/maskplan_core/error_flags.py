@@ -46,7 +46,8 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
         h, f, row = _first(bad)
         value, k_len = int(mask_func[h, f, row]), int(sample_k_len[row])
         hint = ""
-        # a flat document mask counts keys from the batch's first: past k_len in a later sample only
+        # a flat document mask counts keys from the batch's first: past k_len in a later sample only,
+        # and within the batch's keys
         counted_across = geometry.batch > 1 and row >= int(geometry.cu_seqlens_q[1])
         if k_len < value <= geometry.total_k and counted_across:
             hint = (
@@ -82,11 +83,16 @@ def _raise_seqlen(flags: int, g: PlanGeometry) -> None:
             raise SeqlenError(rule)
 
 
+def sample_lengths(cu: list[int]) -> list[int]:
+    """The sample lengths of host prefix values ``cu``."""
+    return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
 def broken_prefix_rule(name: str, cu: list[int], total: int, max_len: int) -> str | None:
-    """What the first prefix rule of spec 3.2 that the host values ``cu`` of prefix ``name`` break
-    says (the rules in the order of the ``CU_*`` bits: start at 0, end at ``total``, never
-    decrease, no sample past ``max_len``), or None where they keep every rule."""
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    """The message naming the first rule of spec 3.2 that host prefix values ``cu`` (of prefix
+    ``name``) break, or None where they keep all four. The rules, in the order of the ``CU_*``
+    bits: start at 0, end at ``total``, never decrease, no sample longer than ``max_len``."""
+    lens = sample_lengths(cu)
     if cu[0] != 0:
         return f"{name}[0] must be 0, got {cu[0]}"
     if cu[-1] != total:

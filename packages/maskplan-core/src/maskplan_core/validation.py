@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .endpoint_samples import check_samples
-from .error_flags import broken_prefix_rule
+from .error_flags import broken_prefix_rule, sample_lengths
 from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
 
@@ -146,13 +146,14 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
         # where reading them so makes q's heads a multiple of k's
         bhsd = [rank == 4 and 0 < t.shape[1] < t.shape[2] for t in (q, k)]
         heads = [t.shape[1] if b else t.shape[-2] for t, b in zip((q, k), bhsd, strict=True)]
-        if any(bhsd) and heads[1] > 0 and heads[0] % heads[1] == 0:
+        if any(bhsd) and heads[0] % heads[1] == 0:
+            # one tensor alone may as well be BSHD with fewer positions than heads (a decoding step)
             which, fix = {
-                (True, True): ("q and k look", "q.transpose(1, 2), and k, v alike"),
-                (True, False): ("q looks", "q.transpose(1, 2)"),
-                (False, True): ("k and v look", "k.transpose(1, 2), v.transpose(1, 2)"),
+                (True, True): ("q and k look like", "q.transpose(1, 2), and k, v alike"),
+                (True, False): ("if q is", "q.transpose(1, 2)"),
+                (False, True): ("if k and v are", "k.transpose(1, 2), v.transpose(1, 2)"),
             }[tuple(bhsd)]
-            hint = f"; {which} like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] ({fix})"
+            hint = f"; {which} BHSD [B, H, S, D]: flexattn takes BSHD [B, S, H, D] ({fix})"
         raise InputValueError(
             f"q heads ({hq}) must be a positive multiple of k/v heads ({hkv}): q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}{hint}"
@@ -231,7 +232,7 @@ def _varlen_samples(cu_q: torch.Tensor, cu_k: torch.Tensor, totals: tuple, max_l
     ):
         if broken_prefix_rule(name, cu, total, max_len) is not None:
             return None
-        lens.append([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)])
+        lens.append(sample_lengths(cu))
     return tuple(lens)
 
 
@@ -325,7 +326,7 @@ def validate_plan_inputs(
     )
     if hmask not in (1, hq):
         hint = f"; {batch_as_heads_hint}" if batch_as_heads else ""
-        if hmask == k.shape[-2]:  # one mask per kv head (GQA), where masks are per q head
+        if hmask == k.shape[-2] and rows == total_q and not batch_as_heads:  # one per kv head (GQA)
             hint = (
                 f"; that is one per k/v head: masks are per q head (a builder's H or heads is Hq; "
                 f"mask_func.repeat_interleave({hq // hmask}, dim=0) gives each q head its kv head's)"

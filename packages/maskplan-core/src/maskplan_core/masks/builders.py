@@ -132,8 +132,8 @@ def _is_sequence(x: object) -> bool:
 def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
     """Normalise ``doc_lens`` to a list (one entry per batch sample) of document length lists."""
     nested_input = False
-    if type(doc_lens).__module__ == "numpy" and hasattr(doc_lens, "__array__"):  # read as a tensor
-        doc_lens = torch.as_tensor(doc_lens)
+    if type(doc_lens).__module__ == "numpy" and hasattr(doc_lens, "tolist"):  # as the lists it holds
+        doc_lens = doc_lens.tolist()
     if isinstance(doc_lens, torch.Tensor):
         nested_input = doc_lens.dim() == 2
         if doc_lens.dim() == 1:
