@@ -28,7 +28,7 @@ HEAD_DIMS = [(32, 32), (64, 64), (80, 80), (96, 96), (128, 128)]
 
 def _ptx(dq, dv, tile_m, with_dlse, tmp_path, zero_dq_accum=True) -> str:
     kernel = BwdPreprocess(
-        dq, dv, "bfloat16", tile_m=tile_m, with_dlse=with_dlse, zero_dq_accum=zero_dq_accum
+        dq, dv, "bfloat16", tile_m=tile_m, zero_dq_accum=zero_dq_accum
     )
     compiled = cute.compile(
         kernel.from_pointers, *bwd_placeholders("pre", BFloat16, with_dlse=with_dlse),
@@ -70,4 +70,4 @@ def test_o_rows_of_any_multiple_of_8(dq, dv, tmp_path):
 
 def test_head_dims_must_split_into_vectors():
     with pytest.raises(ValueError, match="16-byte vectors"):
-        BwdPreprocess(64, 44, "bfloat16", tile_m=64, with_dlse=False)
+        BwdPreprocess(64, 44, "bfloat16", tile_m=64)

@@ -21,7 +21,7 @@ full reduction::
 The last two are the two forms of dQ: ``dQ`` (M = tile_m = 128 Q rows) or, when the Q block has 64
 rows (too few for a 128-lane accumulator), ``dQ^T`` (M = 128 of the head-dim columns, N = 64 Q rows).
 The MN-major views cover the FULL head dim, so their MMA_MN mode has ``splits`` entries and the CTA
-issues its half's (:func:`operand_slice`).
+issues its half's (:func:`mma_operand` with ``mn=``).
 
 So K, Q, dO and dS are each read through two layouts. :func:`smem_views` builds both from the MMA
 atoms; ``tests/test_bwd_layout_agreement.py`` checks, coordinate by coordinate, that the two views of

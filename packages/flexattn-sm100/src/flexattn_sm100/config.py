@@ -5,9 +5,10 @@ loads and the block's dQ reduction) and D256 (two CTAs per K block, each owning 
 head-dim columns), all ``bwd_kernel.py``; compile-verified, never run).
 
 A *variant* is one kernel topology (q stages, CTA group, cluster axis, plan block, mask delivery);
-a config is a variant plus the problem's compile-time facts. Every config field is compile-time
-(``field.metadata["constexpr"]``; :meth:`compile_key` collects them); runtime values (softmax
-scale, sequence lengths, the plan's tensors) are launch arguments. Selection is
+a config is a variant plus the problem's compile-time facts. Every config field marked
+``field.metadata["constexpr"]`` is compile-time (:meth:`compile_key` lists them all; a launcher's
+compile key names those its kernel reads, ``fwd_launch``, ``maskplan_kernels.consumer_launch``);
+runtime values (softmax scale, sequence lengths, the plan's tensors) are launch arguments. Selection is
 :mod:`flexattn_sm100.heuristics`.
 
 ``tile_m x tile_n`` is always the plan block the planner classifies: the union over q stages

@@ -96,13 +96,10 @@ class TmemLoadLayout(PayloadLayout):
         )
 
     # -- the one source of truth ------------------------------------------------------------
-    def fragment_coords(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score coordinates ``(m, n)``, int64 ``[subtiles, groups, elements_per_thread]``: element
-        ``e`` (register order) of thread ``t`` of the warpgroup(s) serving subtile ``s``."""
-        return self._fragment[0].clone(), self._fragment[1].clone()
-
     @cached_property
     def _fragment(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score coordinates ``(m, n)``, int64 ``[subtiles, groups, elements_per_thread]``: element
+        ``e`` (register order) of thread ``t`` of the warpgroup(s) serving subtile ``s``."""
         s = torch.arange(self.subtiles, device="cpu").view(-1, 1, 1)
         t = torch.arange(self.groups, device="cpu").view(1, -1, 1)
         e = torch.arange(self.elements_per_thread, device="cpu").view(1, 1, -1)

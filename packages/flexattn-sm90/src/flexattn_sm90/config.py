@@ -1,7 +1,9 @@
 """Static configurations of the SM90 forward and backward kernels.
 
-Every field is compile-time: it becomes a ``cutlass.Constexpr`` of the kernel and part of its
-compile key (``field.metadata["constexpr"]`` says so, :meth:`compile_key` collects them).
+Every field marked ``field.metadata["constexpr"]`` is compile-time: a ``cutlass.Constexpr`` of the
+kernel (:meth:`compile_key` lists them all). A launcher's compile key names the fields its kernel
+reads (``fwd_launch``, ``maskplan_kernels.consumer_launch``), leaving out ``varlen`` and, without
+PackGQA, ``qhead_per_kvhead``: the kernels take those at run time.
 Runtime values (softmax scale, sequence lengths, the plan's tensors, the scheduler counter) are
 launch arguments, never config fields. Choosing a config from a problem is
 :mod:`flexattn_sm90.heuristics`; turning one into a plan signature is :meth:`plan_signature`.

@@ -106,7 +106,7 @@ class Sm90FwdKernel(FwdHostEntry, ConsumerMainloop):
         self.row_granule = config.row_granule if per_sample else 0  # q, k, v rows per sample
         self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = config.head_dim_qk, config.head_dim_v
-        self.io_head_dim_qk, self.io_head_dim_v = config.io_head_dims
+        self.io_head_dim_v = config.io_head_dims[1]  # where O's stores stop (loads: TMA zero-fills)
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         # PackGQA: G q heads x (tile_m / G) positions per tile; otherwise G = 1 head per tile
         self.pack_gqa = config.pack_gqa

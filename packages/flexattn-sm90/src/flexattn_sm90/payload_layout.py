@@ -3,7 +3,8 @@
 Every SM90 payload (forward Q2K and backward K2Q) follows the register fragment a consumer thread
 holds after a ``wgmma.mma_async.m64nNk16`` with an fp32 accumulator. The packer (CPU reference and
 GPU materialiser), ``PlanView.to_dense()`` and the attention kernel's bit-select all derive from
-:meth:`WgmmaAccumulatorLayout.fragment_coords`; nothing else spells out the lane formula.
+``WgmmaAccumulatorLayout._fragment`` (through ``element_coords`` and ``register_bit``); nothing
+else spells out the lane formula.
 
 Ownership of one warpgroup's m64nN accumulator (PTX ISA, "wgmma .m64nNk16 register fragment" for
 matrix D; CUTLASS ``CLayout_64xN = ((4,8,4),(2,2,N/8)):((128,1,16),(64,8,512))``)::
@@ -150,11 +151,6 @@ class WgmmaAccumulatorLayout(PayloadLayout):
         """``(slot, bit)``: the register and bit guarding the thread's fragment element ``e``."""
         return e // WORD_BITS, e % WORD_BITS
 
-    def fragment_coords(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Score coordinates ``(m, n)``, int64 ``[threads, elements_per_thread]``, of every thread's
-        fragment element ``e`` in register order. Row ``t`` is consumer thread ``t``."""
-        return self._fragment[0].clone(), self._fragment[1].clone()
-
     @cached_property
     def _accumulator(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulator ``(row, col)``, int64 ``[threads, elements_per_thread]`` (the ownership picture)."""
@@ -169,6 +165,8 @@ class WgmmaAccumulatorLayout(PayloadLayout):
 
     @cached_property
     def _fragment(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score coordinates ``(m, n)``, int64 ``[threads, elements_per_thread]``, of every thread's
+        fragment element ``e`` in register order. Row ``t`` is consumer thread ``t``."""
         row, col = self._accumulator
         return (col, row) if self.transposed else (row, col)
 

@@ -38,9 +38,6 @@ class PlanGeometry:
     def qhead_per_kvhead(self) -> int:
         return self.num_heads_q // self.num_heads_kv
 
-    def mask_head_of(self, q_head: int) -> int:
-        return q_head if self.mask_heads == self.num_heads_q else 0
-
     def describe(self) -> str:
         layout = (
             f"varlen THD, B={self.batch}, total_q={self.total_q}, total_k={self.total_k}, "

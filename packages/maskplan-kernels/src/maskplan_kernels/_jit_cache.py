@@ -42,7 +42,3 @@ def compile_stage(
 
     return compile_cached((name, config), build, options)
 
-
-def cached_keys() -> list[Hashable]:
-    """The keys compiled (or loaded from disk) so far in this process (for tests and diagnostics)."""
-    return compile_cache.cached_keys()

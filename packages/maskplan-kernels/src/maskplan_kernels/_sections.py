@@ -29,7 +29,6 @@ class ScheduleParams:
 
     num_sections: int  # B * Hkv
     num_heads_kv: int
-    sched_heads: int  # Hkv with PackGQA, Hq otherwise
     qhead_per_kvhead: int
     pack_gqa: int  # 0 / 1
     mask_per_head: int  # 1 when the task's mask head is its scheduled head, 0 when it is head 0
@@ -42,7 +41,6 @@ class ScheduleParams:
         return cls(
             num_sections=g.batch * g.num_heads_kv,
             num_heads_kv=g.num_heads_kv,
-            sched_heads=g.num_heads_kv if pack_gqa else g.num_heads_q,
             qhead_per_kvhead=g.qhead_per_kvhead,
             pack_gqa=int(pack_gqa),
             mask_per_head=int(g.mask_heads > 1 and not pack_gqa),

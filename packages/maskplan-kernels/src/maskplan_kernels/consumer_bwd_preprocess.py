@@ -45,20 +45,18 @@ def quad_sum(x: Float32) -> Float32:
 
 class BwdPreprocess:
     """Static configuration: head dims (``head_dim_qk`` the dQ accumulator's, ``head_dim_v`` the O /
-    dO tensors', a multiple of 8), dtype, block rows, whether a ``dlse`` is subtracted and whether
-    the dQ accumulator is zeroed."""
+    dO tensors', a multiple of 8), dtype, block rows and whether the dQ accumulator is zeroed (a
+    ``dlse`` is subtracted where the launch passes one)."""
 
     threads_per_row = 4
 
     def __init__(
-        self, head_dim_qk: int, head_dim_v: int, dtype: str, *, tile_m: int = 64, with_dlse: bool,
-        zero_dq_accum: bool = True,
+        self, head_dim_qk: int, head_dim_v: int, dtype: str, *, tile_m: int = 64, zero_dq_accum: bool = True,
     ):  # fmt: skip
         self.dtype = CUTE_DTYPES[dtype]
         self.zero_dq_accum = zero_dq_accum
         self.head_dim_qk, self.head_dim_v = head_dim_qk, head_dim_v
         self.tile_m = tile_m
-        self.with_dlse = with_dlse
         self.num_threads = tile_m * self.threads_per_row
         # 16-byte pieces of an O / dO row per thread (the last ones past the row where its pieces do
         # not split evenly over the row's threads: skipped)

@@ -130,7 +130,7 @@ class ThdHostEntry:
 class FwdHostEntry(ThdHostEntry):
     """The host entry of a forward kernel, the same for every consumer: raw global pointers plus
     int32 sizes (the project's launch convention, no size triggers a recompile; the arguments
-    :func:`maskplan_kernels.consumer_launch.fwd_entry_placeholders` and ``fwd_entry_arguments``
+    :func:`maskplan_kernels.consumer_launch.fwd_placeholders` and ``ForwardIO.arguments``
     pass), turned into row-major tensors for the kernel class's ``@cute.jit __call__(mQ, mK, mV,
     mO, mLSE, mMaxLogit, plan, [tile_counter,] softmax_scale, num_ctas, stream)``.
 

@@ -591,7 +591,7 @@ class BackwardCompiler:
         if kind == "pre":
             return BwdPreprocess(
                 config.head_dim_qk, self.io_head_dims(config)[1], config.dtype, tile_m=config.tile_m,
-                with_dlse=with_dlse, zero_dq_accum=not stored,
+                zero_dq_accum=not stored,
             )  # fmt: skip
         if kind == "main":
             sample = {"per_sample": True} if per_sample else {}

@@ -42,7 +42,7 @@ class BlockGeometry:
 
     @property
     def k_words(self) -> int:
-        """uint32 words per bitset row (``words_for_k_blocks``)."""
+        """uint32 words per bitset row: one bit per K block of the longest sample, at least one word."""
         return max(1, -(-self.max_k_blocks // WORD_BITS))
 
     def q_row_owner(self) -> tuple[torch.Tensor, torch.Tensor]:
