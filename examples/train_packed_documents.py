@@ -6,14 +6,15 @@ forward and backward, the whole model optionally under ``torch.compile(fullgraph
         --heads 8 --kv-heads 2 --lr 3e-4 --steps 60 [--compile] [--plan-ahead] [--layers 8]  # Hopper
 
 The loop waits for the GPU only where it prints (every 10 steps): the time a step is the average
-since the last print, plans included. On the H200 (session 25) the Hopper command took the loss
-from 4.13 to 2.50 in 60 steps at 10.0-11.3 ms a step, plans included, the same
-with ``--compile`` (9.9-11.5 ms) or ``--plan-ahead`` (9.6-11.2 ms): with 2 layers the host issues
-work no faster than the GPU runs it, so there is nothing to overlap. With ``--layers 8`` (and
-``--steps 40``) the GPU runs ahead of the host, and ``--plan-ahead`` took a step from 31.8-34.6
-ms to 30.4-31.4 ms (two runs each, alternated): built in the step, a plan's one host read waits
-for the previous step to finish, so the GPU idles while the host completes the plan and issues
-the next step; built on a side stream, the read waits for the plan's own small kernels.
+since the last print, plans included. On an H100 (session 56) the Hopper command took the loss
+from 4.13 to 2.50 in 60 steps at 12.5-13.2 ms a step, plans included; on the H200 (session 25) at
+10.0-11.3 ms, the same with ``--compile`` (9.9-11.5 ms) or ``--plan-ahead`` (9.6-11.2 ms): with
+2 layers the host issues work no faster than the GPU runs it, so there is nothing to overlap.
+With ``--layers 8`` (and ``--steps 40``) the GPU runs ahead of the host, and ``--plan-ahead`` took
+a step from 31.8-34.6 ms to 30.4-31.4 ms (two runs each, alternated): built in the step, a
+plan's one host read waits for the previous step to finish, so the GPU idles while the host
+completes the plan and issues the next step; built on a side stream, the read waits for the
+plan's own small kernels.
 
 Each sample packs documents of random lengths; every document repeats a short random token
 pattern, so a token is predictable only from earlier tokens of its own document, which is what the
