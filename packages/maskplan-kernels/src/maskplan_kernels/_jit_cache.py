@@ -41,4 +41,3 @@ def compile_stage(
         return (kernel(config), *(ptr,) * pointers, *(Int32(1),) * ints, fake_stream())
 
     return compile_cached((name, config), build, options)
-
