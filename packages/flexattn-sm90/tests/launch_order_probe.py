@@ -40,7 +40,7 @@ class LaunchOrderProbe(Sm90BwdKernel):
         max_ctas: Int32, softmax_scale: Float32, stream: cuda.CUstream,
     ):  # fmt: skip
         out = cute.make_tensor(mdQsem.iterator, cute.make_layout(2))
-        kv_heads = mK.shape[1]  # THD (rows, heads, d)
+        kv_heads = mdK.shape[1]  # the items' kv heads, as the main kernel takes them: THD (rows, heads, d)
         n_qblk = mdQsem.shape[1]
         self.probe(plan, out, n_qblk, kv_heads).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
@@ -80,7 +80,7 @@ def probe_launch_order(view, *, deterministic: bool, device: torch.device) -> tu
     strides = (hq * dqk, dqk, hkv * dqk, dqk, hkv * dv, dv, 0, 0, 0)  # THD q, k, v
     compiled(
         *(unread,) * 9, out.data_ptr(), *prep.pointers,
-        g.total_q, g.total_k, hq, hkv, prep.mask_heads, prep.k_rows, prep.partial_nnz, prep.full_nnz,
+        g.total_q, g.total_k, hq, hkv, hkv, prep.mask_heads, prep.k_rows, prep.partial_nnz, prep.full_nnz,
         prep.batch, prep.n_qblk, prep.varlen, 1, *strides, 1.0, torch_stream(device),
     )  # fmt: skip
     group, staggered = out.tolist()

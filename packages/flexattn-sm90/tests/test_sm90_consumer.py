@@ -391,3 +391,20 @@ def test_softmax_scales_past_fp32_are_refused_where_nothing_is_visible(monkeypat
         fwd_launch.run_forward(fwd, q, k, v, softmax_scale=1e39, return_max_logit=False)
     with pytest.raises(InputValueError, match=refused):
         bwd_launch.run_backward(bwd, q, k, v, out, lse, out, None, softmax_scale=1e39)
+
+
+@pytest.mark.parametrize(
+    "items,q_per_kv,split",
+    [
+        (128, 32, 8),  # MQA 32/1, B=2 S=8192: 128 (K row, kv head) items for 132 SMs -> 1024
+        (256, 16, 4),  # GQA 32/2
+        (1024, 4, 1),  # GQA 32/8: enough items already
+        (10, 6, 2),  # the parts must divide the q heads: 6 -> 2 x 3, not 4
+        (10, 1, 1),  # MHA: nothing to split
+    ],
+)
+def test_kv_head_split(items, q_per_kv, split):
+    """How many items the backward splits each kv head's q heads into (132 SMs, an H100's)."""
+    from flexattn_sm90.bwd_launch_order import kv_head_split
+
+    assert kv_head_split(items, q_per_kv, 132) == split

@@ -4,6 +4,10 @@ Persistent: one CTA per SM takes work items, (K plan row = K block of ``tile_n``
 from a ticket counter (``consumer_k2q.take_ticket``) until none is left. Per item it loads the
 K/V tile once and accumulates dK/dV in registers over every Q head of its kv head (GQA needs no
 later reduction), while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM.
+Where the (K row, kv head) items are too few for the GPU (MQA, high GQA ratios:
+``bwd_launch_order.kv_head_split``), each kv head's Q heads are split over several items, each a kv
+head of its own but for its K / V (``Items.kv_split``), and their dK / dV parts are summed after
+the kernel (``consumer_launch.launch_backward``).
 384 threads::
 
     warp 0 (WG0)      producer: takes the tickets and hands them to the other roles (a 2-stage
@@ -144,7 +148,9 @@ class Items(NamedTuple):
     decoded item through ``pipe`` (``sWork``: ``(1 + len(ITEM_FIELDS) + 1, stages)``, valid flag,
     :data:`ITEM_FIELDS`, ``q_len``)."""
 
-    q_per_kv: Int32
+    q_per_kv: Int32  # q heads per item's kv head
+    kv_heads: Int32  # the items' kv heads (dK's): Hkv x kv_split
+    kv_split: Int32  # items per (K row, kv head) of K / V (consumer_launch.launch_backward)
     mask_heads: Int32
     pipe: object
     sWork: cute.Tensor
@@ -355,7 +361,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
             )
         # the ticket counter: the int32 after the turnstiles (BwdHostEntry), zeroed by the preprocess
         counter = ticket_counter(mdQsem)
-        num_items = launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]))[0]
+        num_items = launch_grid(cute.size(plan.k_row_batch), cute.size(mdK, mode=[1]))[0]
         self.kernel(
             tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             mdK, mdV, mLSE, mDsum, mdQaccum, mdQsem, counter, plan,
@@ -487,8 +493,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
         s["sdV"] = cute.make_tensor(
             cute.recast_ptr(dv_ptr, sV_layout.inner, dtype=self.dtype), sV_layout.outer
         )
-        kv_heads = mK.shape[2]
-        items = Items(mQ.shape[2] // kv_heads, plan.mask_block_cnt.shape[0], pipes[-1], s["sWork"])
+        kv_heads = mdK.shape[1]  # a split kv head's items are kv heads of their own but for K / V
+        items = Items(
+            mQ.shape[2] // kv_heads, kv_heads, kv_heads // mK.shape[2], plan.mask_block_cnt.shape[0],
+            pipes[-1], s["sWork"],
+        )  # fmt: skip
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -572,7 +581,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
         mask_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.mask_stages)
         bulk_i32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Int32)
         bulk_f32 = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        kv_heads = mK.shape[2]
+        kv_heads = items.kv_heads
         num_items = launch_grid(cute.size(plan.k_row_batch), kv_heads)[0]
         item = Int32(0)
         ticket = take_ticket(counter, lane)
@@ -588,8 +597,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
                 (tma_k, mK, s["sK"], self.head_dim_qk),
                 (tma_v, mV, s["sV"], self.head_dim_v),
             ):
+                kv_head = work.kv_head // items.kv_split
                 g_kv = cute.local_tile(
-                    self.sample_rows(m_kv[None, None, work.kv_head], work.batch, work.k_offset),
+                    self.sample_rows(m_kv[None, None, kv_head], work.batch, work.k_offset),
                     (tn, d_kv),
                     (work.n_block, 0),
                 )

@@ -16,6 +16,8 @@ still fits L2 and all heads at a time measured 3-5% faster on documents (session
 128) on it does not, and those rows take ``SPARSE_HEAD_CAP`` heads (``launch_head_group``).
 
 Deterministic mode: :meth:`LaunchOrder.launch_head_group`.
+
+How many items a K block makes per kv head: :func:`kv_head_split`.
 """
 
 import cutlass
@@ -29,6 +31,23 @@ from maskplan_kernels.consumer_k2q import (
     view_row_fill,
 )
 from maskplan_kernels.consumer_plan import BwdPlanTensors
+
+#: (K row, kv head) items per SM below which :func:`kv_head_split` splits each kv head's q heads
+MIN_ITEMS_PER_SM = 6
+
+
+def kv_head_split(items: int, q_per_kv: int, sms: int) -> int:
+    """Into how many items (``consumer_launch.launch_backward``'s ``kv_split``) the backward splits
+    each (K row, kv head) item's ``q_per_kv`` q heads: doubled while there are fewer than
+    ``MIN_ITEMS_PER_SM`` items per SM and the parts still divide ``q_per_kv``. An item walks its
+    K row once per q head, so with few kv heads a handful of long items sets the kernel's length:
+    MQA (Hq = 32, Hkv = 1) at S = 8192, B = 2 made 128 items for 132 SMs, the longest causal K rows
+    twice the mean, and ran fwd+bwd at 0.63x cuDNN (H100, benchmarks/RESULTS.md, session 57). A
+    part costs a dK and a dV of its own (``(total_k, Hkv, D)``, written, then read by the sum)."""
+    split = 1
+    while items * split < MIN_ITEMS_PER_SM * sms and q_per_kv % (2 * split) == 0:
+        split *= 2
+    return split
 
 
 class LaunchOrder:

@@ -338,7 +338,9 @@ class BwdHostEntry(ThdHostEntry):
     :meth:`io_head_dims`. A ``persistent`` kernel (one whose CTAs take (K row, kv head) items
     from :func:`maskplan_kernels.consumer_k2q.take_ticket`) also takes ``max_ctas`` (its grid is
     at most that) after ``plan``, and its ticket counter is the int32 after the turnstiles (the
-    preprocess zeroes both).
+    preprocess zeroes both). ``mdK`` / ``mdV`` have ``dkv_heads`` heads: Hkv, or, for a kernel whose
+    items split each kv head's q heads (``BackwardCompiler.kv_head_split``), one per item of a K
+    block, holding that item's part of dK / dV.
     """
 
     #: the kernel class takes ``max_ctas`` (see above)
@@ -351,8 +353,8 @@ class BwdHostEntry(ThdHostEntry):
         k: cute.Pointer,  # (total_k, Hkv, Dqk)
         v: cute.Pointer,  # (total_k, Hkv, Dv)
         dout: cute.Pointer,  # (total_q, Hq, Dv)  contiguous
-        dk: cute.Pointer,  # (total_k, Hkv, Dqk)  output, input dtype
-        dv: cute.Pointer,  # (total_k, Hkv, Dv)  output
+        dk: cute.Pointer,  # (total_k, dkv_heads, Dqk)  output, input dtype
+        dv: cute.Pointer,  # (total_k, dkv_heads, Dv)  output
         lse_log2: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)  from the preprocess
         dsum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m)
         dq_accum: cute.Pointer,  # fp32 (Hq, n_qblk * tile_m * Dqk), zeroed by the preprocess
@@ -373,6 +375,7 @@ class BwdHostEntry(ThdHostEntry):
         total_k: Int32,
         num_heads_q: Int32,
         num_heads_kv: Int32,
+        dkv_heads: Int32,  # Hkv, or Hkv x a split of each kv head's q heads (launch_backward's kv_split)
         mask_heads: Int32,
         k_rows: Int32,
         partial_nnz: Int32,
@@ -426,8 +429,8 @@ class BwdHostEntry(ThdHostEntry):
                                       v_head_stride, q_batch_stride, k_batch_stride, v_batch_stride),
             ),  # fmt: skip
             thd_tensor(dout, total_q, num_heads_q, dv_),
-            thd_tensor(dk, total_k, num_heads_kv, dqk),
-            thd_tensor(dv, total_k, num_heads_kv, dv_),
+            thd_tensor(dk, total_k, dkv_heads, dqk),
+            thd_tensor(dv, total_k, dkv_heads, dv_),
             row_major(lse_log2, num_heads_q, n_qblk * self.tile_m),
             row_major(dsum, num_heads_q, n_qblk * self.tile_m),
             row_major(dq_accum, num_heads_q, n_qblk * (self.tile_m * self.head_dim_qk)),  # the tiles' D

@@ -36,13 +36,13 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32
 
-from maskplan_core.consumer import KERNEL_DTYPE_NAMES, capturing
+from maskplan_core.consumer import KERNEL_DTYPE_NAMES, capturing, cuda_index
 from maskplan_core.plan import PlanView
 from maskplan_core.plan_ready import wait_ready
 
 from . import compile_cache
 from ._cute_args import torch_stream
-from ._launch import persistent_ctas
+from ._launch import persistent_ctas, sm_count
 from .consumer_bwd_preprocess import BwdPreprocess
 from .consumer_inputs import (
     ALIGN,
@@ -335,7 +335,7 @@ def bwd_placeholders(kind: str, dtype, *, with_dlse: bool = False) -> list:
             i32, i32, i32, gmem_ptr(Int32, align=ALIGN),  # mask_block_cnt/offset/idx/masks
             i32, i32, i32, i32, i32,  # full_block_cnt/offset/idx, dq_write_order(_full)
             i32, i32, i32,  # sequence_desc, k_row_batch, q_block_begin
-            *(Int32(1) for _ in range(12)),  # ... varlen, max_ctas
+            *(Int32(1) for _ in range(13)),  # total_q ... varlen, max_ctas
             *qkv_stride_placeholders(), Float32(1.0), stream,
         ]  # fmt: skip
     return [
@@ -480,15 +480,28 @@ def backward_io(
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv, per_sample, strides)
 
 
-def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float) -> None:
+def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float, kv_split: int = 1) -> None:
     """Allocate the workspace (fp32 LSE2 / D ``(Hq, n_qblk * tile_m)``, fp32 dQ accumulator
     ``(Hq, n_qblk * tile_m * Dqk)`` with ``config``'s ``tile_m`` and ``head_dim_qk``, int32
     turnstiles ``(Hq, n_qblk)`` and a persistent main kernel's ticket counter after them, all
     zeroed or written by the preprocess) and run ``compiled["pre"]``, ``["main"]`` and ``["post"]``
     on the current stream. The four parts are one allocation, each at
     a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
-    four is host time saved on every call)."""
+    four is host time saved on every call).
+
+    ``kv_split > 1``: the main kernel's items split each kv head's q heads into ``kv_split`` parts,
+    and each part's dK / dV goes to its own head ``hk * kv_split + j`` of a ``(total_k, Hkv *
+    kv_split, D)`` tensor in q's dtype, summed into ``dk`` / ``dv`` afterwards (accumulated in
+    fp32, in a fixed order: deterministic)::
+
+        q heads of kv head hk:   hk*G .. hk*G + G/s - 1 | ... | hk*G + G - G/s .. hk*G + G - 1
+        items (K row, head):     (r, hk*s + 0)            ...   (r, hk*s + s - 1)
+    """
     g, prep, device = io.view.geometry, io.prep, io.q.device
+    dkv_heads = g.num_heads_kv * kv_split
+    dk, dv = io.dk, io.dv
+    if kv_split > 1:
+        dk, dv = (x.new_empty((g.total_k, dkv_heads, x.shape[-1])) for x in (io.dk, io.dv))
     hq, rows = g.num_heads_q, prep.n_qblk * config.tile_m
     offsets, size = [], 0
     for elements in (hq * rows, hq * rows, hq * rows * config.head_dim_qk, hq * prep.n_qblk + 1):  # 4-byte
@@ -506,13 +519,16 @@ def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float
         *workspace, seq_ptr, qbb_ptr, *sizes, stream,
     )  # fmt: skip
     compiled["main"](
-        *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, io.dk, io.dv)), *workspace, *prep.pointers,
-        g.total_q, g.total_k, hq, g.num_heads_kv, prep.mask_heads, prep.k_rows,
+        *(x.data_ptr() for x in (io.q, io.k, io.v, io.dout, dk, dv)), *workspace, *prep.pointers,
+        g.total_q, g.total_k, hq, g.num_heads_kv, dkv_heads, prep.mask_heads, prep.k_rows,
         prep.partial_nnz, prep.full_nnz, prep.batch, prep.n_qblk, prep.varlen,
-        persistent_ctas(device, prep.k_rows * g.num_heads_kv), *io.strides,
+        persistent_ctas(device, prep.k_rows * dkv_heads), *io.strides,
         softmax_scale, stream,
     )  # fmt: skip
     compiled["post"](*workspace[2:], io.dq.data_ptr(), seq_ptr, qbb_ptr, *sizes, softmax_scale, stream)
+    if kv_split > 1:
+        for parts, grad in ((dk, io.dk), (dv, io.dv)):
+            torch.sum(parts.view(g.total_k, g.num_heads_kv, kv_split, -1), dim=2, out=grad)
 
 
 # -- backward compile -----------------------------------------------------------------------------
@@ -556,6 +572,10 @@ class BackwardCompiler:
     #: ``(Dqk, Dv)`` of the THD tensors a config's kernels take (narrower than its head dims where
     #: the kernels zero-fill the rest of their tiles); default: the config's head dims
     io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
+    #: ``(items, q_per_kv, sms) -> parts``: into how many items the consumer's main kernel splits
+    #: each kv head's q heads, from its ``items`` (K rows x kv heads), the GQA ratio and the GPU's
+    #: SM count (:func:`launch_backward`'s ``kv_split``); default: never (1)
+    kv_head_split: Callable[[int, int, int], int] = lambda items, q_per_kv, sms: 1
     #: the granule of a config's main kernel that takes q, k, v rows per sample
     #: (``main_kernel(config, ..., per_sample=True)``; ``ThdHostEntry.row_granule``),
     #: or None where the consumer has none (such q, k, v are copied: :func:`qkv_operands`)
@@ -652,7 +672,10 @@ class BackwardCompiler:
                 config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample,
                 sparse_rows=io.prep.sparse_rows,
             )  # fmt: skip
-            launch_backward(compiled, io, config, softmax_scale)
+            g = view.geometry
+            items, sms = io.prep.k_rows * g.num_heads_kv, sm_count(cuda_index(q.device))
+            split = self.kv_head_split(items, g.num_heads_q // g.num_heads_kv, sms)
+            launch_backward(compiled, io, config, softmax_scale, kv_split=split)
         return io.grads
 
     def compile_backward(
