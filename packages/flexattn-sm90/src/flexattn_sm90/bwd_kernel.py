@@ -2,12 +2,13 @@
 
 Persistent: one CTA per SM takes work items, (K plan row = K block of ``tile_n`` keys, kv head),
 from a ticket counter (``consumer_k2q.take_ticket``) until none is left. Per item it loads the
-K/V tile once and accumulates dK/dV in registers over every Q head of its kv head (GQA needs no
-later reduction), while each visited Q block's dQ contribution goes to an fp32 accumulator in GMEM.
-Where the (K row, kv head) items are too few for the GPU (MQA, high GQA ratios:
-``bwd_launch_order.kv_head_split``), each kv head's Q heads are split over several items, each a kv
-head of its own but for its K / V (``Items.kv_split``), and their dK / dV parts are summed after
-the kernel (``consumer_launch.launch_backward``).
+K/V tile once and accumulates dK/dV in registers over the Q heads of its kv head, while each
+visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. Where the (K row, kv head)
+items are too few for the GPU (MQA, high GQA ratios: ``bwd_launch_order.kv_head_split``), each kv
+head's ``G`` Q heads are split over ``s`` items: item kv head ``hk * s + j`` (a kv head of its own
+for the kernel, of ``Hkv * s``, but for its K / V: ``Items.kv_split``) takes Q heads ``hk * G + j *
+G / s ..`` and writes its part of dK / dV at its own head, which ``consumer_launch.launch_backward``
+sums after the kernel. Without a split (``s = 1``) GQA needs no later reduction.
 384 threads::
 
     warp 0 (WG0)      producer: takes the tickets and hands them to the other roles (a 2-stage
@@ -49,9 +50,10 @@ exactly the ownership ``WgmmaAccumulatorLayout(tile_m, tile_n, 2, transposed=Tru
 ``transposed=False``, S's. Either way the packed predicate's bit ``e`` guards accumulator register
 ``e`` of each thread.
 
-Per item ``(r, hk)`` with ``b = k_row_batch[r]``, ``n = r - sequence_desc[b].row_begin``::
+Per item ``(r, hk)`` (``hk`` of ``Hkv * s`` item kv heads) with ``b = k_row_batch[r]``,
+``n = r - sequence_desc[b].row_begin``::
 
-    for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv
+    for hq in hk * G .. hk * G + G - 1:                   # G = Hq / (Hkv * s)
         h = hq if Hmask > 1 else 0
         # the partial and the full list of (h, r), merged by DESCENDING Q block (walk_descending)
         for e in partial entries:  m = mask_block_idx[e]
@@ -78,7 +80,7 @@ entry has rank ``k`` waits until the count is ``k``, stores or adds, waits for t
 complete and increments it: every run adds the contributions in ``dq_write_order`` (ascending K
 block). Atomic mode with ``first_dq_stored``: the other ranks wait only for a count of 1, then
 add in any order; without it the preprocess zeroes the accumulator and every rank adds at once.
-Waiting only on lower K blocks of the same (sample, kv head), i.e. on lower tickets
+Waiting only on lower K blocks of the same (sample, item kv head), i.e. on lower tickets
 (``consumer_k2q.grouped_launch_slot``), which running CTAs hold (every ticket comes from the
 counter), a writer cannot deadlock.
 Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block
@@ -593,11 +595,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
                            Int32(1), lane)  # fmt: skip
             # K and V of this block, once (also for an item without steps, rare: one wait per item)
             kv_copies = []
+            kv_head = work.kv_head // items.kv_split
             for kv_atom, m_kv, s_kv, d_kv in (
                 (tma_k, mK, s["sK"], self.head_dim_qk),
                 (tma_v, mV, s["sV"], self.head_dim_v),
             ):
-                kv_head = work.kv_head // items.kv_split
                 g_kv = cute.local_tile(
                     self.sample_rows(m_kv[None, None, kv_head], work.batch, work.k_offset),
                     (tn, d_kv),

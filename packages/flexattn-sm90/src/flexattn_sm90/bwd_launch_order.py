@@ -1,6 +1,7 @@
 """The SM90 backward's launch order: which kv heads its item order takes at a time.
 
-Item order (tickets ``0 .. Hkv x K rows - 1``, ``consumer_k2q.grouped_launch_slot``)::
+Item order (tickets ``0 .. Hkv x s x K rows - 1`` for ``s`` items per K row and kv head,
+:func:`kv_head_split`; ``consumer_k2q.grouped_launch_slot``; "heads" below are the items' kv heads)::
 
     ATOMIC_HEAD_GROUP = 2:  (row 0, h0) (row 0, h1) (row 1, h0) (row 1, h1) ... (row 0, h2) ...
 

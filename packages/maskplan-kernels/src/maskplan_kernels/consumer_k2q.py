@@ -4,7 +4,8 @@ A CTA (or a persistent kernel's item, from :func:`take_ticket`) owns one K block
 (:func:`decode_work`), in the launch order of :func:`grouped_launch_slot`, taking a number of kv
 heads at a time that the K2Q row fill decides (:func:`k2q_row_fill`, :func:`atomic_head_group`; SM90
 also :func:`staggered_row_ends`). For each of the ``G = Hq / Hkv`` q heads sharing the kv head
-(:func:`head_range`)::
+(:func:`head_range`; a kernel that splits each kv head's q heads over ``s`` items,
+``consumer_launch.launch_backward``, passes the items' ``Hkv * s`` kv heads and ``G / s``)::
 
     h = q_head if Hmask > 1 else 0
     partial Q blocks: mask_block_idx[mask_block_offset[h, row] + [0, mask_block_cnt[h, row])]
@@ -43,7 +44,7 @@ class Work(NamedTuple):
     k_offset: Int32
     k_valid: Int32  # keys of this block inside the sample
     qblk_base: Int32  # global Q block of the sample's block 0
-    q_per_kv: Int32  # G = Hq / Hkv
+    q_per_kv: Int32  # G = Hq / Hkv (of the items' kv heads)
     mask_heads: Int32
     split: Int32  # which of the ``splits`` CTAs of the K block (0 without a split)
     batch: Int32  # the sample
@@ -132,7 +133,7 @@ def decode_work(
     splits: cutlass.Constexpr[int] = 1,
     ticket: Int32 | None = None,
 ) -> Work:
-    """The CTA's K block from its block index ``x`` in a 1-D grid of ``splits * Hkv * K rows`` CTAs
+    """The CTA's K block from its block index ``x`` in a 1-D grid of ``splits * kv_heads * K rows`` CTAs
     (:func:`launch_grid`), or from ``ticket`` (:func:`take_ticket`) in a persistent kernel: launch
     slot ``x // splits`` is ``(K row, kv head)`` in the order of :func:`grouped_launch_slot`, taking
     ``head_group`` kv heads at a time (ascending K rows per head, so the writers of a Q block run

@@ -480,7 +480,14 @@ def backward_io(
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv, per_sample, strides)
 
 
-def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float, kv_split: int = 1) -> None:
+def no_kv_head_split(items: int, q_per_kv: int, sms: int) -> int:
+    """A consumer whose main kernel does not split kv heads' q heads (:func:`launch_backward`)."""
+    return 1
+
+
+def launch_backward(
+    compiled: dict, io: BackwardIO, config, softmax_scale: float, kv_head_split: Callable = no_kv_head_split
+) -> None:
     """Allocate the workspace (fp32 LSE2 / D ``(Hq, n_qblk * tile_m)``, fp32 dQ accumulator
     ``(Hq, n_qblk * tile_m * Dqk)`` with ``config``'s ``tile_m`` and ``head_dim_qk``, int32
     turnstiles ``(Hq, n_qblk)`` and a persistent main kernel's ticket counter after them, all
@@ -489,15 +496,19 @@ def launch_backward(compiled: dict, io: BackwardIO, config, softmax_scale: float
     a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
     four is host time saved on every call).
 
-    ``kv_split > 1``: the main kernel's items split each kv head's q heads into ``kv_split`` parts,
-    and each part's dK / dV goes to its own head ``hk * kv_split + j`` of a ``(total_k, Hkv *
-    kv_split, D)`` tensor in q's dtype, summed into ``dk`` / ``dv`` afterwards (accumulated in
-    fp32, in a fixed order: deterministic)::
+    ``kv_head_split(items, q_per_kv, sms)`` (the consumer's :attr:`BackwardCompiler.kv_head_split`)
+    gives ``s = kv_split``; where it is above 1 the main kernel's items split each kv head's q heads
+    into ``s`` parts, and each part's dK / dV goes to its own head ``hk * s + j`` of a
+    ``(total_k, Hkv * s, D)`` tensor in q's dtype (each part rounded to it, as FlashAttention-2's
+    GQA backward does), summed into ``dk`` / ``dv`` afterwards (accumulated in fp32, in a fixed
+    order: deterministic)::
 
         q heads of kv head hk:   hk*G .. hk*G + G/s - 1 | ... | hk*G + G - G/s .. hk*G + G - 1
         items (K row, head):     (r, hk*s + 0)            ...   (r, hk*s + s - 1)
     """
     g, prep, device = io.view.geometry, io.prep, io.q.device
+    items, q_per_kv = prep.k_rows * g.num_heads_kv, g.num_heads_q // g.num_heads_kv
+    kv_split = kv_head_split(items, q_per_kv, sm_count(cuda_index(device)))
     dkv_heads = g.num_heads_kv * kv_split
     dk, dv = io.dk, io.dv
     if kv_split > 1:
@@ -575,7 +586,7 @@ class BackwardCompiler:
     #: ``(items, q_per_kv, sms) -> parts``: into how many items the consumer's main kernel splits
     #: each kv head's q heads, from its ``items`` (K rows x kv heads), the GQA ratio and the GPU's
     #: SM count (:func:`launch_backward`'s ``kv_split``); default: never (1)
-    kv_head_split: Callable[[int, int, int], int] = lambda items, q_per_kv, sms: 1
+    kv_head_split: Callable[[int, int, int], int] = no_kv_head_split
     #: the granule of a config's main kernel that takes q, k, v rows per sample
     #: (``main_kernel(config, ..., per_sample=True)``; ``ThdHostEntry.row_granule``),
     #: or None where the consumer has none (such q, k, v are copied: :func:`qkv_operands`)
@@ -658,8 +669,10 @@ class BackwardCompiler:
 
         ``deterministic=True`` applies each Q block's dQ contributions in the plan's
         ``dq_write_order`` (bit-identical results run to run); dK/dV are always deterministic (one
-        CTA owns each K block and kv head). ``dq/dk/dv`` may be given (contiguous, of the output
-        shapes and q's dtype) to be written in place; every element of them is written.
+        CTA owns each K block and item kv head, and :func:`launch_backward` sums split parts in a
+        fixed order; the split follows the GPU's SM count, so another GPU may round them
+        otherwise). ``dq/dk/dv`` may be given (contiguous, of the output shapes and q's dtype) to
+        be written in place; every element of them is written.
         """
         config = self.config_for_view(view)
         softmax_scale = fp32_softmax_scale(softmax_scale)  # refused even where no kernel runs
@@ -672,10 +685,7 @@ class BackwardCompiler:
                 config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample,
                 sparse_rows=io.prep.sparse_rows,
             )  # fmt: skip
-            g = view.geometry
-            items, sms = io.prep.k_rows * g.num_heads_kv, sm_count(cuda_index(q.device))
-            split = self.kv_head_split(items, g.num_heads_q // g.num_heads_kv, sms)
-            launch_backward(compiled, io, config, softmax_scale, kv_split=split)
+            launch_backward(compiled, io, config, softmax_scale, self.kv_head_split)
         return io.grads
 
     def compile_backward(
@@ -721,6 +731,7 @@ __all__ = [
     "int32_tensor",
     "kernel_dims",
     "launch_backward",
+    "no_kv_head_split",
     "plan_pointers",
     "qkv_stride_placeholders",
     "sequence_desc_source",
