@@ -124,7 +124,7 @@ def test_a_planner_refuses_a_mask_its_geometry_was_not_validated_from():
         build_plan(mask, on_cuda, fwd, None, "test")
     per_head = causal(hmask=HQ)
     packed = config("forward", pack_gqa=True)
-    with pytest.raises(UnsupportedConfigError, match="Hmask=4, PackGQA needs Hmask=1"):
+    with pytest.raises(UnsupportedConfigError, match=r"Hmask=4, PackGQA needs Hmask=1.*mask_func\[:1\]"):
         build_plan(per_head, validate_plan_inputs(per_head, q, k, v), packed, None, "test")
     assert build_plan(mask, geometry, packed, None, "test").view("forward").fwd_work_desc.shape[0] > 0
 
@@ -376,6 +376,9 @@ def test_bhsd_tensors_whose_mask_fits_draw_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         validate_plan_inputs(causal(total_q=B * 256, sq=256, sk=256), q, k, v)
+        # MQA with more q heads than positions: k's one head rules the transposed reading out
+        q, k, v = fixed_qkv(sq=100, sk=100, hq=128, hkv=1)
+        validate_plan_inputs(causal(total_q=B * 100, sq=100, sk=100), q, k, v)
 
 
 def test_a_bad_q_dtype_names_q():
@@ -540,6 +543,28 @@ def test_a_mask_built_for_other_key_lengths_is_refused(builder, make, how):
         plan(endpoints, *fixed_qkv(b=2, sq=64, sk=48))
     assert ".clone()" not in str(fewer.value)
     plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
+
+
+@pytest.mark.parametrize(
+    "builder, make",
+    [
+        ("masks.from_mask_mod", lambda m, heads: m.from_mask_mod(_tril, 2, heads, 64, 64)),
+        ("masks.from_block_mask", lambda m, heads: m.from_block_mask(_causal_block_mask(2, 64), heads=heads)),
+    ],
+)
+def test_a_mask_mod_evaluated_for_other_heads_is_refused(builder, make):
+    """A mask_mod's head index is a q head's (torch's): evaluated for the kv heads (H = 2) it never
+    saw q heads 2-3, even where heads 0-1 agree and the endpoints keep one mask for every head
+    (Hmask = 1), so planning it for 4 q heads is refused with the H to pass; H = 1 and H = Hq plan."""
+    from maskplan_core import masks
+
+    endpoints = make(masks, HKV)
+    assert endpoints.shape[0] == 1
+    with expect(InputValueError, ValueError, f"built by {builder} for {HKV} heads", f"q has {HQ}",
+                f"H={HQ}, or H=1"):  # fmt: skip
+        plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
+    for heads in (1, HQ):
+        plan(make(masks, heads), *fixed_qkv(b=2, sq=64, sk=64))
 
 
 def test_the_key_record_follows_each_varlen_sample():

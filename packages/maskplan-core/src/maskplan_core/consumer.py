@@ -357,8 +357,10 @@ def require_shared_mask_for_pack_gqa(request: ViewRequest | PlanGeometry) -> Non
     """PackGQA puts the q heads of a kv head in one tile's rows, so they must share the mask."""
     if request.mask_heads != 1:
         raise UnsupportedConfigError(
-            f"pack_gqa=True packs the q heads of a kv head into one tile, so they must share "
-            f"the mask: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1"
+            f"pack_gqa=True packs the q heads of a kv head into one tile, which takes one mask for "
+            f"all heads: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1. If its heads "
+            "all hold the same mask (masks.from_dense keeps equal heads apart), pass mask_func[:1]; "
+            "else use pack_gqa=False"
         )
 
 

@@ -6,7 +6,8 @@ of 128, and read as that sample, its rows 64-127 would see keys counted from 64 
 early; ``causal(64)`` planned with 128 keys hides keys 64-127 where ``causal(64, 128)`` shows them.
 So the builders (``maskplan_core.masks``) record the query rows and keys of the samples they
 returned, weakly by identity, and :func:`check_samples` refuses plan inputs of other samples, as
-torch refuses a ``BlockMask`` made for other lengths. Samples of no query rows hold no endpoints
+torch refuses a ``BlockMask`` made for other lengths. The mask_mod builders also record the heads
+they evaluated it for, which :func:`check_heads` holds against q's. Samples of no query rows hold no endpoints
 and do not count. A tensor made from a builder's output (``torch.cat``, slicing, ``.to()`` another
 device or dtype), one written in place since (a reused buffer), or one made under
 ``torch.inference_mode`` (no version counter to tell) has no record and is taken as it is.
@@ -26,14 +27,16 @@ from .errors import InputValueError
 @dataclass(frozen=True)
 class Built:
     """What a builder made its endpoints for: its name, its samples' query rows and keys (the
-    samples with rows), and how to make it for other rows or keys (``rows_hint``, ``keys_hint``:
-    the builder's own arguments, said in the refusal)."""
+    samples with rows), how to make it for other rows or keys (``rows_hint``, ``keys_hint``:
+    the builder's own arguments, said in the refusal) and the heads it evaluated a mask_mod for
+    (``heads``: 1 where it stands for every head)."""
 
     builder: str
     rows: tuple[int, ...]
     keys: tuple[int, ...]
     rows_hint: str = ""
     keys_hint: str = ""
+    heads: int = 1
 
 
 #: id(endpoints) -> (a weak reference to them, their version counter when recorded, what they were
@@ -50,16 +53,41 @@ def record_samples(
     *,
     rows_hint: str = "",
     keys_hint: str,
+    heads: int = 1,
 ) -> torch.Tensor:
     """``endpoints``, recorded as ``builder``'s for samples of ``q_lens`` query rows and ``k_lens``
     keys; ``keys_hint`` says how the builder takes other key lengths, ``rows_hint`` anything the
-    refusal of other query rows should add."""
+    refusal of other query rows should add, ``heads`` how many heads it evaluated a mask_mod for
+    (:func:`check_heads`)."""
     if not endpoints.is_inference():
         key = id(endpoints)
         gone = lambda ref: _SAMPLES.pop(key, None) if _SAMPLES.get(key, (None,))[0] is ref else None  # noqa: E731
-        built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint)
+        built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint, heads)
         _SAMPLES[key] = (weakref.ref(endpoints, gone), endpoints._version, built)
     return endpoints
+
+
+def _recorded(mask_func: torch.Tensor) -> Built | None:
+    """What a builder recorded ``mask_func`` for, while it is that builder's output unchanged."""
+    ref, version, built = _SAMPLES.get(id(mask_func), (None, 0, None))
+    if ref is None or ref() is not mask_func or mask_func._version != version:
+        return None
+    return built
+
+
+def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
+    """Refuse ``mask_func`` where a builder evaluated its mask_mod for a number of heads other
+    than 1 and q's (``H = Hkv``, say). A mask_mod's head index is a q head's, as in torch, so q's
+    other heads were never evaluated, even where the evaluated ones agreed and the result kept one
+    mask for every head (``Hmask = 1``)."""
+    built = _recorded(mask_func)
+    if built is None or built.heads in (1, num_heads_q):
+        return
+    raise InputValueError(
+        f"mask_func was built by {built.builder} for {built.heads} heads, but q has {num_heads_q}: a "
+        f"mask_mod's head index is a q head's (as in torch's create_block_mask), so build it for "
+        f"H={num_heads_q}, or H=1 where the mask does not depend on the head"
+    )
 
 
 def _with_rows(q_lens: Sequence[int], k_lens: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -82,8 +110,8 @@ def check_samples(
     with query rows). ``lens``: a zero-argument callable giving the per-sample query rows and keys,
     or None where the prefixes break a rule of the planner's prefix check (which then names it);
     only called for a recorded mask, so a varlen batch reads its ``cu_seqlens`` back only then."""
-    ref, version, built = _SAMPLES.get(id(mask_func), (None, 0, None))
-    if ref is None or ref() is not mask_func or mask_func._version != version:
+    built = _recorded(mask_func)
+    if built is None:
         return
     given = lens()
     if given is None:

@@ -13,7 +13,7 @@ import numbers
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .endpoint_samples import check_samples
+from .endpoint_samples import check_heads, check_samples
 from .error_flags import broken_prefix_rule, sample_lengths
 from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
@@ -22,7 +22,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 #: endpoints, sequence lengths and prefixes are int32 in the plan ABI
 MAX_SEQLEN = 2**31 - 1
 REFERENCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: from this many heads on, more heads than positions (fixed layout) draws a BHSD warning
+#: from this many heads on, more heads than positions (fixed layout) draws a BHSD warning, where k
+#: (whose heads would then be its positions) has more heads than positions too
 BHSD_SUSPECT_HEADS = 128
 
 
@@ -376,12 +377,14 @@ def validate_plan_inputs(
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
+    check_heads(mask_func, hq)
     if varlen:
         lens = functools.partial(_varlen_samples, cu_q, cu_k, (total_q, total_k), (max_q, max_k))
         check_samples(mask_func, lens)
     else:
         check_samples(mask_func, lambda: ([max_q] * batch, [max_k] * batch))
-    if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k):
+    hkv = k.shape[-2]
+    if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k) and hkv > max_k:
         warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "
             "[B, S, H, D]; a [B, H, S, D] tensor shows up as many heads and few positions. If that is "
@@ -395,7 +398,7 @@ def validate_plan_inputs(
         total_q=total_q,
         total_k=total_k,
         num_heads_q=hq,
-        num_heads_kv=k.shape[-2],
+        num_heads_kv=hkv,
         head_dim_qk=q.shape[-1],
         head_dim_v=v.shape[-1],
         mask_heads=hmask,

@@ -225,7 +225,9 @@ def from_mask_mod(
     per element, the mask_mod is evaluated eagerly, and the plan makes its own block lists). ``B`` cannot
     be None.
     The result is refused for q or k of other lengths than ``Sq`` and ``Sk``, as torch refuses a
-    block mask made for another ``Q_LEN`` or ``KV_LEN`` (:mod:`maskplan_core.endpoint_samples`).
+    block mask made for another ``Q_LEN`` or ``KV_LEN`` (:mod:`maskplan_core.endpoint_samples`),
+    and for q of other than ``H`` heads where ``H > 1``: ``h`` is a q head's index, as in torch, so
+    a mask_mod evaluated for the kv heads never saw the others, even where the result kept one mask.
     """
     if not callable(mask_mod):
         raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
@@ -250,8 +252,9 @@ def from_mask_mod(
         parts += [_encode(rows) for rows in chunks]
     keys_hint = "build it for k's lengths: from_mask_mod's Sk (KV_LEN)"
     return record_samples(
-        _join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint
-    )
+        _join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint,
+        heads=H,
+    )  # fmt: skip
 
 
 def _torch_name(name: str, value, torch_name: str, torch_value):
@@ -342,7 +345,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
             raise _blocks_differ(b, int(differs.nonzero()[0, 0]), blocks.shape[:2], heads)
     keys_hint = "build it for k's lengths: the block mask's KV_LEN (create_block_mask)"
     lens = [shape[1]] * batch, [shape[2]] * batch
-    return record_samples(_join_samples(parts, heads), "masks.from_block_mask", *lens, keys_hint=keys_hint)
+    return record_samples(
+        _join_samples(parts, heads), "masks.from_block_mask", *lens, keys_hint=keys_hint, heads=heads
+    )
 
 
 def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> InputValueError:
