@@ -567,6 +567,28 @@ def test_a_mask_mod_evaluated_for_other_heads_is_refused(builder, make):
         plan(make(masks, heads), *fixed_qkv(b=2, sq=64, sk=64))
 
 
+def test_a_recorded_mask_of_other_rows_names_its_samples_and_builder():
+    """A row count that is not q's is refused before the sample check; where a builder recorded the
+    mask, the refusal names what it was built for and that builder's own way to q's samples (not
+    the generic hints, which name other builders' arguments)."""
+    from maskplan_core import masks
+
+    with expect(InputValueError, ValueError, "built by masks.document for 1 sample of 64 rows",
+                "one list of document lengths per sample"):  # fmt: skip
+        plan(masks.document([32, 32]), *fixed_qkv(b=2, sq=64, sk=64))
+    with expect(InputValueError, ValueError, "built by masks.document for 1 sample of 60 rows"):
+        plan(masks.document([30, 30]), *fixed_qkv(b=1, sq=64, sk=64))
+    with expect(InputValueError, ValueError, "built by masks.document_ids", "doc_ids.expand(B, -1)"):
+        plan(masks.document_ids(torch.zeros(64, dtype=torch.int64)), *fixed_qkv(b=2, sq=64, sk=64))
+
+
+def test_integer_endpoints_of_another_dtype_name_the_cast():
+    with expect(InputTypeError, TypeError, "mask_func", "int64", "mask_func.int()"):
+        plan(causal().long(), *fixed_qkv())
+    with expect(InputTypeError, TypeError, "mask_func", "float32", "masks.from_dense(mask == 0)"):
+        plan(causal().float(), *fixed_qkv())
+
+
 def test_the_key_record_follows_each_varlen_sample():
     """Varlen samples are aligned each by its own key count: a causal mask for keys 80, 40 is
     refused for keys 40, 80 (the same total) and plans for its own; a sample of no query rows

@@ -75,6 +75,20 @@ def _recorded(mask_func: torch.Tensor) -> Built | None:
     return built
 
 
+def built_rows_hint(mask_func: torch.Tensor) -> str:
+    """For a ``mask_func`` whose row count is not q's (refused before :func:`check_samples` could
+    name its samples), recorded by a builder that says how to give it other rows (its
+    ``rows_hint``, which the generic hints of the refusal, naming other builders' arguments, do
+    not): ``"; it was built by ... for ...: build it for q's samples ..."``; else ``""``."""
+    built = _recorded(mask_func)
+    if built is None or not built.rows_hint:
+        return ""
+    return (
+        f"; it was built by {built.builder} for {_describe(built.rows, 'rows')}: build it for q's "
+        f"samples{built.rows_hint}"
+    )
+
+
 def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
     """Refuse ``mask_func`` where a builder evaluated its mask_mod for a number of heads other
     than 1 and q's (``H = Hkv``, say). A mask_mod's head index is a q head's, as in torch, so q's

@@ -13,7 +13,7 @@ import numbers
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .endpoint_samples import check_heads, check_samples
+from .endpoint_samples import built_rows_hint, check_heads, check_samples
 from .error_flags import broken_prefix_rule, sample_lengths
 from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
@@ -304,7 +304,12 @@ def validate_plan_inputs(
         )
     hq = q.shape[-2]
     if mask_func.dtype != torch.int32:
-        raise InputTypeError(f"mask_func must be int32, got {mask_func.dtype}")
+        fix = (
+            "; its values are key positions: pass mask_func.int()"
+            if not (mask_func.dtype.is_floating_point or mask_func.dtype.is_complex)
+            else "; an additive float mask (0 where visible) converts with masks.from_dense(mask == 0)"
+        )
+        raise InputTypeError(f"mask_func must be int32 interval endpoints, got {mask_func.dtype}{fix}")
     if mask_func.dim() != 3:
         raise InputValueError(
             f"mask_func must be [Hmask, nfunc, total_q] (rank 3), got shape {tuple(mask_func.shape)}"
@@ -349,7 +354,10 @@ def validate_plan_inputs(
         raise InputValueError(f"mask_func nfunc (dim 1) must be a positive odd number, got {nfunc}{hint}")
     if rows != total_q:
         hint = ""
-        if varlen and not transposed:
+        built = built_rows_hint(mask_func)  # a builder's record names its samples and how to make q's
+        if built and not (not varlen and rows == q.shape[0] * q.shape[2]):
+            hint = built
+        elif varlen and not transposed:
             hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
         elif not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"

@@ -46,6 +46,8 @@ def _keys_hint(builder: str) -> str:
     return f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...), or with cu_seqlens_k"
 
 
+#: document_ids' refusal of other samples: one row of ids per sample
+_DOCUMENT_IDS_ROWS_HINT = " (doc_ids [B, S], one row per sample; the same for each: doc_ids.expand(B, -1))"
 #: document's refusal of other samples: a flat list of document lengths for a batch, and what to give
 _DOCUMENT_ROWS_HINT = (
     " (one list of document lengths per sample; varlen samples of other lengths: "
@@ -232,7 +234,7 @@ def document_ids(
     if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):
         raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
-    return _documents(ids, causal, window_left, "masks.document_ids")
+    return _documents(ids, causal, window_left, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT)
 
 
 def _documents(
