@@ -64,6 +64,33 @@ def test_checkpointed_layer_building_its_plan(reentrant):
             assert torch.equal(a, b)
 
 
+def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused():
+    """Non-reentrant checkpointing recomputes the layer in the backward. A layer that reads its
+    plan from an attribute, which the next micro-batch replaced meanwhile, recomputes O and LSE
+    with that other plan, and no plan gives the forward's gradients from them: refused, saying
+    why. The attribute replaced by the same plan rebuilt (equal content) gives the gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
+
+    layer = Layer()
+    q, k, v = inputs(5)
+    layer.plan = plan_for(q, k, v)
+    out = checkpoint(layer, q, k, v, use_reentrant=False)
+    layer.plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        out.sum().backward()
+    want = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v)).sum(), (q, k, v))
+    layer.plan = plan_for(q, k, v)
+    out = checkpoint(layer, q, k, v, use_reentrant=False)
+    layer.plan = plan_for(q, k, v)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_kept_lse_does_not_keep_an_eager_calls_plan():
     """An eager training call's LSE kept for logging (``lse.detach()``) holds no plan: the call's
     autograd context kept the plan until the backward, and only compiled calls pin it to the LSE's

@@ -250,6 +250,18 @@ def test_views_pickle_and_torch_save_and_copy_as_themselves():
         assert torch.equal(loaded.to_dense(), view.to_dense())
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_same_content_is_the_plan_but_for_its_handle(varlen):
+    """A plan rebuilt from the same inputs has the same content (its own handle); one of another
+    mask, of other heads or without the backward view has not."""
+    plan = _plan(varlen)
+    again = _plan(varlen)
+    assert again.handle != plan.handle and plan.same_content(again) and plan.same_content(plan)
+    for other in (_plan(varlen, hmask=1), _plan(varlen, hmask=1, heads=4), _plan(varlen, backward=False)):
+        assert not plan.same_content(other) and not other.same_content(plan)
+    assert not _plan(varlen, hmask=1).same_content(_plan(varlen, hmask=1, heads=4))  # heads alone
+
+
 def _torch_round_trip(view: PlanView) -> PlanView:
     buffer = io.BytesIO()
     torch.save(view, buffer)

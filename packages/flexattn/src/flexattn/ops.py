@@ -66,7 +66,13 @@ from weakref import WeakKeyDictionary
 import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 
-from maskplan_core import MaskPlan, PlanSignatureMismatch, UnsupportedCallError
+from maskplan_core import (
+    InputValueError,
+    MaskPlan,
+    PlanBindingError,
+    PlanSignatureMismatch,
+    UnsupportedCallError,
+)
 from maskplan_core.consumer import has_thd_view, on_device, thd
 from maskplan_core.plan import plan_for_handle
 
@@ -288,15 +294,38 @@ def _eager_backward(ctx, dout, dlse, _dmax):
             "(is_grads_batched=True, jacobian(vectorize=True), torch.func.jacrev): loop over the "
             "gradients, or batch through the B dimension of q/k/v"
         )
-    # the plan of the context, not the saved handle: non-reentrant checkpointing replaces the saved
-    # tensors with those of a recomputed forward, whose handle names the plan that recomputation
-    # built (when the checkpointed function builds its plan), collected once it returned
-    q, k, v, out, lse, _ = ctx.saved_tensors
+    q, k, v, out, lse, saved = ctx.saved_tensors
     with torch.no_grad():
-        grads = _gradients(ctx, (q, k, v, out, lse, ctx.mask_plan.handle_tensor), dout, dlse, _backward_impl)
+        handle = _backward_handle(ctx.mask_plan, saved)
+        grads = _gradients(ctx, (q, k, v, out, lse, handle), dout, dlse, _backward_impl)
     if torch.is_grad_enabled():  # create_graph=True
         grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
     return grads
+
+
+def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tensor:
+    """The plan handle an eager backward runs on: its forward's plan (the autograd context's).
+    Non-reentrant checkpointing replaces the saved tensors with a recomputed forward's, whose
+    handle names the plan that recomputation ran with: a plan the checkpointed function rebuilt
+    (collected once it returned, or the same plan again: either is the forward's), or another
+    plan, where the one the function reads changed between forward and backward (a module
+    attribute the next micro-batch's forward replaced). The saved O and LSE are then that other
+    plan's, and no plan gives the forward's gradients from them: refused."""
+    if int(saved) == forward_plan.handle:
+        return saved
+    try:
+        recomputed = plan_for_handle(int(saved))
+    except InputValueError:  # rebuilt by the checkpointed function, and collected
+        return forward_plan.handle_tensor
+    if recomputed.same_content(forward_plan):
+        return forward_plan.handle_tensor
+    raise PlanBindingError(
+        "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False) "
+        "recomputed for this backward ran with another MaskPlan than the forward did: the plan the "
+        "checkpointed function reads changed in between (a module attribute replaced by the next "
+        "micro-batch's forward?), so its saved O and LSE belong to another mask. Pass the plan to the "
+        "checkpointed function as an argument, or replace it only after the backward"
+    )
 
 
 class EagerAttention(torch.autograd.Function):

@@ -517,6 +517,25 @@ class MaskPlan:
     def roles(self) -> tuple[str, ...]:
         return tuple(self._views)
 
+    def same_content(self, other: MaskPlan) -> bool:
+        """Whether ``other`` is this plan but for its handle: the same consumer, geometry, views and
+        tensors (a plan rebuilt from the same mask for the same shapes). Reads the tensors, so on
+        CUDA it waits for them."""
+        if other is self:
+            return True
+        scalars = [f.name for f in dataclasses.fields(self._geometry) if not f.name.startswith("cu_seqlens")]
+
+        def summary(plan: MaskPlan) -> tuple:
+            signatures = tuple(view.signature for view in plan._views.values())
+            names = tuple(name for name, _ in plan._storage[1:])  # past the handle tensor
+            geometry = tuple(getattr(plan._geometry, name) for name in scalars)
+            return plan._consumer, plan._header, signatures, names, geometry
+
+        return summary(self) == summary(other) and all(
+            a.shape == b.shape and torch.equal(a, b)
+            for (_, a), (_, b) in zip(self._storage[1:], other._storage[1:], strict=True)
+        )
+
     def view(self, role: str) -> PlanView:
         if not isinstance(role, str):
             raise InputTypeError(f"role must be a view role name (one of {list(self._views)}), got {role!r}")
