@@ -68,7 +68,8 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     """Non-reentrant checkpointing recomputes the layer in the backward. A layer that reads its
     plan from an attribute, which the next micro-batch replaced meanwhile, recomputes O and LSE
     with that other plan, and no plan gives the forward's gradients from them: refused, saying
-    why. The attribute replaced by the same plan rebuilt (equal content) gives the gradients."""
+    why; so is a layer building its plan from a mask attribute that changed. The attribute
+    replaced by the same plan rebuilt gives the gradients."""
     from torch.utils.checkpoint import checkpoint
 
     class Layer(torch.nn.Module):
@@ -80,6 +81,17 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     layer.plan = plan_for(q, k, v)
     out = checkpoint(layer, q, k, v, use_reentrant=False)
     layer.plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        out.sum().backward()
+    # a layer building its plan from a mask attribute that changed: the rebuilt plan is collected
+    # by the backward, and its fingerprint tells it from the forward's
+    mask_layer = Layer()
+    mask_layer.forward = lambda q, k, v: flexattn.flex_attn_func(
+        q, k, v, mask_plan=flexattn.create_mask_plan(mask_layer.mask, q, k, v)
+    )
+    mask_layer.mask = masks.sliding_window(S, window_left=9, batch=B)
+    out = checkpoint(mask_layer, q, k, v, use_reentrant=False)
+    mask_layer.mask = masks.causal(S, batch=B)
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
     want = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v)).sum(), (q, k, v))

@@ -563,8 +563,20 @@ def test_a_mask_mod_evaluated_for_other_heads_is_refused(builder, make):
     with expect(InputValueError, ValueError, f"built by {builder} for {HKV} heads", f"q has {HQ}",
                 f"H={HQ}, or H=1"):  # fmt: skip
         plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
-    for heads in (1, HQ):
+    for heads in (1, HQ, 2 * HQ):  # more heads than q's: every head q has was evaluated
         plan(make(masks, heads), *fixed_qkv(b=2, sq=64, sk=64))
+
+
+def test_a_mask_mod_of_kv_heads_whose_heads_differ_gets_the_q_heads_fix():
+    """Heads that differ keep Hmask = H: for H = Hkv the record's refusal (h is a q head's index)
+    comes before the Hmask check's kv-head hint (repeat_interleave), which fits masks made per kv
+    head, not a mask_mod evaluated for q heads 0 .. Hkv - 1."""
+    from maskplan_core import masks
+
+    per_head = masks.from_mask_mod(lambda b, h, q, kv: kv <= q + h, 2, HKV, 64, 64)
+    assert per_head.shape[0] == HKV
+    with expect(InputValueError, ValueError, f"built by masks.from_mask_mod for {HKV} heads", f"H={HQ}"):
+        plan(per_head, *fixed_qkv(b=2, sq=64, sk=64))
 
 
 def test_a_recorded_mask_of_other_rows_names_its_samples_and_builder():
@@ -582,11 +594,16 @@ def test_a_recorded_mask_of_other_rows_names_its_samples_and_builder():
         plan(masks.document_ids(torch.zeros(64, dtype=torch.int64)), *fixed_qkv(b=2, sq=64, sk=64))
 
 
-def test_integer_endpoints_of_another_dtype_name_the_cast():
+def test_a_mask_func_of_another_dtype_names_its_conversion():
+    """Endpoints of another dtype (their shape says so) are cast; an additive float mask and a 0/1
+    integer mask (a padding mask) are dense masks, converted by masks.from_dense."""
     with expect(InputTypeError, TypeError, "mask_func", "int64", "mask_func.int()"):
         plan(causal().long(), *fixed_qkv())
+    additive = torch.zeros(B, 1, SQ, SK)
     with expect(InputTypeError, TypeError, "mask_func", "float32", "masks.from_dense(mask == 0)"):
-        plan(causal().float(), *fixed_qkv())
+        plan(additive, *fixed_qkv())
+    with expect(InputTypeError, TypeError, "mask_func", "int64", "masks.from_dense(mask.bool())"):
+        plan(torch.ones(B, SK, dtype=torch.int64), *fixed_qkv())
 
 
 def test_the_key_record_follows_each_varlen_sample():

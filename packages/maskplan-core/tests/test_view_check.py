@@ -251,15 +251,15 @@ def test_views_pickle_and_torch_save_and_copy_as_themselves():
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_same_content_is_the_plan_but_for_its_handle(varlen):
-    """A plan rebuilt from the same inputs has the same content (its own handle); one of another
-    mask, of other heads or without the backward view has not."""
-    plan = _plan(varlen)
-    again = _plan(varlen)
-    assert again.handle != plan.handle and plan.same_content(again) and plan.same_content(plan)
-    for other in (_plan(varlen, hmask=1), _plan(varlen, hmask=1, heads=4), _plan(varlen, backward=False)):
-        assert not plan.same_content(other) and not other.same_content(plan)
-    assert not _plan(varlen, hmask=1).same_content(_plan(varlen, hmask=1, heads=4))  # heads alone
+def test_identity_is_the_handle_and_a_fingerprint_of_the_content(varlen):
+    """A plan rebuilt from the same inputs has its own handle and the same fingerprint; one of
+    another mask, of other heads or without the backward view has another."""
+    plan, again = _plan(varlen), _plan(varlen)
+    (handle, fingerprint), (handle2, fingerprint2) = (p.identity_tensor.tolist() for p in (plan, again))
+    assert (handle, handle2) == (plan.handle, again.handle) and handle != handle2
+    assert fingerprint == fingerprint2
+    others = (_plan(varlen, hmask=1), _plan(varlen, hmask=1, heads=4), _plan(varlen, backward=False))
+    assert len({fingerprint, *(int(other.identity_tensor[1]) for other in others)}) == 4
 
 
 def _torch_round_trip(view: PlanView) -> PlanView:

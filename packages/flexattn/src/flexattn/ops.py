@@ -270,7 +270,7 @@ def _no_forward_mode(ctx, *tangents):
 
 def _eager_setup(ctx, inputs, output):
     q, k, v, mask_plan, *options = inputs
-    _setup_context(ctx, (q, k, v, mask_plan.handle_tensor, *options), output)
+    _setup_context(ctx, (q, k, v, mask_plan.identity_tensor, *options), output)
     ctx.mask_plan = mask_plan
     ctx.mark_non_differentiable(output[2])
 
@@ -294,9 +294,9 @@ def _eager_backward(ctx, dout, dlse, _dmax):
             "(is_grads_batched=True, jacobian(vectorize=True), torch.func.jacrev): loop over the "
             "gradients, or batch through the B dimension of q/k/v"
         )
-    q, k, v, out, lse, saved = ctx.saved_tensors
+    q, k, v, out, lse, identity = ctx.saved_tensors
     with torch.no_grad():
-        handle = _backward_handle(ctx.mask_plan, saved)
+        handle = _backward_handle(ctx.mask_plan, identity)
         grads = _gradients(ctx, (q, k, v, out, lse, handle), dout, dlse, _backward_impl)
     if torch.is_grad_enabled():  # create_graph=True
         grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
@@ -304,28 +304,30 @@ def _eager_backward(ctx, dout, dlse, _dmax):
 
 
 def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tensor:
-    """The plan handle an eager backward runs on: its forward's plan (the autograd context's).
-    Non-reentrant checkpointing replaces the saved tensors with a recomputed forward's, whose
-    handle names the plan that recomputation ran with: a plan the checkpointed function rebuilt
-    (collected once it returned, or the same plan again: either is the forward's), or another
-    plan, where the one the function reads changed between forward and backward (a module
-    attribute the next micro-batch's forward replaced). The saved O and LSE are then that other
-    plan's, and no plan gives the forward's gradients from them: refused."""
-    if int(saved) == forward_plan.handle:
-        return saved
+    """The plan handle an eager backward runs on, from its forward's plan (the autograd context's)
+    and the saved ``identity_tensor``. Non-reentrant checkpointing replaces the saved tensors with
+    a recomputed forward's, made with the plan the checkpointed function read or built then: the
+    forward's own; one rebuilt from the same inputs (the same fingerprint), the plan the saved O
+    and LSE were made with while it lives, else (collected) the forward's; or a plan of another
+    mask, where what the function reads changed between forward and backward (the next
+    micro-batch's plan or mask in a module attribute): no plan gives the forward's gradients from
+    that O and LSE, refused."""
+    (handle, fingerprint), (own, own_fingerprint) = saved.tolist(), forward_plan.identity_tensor.tolist()
+    if handle == own:
+        return forward_plan.handle_tensor
+    if fingerprint != own_fingerprint:
+        raise PlanBindingError(
+            "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False) "
+            "recomputed for this backward ran with another MaskPlan (another mask or other settings) "
+            "than the forward did: what the checkpointed function reads changed in between (a module "
+            "attribute replaced by the next micro-batch's forward?), so its saved O and LSE are another "
+            "plan's. Pass the plan (or its mask) to the checkpointed function as an argument, or "
+            "replace it only after the backward"
+        )
     try:
-        recomputed = plan_for_handle(int(saved))
-    except InputValueError:  # rebuilt by the checkpointed function, and collected
+        return plan_for_handle(handle).handle_tensor
+    except InputValueError:  # rebuilt by the checkpointed function, and collected since
         return forward_plan.handle_tensor
-    if recomputed.same_content(forward_plan):
-        return forward_plan.handle_tensor
-    raise PlanBindingError(
-        "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False) "
-        "recomputed for this backward ran with another MaskPlan than the forward did: the plan the "
-        "checkpointed function reads changed in between (a module attribute replaced by the next "
-        "micro-batch's forward?), so its saved O and LSE belong to another mask. Pass the plan to the "
-        "checkpointed function as an argument, or replace it only after the backward"
-    )
 
 
 class EagerAttention(torch.autograd.Function):

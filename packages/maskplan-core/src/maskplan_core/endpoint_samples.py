@@ -90,12 +90,13 @@ def built_rows_hint(mask_func: torch.Tensor) -> str:
 
 
 def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
-    """Refuse ``mask_func`` where a builder evaluated its mask_mod for a number of heads other
-    than 1 and q's (``H = Hkv``, say). A mask_mod's head index is a q head's, as in torch, so q's
+    """Refuse ``mask_func`` where a builder evaluated its mask_mod for fewer heads than q's, but
+    more than one (``H = Hkv``, say). A mask_mod's head index is a q head's, as in torch, so q's
     other heads were never evaluated, even where the evaluated ones agreed and the result kept one
-    mask for every head (``Hmask = 1``)."""
+    mask for every head (``Hmask = 1``). More heads than q's (a tensor-parallel rank's share of
+    a model's heads) evaluated every head q has."""
     built = _recorded(mask_func)
-    if built is None or built.heads in (1, num_heads_q):
+    if built is None or not 1 < built.heads < num_heads_q:
         return
     raise InputValueError(
         f"mask_func was built by {built.builder} for {built.heads} heads, but q has {num_heads_q}: a "

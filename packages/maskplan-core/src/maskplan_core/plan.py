@@ -359,6 +359,12 @@ def _plan_storage(
     )
 
 
+def _fingerprint(g: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str) -> int:
+    """:attr:`MaskPlan.identity_tensor`'s fingerprint: host values alone (no device read)."""
+    scalars = tuple(getattr(g, f.name) for f in dataclasses.fields(g) if not f.name.startswith("cu_seqlens"))
+    return hash((consumer, header, scalars, tuple((role, v.signature) for role, v in views.items())))
+
+
 def _check_header(header: tuple[int, ...]) -> None:
     """The planner's allocation header (``HEADER_FIELDS``): counts, and no error flag (a builder
     raises the flags' error before it makes a plan)."""
@@ -446,8 +452,8 @@ class MaskPlan:
     """
 
     __slots__ = (
-        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_storage", "_write_counts",
-        "_consumer", "__weakref__",
+        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_identity_tensor", "_storage",
+        "_write_counts", "_consumer", "__weakref__",
     )  # fmt: skip
 
     def __init__(
@@ -460,8 +466,10 @@ class MaskPlan:
         init(self, "_views", dict(views))
         init(self, "_header", tuple(header))
         init(self, "_handle", next(_NEXT_HANDLE))
-        with torch.inference_mode(False):  # a training step saves it for its backward: a normal tensor
+        with torch.inference_mode(False):  # a training step saves them for its backward: normal tensors
             init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
+            identity = (self._handle, _fingerprint(geometry, self._views, self._header, consumer))
+            init(self, "_identity_tensor", torch.tensor(identity, dtype=torch.int64, device="cpu"))
         init(self, "_storage", _plan_storage(self._handle_tensor, geometry, self._views))
         init(self, "_write_counts", _write_counts(self._storage))
         init(self, "_consumer", consumer)
@@ -510,31 +518,22 @@ class MaskPlan:
         return self._handle_tensor
 
     @property
+    def identity_tensor(self) -> torch.Tensor:
+        """``(handle, fingerprint)`` as an int64 CPU tensor, the fingerprint a hash of the plan's
+        consumer, geometry, view signatures and block counts (this process's: it is never stored).
+        An eager training call saves it, so that a backward handed a recomputed forward's tensors
+        (activation checkpointing) tells whether that forward ran with this plan, a plan rebuilt
+        from the same inputs (the same fingerprint, even once collected) or another one. Two
+        masks of the same block counts share a fingerprint. Read-only by contract."""
+        return self._identity_tensor
+
+    @property
     def has_backward(self) -> bool:
         return "backward" in self._views
 
     @property
     def roles(self) -> tuple[str, ...]:
         return tuple(self._views)
-
-    def same_content(self, other: MaskPlan) -> bool:
-        """Whether ``other`` is this plan but for its handle: the same consumer, geometry, views and
-        tensors (a plan rebuilt from the same mask for the same shapes). Reads the tensors, so on
-        CUDA it waits for them."""
-        if other is self:
-            return True
-        scalars = [f.name for f in dataclasses.fields(self._geometry) if not f.name.startswith("cu_seqlens")]
-
-        def summary(plan: MaskPlan) -> tuple:
-            signatures = tuple(view.signature for view in plan._views.values())
-            names = tuple(name for name, _ in plan._storage[1:])  # past the handle tensor
-            geometry = tuple(getattr(plan._geometry, name) for name in scalars)
-            return plan._consumer, plan._header, signatures, names, geometry
-
-        return summary(self) == summary(other) and all(
-            a.shape == b.shape and torch.equal(a, b)
-            for (_, a), (_, b) in zip(self._storage[1:], other._storage[1:], strict=True)
-        )
 
     def view(self, role: str) -> PlanView:
         if not isinstance(role, str):

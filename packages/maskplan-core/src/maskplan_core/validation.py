@@ -304,11 +304,12 @@ def validate_plan_inputs(
         )
     hq = q.shape[-2]
     if mask_func.dtype != torch.int32:
-        fix = (
-            "; its values are key positions: pass mask_func.int()"
-            if not (mask_func.dtype.is_floating_point or mask_func.dtype.is_complex)
-            else "; an additive float mask (0 where visible) converts with masks.from_dense(mask == 0)"
-        )
+        if mask_func.dim() == 3 and mask_func.shape[1] % 2 == 1:  # endpoints' shape: their values cast
+            fix = "; if its values are key positions, pass mask_func.int()"
+        elif mask_func.dtype.is_floating_point:
+            fix = "; an additive float mask (0 where visible) converts with masks.from_dense(mask == 0)"
+        else:
+            fix = "; a 0/1 mask (1 where visible) converts with masks.from_dense(mask.bool())"
         raise InputTypeError(f"mask_func must be int32 interval endpoints, got {mask_func.dtype}{fix}")
     if mask_func.dim() != 3:
         raise InputValueError(
@@ -330,6 +331,7 @@ def validate_plan_inputs(
         f"if mask_func came from a [B, Sq, Sk] bool mask, masks.from_dense read its {batch} samples as "
         "heads (rank 3 is [Hmask, total_q, Sk]): pass mask[:, None], SDPA's [B, 1, Sq, Sk]"
     )
+    check_heads(mask_func, hq)  # a mask_mod's record first: its heads are q heads, never kv heads
     if hmask not in (1, hq):
         hint = f"; {batch_as_heads_hint}" if batch_as_heads else ""
         if hmask == k.shape[-2] and rows == total_q and not batch_as_heads:  # one per kv head (GQA)
@@ -355,11 +357,12 @@ def validate_plan_inputs(
     if rows != total_q:
         hint = ""
         built = built_rows_hint(mask_func)  # a builder's record names its samples and how to make q's
-        if built and not (not varlen and rows == q.shape[0] * q.shape[2]):
+        bhsd_q = not varlen and rows == q.shape[0] * q.shape[2]  # torch FlexAttention's layout
+        if built and not bhsd_q:
             hint = built
         elif varlen and not transposed:
             hint = "; with varlen input mask_func's rows, q.shape[0] and cu_seqlens_q[-1] must all agree"
-        elif not varlen and rows == q.shape[0] * q.shape[2]:  # torch FlexAttention's layout
+        elif bhsd_q:
             hint = "; q looks like BHSD [B, H, S, D], flexattn takes BSHD [B, S, H, D] (q.transpose(1, 2))"
         elif not varlen and ((rows == max_q and batch > 1) or (rows == batch and max_q > 1)):
             hints = [transposed_hint[2:]] if transposed else []
@@ -385,7 +388,6 @@ def validate_plan_inputs(
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
-    check_heads(mask_func, hq)
     if varlen:
         lens = functools.partial(_varlen_samples, cu_q, cu_k, (total_q, total_k), (max_q, max_k))
         check_samples(mask_func, lens)

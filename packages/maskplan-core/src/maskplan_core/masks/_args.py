@@ -36,11 +36,12 @@ def _as_length(name: str, value: object) -> int:
 
 def _as_extent(name: str, value: object, minimum: int = 0) -> int:
     """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
-    clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative one is refused
-    with that said: FlashAttention's ``-1`` for "unbounded" is a common port."""
+    clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative window is refused
+    with that said: FlashAttention's ``-1`` for an unbounded window is a common port."""
     n = _as_int(name, value)
     if n < minimum:
-        unbounded = f"; for no limit pass one at least the sequence's length ({name}=S)" if n < 0 else ""
+        window = n < 0 and name.startswith("window_")
+        unbounded = f"; for no limit pass one at least the sequence's length ({name}=S)" if window else ""
         raise InputValueError(f"{name} must be >= {minimum}, got {n}{unbounded}")
     return min(n, MAX_SEQLEN)
 
