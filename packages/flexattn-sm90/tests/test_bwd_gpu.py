@@ -47,6 +47,7 @@ from maskplan_core.testing import (  # noqa: E402
     backward_inputs,
     check_backward,
     resolve_view,
+    thd,
     varlen_args,
 )
 from maskplan_kernels.consumer_inputs import qkv_operands  # noqa: E402
@@ -148,7 +149,7 @@ def test_kv_head_split(dqk, dv):
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     assert kv_head_split(bwd_view_args(view, DEV).k_rows, 8, sms) == 8
     scale = dqk**-0.5
-    q3, k3, v3 = (x.flatten(0, 1) for x in (q, k, v))
+    q3, k3, v3 = thd(q, k, v)
     inputs = backward_inputs(plan, q3, k3, v3, scale)
     dqs = []
     for split in (1, 2, 8):

@@ -302,7 +302,7 @@ def validate_plan_inputs(
             f"mask_func must be an int32 torch.Tensor of interval endpoints [Hmask, nfunc, total_q], got "
             f"{kind}{hint}"
         )
-    hq = q.shape[-2]
+    hq, hkv = q.shape[-2], k.shape[-2]
     if mask_func.dtype != torch.int32:
         if mask_func.dim() == 3 and mask_func.shape[1] % 2 == 1:  # endpoints' shape: their values cast
             fix = "; if its values are key positions, pass mask_func.int()"
@@ -334,7 +334,7 @@ def validate_plan_inputs(
     check_heads(mask_func, hq)  # a mask_mod's record first: its heads are q heads, never kv heads
     if hmask not in (1, hq):
         hint = f"; {batch_as_heads_hint}" if batch_as_heads else ""
-        if hmask == k.shape[-2] and rows == total_q and not batch_as_heads:  # one per kv head (GQA)
+        if hmask == hkv and rows == total_q and not batch_as_heads:  # one per kv head (GQA)
             hint = (
                 f"; that is one per k/v head: masks are per q head (a builder's H or heads is Hq; "
                 f"mask_func.repeat_interleave({hq // hmask}, dim=0) gives each q head its kv head's)"
@@ -393,7 +393,6 @@ def validate_plan_inputs(
         check_samples(mask_func, lens)
     else:
         check_samples(mask_func, lambda: ([max_q] * batch, [max_k] * batch))
-    hkv = k.shape[-2]
     if not varlen and hq >= BHSD_SUSPECT_HEADS and hq > max(max_q, max_k) and hkv > max_k:
         warn_caller(
             f"q has {hq} heads and {max_q} positions per sample (k {max_k}): flexattn takes BSHD "

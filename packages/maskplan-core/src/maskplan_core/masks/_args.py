@@ -34,14 +34,14 @@ def _as_length(name: str, value: object) -> int:
     return out
 
 
-def _as_extent(name: str, value: object, minimum: int = 0) -> int:
+def _as_extent(name: str, value: object, minimum: int = 0, *, window: bool = False) -> int:
     """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
-    clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative window is refused
-    with that said: FlashAttention's ``-1`` for an unbounded window is a common port."""
+    clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative ``window`` is
+    refused with that said: FlashAttention's ``-1`` for an unbounded window is a common port."""
     n = _as_int(name, value)
     if n < minimum:
-        window = n < 0 and name.startswith("window_")
-        unbounded = f"; for no limit pass one at least the sequence's length ({name}=S)" if window else ""
+        no_limit = window and n < 0
+        unbounded = f"; for no limit pass one at least the sequence's length ({name}=S)" if no_limit else ""
         raise InputValueError(f"{name} must be >= {minimum}, got {n}{unbounded}")
     return min(n, MAX_SEQLEN)
 

@@ -112,8 +112,8 @@ def sliding_window(
     Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen as
     :func:`causal`.
     """
-    window_left = _as_extent("window_left", window_left)
-    window_right = _as_extent("window_right", window_right)
+    window_left = _as_extent("window_left", window_left, window=True)
+    window_right = _as_extent("window_right", window_right, window=True)
     d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)
     hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
@@ -244,7 +244,7 @@ def _documents(
     its refusal of other samples' addition, :mod:`maskplan_core.endpoint_samples`)."""
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
-    window_left = None if window_left is None else _as_extent("window_left", window_left)
+    window_left = None if window_left is None else _as_extent("window_left", window_left, window=True)
     seqlen = ids.shape[1]
     i = torch.arange(seqlen, device=ids.device).expand_as(ids)
     starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
