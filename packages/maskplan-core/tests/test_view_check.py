@@ -262,6 +262,15 @@ def test_identity_is_the_handle_and_a_fingerprint_of_the_content(varlen):
     assert len({fingerprint, *(int(other.identity_tensor[1]) for other in others)}) == 4
 
 
+def test_identity_read_first_in_inference_mode_can_be_saved_for_a_backward():
+    """The identity tensor is made on first read; one made under inference_mode would be an
+    inference tensor, which a later training call cannot save for its backward."""
+    plan = _plan(False)
+    with torch.inference_mode():
+        first = plan.identity_tensor
+    assert not first.is_inference() and plan.identity_tensor is first
+
+
 def _torch_round_trip(view: PlanView) -> PlanView:
     buffer = io.BytesIO()
     torch.save(view, buffer)

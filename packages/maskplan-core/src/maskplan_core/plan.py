@@ -468,8 +468,7 @@ class MaskPlan:
         init(self, "_handle", next(_NEXT_HANDLE))
         with torch.inference_mode(False):  # a training step saves them for its backward: normal tensors
             init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
-            identity = (self._handle, _fingerprint(geometry, self._views, self._header, consumer))
-            init(self, "_identity_tensor", torch.tensor(identity, dtype=torch.int64, device="cpu"))
+        init(self, "_identity_tensor", None)  # made on first use: only eager training reads it
         init(self, "_storage", _plan_storage(self._handle_tensor, geometry, self._views))
         init(self, "_write_counts", _write_counts(self._storage))
         init(self, "_consumer", consumer)
@@ -525,6 +524,11 @@ class MaskPlan:
         (activation checkpointing) tells whether that forward ran with this plan, a plan rebuilt
         from the same inputs (the same fingerprint, even once collected) or another one. Two
         masks of the same block counts share a fingerprint. Read-only by contract."""
+        if self._identity_tensor is None:
+            with torch.inference_mode(False):  # saved for a backward even when first read in inference
+                fingerprint = _fingerprint(self._geometry, self._views, self._header, self._consumer)
+                identity = (self._handle, fingerprint)
+                object.__setattr__(self, "_identity_tensor", torch.tensor(identity, dtype=torch.int64))
         return self._identity_tensor
 
     @property
