@@ -17,6 +17,7 @@ from maskplan_core import (
     InputValueError,
     PayloadLayoutSpec,
     PlanSignature,
+    PlanView,
     RowMajorLayout,
     SignatureDiff,
     Topology,
@@ -454,6 +455,40 @@ def test_a_view_carries_a_signature_of_its_own_direction_and_layout():
         build_plan(masks.causal(100), g, config("forward", RowMajorLayout(16, 64).spec), None, "test")
     with pytest.raises(InputValueError, match="packs 32x32 tiles but the signature's topology tiles 64x48"):
         ViewConfig(signature(topology=Topology(tile_m=64, tile_n=48), payload=layout.spec), layout)
+    # a view made by hand (a loader of stored tensors): its layout tiles as its topology does
+    view = build_plan(masks.causal(100), g, config("forward"), None, "test").view("forward")
+    other = RowMajorLayout(16, 64)
+    tensors = dict(view.tensors)
+    n = tensors["mask_block_idx"].numel()
+    tensors["mask_block_masks"] = torch.zeros(n, other.subtiles, other.groups, other.words_per_group,
+                                              dtype=torch.int32)  # fmt: skip
+    with pytest.raises(InputValueError, match="the forward view: the layout .* packs 16x64 tiles"):
+        PlanView("forward", view.signature.model_copy(update={"payload": other.spec}), other, g, tensors)
+
+
+def test_a_planner_refuses_pack_gqa_it_cannot_serve():
+    """A PackGQA forward view names the geometry's group (a kernel sizes its packed tile by it),
+    and a backward view never packs."""
+    from maskplan_core import masks, validate_plan_inputs
+    from maskplan_core.consumer import ViewConfig
+    from maskplan_core.reference import build_plan
+
+    q, k = torch.randn(1, 64, 4, 8), torch.randn(1, 64, 2, 8)
+    g = validate_plan_inputs(masks.causal(64), q, k, k)
+    layout = RowMajorLayout(32, 32)
+
+    def config(direction, **topology):
+        tiles = Topology(tile_m=32, tile_n=32, **topology)
+        fields = dict(direction=direction, topology=tiles, payload=layout.spec)
+        if direction == "backward":
+            fields["dq_order_format"] = "rank_int32"
+        return ViewConfig(signature(**fields), layout)
+
+    build_plan(masks.causal(64), g, config("forward", pack_gqa=True, qhead_per_kvhead=2), None, "test")
+    with pytest.raises(InputValueError, match=r"qhead_per_kvhead=1 is not .* = 2"):
+        build_plan(masks.causal(64), g, config("forward", pack_gqa=True), None, "test")
+    with pytest.raises(InputValueError, match="backward view's topology has pack_gqa=True"):
+        build_plan(masks.causal(64), g, config("forward"), config("backward", pack_gqa=True), "test")
 
 
 def test_a_kernel_config_gives_its_compile_key_and_plan_signature():

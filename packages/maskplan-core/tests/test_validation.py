@@ -91,7 +91,7 @@ def config(direction: str, pack_gqa: bool = False) -> ViewConfig:
         arch_family="reference",
         direction=direction,
         kernel_family="test",
-        topology=Topology(tile_m=8, tile_n=32, pack_gqa=pack_gqa),
+        topology=Topology(tile_m=8, tile_n=32, pack_gqa=pack_gqa, qhead_per_kvhead=HQ // HKV),
         mma_layout="none",
         payload=layout.spec,
         scheduler_layout="test",

@@ -70,6 +70,16 @@ class ViewRequest(BaseModel):
         )  # fmt: skip
 
 
+def require_layout_tiles(layout: PayloadLayout, topology: Topology, who: str) -> None:
+    """``layout`` packs the tiles ``topology`` classifies (a payload of other tiles would be read
+    past, or short of, its bits)."""
+    if (layout.tile_m, layout.tile_n) != (topology.tile_m, topology.tile_n):
+        raise InputValueError(
+            f"{who}: the layout {layout!r} packs {layout.tile_m}x{layout.tile_n} tiles but the "
+            f"signature's topology tiles {topology.tile_m}x{topology.tile_n}"
+        )
+
+
 @dataclass(frozen=True)
 class ViewConfig:
     """A resolved consumer view: the signature it carries and the payload layout it packs with."""
@@ -80,12 +90,7 @@ class ViewConfig:
     def __post_init__(self):
         # the planner tiles by the signature's topology and packs with the layout, so they must agree
         # before it runs (PlanView checks the payload spec against the layout)
-        topology = self.signature.topology
-        if (self.layout.tile_m, self.layout.tile_n) != (topology.tile_m, topology.tile_n):
-            raise InputValueError(
-                f"ViewConfig: the layout {self.layout!r} packs {self.layout.tile_m}x{self.layout.tile_n} "
-                f"tiles but the signature's topology tiles {topology.tile_m}x{topology.tile_n}"
-            )
+        require_layout_tiles(self.layout, self.signature.topology, "ViewConfig")
 
     @property
     def tile_m(self) -> int:
@@ -381,8 +386,9 @@ def check_build_inputs(
     """What every planner (the reference one, a GPU one) checks before building: ``mask_func`` is
     the contiguous int32 ``[Hmask, nfunc, total_q]`` tensor ``geometry`` was validated from (a
     geometry of another mask would plan other rows, heads or intervals than it holds), on its
-    device, the views are configs (:class:`ViewConfig`), and a PackGQA forward view has one mask for
-    every head (its work queue has one task per kv head)."""
+    device, the views are configs (:class:`ViewConfig`), a PackGQA forward view has one mask for
+    every head (its work queue has one task per kv head) and packs the geometry's q heads per kv
+    head, and the backward view does not pack."""
     if not isinstance(mask_func, torch.Tensor):
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     check_view_configs(forward, backward)
@@ -397,8 +403,20 @@ def check_build_inputs(
         )
     if not mask_func.is_contiguous():
         raise InputValueError("mask_func must be contiguous (call .contiguous())")
-    if forward.signature.topology.pack_gqa:
+    topology = forward.signature.topology
+    if topology.pack_gqa:
         require_shared_mask_for_pack_gqa(g)
+        # a kernel sizes its packed tile by the signature: another group would leave q heads unwritten
+        if topology.qhead_per_kvhead != g.qhead_per_kvhead:
+            raise InputValueError(
+                f"the PackGQA forward view's topology.qhead_per_kvhead={topology.qhead_per_kvhead} is not "
+                f"the geometry's num_heads_q / num_heads_kv = {g.qhead_per_kvhead}"
+            )
+    if backward is not None and backward.signature.topology.pack_gqa:
+        raise InputValueError(
+            "the backward view's topology has pack_gqa=True: PackGQA is a forward view's (a K-major "
+            "backward owns one kv head's K block and visits all its q heads either way)"
+        )
 
 
 def cuda_index(device: torch.device) -> int:

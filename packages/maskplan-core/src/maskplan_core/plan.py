@@ -72,7 +72,7 @@ from types import MappingProxyType
 
 import torch
 
-from .consumer import same_device
+from .consumer import require_layout_tiles, same_device
 from .errors import (
     InputTypeError,
     InputValueError,
@@ -144,6 +144,7 @@ class PlanView:
                 f"the {self.role} view's signature.payload ({self.signature.payload}) does not describe "
                 f"the layout it is packed with ({self.layout.spec})"
             )
+        require_layout_tiles(self.layout, self.signature.topology, f"the {self.role} view")
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         check_structure(self)
 

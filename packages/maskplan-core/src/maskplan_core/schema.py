@@ -63,7 +63,14 @@ class Topology(_Frozen):
             "queue names the kv head, and a payload bit guards one (position, key) for every packed head."
         ),
     )
-    qhead_per_kvhead: int = Field(1, gt=0, description="num_heads_q / num_heads_kv of the problem.")
+    qhead_per_kvhead: int = Field(
+        1,
+        gt=0,
+        description=(
+            "num_heads_q / num_heads_kv of the problem. With pack_gqa the packed tile's rows per "
+            "position, and a planner requires it to equal the geometry's; otherwise a label."
+        ),
+    )
 
 
 class PayloadLayoutSpec(_Frozen):
