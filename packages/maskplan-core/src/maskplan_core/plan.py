@@ -50,8 +50,11 @@ What a kernel may rely on besides the loop above (the ABI a consumer's kernels r
   q_valid_rows)`` per Q block of a sample and scheduled head, with or without visible blocks
   (those write ``O = 0``, ``LSE = -inf``). ``m_block`` is sample-local; ``head`` is the q head, or
   with ``pack_gqa`` the kv head whose q heads share the tile; ``q_valid_rows`` is the block's
-  positions inside the sample (at most the view's ``tile_m``). Kernels take tasks in queue order,
-  which the reference fixes (``reference/schedule.py``: by L2 section and cost, empty rows last).
+  positions inside the sample (at most the view's ``tile_m``). A task reads plan row ``r =
+  row_begin[batch] + m_block`` of mask head ``h = head`` where ``Hmask > 1``, else ``0`` (always
+  with ``pack_gqa``), and K/V of kv head ``head // (Hq / Hkv)`` (``head`` with ``pack_gqa``).
+  Kernels take tasks in queue order, which the reference fixes (``reference/schedule.py``: by L2
+  section and cost, empty rows last).
 - ``dq_write_order`` / ``dq_write_order_full`` (backward view), int32, one per partial / full
   entry ``e`` (K block ``j`` -> Q block ``i``): ``j``'s rank among all K blocks, partial or full,
   that reach Q block ``i``, ascending in ``j``. Deterministic dQ accumulation adds Q block ``i``'s
