@@ -15,6 +15,7 @@ from test_plan_properties import small_config
 from maskplan_core import MaskPlan, PlanView, masks, validate_plan_inputs
 from maskplan_core.errors import InputValueError
 from maskplan_core.reference import build_plan
+from maskplan_core.view_check import entry_tiles
 
 CU = [0, 70, 70, 150]  # an empty middle sample
 
@@ -134,6 +135,14 @@ def _value_cases(view: PlanView) -> list[tuple[str, dict]]:
     every_element = view.layout.pack(torch.ones(1, *view.block_size, dtype=torch.bool))
     payload[:] = every_element  # past q_len / k_len too
     case("mask_block_masks sets a bit past its sample", mask_block_masks=payload)
+    empty = t["mask_block_masks"].clone()
+    empty[0] = 0
+    case("mask_block_masks has an entry with no bit set", mask_block_masks=empty)
+    chunks = entry_tiles(view, view.entries("partial"))
+    inside = torch.cat([chunk.in_bounds.flatten(1).all(1) for chunk in chunks])
+    full = t["mask_block_masks"].clone()
+    full[int(inside.nonzero()[0])] = every_element
+    case("mask_block_masks has an in-bounds entry with every bit set", mask_block_masks=full)
     if not bool((every_element == -1).all()):  # the layout has padding bits
         case("mask_block_masks sets a padding bit", mask_block_masks=torch.full_like(payload, -1))
     if view.role == "forward":

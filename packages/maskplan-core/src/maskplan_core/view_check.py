@@ -168,6 +168,18 @@ def check_values(view: PlanView) -> None:
         for chunk in entry_tiles(view, e):
             if bool((chunk.tiles & ~chunk.in_bounds).any()):
                 raise _refuse(view, "mask_block_masks sets a bit past its sample's q_len / k_len")
+            # spec 4.3: a partial tile has a visible element and is not a full one (the classes are
+            # disjoint, and a kernel's partial path costs a payload load and a bit-select)
+            bits = chunk.tiles.flatten(1)
+            if not bool(bits.any(1).all()):
+                raise _refuse(
+                    view, "mask_block_masks has an entry with no bit set (an empty tile is in neither list)"
+                )
+            if bool(bits.all(1).any()):
+                raise _refuse(
+                    view, "mask_block_masks has an in-bounds entry with every bit set (a full tile belongs "
+                    "in the full list)"
+                )  # fmt: skip
     if torch.isin(keys["partial"], keys["full"]).any():
         raise _refuse(view, "partial and full lists share a tile")
     if view.role == "forward":
