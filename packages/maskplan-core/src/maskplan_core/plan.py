@@ -497,7 +497,8 @@ class MaskPlan:
     def __reduce_ex__(self, protocol):
         raise TypeError(
             "a MaskPlan cannot be pickled (torch.save, multiprocessing): it holds device tensors and "
-            "a process-local handle; save the mask endpoints and rebuild it with create_mask_plan"
+            "a process-local handle; save the mask endpoints and rebuild it with create_mask_plan "
+            "(flexattn) or a consumer's build_plan (maskplan-core)"
         )
 
     @property

@@ -248,7 +248,8 @@ def validate_plan_inputs(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
 ) -> PlanGeometry:
-    """Check the structure of ``create_mask_plan``'s arguments and derive the plan geometry."""
+    """Check the structure of a plan's inputs (``flexattn.create_mask_plan``'s arguments, or a
+    consumer's ``build_plan``'s) and derive the plan geometry."""
     _require_real(mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen_args = {
         "cu_seqlens_q": cu_seqlens_q,
