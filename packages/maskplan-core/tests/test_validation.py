@@ -567,6 +567,27 @@ def test_a_mask_mod_evaluated_for_other_heads_is_refused(builder, make):
         plan(make(masks, heads), *fixed_qkv(b=2, sq=64, sk=64))
 
 
+def test_a_model_of_one_head_is_refused_for_q_of_more_heads():
+    """A mask_mod that raises at head 1 (a per-head table of one entry), taken with H=1 as one
+    head's, and a head-reading block mask converted for heads=1 were never evaluated for q's other
+    heads (torch's flex_attention calls them with each head's index): refused for q of more heads,
+    planned for q of one head. A block mask that does not read h plans for any heads."""
+    from maskplan_core import masks
+
+    one_entry = torch.tensor([6])
+    one_head = masks.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q - kv < one_entry[h]), 2, 1, 64, 64)
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    shifted = fa.create_block_mask(lambda b, h, q, kv: (kv <= q) & (kv != q - 1 - h), 2, None, 64, 64,
+                                   device="cpu")  # fmt: skip
+    converted = masks.from_block_mask(shifted, heads=1)
+    for endpoints, builder in ((one_head, "from_mask_mod"), (converted, "from_block_mask")):
+        with expect(InputValueError, ValueError, builder, "model of one head", f"q has {HQ} heads"):
+            plan(endpoints, *fixed_qkv(b=2, sq=64, sk=64))
+        q = torch.randn(2, 64, 1, D)
+        plan(endpoints, q, q, q)
+    plan(masks.from_block_mask(_causal_block_mask(2, 64), heads=1), *fixed_qkv(b=2, sq=64, sk=64))
+
+
 def test_a_mask_mod_of_kv_heads_whose_heads_differ_gets_the_q_heads_fix():
     """Heads that differ keep Hmask = H: for H = Hkv the record's refusal (h is a q head's index)
     comes before the Hmask check's kv-head hint (repeat_interleave), which fits masks made per kv

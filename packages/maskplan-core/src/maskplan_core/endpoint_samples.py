@@ -29,7 +29,8 @@ class Built:
     """What a builder made its endpoints for: its name, its samples' query rows and keys (the
     samples with rows), how to make it for other rows or keys (``rows_hint``, ``keys_hint``:
     the builder's own arguments, said in the refusal) and the heads it evaluated a mask_mod for
-    (``heads``: 1 where it stands for every head)."""
+    (``heads``; 1 stands for every head where ``every_head``, else for a model of one head: a
+    mask_mod that raised at head 1, or a block mask converted for ``heads=1``)."""
 
     builder: str
     rows: tuple[int, ...]
@@ -37,6 +38,7 @@ class Built:
     rows_hint: str = ""
     keys_hint: str = ""
     heads: int = 1
+    every_head: bool = True
 
 
 #: id(endpoints) -> (a weak reference to them, their version counter when recorded, what they were
@@ -54,15 +56,16 @@ def record_samples(
     rows_hint: str = "",
     keys_hint: str,
     heads: int = 1,
+    every_head: bool = True,
 ) -> torch.Tensor:
     """``endpoints``, recorded as ``builder``'s for samples of ``q_lens`` query rows and ``k_lens``
     keys; ``keys_hint`` says how the builder takes other key lengths, ``rows_hint`` anything the
     refusal of other query rows should add, ``heads`` how many heads it evaluated a mask_mod for
-    (:func:`check_heads`)."""
+    and ``every_head`` whether one head stands for every head (:func:`check_heads`)."""
     if not endpoints.is_inference():
         key = id(endpoints)
         gone = lambda ref: _SAMPLES.pop(key, None) if _SAMPLES.get(key, (None,))[0] is ref else None  # noqa: E731
-        built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint, heads)
+        built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint, heads, every_head)
         _SAMPLES[key] = (weakref.ref(endpoints, gone), endpoints._version, built)
     return endpoints
 
@@ -94,8 +97,17 @@ def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
     more than one (``H = Hkv``, say). A mask_mod's head index is a q head's, as in torch, so q's
     other heads were never evaluated, even where the evaluated ones agreed and the result kept one
     mask for every head (``Hmask = 1``). More heads than q's (a tensor-parallel rank's share of
-    a model's heads) evaluated every head q has."""
+    a model's heads) evaluated every head q has. One head stands for every head only where the
+    builder found the mask_mod not reading its head index: a model of one head (a mask_mod that
+    raised at head 1, as torch would at q's head 1) is refused for q of more heads."""
     built = _recorded(mask_func)
+    if built is not None and built.heads == 1 and not built.every_head and num_heads_q > 1:
+        raise InputValueError(
+            f"mask_func was built by {built.builder} for a model of one head (its mask_mod was not "
+            f"evaluated past head 0, or raised at head 1), but q has {num_heads_q} heads, for which "
+            f"torch's flex_attention calls the mask_mod with each head's index: build it for "
+            f"H={num_heads_q} (heads={num_heads_q} for a block mask) with a mask_mod that takes every head"
+        )
     if built is None or not 1 < built.heads < num_heads_q:
         return
     raise InputValueError(

@@ -217,7 +217,8 @@ def from_mask_mod(
     evaluation that follows ``h`` through every operation tells; a mask_mod that cannot be
     evaluated so (Python control flow on ``b``) is evaluated at head 1 and compared with head 0
     instead. With ``H = 1`` a mask_mod that fails at head 1 (a per-head table
-    of one entry) is taken as one of a model of one head, which torch never calls with head 1.
+    of one entry) is taken as one of a model of one head, which torch never calls with head 1, and
+    is refused for q of more heads.
     The positional arguments are ``create_block_mask``'s, ``device`` included; ``Sq`` and ``Sk``
     are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
     with torch's keywords converts as it is; its ``BLOCK_SIZE``, ``_compile``, ``separate_full_blocks``,
@@ -245,15 +246,17 @@ def from_mask_mod(
     shape = (H, _as_length("Sq", Sq), _as_length("Sk", Sk))
     dev = _as_device(device)
     _require_values("from_mask_mod", dev)
-    parts = []
+    parts, raised_at_head_1 = [], []
     for b in range(B):
         sample_heads = shared_heads if b == 0 else None  # the head-1 probe needs one sample
-        chunks = _mask_mod_rows(mask_mod, b, shape, dev, sample_heads, one_head=one_head, samples=B)
+        chunks = _mask_mod_rows(
+            mask_mod, b, shape, dev, sample_heads, one_head=one_head, samples=B, raised=raised_at_head_1
+        )
         parts += [_encode(rows) for rows in chunks]
     keys_hint = "build it for k's lengths: from_mask_mod's Sk (KV_LEN)"
     return record_samples(
         _join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint,
-        heads=H,
+        heads=H, every_head=not raised_at_head_1,
     )  # fmt: skip
 
 
@@ -277,7 +280,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     where it reads its head index (as :func:`from_mask_mod` tells: torch calls the mask_mod with
     each head's index), unless ``heads``
     says how many q heads to evaluate it for: pass ``heads=Hq`` for such a mask_mod (the result
-    keeps ``Hmask = 1`` where the heads agree). Every sample's and head's blocks must hold every
+    keeps ``Hmask = 1`` where the heads agree); ``heads=1`` takes it as a model of one head's,
+    refused for q of more heads. Every sample's and head's blocks must hold every
     element its mask_mod makes visible (blocks listed besides are harmless: torch finds nothing
     visible in them either), and the blocks listed full (where torch skips the mask_mod) must be
     wholly visible (both true of ``create_block_mask``), else the block mask is refused rather than
@@ -317,6 +321,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
         if entries not in (1, counts[name]):
             noun = "batch entries" if name == "batch" else "head entries"
             raise InputValueError(f"block_mask has {entries} {noun} but {name}={counts[name]}")
+    # heads=1 (the caller's one head) evaluates head 0 alone: where the mask_mod reads h (or that
+    # cannot be told) the endpoints are a model of one head's, not one mask for every head
+    one_head = heads == 1 and _reads_head(block_mask.mask_mod, blocks.device, counts["batch"]) is not False
     batch, heads = counts["batch"], counts["heads"]
     shape = (heads, *(int(n) for n in block_mask.seq_lengths))
     bq, bk = (int(n) for n in block_mask.BLOCK_SIZE)
@@ -346,8 +353,9 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     keys_hint = "build it for k's lengths: the block mask's KV_LEN (create_block_mask)"
     lens = [shape[1]] * batch, [shape[2]] * batch
     return record_samples(
-        _join_samples(parts, heads), "masks.from_block_mask", *lens, keys_hint=keys_hint, heads=heads
-    )
+        _join_samples(parts, heads), "masks.from_block_mask", *lens, keys_hint=keys_hint, heads=heads,
+        every_head=not one_head,
+    )  # fmt: skip
 
 
 def _blocks_differ(b: int, head: int, entries: tuple[int, int], heads: int) -> InputValueError:
@@ -403,7 +411,7 @@ _VMAP_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None
 
 def _mask_mod_rows(
     mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None,
-    *, one_head: bool = False, align: int = 1, samples: int = 1,
+    *, one_head: bool = False, align: int = 1, samples: int = 1, raised: list | None = None,
 ):  # fmt: skip
     """``mask_mod`` of batch sample ``b`` as dense bool ``[H, rows, Sk]`` chunks of consecutive query
     rows, each a multiple of ``align`` rows (the last may be shorter) and, where ``align`` allows,
@@ -412,8 +420,9 @@ def _mask_mod_rows(
     heads) refuses a mask_mod that reads its head index in any of ``samples`` (:func:`_reads_head`), since
     torch calls it with each head's index. Under ``one_head`` (``H = 1``) such a mask_mod is taken
     as one of a model of one head where it fails at head 1 (a per-head table of one entry), which
-    torch never calls with head 1; it is evaluated at head 1 to tell. Where that cannot be told,
-    head 1 is evaluated instead and compared with head 0 (heads past 1 unchecked)."""
+    torch never calls with head 1; it is evaluated at head 1 to tell, and ``raised`` (a list) gets
+    an entry. Where that cannot be told, head 1 is evaluated instead and compared with head 0
+    (heads past 1 unchecked)."""
     H, Sq, Sk = shape
     if Sq == 0 or Sk == 0:  # no element to evaluate (an empty problem)
         yield torch.zeros(shape, dtype=torch.bool, device=dev)
@@ -439,6 +448,8 @@ def _mask_mod_rows(
                         f"{err}); {shared_heads}, or 1 for a model of one head"
                     ) from err
                 probe, reads_head = None, False
+                if raised is not None:
+                    raised.append(b)
             else:
                 reads_head |= bool(traced) or not torch.equal(res[0], other[0])
         yield res.to(dev)
