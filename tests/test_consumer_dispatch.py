@@ -130,6 +130,8 @@ def test_compiled_signature_mismatch_is_the_eager_error():
         with pytest.raises(PlanSignatureMismatch) as info:
             torch.compile(attend, fullgraph=fullgraph, backend="aot_eager")(q, k, v, other)
         assert "arch_family" in {d.field for d in info.value.diffs}
+        assert "built for flexattn-sm90, but maskplan-reference runs these cpu tensors" in str(info.value)
+        assert "without target=" in str(info.value)
 
 
 

@@ -104,12 +104,20 @@ def _check_signatures(plan: MaskPlan, device: torch.device, training: bool):
             continue
         view = plan.view(expected.signature.direction)
         diffs = expected.signature.diff(view.signature)
+        if diffs and plan.consumer != consumer.name:  # another consumer's: name the two, not the fields
+            raise PlanSignatureMismatch(
+                f"the plan was built for {plan.consumer}, but {consumer.name} runs these {device.type} "
+                f"tensors: rebuild it with create_mask_plan from tensors on this device, without target= "
+                f"(a plan made with target= shows another consumer's block map and layout, and runs "
+                f"only on its hardware); {len(diffs)} {view.role} signature fields differ "
+                f"({', '.join(d.field for d in diffs)})",
+                diffs,
+            )
         if diffs:
             listing = "; ".join(str(d) for d in diffs)
             raise PlanSignatureMismatch(
                 f"the plan's {view.role} view was built for {plan.consumer} but {consumer.name} "
-                f"runs these tensors "
-                f"({listing}); rebuild the plan with create_mask_plan on this device",
+                f"runs these tensors ({listing}); rebuild the plan with create_mask_plan on this device",
                 diffs,
             )
     return consumer
