@@ -399,6 +399,14 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 2, 2, Q_LEN=2)
     with pytest.raises(TypeError, match="Sk or KV_LEN .* got neither"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, Q_LEN=2)
+    # a score_mod is named as one (vmap's own error was a missing positional argument)
+    with pytest.raises(TypeError, match=r"take \(b, h, q_idx, kv_idx\).* 5 required .* score_mod\(score"):
+        masks.from_mask_mod(lambda score, b, h, q, kv: score, 1, None, 2, 2)
+    with pytest.raises(TypeError, match=r"take \(b, h, q_idx, kv_idx\).* 3 required"):
+        masks.from_mask_mod(lambda b, q, kv: kv <= q, 1, None, 2, 2)
+    # create_block_mask's positional BLOCK_SIZE and _compile are taken (and change nothing)
+    causal = lambda b, h, q, kv: kv <= q  # noqa: E731
+    assert torch.equal(masks.from_mask_mod(causal, 1, None, 16, 16, "cpu", 128, False), masks.causal(16))
 
 
 def test_from_block_mask_is_its_mask_mod():
@@ -577,6 +585,6 @@ def test_from_block_mask_names_a_sliced_block_mask():
     is the library's, naming the slice and the way round it."""
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
     whole = fa.create_block_mask(lambda b, h, q, kv: kv <= q, 2, 1, 256, 256, device="cpu")
-    with pytest.raises(InputValueError, match=r"sliced BlockMask .* convert the unsliced"):
+    with pytest.raises(InputValueError, match=r"sliced BlockMask .* convert the unsliced.*\.contiguous\(\)"):
         masks.from_block_mask(whole[0])
     assert torch.equal(masks.from_block_mask(whole)[:, :, :256], masks.causal(256))  # sample 0's rows

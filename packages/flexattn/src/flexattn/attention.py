@@ -109,7 +109,10 @@ _PEER_KEYWORDS = {
         "Sk; where Sq != Sk masks.causal aligns the diagonal bottom-right and SDPA's is_causal top-left: "
         f"{_TOP_LEFT}"
     ),
-    "dropout_p": "drop it: flexattn has no attention dropout",
+    "dropout_p": (
+        "flexattn has no attention dropout, and no call computes dropout_p > 0: train without it "
+        "(dropout_p=0 changes the training) or keep torch's attention where it is needed"
+    ),
 }
 #: torch's defaults of those keywords, which ask for nothing: refused all the same, with "drop it"
 _PEER_DEFAULTS = {

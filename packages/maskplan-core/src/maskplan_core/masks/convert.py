@@ -4,6 +4,7 @@ fewest endpoints each row needs."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 
@@ -194,16 +195,20 @@ def from_mask_mod(
     Sq: int | None = None,
     Sk: int | None = None,
     device: str | torch.device | None = None,
+    BLOCK_SIZE: int | tuple[int, int] | None = None,
+    _compile: bool = False,
     *,
     Q_LEN: int | None = None,
     KV_LEN: int | None = None,
-    BLOCK_SIZE: int | tuple[int, int] | None = None,
-    _compile: bool = False,
     separate_full_blocks: bool = True,
     compute_dq_write_order: bool = False,
     dq_kv_order: bool = True,
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
+
+    The endpoints hold the mask as the mask_mod gives it now: torch calls a mask_mod on every
+    attention call, so where it reads a tensor changed in place later (a decode offset), convert
+    it again after the change.
 
     ``mask_mod`` is evaluated as torch's ``create_block_mask`` evaluates it: under ``torch.vmap``,
     so it sees 0-d int64 index tensors and returns a 0-d bool tensor (``docs[b][q_idx]`` works;
@@ -219,7 +224,8 @@ def from_mask_mod(
     instead. With ``H = 1`` a mask_mod that fails at head 1 (a per-head table
     of one entry) is taken as one of a model of one head, which torch never calls with head 1, and
     is refused for q of more heads.
-    The positional arguments are ``create_block_mask``'s, ``device`` included; ``Sq`` and ``Sk``
+    The positional arguments are ``create_block_mask``'s, ``device``, ``BLOCK_SIZE`` and
+    ``_compile`` included; ``Sq`` and ``Sk``
     are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
     with torch's keywords converts as it is; its ``BLOCK_SIZE``, ``_compile``, ``separate_full_blocks``,
     ``compute_dq_write_order`` and ``dq_kv_order`` are taken too and change nothing (endpoints are
@@ -230,8 +236,7 @@ def from_mask_mod(
     and for q of other than ``H`` heads where ``H > 1``: ``h`` is a q head's index, as in torch, so
     a mask_mod evaluated for the kv heads never saw the others, even where the result kept one mask.
     """
-    if not callable(mask_mod):
-        raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    _require_mask_mod(mask_mod)
     if B is None:
         raise InputTypeError(
             "B must be the batch size, not None: endpoints name every query row of the batch "
@@ -258,6 +263,29 @@ def from_mask_mod(
         _join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint,
         heads=H, every_head=not raised_at_head_1,
     )  # fmt: skip
+
+
+def _require_mask_mod(mask_mod) -> None:
+    """A callable taking ``(b, h, q_idx, kv_idx)``; a score_mod's five arguments are named as such
+    (vmap would fail inside it with a missing argument)."""
+    if not callable(mask_mod):
+        raise InputTypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    try:
+        params = inspect.signature(mask_mod).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): its evaluation tells
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is p.empty for p in positional)
+    takes_more = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if required > 4 or (len(positional) < 4 and not takes_more):
+        score_mod = (
+            ": a score_mod(score, b, h, q_idx, kv_idx)? One that only masks is a mask_mod returning "
+            "where the score is kept, e.g. lambda b, h, q_idx, kv_idx: kv_idx <= q_idx"
+        ) if required == 5 else ""
+        raise InputTypeError(
+            f"mask_mod must take (b, h, q_idx, kv_idx), as torch's create_block_mask calls it; it takes "
+            f"{required} required positional arguments{score_mod}"
+        )
 
 
 def _torch_name(name: str, value, torch_name: str, torch_value):
@@ -297,7 +325,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
       mask_mod inside the listed blocks) as a dense bool tensor and use :func:`from_dense`;
     - a sliced block mask (``block_mask[...]``) has no mask_mod (torch replaces it with one that
       raises): convert the unsliced one and index the endpoints as the slice does (samples: rows
-      ``b * Sq + q`` of the last dimension; heads: the first dimension, one entry where Hmask = 1).
+      ``b * Sq + q`` of the last dimension; heads: the first dimension, one entry where Hmask = 1),
+      then ``.contiguous()``.
     """
     for attr in ("mask_mod", "seq_lengths", "kv_num_blocks", "BLOCK_SIZE", "to_dense"):
         if not hasattr(block_mask, attr):
@@ -309,7 +338,8 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
             "block_mask is a sliced BlockMask (block_mask[...]), whose mask_mod torch replaces with one "
             "that raises: convert the unsliced block mask and index its endpoints [Hmask, nfunc, B * Sq] "
             "as the slice does: samples are the rows b * Sq + q of the last dimension, heads the first "
-            "dimension (one entry for every head where Hmask = 1)"
+            "dimension (one entry for every head where Hmask = 1), then .contiguous() (e.g. "
+            "endpoints[..., S:2 * S].contiguous() for sample 1 of S rows)"
         )
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
     # one head entry standing for every head (H=None) unless ``heads`` says how many there are
