@@ -532,8 +532,9 @@ class MaskPlan:
         if self._identity_tensor is None:
             with torch.inference_mode(False):  # saved for a backward even when first read in inference
                 fingerprint = _fingerprint(self._geometry, self._views, self._header, self._consumer)
-                identity = (self._handle, fingerprint)
-                object.__setattr__(self, "_identity_tensor", torch.tensor(identity, dtype=torch.int64))
+                # on the host whatever torch's default device (a backward reads it with .tolist())
+                identity = torch.tensor((self._handle, fingerprint), dtype=torch.int64, device="cpu")
+                object.__setattr__(self, "_identity_tensor", identity)
         return self._identity_tensor
 
     @property
