@@ -377,7 +377,8 @@ def test_from_mask_mod_round_trip(dense):
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
     ours = inspect.signature(masks.from_mask_mod).parameters
     assert set(inspect.signature(fa.create_block_mask).parameters) <= set(ours)
-    assert torch.equal(masks.from_dense(dense), masks.from_dense(flat))
+    # SDPA's equal heads become one (a mask expanded over the heads); the rank-3 form keeps its heads
+    assert torch.equal(masks.from_dense(dense), masks.from_dense(flat)[: 1 if heads_equal else h])
 
 
 def test_from_mask_mod_validation():
@@ -588,3 +589,13 @@ def test_from_block_mask_names_a_sliced_block_mask():
     with pytest.raises(InputValueError, match=r"sliced BlockMask .* convert the unsliced.*\.contiguous\(\)"):
         masks.from_block_mask(whole[0])
     assert torch.equal(masks.from_block_mask(whole)[:, :, :256], masks.causal(256))  # sample 0's rows
+
+
+def test_from_dense_of_an_sdpa_mask_expanded_over_the_heads_keeps_one():
+    """SDPA's ``[B, H, Sq, Sk]`` with every head the same gives Hmask = 1 (one plan row set for
+    every head, and PackGQA takes it); heads that differ are kept."""
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    expanded = masks.from_dense(causal[None, None].expand(2, 4, 64, 64))
+    assert torch.equal(expanded, masks.causal(64, batch=2))
+    per_head = torch.stack([causal, causal.triu(-8)])[None].expand(2, 2, 64, 64)
+    assert masks.from_dense(per_head).shape[0] == 2

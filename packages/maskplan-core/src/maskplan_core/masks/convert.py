@@ -101,6 +101,9 @@ def from_dense(
     """Convert a dense boolean mask ``[Hmask, total_q, Sk]`` (or SDPA's ``[B, Hmask, Sq, Sk]``, fixed
     length) to endpoints ``[Hmask, nfunc, total_q]``.
 
+    SDPA's heads whose masks are all the same give one (``Hmask = 1``), as a mask expanded over
+    the heads does: the plan serves every head and PackGQA takes it.
+
     ``nfunc`` is the smallest odd count representing every row: a row with ``r`` runs of True needs
     ``2r - 1`` endpoints if it starts with True at key 0 and ``2r + 1`` otherwise; shorter rows are
     padded by repeating their last endpoint.  All-False rows give all-zero endpoints.
@@ -175,6 +178,8 @@ def from_dense(
         samples = torch.stack((q_lens, k_lens)).tolist()  # one read back
         keys_hint = "build it for k's lengths: masks.from_dense(mask, cu_seqlens_q, cu_seqlens_k) with k's"
     endpoints = _encode(mask)
+    if sdpa:  # SDPA's heads, often one mask expanded over them
+        endpoints = _one_head_if_equal(endpoints)
     if samples is None:
         return endpoints
     return record_samples(endpoints, "masks.from_dense", *samples, keys_hint=keys_hint)
@@ -260,7 +265,7 @@ def from_mask_mod(
         parts += [_encode(rows) for rows in chunks]
     keys_hint = "build it for k's lengths: from_mask_mod's Sk (KV_LEN)"
     return record_samples(
-        _join_samples(parts, H), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint,
+        _join_samples(parts), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint,
         heads=H, every_head=not raised_at_head_1,
     )  # fmt: skip
 
@@ -383,7 +388,7 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     keys_hint = "build it for k's lengths: the block mask's KV_LEN (create_block_mask)"
     lens = [shape[1]] * batch, [shape[2]] * batch
     return record_samples(
-        _join_samples(parts, heads), "masks.from_block_mask", *lens, keys_hint=keys_hint, heads=heads,
+        _join_samples(parts), "masks.from_block_mask", *lens, keys_hint=keys_hint, heads=heads,
         every_head=not one_head,
     )  # fmt: skip
 
@@ -584,10 +589,15 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
     return res
 
 
-def _join_samples(parts: list[torch.Tensor], H: int) -> torch.Tensor:
+def _join_samples(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]`` (:func:`_join_rows`),
     one head kept if all heads agree."""
-    out = _join_rows(parts)
-    if H > 1 and bool((out == out[:1]).all()):
-        out = out[:1]
-    return out.contiguous()
+    return _one_head_if_equal(_join_rows(parts))
+
+
+def _one_head_if_equal(endpoints: torch.Tensor) -> torch.Tensor:
+    """``endpoints`` with one head where every head's are the same (Hmask = 1 plans once for every
+    head, and PackGQA takes it), contiguous."""
+    if endpoints.shape[0] > 1 and bool((endpoints == endpoints[:1]).all()):
+        endpoints = endpoints[:1]
+    return endpoints.contiguous()
