@@ -11,7 +11,8 @@
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
 ``dout``, plans with backward views); there ``flexattn-det`` is ``deterministic=True`` (the forward
 has no such mode, so ``--mode fwd`` skips it). With
-``--kv-heads`` below ``--heads`` (GQA) ``flexattn-pack`` runs a ``pack_gqa=True`` plan. On the
+``--kv-heads`` below ``--heads`` (GQA) ``flexattn`` runs the default plan (which packs at 4 to 32 q
+heads per kv head) and ``flexattn-pack`` / ``flexattn-unpacked`` the other choice. On the
 ``document`` mask, ``flexattn-varlen`` and ``fa4-varlen`` (name them in ``--systems``) take its
 documents as the samples of a varlen THD batch, causal in each (the same visible pairs): ours
 through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel without a mask.
@@ -60,7 +61,8 @@ from masks_bench import (  # noqa: E402
 import flexattn  # noqa: E402
 from flexattn import masks  # noqa: E402
 
-#: what ``--systems`` can name (``flexattn-pack`` joins ``flexattn`` by itself under GQA)
+#: what ``--systems`` can name (under GQA ``flexattn-pack`` or ``flexattn-unpacked``, the PackGQA
+#: choice the default plan did not make, joins ``flexattn`` by itself)
 SYSTEMS = (
     "flexattn", "flexattn-det", "cudnn", "torch-flex", "fa4-causal", "flexattn-varlen", "fa4-varlen",
     "flexattn-contig",
@@ -153,9 +155,11 @@ def systems(args, q, k, v, name, endpoints):
                 q, k, v, mask_plan=plan, softmax_scale=scale, deterministic=True
             )
         if args.kv_heads != args.heads and "flexattn" in args.systems:
-            packed = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train, pack_gqa=True)
-            fwd["flexattn-pack"] = lambda: flexattn.flex_attn_func(
-                q, k, v, mask_plan=packed, softmax_scale=scale
+            # the other PackGQA choice than the default plan's
+            pack = not plan.view("forward").signature.topology.pack_gqa
+            other = flexattn.create_mask_plan(endpoints, q, k, v, build_backward=train, pack_gqa=pack)
+            fwd["flexattn-pack" if pack else "flexattn-unpacked"] = lambda: flexattn.flex_attn_func(
+                q, k, v, mask_plan=other, softmax_scale=scale
             )
     if "cudnn" in args.systems:
         try:

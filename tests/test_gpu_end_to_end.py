@@ -100,6 +100,34 @@ def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
         assert rel <= 2e-2, f"d{name}: relative L2 error {rel:.3e}"
 
 
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("mask", ["causal", "document"])
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["g4", "mqa-g8"])
+def test_a_default_plan_packs_gqa_and_trains(mask, heads):
+    """``pack_gqa=None`` packs a shared mask's group of 4 or more q heads on SM90 (the default
+    every GQA training step gets): its outputs, LSE and gradients match the CPU reference."""
+    torch.manual_seed(2)
+    hq, hkv = heads
+    q = torch.randn(B, S, hq, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, hkv, D, dtype=torch.bfloat16) for _ in "kv")
+    dout, dlse = torch.randn_like(q), torch.randn(B, hq, S)
+
+    def run(device, dtype):
+        leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+        plan = flexattn.create_mask_plan(MASKS[mask](device), *leaves)
+        assert plan.view("forward").signature.topology.pack_gqa is (device == "cuda")
+        out, lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True)
+        torch.autograd.backward((out, lse), (dout.to(device, dtype), dlse.to(device)))
+        return [x.detach().float().cpu() for x in (out, lse, *(t.grad for t in leaves))]
+
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), run("cuda", torch.bfloat16),
+                               run("cpu", torch.float32), strict=True):  # fmt: skip
+        assert not got.isnan().any(), f"{name} has NaN"
+        finite = want.isfinite()
+        rel = ((got[finite] - want[finite]).norm() / want[finite].norm()).item()
+        assert rel <= 2e-2, f"{name}: relative L2 error {rel:.3e}"
+
+
 def _spy_copies(monkeypatch) -> list[bool]:
     """Whether each q, k, v the GPU consumer got was copied before its kernels read it (a q, k or v
     it keeps is the tensor it was given, or a view of its memory)."""

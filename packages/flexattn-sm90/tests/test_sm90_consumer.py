@@ -82,7 +82,7 @@ def test_version_matches_pyproject():
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("dims", PAIRS, ids=[f"{a}x{b}" for a, b in PAIRS])
 def test_resolve_signature(direction, dims):
-    view = Sm90Consumer().resolve(request(direction, dims))
+    view = Sm90Consumer().resolve(request(direction, dims, pack_gqa=False))
     want = expected(direction, dims, view.layout.bit_order)
     assert want.diff(view.signature) == []
     assert view.signature == want
@@ -99,10 +99,24 @@ def test_signature_json_round_trip(direction, dims):
     assert again == sig and again.diff(sig) == []
 
 
-def test_pack_gqa_none_and_false_resolve_to_false():
+@pytest.mark.parametrize(
+    "heads, mask_heads, packs",
+    [((8, 2), 1, True), ((32, 1), 1, True), ((64, 1), 1, False), ((4, 2), 1, False), ((8, 2), 8, False),
+     ((12, 2), 1, False), ((256, 1), 1, False), ((2, 2), 1, False)],
+    ids=["g4", "g32", "g64-unmeasured", "g2", "per-head-mask", "g6-not-dividing", "g256-past-tile", "mha"],
+)  # fmt: skip
+def test_pack_gqa_none_packs_a_shared_mask_of_4_to_32_heads_per_kv_head(heads, mask_heads, packs):
+    """``pack_gqa=None`` packs where it measured faster (4 <= G <= 32, heuristics.PACK_GQA_*_GROUP)
+    and the tile takes it; False never packs, and the backward view is the same either way."""
     c = Sm90Consumer()
-    for value in (None, False):
-        assert c.resolve(request(pack_gqa=value)).signature.topology.pack_gqa is False
+    fields = dict(num_heads_q=heads[0], num_heads_kv=heads[1], mask_heads=mask_heads)
+    for dims in PAIRS:
+        assert c.resolve(request(dims=dims, **fields)).signature.topology.pack_gqa is packs
+        assert c.resolve(request(dims=dims, pack_gqa=False, **fields)).signature.topology.pack_gqa is False
+        backward = [c.resolve(request("backward", dims, pack_gqa=p, **fields)) for p in (None, False)]
+        assert backward[0] == backward[1]
+    if packs:
+        assert c.resolve(request(**fields)) == c.resolve(request(pack_gqa=True, **fields))
 
 
 def test_varlen_and_dtype_do_not_change_the_signature():
@@ -263,7 +277,8 @@ def test_pack_gqa_forward_signature(dims, heads):
         words_per_group=1,
     )
     assert sig.kernel_family == "sm90-fwd-persistent-v1"
-    unpacked = Sm90Consumer().resolve(request(dims=dims, num_heads_q=hq, num_heads_kv=hkv)).signature
+    unpacked = Sm90Consumer().resolve(request(dims=dims, num_heads_q=hq, num_heads_kv=hkv, pack_gqa=False))
+    unpacked = unpacked.signature
     fields = {d.field for d in unpacked.diff(sig)}
     assert {"topology.pack_gqa", "payload.layout_id"} <= fields  # never interchangeable
 

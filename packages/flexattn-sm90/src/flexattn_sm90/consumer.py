@@ -16,6 +16,7 @@ from .heuristics import (
     SUPPORTED_HEAD_DIMS,
     io_head_dims,
     kernel_head_dims,
+    packs_by_default,
     select_bwd_config,
     select_fwd_config,
 )
@@ -35,6 +36,10 @@ class Sm90Consumer(KernelConsumer):
     gpu_planner = "maskplan_kernels"  # CPU tensors (target="sm90" on a laptop): the reference planner
     select_forward = staticmethod(select_fwd_config)
     select_backward = staticmethod(select_bwd_config)
+
+    def default_pack_gqa(self, request) -> bool:
+        g = request.num_heads_q // request.num_heads_kv
+        return packs_by_default(request.head_dim_qk, request.head_dim_v, g, request.mask_heads)
 
     def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
         """:attr:`supported_head_dims` are the kernels'; any pair one of them holds runs on it (the

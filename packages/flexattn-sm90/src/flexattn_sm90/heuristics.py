@@ -108,6 +108,22 @@ def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
     return (2, 1) if head_dim_qk + head_dim_v > 256 else (2, 2)
 
 
+#: the smallest group ``Hq / Hkv`` whose forward packs where ``pack_gqa`` is left None: on an H100
+#: (B=2, S=8192, Hq=32, D=128; benchmarks/RESULTS.md, session 58) packing took the forward's device
+#: time down 5-6% on documents at G = 4, 8 and 32 and 9% on random-5 at G = 32, within 1% either
+#: way elsewhere, and fwd+bwd within -1% .. +2%; a warm plan build cost up to 0.2 ms more at G = 32.
+#: Larger groups (Q blocks of 2 or 1 positions) are unmeasured and stay unpacked by default.
+PACK_GQA_MIN_GROUP, PACK_GQA_MAX_GROUP = 4, 32
+
+
+def packs_by_default(head_dim_qk: int, head_dim_v: int, group: int, mask_heads: int) -> bool:
+    """``pack_gqa=None``'s choice: pack a shared mask's (Hmask = 1) group of
+    :data:`PACK_GQA_MIN_GROUP` .. :data:`PACK_GQA_MAX_GROUP` q heads where the forward tile takes
+    it (``G`` divides its rows)."""
+    tile_m = fwd_tile(*kernel_head_dims(head_dim_qk, head_dim_v))[0]
+    return mask_heads == 1 and PACK_GQA_MIN_GROUP <= group <= PACK_GQA_MAX_GROUP and tile_m % group == 0
+
+
 def select_fwd_config(
     *,
     head_dim_qk: int,

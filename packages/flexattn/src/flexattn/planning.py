@@ -77,7 +77,10 @@ def create_mask_plan(
     ``pack_gqa=True`` (GQA with a shared mask, Hmask=1) packs the ``Hq / Hkv`` q heads of each kv
     head into one forward tile, so every K/V block is loaded once per kv head; the plan's forward
     Q block is then ``128 / (Hq / Hkv)`` positions. The backward view is the same either way (its
-    kernel visits all q heads of a kv head in one CTA). ``None`` and ``False`` do not pack.
+    kernel visits all q heads of a kv head in one CTA). ``None`` lets the consumer choose: SM90
+    packs a shared mask's group of 4 to 32 q heads per kv head, where it measured the forward
+    faster (documents, random masks) and no slower elsewhere; the reference consumer (CPU) and
+    SM100 do not pack. ``False`` never packs.
 
     On a GPU the build runs on the current CUDA stream, and its one host read (8 sizes) waits for
     that stream only: building the next batch's plan on a side stream (``with

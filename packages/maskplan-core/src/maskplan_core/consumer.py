@@ -311,11 +311,18 @@ class KernelConsumer(Consumer):
         )
         if request.direction == "forward":
             if self.pack_gqa_forward:
-                problem["pack_gqa"] = bool(request.pack_gqa)
+                pack = request.pack_gqa
+                problem["pack_gqa"] = self.default_pack_gqa(request) if pack is None else pack
             config = self.select_forward(**problem)
         else:
             config = self.select_backward(**problem)
         return ViewConfig(signature=config.plan_signature(), layout=config.payload_layout)
+
+    def default_pack_gqa(self, request: ViewRequest) -> bool:
+        """Whether the forward view packs where the caller leaves ``pack_gqa=None``, called only
+        on a checked request of a consumer with :attr:`pack_gqa_forward`: never, unless a
+        consumer measured packing faster for such a problem (and its kernel takes the group)."""
+        return False
 
     def check_head_dims(self, head_dim_qk: int, head_dim_v: int) -> None:
         """Raise :class:`UnsupportedConfigError` unless this consumer runs these head dims; by
