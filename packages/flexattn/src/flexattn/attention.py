@@ -20,6 +20,7 @@ from maskplan_core import (
     InputValueError,
     MaskPlan,
     MissingBackwardViewError,
+    ScaleTypeError,
 )
 from maskplan_core.validation import endpoints_of, mask_kind
 
@@ -43,7 +44,7 @@ def check_scale(softmax_scale, max_logit_arg: str | None = None) -> None:
     asks for it)."""
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise InputTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+            raise ScaleTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
         if not isinstance(softmax_scale, (int, float)):  # a numpy scalar, a fraction: checked as a float
             try:
                 softmax_scale = float(softmax_scale)

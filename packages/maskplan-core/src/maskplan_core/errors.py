@@ -43,6 +43,11 @@ class PlanDtypeError(PlanBindingError, TypeError):
     raises for it."""
 
 
+class ScaleTypeError(InputTypeError, ValueError):
+    """A ``softmax_scale`` that is not a real number: a ``ValueError`` too, as
+    ``cudnn.flex_attention`` raises for it."""
+
+
 class PlanSignatureMismatch(InputValueError):
     """A plan view was materialised for another consumer; ``diffs`` lists the differing fields."""
 
