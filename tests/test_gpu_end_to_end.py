@@ -102,10 +102,11 @@ def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
 
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("mask", ["causal", "document"])
-@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["g4", "mqa-g8"])
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1), (32, 1)], ids=["g4", "mqa-g8", "mqa-g32"])
 def test_a_default_plan_packs_gqa_and_trains(mask, heads):
-    """``pack_gqa=None`` packs a shared mask's group of 4 or more q heads on SM90 (the default
-    every GQA training step gets): its outputs, LSE and gradients match the CPU reference."""
+    """``pack_gqa=None`` packs a shared mask's group of 4 to 32 q heads on SM90 (the default every
+    GQA training step gets; G = 32: Q blocks of 4 positions): its outputs, LSE and gradients match
+    the CPU reference."""
     torch.manual_seed(2)
     hq, hkv = heads
     q = torch.randn(B, S, hq, D, dtype=torch.bfloat16)

@@ -377,8 +377,7 @@ def test_from_mask_mod_round_trip(dense):
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
     ours = inspect.signature(masks.from_mask_mod).parameters
     assert set(inspect.signature(fa.create_block_mask).parameters) <= set(ours)
-    # SDPA's equal heads become one (a mask expanded over the heads); the rank-3 form keeps its heads
-    assert torch.equal(masks.from_dense(dense), masks.from_dense(flat)[: 1 if heads_equal else h])
+    assert torch.equal(masks.from_dense(dense), masks.from_dense(flat))  # SDPA's layout, heads held apart
 
 
 def test_from_mask_mod_validation():
@@ -592,10 +591,18 @@ def test_from_block_mask_names_a_sliced_block_mask():
 
 
 def test_from_dense_of_an_sdpa_mask_expanded_over_the_heads_keeps_one():
-    """SDPA's ``[B, H, Sq, Sk]`` with every head the same gives Hmask = 1 (one plan row set for
-    every head, and PackGQA takes it); heads that differ are kept."""
+    """SDPA's ``[B, H, Sq, Sk]`` expanded over the heads gives Hmask = 1 (one plan for every head,
+    and PackGQA takes it); heads held apart keep H, equal or not (not a choice by the values)."""
     causal = torch.ones(64, 64, dtype=torch.bool).tril()
     expanded = masks.from_dense(causal[None, None].expand(2, 4, 64, 64))
     assert torch.equal(expanded, masks.causal(64, batch=2))
+    assert masks.from_dense(causal[None, None].expand(2, 4, 64, 64).contiguous()).shape[0] == 4
     per_head = torch.stack([causal, causal.triu(-8)])[None].expand(2, 2, 64, 64)
     assert masks.from_dense(per_head).shape[0] == 2
+
+
+def test_a_mask_mod_of_equal_heads_keeps_one_head_of_memory():
+    """Equal heads collapse to one, which owns its memory (a slice kept every head's alive)."""
+    endpoints = masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 16, 64, 64)
+    assert endpoints.shape[0] == 1
+    assert endpoints.untyped_storage().nbytes() == endpoints.numel() * endpoints.element_size()

@@ -111,7 +111,8 @@ def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
 #: the smallest group ``Hq / Hkv`` whose forward packs where ``pack_gqa`` is left None: on an H100
 #: (B=2, S=8192, Hq=32, D=128; benchmarks/RESULTS.md, session 58) packing took the forward's device
 #: time down 5-6% on documents at G = 4, 8 and 32 and 9% on random-5 at G = 32, within 1% either
-#: way elsewhere, and fwd+bwd within -1% .. +2%; a warm plan build cost up to 0.2 ms more at G = 32.
+#: way elsewhere (random-5 +1% at G = 8), and fwd+bwd within -1% .. +2%; at G = 4, D = 64 and 256:
+#: documents -7% / -8%, random-5 +3% / +1%; a warm plan build cost up to 0.2 ms more at G = 32.
 #: Larger groups (Q blocks of 2 or 1 positions) are unmeasured and stay unpacked by default.
 PACK_GQA_MIN_GROUP, PACK_GQA_MAX_GROUP = 4, 32
 

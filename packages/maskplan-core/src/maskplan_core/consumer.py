@@ -280,7 +280,8 @@ class KernelConsumer(Consumer):
     compute_capabilities: ClassVar[tuple[tuple[int, int], ...]]
     supported_dtypes: ClassVar[tuple[str, ...]]
     supported_head_dims: ClassVar[tuple[tuple[int, int], ...]]
-    #: the forward kernel packs the q heads of a kv head into one tile on request
+    #: the forward kernel packs the q heads of a kv head into one tile: on request, or where
+    #: :meth:`default_pack_gqa` chooses it for pack_gqa=None
     pack_gqa_forward: ClassVar[bool] = False
 
     @staticmethod
@@ -371,8 +372,8 @@ def require_shared_mask_for_pack_gqa(request: ViewRequest | PlanGeometry) -> Non
         raise UnsupportedConfigError(
             f"pack_gqa=True packs the q heads of a kv head into one tile, which takes one mask for "
             f"all heads: mask_func has Hmask={request.mask_heads}, PackGQA needs Hmask=1. If its heads "
-            "all hold the same mask (masks.from_dense keeps equal heads apart), pass mask_func[:1]; "
-            "else use pack_gqa=False"
+            "all hold the same mask (masks.from_dense keeps heads held apart, equal or not), pass "
+            "mask_func[:1]; else use pack_gqa=False"
         )
 
 

@@ -101,8 +101,9 @@ def from_dense(
     """Convert a dense boolean mask ``[Hmask, total_q, Sk]`` (or SDPA's ``[B, Hmask, Sq, Sk]``, fixed
     length) to endpoints ``[Hmask, nfunc, total_q]``.
 
-    SDPA's heads whose masks are all the same give one (``Hmask = 1``), as a mask expanded over
-    the heads does: the plan serves every head and PackGQA takes it.
+    SDPA's mask expanded over the heads (``m.expand(B, H, Sq, Sk)``, a head stride of 0) gives one
+    head (``Hmask = 1``): the plan serves every head and PackGQA takes it. Heads held apart keep
+    ``Hmask = H`` even where they are equal (the heads a mask has do not depend on its values).
 
     ``nfunc`` is the smallest odd count representing every row: a row with ``r`` runs of True needs
     ``2r - 1`` endpoints if it starts with True at key 0 and ``2r + 1`` otherwise; shorter rows are
@@ -140,6 +141,8 @@ def from_dense(
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
     samples = None  # the samples' rows and keys where the mask says them: SDPA's layout, or cu_seqlens
     if sdpa:  # rows are batch-major
+        if mask.shape[1] > 1 and mask.stride(1) == 0:  # one mask expanded over the heads: encode it once
+            mask = mask[:, :1]
         b, hm, sq, sk = mask.shape
         mask = mask.transpose(0, 1).reshape(hm, b * sq, sk)
         samples = [sq] * b, [sk] * b
@@ -178,8 +181,6 @@ def from_dense(
         samples = torch.stack((q_lens, k_lens)).tolist()  # one read back
         keys_hint = "build it for k's lengths: masks.from_dense(mask, cu_seqlens_q, cu_seqlens_k) with k's"
     endpoints = _encode(mask)
-    if sdpa:  # SDPA's heads, often one mask expanded over them
-        endpoints = _one_head_if_equal(endpoints)
     if samples is None:
         return endpoints
     return record_samples(endpoints, "masks.from_dense", *samples, keys_hint=keys_hint)
@@ -592,12 +593,7 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
 def _join_samples(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]`` (:func:`_join_rows`),
     one head kept if all heads agree."""
-    return _one_head_if_equal(_join_rows(parts))
-
-
-def _one_head_if_equal(endpoints: torch.Tensor) -> torch.Tensor:
-    """``endpoints`` with one head where every head's are the same (Hmask = 1 plans once for every
-    head, and PackGQA takes it), contiguous."""
-    if endpoints.shape[0] > 1 and bool((endpoints == endpoints[:1]).all()):
-        endpoints = endpoints[:1]
-    return endpoints.contiguous()
+    out = _join_rows(parts)
+    if out.shape[0] > 1 and bool((out == out[:1]).all()):
+        return out[:1].clone()  # a slice would keep every head's memory
+    return out.contiguous()
