@@ -659,3 +659,24 @@ def test_block_map_text_draws_the_block_map():
                 view.block_map(sample=bad)
         with pytest.raises(TypeError, match="head must be an int"):
             view.block_map(head=1.0)
+
+
+@pytest.mark.parametrize("width", [None, 4])
+def test_a_packed_views_block_map_keeps_its_aspect_and_says_it_is_packed(width):
+    """A PackGQA forward view's Q block is 128 / G positions of G heads: its text map groups G Q
+    blocks a line (as many positions as a character's keys), so it draws what the unpacked map
+    draws, and its repr and the plan's summary say what a block is."""
+    from maskplan_core import masks
+    from maskplan_core.reference import ReferenceConsumer
+    from maskplan_core.testing import resolve_view
+
+    q, k = torch.randn(1, 1024, 8, 8), torch.randn(1, 1024, 2, 8)
+    mask = masks.document([[300, 724]])
+    g = validate_plan_inputs(mask, q, k, k)
+    consumer = ReferenceConsumer()
+    views = [resolve_view(consumer, g, "forward", pack_gqa=pack) for pack in (False, True)]
+    flat, packed = (consumer.build_plan(mask, g, view, None).view("forward") for view in views)
+    assert packed.block_size == (32, 128) and packed.block_map().shape == (32, 8)
+    assert packed.block_map_text(width=width) == flat.block_map_text(width=width)
+    assert "PackGQA: a block is 32 positions x 4 q heads" in repr(packed)
+    assert "PackGQA" in consumer.build_plan(mask, g, views[1], None).summary() and not flat.packing()

@@ -245,19 +245,28 @@ class PlanView:
         ``width`` (characters a line at most; None: a character per block) draws a long sequence
         coarser: a character then stands for ``f x f`` blocks (``f`` the smallest factor that fits
         the K blocks in ``width``), ``#`` where all of them are full, ``.`` where all are empty,
-        ``+`` otherwise."""
+        ``+`` otherwise. A PackGQA view's Q block is ``tile_m`` positions of every packed head: a
+        character then stands for ``tile_n / tile_m`` times as many Q blocks, as many positions as
+        keys, so a square of the mask stays square."""
         blocks = self.block_map(sample, head)
-        if width is not None:
-            width = require_int("width", width, minimum=1)
-            f = -(-blocks.shape[1] // width)
-            if f > 1:
-                rows, cols = -(-blocks.shape[0] // f) * f, -(-blocks.shape[1] // f) * f
-                cells = torch.full((rows, cols), -1, dtype=blocks.dtype, device=blocks.device)
-                cells[: blocks.shape[0], : blocks.shape[1]] = blocks  # -1: past the map, neither
-                cells = cells.view(rows // f, f, cols // f, f).transpose(1, 2).flatten(2)
-                full, empty = (((cells == c) | (cells < 0)).all(-1) for c in (2, 0))
-                blocks = torch.where(full, 2, torch.where(empty, 0, 1))
+        f = 1 if width is None else -(-blocks.shape[1] // require_int("width", width, minimum=1))
+        tm, tn = self.block_size
+        fq = f * max(1, tn // tm) if self.signature.topology.pack_gqa else f
+        if f > 1 or fq > 1:
+            rows, cols = -(-blocks.shape[0] // fq) * fq, -(-blocks.shape[1] // f) * f
+            cells = torch.full((rows, cols), -1, dtype=blocks.dtype, device=blocks.device)
+            cells[: blocks.shape[0], : blocks.shape[1]] = blocks  # -1: past the map, neither
+            cells = cells.view(rows // fq, fq, cols // f, f).transpose(1, 2).flatten(2)
+            full, empty = (((cells == c) | (cells < 0)).all(-1) for c in (2, 0))
+            blocks = torch.where(full, 2, torch.where(empty, 0, 1))
         return "\n".join("".join(".+#"[c] for c in row) for row in blocks.tolist())
+
+    def packing(self) -> str:
+        """``""``, or what a PackGQA view's block is (its ``block`` counts positions)."""
+        t = self.signature.topology
+        if not t.pack_gqa:
+            return ""
+        return f"PackGQA: a block is {t.tile_m} positions x {t.qhead_per_kvhead} q heads"
 
     def to_dense(self) -> torch.Tensor:
         """bool ``[Hmask, total_q, Sk]``; varlen: ``Sk`` is the longest sample's k_len (not the
@@ -303,7 +312,8 @@ class PlanView:
         return (
             f"PlanView({self.role}, {self.signature.arch_family}/{self.signature.kernel_family}, "
             f"block {s['block'][0]}x{s['block'][1]}, rows={s['rows']}, partial={s['partial']}, "
-            f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, {s['bytes']} bytes)"
+            f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, {s['bytes']} bytes"
+            f"{', ' + self.packing() if self.packing() else ''})"
         )
 
 
@@ -614,6 +624,7 @@ class MaskPlan:
                 f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  rows {s['rows']:>6}  "
                 f"partial {s['partial']:>7}  full {s['full']:>7}  empty {s['empty']:>7}  "
                 f"density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
+                + (f"  ({v.packing()})" if v.packing() else "")
             )
         return "\n".join(lines)
 
