@@ -217,6 +217,20 @@ def test_document_ids_takes_runs_and_checks_its_argument():
         masks.document_ids(torch.zeros(3, dtype=torch.long), window_left=-1)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_ids_pad_rows_see_nothing(causal):
+    """With pad_id the padding rows see no key (endpoints 0, 0, 0); every other row sees what it
+    saw without it (a padding run is a document of its own, which no other row sees)."""
+    ids = torch.tensor([[3, 3, 3, -1, -1], [5, 5, 6, 6, -1]])
+    plain, padded = masks.document_ids(ids, causal=causal), masks.document_ids(ids, causal=causal, pad_id=-1)
+    pad = (ids == -1).reshape(-1)
+    assert bool((padded[:, :, pad] == 0).all())
+    assert torch.equal(padded[:, :, ~pad], plain[:, :, ~pad])
+    assert torch.equal(masks.document_ids(ids, causal=causal, pad_id=7), plain)  # no such id
+    with pytest.raises(TypeError, match="pad_id must be an int"):
+        masks.document_ids(ids, pad_id=-1.0)
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.int32]
 )

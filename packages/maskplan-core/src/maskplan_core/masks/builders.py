@@ -215,7 +215,7 @@ def document(
 
 
 def document_ids(
-    doc_ids: torch.Tensor, *, causal: bool = True, window_left: int | None = None
+    doc_ids: torch.Tensor, *, causal: bool = True, window_left: int | None = None, pad_id: int | None = None
 ) -> torch.Tensor:
     """:func:`document` from per-token document ids, built on ``doc_ids``' device without reading
     it back to the host (a CUDA tensor from the data loader stays on the GPU, with no sync).
@@ -226,6 +226,10 @@ def document_ids(
     ``[0, 0, 1, 1, 1]``). Rows see keys as :func:`document` describes. Returns ``[1, 3, B * S]``
     int32 endpoints ``[0, lo, hi]``. Position ids that restart at 0 in every document give the ids
     as ``(position_ids == 0).cumsum(-1)``.
+
+    Padding: a run of padding tokens is a document of its own, so no other row sees it, but its
+    rows attend to one another. With ``pad_id`` the rows of that id see nothing instead (their
+    output is 0, their LSE -inf, their gradients 0, and their tiles cost no attention work).
     """
     if not isinstance(doc_ids, torch.Tensor):
         raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
@@ -234,14 +238,19 @@ def document_ids(
     if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):
         raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
-    return _documents(ids, causal, window_left, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT)
+    pad = None if pad_id is None else ids == _as_int("pad_id", pad_id)
+    return _documents(
+        ids, causal, window_left, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT, pad=pad
+    )
 
 
 def _documents(
-    ids: torch.Tensor, causal: bool, window_left: int | None, builder: str, rows_hint: str = ""
-) -> torch.Tensor:
+    ids: torch.Tensor, causal: bool, window_left: int | None, builder: str, rows_hint: str = "",
+    pad: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """:func:`document_ids` of checked ``ids`` ``[B, S]``, as ``builder`` returns it (``rows_hint``:
-    its refusal of other samples' addition, :mod:`maskplan_core.endpoint_samples`)."""
+    its refusal of other samples' addition, :mod:`maskplan_core.endpoint_samples`; ``pad``: bool
+    ``[B, S]``, rows that see nothing)."""
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     window_left = None if window_left is None else _as_extent("window_left", window_left, window=True)
@@ -259,6 +268,8 @@ def _documents(
         hi = hi.flip(1).cummin(dim=1).values.flip(1)
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
+    if pad is not None:  # [0, 0) U [0, 0): no key
+        lo, hi = lo.masked_fill(pad, 0), hi.masked_fill(pad, 0)
     rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
     return _finish(rows, 1, builder, [seqlen] * ids.shape[0], rows_hint=rows_hint)
 
