@@ -56,19 +56,28 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
                 "(masks.document([[lengths of sample 0], [lengths of sample 1], ...]))"
             )
         raise EndpointError(
-            f"mask_func[{h}, {f}, {row}] = {value} is outside [0, k_len] for query row {row}, whose sample "
-            f"has k_len = {k_len} (endpoints are key positions inside the row's sample, counted from its "
-            f"first key){hint}"
+            f"mask_func[{h}, {f}, {row}] = {value} is outside [0, k_len] for query row {row} "
+            f"({_in_sample(row, geometry)}), whose sample has k_len = {k_len} (endpoints are key positions "
+            f"inside the row's sample, counted from its first key){hint}"
         )
     if flags & ENDPOINT_ORDER:
         bad = mask_func[:, 1:, :] < mask_func[:, :-1, :]
         h, f, row = _first(bad)
         raise EndpointError(
-            f"mask_func[{h}, :, {row}] is not sorted: endpoint {f + 1} = {int(mask_func[h, f + 1, row])} "
+            f"mask_func[{h}, :, {row}] (query row {row}: {_in_sample(row, geometry)}) is not sorted: "
+            f"endpoint {f + 1} = {int(mask_func[h, f + 1, row])} "
             f"< endpoint {f} = {int(mask_func[h, f, row])} "
             "(endpoints must satisfy 0 <= F0 <= F1 <= ... <= k_len)"
         )
     raise AssertionError(f"unknown planner error flags 0x{flags:x}")
+
+
+def _in_sample(row: int, g: PlanGeometry) -> str:
+    """Where global query row ``row`` lies: its sample and its row there (an error path: reads the
+    prefixes back)."""
+    cu = g.cu_seqlens_q.cpu()
+    b = int(torch.searchsorted(cu, torch.tensor(row, dtype=cu.dtype), right=True)) - 1
+    return f"sample {b}, its row {row - int(cu[b])}"
 
 
 def _raise_seqlen(flags: int, g: PlanGeometry) -> None:
