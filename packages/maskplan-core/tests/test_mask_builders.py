@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from mask_oracle import FAST, assert_matches, dense_from_rule
+from mask_oracle import FAST, assert_matches, decode, dense_from_rule
 
 from maskplan_core import masks
 
@@ -215,6 +215,31 @@ def test_document_ids_takes_runs_and_checks_its_argument():
         masks.document_ids(torch.zeros(2, 2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="window_left"):
         masks.document_ids(torch.zeros(3, dtype=torch.long), window_left=-1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window_left", [None, 20])
+def test_document_chunks_count_from_each_documents_start(causal, window_left):
+    """chunk_size: chunked attention inside each document (chunks from the document's start), the
+    mask_mod of that rule; document_ids gives the same; a chunk past every document changes nothing."""
+    lens = [[100, 0, 156], [256]]
+    doc = torch.tensor([[0] * 100 + [1] * 156, [0] * 256])
+    start = torch.stack([torch.tensor([0] * 100 + [100] * 156), torch.zeros(256, dtype=torch.long)])
+
+    def rule(b, h, q, kv):
+        seen = (doc[b][q] == doc[b][kv]) & ((q - start[b][q]) // 48 == (kv - start[b][kv]) // 48)
+        if causal:
+            seen = seen & (kv <= q)
+        return seen if window_left is None else seen & (kv >= q - window_left)
+
+    chunked = masks.document(lens, causal=causal, window_left=window_left, chunk_size=48)
+    assert torch.equal(decode(chunked, 256), decode(masks.from_mask_mod(rule, 2, 1, 256, 256), 256))
+    by_ids = masks.document_ids(doc, causal=causal, window_left=window_left, chunk_size=48)
+    assert torch.equal(chunked, by_ids)
+    whole = masks.document(lens, causal=causal, window_left=window_left)
+    assert torch.equal(masks.document(lens, causal=causal, window_left=window_left, chunk_size=256), whole)
+    with pytest.raises(ValueError, match="chunk_size"):
+        masks.document(lens, chunk_size=0)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -188,6 +188,7 @@ def document(
     *,
     causal: bool = True,
     window_left: int | None = None,
+    chunk_size: int | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Packed-document (block-diagonal) self-attention mask.
@@ -199,7 +200,9 @@ def document(
 
     A row at position ``i`` in document ``[s, e)`` sees keys ``[s, e)`` (``causal=False``),
     ``[s, i]`` (``causal=True``).  ``window_left`` additionally limits the left edge to
-    ``max(s, i - window_left)`` (for ``causal=False`` the right edge stays ``e``).
+    ``max(s, i - window_left)`` (for ``causal=False`` the right edge stays ``e``). ``chunk_size``
+    (chunked attention, as :func:`chunked`, inside each document) cuts every document into chunks
+    of that many tokens from its start: a row sees only keys of its own chunk.
     Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
     """
     dev = _as_device(device)
@@ -211,11 +214,16 @@ def document(
         )  # output_size: the meta device has no values to sum
         for seq in seqs
     ])  # fmt: skip
-    return _documents(ids, causal, window_left, "masks.document", rows_hint=_DOCUMENT_ROWS_HINT)
+    return _documents(ids, causal, window_left, chunk_size, "masks.document", rows_hint=_DOCUMENT_ROWS_HINT)
 
 
 def document_ids(
-    doc_ids: torch.Tensor, *, causal: bool = True, window_left: int | None = None, pad_id: int | None = None
+    doc_ids: torch.Tensor,
+    *,
+    causal: bool = True,
+    window_left: int | None = None,
+    chunk_size: int | None = None,
+    pad_id: int | None = None,
 ) -> torch.Tensor:
     """:func:`document` from per-token document ids, built on ``doc_ids``' device without reading
     it back to the host (a CUDA tensor from the data loader stays on the GPU, with no sync).
@@ -240,13 +248,13 @@ def document_ids(
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
     pad = None if pad_id is None else ids == _as_int("pad_id", pad_id)
     return _documents(
-        ids, causal, window_left, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT, pad=pad
+        ids, causal, window_left, chunk_size, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT, pad=pad
     )
 
 
 def _documents(
-    ids: torch.Tensor, causal: bool, window_left: int | None, builder: str, rows_hint: str = "",
-    pad: torch.Tensor | None = None,
+    ids: torch.Tensor, causal: bool, window_left: int | None, chunk_size: int | None, builder: str,
+    rows_hint: str = "", pad: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`document_ids` of checked ``ids`` ``[B, S]``, as ``builder`` returns it (``rows_hint``:
     its refusal of other samples' addition, :mod:`maskplan_core.endpoint_samples`; ``pad``: bool
@@ -254,6 +262,7 @@ def _documents(
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
     window_left = None if window_left is None else _as_extent("window_left", window_left, window=True)
+    chunk_size = None if chunk_size is None else _as_extent("chunk_size", chunk_size, 1)
     seqlen = ids.shape[1]
     i = torch.arange(seqlen, device=ids.device).expand_as(ids)
     starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
@@ -266,6 +275,9 @@ def _documents(
         # the closing column in i's int64: ids of a narrow dtype (uint8, int16, ...) cannot hold S
         hi = torch.cat([next_start, torch.full_like(i[:, :1], seqlen)], dim=1)
         hi = hi.flip(1).cummin(dim=1).values.flip(1)
+    if chunk_size is not None:  # the row's chunk, counted from its document's start
+        lo = lo + torch.div(i - lo, chunk_size, rounding_mode="floor") * chunk_size
+        hi = torch.minimum(hi, lo + chunk_size)
     if window_left is not None:
         lo = torch.maximum(lo, i - window_left)
     if pad is not None:  # [0, 0) U [0, 0): no key
