@@ -50,6 +50,17 @@ def signature(**overrides) -> PlanSignature:
     return PlanSignature(**fields)
 
 
+def _view_config(direction: str, layout: RowMajorLayout, payload: PayloadLayoutSpec, **topology):
+    """A ViewConfig of ``layout``'s 32x32 tiles (``topology``: more Topology fields) whose signature
+    names ``payload``."""
+    from maskplan_core.consumer import ViewConfig
+
+    fields = dict(direction=direction, topology=Topology(tile_m=32, tile_n=32, **topology), payload=payload)
+    if direction == "backward":
+        fields["dq_order_format"] = "rank_int32"
+    return ViewConfig(signature(**fields), layout)
+
+
 # --------------------------------------------------------------------------------------------------
 # PlanSignature
 # --------------------------------------------------------------------------------------------------
@@ -441,10 +452,7 @@ def test_a_view_carries_a_signature_of_its_own_direction_and_layout():
     layout = RowMajorLayout(32, 32)
 
     def config(direction, payload=layout.spec):
-        fields = dict(direction=direction, topology=Topology(tile_m=32, tile_n=32), payload=payload)
-        if direction == "backward":
-            fields["dq_order_format"] = "rank_int32"
-        return ViewConfig(signature(**fields), layout)
+        return _view_config(direction, layout, payload)
 
     build_plan(masks.causal(100), g, config("forward"), config("backward"), "test")  # consistent
     with pytest.raises(ValueError, match="forward view was given a backward signature"):
@@ -470,7 +478,6 @@ def test_a_planner_refuses_pack_gqa_it_cannot_serve():
     """A PackGQA forward view names the geometry's group (a kernel sizes its packed tile by it),
     and a backward view never packs."""
     from maskplan_core import masks, validate_plan_inputs
-    from maskplan_core.consumer import ViewConfig
     from maskplan_core.reference import build_plan
 
     q, k = torch.randn(1, 64, 4, 8), torch.randn(1, 64, 2, 8)
@@ -478,11 +485,7 @@ def test_a_planner_refuses_pack_gqa_it_cannot_serve():
     layout = RowMajorLayout(32, 32)
 
     def config(direction, **topology):
-        tiles = Topology(tile_m=32, tile_n=32, **topology)
-        fields = dict(direction=direction, topology=tiles, payload=layout.spec)
-        if direction == "backward":
-            fields["dq_order_format"] = "rank_int32"
-        return ViewConfig(signature(**fields), layout)
+        return _view_config(direction, layout, layout.spec, **topology)
 
     build_plan(masks.causal(64), g, config("forward", pack_gqa=True, qhead_per_kvhead=2), None, "test")
     with pytest.raises(InputValueError, match=r"qhead_per_kvhead=1 is not .* = 2"):

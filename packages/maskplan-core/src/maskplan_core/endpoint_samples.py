@@ -101,20 +101,21 @@ def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
     builder found the mask_mod not reading its head index: a model of one head (a mask_mod that
     raised at head 1, as torch would at q's head 1) is refused for q of more heads."""
     built = _recorded(mask_func)
-    if built is not None and built.heads == 1 and not built.every_head and num_heads_q > 1:
+    if built is None:
+        return
+    if built.heads == 1 and not built.every_head and num_heads_q > 1:
         raise InputValueError(
             f"mask_func was built by {built.builder} for a model of one head (its mask_mod was not "
             f"evaluated past head 0, or raised at head 1), but q has {num_heads_q} heads, for which "
             f"torch's flex_attention calls the mask_mod with each head's index: build it for "
             f"H={num_heads_q} (heads={num_heads_q} for a block mask) with a mask_mod that takes every head"
         )
-    if built is None or not 1 < built.heads < num_heads_q:
-        return
-    raise InputValueError(
-        f"mask_func was built by {built.builder} for {built.heads} heads, but q has {num_heads_q}: a "
-        f"mask_mod's head index is a q head's (as in torch's create_block_mask), so build it for "
-        f"H={num_heads_q}, or H=1 where the mask does not depend on the head"
-    )
+    if 1 < built.heads < num_heads_q:
+        raise InputValueError(
+            f"mask_func was built by {built.builder} for {built.heads} heads, but q has {num_heads_q}: a "
+            f"mask_mod's head index is a q head's (as in torch's create_block_mask), so build it for "
+            f"H={num_heads_q}, or H=1 where the mask does not depend on the head"
+        )
 
 
 def _with_rows(q_lens: Sequence[int], k_lens: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -72,12 +72,18 @@ def raise_for_error_flags(flags: int, mask_func: torch.Tensor, geometry: PlanGeo
     raise AssertionError(f"unknown planner error flags 0x{flags:x}")
 
 
-def _in_sample(row: int, g: PlanGeometry) -> str:
-    """Where global query row ``row`` lies: its sample and its row there (an error path: reads the
-    prefixes back)."""
-    cu = g.cu_seqlens_q.cpu()
+def sample_of_row(cu_seqlens: torch.Tensor, row: int) -> tuple[int, int]:
+    """``(sample, its row)`` of global query row ``row`` under prefixes ``cu_seqlens`` (an empty
+    sample owns no row; a read back, for error messages)."""
+    cu = cu_seqlens.cpu()
     b = int(torch.searchsorted(cu, torch.tensor(row, dtype=cu.dtype), right=True)) - 1
-    return f"sample {b}, its row {row - int(cu[b])}"
+    return b, row - int(cu[b])
+
+
+def _in_sample(row: int, g: PlanGeometry) -> str:
+    """Where global query row ``row`` lies: its sample and its row there."""
+    b, local = sample_of_row(g.cu_seqlens_q, row)
+    return f"sample {b}, its row {local}"
 
 
 def _raise_seqlen(flags: int, g: PlanGeometry) -> None:

@@ -308,12 +308,12 @@ class PlanView:
         }
 
     def __repr__(self) -> str:
-        s = self.stats()
+        s, packing = self.stats(), self.packing()
         return (
             f"PlanView({self.role}, {self.signature.arch_family}/{self.signature.kernel_family}, "
             f"block {s['block'][0]}x{s['block'][1]}, rows={s['rows']}, partial={s['partial']}, "
             f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, {s['bytes']} bytes"
-            f"{', ' + self.packing() if self.packing() else ''})"
+            f"{', ' + packing if packing else ''})"
         )
 
 
@@ -619,12 +619,12 @@ class MaskPlan:
         them all), under the plan's consumer and geometry."""
         lines = [f"MaskPlan for {self._consumer}: {self._geometry.describe()}"]
         for role, v in self._views.items():
-            s = v.stats()
+            s, packing = v.stats(), v.packing()
             lines.append(
                 f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  rows {s['rows']:>6}  "
                 f"partial {s['partial']:>7}  full {s['full']:>7}  empty {s['empty']:>7}  "
                 f"density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
-                + (f"  ({v.packing()})" if v.packing() else "")
+                + (f"  ({packing})" if packing else "")
             )
         return "\n".join(lines)
 

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..endpoint_samples import record_samples
+from ..error_flags import sample_of_row
 from ..errors import InputTypeError, InputValueError
 from ._args import (
     _as_device,
@@ -173,7 +174,7 @@ def from_dense(
             if bool(bad.any()):
                 hh, rr = (int(x) for x in bad.nonzero()[0])
                 row = r0 + rr
-                b = int(torch.searchsorted(cu_q, torch.tensor(row, device=dev), right=True)) - 1
+                b = sample_of_row(cu_q, row)[0]
                 raise InputValueError(
                     f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
                     f"k_len {int(row_klen[row])}"
