@@ -597,18 +597,55 @@ def test_sm100_plans_build_on_the_device(monkeypatch, varlen):
         assert torch.equal(gpu.view(direction).to_dense().cpu(), cpu.view(direction).to_dense()), direction
 
 
-def test_document_ids_builds_on_the_device_without_a_sync():
+@pytest.mark.parametrize(
+    "options", [{}, {"pad_id": 2}, {"chunk_size": 256, "causal": True}], ids=["plain", "pad_id", "chunked"]
+)
+def test_document_ids_builds_on_the_device_without_a_sync(options):
     """Document endpoints from per-token ids already on the GPU (a data loader's) never read them
-    back: only create_mask_plan's header read waits for the device."""
+    back: only create_mask_plan's header read waits for the device. They equal the CPU builder's,
+    padding rows (``pad_id``) and chunks (``chunk_size``) included."""
     lens = [300, 700, 1000]
-    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lens)).to("cuda")
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lens)).expand(B, -1)
+    on_device = ids.to("cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        endpoints = masks.document_ids(ids.expand(B, -1))
+        endpoints = masks.document_ids(on_device, **options)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(endpoints.cpu(), masks.document([lens] * B))
+    assert torch.equal(endpoints.cpu(), masks.document_ids(ids, **options))
+    if not options:
+        assert torch.equal(endpoints.cpu(), masks.document([lens] * B))
+
+
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+def test_padding_rows_of_document_ids_give_zero_output_and_gradients():
+    """``pad_id`` rows see no key on the GPU kernels too: out 0, LSE -inf, no gradient through them;
+    the other rows match the CPU reference."""
+    torch.manual_seed(3)
+    ids = torch.repeat_interleave(torch.tensor([0, 1, -1]), torch.tensor([400, 500, 100])).expand(B, -1)
+    q = torch.randn(B, S, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, HKV, D, dtype=torch.bfloat16) for _ in "kv")
+    dout = torch.randn_like(q)
+
+    def run(device, dtype):
+        leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+        endpoints = masks.document_ids(ids.to(device), causal=True, pad_id=-1)
+        plan = flexattn.create_mask_plan(endpoints, *leaves)
+        out, lse = flexattn.flex_attn_func(*leaves, mask_plan=plan, return_lse=True)
+        out.backward(dout.to(device, dtype))
+        return [x.detach().float().cpu() for x in (out, lse, *(t.grad for t in leaves))]
+
+    got, want = run("cuda", torch.bfloat16), run("cpu", torch.float32)
+    out, lse, dq = got[0], got[1], got[2]
+    assert torch.equal(out[:, 900:], torch.zeros_like(out[:, 900:]))
+    assert torch.equal(lse[..., 900:], torch.full_like(lse[..., 900:], float("-inf")))
+    assert torch.equal(dq[:, 900:], torch.zeros_like(dq[:, 900:]))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        assert not g.isnan().any(), f"{name} has NaN"
+        finite = w.isfinite()
+        rel = ((g[finite] - w[finite]).norm() / w[finite].norm()).item()
+        assert rel <= 2e-2, f"{name}: relative L2 error {rel:.3e}"
 
 
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
