@@ -68,8 +68,9 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     """Non-reentrant checkpointing recomputes the layer in the backward. A layer that reads its
     plan from an attribute, which the next micro-batch replaced meanwhile, recomputes O and LSE
     with that other plan, and no plan gives the forward's gradients from them: refused, saying
-    why; so is a layer building its plan from a mask attribute that changed. The attribute
-    replaced by the same plan rebuilt gives the gradients."""
+    why, a plan of the same block counts (the fingerprint) too; so is a layer building its plan
+    from a mask attribute that changed. The attribute replaced by the same plan rebuilt gives the
+    gradients."""
     from torch.utils.checkpoint import checkpoint
 
     class Layer(torch.nn.Module):
@@ -81,6 +82,14 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     layer.plan = plan_for(q, k, v)
     out = checkpoint(layer, q, k, v, use_reentrant=False)
     layer.plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        out.sum().backward()
+    # S = 40 is one tile: document masks of any split share block counts, signatures and shapes
+    # (the fingerprint), and only the plans' tensors tell them apart
+    first = layer.plan = flexattn.create_mask_plan(masks.document([[10, 30]] * B, causal=True), q, k, v)
+    out = checkpoint(layer, q, k, v, use_reentrant=False)
+    layer.plan = flexattn.create_mask_plan(masks.document([[20, 20]] * B, causal=True), q, k, v)
+    assert layer.plan.identity_tensor[1] == first.identity_tensor[1] and not layer.plan.same_mask_as(first)
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
     # a layer building its plan from a mask attribute that changed: the rebuilt plan is collected

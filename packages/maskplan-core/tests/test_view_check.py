@@ -13,14 +13,16 @@ import torch
 from test_plan_properties import small_config
 
 from maskplan_core import MaskPlan, PlanView, masks, validate_plan_inputs
-from maskplan_core.errors import InputValueError
+from maskplan_core.errors import InputTypeError, InputValueError
 from maskplan_core.reference import build_plan
 from maskplan_core.view_check import entry_tiles
 
 CU = [0, 70, 70, 150]  # an empty middle sample
 
 
-def _plan(varlen: bool, hmask: int = 2, *, heads: int = 2, backward: bool = True) -> MaskPlan:
+def _plan(
+    varlen: bool, hmask: int = 2, *, heads: int = 2, backward: bool = True, windows: tuple = (70, 50)
+) -> MaskPlan:
     """Sliding windows (one per mask head) over two samples: empty, partial and full tiles at the
     16x32 forward / 32x16 backward blocks."""
     if varlen:
@@ -31,7 +33,7 @@ def _plan(varlen: bool, hmask: int = 2, *, heads: int = 2, backward: bool = True
     else:
         shape, extra = dict(seqlen_q=90, seqlen_k=100, batch=2), {}
         q, k = torch.randn(2, 90, heads, 8), torch.randn(2, 100, heads, 8)
-    ep = torch.cat([masks.sliding_window(**shape, window_left=w) for w in (70, 50)[:hmask]])
+    ep = torch.cat([masks.sliding_window(**shape, window_left=w) for w in windows[:hmask]])
     g = validate_plan_inputs(ep, q, k, k, **extra)
     bwd = small_config("backward", (32, 16)) if backward else None
     return build_plan(ep, g, small_config("forward", (16, 32)), bwd, "test")
@@ -269,6 +271,19 @@ def test_identity_is_the_handle_and_a_fingerprint_of_the_content(varlen):
     assert fingerprint == fingerprint2
     others = (_plan(varlen, hmask=1), _plan(varlen, hmask=1, heads=4), _plan(varlen, backward=False))
     assert len({fingerprint, *(int(other.identity_tensor[1]) for other in others)}) == 4
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_same_mask_compares_the_tensors_beyond_the_fingerprint(varlen):
+    """Windows of 50 and 51 keys give the same block counts (one fingerprint) and other payloads:
+    only the tensors tell them apart. A plan rebuilt from the same inputs gives the same mask."""
+    fifty, again, fifty_one = (_plan(varlen, 1, windows=(w,)) for w in (50, 50, 51))
+    assert fifty.identity_tensor[1] == fifty_one.identity_tensor[1]
+    assert fifty.same_mask_as(again) and fifty.same_mask_as(fifty)
+    assert not fifty.same_mask_as(fifty_one) and not fifty_one.same_mask_as(fifty)
+    assert not fifty.same_mask_as(_plan(varlen, 1, windows=(70,)))  # another fingerprint
+    with pytest.raises(InputTypeError, match="other must be a MaskPlan"):
+        fifty.same_mask_as(fifty.view("forward"))
 
 
 def test_identity_read_first_in_inference_mode_can_be_saved_for_a_backward():

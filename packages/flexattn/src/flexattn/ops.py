@@ -315,27 +315,28 @@ def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tenso
     """The plan handle an eager backward runs on, from its forward's plan (the autograd context's)
     and the saved ``identity_tensor``. Non-reentrant checkpointing replaces the saved tensors with
     a recomputed forward's, made with the plan the checkpointed function read or built then: the
-    forward's own; one rebuilt from the same inputs (the same fingerprint), the plan the saved O
-    and LSE were made with while it lives, else (collected) the forward's; or a plan of another
-    mask, where what the function reads changed between forward and backward (the next
-    micro-batch's plan or mask in a module attribute): no plan gives the forward's gradients from
-    that O and LSE, refused."""
+    forward's own; one rebuilt from the same inputs (the same mask: :meth:`MaskPlan.same_mask_as`,
+    one device read, or once collected the same fingerprint); or a plan of another mask, where what
+    the function reads changed between forward and backward (the next micro-batch's plan or mask
+    in a module attribute): no plan gives the forward's gradients from that O and LSE, refused."""
     (handle, fingerprint), (own, own_fingerprint) = saved.tolist(), forward_plan.identity_tensor.tolist()
     if handle == own:
         return forward_plan.handle_tensor
-    if fingerprint != own_fingerprint:
-        raise PlanBindingError(
-            "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False) "
-            "recomputed for this backward ran with another MaskPlan (another mask or other settings) "
-            "than the forward did: what the checkpointed function reads changed in between (a module "
-            "attribute replaced by the next micro-batch's forward?), so its saved O and LSE are another "
-            "plan's. Pass the plan (or its mask) to the checkpointed function as an argument, or "
-            "replace it only after the backward"
-        )
-    try:
-        return plan_for_handle(handle).handle_tensor
-    except InputValueError:  # rebuilt by the checkpointed function, and collected since
-        return forward_plan.handle_tensor
+    if fingerprint == own_fingerprint:
+        try:
+            recomputed = plan_for_handle(handle)
+        except InputValueError:  # rebuilt by the checkpointed function, and collected since
+            return forward_plan.handle_tensor
+        if recomputed.same_mask_as(forward_plan):
+            return forward_plan.handle_tensor
+    raise PlanBindingError(
+        "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False) "
+        "recomputed for this backward ran with another MaskPlan (another mask or other settings) "
+        "than the forward did: what the checkpointed function reads changed in between (a module "
+        "attribute replaced by the next micro-batch's forward?), so its saved O and LSE are another "
+        "plan's. Pass the plan (or its mask) to the checkpointed function as an argument, or "
+        "replace it only after the backward"
+    )
 
 
 class EagerAttention(torch.autograd.Function):

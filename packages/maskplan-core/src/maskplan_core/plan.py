@@ -538,7 +538,8 @@ class MaskPlan:
         An eager training call saves it, so that a backward handed a recomputed forward's tensors
         (activation checkpointing) tells whether that forward ran with this plan, a plan rebuilt
         from the same inputs (the same fingerprint, even once collected) or another one. Two
-        masks of the same block counts share a fingerprint. Read-only by contract."""
+        masks of the same block counts share a fingerprint (:meth:`same_mask_as` compares their
+        tensors). Read-only by contract."""
         if self._identity_tensor is None:
             with torch.inference_mode(False):  # saved for a backward even when first read in inference
                 fingerprint = _fingerprint(self._geometry, self._views, self._header, self._consumer)
@@ -546,6 +547,29 @@ class MaskPlan:
                 identity = torch.tensor((self._handle, fingerprint), dtype=torch.int64, device="cpu")
                 object.__setattr__(self, "_identity_tensor", identity)
         return self._identity_tensor
+
+    def same_mask_as(self, other: MaskPlan) -> bool:
+        """Whether ``other`` gives the attention this plan gives: the same fingerprint
+        (:attr:`identity_tensor`) and equal sample prefixes and view tensors, compared on their
+        device with one read back (planners write every element, so equal masks give equal
+        tensors). A backward told a recomputed forward ran with another plan asks this."""
+        if other is self:
+            return True
+        if not isinstance(other, MaskPlan):
+            raise InputTypeError(f"other must be a MaskPlan, got {type(other).__name__}")
+        if self.identity_tensor[1] != other.identity_tensor[1]:
+            return False
+        mine, theirs = self._storage[1:], other._storage[1:]  # the handle tensors aside
+        if [name for name, _ in mine] != [name for name, _ in theirs]:
+            return False
+        pairs = [(a, b) for (_, a), (_, b) in zip(mine, theirs, strict=True)]
+        if any(
+            (a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype))
+            for a, b in pairs
+        ):
+            return False
+        checks = [(a == b.to(a.device)).all() for a, b in pairs if a is not None]
+        return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
 
     @property
     def has_backward(self) -> bool:
