@@ -69,8 +69,8 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     plan from an attribute, which the next micro-batch replaced meanwhile, recomputes O and LSE
     with that other plan, and no plan gives the forward's gradients from them: refused, saying
     why, a plan of the same block counts (the fingerprint) too; so is a layer building its plan
-    from a mask attribute that changed. The attribute replaced by the same plan rebuilt gives the
-    gradients."""
+    from a mask attribute that changed, to one of the same block counts too. The attribute
+    replaced by the same plan rebuilt gives the gradients."""
     from torch.utils.checkpoint import checkpoint
 
     class Layer(torch.nn.Module):
@@ -101,6 +101,11 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     mask_layer.mask = masks.sliding_window(S, window_left=9, batch=B)
     out = checkpoint(mask_layer, q, k, v, use_reentrant=False)
     mask_layer.mask = masks.causal(S, batch=B)
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        out.sum().backward()
+    mask_layer.mask = masks.document([[10, 30]] * B, causal=True)  # the same fingerprint: the saved
+    out = checkpoint(mask_layer, q, k, v, use_reentrant=False)  # identity keeps the rebuilt plan
+    mask_layer.mask = masks.document([[20, 20]] * B, causal=True)  # for the comparison
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
     want = torch.autograd.grad(flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v)).sum(), (q, k, v))

@@ -168,8 +168,9 @@ def _run_forward(q, k, v, mask_plan, scale, training, want_max, *, pin: bool):
     return res.out.contiguous(), lse, max_logit.contiguous()
 
 
-def _pin_plan(lse: torch.Tensor, mask_plan: MaskPlan) -> None:
-    """Keep ``mask_plan`` alive as long as the storage of the training forward's ``lse``.
+def _pin_plan(tensor: torch.Tensor, mask_plan: MaskPlan) -> None:
+    """Keep ``mask_plan`` alive as long as the storage of ``tensor``: a compiled training forward's
+    LSE, or an eager one's saved identity (:func:`_eager_setup`).
 
     A compiled graph saves the op's LSE for its backward but carries only the plan's handle, so a
     plan built inside the compiled region (a local of the eager frame between two graphs) would be
@@ -179,7 +180,7 @@ def _pin_plan(lse: torch.Tensor, mask_plan: MaskPlan) -> None:
     plan then lives as long as a backward (or the caller's LSE) can still use it. A saved-tensor
     hook that copies the LSE (``torch.autograd.graph.save_on_cpu``) frees that storage, and with it
     the pin: then the caller keeps the plan (the error of ``plan_for_handle`` says so)."""
-    lse.untyped_storage()._flexattn_plan = mask_plan
+    tensor.untyped_storage()._flexattn_plan = mask_plan
 
 
 def _backward_impl(
@@ -276,9 +277,18 @@ def _no_forward_mode(ctx, *tangents):
     )
 
 
-def _eager_setup(ctx, inputs, output):
+def _eager_setup(ctx, inputs, output, pin: bool = False):
+    """The eager context: the op's saved tensors with the plan's identity, and the plan. ``pin``
+    (no torch.func transform, which would wrap the copy) saves a copy of the identity pinning the
+    plan (a few us): under non-reentrant checkpointing the recomputed forward's copy is what the
+    backward gets, and it keeps the plan that forward ran with (one the checkpointed function
+    built and dropped too) alive for :func:`_backward_handle` to compare."""
     q, k, v, mask_plan, *options = inputs
-    _setup_context(ctx, (q, k, v, mask_plan.identity_tensor, *options), output)
+    identity = mask_plan.identity_tensor
+    if pin:
+        identity = identity.clone()
+        _pin_plan(identity, mask_plan)
+    _setup_context(ctx, (q, k, v, identity, *options), output)
     ctx.mask_plan = mask_plan
     ctx.mark_non_differentiable(output[2])
 
@@ -314,18 +324,19 @@ def _eager_backward(ctx, dout, dlse, _dmax):
 def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tensor:
     """The plan handle an eager backward runs on, from its forward's plan (the autograd context's)
     and the saved ``identity_tensor``. Non-reentrant checkpointing replaces the saved tensors with
-    a recomputed forward's, made with the plan the checkpointed function read or built then: the
-    forward's own; one rebuilt from the same inputs (the same mask: :meth:`MaskPlan.same_mask_as`,
-    one device read, or once collected the same fingerprint); or a plan of another mask, where what
-    the function reads changed between forward and backward (the next micro-batch's plan or mask
-    in a module attribute): no plan gives the forward's gradients from that O and LSE, refused."""
+    a recomputed forward's, made with the plan the checkpointed function read or built then (the
+    saved identity keeps it alive): the forward's own; one rebuilt from the same inputs (the same
+    mask: :meth:`MaskPlan.same_mask_as`, one device read; the same fingerprint where a saved-tensor
+    hook copied the identity and the plan is gone); or a plan of another mask, where what the
+    function reads changed between forward and backward (the next micro-batch's plan or mask in a
+    module attribute): no plan gives the forward's gradients from that O and LSE, refused."""
     (handle, fingerprint), (own, own_fingerprint) = saved.tolist(), forward_plan.identity_tensor.tolist()
     if handle == own:
         return forward_plan.handle_tensor
     if fingerprint == own_fingerprint:
         try:
             recomputed = plan_for_handle(handle)
-        except InputValueError:  # rebuilt by the checkpointed function, and collected since
+        except InputValueError:  # a hook copied the saved identity, and the plan is gone
             return forward_plan.handle_tensor
         if recomputed.same_mask_as(forward_plan):
             return forward_plan.handle_tensor
@@ -355,7 +366,7 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
         output = _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
-        _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output)
+        _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output, pin=True)
         return output
 
     backward = staticmethod(_eager_backward)

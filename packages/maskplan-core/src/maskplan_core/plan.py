@@ -549,10 +549,11 @@ class MaskPlan:
         return self._identity_tensor
 
     def same_mask_as(self, other: MaskPlan) -> bool:
-        """Whether ``other`` gives the attention this plan gives: the same fingerprint
-        (:attr:`identity_tensor`) and equal sample prefixes and view tensors, compared on their
-        device with one read back (planners write every element, so equal masks give equal
-        tensors). A backward told a recomputed forward ran with another plan asks this."""
+        """Whether ``other`` can stand in for this plan: the same fingerprint (consumer, geometry,
+        view signatures, block counts: :attr:`identity_tensor`) and equal sample prefixes and view
+        tensors, compared on their device with one read back (planners write every element, so
+        equal masks give equal tensors). Plans of one mask with other views (no backward view, or
+        PackGQA) differ. A backward told a recomputed forward ran with another plan asks this."""
         if other is self:
             return True
         if not isinstance(other, MaskPlan):
@@ -560,16 +561,10 @@ class MaskPlan:
         if self.identity_tensor[1] != other.identity_tensor[1]:
             return False
         mine, theirs = self._storage[1:], other._storage[1:]  # the handle tensors aside
-        if [name for name, _ in mine] != [name for name, _ in theirs]:
+        if [(name, t.shape) for name, t in mine] != [(name, t.shape) for name, t in theirs]:
             return False
-        pairs = [(a, b) for (_, a), (_, b) in zip(mine, theirs, strict=True)]
-        if any(
-            (a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype))
-            for a, b in pairs
-        ):
-            return False
-        checks = [(a == b.to(a.device)).all() for a, b in pairs if a is not None]
-        return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
+        same = [(a == b).all() for (_, a), (_, b) in zip(mine, theirs, strict=True)]
+        return bool(torch.stack(same).all())
 
     @property
     def has_backward(self) -> bool:
