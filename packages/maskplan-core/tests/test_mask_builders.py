@@ -242,6 +242,55 @@ def test_document_chunks_count_from_each_documents_start(causal, window_left):
         masks.document(lens, chunk_size=0)
 
 
+@pytest.mark.parametrize("window_left,chunk_size", [(None, None), (20, None), (None, 48)], ids=str)
+def test_document_prefixes_are_prefix_lm_inside_each_document(window_left, chunk_size):
+    """prefix_lens / prefix: a document's prefix tokens see one another both ways, every token its
+    document's keys up to itself (the mask_mod of that rule, with a window or chunks on top);
+    document_ids' prefix tokens give the same, and a prefix run away from a document's start too."""
+    lens, prefixes = [[100, 0, 156], [256]], [[30, 0, 156], [0]]
+    doc = torch.tensor([[0] * 100 + [1] * 156, [0] * 256])
+    start = torch.stack([torch.tensor([0] * 100 + [100] * 156), torch.zeros(256, dtype=torch.long)])
+    prefix = torch.zeros(2, 256, dtype=torch.bool)
+    prefix[0, :30] = prefix[0, 100:] = True
+
+    def rule(b, h, q, kv):
+        seen = (doc[b][q] == doc[b][kv]) & ((kv <= q) | (prefix[b][q] & prefix[b][kv]))
+        if chunk_size is not None:
+            seen = seen & ((q - start[b][q]) // chunk_size == (kv - start[b][kv]) // chunk_size)
+        return seen if window_left is None else seen & (kv >= q - window_left)
+
+    options = dict(window_left=window_left, chunk_size=chunk_size)
+    want = decode(masks.from_mask_mod(rule, 2, 1, 256, 256), 256)
+    by_lens = masks.document(lens, prefix_lens=prefixes, **options)
+    assert torch.equal(decode(by_lens, 256), want)
+    assert torch.equal(masks.document_ids(doc, prefix=prefix, **options), by_lens)
+    no_prefix = masks.document(lens, prefix_lens=[[0, 0, 0], [0]], **options)
+    assert torch.equal(no_prefix, masks.document(lens, **options))
+    middle = torch.zeros(1, 256, dtype=torch.bool)
+    middle[0, 40:60] = True  # a prompt in the middle of a document: only that run sees both ways
+    rule_middle = lambda b, h, q, kv: (kv <= q) | (middle[0][q] & middle[0][kv])  # noqa: E731
+    assert torch.equal(
+        decode(masks.document_ids(torch.zeros(256, dtype=torch.long), prefix=middle[0]), 256),
+        decode(masks.from_mask_mod(rule_middle, 1, 1, 256, 256), 256),
+    )
+
+
+def test_document_prefixes_are_checked():
+    with pytest.raises(ValueError, match=r"prefix_lens\[0\]\[1\] must be in \[0, 0\]"):
+        masks.document([[4, 0], [4]], prefix_lens=[[1, 1], [0]])
+    with pytest.raises(ValueError, match="one prefix per document"):
+        masks.document([[4, 4]], prefix_lens=[[1]])
+    with pytest.raises(ValueError, match=r"prefix_lens\[1\] must be in \[0, 4\]"):
+        masks.document([4, 4], prefix_lens=[1, 5])
+    with pytest.raises(ValueError, match="only causal documents"):
+        masks.document([4, 4], prefix_lens=[1, 1], causal=False)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(TypeError, match="prefix must be a bool tensor"):
+        masks.document_ids(ids, prefix=torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"prefix must be shaped as doc_ids \(2, 8\)"):
+        masks.document_ids(ids, prefix=torch.zeros(8, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_document_ids_pad_rows_see_nothing(causal):
     """With pad_id the padding rows see no key (endpoints 0, 0, 0); every other row sees what it

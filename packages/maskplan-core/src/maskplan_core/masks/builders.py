@@ -189,6 +189,7 @@ def document(
     causal: bool = True,
     window_left: int | None = None,
     chunk_size: int | None = None,
+    prefix_lens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Packed-document (block-diagonal) self-attention mask.
@@ -202,7 +203,10 @@ def document(
     ``[s, i]`` (``causal=True``).  ``window_left`` additionally limits the left edge to
     ``max(s, i - window_left)`` (for ``causal=False`` the right edge stays ``e``). ``chunk_size``
     (chunked attention, as :func:`chunked`, inside each document) cuts every document into chunks
-    of that many tokens from its start: a row sees only keys of its own chunk.
+    of that many tokens from its start: a row sees only keys of its own chunk. ``prefix_lens``
+    (prefix-LM inside each document, ``causal=True``), shaped as ``doc_lens``: the first
+    ``prefix_lens[b][j]`` tokens of document ``j`` see one another both ways (a prompt), the rest
+    causally, as :func:`prefix_lm` per document.
     Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
     """
     dev = _as_device(device)
@@ -214,7 +218,41 @@ def document(
         )  # output_size: the meta device has no values to sum
         for seq in seqs
     ])  # fmt: skip
-    return _documents(ids, causal, window_left, chunk_size, "masks.document", rows_hint=_DOCUMENT_ROWS_HINT)
+    prefix = None if prefix_lens is None else _prefix_tokens(prefix_lens, seqs, dev)
+    return _documents(
+        ids, causal, window_left, chunk_size, "masks.document", rows_hint=_DOCUMENT_ROWS_HINT, prefix=prefix
+    )
+
+
+def _prefix_tokens(prefix_lens: object, seqs: list[list[int]], dev: torch.device) -> torch.Tensor:
+    """bool ``[B, S]``: the tokens of each document's prefix, from ``prefix_lens`` shaped as the
+    parsed ``doc_lens`` (``seqs``)."""
+    if type(prefix_lens).__module__ == "numpy" and hasattr(prefix_lens, "tolist"):
+        prefix_lens = prefix_lens.tolist()
+    if isinstance(prefix_lens, torch.Tensor):
+        prefix_lens = prefix_lens.tolist() if prefix_lens.dim() in (1, 2) else prefix_lens
+    if not _is_sequence(prefix_lens) or len(prefix_lens) == 0:
+        raise InputTypeError(f"prefix_lens must be shaped as doc_lens, got {prefix_lens!r}")
+    nested = _is_sequence(prefix_lens[0])
+    rows = [_int_list(f"prefix_lens[{b}]", row) for b, row in enumerate(prefix_lens)] if nested else [
+        _int_list("prefix_lens", prefix_lens)
+    ]  # fmt: skip
+    if [len(row) for row in rows] != [len(seq) for seq in seqs]:
+        raise InputValueError(
+            f"prefix_lens must give one prefix per document of doc_lens ({[len(q) for q in seqs]} "
+            f"documents per sample), got {[len(row) for row in rows]}"
+        )
+    for b, (row, seq) in enumerate(zip(rows, seqs, strict=True)):
+        for j, (p, n) in enumerate(zip(row, seq, strict=True)):
+            if not 0 <= p <= n:
+                name = f"prefix_lens[{b}][{j}]" if nested else f"prefix_lens[{j}]"
+                raise InputValueError(f"{name} must be in [0, {n}] (its document's length), got {p}")
+    tokens = []
+    for row, seq in zip(rows, seqs, strict=True):  # per document, p prefix tokens then n - p others
+        runs = [x for p, n in zip(row, seq, strict=True) for x in (p, n - p)]
+        marks = torch.tensor([True, False] * len(seq), device=dev)
+        tokens.append(torch.repeat_interleave(marks, torch.tensor(runs, device=dev), output_size=sum(seq)))
+    return torch.stack(tokens)
 
 
 def document_ids(
@@ -224,6 +262,7 @@ def document_ids(
     window_left: int | None = None,
     chunk_size: int | None = None,
     pad_id: int | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`document` from per-token document ids, built on ``doc_ids``' device without reading
     it back to the host (a CUDA tensor from the data loader stays on the GPU, with no sync).
@@ -238,6 +277,10 @@ def document_ids(
     Padding: a run of padding tokens is a document of its own, so no other row sees it, but its
     rows attend to one another. With ``pad_id`` the rows of that id see nothing instead (their
     output is 0, their LSE -inf, their gradients 0, and their tiles cost no attention work).
+
+    ``prefix`` (prefix-LM inside each document, ``causal=True``): a bool tensor shaped as
+    ``doc_ids``, True on prefix tokens (a prompt). A run of them sees itself both ways; every row
+    also sees its document's keys up to itself, as :func:`document`'s ``prefix_lens``.
     """
     if not isinstance(doc_ids, torch.Tensor):
         raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
@@ -247,20 +290,35 @@ def document_ids(
         raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
     pad = None if pad_id is None else ids == _as_int("pad_id", pad_id)
+    if prefix is not None:
+        if not isinstance(prefix, torch.Tensor) or prefix.dtype != torch.bool:
+            got = prefix.dtype if isinstance(prefix, torch.Tensor) else type(prefix).__name__
+            raise InputTypeError(f"prefix must be a bool tensor shaped as doc_ids, got {got}")
+        if prefix.shape != doc_ids.shape or prefix.device != doc_ids.device:
+            raise InputValueError(
+                f"prefix must be shaped as doc_ids {tuple(doc_ids.shape)} on its device {doc_ids.device}, "
+                f"got {tuple(prefix.shape)} on {prefix.device}"
+            )
+        prefix = prefix.reshape(ids.shape)
     return _documents(
-        ids, causal, window_left, chunk_size, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT, pad=pad
-    )
+        ids, causal, window_left, chunk_size, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT,
+        pad=pad, prefix=prefix,
+    )  # fmt: skip
 
 
 def _documents(
     ids: torch.Tensor, causal: bool, window_left: int | None, chunk_size: int | None, builder: str,
-    rows_hint: str = "", pad: torch.Tensor | None = None,
+    rows_hint: str = "", pad: torch.Tensor | None = None, prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """:func:`document_ids` of checked ``ids`` ``[B, S]``, as ``builder`` returns it (``rows_hint``:
     its refusal of other samples' addition, :mod:`maskplan_core.endpoint_samples`; ``pad``: bool
-    ``[B, S]``, rows that see nothing)."""
+    ``[B, S]``, rows that see nothing; ``prefix``: bool ``[B, S]``, prefix tokens)."""
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if prefix is not None and not causal:
+        raise InputValueError(
+            "a prefix changes only causal documents (causal=False already shows every row its whole document)"
+        )
     window_left = None if window_left is None else _as_extent("window_left", window_left, window=True)
     chunk_size = None if chunk_size is None else _as_extent("chunk_size", chunk_size, 1)
     seqlen = ids.shape[1]
@@ -268,13 +326,12 @@ def _documents(
     starts = torch.ones_like(ids, dtype=torch.bool)  # a document starts at row i
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     lo = torch.where(starts, i, 0).cummax(dim=1).values  # the latest start at or before i
-    if causal:
+    if not causal:  # one past the row's document
+        hi = _next_after(starts, i, seqlen)
+    elif prefix is None:
         hi = i + 1
-    else:  # one past the row's document: the earliest start after i, or S
-        next_start = torch.where(starts[:, 1:], i[:, 1:], seqlen)
-        # the closing column in i's int64: ids of a narrow dtype (uint8, int16, ...) cannot hold S
-        hi = torch.cat([next_start, torch.full_like(i[:, :1], seqlen)], dim=1)
-        hi = hi.flip(1).cummin(dim=1).values.flip(1)
+    else:  # a prefix row sees on to the end of its run of prefix tokens in its document
+        hi = torch.where(prefix, _next_after(starts | ~prefix, i, seqlen), i + 1)
     if chunk_size is not None:  # the row's chunk, counted from its document's start
         lo = lo + torch.div(i - lo, chunk_size, rounding_mode="floor") * chunk_size
         hi = torch.minimum(hi, lo + chunk_size)
@@ -284,6 +341,14 @@ def _documents(
         lo, hi = lo.masked_fill(pad, 0), hi.masked_fill(pad, 0)
     rows = [torch.zeros_like(lo).reshape(-1), lo.reshape(-1), hi.reshape(-1)]
     return _finish(rows, 1, builder, [seqlen] * ids.shape[0], rows_hint=rows_hint)
+
+
+def _next_after(flags: torch.Tensor, i: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Per position ``i`` of ``[B, S]``, the earliest later position where ``flags`` holds, else S."""
+    later = torch.where(flags[:, 1:], i[:, 1:], seqlen)
+    # the closing column in i's int64: ids of a narrow dtype (uint8, int16, ...) cannot hold S
+    later = torch.cat([later, torch.full_like(i[:, :1], seqlen)], dim=1)
+    return later.flip(1).cummin(dim=1).values.flip(1)
 
 
 def prefix_lm(
