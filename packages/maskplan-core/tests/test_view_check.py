@@ -300,3 +300,11 @@ def _torch_round_trip(view: PlanView) -> PlanView:
     torch.save(view, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+def test_block_map_refuses_a_view_that_breaks_the_abi():
+    """A view whose counts were written in place is refused by name, not decoded into a torch error."""
+    view = _plan(False).view("forward")
+    view.tensors["full_block_cnt"].add_(1)
+    with pytest.raises(InputValueError, match="full_block_cnt"):
+        view.block_map_text()

@@ -220,8 +220,9 @@ class PlanView:
     def block_map(self, sample: int = 0, head: int = 0) -> torch.Tensor:
         """The blocks of one batch sample and mask head as the planner classified them: int8
         ``[q_blocks, k_blocks]`` (Q block rows, whichever the view's major order), 0 empty,
-        1 partial (a payload), 2 full. :meth:`block_map_text` draws it."""
-        g = self.geometry
+        1 partial (a payload), 2 full. :meth:`block_map_text` draws it. Runs :meth:`validate`
+        first, as :meth:`to_dense`."""
+        g = self.validate().geometry
         sample, head = require_int("sample", sample), require_int("head", head)
         if sample >= g.batch:
             raise InputValueError(f"sample={sample} is out of range for a batch of {g.batch}")
@@ -266,7 +267,8 @@ class PlanView:
         t = self.signature.topology
         if not t.pack_gqa:
             return ""
-        return f"PackGQA: a block is {t.tile_m} positions x {t.qhead_per_kvhead} q heads"
+        positions = "position" if t.tile_m == 1 else "positions"
+        return f"PackGQA: a block is {t.tile_m} {positions} x {t.qhead_per_kvhead} q heads"
 
     def to_dense(self) -> torch.Tensor:
         """bool ``[Hmask, total_q, Sk]``; varlen: ``Sk`` is the longest sample's k_len (not the
