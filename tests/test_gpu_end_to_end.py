@@ -597,20 +597,25 @@ def test_sm100_plans_build_on_the_device(monkeypatch, varlen):
         assert torch.equal(gpu.view(direction).to_dense().cpu(), cpu.view(direction).to_dense()), direction
 
 
+_PROMPTS = (torch.arange(2000) % 700 < 90).expand(B, -1)  # prompt tokens, for document_ids(prefix=)
+
+
 @pytest.mark.parametrize(
-    "options", [{}, {"pad_id": 2}, {"chunk_size": 256, "causal": True}], ids=["plain", "pad_id", "chunked"]
-)
+    "options", [{}, {"pad_id": 2}, {"chunk_size": 256, "causal": True}, {"prefix": _PROMPTS}],
+    ids=["plain", "pad_id", "chunked", "prefix"],
+)  # fmt: skip
 def test_document_ids_builds_on_the_device_without_a_sync(options):
     """Document endpoints from per-token ids already on the GPU (a data loader's) never read them
     back: only create_mask_plan's header read waits for the device. They equal the CPU builder's,
-    padding rows (``pad_id``) and chunks (``chunk_size``) included."""
+    padding rows (``pad_id``), chunks (``chunk_size``) and prompts (``prefix``) included."""
     lens = [300, 700, 1000]
     ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lens)).expand(B, -1)
     on_device = ids.to("cuda")
+    options_on_device = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in options.items()}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        endpoints = masks.document_ids(on_device, **options)
+        endpoints = masks.document_ids(on_device, **options_on_device)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(endpoints.cpu(), masks.document_ids(ids, **options))
