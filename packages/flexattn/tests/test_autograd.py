@@ -41,8 +41,8 @@ def test_a_plan_nobody_holds_lives_until_the_backward():
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_checkpointed_layer_building_its_plan(reentrant):
     """Activation checkpointing of a layer that builds its own plan: the backward recomputes the
-    layer (a new plan, collected when the recomputation returns; non-reentrant checkpointing then
-    hands the backward the recomputed saved tensors, the new plan's handle among them, which it
+    layer (a new plan; non-reentrant checkpointing then hands the backward the recomputed saved
+    tensors, the new plan's identity among them, which keeps it for the comparison and which it
     unpacks once only, ``create_graph=True`` included) and gives the gradients of the plain layer."""
     from torch.utils.checkpoint import checkpoint
 
