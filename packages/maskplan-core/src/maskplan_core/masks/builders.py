@@ -206,7 +206,7 @@ def document(
     of that many tokens from its start: a row sees only keys of its own chunk. ``prefix_lens``
     (prefix-LM inside each document, ``causal=True``), shaped as ``doc_lens``: the first
     ``prefix_lens[b][j]`` tokens of document ``j`` see one another both ways (a prompt), the rest
-    causally, as :func:`prefix_lm` per document.
+    causally, as :func:`prefix_lm` per document; a window or chunks still apply on top.
     Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
     """
     dev = _as_device(device)
@@ -279,8 +279,9 @@ def document_ids(
     output is 0, their LSE -inf, their gradients 0, and their tiles cost no attention work).
 
     ``prefix`` (prefix-LM inside each document, ``causal=True``): a bool tensor shaped as
-    ``doc_ids``, True on prefix tokens (a prompt). A run of them sees itself both ways; every row
-    also sees its document's keys up to itself, as :func:`document`'s ``prefix_lens``.
+    ``doc_ids``, True on prefix tokens (a prompt). A run of them (split where a document starts)
+    sees itself both ways; every row also sees its document's keys up to itself, as
+    :func:`document`'s ``prefix_lens``; a window or chunks still apply on top.
     """
     if not isinstance(doc_ids, torch.Tensor):
         raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
