@@ -284,6 +284,10 @@ def test_document_prefixes_are_checked():
         masks.document([4, 4], prefix_lens=[1, 5])
     with pytest.raises(ValueError, match="only causal documents"):
         masks.document([4, 4], prefix_lens=[1, 1], causal=False)
+    with pytest.raises(TypeError, match="prefix_lens must hold integers, got a tensor of dtype torch.bool"):
+        masks.document([4, 4], prefix_lens=torch.tensor([True, False]))
+    by_tensor = masks.document([4, 4], prefix_lens=torch.tensor([1, 2]))
+    assert torch.equal(by_tensor, masks.document([4, 4], prefix_lens=[1, 2]))
     ids = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(TypeError, match="prefix must be a bool tensor"):
         masks.document_ids(ids, prefix=torch.zeros(2, 8, dtype=torch.long))

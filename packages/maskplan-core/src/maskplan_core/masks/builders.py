@@ -229,9 +229,7 @@ def _prefix_tokens(prefix_lens: object, seqs: list[list[int]], dev: torch.device
     parsed ``doc_lens`` (``seqs``)."""
     if type(prefix_lens).__module__ == "numpy" and hasattr(prefix_lens, "tolist"):
         prefix_lens = prefix_lens.tolist()
-    if isinstance(prefix_lens, torch.Tensor):
-        prefix_lens = prefix_lens.tolist() if prefix_lens.dim() in (1, 2) else prefix_lens
-    if not _is_sequence(prefix_lens) or len(prefix_lens) == 0:
+    if not _is_sequence(prefix_lens) or len(prefix_lens) == 0:  # a tensor's rows: _int_list checks dtypes
         raise InputTypeError(f"prefix_lens must be shaped as doc_lens, got {prefix_lens!r}")
     nested = _is_sequence(prefix_lens[0])
     rows = [_int_list(f"prefix_lens[{b}]", row) for b, row in enumerate(prefix_lens)] if nested else [
