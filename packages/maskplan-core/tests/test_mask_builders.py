@@ -374,3 +374,20 @@ def test_chunked_matches_dense(s, chunk, causal, batch):
     ep = masks.chunked(s, chunk, causal=causal, batch=batch)
     assert ep.shape == (1, 3, batch * s)
     assert_matches(ep, ref_chunked(s, chunk, causal, batch), s)
+
+
+def test_document_ids_recipe_for_packed_sft_batches():
+    """document_ids' recipe from a data loader's position ids, attention mask and labels: a row
+    opening with the tail of a document, prompts (labels -100) seen both ways, padding seeing
+    nothing and seen by nobody."""
+    pos = torch.tensor([[37, 38, 39, 0, 1, 2, 3, 0, 1, 0, 0]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    labels = torch.tensor([[5, 5, 5, -100, -100, 5, 5, -100, 5, -100, -100]])
+    ids = (pos == 0).cumsum(-1).masked_fill(attention_mask == 0, -1)
+    endpoints = masks.document_ids(ids, prefix=labels == -100, pad_id=-1)
+    doc, prompt = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, -1, -1]), labels[0] == -100
+
+    def rule(b, h, q, kv):  # each document's prompt is one run
+        return (doc[q] == doc[kv]) & (doc[q] >= 0) & ((kv <= q) | (prompt[q] & prompt[kv]))
+
+    assert torch.equal(decode(endpoints, 11), decode(masks.from_mask_mod(rule, 1, 1, 11, 11), 11))

@@ -272,9 +272,15 @@ def document_ids(
     int32 endpoints ``[0, lo, hi]``. Position ids that restart at 0 in every document give the ids
     as ``(position_ids == 0).cumsum(-1)``.
 
-    Padding: a run of padding tokens is a document of its own, so no other row sees it, but its
-    rows attend to one another. With ``pad_id`` the rows of that id see nothing instead (their
-    output is 0, their LSE -inf, their gradients 0, and their tiles cost no attention work).
+    Padding: a run of padding tokens is a document of its own where its ids differ from its
+    neighbours' (give them their own id), so no other row sees it, but its rows attend to one
+    another. With ``pad_id`` the rows of that id see nothing instead (their output is 0, their LSE
+    -inf, their gradients 0, and their tiles cost no attention work). Every token of that id is
+    padding, a document's too: use an id no document has, such as -1. From a data loader's
+    ``position_ids``, ``attention_mask`` (0 on padding) and ``labels`` (-100 on the prompt)::
+
+        ids = (position_ids == 0).cumsum(-1).masked_fill(attention_mask == 0, -1)
+        endpoints = document_ids(ids, prefix=labels == -100, pad_id=-1)  # prefix: SFT prompts
 
     ``prefix`` (prefix-LM inside each document, ``causal=True``): a bool tensor shaped as
     ``doc_ids``, True on prefix tokens (a prompt). A run of them (split where a document starts)
