@@ -280,7 +280,7 @@ def test_scheduler_counter_returns_to_zero(monkeypatch):
 
 
 # -- PackGQA --------------------------------------------------------------------------------------
-PACK = [(8, 2), (16, 1), (4, 4), (32, 2)]  # G = 4, 16, 1, 16 (Hkv = 2)
+PACK = [(8, 2), (16, 1), (4, 4), (32, 2), (32, 1)]  # G = 4, 16, 1, 16 (Hkv = 2), 32 (MQA, Q blocks of 4)
 
 
 @pytest.mark.parametrize("hq,hkv", PACK, ids=lambda x: str(x))
