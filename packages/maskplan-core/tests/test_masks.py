@@ -53,6 +53,11 @@ from maskplan_core.errors import FlexAttnError, InputValueError
         (lambda: masks.causal(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2**32]), ValueError, "= 4294967296"),
         (lambda: masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 2, 2**31), ValueError, "Sk = "),
         (lambda: masks.document_ids(torch.zeros(0, 5, dtype=torch.int64)), ValueError, "B >= 1"),
+        # lengths the meta device holds no values of: refused by name, not torch's .item() error
+        (lambda: masks.document(torch.tensor([2, 2], device="meta")), ValueError, "doc_lens must hold"),
+        (lambda: masks.prefix_lm(4, torch.tensor([1], device="meta")), ValueError, "prefix_len must hold"),
+        (lambda: masks.causal(cu_seqlens_q=[0, 2], cu_seqlens_k=[0, 2], device="meta"), ValueError,
+         "cu_seqlens_q: a varlen mask is built from its samples' lengths"),
     ],
 )
 def test_builder_validation(call, exc, pattern):
@@ -112,6 +117,7 @@ def test_builders_on_the_meta_device():
     meta = torch.device("meta")
     for ep, on_cpu in (
         (masks.document([3, 5], device=meta), masks.document([3, 5])),
+        (masks.document([3, 5], prefix_lens=[1, 2], device=meta), masks.document([3, 5], prefix_lens=[1, 2])),
         (masks.causal(8, device=meta), masks.causal(8)),
         (masks.sliding_window(8, window_left=2, device=meta), masks.sliding_window(8, window_left=2)),
     ):

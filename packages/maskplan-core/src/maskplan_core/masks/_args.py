@@ -78,6 +78,8 @@ def _int_list(name: str, value: object) -> list[int]:
             raise InputTypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
         if value.dim() != 1:
             raise InputValueError(f"{name} must be 1-D, got a tensor of shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise InputValueError(f"{name} must hold values, got a meta tensor (pass device='meta' instead)")
         return [int(v) for v in value.tolist()]
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise InputTypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
@@ -110,6 +112,11 @@ def _finish(
 
 
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:
+    if device.type == "meta" or (isinstance(value, torch.Tensor) and value.is_meta):
+        raise InputValueError(
+            f"{name}: a varlen mask is built from its samples' lengths, which the meta device does "
+            "not hold: build it on 'cpu' or 'cuda'"
+        )
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
             raise InputTypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
