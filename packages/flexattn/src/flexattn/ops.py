@@ -279,10 +279,10 @@ def _no_forward_mode(ctx, *tangents):
 
 def _eager_setup(ctx, inputs, output, pin: bool = False):
     """The eager context: the op's saved tensors with the plan's identity, and the plan. ``pin``
-    (no torch.func transform, which would wrap the copy) saves a copy of the identity pinning the
-    plan (a few us): under non-reentrant checkpointing the recomputed forward's copy is what the
-    backward gets, and it keeps the plan that forward ran with (one the checkpointed function
-    built and dropped too) alive for :func:`_backward_handle` to compare."""
+    (a training call, under no torch.func transform, which would wrap the copy) saves a copy of
+    the identity pinning the plan (a few us): under non-reentrant checkpointing the recomputed
+    forward's copy is what the backward gets, and it keeps the plan that forward ran with (one
+    the checkpointed function built and dropped too) alive for :func:`_backward_handle`."""
     q, k, v, mask_plan, *options = inputs
     identity = mask_plan.identity_tensor
     if pin:
@@ -366,7 +366,8 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
         output = _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
-        _eager_setup(ctx, (q, k, v, mask_plan, scale, training, deterministic, want_max), output, pin=True)
+        options = (scale, training, deterministic, want_max)
+        _eager_setup(ctx, (q, k, v, mask_plan, *options), output, pin=training)  # no copy for inference
         return output
 
     backward = staticmethod(_eager_backward)
