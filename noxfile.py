@@ -228,10 +228,11 @@ def integration(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """examples/demo.py with flexattn + core only (CPU check; on a GPU also the CUDA path), and a
-    few steps of examples/train_packed_documents.py."""
+    few steps of examples/train_packed_documents.py (with a window, and with SFT prompts)."""
     install_layer(session, "flexattn", extras=())
     session.run("python", "examples/demo.py", *session.posargs)
     session.run("python", "examples/train_packed_documents.py", "--steps", "5", "--window", "64")
+    session.run("python", "examples/train_packed_documents.py", "--steps", "5", "--prompt")
 
 
 @nox.session(name="bench_cpu", python=PYTHON)

@@ -2,6 +2,7 @@
 forward and backward, the whole model optionally under ``torch.compile(fullgraph=True)``.
 
     python examples/train_packed_documents.py                       # CPU reference path, seconds
+    python examples/train_packed_documents.py --prompt              # SFT: prompts seen both ways
     python examples/train_packed_documents.py --device cuda --seqlen 8192 --batch 2 --dim 1024 \\
         --heads 8 --kv-heads 2 --lr 3e-4 --steps 60 [--compile] [--plan-ahead] [--layers 8]  # Hopper
 
@@ -19,9 +20,12 @@ plan's own small kernels.
 Each sample packs documents of random lengths; every document repeats a short random token
 pattern, so a token is predictable only from earlier tokens of its own document, which is what the
 document (+ optional sliding window) mask lets attention see: the loss falls below ln(vocab) as the
-model learns to copy within documents. The plan is built outside the model and passed to it as an
-argument; a compiled model runs one graph for every batch's new plan (the plan enters it as
-``plan.handle_tensor``, a graph input).
+model learns to copy within documents. With ``--prompt`` each document opens with one copy of its
+pattern as a prompt, as in supervised fine-tuning: its tokens see one another both ways (prefix-LM
+inside each document, ``masks.document(..., prefix_lens=)``), and only the tokens after it are
+trained on (a prompt token's target may lie inside the prompt, which it sees). The plan is built
+outside the model and passed to it as an argument; a compiled model runs one graph for every
+batch's new plan (the plan enters it as ``plan.handle_tensor``, a graph input).
 """
 
 from __future__ import annotations
@@ -73,28 +77,33 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator):
-    """Tokens ``[batch, seqlen]``, next-token targets (-100 where a document ends) and the document
-    lengths of each sample."""
-    tokens, targets, doc_lens = [], [], []
+def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator, prompt: bool = False):
+    """Tokens ``[batch, seqlen]``, next-token targets (-100 where a document ends, and with
+    ``prompt`` inside its prompt), and each sample's document lengths and prompt lengths (one
+    period of the document's pattern with ``prompt``, else 0)."""
+    tokens, targets, doc_lens, prompt_lens = [], [], [], []
     for _ in range(batch):
         lens, left = [], seqlen
         while left:
             lens.append(min(left, int(torch.randint(seqlen // 8, seqlen // 2 + 1, (1,), generator=gen))))
             left -= lens[-1]
-        row = []
+        row, prompts = [], []
         for n in lens:
             period = int(torch.randint(2, 9, (1,), generator=gen))
             pattern = torch.randint(0, vocab, (period,), generator=gen)
             row.append(pattern.repeat(n // period + 1)[:n])
+            prompts.append(min(period, n) if prompt else 0)
         row = torch.cat(row)
         target = torch.cat([row[1:], row[:1]])
-        ends = torch.tensor(lens).cumsum(0) - 1
-        target[ends] = -100  # the next document's first token is not predictable
+        starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+        for start, p in zip(starts.tolist(), prompts, strict=True):
+            target[start : start + max(p - 1, 0)] = -100  # seen by the prompt itself: no target
+        target[starts + torch.tensor(lens) - 1] = -100  # the next document's first token is not predictable
         tokens.append(row)
         targets.append(target)
         doc_lens.append(lens)
-    return torch.stack(tokens), torch.stack(targets), doc_lens
+        prompt_lens.append(prompts)
+    return torch.stack(tokens), torch.stack(targets), doc_lens, prompt_lens
 
 
 def main() -> None:
@@ -110,6 +119,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (wider models want less)")
     p.add_argument("--window", type=int, default=None, help="also limit attention to this many keys back")
+    p.add_argument("--prompt", action="store_true", help="documents open with a prompt seen both ways (SFT)")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model")
     p.add_argument("--plan-ahead", action="store_true", help="build the next plan on a side stream (CUDA)")
     args = p.parse_args()
@@ -148,18 +158,19 @@ def main() -> None:
 
     def next_batch():
         """The next batch, and with --plan-ahead its plan and the host seconds building it took."""
-        tokens, targets, doc_lens = packed_batch(args.batch, args.seqlen, args.vocab, gen)
+        tokens, targets, *lens = packed_batch(args.batch, args.seqlen, args.vocab, gen, args.prompt)
         if device.type == "cuda":  # pinned, so the copies do not wait for the queued step
             tokens, targets = (t.pin_memory().to(device, non_blocking=True) for t in (tokens, targets))
         if side is None:
-            return (tokens, targets, doc_lens, None), 0.0
+            return (tokens, targets, lens, None), 0.0
         t0 = time.perf_counter()
         with torch.cuda.stream(side):
-            plan = make_plan(doc_lens)
-        return (tokens, targets, doc_lens, plan), time.perf_counter() - t0
+            plan = make_plan(lens)
+        return (tokens, targets, lens, plan), time.perf_counter() - t0
 
-    def make_plan(doc_lens):
-        mask = masks.document(doc_lens, window_left=args.window, device=device)
+    def make_plan(lens):
+        doc_lens, prompt_lens = lens
+        mask = masks.document(doc_lens, window_left=args.window, prefix_lens=prompt_lens, device=device)
         return flexattn.create_mask_plan(mask, q_like, kv_like, kv_like, build_backward=True)
 
     print(f"{args.layers} layers, {args.heads}/{args.kv_heads} heads of {head_dim}, B={args.batch} "
@@ -168,10 +179,10 @@ def main() -> None:
     batch, _ = next_batch()
     since, plan_s, last = time.perf_counter(), 0.0, 0
     for step in range(1, args.steps + 1):
-        tokens, targets, doc_lens, plan = batch
+        tokens, targets, lens, plan = batch
         t0 = time.perf_counter()
         if plan is None:
-            plan = make_plan(doc_lens)
+            plan = make_plan(lens)
         plan_s += time.perf_counter() - t0
         with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
             logits = step_fn(tokens, plan)
