@@ -92,7 +92,7 @@ def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator, prom
             period = int(torch.randint(2, 9, (1,), generator=gen))
             pattern = torch.randint(0, vocab, (period,), generator=gen)
             row.append(pattern.repeat(n // period + 1)[:n])
-            prompts.append(min(period, n) if prompt else 0)
+            prompts.append(min(period, n - 1) if prompt else 0)  # a document keeps a trained target
         row = torch.cat(row)
         target = torch.cat([row[1:], row[:1]])
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
@@ -170,7 +170,8 @@ def main() -> None:
 
     def make_plan(lens):
         doc_lens, prompt_lens = lens
-        mask = masks.document(doc_lens, window_left=args.window, prefix_lens=prompt_lens, device=device)
+        prefix_lens = prompt_lens if args.prompt else None
+        mask = masks.document(doc_lens, window_left=args.window, prefix_lens=prefix_lens, device=device)
         return flexattn.create_mask_plan(mask, q_like, kv_like, kv_like, build_backward=True)
 
     print(f"{args.layers} layers, {args.heads}/{args.kv_heads} heads of {head_dim}, B={args.batch} "

@@ -620,12 +620,14 @@ def test_document_ids_builds_on_the_device_without_a_sync(options):
 
 
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
-def test_padding_rows_of_document_ids_give_zero_output_and_gradients():
-    """``pad_id`` rows see no key on the GPU kernels too (rows 768.. : whole empty Q and K blocks, and
-    one shared with a document): out 0, LSE -inf, no gradient through them or their keys; the
-    other rows match the CPU reference."""
+@pytest.mark.parametrize("pad_start", [768, 700], ids=["whole-blocks", "a-block-shared"])
+def test_padding_rows_of_document_ids_give_zero_output_and_gradients(pad_start):
+    """``pad_id`` rows see no key on the GPU kernels too (from row 768: whole empty Q and K blocks;
+    from 700: also a block shared with a document): out 0, LSE -inf, no gradient through them or
+    their keys; the other rows match the CPU reference."""
     torch.manual_seed(3)
-    ids = torch.repeat_interleave(torch.tensor([0, 1, -1]), torch.tensor([384, 384, 232])).expand(B, -1)
+    lens = torch.tensor([384, pad_start - 384, S - pad_start])
+    ids = torch.repeat_interleave(torch.tensor([0, 1, -1]), lens).expand(B, -1)
     q = torch.randn(B, S, H, D, dtype=torch.bfloat16)
     k, v = (torch.randn(B, S, HKV, D, dtype=torch.bfloat16) for _ in "kv")
     dout = torch.randn_like(q)
@@ -640,9 +642,10 @@ def test_padding_rows_of_document_ids_give_zero_output_and_gradients():
 
     got, want = run("cuda", torch.bfloat16), run("cpu", torch.float32)
     out, lse, dq, dk, dv = got
-    assert torch.equal(lse[..., 768:], torch.full_like(lse[..., 768:], float("-inf")))
+    pad = slice(pad_start, None)
+    assert torch.equal(lse[..., pad], torch.full_like(lse[..., pad], float("-inf")))
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert torch.equal(t[:, 768:], torch.zeros_like(t[:, 768:])), f"{name} of the padding"
+        assert torch.equal(t[:, pad], torch.zeros_like(t[:, pad])), f"{name} of the padding"
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
         assert not g.isnan().any(), f"{name} has NaN"
         finite = w.isfinite()

@@ -92,8 +92,8 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     assert layer.plan.identity_tensor[1] == first.identity_tensor[1] and not layer.plan.same_mask_as(first)
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
-    # a layer building its plan from a mask attribute that changed: the rebuilt plan is collected
-    # by the backward, and its fingerprint tells it from the forward's
+    # a layer building its plan from a mask attribute that changed: the saved identity keeps the
+    # rebuilt plan for the backward, whose fingerprint tells it from the forward's
     mask_layer = Layer()
     mask_layer.forward = lambda q, k, v: flexattn.flex_attn_func(
         q, k, v, mask_plan=flexattn.create_mask_plan(mask_layer.mask, q, k, v)
@@ -115,6 +115,23 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     got = torch.autograd.grad(out.sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_recomputed_plan_that_is_gone_is_judged_by_its_fingerprint():
+    """The backward's plan choice (flexattn.ops._backward_handle) where the saved identity names a
+    plan no longer alive (its copy made without the pin, which torch.utils.checkpoint keeps): the
+    same fingerprint runs on the forward's plan, another one is refused."""
+    from flexattn.ops import _backward_handle
+
+    q, k, v = inputs(6)
+    plan, rebuilt = plan_for(q, k, v), plan_for(q, k, v)
+    saved = rebuilt.identity_tensor.clone()
+    del rebuilt
+    gc.collect()
+    assert _backward_handle(plan, saved) is plan.handle_tensor
+    other = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        _backward_handle(plan, other.identity_tensor)
 
 
 def test_a_kept_lse_does_not_keep_an_eager_calls_plan():

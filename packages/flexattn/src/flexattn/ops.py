@@ -336,8 +336,8 @@ def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tenso
     if fingerprint == own_fingerprint:
         try:
             recomputed = plan_for_handle(handle)
-        except InputValueError:  # a hook copied the saved identity, and the plan is gone
-            return forward_plan.handle_tensor
+        except InputValueError:  # its identity copied without the pin, the plan gone: the fingerprint
+            return forward_plan.handle_tensor  # is all there is (torch.utils.checkpoint keeps the pin)
         if recomputed.same_mask_as(forward_plan):
             return forward_plan.handle_tensor
     raise PlanBindingError(

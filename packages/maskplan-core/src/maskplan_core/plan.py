@@ -537,11 +537,11 @@ class MaskPlan:
     def identity_tensor(self) -> torch.Tensor:
         """``(handle, fingerprint)`` as an int64 CPU tensor, the fingerprint a hash of the plan's
         consumer, geometry, view signatures and block counts (this process's: it is never stored).
-        An eager training call saves it, so that a backward handed a recomputed forward's tensors
-        (activation checkpointing) tells whether that forward ran with this plan, a plan rebuilt
-        from the same inputs (the same fingerprint, even once collected) or another one. Two
-        masks of the same block counts share a fingerprint (:meth:`same_mask_as` compares their
-        tensors). Read-only by contract."""
+        An eager training call saves a copy of it that keeps the plan alive, so that a backward
+        handed a recomputed forward's tensors (activation checkpointing) tells whether that forward
+        ran with this plan, a plan rebuilt from the same inputs or another one: two masks of the
+        same block counts share a fingerprint, and :meth:`same_mask_as` then compares their
+        tensors. Read-only by contract."""
         if self._identity_tensor is None:
             with torch.inference_mode(False):  # saved for a backward even when first read in inference
                 fingerprint = _fingerprint(self._geometry, self._views, self._header, self._consumer)

@@ -131,39 +131,35 @@ def _is_sequence(x: object) -> bool:
     return isinstance(x, Sequence) and not isinstance(x, (str, bytes))
 
 
+def _int_rows(name: str, value: object) -> tuple[list[list[int]], bool]:
+    """``(rows, nested)``: ``value``, a sequence of ints or of such sequences (lists, tuples, 1-D /
+    2-D integer tensors or numpy arrays), as one list of ints per batch sample, and whether it was
+    given per sample."""
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):  # as the lists it holds
+        value = value.tolist()
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 1:
+            return [_int_list(name, value)], False
+        if value.dim() == 2:
+            return [_int_list(f"{name}[{b}]", row) for b, row in enumerate(value)], True
+        raise InputValueError(f"{name} must be 1-D or 2-D, got a tensor of shape {tuple(value.shape)}")
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InputTypeError(
+            f"{name} must be a sequence of ints or a sequence of such sequences, got {type(value).__name__}"
+        )
+    if len(value) == 0:
+        raise InputValueError(f"{name} must not be empty")
+    nested = [_is_sequence(x) for x in value]
+    if all(nested):
+        return [_int_list(f"{name}[{b}]", row) for b, row in enumerate(value)], True
+    if not any(nested):
+        return [_int_list(name, value)], False
+    raise InputTypeError(f"{name} must be either a sequence of ints or a sequence of sequences, not a mix")
+
+
 def _parse_doc_lens(doc_lens: object) -> list[list[int]]:
     """Normalise ``doc_lens`` to a list (one entry per batch sample) of document length lists."""
-    nested_input = False
-    if type(doc_lens).__module__ == "numpy" and hasattr(doc_lens, "tolist"):  # as the lists it holds
-        doc_lens = doc_lens.tolist()
-    if isinstance(doc_lens, torch.Tensor):
-        nested_input = doc_lens.dim() == 2
-        if doc_lens.dim() == 1:
-            seqs = [_int_list("doc_lens", doc_lens)]
-        elif doc_lens.dim() == 2:
-            seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
-        else:
-            raise InputValueError(
-                f"doc_lens must be 1-D or 2-D, got a tensor of shape {tuple(doc_lens.shape)}"
-            )
-    elif isinstance(doc_lens, (str, bytes)) or not isinstance(doc_lens, Sequence):
-        raise InputTypeError(
-            f"doc_lens must be a sequence of ints or a sequence of such sequences, "
-            f"got {type(doc_lens).__name__}"
-        )
-    elif len(doc_lens) == 0:
-        raise InputValueError("doc_lens must not be empty")
-    else:
-        nested = [_is_sequence(x) for x in doc_lens]
-        if all(nested):
-            nested_input = True
-            seqs = [_int_list(f"doc_lens[{b}]", row) for b, row in enumerate(doc_lens)]
-        elif not any(nested):
-            seqs = [_int_list("doc_lens", doc_lens)]
-        else:
-            raise InputTypeError(
-                "doc_lens must be either a sequence of ints or a sequence of sequences, not a mix"
-            )
+    seqs, nested_input = _int_rows("doc_lens", doc_lens)
     for b, seq in enumerate(seqs):
         name = f"doc_lens[{b}]" if nested_input else "doc_lens"
         if len(seq) == 0:
@@ -227,14 +223,7 @@ def document(
 def _prefix_tokens(prefix_lens: object, seqs: list[list[int]], dev: torch.device) -> torch.Tensor:
     """bool ``[B, S]``: the tokens of each document's prefix, from ``prefix_lens`` shaped as the
     parsed ``doc_lens`` (``seqs``)."""
-    if type(prefix_lens).__module__ == "numpy" and hasattr(prefix_lens, "tolist"):
-        prefix_lens = prefix_lens.tolist()
-    if not _is_sequence(prefix_lens) or len(prefix_lens) == 0:  # a tensor's rows: _int_list checks dtypes
-        raise InputTypeError(f"prefix_lens must be shaped as doc_lens, got {prefix_lens!r}")
-    nested = _is_sequence(prefix_lens[0])
-    rows = [_int_list(f"prefix_lens[{b}]", row) for b, row in enumerate(prefix_lens)] if nested else [
-        _int_list("prefix_lens", prefix_lens)
-    ]  # fmt: skip
+    rows, nested = _int_rows("prefix_lens", prefix_lens)
     if [len(row) for row in rows] != [len(seq) for seq in seqs]:
         raise InputValueError(
             f"prefix_lens must give one prefix per document of doc_lens ({[len(q) for q in seqs]} "
@@ -351,7 +340,7 @@ def _documents(
 def _next_after(flags: torch.Tensor, i: torch.Tensor, seqlen: int) -> torch.Tensor:
     """Per position ``i`` of ``[B, S]``, the earliest later position where ``flags`` holds, else S."""
     later = torch.where(flags[:, 1:], i[:, 1:], seqlen)
-    # the closing column in i's int64: ids of a narrow dtype (uint8, int16, ...) cannot hold S
+    # the closing column in i's int64 (flags come from ids of any integer dtype, which may not hold S)
     later = torch.cat([later, torch.full_like(i[:, :1], seqlen)], dim=1)
     return later.flip(1).cummin(dim=1).values.flip(1)
 
