@@ -301,8 +301,9 @@ def test_pack_gqa(hq, hkv, kind):
 
 @pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256), (80, 80), (48, 48)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_pack_gqa_head_dims(dqk, dv, dtype):
-    B, S, hq, hkv = 1, 900, 8, 1
+@pytest.mark.parametrize("hq", [8, 32], ids=["g8", "g32"])  # G = 32: MQA's default packing
+def test_pack_gqa_head_dims(dqk, dv, dtype, hq):
+    B, S, hkv = 1, 900, 1
     q, k, v = qkv((B, S, hq), (B, S, hkv), dqk, dv, dtype, seed=21)
     check(random_intervals(1, 3, torch.full((B * S,), S), seed=21), q, k, v, pack_gqa=True)
 
