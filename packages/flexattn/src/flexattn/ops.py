@@ -326,8 +326,8 @@ def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tenso
     and the saved ``identity_tensor``. Non-reentrant checkpointing replaces the saved tensors with
     a recomputed forward's, made with the plan the checkpointed function read or built then (the
     saved identity keeps it alive): the forward's own; one rebuilt from the same inputs (the same
-    mask: :meth:`MaskPlan.same_mask_as`, one device read; the same fingerprint where a saved-tensor
-    hook copied the identity and the plan is gone); or a plan of another mask, where what the
+    mask: :meth:`MaskPlan.same_mask_as`, one device read; the same fingerprint where the plan is
+    gone, its identity copied without the pin); or a plan of another mask, where what the
     function reads changed between forward and backward (the next micro-batch's plan or mask in a
     module attribute): no plan gives the forward's gradients from that O and LSE, refused."""
     (handle, fingerprint), (own, own_fingerprint) = saved.tolist(), forward_plan.identity_tensor.tolist()
