@@ -95,6 +95,7 @@ def config(direction: str, pack_gqa: bool = False) -> ViewConfig:
         mma_layout="none",
         payload=layout.spec,
         scheduler_layout="test",
+        dq_order_format="rank_int32" if direction == "backward" else "none",
     )
     return ViewConfig(signature, layout)
 

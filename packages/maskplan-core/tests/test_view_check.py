@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_plan_properties import small_config
 
-from maskplan_core import MaskPlan, PlanView, masks, validate_plan_inputs
-from maskplan_core.errors import InputTypeError, InputValueError
+from maskplan_core import HEADER_FIELDS, MaskPlan, PlanSignature, PlanView, masks, validate_plan_inputs
+from maskplan_core.errors import InputTypeError, InputValueError, PlanBindingError
 from maskplan_core.reference import build_plan
 from maskplan_core.view_check import entry_tiles
 
@@ -224,10 +224,15 @@ def test_varlen_descriptor_must_be_the_geometrys():
         _remade(view, sequence_desc=desc).validate()
 
 
+def _forward_header(plan: MaskPlan) -> tuple[int, ...]:
+    """The header of ``plan`` without its backward view."""
+    return tuple(v if "backward" not in k else 0 for k, v in plan.metadata["allocation_header"].items())
+
+
 def test_a_plan_holds_views_of_its_own_geometry_and_roles():
     plan, other = _plan(False), _plan(False, hmask=1)
     fwd, bwd = plan.view("forward"), plan.view("backward")
-    header, g = (0,) * 8, plan.geometry
+    header, g = _forward_header(plan), plan.geometry
     MaskPlan(dataclasses.replace(g), {"forward": fwd}, header, "test")  # an equal geometry will do
     with pytest.raises(InputValueError, match="the backward view was built for .* not for the plan's"):
         MaskPlan(g, {"forward": fwd, "backward": other.view("backward")}, header, "test")
@@ -249,6 +254,74 @@ def test_a_plan_header_holds_the_planners_counts(header, match):
     plan = _plan(False)
     with pytest.raises(InputValueError, match=match):
         MaskPlan(plan.geometry, {"forward": plan.view("forward")}, header, "test")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_a_plan_header_matches_its_views(varlen):
+    """The allocation header a plan reports (``metadata["allocation_header"]``) is its views' sizes:
+    a planner of one's own that gets it wrong is refused, naming the fields (a varlen backward view's
+    Q blocks are not checked: its samples' lengths are on the device)."""
+    plan = _plan(varlen)
+    views = {role: plan.view(role) for role in plan.roles}
+    header = tuple(plan.metadata["allocation_header"].values())
+    MaskPlan(plan.geometry, views, header, "test")
+    MaskPlan(plan.geometry, {"forward": views["forward"]}, _forward_header(plan), "test")
+    for field in range(7):
+        wrong = tuple(v + (i == field) for i, v in enumerate(header))
+        if varlen and field == 3:  # backward_q_rows
+            MaskPlan(plan.geometry, views, wrong, "test")
+            continue
+        with pytest.raises(InputValueError, match=f"header does not match its views: {HEADER_FIELDS[field]}="):
+            MaskPlan(plan.geometry, views, wrong, "test")
+    with pytest.raises(InputValueError, match="backward_k_rows=.* \\(its views: 0\\)"):
+        MaskPlan(plan.geometry, {"forward": views["forward"]}, header, "test")  # no backward view
+
+
+def test_a_views_signature_fits_its_role_and_geometry():
+    """What the planner checks before building, a view made by hand (a planner or loader of one's
+    own) is refused for when made: PackGQA in a backward view, over several mask heads or another
+    group than the geometry's, a dQ order format not of its role, heads that do not divide."""
+    plan = _plan(False, heads=4, hmask=1)
+    shared = {role: plan.view(role) for role in plan.roles}
+    per_head = _plan(False, hmask=2).view("forward")  # Hq = Hkv = Hmask = 2
+    geometry = dataclasses.replace(shared["forward"].geometry, num_heads_kv=2)
+
+    def remade(view, geometry=None, **changes):
+        sig = view.signature.model_dump()
+        for key, value in changes.items():
+            if key in ("pack_gqa", "qhead_per_kvhead"):
+                sig["topology"][key] = value
+            else:
+                sig[key] = value
+        return PlanView(view.role, PlanSignature.model_validate(sig), view.layout, geometry or view.geometry,
+                        view.tensors)  # fmt: skip
+
+    with pytest.raises(InputValueError, match="backward view's topology has pack_gqa=True"):
+        remade(shared["backward"], pack_gqa=True)
+    with pytest.raises(InputValueError, match="PackGQA needs Hmask=1"):
+        remade(per_head, geometry=dataclasses.replace(per_head.geometry, num_heads_kv=1), pack_gqa=True,
+               qhead_per_kvhead=2)  # fmt: skip
+    with pytest.raises(InputValueError, match="Hmask 1 or Hq"):
+        remade(shared["forward"], geometry=dataclasses.replace(geometry, mask_heads=3))
+    with pytest.raises(InputValueError, match="Hq must be a multiple of Hkv"):
+        remade(shared["forward"], geometry=dataclasses.replace(geometry, num_heads_kv=3))
+    with pytest.raises(InputValueError, match="qhead_per_kvhead=4 is not the geometry's .* = 2"):
+        remade(shared["forward"], geometry=geometry, pack_gqa=True, qhead_per_kvhead=4)
+    with pytest.raises(InputValueError, match="dq_order_format='none'; a backward view's is 'rank_int32'"):
+        remade(shared["backward"], dq_order_format="none")
+    with pytest.raises(InputValueError, match="dq_order_format='rank_int32'; a forward view's is 'none'"):
+        remade(shared["forward"], dq_order_format="rank_int32")
+
+
+def test_check_unwritten_names_a_plan_tensor_written_in_place():
+    """A consumer called directly (the maskplan-core README's) runs ``check_unwritten`` before its
+    kernel: a payload bit flipped in place still validates, but is named."""
+    plan = _plan(False)
+    plan.check_unwritten()
+    fwd = plan.view("forward")
+    fwd.mask_block_masks.view(-1)[0] ^= 1
+    with pytest.raises(PlanBindingError, match="mask_block_masks was written in place"):
+        plan.check_unwritten()
 
 
 def test_views_pickle_and_torch_save_and_copy_as_themselves():

@@ -394,9 +394,8 @@ def check_build_inputs(
     """What every planner (the reference one, a GPU one) checks before building: ``mask_func`` is
     the contiguous int32 ``[Hmask, nfunc, total_q]`` tensor ``geometry`` was validated from (a
     geometry of another mask would plan other rows, heads or intervals than it holds), on its
-    device, the views are configs (:class:`ViewConfig`), a PackGQA forward view has one mask for
-    every head (its work queue has one task per kv head) and packs the geometry's q heads per kv
-    head, and the backward view does not pack."""
+    device, the views are configs (:class:`ViewConfig`) and their signatures fit the geometry
+    (:func:`check_signature_fits`)."""
     if not isinstance(mask_func, torch.Tensor):
         raise InputTypeError(f"mask_func must be a torch.Tensor, got {type(mask_func).__name__}")
     check_view_configs(forward, backward)
@@ -411,8 +410,33 @@ def check_build_inputs(
         )
     if not mask_func.is_contiguous():
         raise InputValueError("mask_func must be contiguous (call .contiguous())")
-    topology = forward.signature.topology
+    for role, config in (("forward", forward), ("backward", backward)):
+        if config is not None:
+            check_signature_fits(role, config.signature, g)
+
+
+def check_signature_fits(role: str, signature: PlanSignature, geometry: PlanGeometry) -> None:
+    """What a view's signature must agree on with its role and geometry, whoever planned it (a
+    planner checks it before building, :class:`~maskplan_core.plan.PlanView` when made): its
+    direction is the role; the geometry's q heads are a multiple of its kv heads and its mask heads
+    1 or Hq; a PackGQA view is a forward one, of one mask for every head (its work queue has one
+    task per kv head), packing the geometry's q heads per kv head; a backward view holds
+    ``dq_write_order`` ranks (``dq_order_format="rank_int32"``), a forward one no dQ order
+    (``"none"``)."""
+    topology, g = signature.topology, geometry
+    if signature.direction != role:
+        raise InputValueError(f"the {role} view was given a {signature.direction} signature")
+    if g.num_heads_kv < 1 or g.num_heads_q % g.num_heads_kv or g.mask_heads not in (1, g.num_heads_q):
+        raise InputValueError(
+            f"the {role} view's geometry has Hq={g.num_heads_q}, Hkv={g.num_heads_kv}, "
+            f"Hmask={g.mask_heads}: Hq must be a multiple of Hkv, and Hmask 1 or Hq"
+        )
     if topology.pack_gqa:
+        if role != "forward":
+            raise InputValueError(
+                f"the {role} view's topology has pack_gqa=True: PackGQA is a forward view's (a K-major "
+                "backward owns one kv head's K block and visits all its q heads either way)"
+            )
         require_shared_mask_for_pack_gqa(g)
         # a kernel sizes its packed tile by the signature: another group would leave q heads unwritten
         if topology.qhead_per_kvhead != g.qhead_per_kvhead:
@@ -420,10 +444,14 @@ def check_build_inputs(
                 f"the PackGQA forward view's topology.qhead_per_kvhead={topology.qhead_per_kvhead} is not "
                 f"the geometry's num_heads_q / num_heads_kv = {g.qhead_per_kvhead}"
             )
-    if backward is not None and backward.signature.topology.pack_gqa:
+    dq_order, what = {
+        "forward": ("none", "it holds no dQ order"),
+        "backward": ("rank_int32", "its dq_write_order holds int32 ranks"),
+    }[role]
+    if signature.dq_order_format != dq_order:
         raise InputValueError(
-            "the backward view's topology has pack_gqa=True: PackGQA is a forward view's (a K-major "
-            "backward owns one kv head's K block and visits all its q heads either way)"
+            f"the {role} view's signature has dq_order_format={signature.dq_order_format!r}; a {role} "
+            f"view's is {dq_order!r} ({what})"
         )
 
 

@@ -75,7 +75,7 @@ from types import MappingProxyType
 
 import torch
 
-from .consumer import require_layout_tiles, same_device
+from .consumer import check_signature_fits, require_layout_tiles, same_device
 from .errors import (
     InputTypeError,
     InputValueError,
@@ -140,8 +140,7 @@ class PlanView:
     def __post_init__(self):
         # a consumer's view config must describe the view it makes: the runtime dispatches on the
         # signature alone, so a wrong direction or payload spec would let a kernel misread the tensors
-        if self.signature.direction != self.role:
-            raise InputValueError(f"the {self.role} view was given a {self.signature.direction} signature")
+        check_signature_fits(self.role, self.signature, self.geometry)
         if self.signature.payload != self.layout.spec:
             raise InputValueError(
                 f"the {self.role} view's signature.payload ({self.signature.payload}) does not describe "
@@ -381,9 +380,11 @@ def _fingerprint(g: PlanGeometry, views: dict[str, PlanView], header: tuple[int,
     return hash((consumer, header, scalars, tuple((role, v.signature) for role, v in views.items())))
 
 
-def _check_header(header: tuple[int, ...]) -> None:
-    """The planner's allocation header (``HEADER_FIELDS``): counts, and no error flag (a builder
-    raises the flags' error before it makes a plan)."""
+def _check_header(header: tuple[int, ...], views: dict[str, PlanView]) -> None:
+    """The planner's allocation header (``HEADER_FIELDS``): counts, no error flag (a builder raises
+    the flags' error before it makes a plan), and the sizes of the views' tensors (zeros for a
+    missing backward view); a varlen backward view's Q blocks are left unchecked (its samples'
+    lengths are on the device)."""
     header = tuple(header)
     if len(header) != len(HEADER_FIELDS) or any(type(v) is not int or v < 0 for v in header):
         raise InputValueError(
@@ -394,6 +395,26 @@ def _check_header(header: tuple[int, ...]) -> None:
         raise InputValueError(
             f"a MaskPlan's header has error_flags 0x{header[-1]:x}: the planner refused the mask"
         )
+    sizes = dict.fromkeys(HEADER_FIELDS[:-1], 0)
+    for role, view in views.items():
+        t = view.tensors
+        sizes[f"{role}_partial_nnz"] = t["mask_block_idx"].numel()
+        sizes[f"{role}_full_nnz"] = t["full_block_idx"].numel()
+        sizes[f"{role}_{view.outer}_rows"] = t["mask_block_cnt"].shape[1]
+    unchecked = set()
+    if "backward" in views:
+        g, block = views["backward"].geometry, views["backward"].block_size
+        if g.varlen:
+            unchecked.add("backward_q_rows")
+        else:
+            sizes["backward_q_rows"] = g.batch * fixed_blocks(g.max_seqlen_q, g.max_seqlen_k, block, "q")[0]
+    wrong = [
+        f"{name}={got} (its views: {sizes[name]})"
+        for name, got in zip(HEADER_FIELDS, header, strict=True)
+        if name in sizes and name not in unchecked and got != sizes[name]
+    ]
+    if wrong:
+        raise InputValueError(f"a MaskPlan's header does not match its views: {', '.join(wrong)}")
 
 
 def _check_views(geometry: PlanGeometry, views: dict[str, PlanView]) -> None:
@@ -476,7 +497,7 @@ class MaskPlan:
         self, geometry: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str
     ):
         _check_views(geometry, views)
-        _check_header(header)
+        _check_header(header, views)
         init = object.__setattr__  # __setattr__ refuses every write once _consumer is set
         init(self, "_geometry", geometry)
         init(self, "_views", dict(views))
@@ -652,6 +673,22 @@ class MaskPlan:
     def __repr__(self) -> str:
         return self.summary()
 
+    def check_unwritten(self) -> None:
+        """Raise ``PlanBindingError`` naming the tensor if one of the plan's own tensors (its handle
+        tensor, ``geometry.cu_seqlens_q/k`` and its views' tensors) has been written in place since
+        the plan was built (their version counters: about 0.2 us each, no device read). A consumer
+        called directly runs it before its kernel reads the views (:meth:`check_binding` does, for
+        the facade); ``PlanView.validate`` cannot see a write that leaves the tensors well formed.
+        Writes under ``torch.inference_mode`` or through ``tensor.data`` go unseen."""
+        counts = _write_counts(self._storage)
+        if counts != self._write_counts:
+            pairs = zip(self._storage, counts, self._write_counts, strict=True)
+            name = next(n for (n, _), now, built in pairs if now != built)
+            raise PlanBindingError(
+                f"the plan's {name} was written in place after the plan was built; a plan is "
+                "read-only: build a new one"
+            )
+
     def check_binding(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, op_checks_sizes: bool = False
     ) -> None:
@@ -659,8 +696,8 @@ class MaskPlan:
         geometry, dtype and device, and none of the plan's own tensors (its handle tensor,
         ``geometry.cu_seqlens_q/k`` and its views' tensors: plan storage, handed out read-only) has
         been written in place since it was built: such a write would move its samples, change its
-        blocks or name another plan. The write check (the tensors' version counters, about 0.2 us
-        each) runs where the call is not traced (flexattn's op runs the whole check on each call's
+        blocks or name another plan. The write check (:meth:`check_unwritten`) runs where the call
+        is not traced (flexattn's op runs the whole check on each call's
         values; a compiled graph holding only the handle tensor does not see that tensor rewritten
         to name another plan). ``op_checks_sizes``: traced by ``torch.compile``, leave the sizes
         (not the rank) to the op the traced code calls, which checks them on each call's values
@@ -672,14 +709,7 @@ class MaskPlan:
         g = self._geometry
         compiling = torch.compiler.is_compiling()
         if not compiling:
-            counts = _write_counts(self._storage)
-            if counts != self._write_counts:
-                pairs = zip(self._storage, counts, self._write_counts, strict=True)
-                name = next(n for (n, _), now, built in pairs if now != built)
-                raise PlanBindingError(
-                    f"the plan's {name} was written in place after the plan was built; a plan is "
-                    "read-only: build a new one"
-                )
+            self.check_unwritten()
         if g.varlen:
             expect = {
                 "q": (g.total_q, g.num_heads_q, g.head_dim_qk),

@@ -180,7 +180,7 @@ def from_dense(
                     f"k_len {int(row_klen[row])}"
                 )
         samples = torch.stack((q_lens, k_lens)).tolist()  # one read back
-        keys_hint = "build it for k's lengths: masks.from_dense(mask, cu_seqlens_q, cu_seqlens_k) with k's"
+        keys_hint = "build it for k's lengths: masks.from_dense(mask, cu_seqlens_q=..., cu_seqlens_k=k's)"
     endpoints = _encode(mask)
     if samples is None:
         return endpoints
