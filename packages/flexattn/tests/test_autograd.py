@@ -117,6 +117,50 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("policy", ["save-attention", "recompute-all"])
+def test_selective_checkpointing_keeps_the_forwards_plan(policy):
+    """Selective activation checkpointing (``context_fn``: torch's dispatch modes, so the call takes
+    the ``flexattn::fwd`` op, which a policy can save): a layer building its plan from its
+    arguments gives the plain layer's gradients (saving the attention, the recomputation's plan is
+    never run: its handle pins it for the comparison); one whose plan attribute changed before the
+    backward is refused, whether the recomputation reran the attention with the new plan or took
+    the saved O and LSE and would have run the new plan's backward on them."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def choose(ctx, op, *args, **kwargs):
+        save = policy == "save-attention" and op is torch.ops.flexattn.fwd.default
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def selective(fn, *args):
+        context = functools.partial(create_selective_checkpoint_contexts, choose)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context)
+
+    def layer(q, k, v):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v))
+
+    q, k, v = inputs(7)
+    want = torch.autograd.grad(layer(q, k, v).square().sum(), (q, k, v))
+    got = torch.autograd.grad(selective(layer, q, k, v).square().sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
+
+    attribute = Layer()
+    attribute.plan = plan_for(q, k, v)
+    got = torch.autograd.grad(selective(attribute, q, k, v).square().sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    out = selective(attribute, q, k, v)
+    attribute.plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        out.sum().backward()
+
+
 def test_a_recomputed_plan_that_is_gone_is_judged_by_its_fingerprint():
     """The backward's plan choice (flexattn.ops._backward_handle) where the saved identity names a
     plan no longer alive (its copy made without the pin, which torch.utils.checkpoint keeps): the

@@ -215,7 +215,7 @@ def flex_attn_func(
     elements if ``return_max_logit``, as a tuple when more than ``out`` is asked for. Both LSE
     shapes are contiguous, as cuDNN's (the fixed-length one a copy of the kernels' ``[Hq, B * Sq]``
     order, made only where the LSE is returned). LSE and max logit are fp32 (fp64 for fp64 inputs
-    on the CPU reference).
+    on the CPU reference); the max logit is a statistic without gradient (``requires_grad=False``).
     Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
     under ``torch.autocast`` too (cast q/k/v yourself to change it). Differentiable once, in
     reverse mode: a double backward, and in eager code a vmapped backward (``is_grads_batched``,

@@ -243,6 +243,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, plan)
     ctx.scale, ctx.deterministic = scale, deterministic
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
+    # the plan a real handle pins (the op's route under a dispatch mode: selective checkpointing),
+    # for _backward's check of a recomputed handle; none while tracing
+    ctx.mask_plan = _pinned_plan(plan)
 
 
 def _gradients(ctx, saved, dout, dlse, backward_fn):
@@ -256,7 +259,16 @@ def _gradients(ctx, saved, dout, dlse, backward_fn):
 
 
 def _backward(ctx, dout, dlse, _dmax):
-    return _gradients(ctx, ctx.saved_tensors, dout, dlse, torch.ops.flexattn.bwd)
+    saved = ctx.saved_tensors
+    if ctx.mask_plan is not None:  # a real forward under a dispatch mode (_setup_context)
+        handle = saved[-1]
+        recomputed = _pinned_plan(handle)
+        if recomputed is not ctx.mask_plan:  # non-reentrant checkpointing recomputed the forward
+            if recomputed is None:  # its pin lost (a saved-tensor hook copied the handle)
+                recomputed = _live_plan(int(handle))
+            plan = _backward_plan(ctx.mask_plan, recomputed, same_fingerprint=False)
+            saved = (*saved[:-1], plan.handle_tensor)
+    return _gradients(ctx, saved, dout, dlse, torch.ops.flexattn.bwd)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -321,32 +333,56 @@ def _eager_backward(ctx, dout, dlse, _dmax):
     return grads
 
 
+def _pinned_plan(handle) -> MaskPlan | None:
+    """The plan pinned to a real handle or identity tensor (:func:`_pin_plan`), else None (a fake or
+    traced one, the plan's own handle tensor, or a copy a saved-tensor hook made)."""
+    if type(handle) is not torch.Tensor:
+        return None
+    return getattr(handle.untyped_storage(), "_flexattn_plan", None)
+
+
+def _live_plan(handle: int) -> MaskPlan | None:
+    try:
+        return plan_for_handle(handle)
+    except InputValueError:
+        return None
+
+
 def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tensor:
-    """The plan handle an eager backward runs on, from its forward's plan (the autograd context's)
-    and the saved ``identity_tensor``. Non-reentrant checkpointing replaces the saved tensors with
-    a recomputed forward's, made with the plan the checkpointed function read or built then (the
-    saved identity keeps it alive): the forward's own; one rebuilt from the same inputs (the same
-    mask: :meth:`MaskPlan.same_mask_as`, one device read; the same fingerprint where the plan is
-    gone, its identity copied without the pin); or a plan of another mask, where what the
-    function reads changed between forward and backward (the next micro-batch's plan or mask in a
-    module attribute): no plan gives the forward's gradients from that O and LSE, refused."""
+    """The handle an eager backward runs on (:func:`_backward_plan`), from the identity its forward
+    saved (the recomputation's, under non-reentrant checkpointing)."""
     (handle, fingerprint), (own, own_fingerprint) = saved.tolist(), forward_plan.identity_tensor.tolist()
-    if handle == own:
-        return forward_plan.handle_tensor
-    if fingerprint == own_fingerprint:
-        try:
-            recomputed = plan_for_handle(handle)
-        except InputValueError:  # its identity copied without the pin, the plan gone: the fingerprint
-            return forward_plan.handle_tensor  # is all there is (torch.utils.checkpoint keeps the pin)
-        if recomputed.same_mask_as(forward_plan):
-            return forward_plan.handle_tensor
+    recomputed = forward_plan if handle == own else _live_plan(handle)
+    plan = _backward_plan(forward_plan, recomputed, same_fingerprint=fingerprint == own_fingerprint)
+    return plan.handle_tensor
+
+
+def _backward_plan(
+    forward_plan: MaskPlan, recomputed: MaskPlan | None, *, same_fingerprint: bool
+) -> MaskPlan:
+    """The plan a backward runs on, from its forward's plan (the autograd context's) and the plan of
+    the forward whose saved tensors it got. Non-reentrant checkpointing (selective too) replaces
+    the saved tensors with a recomputed forward's, made with the plan the checkpointed function read
+    or built then (the saved identity or handle pins it): the forward's own; one rebuilt from the
+    same inputs (the same mask: :meth:`MaskPlan.same_mask_as`, one device read; where the plan is
+    gone, ``recomputed=None``, the eager route's fingerprints decide, ``same_fingerprint``); or a
+    plan of another mask, where what the function reads changed between forward and backward (the
+    next micro-batch's plan or mask in a module attribute): no plan gives the forward's gradients
+    from that O and LSE (selective checkpointing that saved them runs the recomputation's plan
+    with the forward's O and LSE: other gradients again), refused."""
+    if recomputed is forward_plan:
+        return forward_plan
+    if recomputed is None and same_fingerprint:  # (torch.utils.checkpoint keeps the pin)
+        return forward_plan
+    if recomputed is not None and recomputed.same_mask_as(forward_plan):
+        return forward_plan
     raise PlanBindingError(
-        "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False) "
-        "recomputed for this backward ran with another MaskPlan (another mask or other settings) "
-        "than the forward did: what the checkpointed function reads changed in between (a module "
-        "attribute replaced by the next micro-batch's forward?), so its saved O and LSE are another "
-        "plan's. Pass the plan (or its mask) to the checkpointed function as an argument, or "
-        "replace it only after the backward"
+        "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False, "
+        "selective or not) recomputed for this backward ran with another MaskPlan (another mask or "
+        "other settings) than the forward did: what the checkpointed function reads changed in "
+        "between (a module attribute replaced by the next micro-batch's forward?), so its saved "
+        "tensors are another plan's. Pass the plan (or its mask) to the checkpointed function as an "
+        "argument, or replace it only after the backward"
     )
 
 
@@ -429,8 +465,12 @@ def attention(
     handle = mask_plan.handle_tensor
     if in_mode:
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
-        # constant of the traced graph under make_fx; on the host whatever the default device
+        # constant of the traced graph under make_fx; on the host whatever the default device. A
+        # real one (selective checkpointing's modes) pins its plan: non-reentrant checkpointing
+        # hands the backward the recomputation's handle, whose plan must live for _backward's check
         handle = torch.tensor(mask_plan.handle, dtype=torch.int64, device="cpu")
+        if type(handle) is torch.Tensor:
+            _pin_plan(handle, mask_plan)
     return fwd(q, k, v, handle, scale, training, deterministic, want_max)
 
 
