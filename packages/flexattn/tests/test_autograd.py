@@ -117,21 +117,27 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("policy", ["save-attention", "recompute-all"])
+@pytest.mark.parametrize("policy", ["save-attention", "recompute-all", "save-handle"])
 def test_selective_checkpointing_keeps_the_forwards_plan(policy):
     """Selective activation checkpointing (``context_fn``: torch's dispatch modes, so the call takes
     the ``flexattn::fwd`` op, which a policy can save): a layer building its plan from its
     arguments gives the plain layer's gradients (saving the attention, the recomputation's plan is
     never run: its handle pins it for the comparison); one whose plan attribute changed before the
     backward is refused, whether the recomputation reran the attention with the new plan or took
-    the saved O and LSE and would have run the new plan's backward on them."""
+    the saved O and LSE and would have run the new plan's backward on them. A policy saving the
+    handle tensor (``aten.lift_fresh``) recomputes with the forward's plan: its gradients."""
     import functools
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+    saved_op = {
+        "save-attention": torch.ops.flexattn.fwd.default,
+        "save-handle": torch.ops.aten.lift_fresh.default,
+        "recompute-all": None,
+    }[policy]
+
     def choose(ctx, op, *args, **kwargs):
-        save = policy == "save-attention" and op is torch.ops.flexattn.fwd.default
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op is saved_op else CheckpointPolicy.PREFER_RECOMPUTE
 
     def selective(fn, *args):
         context = functools.partial(create_selective_checkpoint_contexts, choose)
@@ -157,6 +163,11 @@ def test_selective_checkpointing_keeps_the_forwards_plan(policy):
         assert torch.equal(a, b)
     out = selective(attribute, q, k, v)
     attribute.plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    if policy == "save-handle":
+        got = torch.autograd.grad(out.square().sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        return
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
 

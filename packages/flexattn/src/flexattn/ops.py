@@ -380,9 +380,10 @@ def _backward_plan(
         "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False, "
         "selective or not) recomputed for this backward ran with another MaskPlan (another mask or "
         "other settings) than the forward did: what the checkpointed function reads changed in "
-        "between (a module attribute replaced by the next micro-batch's forward?), so its saved "
-        "tensors are another plan's. Pass the plan (or its mask) to the checkpointed function as an "
-        "argument, or replace it only after the backward"
+        "between (a module attribute replaced by the next micro-batch's forward?), or a selective "
+        "checkpointing policy saved ops that building the plan inside the function uses, so its "
+        "saved tensors are another plan's. Pass the plan (or its mask) to the checkpointed function "
+        "as an argument, build it outside, or replace it only after the backward"
     )
 
 
@@ -467,9 +468,11 @@ def attention(
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
         # constant of the traced graph under make_fx; on the host whatever the default device. A
         # real one (selective checkpointing's modes) pins its plan: non-reentrant checkpointing
-        # hands the backward the recomputation's handle, whose plan must live for _backward's check
+        # hands the backward the recomputation's handle, whose plan must live for _backward's check.
+        # A recomputation whose policy saved this op gets the forward's handle back, pinned and
+        # naming the forward's plan, which the op then runs: its pin stays
         handle = torch.tensor(mask_plan.handle, dtype=torch.int64, device="cpu")
-        if type(handle) is torch.Tensor:
+        if type(handle) is torch.Tensor and _pinned_plan(handle) is None:
             _pin_plan(handle, mask_plan)
     return fwd(q, k, v, handle, scale, training, deterministic, want_max)
 

@@ -351,7 +351,8 @@ def plan_for_handle(handle: int) -> MaskPlan:
             "the LSE it saves, unless a saved-tensor hook (e.g. torch.autograd.graph.save_on_cpu) "
             "replaces that LSE, or activation checkpointing inside the compiled code "
             "(torch.utils.checkpoint) recomputes the forward in the backward: then keep the reference "
-            "until the backward has run"
+            "until the backward has run (selective checkpointing around compiled code that builds its "
+            "plan: build the plan outside and pass it in)"
         )
     return plan
 
