@@ -102,11 +102,13 @@ def test_training_matches_cpu_reference(mask, deterministic, pack_gqa, dims):
 
 @pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
 @pytest.mark.parametrize("mask", ["causal", "document"])
-@pytest.mark.parametrize("heads", [(8, 2), (8, 1), (32, 1)], ids=["g4", "mqa-g8", "mqa-g32"])
+@pytest.mark.parametrize(
+    "heads", [(8, 2), (8, 1), (32, 1), (64, 1)], ids=["g4", "mqa-g8", "mqa-g32", "mqa-g64"]
+)
 def test_a_default_plan_packs_gqa_and_trains(mask, heads):
-    """``pack_gqa=None`` packs a shared mask's group of 4 to 32 q heads on SM90 (the default every
-    GQA training step gets; MQA's 32 in Q blocks of 4 positions): outputs, LSE and gradients match
-    the CPU reference, whose consumer does not pack."""
+    """``pack_gqa=None`` packs a shared mask's group of 4 to 64 q heads on SM90 (the default every
+    GQA training step gets; MQA's 32 and 64 in Q blocks of 4 and 2 positions): outputs, LSE and
+    gradients match the CPU reference, whose consumer does not pack."""
     torch.manual_seed(2)
     hq, hkv = heads
     q = torch.randn(B, S, hq, D, dtype=torch.bfloat16)

@@ -280,7 +280,7 @@ def test_scheduler_counter_returns_to_zero(monkeypatch):
 
 
 # -- PackGQA --------------------------------------------------------------------------------------
-PACK = [(8, 2), (16, 1), (4, 4), (32, 2), (32, 1)]  # G = 4, 16, 1, 16 (Hkv = 2), 32 (MQA, Q blocks of 4)
+PACK = [(8, 2), (16, 1), (4, 4), (32, 2), (32, 1), (64, 1)]  # G = 4, 16, 1, 16, 32, 64 (MQA, Q blocks of 2)
 
 
 @pytest.mark.parametrize("hq,hkv", PACK, ids=lambda x: str(x))
@@ -301,7 +301,7 @@ def test_pack_gqa(hq, hkv, kind):
 
 @pytest.mark.parametrize("dqk,dv", [(32, 32), (64, 64), (96, 96), (192, 128), (256, 256), (80, 80), (48, 48)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("hq", [8, 32], ids=["g8", "g32"])  # G = 32: MQA's default packing
+@pytest.mark.parametrize("hq", [8, 32, 64], ids=["g8", "g32", "g64"])  # MQA's default packing up to 64
 def test_pack_gqa_head_dims(dqk, dv, dtype, hq):
     B, S, hkv = 1, 900, 1
     q, k, v = qkv((B, S, hq), (B, S, hkv), dqk, dv, dtype, seed=21)

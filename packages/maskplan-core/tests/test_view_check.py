@@ -271,7 +271,7 @@ def test_a_plan_header_matches_its_views(varlen):
         if varlen and field == 3:  # backward_q_rows
             MaskPlan(plan.geometry, views, wrong, "test")
             continue
-        with pytest.raises(InputValueError, match=f"header does not match its views: {HEADER_FIELDS[field]}="):
+        with pytest.raises(InputValueError, match=f"does not match its views: {HEADER_FIELDS[field]}="):
             MaskPlan(plan.geometry, views, wrong, "test")
     with pytest.raises(InputValueError, match="backward_k_rows=.* \\(its views: 0\\)"):
         MaskPlan(plan.geometry, {"forward": views["forward"]}, header, "test")  # no backward view
