@@ -409,17 +409,46 @@ def test_softmax_scales_past_fp32_are_refused_where_nothing_is_visible(monkeypat
 
 
 @pytest.mark.parametrize(
-    "items,q_per_kv,split",
+    "items,q_per_kv,spread,split",
     [
-        (128, 32, 8),  # MQA 32/1, B=2 S=8192: 128 (K row, kv head) items for 132 SMs -> 1024
-        (256, 16, 4),  # GQA 32/2
-        (1024, 4, 1),  # GQA 32/8: enough items already
-        (10, 6, 2),  # the parts must divide the q heads: 6 -> 2 x 3, not 4
-        (10, 1, 1),  # MHA: nothing to split
+        (128, 32, 1.0, 8),  # MQA 32/1, B=2 S=8192: 128 (K row, kv head) items for 132 SMs -> 1024
+        (128, 32, 2.0, 16),  # ... K rows of uneven length (causal): 12 items per SM -> 2048
+        (128, 64, 2.0, 16),  # MQA 64/1
+        (256, 16, 1.0, 4),  # GQA 32/2
+        (1024, 4, 1.0, 1),  # GQA 32/8: enough items already
+        (1024, 4, 2.6, 2),  # ... unless K rows differ in length (documents)
+        (10, 6, 2.0, 2),  # the parts must divide the q heads: 6 -> 2 x 3, not 4
+        (10, 1, 2.0, 1),  # MHA: nothing to split
     ],
 )
-def test_kv_head_split(items, q_per_kv, split):
+def test_kv_head_split(items, q_per_kv, spread, split):
     """How many items the backward splits each kv head's q heads into (132 SMs, an H100's)."""
     from flexattn_sm90.bwd_launch_order import kv_head_split
 
-    assert kv_head_split(items, q_per_kv, 132) == split
+    assert kv_head_split(items, q_per_kv, 132, spread) == split
+
+
+@pytest.mark.parametrize(
+    "mask, uneven",
+    [("causal", True), ("documents", True), ("sliding", False), ("random", False), ("empty", False)],
+)
+def test_row_spread_of_sm90_backward_views(mask, uneven):
+    """The longest K2Q row against the mean (``BwdViewArgs.row_spread``, from the plan's recorded
+    ``longest_row``), which ``kv_head_split`` splits more from: causal rows and documents of
+    different lengths are uneven, a sliding window's and dense random rows are not."""
+    from maskplan_core import masks
+    from maskplan_core.testing import consumer_plan
+    from maskplan_kernels.consumer_launch import bwd_view_args
+
+    B, S = 2, 2048
+    q, k = (torch.empty(B, S, hq, 64, dtype=torch.bfloat16) for hq in (8, 1))
+    mask_func = {
+        "causal": lambda: masks.causal(S, batch=B),
+        "documents": lambda: masks.document([[256, 1536, 256]] * B),
+        "sliding": lambda: masks.sliding_window(S, window_left=512, batch=B),
+        "random": lambda: torch.randint(0, S + 1, (1, 5, B * S)).sort(dim=1).values.int().contiguous(),
+        "empty": lambda: torch.zeros(1, 1, B * S, dtype=torch.int32),
+    }[mask]()
+    view = consumer_plan(Sm90Consumer(), mask_func, q, k, k).view("backward")
+    view.validate()  # longest_row is the view's
+    assert (bwd_view_args(view, torch.device("cpu")).row_spread >= 1.5) is uneven

@@ -313,6 +313,27 @@ def test_a_views_signature_fits_its_role_and_geometry():
         remade(shared["forward"], dq_order_format="rank_int32")
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_a_backward_view_records_its_longest_row(varlen):
+    """The planner reads back the longest K2Q row (partial + full entries) with its header: a launch
+    hint (the SM90 backward splits more where rows differ in length), checked by ``validate``,
+    kept by pickling and by a copy at other head dims."""
+    from maskplan_core.head_dim_padding import kernel_view
+
+    plan = _plan(varlen)
+    bwd = plan.view("backward")
+    t = bwd.tensors
+    assert bwd.longest_row == int((t["mask_block_cnt"] + t["full_block_cnt"]).max()) > 0
+    assert plan.view("forward").longest_row is None
+    assert pickle.loads(pickle.dumps(bwd)).longest_row == bwd.longest_row
+    assert kernel_view(bwd, lambda dqk, dv: (dqk + 8, dv + 8)).longest_row == bwd.longest_row
+    wrong = dataclasses.replace(bwd, longest_row=bwd.longest_row + 1)
+    with pytest.raises(InputValueError, match=f"longest_row is {bwd.longest_row + 1}; its longest CSR row"):
+        wrong.validate()
+    with pytest.raises(InputValueError, match="longest_row must be an int >= 0 or None"):
+        dataclasses.replace(bwd, longest_row=-1)
+
+
 def test_check_unwritten_names_a_plan_tensor_written_in_place():
     """A consumer called directly (the maskplan-core README's) runs ``check_unwritten`` before its
     kernel: a payload bit flipped in place still validates, but is named."""

@@ -121,11 +121,13 @@ def row_major(tile_m: int, tile_n: int) -> PayloadLayout:
 
 
 def assert_plans_equal(ref: MaskPlan, got: MaskPlan) -> None:
-    """Every tensor of every view (dtype, shape, values) and the allocation header."""
+    """Every tensor of every view (dtype, shape, values), its recorded longest row and the
+    allocation header."""
     assert got.metadata["allocation_header"] == ref.metadata["allocation_header"]
     assert got.roles == ref.roles
     for role in ref.roles:
         rv, gv = ref.view(role), got.view(role)
+        assert gv.longest_row == rv.longest_row, f"{role}: longest_row {gv.longest_row} vs {rv.longest_row}"
         for name in VIEW_TENSORS:
             a, b = rv.tensors.get(name), gv.tensors.get(name)
             if a is None or b is None:

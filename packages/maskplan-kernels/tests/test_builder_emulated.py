@@ -44,9 +44,9 @@ def twins(monkeypatch):
     reads = []
     real_read = builder.read_header
 
-    def counting_read(header):
+    def counting_read(build):
         reads.append(1)
-        return real_read(header)
+        return real_read(build)
 
     monkeypatch.setattr(builder, "read_header", counting_read)
     return reads

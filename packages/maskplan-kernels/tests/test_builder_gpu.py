@@ -411,12 +411,12 @@ def test_exactly_one_host_read(monkeypatch):
     reads = []
     real_read = builder.read_header
 
-    def read_once(header):
+    def read_once(build):
         reads.append(1)
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return real_read(header)
+            return real_read(build)
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 

@@ -72,7 +72,7 @@ def kernel_view(view: PlanView, head_dims_of: Callable[[int, int], tuple[int, in
     padded = _KERNEL_VIEWS.get(view)
     if padded is None or (padded.geometry.head_dim_qk, padded.geometry.head_dim_v) != head_dims:
         geometry = dataclasses.replace(g, head_dim_qk=head_dims[0], head_dim_v=head_dims[1])
-        padded = PlanView(view.role, view.signature, view.layout, geometry, view.tensors)
+        padded = dataclasses.replace(view, geometry=geometry)
         share_ready(view, padded)
         _KERNEL_VIEWS[view] = padded
     return padded

@@ -136,6 +136,9 @@ class PlanView:
     layout: PayloadLayout
     geometry: PlanGeometry
     tensors: MappingProxyType = field(repr=False)  # read-only mapping; the tensors are plan storage
+    #: entries (partial + full) of the longest CSR row over mask heads, as the planner read it back
+    #: with its header (None: not recorded): a launch hint, derived from the tensors (``validate``)
+    longest_row: int | None = None
 
     def __post_init__(self):
         # a consumer's view config must describe the view it makes: the runtime dispatches on the
@@ -147,6 +150,8 @@ class PlanView:
                 f"the layout it is packed with ({self.layout.spec})"
             )
         require_layout_tiles(self.layout, self.signature.topology, f"the {self.role} view")
+        if self.longest_row is not None and (type(self.longest_row) is not int or self.longest_row < 0):
+            raise InputValueError(f"the {self.role} view's longest_row must be an int >= 0 or None")
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         check_structure(self)
 
@@ -154,13 +159,15 @@ class PlanView:
         """Read every tensor and raise :class:`InputValueError` unless they hold what the ABI says
         (:func:`maskplan_core.view_check.check_values`: offsets, index ranges and order, disjoint
         partial and full lists, payload bits within the sample, the varlen descriptor, the forward
-        task queue, the dQ ranks). Making a view checks only its tensors' structure; a planner or
-        loader of one's own calls this once per plan. Returns the view."""
+        task queue, the dQ ranks, ``longest_row`` where recorded). Making a view checks only its
+        tensors' structure; a planner or loader of one's own calls this once per plan. Returns the
+        view."""
         check_values(self)
         return self
 
-    def __reduce__(self):  # the read-only mapping does not pickle; the view is its five fields
-        return type(self), (self.role, self.signature, self.layout, self.geometry, dict(self.tensors))
+    def __reduce__(self):  # the read-only mapping does not pickle; the view is its six fields
+        fields = (self.role, self.signature, self.layout, self.geometry, dict(self.tensors))
+        return type(self), (*fields, self.longest_row)
 
     # Read-only, so a copy is the view itself (as a MaskPlan's): a consumer on another stream then
     # still waits for the plan's build (maskplan_core.plan_ready keeps the event per view)

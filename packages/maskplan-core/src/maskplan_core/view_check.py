@@ -182,6 +182,10 @@ def check_values(view: PlanView) -> None:
                 )  # fmt: skip
     if torch.isin(keys["partial"], keys["full"]).any():
         raise _refuse(view, "partial and full lists share a tile")
+    if view.longest_row is not None:
+        longest = int((t["mask_block_cnt"].to(torch.int64) + t["full_block_cnt"]).max()) if n_rows else 0
+        if longest != view.longest_row:
+            raise _refuse(view, f"longest_row is {view.longest_row}; its longest CSR row has {longest}")
     if view.role == "forward":
         _check_work(view, geom)
     else:

@@ -36,6 +36,7 @@ from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 from maskplan_core.plan_ready import mark_ready
+from maskplan_core.reference.builder import longest_row
 
 from ._cute_args import advance, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
@@ -355,7 +356,7 @@ def build_plan_gpu(
     with timer("scan_header"):
         stage_scan_header(build)
     with timer("header_read"):
-        header = read_header(build.header)
+        header, longest_k_row = read_header(build)
     raise_for_error_flags(header[HDR_ERROR], mask_func, geometry)
     with timer("materialize_q2k"):
         fwd_tensors = stage_materialize_q2k(build, header)
@@ -365,14 +366,22 @@ def build_plan_gpu(
     if backward is not None:
         with timer("materialize_k2q"):
             bwd_tensors = stage_materialize_k2q(build, header)
-        views["backward"] = PlanView("backward", backward.signature, backward.layout, geometry, bwd_tensors)
+        views["backward"] = PlanView(
+            "backward", backward.signature, backward.layout, geometry, bwd_tensors, longest_row=longest_k_row
+        )
     mark_ready(views.values(), mask_func.device)  # consumers on other streams wait for this point
     return MaskPlan(geometry, views, tuple(header), consumer_name)
 
 
-def read_header(header: torch.Tensor) -> list[int]:
-    """THE host read of a build: the 8-value allocation header (spec 4.5)."""
-    return header.tolist()
+def read_header(build: PlanBuild) -> tuple[list[int], int]:
+    """THE host read of a build: the 8-value allocation header (spec 4.5) and the backward view's
+    ``longest_row`` (``maskplan_core.reference.builder.longest_row`` of the K2Q counts; 0 without)."""
+    counts = None
+    if build.sizes.bb is not None:
+        k2q = build.sizes.kept.view(build.kept, "k2q_counts")
+        counts = (k2q[CNT_PARTIAL], k2q[CNT_FULL])
+    *header, longest = torch.cat((build.header, longest_row(counts, build.device).view(1))).tolist()
+    return header, longest
 
 
 def _check_inputs(

@@ -358,6 +358,19 @@ class BwdViewArgs:
     n_qblk: int  # padded Q blocks of all samples, a host bound (workspace rows / tile_m)
     max_q_blocks: int  # Q blocks of the longest sample, a host bound (grid of pre/postprocess)
     varlen: int  # 1: the kernels read sequence_desc; 0: they derive it
+    longest_row: int | None = None  # the view's (PlanView.longest_row), where its planner recorded it
+
+    @property
+    def row_spread(self) -> float:
+        """The longest K2Q row against the mean row (entries over mask heads and K rows): about 1
+        where every K block reaches as many Q blocks (sliding windows, dense rows), 2 on causal
+        masks, more where documents differ in length; 1.0 where the planner recorded no longest
+        row."""
+        rows = self.mask_heads * self.k_rows
+        entries = self.partial_nnz + self.full_nnz
+        if self.longest_row is None or entries == 0:
+            return 1.0
+        return self.longest_row * rows / entries
 
     @property
     def sparse_rows(self) -> bool:
@@ -412,6 +425,7 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         n_qblk=bounds.q_rows,
         max_q_blocks=bounds.max_q_blocks,
         varlen=int(view.geometry.varlen),
+        longest_row=view.longest_row,
     )
 
 
@@ -480,7 +494,7 @@ def backward_io(
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv, per_sample, strides)
 
 
-def no_kv_head_split(items: int, q_per_kv: int, sms: int) -> int:
+def no_kv_head_split(items: int, q_per_kv: int, sms: int, row_spread: float) -> int:
     """A consumer whose main kernel does not split kv heads' q heads (:func:`launch_backward`)."""
     return 1
 
@@ -496,19 +510,19 @@ def launch_backward(
     a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
     four is host time saved on every call).
 
-    ``kv_head_split(items, q_per_kv, sms)`` (the consumer's :attr:`BackwardCompiler.kv_head_split`)
-    gives ``s = kv_split``; where it is above 1 the main kernel's items split each kv head's q heads
-    into ``s`` parts, and each part's dK / dV goes to its own head ``hk * s + j`` of a
-    ``(total_k, Hkv * s, D)`` tensor in q's dtype (each part rounded to it, as FlashAttention-2's
-    GQA backward does), summed into ``dk`` / ``dv`` afterwards (accumulated in fp32, in a fixed
-    order: deterministic)::
+    ``kv_head_split(items, q_per_kv, sms, row_spread)`` (the consumer's
+    :attr:`BackwardCompiler.kv_head_split`; :attr:`BwdViewArgs.row_spread`) gives ``s = kv_split``;
+    where it is above 1 the main kernel's items split each kv head's q heads into ``s`` parts,
+    and each part's dK / dV goes to its own head ``hk * s + j`` of a ``(total_k, Hkv * s, D)``
+    tensor in q's dtype (each part rounded to it, as FlashAttention-2's GQA backward does), summed
+    into ``dk`` / ``dv`` afterwards (accumulated in fp32, in a fixed order: deterministic)::
 
         q heads of kv head hk:   hk*G .. hk*G + G/s - 1 | ... | hk*G + G - G/s .. hk*G + G - 1
         items (K row, head):     (r, hk*s + 0)            ...   (r, hk*s + s - 1)
     """
     g, prep, device = io.view.geometry, io.prep, io.q.device
     items, q_per_kv = prep.k_rows * g.num_heads_kv, g.num_heads_q // g.num_heads_kv
-    kv_split = kv_head_split(items, q_per_kv, sm_count(cuda_index(device)))
+    kv_split = kv_head_split(items, q_per_kv, sm_count(cuda_index(device)), prep.row_spread)
     dkv_heads = g.num_heads_kv * kv_split
     dk, dv = io.dk, io.dv
     if kv_split > 1:
@@ -583,10 +597,11 @@ class BackwardCompiler:
     #: ``(Dqk, Dv)`` of the THD tensors a config's kernels take (narrower than its head dims where
     #: the kernels zero-fill the rest of their tiles); default: the config's head dims
     io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
-    #: ``(items, q_per_kv, sms) -> parts``: into how many items the consumer's main kernel splits
-    #: each kv head's q heads, from its ``items`` (K rows x kv heads), the GQA ratio and the GPU's
-    #: SM count (:func:`launch_backward`'s ``kv_split``); default: never (1)
-    kv_head_split: Callable[[int, int, int], int] = no_kv_head_split
+    #: ``(items, q_per_kv, sms, row_spread) -> parts``: into how many items the consumer's main
+    #: kernel splits each kv head's q heads, from its ``items`` (K rows x kv heads), the GQA ratio,
+    #: the GPU's SM count and :attr:`BwdViewArgs.row_spread` (:func:`launch_backward`'s
+    #: ``kv_split``); default: never (1)
+    kv_head_split: Callable[[int, int, int, float], int] = no_kv_head_split
     #: the granule of a config's main kernel that takes q, k, v rows per sample
     #: (``main_kernel(config, ..., per_sample=True)``; ``ThdHostEntry.row_granule``),
     #: or None where the consumer has none (such q, k, v are copied: :func:`qkv_operands`)

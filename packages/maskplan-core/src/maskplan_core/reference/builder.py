@@ -38,11 +38,14 @@ def build_plan(
         bwd_geom = block_geometry(geometry, backward.tile_m, backward.tile_n)
         bwd_cls = classify(mask_func, bwd_geom)
         counts = k2q_counts(bwd_cls, bwd_geom)
-    header = allocation_header(fwd_cls, fwd_geom, counts, bwd_geom, flags | fwd_cls.error_flags).tolist()
+    header = allocation_header(fwd_cls, fwd_geom, counts, bwd_geom, flags | fwd_cls.error_flags)
+    *header, longest_k_row = torch.cat((header, longest_row(counts, header.device).view(1))).tolist()
     raise_for_error_flags(header[-1], mask_func, geometry)
     views = {"forward": _forward_view(mask_func, geometry, forward, fwd_geom, fwd_cls)}
     if backward is not None:
-        views["backward"] = _backward_view(mask_func, geometry, backward, bwd_geom, bwd_cls, counts)
+        views["backward"] = _backward_view(
+            mask_func, geometry, backward, bwd_geom, bwd_cls, counts, longest_k_row
+        )
     mark_ready(views.values(), mask_func.device)  # CUDA: consumers on other streams wait for this point
     return MaskPlan(geometry, views, tuple(header), consumer)
 
@@ -67,11 +70,22 @@ def _forward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeomet
     return PlanView("forward", cfg.signature, cfg.layout, g, tensors)
 
 
-def _backward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeometry, cls, counts) -> PlanView:
+def longest_row(counts: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> torch.Tensor:
+    """int32 scalar on ``device``: entries (partial + full) of the longest row of ``[Hmask, rows]``
+    counts (a backward view's K2Q rows: ``PlanView.longest_row``, read back with the header); 0
+    without rows or counts."""
+    if counts is None or counts[0].numel() == 0:
+        return torch.zeros((), dtype=torch.int32, device=device)
+    return (counts[0] + counts[1]).amax()
+
+
+def _backward_view(
+    mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeometry, cls, counts, longest: int
+) -> PlanView:
     lists = materialize_k2q(mask_func, cls, geom, cfg.layout, counts)
     order = {"dq_write_order": lists.dq_write_order, "dq_write_order_full": lists.dq_write_order_full}
     tensors = _csr_tensors(lists) | _sequence_desc(g, geom, "k") | order
-    return PlanView("backward", cfg.signature, cfg.layout, g, tensors)
+    return PlanView("backward", cfg.signature, cfg.layout, g, tensors, longest_row=longest)
 
 
 def _sequence_desc(g: PlanGeometry, geom: BlockGeometry, outer: str) -> dict[str, torch.Tensor]:
