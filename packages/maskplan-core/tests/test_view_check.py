@@ -298,7 +298,7 @@ def test_a_views_signature_fits_its_role_and_geometry():
 
     with pytest.raises(InputValueError, match="backward view's topology has pack_gqa=True"):
         remade(shared["backward"], pack_gqa=True)
-    with pytest.raises(InputValueError, match="PackGQA needs Hmask=1"):
+    with pytest.raises(InputValueError, match="forward view's topology has pack_gqa=True over Hmask=2"):
         remade(per_head, geometry=dataclasses.replace(per_head.geometry, num_heads_kv=1), pack_gqa=True,
                qhead_per_kvhead=2)  # fmt: skip
     with pytest.raises(InputValueError, match="Hmask 1 or Hq"):

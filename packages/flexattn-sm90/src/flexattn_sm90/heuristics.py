@@ -113,8 +113,8 @@ def bwd_stages(head_dim_qk: int, head_dim_v: int) -> tuple[int, int]:
 #: time down 5-6% on documents at G = 4, 8 and 32 and 9% on random-5 at G = 32, within 1% either
 #: way elsewhere (random-5 +1% at G = 8), and fwd+bwd within -1% .. +2%; at G = 4, D = 64 and 256:
 #: documents -7% / -8%, random-5 +3% / +1%; a warm plan build cost up to 0.2 ms more at G = 32.
-#: The largest default group is 32 (Q blocks of 4 positions), which the GPU tests train packed
-#: (tests/test_gpu_end_to_end.py's mqa-g32); at G = 32, D = 128 (session 59, one H100 run)
+#: The largest default group is 64 (Q blocks of 2 positions), which the GPU tests train packed
+#: (tests/test_gpu_end_to_end.py's mqa-g32 and mqa-g64); at G = 32, D = 128 (session 59, one H100 run)
 #: packing took the forward's device time down 6% on documents and 9% on random-5, within 1%
 #: either way on causal and sliding-1024, and fwd+bwd within 2%. At G = 64 (Q blocks of 2
 #: positions, mqa-g64; session 60, one H100 run, Hq = 64) packing took the forward's device time

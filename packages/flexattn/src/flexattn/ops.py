@@ -264,8 +264,8 @@ def _backward(ctx, dout, dlse, _dmax):
         handle = saved[-1]
         recomputed = _pinned_plan(handle)
         if recomputed is not ctx.mask_plan:  # non-reentrant checkpointing recomputed the forward
-            if recomputed is None:  # its pin lost (a saved-tensor hook copied the handle)
-                recomputed = _live_plan(int(handle))
+            if recomputed is None:  # its pin lost (a saved-tensor hook copied the handle): the
+                recomputed = _live_plan(int(handle))  # plan, if alive; gone, it is refused
             plan = _backward_plan(ctx.mask_plan, recomputed, same_fingerprint=False)
             saved = (*saved[:-1], plan.handle_tensor)
     return _gradients(ctx, saved, dout, dlse, torch.ops.flexattn.bwd)

@@ -437,7 +437,11 @@ def check_signature_fits(role: str, signature: PlanSignature, geometry: PlanGeom
                 f"the {role} view's topology has pack_gqa=True: PackGQA is a forward view's (a K-major "
                 "backward owns one kv head's K block and visits all its q heads either way)"
             )
-        require_shared_mask_for_pack_gqa(g)
+        if g.mask_heads != 1:  # a consumer's resolve refuses pack_gqa=True for such a mask first
+            raise InputValueError(
+                f"the {role} view's topology has pack_gqa=True over Hmask={g.mask_heads}: PackGQA's "
+                "q heads of a kv head share one tile, so it needs one mask for every head (Hmask=1)"
+            )
         # a kernel sizes its packed tile by the signature: another group would leave q heads unwritten
         if topology.qhead_per_kvhead != g.qhead_per_kvhead:
             raise InputValueError(
