@@ -410,6 +410,8 @@ def check_build_inputs(
         )
     if not mask_func.is_contiguous():
         raise InputValueError("mask_func must be contiguous (call .contiguous())")
+    if forward.signature.topology.pack_gqa:  # in the planner's caller's terms first (mask_func)
+        require_shared_mask_for_pack_gqa(g)
     for role, config in (("forward", forward), ("backward", backward)):
         if config is not None:
             check_signature_fits(role, config.signature, g)
