@@ -452,3 +452,7 @@ def test_row_spread_of_sm90_backward_views(mask, uneven):
     view = consumer_plan(Sm90Consumer(), mask_func, q, k, k).view("backward")
     view.validate()  # longest_row is the view's
     assert (bwd_view_args(view, torch.device("cpu")).row_spread >= 1.5) is uneven
+    # per-head masks: an item walks all its kv head's q heads' rows, which one row's length does
+    # not bound (per-head sliding windows of different widths made uneven rows of even items)
+    per_head = consumer_plan(Sm90Consumer(), mask_func.expand(8, -1, -1).contiguous(), q, k, k)
+    assert bwd_view_args(per_head.view("backward"), torch.device("cpu")).row_spread == 1.0

@@ -83,9 +83,9 @@ def create_mask_plan(
     faster at 32 and 32% at 64, 1% elsewhere); the reference consumer (CPU) and SM100 do not pack. ``False``
     never packs.
 
-    On a GPU the build runs on the current CUDA stream, and its one host read (8 sizes) waits for
-    that stream only: building the next batch's plan on a side stream (``with
-    torch.cuda.stream(side):``, its device inputs, the endpoints and any ``cu_seqlens``, made
+    On a GPU the build runs on the current CUDA stream, and its one host read (8 sizes, 9 with a
+    backward view) waits for that stream only: building the next batch's plan on a side stream
+    (``with torch.cuda.stream(side):``, its device inputs, the endpoints and any ``cu_seqlens``, made
     there or ordered before it) overlaps the step running on the main stream. Attention calls on
     any stream wait for the plan's build on the GPU, without a host wait; a CUDA graph capture
     waits for nothing outside it, so a plan used in one must be complete first

@@ -4,7 +4,7 @@
 ::
 
     geometry (1 CTA) -> classify fwd [-> classify bwd -> K2Q count] -> scan + header
-        -> ONE host read of the 8-value header, errors raised
+        -> ONE host read of the 8-value header (+ the longest K2Q row), errors raised
         -> materialise Q2K -> forward schedule (stats, scatter) [-> materialise K2Q + dQ order]
         -> MaskPlan
 
@@ -36,7 +36,7 @@ from maskplan_core.error_flags import raise_for_error_flags
 from maskplan_core.geometry import PlanGeometry
 from maskplan_core.plan import MaskPlan, PlanView
 from maskplan_core.plan_ready import mark_ready
-from maskplan_core.reference.builder import longest_row
+from maskplan_core.reference.builder import read_back
 
 from ._cute_args import advance, int32_address, torch_stream
 from ._launch import ArenaLayout, StageTimer, no_timer, persistent_ctas
@@ -375,13 +375,13 @@ def build_plan_gpu(
 
 def read_header(build: PlanBuild) -> tuple[list[int], int]:
     """THE host read of a build: the 8-value allocation header (spec 4.5) and the backward view's
-    ``longest_row`` (``maskplan_core.reference.builder.longest_row`` of the K2Q counts; 0 without)."""
+    ``longest_row`` (``maskplan_core.reference.builder.read_back``; padding rows of the K2Q counts
+    are zero)."""
     counts = None
     if build.sizes.bb is not None:
         k2q = build.sizes.kept.view(build.kept, "k2q_counts")
         counts = (k2q[CNT_PARTIAL], k2q[CNT_FULL])
-    *header, longest = torch.cat((build.header, longest_row(counts, build.device).view(1))).tolist()
-    return header, longest
+    return read_back(build.header, counts)
 
 
 def _check_inputs(

@@ -362,15 +362,15 @@ class BwdViewArgs:
 
     @property
     def row_spread(self) -> float:
-        """The longest K2Q row against the mean row (entries over mask heads and K rows): about 1
-        where every K block reaches as many Q blocks (sliding windows, dense rows), 2 on causal
-        masks, more where documents differ in length; 1.0 where the planner recorded no longest
-        row."""
-        rows = self.mask_heads * self.k_rows
+        """The longest K2Q row against the mean row (entries over K rows): about 1 where every K
+        block reaches as many Q blocks (sliding windows, dense rows), 2 on causal masks, more where
+        documents differ in length; 1.0 where the planner recorded no longest row, and with
+        per-head masks (Hmask > 1), where an item walks the rows of all its kv head's q heads,
+        whose sum the longest row does not bound."""
         entries = self.partial_nnz + self.full_nnz
-        if self.longest_row is None or entries == 0:
+        if self.longest_row is None or entries == 0 or self.mask_heads > 1:
             return 1.0
-        return self.longest_row * rows / entries
+        return self.longest_row * self.k_rows / entries
 
     @property
     def sparse_rows(self) -> bool:

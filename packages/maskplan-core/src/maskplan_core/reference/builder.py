@@ -39,7 +39,7 @@ def build_plan(
         bwd_cls = classify(mask_func, bwd_geom)
         counts = k2q_counts(bwd_cls, bwd_geom)
     header = allocation_header(fwd_cls, fwd_geom, counts, bwd_geom, flags | fwd_cls.error_flags)
-    *header, longest_k_row = torch.cat((header, longest_row(counts, header.device).view(1))).tolist()
+    header, longest_k_row = read_back(header, counts)
     raise_for_error_flags(header[-1], mask_func, geometry)
     views = {"forward": _forward_view(mask_func, geometry, forward, fwd_geom, fwd_cls)}
     if backward is not None:
@@ -70,13 +70,16 @@ def _forward_view(mask_func, g: PlanGeometry, cfg: ViewConfig, geom: BlockGeomet
     return PlanView("forward", cfg.signature, cfg.layout, g, tensors)
 
 
-def longest_row(counts: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device) -> torch.Tensor:
-    """int32 scalar on ``device``: entries (partial + full) of the longest row of ``[Hmask, rows]``
-    counts (a backward view's K2Q rows: ``PlanView.longest_row``, read back with the header); 0
-    without rows or counts."""
+def read_back(
+    header: torch.Tensor, counts: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[list[int], int]:
+    """The build's one host read: the 8-value header and, with ``counts`` (a backward view's int32
+    ``[Hmask, K rows]`` partial and full K2Q counts), the entries of its longest K2Q row
+    (``PlanView.longest_row``; 0 without rows or counts)."""
     if counts is None or counts[0].numel() == 0:
-        return torch.zeros((), dtype=torch.int32, device=device)
-    return (counts[0] + counts[1]).amax()
+        return header.tolist(), 0
+    *values, longest = torch.cat((header, (counts[0] + counts[1]).amax().view(1))).tolist()
+    return values, longest
 
 
 def _backward_view(
