@@ -243,9 +243,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, plan)
     ctx.scale, ctx.deterministic = scale, deterministic
     ctx.set_materialize_grads(False)  # an unused lse gives dlse=None, not a tensor of zeros
-    # the plan a real handle pins (the op's route under a dispatch mode: selective checkpointing),
-    # for _backward's check of a recomputed handle; none while tracing
-    ctx.mask_plan = _pinned_plan(plan)
+
+
+def _op_setup_context(ctx, inputs, output):
+    """The op's context: :func:`_setup_context` and the plan a real handle pins (the op's route
+    under a dispatch mode: selective checkpointing), for :func:`_backward`'s check of a recomputed
+    handle; none while tracing. (The eager route keeps its plan itself: :func:`_eager_setup`.)"""
+    _setup_context(ctx, inputs, output)
+    ctx.mask_plan = _pinned_plan(inputs[3])
 
 
 def _gradients(ctx, saved, dout, dlse, backward_fn):
@@ -260,7 +265,7 @@ def _gradients(ctx, saved, dout, dlse, backward_fn):
 
 def _backward(ctx, dout, dlse, _dmax):
     saved = ctx.saved_tensors
-    if ctx.mask_plan is not None:  # a real forward under a dispatch mode (_setup_context)
+    if ctx.mask_plan is not None:  # a real forward under a dispatch mode (_op_setup_context)
         handle = saved[-1]
         recomputed = _pinned_plan(handle)
         if recomputed is not ctx.mask_plan:  # non-reentrant checkpointing recomputed the forward
@@ -271,7 +276,7 @@ def _backward(ctx, dout, dlse, _dmax):
     return _gradients(ctx, saved, dout, dlse, torch.ops.flexattn.bwd)
 
 
-fwd.register_autograd(_backward, setup_context=_setup_context)
+fwd.register_autograd(_backward, setup_context=_op_setup_context)
 
 
 def _not_twice_differentiable(ctx, *grads):
