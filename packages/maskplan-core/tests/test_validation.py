@@ -273,7 +273,8 @@ def test_both_readings_named_where_both_fit():
     """A mask of one row and nfunc 3 for a batch of 3 single-token samples is a mask for one
     sample, or [Hmask, total_q, nfunc] transposed: the error names both."""
     q, k, v = fixed_qkv(b=3, sq=1, sk=100)
-    with expect(InputValueError, ValueError, "[Hmask, total_q, nfunc]", "; or, ", "one sample", "batch=B"):
+    needles = ("[Hmask, total_q, nfunc]", "; or, ", "one sample", "from_mask_mod(mask_mod, B")
+    with expect(InputValueError, ValueError, *needles):
         validate_plan_inputs(causal(total_q=1, sq=1, sk=50, nfunc=3), q, k, v)
 
 

@@ -371,8 +371,8 @@ def validate_plan_inputs(
                 other_s = f"; if for {batch} samples, its S is not q's {max_q}" if max_q % batch == 0 else ""
                 hints.append(
                     f"if mask_func was built for one sample of {max_q} rows, build it for the batch "
-                    "(masks.causal(S, batch=B), masks.from_block_mask(..., batch=B), a dense mask expanded "
-                    f"to B){other_s}"
+                    "(masks.causal(S, batch=B), masks.from_mask_mod(mask_mod, B, ...), "
+                    f"masks.from_block_mask(..., batch=B), a dense mask expanded to B){other_s}"
                 )
             if batch_as_heads:
                 hints.append(batch_as_heads_hint)
