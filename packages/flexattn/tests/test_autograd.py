@@ -42,7 +42,7 @@ def test_a_plan_nobody_holds_lives_until_the_backward():
 def test_checkpointed_layer_building_its_plan(reentrant):
     """Activation checkpointing of a layer that builds its own plan: the backward recomputes the
     layer (a new plan; non-reentrant checkpointing then hands the backward the recomputed saved
-    tensors, the new plan's identity among them, which keeps it for the comparison and which it
+    tensors, the new plan's handle among them, which keeps it for the comparison and which it
     unpacks once only, ``create_graph=True`` included) and gives the gradients of the plain layer."""
     from torch.utils.checkpoint import checkpoint
 
@@ -89,10 +89,10 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     first = layer.plan = flexattn.create_mask_plan(masks.document([[10, 30]] * B, causal=True), q, k, v)
     out = checkpoint(layer, q, k, v, use_reentrant=False)
     layer.plan = flexattn.create_mask_plan(masks.document([[20, 20]] * B, causal=True), q, k, v)
-    assert layer.plan.identity_tensor[1] == first.identity_tensor[1] and not layer.plan.same_mask_as(first)
+    assert layer.plan.fingerprint == first.fingerprint and not layer.plan.same_mask_as(first)
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
-    # a layer building its plan from a mask attribute that changed: the saved identity keeps the
+    # a layer building its plan from a mask attribute that changed: the saved handle keeps the
     # rebuilt plan for the backward, whose fingerprint tells it from the forward's
     mask_layer = Layer()
     mask_layer.forward = lambda q, k, v: flexattn.flex_attn_func(
@@ -104,7 +104,7 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
     mask_layer.mask = masks.document([[10, 30]] * B, causal=True)  # the same fingerprint: the saved
-    out = checkpoint(mask_layer, q, k, v, use_reentrant=False)  # identity keeps the rebuilt plan
+    out = checkpoint(mask_layer, q, k, v, use_reentrant=False)  # handle keeps the rebuilt plan
     mask_layer.mask = masks.document([[20, 20]] * B, causal=True)  # for the comparison
     with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
         out.sum().backward()
@@ -172,21 +172,59 @@ def test_selective_checkpointing_keeps_the_forwards_plan(policy):
         out.sum().backward()
 
 
-def test_a_recomputed_plan_that_is_gone_is_judged_by_its_fingerprint():
-    """The backward's plan choice (flexattn.ops._backward_handle) where the saved identity names a
-    plan no longer alive (its copy made without the pin, which torch.utils.checkpoint keeps): the
-    same fingerprint runs on the forward's plan, another one is refused."""
-    from flexattn.ops import _backward_handle
+def test_a_recomputed_plan_that_is_gone_is_refused():
+    """The backward's plan choice (flexattn.ops._checked_handle) where the saved handle names a
+    plan no longer alive (a copy made without the pin, which torch.utils.checkpoint keeps): it
+    cannot be compared with the forward's, so it is refused, saying so; one alive of the same mask
+    runs on the forward's plan."""
+    from types import SimpleNamespace
+
+    from flexattn.ops import _checked_handle
 
     q, k, v = inputs(6)
     plan, rebuilt = plan_for(q, k, v), plan_for(q, k, v)
-    saved = rebuilt.identity_tensor.clone()
+    ctx = SimpleNamespace(mask_plan=plan)
+    assert _checked_handle(ctx, (q, rebuilt.handle_tensor.clone()))[-1] is plan.handle_tensor
+    saved = (q, rebuilt.handle_tensor.clone())
     del rebuilt
     gc.collect()
-    assert _backward_handle(plan, saved) is plan.handle_tensor
-    other = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
-    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
-        _backward_handle(plan, other.identity_tensor)
+    with pytest.raises(flexattn.PlanBindingError, match="is gone"):
+        _checked_handle(ctx, saved)
+
+
+@pytest.mark.parametrize("nesting", ["plain-in-selective", "flop-counter-around-the-backward"])
+def test_a_checkpointed_forward_and_its_recomputation_may_take_different_routes(nesting):
+    """Eager calls and calls under a dispatch mode (the op's route) save the same tensors, so
+    torch's checkpoint accepts a recomputation under other modes than its forward: a plain
+    checkpoint nested in a selective one (the forward under the selective mode, the inner
+    recomputation under none), or a ``FlopCounterMode`` around the backward alone."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = inputs(8)
+    plan = plan_for(q, k, v)
+
+    def layer(q, k, v):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    want = torch.autograd.grad(layer(q, k, v).square().sum(), (q, k, v))
+    if nesting == "plain-in-selective":
+        policy = functools.partial(
+            create_selective_checkpoint_contexts, lambda ctx, op, *a, **kw: CheckpointPolicy.PREFER_RECOMPUTE
+        )
+        out = checkpoint(
+            lambda *qkv: checkpoint(layer, *qkv, use_reentrant=False),
+            q, k, v, use_reentrant=False, context_fn=policy,
+        )  # fmt: skip
+        got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    else:
+        out = checkpoint(layer, q, k, v, use_reentrant=False)
+        with FlopCounterMode(display=False):
+            got = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_kept_lse_does_not_keep_an_eager_calls_plan():

@@ -356,15 +356,13 @@ def test_views_pickle_and_torch_save_and_copy_as_themselves():
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_identity_is_the_handle_and_a_fingerprint_of_the_content(varlen):
+def test_a_rebuilt_plan_has_its_own_handle_and_the_same_fingerprint(varlen):
     """A plan rebuilt from the same inputs has its own handle and the same fingerprint; one of
     another mask, of other heads or without the backward view has another."""
     plan, again = _plan(varlen), _plan(varlen)
-    (handle, fingerprint), (handle2, fingerprint2) = (p.identity_tensor.tolist() for p in (plan, again))
-    assert (handle, handle2) == (plan.handle, again.handle) and handle != handle2
-    assert fingerprint == fingerprint2
+    assert plan.handle != again.handle and plan.fingerprint == again.fingerprint
     others = (_plan(varlen, hmask=1), _plan(varlen, hmask=1, heads=4), _plan(varlen, backward=False))
-    assert len({fingerprint, *(int(other.identity_tensor[1]) for other in others)}) == 4
+    assert len({plan.fingerprint, *(other.fingerprint for other in others)}) == 4
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
@@ -372,21 +370,12 @@ def test_same_mask_compares_the_tensors_beyond_the_fingerprint(varlen):
     """Windows of 50 and 51 keys give the same block counts (one fingerprint) and other payloads:
     only the tensors tell them apart. A plan rebuilt from the same inputs gives the same mask."""
     fifty, again, fifty_one = (_plan(varlen, 1, windows=(w,)) for w in (50, 50, 51))
-    assert fifty.identity_tensor[1] == fifty_one.identity_tensor[1]
+    assert fifty.fingerprint == fifty_one.fingerprint
     assert fifty.same_mask_as(again) and fifty.same_mask_as(fifty)
     assert not fifty.same_mask_as(fifty_one) and not fifty_one.same_mask_as(fifty)
     assert not fifty.same_mask_as(_plan(varlen, 1, windows=(70,)))  # another fingerprint
     with pytest.raises(InputTypeError, match="other must be a MaskPlan"):
         fifty.same_mask_as(fifty.view("forward"))
-
-
-def test_identity_read_first_in_inference_mode_can_be_saved_for_a_backward():
-    """The identity tensor is made on first read; one made under inference_mode would be an
-    inference tensor, which a later training call cannot save for its backward."""
-    plan = _plan(False)
-    with torch.inference_mode():
-        first = plan.identity_tensor
-    assert not first.is_inference() and plan.identity_tensor is first
 
 
 def _torch_round_trip(view: PlanView) -> PlanView:

@@ -170,7 +170,7 @@ def _run_forward(q, k, v, mask_plan, scale, training, want_max, *, pin: bool):
 
 def _pin_plan(tensor: torch.Tensor, mask_plan: MaskPlan) -> None:
     """Keep ``mask_plan`` alive as long as the storage of ``tensor``: a compiled training forward's
-    LSE, or an eager one's saved identity (:func:`_eager_setup`).
+    LSE, or the handle an eager or in-mode one saves (:func:`_eager_setup`, :func:`attention`).
 
     A compiled graph saves the op's LSE for its backward but carries only the plan's handle, so a
     plan built inside the compiled region (a local of the eager frame between two graphs) would be
@@ -247,8 +247,8 @@ def _setup_context(ctx, inputs, output):
 
 def _op_setup_context(ctx, inputs, output):
     """The op's context: :func:`_setup_context` and the plan a real handle pins (the op's route
-    under a dispatch mode: selective checkpointing), for :func:`_backward`'s check of a recomputed
-    handle; none while tracing. (The eager route keeps its plan itself: :func:`_eager_setup`.)"""
+    under a dispatch mode: selective checkpointing), for :func:`_checked_handle`; none while
+    tracing. (The eager route keeps its plan itself: :func:`_eager_setup`.)"""
     _setup_context(ctx, inputs, output)
     ctx.mask_plan = _pinned_plan(inputs[3])
 
@@ -264,16 +264,7 @@ def _gradients(ctx, saved, dout, dlse, backward_fn):
 
 
 def _backward(ctx, dout, dlse, _dmax):
-    saved = ctx.saved_tensors
-    if ctx.mask_plan is not None:  # a real forward under a dispatch mode (_op_setup_context)
-        handle = saved[-1]
-        recomputed = _pinned_plan(handle)
-        if recomputed is not ctx.mask_plan:  # non-reentrant checkpointing recomputed the forward
-            if recomputed is None:  # its pin lost (a saved-tensor hook copied the handle): the
-                recomputed = _live_plan(int(handle))  # plan, if alive; gone, it is refused
-            plan = _backward_plan(ctx.mask_plan, recomputed, same_fingerprint=False)
-            saved = (*saved[:-1], plan.handle_tensor)
-    return _gradients(ctx, saved, dout, dlse, torch.ops.flexattn.bwd)
+    return _gradients(ctx, _checked_handle(ctx, ctx.saved_tensors), dout, dlse, torch.ops.flexattn.bwd)
 
 
 fwd.register_autograd(_backward, setup_context=_op_setup_context)
@@ -295,17 +286,17 @@ def _no_forward_mode(ctx, *tangents):
 
 
 def _eager_setup(ctx, inputs, output, pin: bool = False):
-    """The eager context: the op's saved tensors with the plan's identity, and the plan. ``pin``
-    (a training call, under no torch.func transform, which would wrap the copy) saves a copy of
-    the identity pinning the plan (a few us): under non-reentrant checkpointing the recomputed
-    forward's copy is what the backward gets, and it keeps the plan that forward ran with (one
-    the checkpointed function built and dropped too) alive for :func:`_backward_handle`."""
+    """The eager context: the op's saved tensors, and the plan. ``pin`` (a training call, under no
+    torch.func transform, which would wrap the copy) saves a copy of the plan's handle tensor
+    pinning the plan (a few us): under non-reentrant checkpointing the recomputed forward's copy
+    is what the backward gets, and it keeps the plan that forward ran with (one the checkpointed
+    function built and dropped too) alive for :func:`_checked_handle`."""
     q, k, v, mask_plan, *options = inputs
-    identity = mask_plan.identity_tensor
+    handle = mask_plan.handle_tensor
     if pin:
-        identity = identity.clone()
-        _pin_plan(identity, mask_plan)
-    _setup_context(ctx, (q, k, v, identity, *options), output)
+        handle = handle.clone()
+        _pin_plan(handle, mask_plan)
+    _setup_context(ctx, (q, k, v, handle, *options), output)
     ctx.mask_plan = mask_plan
     ctx.mark_non_differentiable(output[2])
 
@@ -329,18 +320,17 @@ def _eager_backward(ctx, dout, dlse, _dmax):
             "(is_grads_batched=True, jacobian(vectorize=True), torch.func.jacrev): loop over the "
             "gradients, or batch through the B dimension of q/k/v"
         )
-    q, k, v, out, lse, identity = ctx.saved_tensors
+    saved = ctx.saved_tensors
     with torch.no_grad():
-        handle = _backward_handle(ctx.mask_plan, identity)
-        grads = _gradients(ctx, (q, k, v, out, lse, handle), dout, dlse, _backward_impl)
+        grads = _gradients(ctx, _checked_handle(ctx, saved), dout, dlse, _backward_impl)
     if torch.is_grad_enabled():  # create_graph=True
-        grads = (*FirstOrderGradients.apply(q, k, v, *grads[:3]), *grads[3:])
+        grads = (*FirstOrderGradients.apply(*saved[:3], *grads[:3]), *grads[3:])
     return grads
 
 
 def _pinned_plan(handle) -> MaskPlan | None:
-    """The plan pinned to a real handle or identity tensor (:func:`_pin_plan`), else None (a fake or
-    traced one, the plan's own handle tensor, or a copy a saved-tensor hook made)."""
+    """The plan pinned to a real handle tensor (:func:`_pin_plan`), else None (a fake or traced one,
+    the plan's own handle tensor, or a copy a saved-tensor hook made)."""
     if type(handle) is not torch.Tensor:
         return None
     return getattr(handle.untyped_storage(), "_flexattn_plan", None)
@@ -353,34 +343,42 @@ def _live_plan(handle: int) -> MaskPlan | None:
         return None
 
 
-def _backward_handle(forward_plan: MaskPlan, saved: torch.Tensor) -> torch.Tensor:
-    """The handle an eager backward runs on (:func:`_backward_plan`), from the identity its forward
-    saved (the recomputation's, under non-reentrant checkpointing)."""
-    (handle, fingerprint), (own, own_fingerprint) = saved.tolist(), forward_plan.identity_tensor.tolist()
-    recomputed = forward_plan if handle == own else _live_plan(handle)
-    plan = _backward_plan(forward_plan, recomputed, same_fingerprint=fingerprint == own_fingerprint)
-    return plan.handle_tensor
+def _checked_handle(ctx, saved: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``saved`` (the op's saved tensors, the plan's handle last) with the handle of the plan the
+    backward runs on (:func:`_backward_plan`): the forward's, ``ctx.mask_plan``, where the saved
+    handle names it or a plan of the same mask; as saved while tracing (no ``ctx.mask_plan``).
+    Both routes save the same tensors, so a checkpointed forward and its recomputation may take
+    different routes (a plain checkpoint nested in a selective one, ``FlopCounterMode`` around the
+    backward alone)."""
+    forward_plan, handle = ctx.mask_plan, saved[-1]
+    if forward_plan is None:
+        return saved
+    recomputed = _pinned_plan(handle)
+    if recomputed is None:  # the plan's own handle tensor, or a copy a saved-tensor hook made
+        recomputed = _live_plan(int(handle))
+    return (*saved[:-1], _backward_plan(forward_plan, recomputed).handle_tensor)
 
 
-def _backward_plan(
-    forward_plan: MaskPlan, recomputed: MaskPlan | None, *, same_fingerprint: bool
-) -> MaskPlan:
+def _backward_plan(forward_plan: MaskPlan, recomputed: MaskPlan | None) -> MaskPlan:
     """The plan a backward runs on, from its forward's plan (the autograd context's) and the plan of
     the forward whose saved tensors it got. Non-reentrant checkpointing (selective too) replaces
     the saved tensors with a recomputed forward's, made with the plan the checkpointed function read
-    or built then (the saved identity or handle pins it): the forward's own; one rebuilt from the
-    same inputs (the same mask: :meth:`MaskPlan.same_mask_as`, one device read; where the plan is
-    gone, ``recomputed=None``, the eager route's fingerprints decide, ``same_fingerprint``); or a
-    plan of another mask, where what the function reads changed between forward and backward (the
-    next micro-batch's plan or mask in a module attribute): no plan gives the forward's gradients
-    from that O and LSE (selective checkpointing that saved them runs the recomputation's plan
-    with the forward's O and LSE: other gradients again), refused."""
-    if recomputed is forward_plan:
+    or built then (the saved handle pins it): the forward's own; one rebuilt from the same inputs
+    (the same mask: :meth:`MaskPlan.same_mask_as`, one device read); or a plan of another mask,
+    where what the function reads changed between forward and backward (the next micro-batch's
+    plan or mask in a module attribute): no plan gives the forward's gradients from that O and LSE
+    (selective checkpointing that saved them runs the recomputation's plan with the forward's O and
+    LSE: other gradients again), refused. So is a recomputation's plan that is gone (``None``: a
+    saved-tensor hook copied the handle that kept it), which cannot be compared."""
+    if recomputed is forward_plan or (recomputed is not None and recomputed.same_mask_as(forward_plan)):
         return forward_plan
-    if recomputed is None and same_fingerprint:  # (torch.utils.checkpoint keeps the pin)
-        return forward_plan
-    if recomputed is not None and recomputed.same_mask_as(forward_plan):
-        return forward_plan
+    if recomputed is None:
+        raise PlanBindingError(
+            "the MaskPlan of the forward that activation checkpointing recomputed for this backward is "
+            "gone (a saved-tensor hook copied the handle tensor that kept it alive), so it cannot be "
+            "compared with the forward's: keep a reference to the plan until the backward has run, or "
+            "build it outside the checkpointed function and pass it in"
+        )
     raise PlanBindingError(
         "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False, "
         "selective or not) recomputed for this backward ran with another MaskPlan (another mask or "
@@ -407,7 +405,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
-        output = _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
+        output = _run_forward(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, want_max, pin=False)
         options = (scale, training, deterministic, want_max)
         _eager_setup(ctx, (q, k, v, mask_plan, *options), output, pin=training)  # no copy for inference
         return output
@@ -422,7 +420,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
-        return _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
+        return _run_forward(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, want_max, pin=False)
 
     setup_context = staticmethod(_eager_setup)
     backward = staticmethod(_eager_backward)
@@ -467,7 +465,7 @@ def attention(
     in_mode = not compiling and _under_dispatch_mode()  # (Dynamo cannot trace the stacks' lengths)
     if plain and not compiling and not in_mode:
         eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
-        return eager.apply(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, deterministic, want_max)
+        return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
     handle = mask_plan.handle_tensor
     if in_mode:
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a

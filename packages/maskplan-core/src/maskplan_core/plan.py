@@ -383,7 +383,7 @@ def _plan_storage(
 
 
 def _fingerprint(g: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str) -> int:
-    """:attr:`MaskPlan.identity_tensor`'s fingerprint: host values alone (no device read)."""
+    """:attr:`MaskPlan.fingerprint`: host values alone (no device read)."""
     scalars = tuple(getattr(g, f.name) for f in dataclasses.fields(g) if not f.name.startswith("cu_seqlens"))
     return hash((consumer, header, scalars, tuple((role, v.signature) for role, v in views.items())))
 
@@ -496,7 +496,7 @@ class MaskPlan:
     """
 
     __slots__ = (
-        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_identity_tensor", "_storage",
+        "_geometry", "_views", "_header", "_handle", "_handle_tensor", "_fingerprint", "_storage",
         "_write_counts", "_consumer", "__weakref__",
     )  # fmt: skip
 
@@ -512,7 +512,7 @@ class MaskPlan:
         init(self, "_handle", next(_NEXT_HANDLE))
         with torch.inference_mode(False):  # a training step saves them for its backward: normal tensors
             init(self, "_handle_tensor", torch.tensor(self._handle, dtype=torch.int64, device="cpu"))
-        init(self, "_identity_tensor", None)  # made on first use: only eager training reads it
+        init(self, "_fingerprint", None)  # made on first use: only same_mask_as reads it
         init(self, "_storage", _plan_storage(self._handle_tensor, geometry, self._views))
         init(self, "_write_counts", _write_counts(self._storage))
         init(self, "_consumer", consumer)
@@ -562,25 +562,18 @@ class MaskPlan:
         return self._handle_tensor
 
     @property
-    def identity_tensor(self) -> torch.Tensor:
-        """``(handle, fingerprint)`` as an int64 CPU tensor, the fingerprint a hash of the plan's
-        consumer, geometry, view signatures and block counts (this process's: it is never stored).
-        An eager training call saves a copy of it that keeps the plan alive, so that a backward
-        handed a recomputed forward's tensors (activation checkpointing) tells whether that forward
-        ran with this plan, a plan rebuilt from the same inputs or another one: two masks of the
-        same block counts share a fingerprint, and :meth:`same_mask_as` then compares their
-        tensors. Read-only by contract."""
-        if self._identity_tensor is None:
-            with torch.inference_mode(False):  # saved for a backward even when first read in inference
-                fingerprint = _fingerprint(self._geometry, self._views, self._header, self._consumer)
-                # on the host whatever torch's default device (a backward reads it with .tolist())
-                identity = torch.tensor((self._handle, fingerprint), dtype=torch.int64, device="cpu")
-                object.__setattr__(self, "_identity_tensor", identity)
-        return self._identity_tensor
+    def fingerprint(self) -> int:
+        """A hash of the plan's consumer, geometry, view signatures and block counts (this process's:
+        never store it). Two masks of the same block counts share it: :meth:`same_mask_as` then
+        compares their tensors."""
+        if self._fingerprint is None:
+            content = _fingerprint(self._geometry, self._views, self._header, self._consumer)
+            object.__setattr__(self, "_fingerprint", content)
+        return self._fingerprint
 
     def same_mask_as(self, other: MaskPlan) -> bool:
         """Whether ``other`` can stand in for this plan: the same fingerprint (consumer, geometry,
-        view signatures, block counts: :attr:`identity_tensor`) and equal sample prefixes and view
+        view signatures, block counts: :attr:`fingerprint`) and equal sample prefixes and view
         tensors, compared on their device with one read back (planners write every element, so
         equal masks give equal tensors). Plans of one mask with other views (no backward view, or
         PackGQA) differ. A backward told a recomputed forward ran with another plan asks this."""
@@ -588,7 +581,7 @@ class MaskPlan:
             return True
         if not isinstance(other, MaskPlan):
             raise InputTypeError(f"other must be a MaskPlan, got {type(other).__name__}")
-        if self.identity_tensor[1] != other.identity_tensor[1]:
+        if self.fingerprint != other.fingerprint:
             return False
         mine, theirs = self._storage[1:], other._storage[1:]  # the handle tensors aside
         if [(name, t.shape) for name, t in mine] != [(name, t.shape) for name, t in theirs]:
