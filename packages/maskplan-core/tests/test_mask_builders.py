@@ -307,6 +307,26 @@ def test_document_ids_pad_rows_see_nothing(causal):
     assert torch.equal(masks.document_ids(ids, causal=causal, pad_id=7), plain)  # no such id
     with pytest.raises(TypeError, match="pad_id must be an int"):
         masks.document_ids(ids, pad_id=-1.0)
+    # torch compares ids with a scalar cast to their dtype: -1 would be uint8's 255, a document's id
+    wrapped = r"pad_id = -1 is not a value of doc_ids' dtype torch.uint8 \(0 .. 255\)"
+    with pytest.raises(ValueError, match=wrapped):
+        masks.document_ids(torch.tensor([[0, 0, 255, 255]], dtype=torch.uint8), pad_id=-1)
+    with pytest.raises(ValueError, match="pad_id = 18446744073709551616 is not a value"):
+        masks.document_ids(ids, pad_id=2**64)
+
+
+def test_fixed_length_builders_refuse_more_rows_than_int32_offsets_reach():
+    """A batch of B x S rows past int32 is refused before the rows are made (it was an allocation
+    of tens of GB, or the process killed, where create_mask_plan would refuse it anyway)."""
+    for build in (
+        lambda: masks.causal(1, batch=2**31),
+        lambda: masks.sliding_window(2**16, window_left=4, batch=2**15),
+        lambda: masks.chunked(2**16, 4, batch=2**15),
+        lambda: masks.prefix_lm(2**16, 3, batch=2**15),
+        lambda: masks.prefix_lm(2**16, [3] * 2**15),
+    ):
+        with pytest.raises(ValueError, match="= 2147483648 rows; a plan's int32 token offsets reach"):
+            build()
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,8 @@ def test_from_dense_validation():
         masks.from_dense(torch.ones(0, 2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"at least one head \(Hmask >= 1\)"):  # SDPA's [B, 0, Sq, Sk]
         masks.from_dense(torch.zeros(1, 0, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"at least one sample \(B >= 1\)"):  # SDPA's [0, H, Sq, Sk]
+        masks.from_dense(torch.ones(0, 1, 4, 4, dtype=torch.bool))
     m = torch.ones(1, 3, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="cu_seqlens"):
         masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))
@@ -387,6 +389,8 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: (kv <= q).int(), 1, 1, 2, 2)
     with pytest.raises(TypeError, match="mask_mod"):
         masks.from_mask_mod(lambda b, h, q, kv: True, 1, 1, 2, 2)
+    with pytest.raises(TypeError, match="mask_mod must return a bool torch.Tensor, got tuple"):
+        masks.from_mask_mod(lambda b, h, q, kv: (kv <= q, kv <= q), 1, 1, 2, 2)
     with pytest.raises(ValueError, match=r"one bool per .* shape \(3, 3\) for each"):
         masks.from_mask_mod(lambda b, h, q, kv: torch.ones(3, 3, dtype=torch.bool), 1, 1, 2, 2)
     with pytest.raises(ValueError, match="Sq"):

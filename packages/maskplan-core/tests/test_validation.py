@@ -210,6 +210,8 @@ def test_error_hierarchy():
          ("mask_func", "contiguous")),
         (causal(hmask=HQ, nfunc=3).transpose(0, 1).contiguous().transpose(0, 1), InputValueError, ValueError,
          ("mask_func", "contiguous")),
+        (causal(nfunc=3).to_sparse(), InputTypeError, TypeError,
+         ("mask_func", "dense (strided)", "sparse_coo")),
         (causal(hmask=3), InputValueError, ValueError, ("mask_func", "Hmask=3", f"Hq={HQ}")),
         (causal(hmask=HKV), InputValueError, ValueError,
          ("mask_func", f"Hmask={HKV}", "one per k/v head", f"repeat_interleave({HQ // HKV}, dim=0)")),
@@ -224,7 +226,7 @@ def test_error_hierarchy():
     ],
     ids=[
         "list", "none", "dense-bool", "mask-mod", "partial-mask-mod", "int64", "float32", "rank2", "rank4",
-        "strided-rows", "transposed-heads",
+        "strided-rows", "transposed-heads", "sparse",
         "hmask-3", "hmask-hkv", "nfunc-2", "nfunc-4", "nfunc-0", "total_q-plus-1", "total_q-one-sample",
         "transposed-rows",
     ],

@@ -303,6 +303,7 @@ def validate_plan_inputs(
             f"mask_func must be an int32 torch.Tensor of interval endpoints [Hmask, nfunc, total_q], got "
             f"{kind}{hint}"
         )
+    require_strided("mask_func", mask_func)
     hq, hkv = q.shape[-2], k.shape[-2]
     if mask_func.dtype != torch.int32:
         if mask_func.dim() == 3 and mask_func.shape[1] % 2 == 1:  # endpoints' shape: their values cast

@@ -34,6 +34,18 @@ def _as_length(name: str, value: object) -> int:
     return out
 
 
+def _as_batch(batch: object, seqlen: int) -> int:
+    """A fixed-length mask's sample count, refused (before its rows are made) where ``batch x
+    seqlen`` rows pass the int32 token offsets a plan takes."""
+    batch = _as_int("batch", batch, 1)
+    if batch * seqlen > MAX_SEQLEN:
+        raise InputValueError(
+            f"batch x seqlen = {batch} x {seqlen} = {batch * seqlen} rows; a plan's int32 token offsets "
+            f"reach {MAX_SEQLEN}"
+        )
+    return batch
+
+
 def _as_extent(name: str, value: object, minimum: int = 0, *, window: bool = False) -> int:
     """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
     clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative ``window`` is

@@ -8,7 +8,16 @@ import torch
 
 from ..errors import InputTypeError, InputValueError
 from ..validation import MAX_SEQLEN
-from ._args import _as_device, _as_extent, _as_int, _as_length, _finish, _int_list, _varlen_prefixes
+from ._args import (
+    _as_batch,
+    _as_device,
+    _as_extent,
+    _as_int,
+    _as_length,
+    _finish,
+    _int_list,
+    _varlen_prefixes,
+)
 
 
 def _diagonals(
@@ -23,7 +32,7 @@ def _diagonals(
             raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
         seqlen_q = _as_length("seqlen_q", seqlen_q)
         seqlen_k = seqlen_q if seqlen_k is None else _as_length("seqlen_k", seqlen_k)
-        batch = _as_int("batch", batch, 1)
+        batch = _as_batch(batch, seqlen_q)
         i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
         d = (i + (seqlen_k - seqlen_q)).repeat(batch)
         return d, torch.full_like(d, seqlen_k), [seqlen_q] * batch, [seqlen_k] * batch
@@ -283,7 +292,7 @@ def document_ids(
     if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):
         raise InputValueError(f"doc_ids must be [S] or [B, S] with B >= 1, got shape {tuple(doc_ids.shape)}")
     ids = doc_ids if doc_ids.dim() == 2 else doc_ids.unsqueeze(0)  # [B, S]
-    pad = None if pad_id is None else ids == _as_int("pad_id", pad_id)
+    pad = None if pad_id is None else ids == _pad_id(pad_id, ids.dtype)
     if prefix is not None:
         if not isinstance(prefix, torch.Tensor) or prefix.dtype != torch.bool:
             got = prefix.dtype if isinstance(prefix, torch.Tensor) else type(prefix).__name__
@@ -298,6 +307,20 @@ def document_ids(
         ids, causal, window_left, chunk_size, "masks.document_ids", rows_hint=_DOCUMENT_IDS_ROWS_HINT,
         pad=pad, prefix=prefix,
     )  # fmt: skip
+
+
+def _pad_id(pad_id: object, dtype: torch.dtype) -> int:
+    """``pad_id`` where ``dtype`` holds it: torch compares ids with a scalar cast to their dtype, so
+    a ``-1`` with uint8 ids would mark id 255's tokens as padding."""
+    pad_id = _as_int("pad_id", pad_id)
+    info = torch.iinfo(dtype)
+    if not info.min <= pad_id <= info.max:
+        raise InputValueError(
+            f"pad_id = {pad_id} is not a value of doc_ids' dtype {dtype} ({info.min} .. {info.max}): "
+            "no token can be padding, and torch would compare the ids with it wrapped around (another "
+            "id's tokens taken for padding); give padding an id in that range"
+        )
+    return pad_id
 
 
 def _documents(
@@ -362,7 +385,7 @@ def prefix_lm(
     dev = _as_device(device)
     if not _is_sequence(prefix_len):
         prefixes = [_as_extent("prefix_len", prefix_len)]
-        batch = 1 if batch is None else _as_int("batch", batch, 1)
+        batch = 1 if batch is None else _as_batch(batch, seqlen)
         prefixes = prefixes * batch
     else:
         prefixes = _int_list("prefix_len", prefix_len)
@@ -375,6 +398,7 @@ def prefix_lm(
             batch = _as_int("batch", batch, 1)
             if batch != len(prefixes):
                 raise InputValueError(f"prefix_len has {len(prefixes)} entries but batch={batch}")
+        _as_batch(len(prefixes), seqlen)
     p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
     f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)
@@ -399,7 +423,7 @@ def chunked(
     chunk_size = _as_extent("chunk_size", chunk_size, 1)
     if not isinstance(causal, bool):
         raise InputTypeError(f"causal must be a bool, got {type(causal).__name__}")
-    batch = _as_int("batch", batch, 1)
+    batch = _as_batch(batch, seqlen)
     dev = _as_device(device)
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)
     lo = torch.div(i, chunk_size, rounding_mode="floor") * chunk_size

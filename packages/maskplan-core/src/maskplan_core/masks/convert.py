@@ -140,6 +140,8 @@ def from_dense(
         )
     if mask.shape[1 if sdpa else 0] == 0:
         raise InputValueError(f"mask must have at least one head (Hmask >= 1), got shape {tuple(mask.shape)}")
+    if sdpa and mask.shape[0] == 0:
+        raise InputValueError(f"mask must have at least one sample (B >= 1), got shape {tuple(mask.shape)}")
     samples = None  # the samples' rows and keys where the mask says them: SDPA's layout, or cu_seqlens
     if sdpa:  # rows are batch-major
         if mask.shape[1] > 1 and mask.stride(1) == 0:  # one mask expanded over the heads: encode it once
@@ -581,6 +583,8 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
         if "must only return Tensors" not in str(err):
             raise
         raise InputTypeError(f"mask_mod must return a bool torch.Tensor ({err})") from err
+    if not isinstance(res, torch.Tensor):
+        raise InputTypeError(f"mask_mod must return a bool torch.Tensor, got {type(res).__name__}")
     if res.dtype != torch.bool:
         raise InputTypeError(f"mask_mod must return a bool tensor, got dtype {res.dtype}")
     if res.shape != (heads.numel(), q_idx.numel(), Sk):
