@@ -49,7 +49,8 @@ def kv_head_split(items: int, q_per_kv: int, sms: int, row_spread: float = 1.0) 
     fwd+bwd at 0.63x cuDNN (H100, benchmarks/RESULTS.md, session 57). A part costs a dK and a dV
     of its own (``(total_k, Hkv, D)``, written, then read by the sum), and K / V loads: where K
     rows are about as long (sliding windows, dense rows) 12 items per SM instead of 6 lost 9-15%
-    fwd+bwd, where they differ it gained up to 10% (MQA 64 causal and documents; session 60)."""
+    fwd+bwd, where they differ it gained up to 10% (MQA 64 causal and documents; session 60; the
+    rule at MQA 64: +9% and +11%, session 61)."""
     per_sm = MIN_ITEMS_PER_SM_UNEVEN if row_spread >= UNEVEN_ROW_SPREAD else MIN_ITEMS_PER_SM
     split = 1
     while items * split < per_sm * sms and q_per_kv % (2 * split) == 0:
