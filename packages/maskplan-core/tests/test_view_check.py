@@ -378,6 +378,17 @@ def test_same_mask_compares_the_tensors_beyond_the_fingerprint(varlen):
         fifty.same_mask_as(fifty.view("forward"))
 
 
+def test_same_mask_given_with_more_endpoints_per_row():
+    """A mask's endpoint count is no part of it: causal rows as ``[F0]`` and as ``[0, 0, F0]`` (as
+    from_mask_mod pads rows) plan to the same tensors, and the plans are the same mask."""
+    one = masks.causal(200, batch=2)
+    three = torch.cat([torch.zeros_like(one), torch.zeros_like(one), one], dim=1)
+    q = torch.randn(2, 200, 2, 8)
+    configs = small_config("forward", (16, 32)), small_config("backward", (32, 16))
+    a, b = (build_plan(m, validate_plan_inputs(m, q, q, q), *configs, "test") for m in (one, three))
+    assert a.fingerprint == b.fingerprint and a.same_mask_as(b) and b.same_mask_as(a)
+
+
 def _torch_round_trip(view: PlanView) -> PlanView:
     buffer = io.BytesIO()
     torch.save(view, buffer)

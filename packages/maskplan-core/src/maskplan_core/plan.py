@@ -383,8 +383,11 @@ def _plan_storage(
 
 
 def _fingerprint(g: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str) -> int:
-    """:attr:`MaskPlan.fingerprint`: host values alone (no device read)."""
-    scalars = tuple(getattr(g, f.name) for f in dataclasses.fields(g) if not f.name.startswith("cu_seqlens"))
+    """:attr:`MaskPlan.fingerprint`: host values alone (no device read). Not the endpoint count: one
+    mask given with more endpoints per row than it needs (``from_mask_mod`` pads every row to the
+    longest's) is planned to the same tensors."""
+    skipped = ("cu_seqlens_q", "cu_seqlens_k", "nfunc")
+    scalars = tuple(getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in skipped)
     return hash((consumer, header, scalars, tuple((role, v.signature) for role, v in views.items())))
 
 
@@ -563,9 +566,9 @@ class MaskPlan:
 
     @property
     def fingerprint(self) -> int:
-        """A hash of the plan's consumer, geometry, view signatures and block counts (this process's:
-        never store it). Two masks of the same block counts share it: :meth:`same_mask_as` then
-        compares their tensors."""
+        """A hash of the plan's consumer, geometry (its ``nfunc`` aside), view signatures and block
+        counts (this process's: never store it). Two masks of the same block counts share it:
+        :meth:`same_mask_as` then compares their tensors."""
         if self._fingerprint is None:
             content = _fingerprint(self._geometry, self._views, self._header, self._consumer)
             object.__setattr__(self, "_fingerprint", content)
