@@ -303,6 +303,23 @@ def test_torch_func_grad_matches_autograd():
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
 
 
+def test_torch_func_transforms_of_a_function_that_builds_its_plan():
+    """``torch.func.grad`` / ``vjp`` of a loss that builds its plan inside: the plan's handle tensor
+    is then a torch.func wrapper (no storage to read a pin from), and the gradients are the plain
+    ones."""
+    q, k, v = inputs(9)
+    out = flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v))
+    want = torch.autograd.grad(out.pow(2).sum(), q)[0]
+
+    def loss(x):
+        return flexattn.flex_attn_func(x, k.detach(), v.detach(), mask_plan=plan_for(x, k, v)).pow(2).sum()
+
+    got = torch.func.grad(loss)(q.detach())
+    _, pullback = torch.func.vjp(loss, q.detach())
+    for g in (got, pullback(torch.ones((), dtype=q.dtype))[0]):
+        assert torch.allclose(g, want, rtol=0, atol=1e-12)
+
+
 def test_eager_calls_do_not_read_torchs_process_wide_mode_flag(monkeypatch):
     """torch's ``is_in_torch_dispatch_mode()`` is one flag for the process, set by a mode on any
     thread (and left set by two entered at once): an eager call, ``torch.func.grad`` included, keeps

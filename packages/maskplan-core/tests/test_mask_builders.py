@@ -318,15 +318,17 @@ def test_document_ids_pad_rows_see_nothing(causal):
 def test_fixed_length_builders_refuse_more_rows_than_int32_offsets_reach():
     """A batch of B x S rows past int32 is refused before the rows are made (it was an allocation
     of tens of GB, or the process killed, where create_mask_plan would refuse it anyway)."""
-    for build in (
-        lambda: masks.causal(1, batch=2**31),
-        lambda: masks.sliding_window(2**16, window_left=4, batch=2**15),
-        lambda: masks.chunked(2**16, 4, batch=2**15),
-        lambda: masks.prefix_lm(2**16, 3, batch=2**15),
-        lambda: masks.prefix_lm(2**16, [3] * 2**15),
+    for build, name in (
+        (lambda: masks.causal(1, batch=2**31), "batch"),
+        (lambda: masks.sliding_window(2**16, window_left=4, batch=2**15), "batch"),
+        (lambda: masks.chunked(2**16, 4, batch=2**15), "batch"),
+        (lambda: masks.prefix_lm(2**16, 3, batch=2**15), "batch"),
+        (lambda: masks.prefix_lm(2**16, [3] * 2**15), r"len\(prefix_len\)"),
     ):
-        with pytest.raises(ValueError, match="= 2147483648 rows; a plan's int32 token offsets reach"):
+        with pytest.raises(ValueError, match=f"^{name} x seqlen = .* = 2147483648 rows of .*int32 offsets"):
             build()
+    with pytest.raises(ValueError, match="= 0 rows of 1099511627776 samples"):  # empty samples count too
+        masks.causal(0, batch=2**40)
 
 
 @pytest.mark.parametrize(

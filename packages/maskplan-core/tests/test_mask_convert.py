@@ -132,6 +132,8 @@ def test_from_dense_validation():
         masks.from_dense(torch.zeros(1, 0, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"at least one sample \(B >= 1\)"):  # SDPA's [0, H, Sq, Sk]
         masks.from_dense(torch.ones(0, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"dense \(strided\) tensor, got layout torch.sparse_coo \(mask.to_"):
+        masks.from_dense(torch.ones(1, 4, 4, dtype=torch.bool).to_sparse())
     m = torch.ones(1, 3, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="cu_seqlens"):
         masks.from_dense(m, cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))

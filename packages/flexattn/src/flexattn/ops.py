@@ -330,8 +330,9 @@ def _eager_backward(ctx, dout, dlse, _dmax):
 
 def _pinned_plan(handle) -> MaskPlan | None:
     """The plan pinned to a real handle tensor (:func:`_pin_plan`), else None (a fake or traced one,
-    the plan's own handle tensor, or a copy a saved-tensor hook made)."""
-    if type(handle) is not torch.Tensor:
+    the plan's own handle tensor, a copy a saved-tensor hook made, or a torch.func wrapper: a plan
+    built inside ``torch.func.grad`` has one as its handle tensor, and a wrapper has no storage)."""
+    if type(handle) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(handle):
         return None
     return getattr(handle.untyped_storage(), "_flexattn_plan", None)
 
@@ -376,8 +377,8 @@ def _backward_plan(forward_plan: MaskPlan, recomputed: MaskPlan | None) -> MaskP
         raise PlanBindingError(
             "the MaskPlan of the forward that activation checkpointing recomputed for this backward is "
             "gone (a saved-tensor hook copied the handle tensor that kept it alive), so it cannot be "
-            "compared with the forward's: keep a reference to the plan until the backward has run, or "
-            "build it outside the checkpointed function and pass it in"
+            "compared with the forward's: build the plan outside the checkpointed function and pass it "
+            "in (or keep a reference to a plan the function reads until the backward has run)"
         )
     raise PlanBindingError(
         "the forward that activation checkpointing (torch.utils.checkpoint, use_reentrant=False, "

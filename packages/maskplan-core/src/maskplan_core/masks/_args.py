@@ -34,14 +34,14 @@ def _as_length(name: str, value: object) -> int:
     return out
 
 
-def _as_batch(batch: object, seqlen: int) -> int:
-    """A fixed-length mask's sample count, refused (before its rows are made) where ``batch x
-    seqlen`` rows pass the int32 token offsets a plan takes."""
-    batch = _as_int("batch", batch, 1)
-    if batch * seqlen > MAX_SEQLEN:
+def _as_batch(batch: object, seqlen: int, name: str = "batch") -> int:
+    """A fixed-length mask's sample count (``name``: what the caller gave it as), refused (before
+    its rows are made) where it or ``batch x seqlen`` rows pass the int32 offsets a plan takes."""
+    batch = _as_int(name, batch, 1)
+    if max(batch, batch * seqlen) > MAX_SEQLEN:
         raise InputValueError(
-            f"batch x seqlen = {batch} x {seqlen} = {batch * seqlen} rows; a plan's int32 token offsets "
-            f"reach {MAX_SEQLEN}"
+            f"{name} x seqlen = {batch} x {seqlen} = {batch * seqlen} rows of {batch} samples; a plan's "
+            f"int32 offsets reach {MAX_SEQLEN}"
         )
     return batch
 

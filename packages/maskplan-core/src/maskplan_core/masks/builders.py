@@ -398,7 +398,7 @@ def prefix_lm(
             batch = _as_int("batch", batch, 1)
             if batch != len(prefixes):
                 raise InputValueError(f"prefix_len has {len(prefixes)} entries but batch={batch}")
-        _as_batch(len(prefixes), seqlen)
+        _as_batch(len(prefixes), seqlen, "len(prefix_len)")
     p = torch.tensor([min(x, MAX_SEQLEN) for x in prefixes], dtype=torch.int64, device=dev)[:, None]
     i = torch.arange(seqlen, device=dev, dtype=torch.int64)[None, :]
     f0 = torch.maximum(p, i + 1).clamp(max=seqlen).reshape(-1)

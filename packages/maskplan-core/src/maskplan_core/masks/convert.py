@@ -117,6 +117,10 @@ def from_dense(
     """
     if not isinstance(mask, torch.Tensor):
         raise InputTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.layout != torch.strided:
+        raise InputTypeError(
+            f"mask must be a dense (strided) tensor, got layout {mask.layout} (mask.to_dense())"
+        )
     if mask.dtype != torch.bool:
         additive = ""
         if mask.is_floating_point():
