@@ -34,7 +34,8 @@ is the dQ accumulator as the dQ warps read it from TMEM, ``rows x cols`` = ``til
 own rows ``128 h ..``) streams column chunk ``c`` (``DQ_CHUNK`` columns) as one contiguous 4 KB run
 at ``(c * rows / 32 + w) * 32 * DQ_CHUNK``; inside it lane ``l``'s column ``e`` sits at ``(e // 4) *
 128 + 4 l + e % 4`` (16-byte vectors, a warp's 32 vectors contiguous: conflict-free SMEM stores, one
-bulk reduction per run). :func:`dq_accum_offset` is that map; the postprocess reads it back.
+bulk reduction per run). :func:`dq_accum_offset` is that map on the host, the layout tests' spec;
+the kernels write and read it through :func:`dq_run_layout`.
 """
 
 

@@ -54,6 +54,7 @@ from maskplan_core.reference.classify import Classification
 
 from ._cute_args import int32_address, row_major, torch_stream
 from ._jit_cache import compile_stage
+from ._primitives import warp_inclusive_sum
 from .geometry import DESC_COLS, DESC_K_LEN, DESC_Q_LEN, DESC_Q_OFFSET, DESC_ROW_BEGIN
 
 
@@ -287,8 +288,8 @@ class Q2KClassify:
         partial = Int32(0)
         full = Int32(0)
         for w in cutlass.range(chunk_nwords, unroll=1):
-            vis_count = self.warp_inclusive_sum(sVisDiff[w * WORD_BITS + lane], lane) + vis_carry
-            full_count = self.warp_inclusive_sum(sFullDiff[w * WORD_BITS + lane], lane) + full_carry
+            vis_count = warp_inclusive_sum(sVisDiff[w * WORD_BITS + lane], lane) + vis_carry
+            full_count = warp_inclusive_sum(sFullDiff[w * WORD_BITS + lane], lane) + full_carry
             vis_word = cute.arch.vote_ballot_sync(vis_count > 0)
             full_word = cute.arch.vote_ballot_sync(full_count == self.tile_m)
             vis_carry = cute.arch.shuffle_sync(vis_count, WORD_BITS - 1)
@@ -301,13 +302,6 @@ class Q2KClassify:
                 partial = partial + cute.arch.popc(vis_bits & ~full_bits)
                 full = full + cute.arch.popc(full_bits)
         return partial, full
-
-    @cute.jit
-    def warp_inclusive_sum(self, value: Int32, lane: Int32) -> Int32:
-        for k in cutlass.range_constexpr(5):
-            other = cute.arch.shuffle_sync_up(value, 1 << k)
-            value = value + cutlass.select_(lane >= (1 << k), other, Int32(0))
-        return value
 
 
 # ------------------------------------------------------------------------------------------------

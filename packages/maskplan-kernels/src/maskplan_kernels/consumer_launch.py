@@ -629,10 +629,10 @@ class BackwardCompiler:
         }
 
     def build(
-        self, kind: str, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
-        sparse_rows: bool = False,
-    ):  # fmt: skip
-        """The kernel object of ``kind``."""
+        self, kind: str, config, *, deterministic: bool, per_sample: bool = False, sparse_rows: bool = False
+    ):
+        """The kernel object of ``kind`` (the same for either ``with_dlse``: the preprocess's dlse
+        placeholder, a pointer or None, decides its trace)."""
         stored = self.first_dq_stored(deterministic, sparse_rows)
         if kind == "pre":
             return BwdPreprocess(
@@ -649,10 +649,8 @@ class BackwardCompiler:
         sparse_rows: bool = False,
     ) -> tuple:  # fmt: skip
         """``(kernel.from_pointers, *placeholder arguments)``: what ``cute.compile`` takes."""
-        kernel = self.build(
-            kind, config, deterministic=deterministic, with_dlse=with_dlse, per_sample=per_sample,
-            sparse_rows=sparse_rows,
-        )  # fmt: skip
+        variant = {"per_sample": per_sample, "sparse_rows": sparse_rows}
+        kernel = self.build(kind, config, deterministic=deterministic, **variant)
         dtype = cute_dtype(getattr(torch, config.dtype))
         return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
 
