@@ -149,13 +149,14 @@ def _forward_impl(
     no guard pinning them to a plan Dynamo holds as a constant (a module attribute, a global)."""
     mask_plan = plan_for_handle(int(plan))
     mask_plan.check_binding(q, k, v)
-    return _run_forward(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, want_max, pin=training)
+    return _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=training)
 
 
 def _run_forward(q, k, v, mask_plan, scale, training, want_max, *, pin: bool):
-    """:func:`_forward_impl` after its binding check, pinning the plan to the LSE only where ``pin``
-    (eager calls keep their plan in their autograd context instead, so an LSE the caller keeps does
-    not keep it)."""
+    """:func:`_forward_impl` after its binding check, on the caller's q, k, v (both routes save
+    those), pinning the plan to the LSE only where ``pin`` (eager calls keep their plan in their
+    autograd context instead, so an LSE the caller keeps does not keep it)."""
+    q, k, v = map(qkv_operand, (q, k, v))
     consumer = checked_consumer(mask_plan, q.device, training)
     with on_device(q.device):
         res = consumer.forward(mask_plan, q, k, v, softmax_scale=scale, return_max_logit=want_max)
@@ -406,7 +407,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask_plan, scale, training, deterministic, want_max):
-        output = _run_forward(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, want_max, pin=False)
+        output = _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
         options = (scale, training, deterministic, want_max)
         _eager_setup(ctx, (q, k, v, mask_plan, *options), output, pin=training)  # no copy for inference
         return output
@@ -421,7 +422,7 @@ class EagerAttentionTransforms(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, mask_plan, scale, training, deterministic, want_max):
-        return _run_forward(*map(qkv_operand, (q, k, v)), mask_plan, scale, training, want_max, pin=False)
+        return _run_forward(q, k, v, mask_plan, scale, training, want_max, pin=False)
 
     setup_context = staticmethod(_eager_setup)
     backward = staticmethod(_eager_backward)
@@ -472,7 +473,7 @@ def attention(
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
         # constant of the traced graph under make_fx; on the host whatever the default device. A
         # real one (selective checkpointing's modes) pins its plan: non-reentrant checkpointing
-        # hands the backward the recomputation's handle, whose plan must live for _backward's check.
+        # hands the backward the recomputation's handle, whose plan must live for _checked_handle.
         # A recomputation whose policy saved this op gets the forward's handle back, pinned and
         # naming the forward's plan, which the op then runs: its pin stays
         handle = torch.tensor(mask_plan.handle, dtype=torch.int64, device="cpu")

@@ -382,7 +382,7 @@ def _plan_storage(
     )
 
 
-def _fingerprint(g: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str) -> int:
+def _content_hash(g: PlanGeometry, views: dict[str, PlanView], header: tuple[int, ...], consumer: str) -> int:
     """:attr:`MaskPlan.fingerprint`: host values alone (no device read). Not the endpoint count: one
     mask given with more endpoints per row than it needs (``from_mask_mod`` pads every row to the
     longest's) is planned to the same tensors."""
@@ -570,7 +570,7 @@ class MaskPlan:
         counts (this process's: never store it). Two masks of the same block counts share it:
         :meth:`same_mask_as` then compares their tensors."""
         if self._fingerprint is None:
-            content = _fingerprint(self._geometry, self._views, self._header, self._consumer)
+            content = _content_hash(self._geometry, self._views, self._header, self._consumer)
             object.__setattr__(self, "_fingerprint", content)
         return self._fingerprint
 

@@ -649,8 +649,9 @@ class BackwardCompiler:
         sparse_rows: bool = False,
     ) -> tuple:  # fmt: skip
         """``(kernel.from_pointers, *placeholder arguments)``: what ``cute.compile`` takes."""
-        variant = {"per_sample": per_sample, "sparse_rows": sparse_rows}
-        kernel = self.build(kind, config, deterministic=deterministic, **variant)
+        kernel = self.build(
+            kind, config, deterministic=deterministic, per_sample=per_sample, sparse_rows=sparse_rows
+        )
         dtype = cute_dtype(getattr(torch, config.dtype))
         return (kernel.from_pointers, *bwd_placeholders(kind, dtype, with_dlse=with_dlse))
 
