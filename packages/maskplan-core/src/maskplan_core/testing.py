@@ -365,6 +365,55 @@ class _Cases:
     def causal_mask(self, sq, sk=None, *, batch=1):
         return masks.causal(sq, sk, batch=batch, device=self.device)
 
+    # -- the problems both directions' cases take: ``(mask_func, q, k, v)`` -----------------------
+    def causal_problem(self, dtype, dims):
+        B, S, H = 2, 1000, 4
+        return self.causal_mask(S, batch=B), *self.qkv((B, S, H), (B, S, H), *dims, dtype)
+
+    def per_head_problem(self, dtype, dims=(128, 128)):
+        """5 random endpoints per row, a mask head per q head (Hmask = Hq)."""
+        B, S, H = 2, 700, 4
+        ep = self.random_intervals(H, 5, torch.full((B * S,), S), seed=3)
+        return ep, *self.qkv((B, S, H), (B, S, H), *dims, dtype, seed=3)
+
+    def empty_rows_problem(self, q_block: int):
+        """Causal, with every third row and a whole Q block of ``q_block`` rows of sample 1 (a task
+        with no block at all) seeing nothing."""
+        B, S, H, D = 2, 300, 2, 128
+        ep = self.causal_mask(S, batch=B).clone()
+        ep[..., ::3] = 0
+        ep[..., S : S + q_block] = 0
+        return ep, *self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=4)
+
+    def all_full_problem(self):
+        """S a multiple of every tile size: every block is full."""
+        B, S, H, D = 1, 512, 2, 128
+        full = torch.full((1, 1, B * S), S, dtype=torch.int32, device=self.device)
+        return full, *self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=5)
+
+    def sq_ne_sk_problem(self, sq, sk):
+        q, k, v = self.qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
+        return self.causal_mask(sq, sk, batch=2), q, k, v
+
+    def gqa_problem(self, hq, hkv, hmask, dims):
+        B, S = 2, 600
+        ep = self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7)
+        return ep, *self.qkv((B, S, hq), (B, S, hkv), *dims, torch.bfloat16, seed=7)
+
+    def varlen_problem(self, kind, dtype, dims, seed):
+        """``(mask_func, q, k, v, varlen kwargs)`` on the varlen batch, GQA 4 / 2."""
+        q, k, v = self.qkv((VARLEN_CU_Q[-1], 4), (VARLEN_CU_K[-1], 2), *dims, dtype, seed=seed)
+        return self.varlen_mask(kind, seed=seed), q, k, v, varlen_args(self.device)
+
+    def head_dims_problem(self, dqk, dv, kind, dtype, seed):
+        B, S, H = 2, 600, 2
+        ep = (
+            self.causal_mask(S, batch=B)
+            if kind == "causal"
+            else self.random_intervals(1, 5, torch.full((B * S,), S), seed=seed)
+        )
+        return ep, *self.qkv((B, S, H), (B, S, H), dqk, dv, dtype, seed=seed)
+
     def varlen_mask(self, kind: str, seed: int):
         """Endpoints on the varlen batch: bottom-right causal, or 5 random endpoints per row."""
         if kind == "causal":
@@ -383,9 +432,7 @@ class ForwardCases(_Cases):
         self.run = run
 
     def causal(self, dtype, dims=(128, 128), **options):
-        B, S, H = 2, 1000, 4
-        q, k, v = self.qkv((B, S, H), (B, S, H), *dims, dtype)
-        self.check(self.causal_mask(S, batch=B), q, k, v, **options)
+        self.check(*self.causal_problem(dtype, dims), **options)
 
     def sliding_window(self, dtype):
         B, S, H, D = 2, 777, 2, 128
@@ -398,49 +445,29 @@ class ForwardCases(_Cases):
         self.check(masks.document(docs, causal=True, device=self.device), q, k, v)
 
     def random_multi_interval_per_head(self, dtype, dims=(128, 128), **options):
-        B, S, H = 2, 700, 4
-        q, k, v = self.qkv((B, S, H), (B, S, H), *dims, dtype, seed=3)
-        ep = self.random_intervals(H, 5, torch.full((B * S,), S), seed=3)  # Hmask = Hq
-        self.check(ep, q, k, v, **options)
+        self.check(*self.per_head_problem(dtype, dims), **options)
 
     def all_empty_rows(self):
-        B, S, H, D = 2, 300, 2, 128
-        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=4)
-        ep = self.causal_mask(S, batch=B).clone()
-        ep[..., ::3] = 0  # every third row sees nothing
-        ep[..., S : S + 128] = 0  # a whole Q block of sample 1: a task with no block at all
+        ep, q, k, v = self.empty_rows_problem(q_block=128)
         self.check(ep, q, k, v)
         self.check(torch.zeros_like(ep), q, k, v)  # nothing visible anywhere
 
     def all_full(self):
-        B, S, H, D = 1, 512, 2, 128  # S a multiple of the tile: every block is full
-        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=5)
-        plan = self.check(torch.full((1, 1, B * S), S, dtype=torch.int32, device=self.device), q, k, v)
+        plan = self.check(*self.all_full_problem())
         assert plan.view("forward").stats()["partial"] == 0
 
     def sq_ne_sk(self, sq, sk):
-        q, k, v = self.qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
-        self.check(self.causal_mask(sq, sk, batch=2), q, k, v)
+        self.check(*self.sq_ne_sk_problem(sq, sk))
 
     def gqa(self, hq, hkv, hmask):
-        B, S, D = 2, 600, 128
-        q, k, v = self.qkv((B, S, hq), (B, S, hkv), D, D, torch.bfloat16, seed=7)
-        self.check(self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7), q, k, v)
+        self.check(*self.gqa_problem(hq, hkv, hmask, (128, 128)))
 
     def varlen_with_empty_samples(self, dtype, kind, dims=(128, 128)):
-        H, Hkv = 4, 2
-        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), *dims, dtype, seed=8)
-        self.check(self.varlen_mask(kind, seed=8), q, k, v, varlen=varlen_args(self.device))
+        *problem, varlen = self.varlen_problem(kind, dtype, dims, seed=8)
+        self.check(*problem, varlen=varlen)
 
     def head_dims(self, dqk, dv, kind):
-        B, S, H = 2, 600, 2
-        q, k, v = self.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=9)
-        ep = (
-            self.causal_mask(S, batch=B)
-            if kind == "causal"
-            else self.random_intervals(1, 5, torch.full((B * S,), S))
-        )
-        self.check(ep, q, k, v)
+        self.check(*self.head_dims_problem(dqk, dv, kind, torch.bfloat16, seed=9))
 
     def softmax_scale_and_reuse(self, new_value_scales=(0.05,)):
         """A plan is reused with new values and other scales; two launches agree bit for bit."""
@@ -490,44 +517,28 @@ class BackwardCases(_Cases):
         self.run = run
 
     def causal(self, dtype, deterministic, d=128):
-        B, S, H = 2, 1000, 4
-        q, k, v = self.qkv((B, S, H), (B, S, H), d, d, dtype)
-        self.check(self.causal_mask(S, batch=B), q, k, v, deterministic=deterministic)
+        self.check(*self.causal_problem(dtype, (d, d)), deterministic=deterministic)
 
     def random_multi_interval_per_head(self, dtype):
-        B, S, H, D = 2, 700, 4, 128
-        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, dtype, seed=3)
-        ep = self.random_intervals(H, 5, torch.full((B * S,), S), seed=3)  # Hmask = Hq
-        self.check(ep, q, k, v)
+        self.check(*self.per_head_problem(dtype))
 
     def all_empty_rows(self, q_block: int):
         """``q_block``: the backward view's Q block size (a whole Q block of sample 1 sees nothing)."""
-        B, S, H, D = 2, 300, 2, 128
-        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=4)
-        ep = self.causal_mask(S, batch=B).clone()
-        ep[..., ::3] = 0  # every third row sees nothing
-        ep[..., S : S + q_block] = 0
+        ep, q, k, v = self.empty_rows_problem(q_block)
         self.check(ep, q, k, v)
         self.check(ep, q, k, v, deterministic=True, with_dlse=True)
         _, runs = self.check(torch.zeros_like(ep), q, k, v)  # nothing visible anywhere
         assert all((g == 0).all() for g in runs[0])
 
     def all_full(self):
-        B, S, H, D = 1, 512, 2, 128  # S a multiple of both tile sizes: every block is full
-        q, k, v = self.qkv((B, S, H), (B, S, H), D, D, torch.bfloat16, seed=5)
-        full = torch.full((1, 1, B * S), S, dtype=torch.int32, device=self.device)
-        plan, _ = self.check(full, q, k, v, deterministic=True, repeats=2)
+        plan, _ = self.check(*self.all_full_problem(), deterministic=True, repeats=2)
         assert plan.view("backward").stats()["partial"] == 0
 
     def sq_ne_sk(self, sq, sk):
-        q, k, v = self.qkv((2, sq, 2), (2, sk, 2), 128, 128, torch.bfloat16, seed=6)
-        self.check(self.causal_mask(sq, sk, batch=2), q, k, v)
+        self.check(*self.sq_ne_sk_problem(sq, sk))
 
     def gqa(self, hq, hkv, hmask, deterministic, dims=(128, 128)):
-        B, S = 2, 600
-        q, k, v = self.qkv((B, S, hq), (B, S, hkv), *dims, torch.bfloat16, seed=7)
-        ep = self.random_intervals(hmask, 3, torch.full((B * S,), S), seed=7)
-        self.check(ep, q, k, v, deterministic=deterministic)
+        self.check(*self.gqa_problem(hq, hkv, hmask, dims), deterministic=deterministic)
 
     def dlse_and_scale(self, dtype):
         """The forward's LSE received a gradient (dlse), with a non-default and a negative scale."""
@@ -538,19 +549,11 @@ class BackwardCases(_Cases):
         self.check(ep, q, k, v, with_dlse=True, scale=-0.05)
 
     def varlen_with_empty_samples(self, kind, dtype=torch.bfloat16, dims=(128, 128)):
-        H, Hkv = 4, 2
-        q, k, v = self.qkv((VARLEN_CU_Q[-1], H), (VARLEN_CU_K[-1], Hkv), *dims, dtype, seed=9)
-        self.check(self.varlen_mask(kind, seed=9), q, k, v, varlen=varlen_args(self.device))
+        *problem, varlen = self.varlen_problem(kind, dtype, dims, seed=9)
+        self.check(*problem, varlen=varlen)
 
     def head_dims(self, dqk, dv, kind, dtype=torch.bfloat16, **options):
-        B, S, H = 2, 600, 2
-        q, k, v = self.qkv((B, S, H), (B, S, H), dqk, dv, dtype, seed=10)
-        ep = (
-            self.causal_mask(S, batch=B)
-            if kind == "causal"
-            else self.random_intervals(1, 5, torch.full((B * S,), S), seed=10)
-        )
-        self.check(ep, q, k, v, **options)
+        self.check(*self.head_dims_problem(dqk, dv, kind, dtype, seed=10), **options)
 
     def deterministic_bit_identical(self, dtype):
         """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,

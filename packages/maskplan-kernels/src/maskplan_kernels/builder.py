@@ -148,7 +148,7 @@ class BuildProgram:
     materialize_q2k: object
     schedule_stats: object
     materialize_k2q: object | None
-    fwd_table: torch.Tensor
+    fwd_table: torch.Tensor  # held so that the address below stays valid; kernels take the address
     bwd_table: torch.Tensor | None
     fwd_table_address: object
     bwd_table_address: object
