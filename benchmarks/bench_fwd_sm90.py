@@ -11,8 +11,8 @@
 ``--mode train`` times forward + backward (``torch.autograd.grad`` of the output against a fixed
 ``dout``, plans with backward views); there ``flexattn-det`` is ``deterministic=True`` (the forward
 has no such mode, so ``--mode fwd`` skips it). With
-``--kv-heads`` below ``--heads`` (GQA) ``flexattn`` runs the default plan (which packs at 4, 8, 16 or 32
-q heads per kv head) and ``flexattn-pack`` / ``flexattn-unpacked`` the other choice. On the
+``--kv-heads`` below ``--heads`` (GQA) ``flexattn`` runs the default plan (which packs at 4, 8, 16, 32 or
+64 q heads per kv head) and ``flexattn-pack`` / ``flexattn-unpacked`` the other choice. On the
 ``document`` mask, ``flexattn-varlen`` and ``fa4-varlen`` (name them in ``--systems``) take its
 documents as the samples of a varlen THD batch, causal in each (the same visible pairs): ours
 through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel without a mask.

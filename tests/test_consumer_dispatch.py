@@ -135,6 +135,23 @@ def test_compiled_signature_mismatch_is_the_eager_error():
 
 
 
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_a_laptop_without_the_cute_dsl_plans_for_the_gpu(monkeypatch, target):
+    """The GPU planner's package does not import (no CuTe DSL, as on a Mac): CPU endpoints still plan
+    for the GPU's tiles (the reference planner builds every plan off the GPU), the same plan as with
+    it; CUDA endpoints, which it would plan, are refused with an error naming the missing module."""
+    q, k, v = qkv()
+    mask = masks.causal(S, batch=B)
+    with_dsl = flexattn.create_mask_plan(mask, q, k, v, target=target)
+    consumer = installed_consumers()[target]
+    monkeypatch.setitem(__import__("sys").modules, consumer.gpu_planner, None)  # import raises
+    without = flexattn.create_mask_plan(mask, q, k, v, target=target)
+    assert without.view("forward").signature == with_dsl.view("forward").signature
+    assert torch.equal(without.view("forward").to_dense(), with_dsl.view("forward").to_dense())
+    with pytest.raises(flexattn.ConsumerNotFoundError, match=r"'maskplan_kernels', which cannot be imported"):
+        consumer._gpu_planner(required=True)
+
+
 def test_a_laptop_plan_for_the_gpu_says_what_the_gpu_planner_would():
     """A plan for SM90's tiles made from CPU tensors warns where the GPU's planner kernels would not
     take the mask (more endpoints a row than their shared memory holds: the reference planner then

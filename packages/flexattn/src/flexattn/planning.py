@@ -79,8 +79,9 @@ def create_mask_plan(
     Q block is then ``128 / (Hq / Hkv)`` positions. The backward view is the same either way (its
     kernel visits all q heads of a kv head in one CTA). ``None`` lets the consumer choose: SM90
     packs a shared mask's group of 4, 8, 16, 32 or 64 q heads per kv head, where it measured the
-    forward faster on the whole (5-8% on documents, within 3% either way on random masks but 10%
-    faster at 32 and 32% at 64, 1% elsewhere); the reference consumer (CPU) and SM100 do not pack. ``False``
+    forward faster on the whole (5-8% on documents; on random masks within 3% either way, but 10%
+    faster at 32 and 32% at 64; elsewhere from 3% slower to 7% faster); the reference consumer (CPU)
+    and SM100 do not pack. ``False``
     never packs.
 
     On a GPU the build runs on the current CUDA stream, and its one host read (8 sizes, 9 with a

@@ -19,6 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import (
+    ConsumerNotFoundError,
     InputTypeError,
     InputValueError,
     PlanSignatureMismatch,
@@ -144,10 +145,10 @@ class Consumer(ABC):
         on the GPU and also for endpoints on another device (a plan for the GPU's tiles made on a
         laptop says what the GPU would)."""
         check_view_configs(forward, backward)  # before unserved() reads them (the planners check again)
-        if self.gpu_planner is not None:
-            planner = importlib.import_module(self.gpu_planner)
+        on_gpu = mask_func.device.type == "cuda"
+        planner = self._gpu_planner(required=on_gpu)
+        if planner is not None:
             unserved = getattr(planner, "unserved", lambda *views: None)(geometry, forward, backward)
-            on_gpu = mask_func.device.type == "cuda"
             if unserved is None and on_gpu:
                 with on_device(mask_func.device):
                     return planner.build_plan_gpu(mask_func, geometry, forward, backward, self.name)
@@ -162,6 +163,23 @@ class Consumer(ABC):
         from .reference.builder import build_plan
 
         return build_plan(mask_func, geometry, forward, backward, self.name)
+
+    def _gpu_planner(self, required: bool):
+        """:attr:`gpu_planner`'s module; None where there is none, or where it cannot be imported
+        (its CuTe DSL missing, e.g. on a laptop) and the endpoints are not on the GPU: the reference
+        planner builds every plan off the GPU, it only misses the note of what the GPU would do."""
+        if self.gpu_planner is None:
+            return None
+        try:
+            return importlib.import_module(self.gpu_planner)
+        except ImportError as e:
+            if not required:
+                return None
+            raise ConsumerNotFoundError(
+                f"consumer {self.name!r} plans CUDA endpoints with {self.gpu_planner!r}, which cannot be "
+                f"imported ({e}): install {self.name}'s dependencies (the CuTe DSL for flexattn's "
+                f"consumers: pip install 'flexattn[sm90]' or '[sm100]')"
+            ) from e
 
     @abstractmethod
     def forward(
