@@ -28,5 +28,15 @@ What every attention consumer (flexattn_sm90, flexattn_sm100) does with a plan t
 from .builder import build_plan_gpu, unserved
 from .classify import ClassifyConfig, Q2KClassify, classify_gpu, compile_classify
 
+__version__ = "0.1.0"
+
 #: ``build_plan_gpu`` and ``unserved`` are what ``Consumer.gpu_planner = "maskplan_kernels"`` reads
-__all__ = ["ClassifyConfig", "Q2KClassify", "build_plan_gpu", "classify_gpu", "compile_classify", "unserved"]
+__all__ = [
+    "ClassifyConfig",
+    "Q2KClassify",
+    "__version__",
+    "build_plan_gpu",
+    "classify_gpu",
+    "compile_classify",
+    "unserved",
+]
