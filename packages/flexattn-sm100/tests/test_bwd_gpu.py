@@ -19,6 +19,7 @@ without a visible key and keys no query sees get exactly 0 (the shared check,
     python -m pytest packages/flexattn-sm100/tests/test_bwd_gpu.py -m gpu -q
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -32,7 +33,7 @@ if testing.cuda_arch_major() != 10:
     pytest.skip("needs a compute-capability 10.x (SM100/SM103) GPU", allow_module_level=True)
 
 from flexattn_sm100 import Sm100Consumer  # noqa: E402
-from flexattn_sm100.bwd_launch import run_backward  # noqa: E402
+from flexattn_sm100.bwd_launch import COMPILER, run_backward  # noqa: E402
 from flexattn_sm100.config import BWD_VARIANTS, Sm100BwdConfig  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
 from maskplan_core.consumer import KERNEL_DTYPE_NAMES, ViewConfig  # noqa: E402
@@ -109,6 +110,16 @@ def test_sq_ne_sk(variant, sq, sk):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_gqa(variant, hq, hkv, hmask, deterministic):
     GENERIC[variant].gqa(hq, hkv, hmask, deterministic)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+def test_kv_head_split(dqk, dv):
+    """Each kv head's q heads split over 1, 2 and 8 items on the single-CTA kernels (k2q-1cta, d256;
+    the pair never splits): :meth:`maskplan_core.testing.BackwardCases.kv_head_splits`."""
+    forced = {
+        s: dataclasses.replace(COMPILER, kv_head_split=lambda *_, s=s: s).run_backward for s in (1, 2, 8)
+    }
+    CASES.kv_head_splits(dqk, dv, forced)
 
 
 @generic

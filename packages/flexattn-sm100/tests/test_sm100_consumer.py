@@ -404,3 +404,15 @@ def test_configs_are_frozen_and_keyed():
     assert (cfg.tile_m, cfg.tile_n) == (128, 256)
     with pytest.raises(ValueError, match="variant="):
         Sm100FwdConfig(head_dim_qk=64, head_dim_v=64, dtype="float16", variant=cfg.variant)
+
+
+def test_the_backward_splits_kv_heads_on_single_cta_kernels_only():
+    """k2q-1cta and d256 take ``maskplan_kernels.kv_head_split``'s split of a kv head's q heads (the
+    kernel reads K / V at the item's head over the split); the k2q-2cta pair does not."""
+    from flexattn_sm100.bwd_launch import COMPILER
+    from flexattn_sm100.config import BWD_VARIANTS
+
+    splits = {name: COMPILER.splits_kv_heads(types.SimpleNamespace(variant=v)) 
+              for name, v in BWD_VARIANTS.items()}
+    assert splits == {name: v.cta_group_size == 1 for name, v in BWD_VARIANTS.items()}
+    assert splits["k2q-1cta"] and not splits["k2q-2cta"]

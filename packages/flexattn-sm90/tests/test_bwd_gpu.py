@@ -35,7 +35,6 @@ from launch_order_probe import host_stagger, probe_launch_order  # noqa: E402
 from flexattn_sm90 import SUPPORTED_HEAD_DIMS, Sm90Consumer  # noqa: E402
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel  # noqa: E402
 from flexattn_sm90.bwd_launch import COMPILER, config_for_view, run_backward  # noqa: E402
-from flexattn_sm90.bwd_launch_order import kv_head_split  # noqa: E402
 from flexattn_sm90.heuristics import select_bwd_config  # noqa: E402
 from maskplan_core import masks, validate_plan_inputs  # noqa: E402
 from maskplan_core.reference import build_plan  # noqa: E402
@@ -44,15 +43,14 @@ from maskplan_core.testing import (  # noqa: E402
     VARLEN_CU_K,
     VARLEN_CU_Q,
     BackwardCases,
-    backward_inputs,
     check_backward,
     resolve_view,
-    thd,
     varlen_args,
 )
 from maskplan_kernels.consumer_inputs import qkv_operands  # noqa: E402
 from maskplan_kernels.consumer_k2q import ATOMIC_HEAD_GROUP, k2q_row_fill  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
+from maskplan_kernels.kv_head_split import kv_head_split  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -136,28 +134,14 @@ def test_gqa(hq, hkv, hmask, deterministic):
 
 @pytest.mark.parametrize("dqk,dv", SUPPORTED_HEAD_DIMS)
 def test_kv_head_split(dqk, dv):
-    """MQA 8/1 with each kv head's q heads split over 1, 2 and 8 items (``kv_head_split``; this
-    small a problem takes 8, a q head an item): every split matches the reference, and on the same
-    inputs the deterministic dQ is bit-identical across them (its contributions and their order do
-    not depend on the split; dK / dV sum the parts, so they differ in rounding only). The same
-    inputs: the reference forward behind ``check_backward``'s O and LSE adds with ``index_add_``,
-    whose CUDA order varies from call to call."""
-    B, S = 2, 600
-    q, k, v = CASES.qkv((B, S, 8), (B, S, 1), dqk, dv, torch.bfloat16, seed=21)
-    plan = sm90_plan(CASES.random_intervals(1, 3, torch.full((B * S,), S), seed=21), q, k, v)
-    view = plan.view("backward")
+    """Each kv head's q heads split over 1, 2 and 8 items (``kv_head_split``; the default here is 8):
+    :meth:`maskplan_core.testing.BackwardCases.kv_head_splits`."""
+    forced = {
+        s: dataclasses.replace(COMPILER, kv_head_split=lambda *_, s=s: s).run_backward for s in (1, 2, 8)
+    }
+    plan = CASES.kv_head_splits(dqk, dv, forced)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    assert kv_head_split(bwd_view_args(view, DEV).k_rows, 8, sms) == 8
-    scale = dqk**-0.5
-    q3, k3, v3 = thd(q, k, v)
-    inputs = backward_inputs(plan, q3, k3, v3, scale)
-    dqs = []
-    for split in (1, 2, 8):
-        compiler = dataclasses.replace(COMPILER, kv_head_split=lambda *args, split=split: split)
-        check_backward(compiler.run_backward, plan, q, k, v, deterministic=True)
-        dq, _, _ = compiler.run_backward(view, q3, k3, v3, *inputs, softmax_scale=scale, deterministic=True)
-        dqs.append(dq)
-    assert all(torch.equal(dqs[0], dq) for dq in dqs[1:])
+    assert kv_head_split(bwd_view_args(plan.view("backward"), DEV).k_rows, 8, sms) == 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

@@ -7,7 +7,14 @@ Compile-verified for sm_100a only: it has NEVER run on SM100 hardware.
 One CTA per (K plan row = K block of ``tile_n = 128`` keys, kv head[, head-dim half]). It loads K
 and V once and visits, for every Q head of its kv group, the K2Q partial entries then the full
 entries (the traversal of the SM90 backward); dK and dV accumulate in TMEM over the whole group,
-each visited Q block's dQ goes to an fp32 accumulator in GMEM. k2q-1cta: 14 warps, 448 threads::
+each visited Q block's dQ goes to an fp32 accumulator in GMEM. Where the (K row, kv head) items are
+too few for the GPU (``maskplan_kernels.kv_head_split``, SM90's rule), the k2q-1cta and d256 kernels
+split each kv head's ``G`` q heads over ``s`` items as the SM90 backward does: item kv head ``hk * s
++ j`` (a kv head of its own for the grid and dK / dV, ``Hkv * s`` of them, but ``hk`` for K / V)
+takes q heads ``hk * G + j * G / s ..`` and writes its part of dK / dV, which
+``consumer_launch.launch_backward`` sums. k2q-2cta does not (its load warp, at the launch's 128
+registers, spilled with the division; ``bwd_launch.COMPILER.splits_kv_heads``).
+k2q-1cta: 14 warps, 448 threads::
 
     warps 0-7   (compute, 2 WGs)  thread t = 128 wg + r owns K row r (TMEM lane r) and Q columns
                                   64 wg .. 64 wg + 63 of S^T / dP^T: exactly TmemLoadLayout(128,
@@ -371,7 +378,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             views["k"], views["kt"], views["v"], views["q"], views["qt"], views["do"], views["dot"],
             views["ds"], views["dsq"], views["tp"],
         ).launch(
-            grid=launch_grid(cute.size(plan.k_row_batch), cute.size(mK, mode=[1]), self.ctas_per_block),
+            grid=launch_grid(cute.size(plan.k_row_batch), cute.size(mdK, mode=[1]), self.ctas_per_block),
             block=[self.num_threads, 1, 1],
             cluster=[self.pair, 1, 1],
             stream=stream,
@@ -519,7 +526,7 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
             ),
             allocator_warp_id=self.compute_warps[0],
         )
-        kv_heads = mK.shape[2]
+        kv_heads = mdK.shape[1]  # a split kv head's items are kv heads of their own but for K / V
         group = kv_heads
         if const_expr(not self.deterministic):
             group = atomic_head_group(plan, mdQsem.shape[1], kv_heads)
@@ -538,8 +545,8 @@ class Sm100BwdKernel(BwdHostEntry, ComputeRoles, LoadRole):
 
         if warp_idx == self.load_warp:
             self.load_role(
-                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes,
-                cta_rank, storage.mbar_tail.data_ptr(),
+                thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, kv_heads,
+                pipes, cta_rank, storage.mbar_tail.data_ptr(),
             )  # fmt: skip
         elif warp_idx < len(self.compute_warps):
             set_max_registers(self.compute_regs, self.launch_regs)

@@ -87,6 +87,8 @@ COMPILER = BackwardCompiler(
         config.head_dim_qk, config.dtype, tile_m=config.tile_m
     ),
     main_key=lambda config: (config.variant.name, kernel_dims(config)),
+    # SM90's split rule, unmeasured here; not the pair variant (Sm100BwdKernel's docstring)
+    splits_kv_heads=lambda config: config.variant.cta_group_size == 1,
 )
 #: kernel_keys(config, *, deterministic, with_dlse) -> {"pre"|"main"|"post": key}
 kernel_keys = COMPILER.kernel_keys

@@ -39,8 +39,8 @@ class LoadRole:
 
     @cute.jit
     def load_role(
-        self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, pipes, cta_rank,
-        mbar_tail,
+        self, thr, tma_k, mK, tma_v, mV, tma_q, mQ, tma_do, mdO, mLSE, mDsum, s, plan, work, kv_heads, pipes,
+        cta_rank, mbar_tail,
     ):  # fmt: skip
         no_mcast = cute.make_layout(1)
         # Q and dO: this CTA's 1 / pair of each tile, multicast to the pair (mask: every rank)
@@ -50,6 +50,9 @@ class LoadRole:
         # LSE2 and D: one per rank of a pair (2 of them), multicast
         bulk_op = cpasync.CopyBulkG2SMulticastOp() if self.pair > 1 else cpasync.CopyBulkG2SOp()
         bulk_f32 = cute.make_copy_atom(bulk_op, Float32)
+        kv_head = work.kv_head  # K / V's: the item's over the split (a pair's items are never split)
+        if const_expr(self.pair == 1):
+            kv_head = work.kv_head // (kv_heads // mK.shape[2])
         if total_steps(plan, work) > 0:
             # K and V of this CTA's block, once: (cta_n, D, n_blocks, 1) of this sample and kv head
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -59,7 +62,7 @@ class LoadRole:
                 (tma_v, mV, s["sV"], thr["dp"], dv_, "v"),
             ):
                 g_x = cute.flat_divide(
-                    cute.domain_offset((work.k_offset, 0), m_x[None, None, work.kv_head]), (tn, d)
+                    cute.domain_offset((work.k_offset, 0), m_x[None, None, kv_head]), (tn, d)
                 )
                 t_s, t_g = cpasync.tma_partition(
                     atom, 0, no_mcast, cute.group_modes(s_x, 0, 3), cute.group_modes(t.partition_A(g_x), 0, 3)

@@ -4,7 +4,7 @@ Persistent: one CTA per SM takes work items, (K plan row = K block of ``tile_n``
 from a ticket counter (``consumer_k2q.take_ticket``) until none is left. Per item it loads the
 K/V tile once and accumulates dK/dV in registers over the Q heads of its kv head, while each
 visited Q block's dQ contribution goes to an fp32 accumulator in GMEM. Where the (K row, kv head)
-items are too few for the GPU (MQA, high GQA ratios: ``bwd_launch_order.kv_head_split``), each kv
+items are too few for the GPU (MQA, high GQA ratios: ``maskplan_kernels.kv_head_split``), each kv
 head's ``G`` Q heads are split over ``s`` items: item kv head ``hk * s + j`` (a kv head of its own
 for the kernel, of ``Hkv * s``, but for its K / V: ``Items.kv_split``) takes Q heads ``hk * G + j *
 G / s ..`` and writes its part of dK / dV at its own head, which ``consumer_launch.launch_backward``

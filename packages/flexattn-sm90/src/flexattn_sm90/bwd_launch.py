@@ -36,7 +36,6 @@ from maskplan_kernels.consumer_launch import BackwardCompiler, cached_per_view, 
 
 from . import view_config
 from .bwd_kernel import Sm90BwdKernel
-from .bwd_launch_order import kv_head_split
 from .bwd_postprocess import Sm90BwdPostprocess
 from .config import Sm90BwdConfig
 
@@ -93,7 +92,7 @@ COMPILER = BackwardCompiler(
     stores_first_dq=True,  # Sm90BwdKernel.write_dq_block
     io_head_dims=lambda config: config.io_head_dims,
     row_granule=lambda config: config.row_granule,
-    kv_head_split=kv_head_split,
+    splits_kv_heads=lambda config: True,  # Sm90BwdKernel's Items
 )
 #: kernel_keys(config, *, deterministic, with_dlse, per_sample=False, sparse_rows=False)
 #:     -> {"pre"|"main"|"post": key}

@@ -555,6 +555,26 @@ class BackwardCases(_Cases):
     def head_dims(self, dqk, dv, kind, dtype=torch.bfloat16, **options):
         self.check(*self.head_dims_problem(dqk, dv, kind, dtype, seed=10), **options)
 
+    def kv_head_splits(self, dqk, dv, runs: dict):
+        """MQA 8/1 with each kv head's q heads split over several items (``runs``: split -> the
+        consumer's ``run_backward`` forcing it; this small a problem takes 8 by default, a q head an
+        item): every split matches the reference, and on the same inputs the deterministic dQ is
+        bit-identical across them (its contributions and their order do not depend on the split;
+        dK / dV sum the parts, so they differ in rounding only). The same inputs: the reference
+        forward behind :func:`check_backward`'s O and LSE adds with ``index_add_``, whose CUDA
+        order varies from call to call. Returns the plan."""
+        B, S = 2, 600
+        q, k, v = self.qkv((B, S, 8), (B, S, 1), dqk, dv, torch.bfloat16, seed=21)
+        plan, _ = self.check(self.random_intervals(1, 3, torch.full((B * S,), S), seed=21), q, k, v)
+        view, scale, q3, k3, v3 = plan.view("backward"), dqk**-0.5, *thd(q, k, v)
+        inputs = backward_inputs(plan, q3, k3, v3, scale)
+        dqs = []
+        for run in runs.values():
+            check_backward(run, plan, q, k, v, deterministic=True)
+            dqs.append(run(view, q3, k3, v3, *inputs, softmax_scale=scale, deterministic=True)[0])
+        assert all(torch.equal(dqs[0], dq) for dq in dqs[1:]), "dq differs between splits"
+        return plan
+
     def deterministic_bit_identical(self, dtype):
         """Three runs of deterministic mode give bit-identical dq/dk/dv (varlen, GQA, per-head masks,
         partial and full blocks, a long sample so many K blocks race for each Q block)."""

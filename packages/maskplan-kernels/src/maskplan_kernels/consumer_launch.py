@@ -58,6 +58,7 @@ from .consumer_inputs import (
 from .consumer_k2q import SPARSE_ROW_FILL, k2q_row_fill
 from .consumer_plan import CUTE_DTYPES
 from .geometry import ViewBounds
+from .kv_head_split import kv_head_split, no_kv_head_split
 
 _DUMMY: dict[tuple, torch.Tensor] = {}
 
@@ -494,11 +495,6 @@ def backward_io(
     return BackwardIO(view, prep, q, k, v, out, lse, dout, dlse, dq, dk, dv, per_sample, strides)
 
 
-def no_kv_head_split(items: int, q_per_kv: int, sms: int, row_spread: float) -> int:
-    """A consumer whose main kernel does not split kv heads' q heads (:func:`launch_backward`)."""
-    return 1
-
-
 def launch_backward(
     compiled: dict, io: BackwardIO, config, softmax_scale: float, kv_head_split: Callable = no_kv_head_split
 ) -> None:
@@ -510,8 +506,8 @@ def launch_backward(
     a :data:`WORKSPACE_ALIGN` offset (the kernels take addresses; one ``torch.empty`` instead of
     four is host time saved on every call).
 
-    ``kv_head_split(items, q_per_kv, sms, row_spread)`` (the consumer's
-    :attr:`BackwardCompiler.kv_head_split`; :attr:`BwdViewArgs.row_spread`) gives ``s = kv_split``;
+    ``kv_head_split(items, q_per_kv, sms, row_spread)`` (:attr:`BackwardCompiler.kv_head_split`
+    where the config's kernel splits; :attr:`BwdViewArgs.row_spread`) gives ``s = kv_split``;
     where it is above 1 the main kernel's items split each kv head's q heads into ``s`` parts,
     and each part's dK / dV goes to its own head ``hk * s + j`` of a ``(total_k, Hkv * s, D)``
     tensor in q's dtype (each part rounded to it, as FlashAttention-2's GQA backward does), summed
@@ -597,11 +593,14 @@ class BackwardCompiler:
     #: ``(Dqk, Dv)`` of the THD tensors a config's kernels take (narrower than its head dims where
     #: the kernels zero-fill the rest of their tiles); default: the config's head dims
     io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
-    #: ``(items, q_per_kv, sms, row_spread) -> parts``: into how many items the consumer's main
-    #: kernel splits each kv head's q heads, from its ``items`` (K rows x kv heads), the GQA ratio,
-    #: the GPU's SM count and :attr:`BwdViewArgs.row_spread` (:func:`launch_backward`'s
-    #: ``kv_split``); default: never (1)
-    kv_head_split: Callable[[int, int, int, float], int] = no_kv_head_split
+    #: ``(items, q_per_kv, sms, row_spread) -> parts``: into how many items the main kernel splits
+    #: each kv head's q heads, from its ``items`` (K rows x kv heads), the GQA ratio, the GPU's SM
+    #: count and :attr:`BwdViewArgs.row_spread` (:func:`launch_backward`'s ``kv_split``), for the
+    #: configs whose kernels split (``splits_kv_heads``)
+    kv_head_split: Callable[[int, int, int, float], int] = kv_head_split
+    #: whether a config's main kernel takes such a split (its items' kv heads ``Hkv x s``, K / V's
+    #: ``hk``); where not, ``kv_head_split`` is not asked
+    splits_kv_heads: Callable[[Any], bool] = lambda config: False
     #: the granule of a config's main kernel that takes q, k, v rows per sample
     #: (``main_kernel(config, ..., per_sample=True)``; ``ThdHostEntry.row_granule``),
     #: or None where the consumer has none (such q, k, v are copied: :func:`qkv_operands`)
@@ -699,7 +698,8 @@ class BackwardCompiler:
                 config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample,
                 sparse_rows=io.prep.sparse_rows,
             )  # fmt: skip
-            launch_backward(compiled, io, config, softmax_scale, self.kv_head_split)
+            split = self.kv_head_split if self.splits_kv_heads(config) else no_kv_head_split
+            launch_backward(compiled, io, config, softmax_scale, split)
         return io.grads
 
     def compile_backward(
@@ -745,7 +745,6 @@ __all__ = [
     "int32_tensor",
     "kernel_dims",
     "launch_backward",
-    "no_kv_head_split",
     "plan_pointers",
     "qkv_stride_placeholders",
     "sequence_desc_source",
