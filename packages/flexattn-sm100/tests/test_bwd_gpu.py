@@ -112,14 +112,20 @@ def test_gqa(variant, hq, hkv, hmask, deterministic):
     GENERIC[variant].gqa(hq, hkv, hmask, deterministic)
 
 
-@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
-def test_kv_head_split(dqk, dv):
+@pytest.mark.parametrize(
+    "variant,dqk,dv",
+    [("k2q-1cta", 64, 64), ("k2q-1cta", 128, 128), ("k2q-1cta", 192, 128), ("k2q-1cta", 256, 256),
+     ("k2q-2cta", 128, 128)],
+    ids=["d64", "d128", "d192x128", "d256-variant", "pair-d128"],
+)  # fmt: skip
+def test_kv_head_split(variant, dqk, dv):
     """Each kv head's q heads split over 1, 2 and 8 items on the single-CTA kernels (k2q-1cta, d256;
-    the pair never splits): :meth:`maskplan_core.testing.BackwardCases.kv_head_splits`."""
+    the pair is never given a split, so forcing one leaves it as it is):
+    :meth:`maskplan_core.testing.BackwardCases.kv_head_splits`."""
     forced = {
         s: dataclasses.replace(COMPILER, kv_head_split=lambda *_, s=s: s).run_backward for s in (1, 2, 8)
     }
-    CASES.kv_head_splits(dqk, dv, forced)
+    GENERIC[variant].kv_head_splits(dqk, dv, forced)
 
 
 @generic

@@ -64,7 +64,7 @@ and dQ rows past its Q length are never stored.
 
 Per CTA ``(r, hk)`` with ``b = k_row_batch[r]``, ``n_block = r - sequence_desc[b].row_begin``::
 
-    for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv
+    for hq in hk * G .. hk * G + G - 1:                   # G = Hq / Hkv (split: G / s of them)
         h = hq if Hmask > 1 else 0
         for e in mask_block_offset[h, r] + [0, mask_block_cnt[h, r]):   # partial Q blocks
             step(mask_block_idx[e], payload words of entry e, rank = dq_write_order[e])

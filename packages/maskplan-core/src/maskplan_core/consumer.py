@@ -165,14 +165,15 @@ class Consumer(ABC):
         return build_plan(mask_func, geometry, forward, backward, self.name)
 
     def _gpu_planner(self, required: bool):
-        """:attr:`gpu_planner`'s module; None where there is none, or where it cannot be imported
-        (its CuTe DSL missing, e.g. on a laptop) and the endpoints are not on the GPU: the reference
-        planner builds every plan off the GPU, it only misses the note of what the GPU would do."""
+        """:attr:`gpu_planner`'s module; None where there is none, or where it or a module it needs
+        is missing (its CuTe DSL, e.g. on a laptop) and the endpoints are not on the GPU: the
+        reference planner builds every plan off the GPU, it only misses the note of what the GPU
+        would do."""
         if self.gpu_planner is None:
             return None
         try:
             return importlib.import_module(self.gpu_planner)
-        except ImportError as e:
+        except ModuleNotFoundError as e:  # not installed, or a dependency missing (an import bug raises)
             if not required:
                 return None
             raise ConsumerNotFoundError(

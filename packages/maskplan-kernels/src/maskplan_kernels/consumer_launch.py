@@ -507,7 +507,8 @@ def launch_backward(
     four is host time saved on every call).
 
     ``kv_head_split(items, q_per_kv, sms, row_spread)`` (:attr:`BackwardCompiler.kv_head_split`
-    where the config's kernel splits; :attr:`BwdViewArgs.row_spread`) gives ``s = kv_split``;
+    where the config's kernel splits, else the default, which a kernel that does not split must
+    get: it would read K / V past ``Hkv``; :attr:`BwdViewArgs.row_spread`) gives ``s = kv_split``;
     where it is above 1 the main kernel's items split each kv head's q heads into ``s`` parts,
     and each part's dK / dV goes to its own head ``hk * s + j`` of a ``(total_k, Hkv * s, D)``
     tensor in q's dtype (each part rounded to it, as FlashAttention-2's GQA backward does), summed
