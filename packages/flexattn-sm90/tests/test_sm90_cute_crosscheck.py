@@ -89,10 +89,11 @@ def _swizzled_piece(element_offset: int, swizzle: list[int]) -> int:
 
 @pytest.mark.parametrize("tile", SMEM_TILES, ids=str)
 def test_zero_rows_runs_are_the_rows_past_the_sample(tile, smem_offsets):
-    """``zero_rows`` stores, per column block of ``w`` = offset(1, 0) columns, the bytes of elements
-    [block * rows * w + first * w, (block + 1) * rows * w) through a plain pointer (``toint`` of the
-    tile's swizzled pointer is its raw address): those bytes hold exactly the pieces of rows
-    ``first`` and after, which the swizzle places."""
+    """``zero_rows``' run formula, restated here (the kernel code itself runs on the GPU only): per
+    column block of ``w`` = offset(1, 0) columns, the bytes of elements [block * rows * w + first *
+    w, (block + 1) * rows * w) through a plain pointer (``toint`` of the tile's swizzled pointer is
+    its raw address). Checked: those bytes hold exactly the pieces of rows ``first`` and after,
+    where CuTe's swizzled layout places them. The GPU suites check the zeroed tails' results."""
     rows, cols, _ = tile
     probe = smem_offsets[tile]
     offsets, swizzle = probe["offsets"], probe["swizzle"]

@@ -176,7 +176,9 @@ def test_pack_unpack_round_trip(case, density):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_kernel_bit_select(case):
-    """What the kernel does: register e of thread t keeps the score iff bit e%32 of word e//32 is set."""
+    """The kernel's read of the packed words: register e of thread t (``thread_elements``, which the
+    golden and CuTe ownership tests pin) keeps the score iff bit e%32 of word e//32 is set, for the
+    words ``pack`` writes. A consistency check of the two directions of one map, not of the map."""
     layout = make(case)
     gen = torch.Generator().manual_seed(7)
     tile = torch.rand(1, layout.tile_m, layout.tile_n, generator=gen) < 0.5

@@ -40,7 +40,7 @@ def _layouts():
         from flexattn_sm100.payload_layout import tmem_layout
 
         out += [tmem_layout(128, 128, 1, False), tmem_layout(128, 128, 1, True)]
-    except (ImportError, ValueError):
+    except ImportError:
         pass
     return out
 
@@ -127,7 +127,7 @@ def _fresh_layout_makers():
         from flexattn_sm100.payload_layout import tmem_layout
 
         makers += [("tmem-transposed", lambda: tmem_layout.__wrapped__(128, 128, 1, True))]
-    except (ImportError, ValueError):
+    except ImportError:
         pass
     return makers
 

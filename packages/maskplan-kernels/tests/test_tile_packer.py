@@ -33,15 +33,16 @@ def config_id(c: MaterializeConfig) -> str:
 
 
 def packed_words(p: TilePacker, n: int) -> list[tuple[int, int]]:
-    """(slot, word) pairs the warps store for a pass of ``n`` tiles, following ``TilePacker.pack``."""
+    """(slot, word) pairs the warps store for a pass of ``n`` tiles: ``TilePacker.pack``'s loops over
+    the kernel's own ``slot_phase`` and ``block_base``."""
     out = []
     for warp in range(p.num_warps):
-        phase = warp // p.block_warps
+        phase = p.slot_phase(warp)
         if phase >= p.slot_phases:
             continue
         for s in range(phase, n, p.slot_phases):
             for g in range(p.groups):
-                base = (g * p.num_warps + warp % p.block_warps) * WARP
+                base = p.block_base(g, warp)
                 out += [(s, base + lane) for lane in range(WARP) if base + lane < p.words_per_tile]
     return out
 

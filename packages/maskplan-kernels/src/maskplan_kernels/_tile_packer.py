@@ -202,6 +202,17 @@ class TilePacker:
                     mCountsOut[i, head, row] = counts[i]
         return counts
 
+    def block_base(self, g: int, warp):
+        """The first payload word of ``warp``'s 32-word block in table group ``g``: ``32 block(g)``,
+        ``block(g) = g W + warp % min(B, W)`` (module docstring); ``warp`` an int or the kernel's
+        Int32, so the CPU tests count the words the kernel packs with this very formula."""
+        return (g * self.num_warps + warp % self.block_warps) * WARP
+
+    def slot_phase(self, warp):
+        """The first of the pass's slots ``warp`` packs (then every ``slot_phases``-th); none where it
+        is ``slot_phases`` or more."""
+        return warp // self.block_warps
+
     @cute.jit
     def init(self, sBitmap: cute.Tensor, tidx: Int32):
         """Zero each slot's padding target word (never written again). Visible after the caller's
@@ -215,7 +226,7 @@ class TilePacker:
         (``block(g) = g W + warp % min(B, W)``, module docstring)."""
         regs = []
         for g in cutlass.range_constexpr(self.groups):
-            base = (g * self.num_warps + warp % self.block_warps) * WARP
+            base = self.block_base(g, warp)
             row = []
             for i in cutlass.range_constexpr(WARP):
                 a = Int32(self.zero_address)
@@ -323,12 +334,12 @@ class TilePacker:
 
         The slot loop stays a runtime loop: unrolling it made ptxas spill and ran 3.5x slower on
         the H200."""
-        phase = warp // self.block_warps
+        phase = self.slot_phase(warp)
         if phase < self.slot_phases:
             for s in cutlass.range(phase, n, self.slot_phases, unroll=1):
                 sSlot = cute.make_tensor(sBitmap.iterator + s * self.bitmap_words, sBitmap.layout)
                 for g in cutlass.range_constexpr(self.groups):
-                    base = (g * self.num_warps + warp % self.block_warps) * WARP
+                    base = self.block_base(g, warp)
                     # all 32 loads first: ptxas does not move a shared load above a vote, so loads
                     # interleaved with the ballots would each wait out their latency
                     bits = []

@@ -40,9 +40,9 @@ def zero_rows(s_tile: cute.Tensor, first_row: Int32, tidx: Int32, threads: cutla
 
     The threads store those runs in 16-byte pieces in turn, through a plain pointer at the tile's raw
     address (``toint`` of its swizzled pointer): no per-thread swizzle or row arithmetic, which
-    would cost the MMA warpgroups registers they hold nothing spare for. The runs are checked
-    against CuTe's layouts on the CPU (``test_sm90_cute_crosscheck.py``,
-    ``test_sm100_cute_crosscheck.py``)."""
+    would cost the MMA warpgroups registers they hold nothing spare for. The run formula (restated
+    there) is checked against CuTe's layouts on the CPU (``test_sm90_cute_crosscheck.py``,
+    ``test_sm100_cute_crosscheck.py``); the kernels' zeroed tails, by the GPU suites."""
     rows, cols = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
     w = cute.crd2idx((1, 0), s_tile.layout)  # a row's elements: the atom's width
     assert cols % w == 0 and (cols == w or cute.crd2idx((0, w), s_tile.layout) == rows * w)
