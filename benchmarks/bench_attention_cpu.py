@@ -66,16 +66,28 @@ def one_length(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", default="1024,4096")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sample-len", type=int, default=None, help="varlen samples of this many tokens")
+    p.add_argument("--seqlen", default="1024,4096", help="tokens, or a sweep: 1024,4096")
+    p.add_argument("--heads", type=int, default=4, help="heads")
+    p.add_argument("--dim", type=int, default=64, help="head dim")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
+    p.add_argument("--sample-len", type=int, default=None,
+                   help="varlen samples of this many tokens (a divisor of every --seqlen)")  # fmt: skip
     args = p.parse_args()
+    try:
+        args.seqlen = [int(x) for x in args.seqlen.split(",")]
+    except ValueError:
+        p.error(f"--seqlen: comma-separated integers, not {args.seqlen!r}")
+    sample_len = 1 if args.sample_len is None else args.sample_len
+    for option, value in (("--seqlen", min(args.seqlen)), ("--heads", args.heads), ("--dim", args.dim),
+                          ("--repeats", args.repeats), ("--sample-len", sample_len)):  # fmt: skip
+        if value < 1:
+            p.error(f"{option} must be at least 1")
+    if args.sample_len is not None and any(s % args.sample_len for s in args.seqlen):
+        p.error(f"--sample-len {args.sample_len} must divide every --seqlen ({args.seqlen})")
     layout = "B=1" if args.sample_len is None else f"varlen samples of {args.sample_len}"
     print(f"CPU, {torch.get_num_threads()} threads, {layout} H={args.heads} D={args.dim} fp32, causal")
     print(f"{'S':>6} {'flexattn fwd ms':>16} {'flexattn bwd ms':>16} {'SDPA fwd+bwd ms':>16} {'ratio':>7}")
-    for s in (int(x) for x in args.seqlen.split(",")):
+    for s in args.seqlen:
         fwd, bwd, dense = one_length(s, args.heads, args.dim, args.repeats, args.sample_len)
         print(f"{s:>6} {fwd:>16.1f} {bwd:>16.1f} {dense:>16.1f} {(fwd + bwd) / dense:>6.1f}x")
 

@@ -14,12 +14,15 @@ importing torch, CuTe DSL or cuDNN is a per-process cost that no kernel cache re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch  # the parent's own; each child times its imports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fwd_sm90 import require_cuda  # noqa: E402
@@ -73,20 +76,31 @@ def run_child(system: str, args, env: dict) -> dict | str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--systems", default="flexattn,cudnn")
+    p.add_argument("--seqlen", type=int, default=4096, help="tokens per sample")
+    p.add_argument("--batch", type=int, default=2, help="samples")
+    p.add_argument("--heads", type=int, default=16, help="heads (q and kv)")
+    p.add_argument("--dim", type=int, default=128, help="head dim")
+    p.add_argument("--systems", default="flexattn,cudnn", help="of flexattn, cudnn")
     args = p.parse_args()
+    systems = args.systems.split(",")
+    unknown = [s for s in systems if s not in ("flexattn", "cudnn")]
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from flexattn, cudnn")
+    for option in ("seqlen", "batch", "heads", "dim"):
+        if getattr(args, option) < 1:
+            p.error(f"--{option} must be at least 1, got {getattr(args, option)}")
     require_cuda(p.prog)
+    if "cudnn" in systems and importlib.util.find_spec("cudnn") is None:
+        print("cudnn: cuDNN's frontend is not installed, skipped")
+        systems.remove("cudnn")
     failed = 0
-    print(f"first call of a process: B={args.batch} S={args.seqlen} H={args.heads} D={args.dim} bf16 causal")
+    print(f"first call of a process on {torch.cuda.get_device_name()}: B={args.batch} S={args.seqlen} "
+          f"H={args.heads} D={args.dim} bf16 causal")  # fmt: skip
     heads = ("import s", "plan s", "fwd s", "bwd s", "total s")
     print(f"{'system':10s} {'process':8s} " + " ".join(f"{h:>9s}" for h in heads))
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "FLEXATTN_CACHE": "1", "FLEXATTN_CACHE_DIR": cache}
-        for system in args.systems.split(","):
+        for system in systems:
             for run in ("first", "second"):
                 r = run_child(system, args, env)
                 if isinstance(r, str):

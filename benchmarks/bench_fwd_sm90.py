@@ -24,9 +24,10 @@ outside the timing: against ``flexattn`` in the same run, what the layout costs.
 TFLOP/s count visible elements only: 2 * (Dqk + Dv) * visible pairs * heads for the forward,
 (8 Dqk + 6 Dv) * visible pairs * heads for forward + backward (3.5 times the forward where
 ``--dim-v`` is ``--dim``, its default); dense causal FA4 is timed on the causal row only, as the ceiling.
-Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` and (with matplotlib)
-``<mode>_tflops.png`` to ``--out`` (``$OUT``, else ``benchmarks/results``). ``--seqlen`` takes a
-comma-separated list for a sweep (one table row per length and mask).
+Prints a table with ratios flexattn / peer, writes ``results-<mode>.json`` (the rows, and what
+produced them: command, options, GPU, versions, commit) and (with matplotlib) ``<mode>_tflops.png``
+to ``--out`` (``$OUT``, else ``benchmarks/results``; a later run of the same mode replaces them).
+``--seqlen`` takes a comma-separated list for a sweep (one table row per length and mask).
 
 Two timings per system. ``queued``: 10 calls issued back to back between two CUDA events, as a
 training step issues them; when a call's host work (Python, argument checks, launches) outlasts
@@ -40,9 +41,11 @@ call. Where ``host ms`` exceeds the device time, a system is host-bound at this 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -273,6 +276,18 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         unknown = [n for n in names.split(",") if n not in known]
         if unknown:
             parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    if isinstance(args.seqlen, str):  # a sweep: every length read before any runs
+        try:
+            args.seqlen = [int(x) for x in args.seqlen.split(",")]
+        except ValueError:
+            parser.error(f"--seqlen: comma-separated integers, not {args.seqlen!r}")
+    sizes = (("--seqlen", args.seqlen), ("--batch", args.batch), ("--heads", args.heads),
+             ("--kv-heads", args.kv_heads), ("--dim", args.dim), ("--dim-v", args.dim_v))  # fmt: skip
+    for option, values in sizes:
+        if values is not None and min(values if isinstance(values, list) else [values]) < 1:
+            parser.error(f"{option} must be at least 1, got {values}")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     require_cuda(parser.prog)
     args.systems = args.systems.split(",")
     args.kv_heads = args.kv_heads or args.heads
@@ -288,9 +303,9 @@ def main() -> None:
     torch.manual_seed(0)
     train = args.mode == "train"
     rows = []
-    for seqlen in (int(x) for x in args.seqlen.split(",")):
+    for seqlen in args.seqlen:
         rows += run_length(args, seqlen, train)
-    report(rows, Path(args.out), args.mode)
+    report(rows, Path(args.out), args.mode, run_record(args))
 
 
 def inputs(args, seqlen: int, train: bool):
@@ -344,7 +359,31 @@ def run_length(args, seqlen: int, train: bool) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], out: Path, mode: str) -> None:
+def run_record(args) -> dict:
+    """What produced a results file: the command, the parsed options, the GPU and the versions."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = None  # not a checkout
+    versions = {}
+    for dist in ("flexattn", "flexattn-sm90", "nvidia-cutlass-dsl", "nvidia-cudnn-frontend", "flash-attn-4"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "options": {k: v for k, v in vars(args).items() if k != "out"},
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "versions": versions,
+        "commit": commit,
+    }
+
+
+def report(rows: list[dict], out: Path, mode: str, run: dict) -> None:
     if not rows:
         sys.exit("no system ran (see the failures above): nothing to report")
     ours = {(r["seqlen"], r["mask"]): r for r in rows if r["system"] == "flexattn"}
@@ -363,7 +402,7 @@ def report(rows: list[dict], out: Path, mode: str) -> None:
             f"          {r['device_tflops']:8.1f}           {ratio(r, 'device_tflops')}   {r['host_ms']:7.3f}"
         )
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"results-{mode}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"results-{mode}.json").write_text(json.dumps({"run": run, "rows": rows}, indent=1))
     try:
         import matplotlib
 

@@ -332,8 +332,7 @@ def run(args) -> dict:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_plan_gpu: no CUDA device; nothing to measure")
-        return {}
+        sys.exit("bench_plan_gpu.py: needs a CUDA GPU (torch.cuda.is_available() is False here)")
     try:
         ours = Ours(args.target)
     except ImportError as exc:
@@ -478,6 +477,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
+    for option in ("batch", "seqlen", "heads", "head_dim", "repeats"):
+        if getattr(args, option) < 1:
+            p.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     result = run(args)
     if args.json and result:
         with open(args.json, "w") as f:

@@ -13,11 +13,18 @@ reference and a separate multiply and add stay finite. A numerics probe: it repo
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import flexattn
 from flexattn import masks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd_sm90 import require_cuda  # noqa: E402
+
+SYSTEMS = ("flexattn", "cudnn", "sdpa")
 
 INPUTS = (
     ("randn, scale 1e8", None, 1e8),
@@ -52,13 +59,22 @@ def _interval_systems(names: list[str]) -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--systems", default="flexattn,cudnn,sdpa", help="of flexattn, cudnn, sdpa")
-    p.add_argument("--device", default="cuda", help="cpu runs flexattn's reference (and SDPA's math)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu runs flexattn's reference (and SDPA's math)")  # fmt: skip
     args = p.parse_args()
     names = args.systems.split(",")
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SYSTEMS)}")
+    if args.device == "cuda":
+        require_cuda(p.prog)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     for label, fill, scale in INPUTS:
+        if fill is not None and fill > torch.finfo(dtype).max:
+            print(f"{label:20s} skipped: {fill:g} is past {args.dtype}'s largest value")
+            continue
         if fill is None:
             q, k, v = (torch.randn(B, S, H, D, generator=gen).to(args.device, dtype) for _ in range(3))
         else:

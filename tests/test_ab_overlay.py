@@ -4,6 +4,7 @@ the benchmark's table rows come out side by side."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -92,7 +93,9 @@ def test_table_rows_read_the_benchmarks_own_table_with_device_timings(tmp_path, 
         return {"seqlen": 8192, "mask": "causal", "system": system, "ms": 1.0, "tflops": tflops,
                 "device_ms": 1.0, "device_tflops": device_tflops, "host_ms": 0.4}  # fmt: skip
 
-    bench_fwd_sm90.report([row("flexattn", 562.6, 590.1), row("cudnn", 540.0, 580.0)], tmp_path, "train")
+    rows, run = [row("flexattn", 562.6, 590.1), row("cudnn", 540.0, 580.0)], {"command": "python bench.py"}
+    bench_fwd_sm90.report(rows, tmp_path, "train", run)
+    assert json.loads((tmp_path / "results-train.json").read_text()) == {"run": run, "rows": rows}
     assert ab_overlay.table_rows(capsys.readouterr().out) == {
         ("8192", "causal", "flexattn"): 562.6,
         ("8192", "causal", "flexattn@device"): 590.1,
@@ -111,7 +114,7 @@ def test_table_rows_keep_a_system_without_device_time(tmp_path, capsys):
                 "device_ms": 1.0, "device_tflops": device_tflops, "host_ms": host_ms}  # fmt: skip
 
     nan = float("nan")
-    bench_fwd_sm90.report([row("flexattn", 590.1, 0.4), row("torch-flex", nan, nan)], tmp_path, "fwd")
+    bench_fwd_sm90.report([row("flexattn", 590.1, 0.4), row("torch-flex", nan, nan)], tmp_path, "fwd", {})
     assert ab_overlay.table_rows(capsys.readouterr().out) == {
         ("8192", "causal", "flexattn"): 500.0,
         ("8192", "causal", "flexattn@device"): 590.1,
