@@ -96,20 +96,24 @@ def run_one(args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=2, help="samples")
+    p.add_argument("--seqlen", type=int, default=8192, help="tokens per sample")
+    p.add_argument("--heads", type=int, default=16, help="heads (q and kv)")
+    p.add_argument("--headdim", type=int, default=128, help="head dim")
+    p.add_argument("--seed", type=int, default=0, help="of the random masks")
+    p.add_argument("--repeats", type=int, default=3, help="timed builds per row (median)")
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
     p.add_argument(
-        "--target", default=None, help="plan for this consumer's layout, e.g. sm90 (default: reference)"
-    )
+        "--target", default=None, choices=("sm90", "sm100"),
+        help="plan for this consumer's layout (default: the reference consumer's)",
+    )  # fmt: skip
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    for option in ("batch", "seqlen", "heads", "headdim", "repeats"):
+        if getattr(args, option) < 1:
+            p.error(f"--{option} must be at least 1, got {getattr(args, option)}")
 
     if args.one:
         print(json.dumps(run_one(args)))
