@@ -104,7 +104,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed builds per row (median)")
     p.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS)
     p.add_argument(
-        "--target", default=None, choices=("sm90", "sm100"),
+        "--target", default=None, choices=("reference", "sm90", "sm100"),
         help="plan for this consumer's layout (default: the reference consumer's)",
     )  # fmt: skip
     p.add_argument("--json", help="also write the results to this file")
