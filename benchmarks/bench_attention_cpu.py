@@ -18,12 +18,17 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import flexattn
 from flexattn import masks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fwd_sm90 import int_list, require_positive  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -73,15 +78,9 @@ def main() -> None:
     p.add_argument("--sample-len", type=int, default=None,
                    help="varlen samples of this many tokens (a divisor of every --seqlen)")  # fmt: skip
     args = p.parse_args()
-    try:
-        args.seqlen = [int(x) for x in args.seqlen.split(",")]
-    except ValueError:
-        p.error(f"--seqlen: comma-separated integers, not {args.seqlen!r}")
-    sample_len = 1 if args.sample_len is None else args.sample_len
-    for option, value in (("--seqlen", min(args.seqlen)), ("--heads", args.heads), ("--dim", args.dim),
-                          ("--repeats", args.repeats), ("--sample-len", sample_len)):  # fmt: skip
-        if value < 1:
-            p.error(f"{option} must be at least 1")
+    args.seqlen = int_list(p, "--seqlen", args.seqlen)
+    require_positive(p, seqlen=args.seqlen, heads=args.heads, dim=args.dim, repeats=args.repeats,
+                     sample_len=args.sample_len)  # fmt: skip
     if args.sample_len is not None and any(s % args.sample_len for s in args.seqlen):
         p.error(f"--sample-len {args.sample_len} must divide every --seqlen ({args.seqlen})")
     layout = "B=1" if args.sample_len is None else f"varlen samples of {args.sample_len}"

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch  # the parent's own; each child times its imports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import require_cuda  # noqa: E402
+from bench_fwd_sm90 import require_cuda, require_positive  # noqa: E402
 
 CHILD = """
 import json, time
@@ -86,9 +86,7 @@ def main() -> int:
     unknown = [s for s in systems if s not in ("flexattn", "cudnn")]
     if unknown:
         p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from flexattn, cudnn")
-    for option in ("seqlen", "batch", "heads", "dim"):
-        if getattr(args, option) < 1:
-            p.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    require_positive(p, seqlen=args.seqlen, batch=args.batch, heads=args.heads, dim=args.dim)
     require_cuda(p.prog)
     if "cudnn" in systems and importlib.util.find_spec("cudnn") is None:
         print("cudnn: cuDNN's frontend is not installed, skipped")

@@ -78,6 +78,22 @@ def require_cuda(prog: str) -> None:
         sys.exit(f"{prog}: needs a CUDA GPU (torch.cuda.is_available() is False here)")
 
 
+def int_list(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """A comma-separated sweep (``--seqlen 2048,4096``), every value read before any work starts."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"{option}: comma-separated integers, not {text!r}")
+
+
+def require_positive(parser: argparse.ArgumentParser, **sizes) -> None:
+    """``parser.error`` for the first of ``sizes`` (``kv_heads=`` is ``--kv-heads``; an int or a list
+    of them; None: not given) below 1, before any work starts."""
+    for name, value in sizes.items():
+        if value is not None and min(value if isinstance(value, list) else [value]) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def timed(fn, iters: int = 10, repeats: int = 5, warmup: int = 3) -> float:
     """Milliseconds per call: ``iters`` calls queued back to back between two CUDA events (as a
     training step issues them), median over ``repeats``."""
@@ -276,16 +292,10 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
         unknown = [n for n in names.split(",") if n not in known]
         if unknown:
             parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
-    if isinstance(args.seqlen, str):  # a sweep: every length read before any runs
-        try:
-            args.seqlen = [int(x) for x in args.seqlen.split(",")]
-        except ValueError:
-            parser.error(f"--seqlen: comma-separated integers, not {args.seqlen!r}")
-    sizes = (("--seqlen", args.seqlen), ("--batch", args.batch), ("--heads", args.heads),
-             ("--kv-heads", args.kv_heads), ("--dim", args.dim), ("--dim-v", args.dim_v))  # fmt: skip
-    for option, values in sizes:
-        if values is not None and min(values if isinstance(values, list) else [values]) < 1:
-            parser.error(f"{option} must be at least 1, got {values}")
+    if isinstance(args.seqlen, str):  # a sweep
+        args.seqlen = int_list(parser, "--seqlen", args.seqlen)
+    require_positive(parser, seqlen=args.seqlen, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                     dim=args.dim, dim_v=args.dim_v)  # fmt: skip
     if args.kv_heads is not None and args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     require_cuda(parser.prog)

@@ -111,9 +111,11 @@ def main() -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    for option in ("batch", "seqlen", "heads", "headdim", "repeats"):
-        if getattr(args, option) < 1:
-            p.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fwd_sm90 import require_positive  # lazily, as torch is here
+
+    require_positive(p, batch=args.batch, seqlen=args.seqlen, heads=args.heads, headdim=args.headdim,
+                     repeats=args.repeats)  # fmt: skip
 
     if args.one:
         print(json.dumps(run_one(args)))

@@ -477,9 +477,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
-    for option in ("batch", "seqlen", "heads", "head_dim", "repeats"):
-        if getattr(args, option) < 1:
-            p.error(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fwd_sm90 import require_positive  # lazily, as torch is here
+
+    require_positive(p, batch=args.batch, seqlen=args.seqlen, heads=args.heads, head_dim=args.head_dim,
+                     repeats=args.repeats)  # fmt: skip
     result = run(args)
     if args.json and result:
         with open(args.json, "w") as f:
