@@ -25,7 +25,7 @@ from pathlib import Path
 import torch  # the parent's own; each child times its imports
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import require_cuda, require_positive  # noqa: E402
+from bench_fwd_sm90 import known_names, require_cuda, require_positive  # noqa: E402
 
 CHILD = """
 import json, time
@@ -82,10 +82,7 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=128, help="head dim")
     p.add_argument("--systems", default="flexattn,cudnn", help="of flexattn, cudnn")
     args = p.parse_args()
-    systems = args.systems.split(",")
-    unknown = [s for s in systems if s not in ("flexattn", "cudnn")]
-    if unknown:
-        p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from flexattn, cudnn")
+    systems = known_names(p, "--systems", args.systems, ("flexattn", "cudnn"))
     require_positive(p, seqlen=args.seqlen, batch=args.batch, heads=args.heads, dim=args.dim)
     require_cuda(p.prog)
     if "cudnn" in systems and importlib.util.find_spec("cudnn") is None:

@@ -86,6 +86,16 @@ def int_list(parser: argparse.ArgumentParser, option: str, text: str) -> list[in
         parser.error(f"{option}: comma-separated integers, not {text!r}")
 
 
+def known_names(parser: argparse.ArgumentParser, option: str, text: str, known) -> list[str]:
+    """The comma-separated names of ``option`` (``--systems a,b``); ``parser.error`` naming those not
+    in ``known``, before any work starts."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    return names
+
+
 def require_positive(parser: argparse.ArgumentParser, **sizes) -> None:
     """``parser.error`` for the first of ``sizes`` (``kv_heads=`` is ``--kv-heads``; an int or a list
     of them; None: not given) below 1, before any work starts."""
@@ -288,10 +298,8 @@ def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser
 
 def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Checked names and defaults filled in; exits where there is no GPU to time."""
-    for option, names, known in (("--masks", args.masks, MASK_NAMES), ("--systems", args.systems, SYSTEMS)):
-        unknown = [n for n in names.split(",") if n not in known]
-        if unknown:
-            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    known_names(parser, "--masks", args.masks, MASK_NAMES)
+    args.systems = known_names(parser, "--systems", args.systems, SYSTEMS)
     if isinstance(args.seqlen, str):  # a sweep
         args.seqlen = int_list(parser, "--seqlen", args.seqlen)
     require_positive(parser, seqlen=args.seqlen, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
@@ -299,7 +307,6 @@ def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     if args.kv_heads is not None and args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
     require_cuda(parser.prog)
-    args.systems = args.systems.split(",")
     args.kv_heads = args.kv_heads or args.heads
     args.dim_v = args.dim_v or args.dim
     if args.layout == "packed" and args.dim_v != args.dim:

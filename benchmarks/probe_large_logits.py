@@ -22,7 +22,7 @@ import flexattn
 from flexattn import masks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import require_cuda  # noqa: E402
+from bench_fwd_sm90 import known_names, require_cuda  # noqa: E402
 
 SYSTEMS = ("flexattn", "cudnn", "sdpa")
 
@@ -63,10 +63,7 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu runs flexattn's reference (and SDPA's math)")  # fmt: skip
     args = p.parse_args()
-    names = args.systems.split(",")
-    unknown = [n for n in names if n not in SYSTEMS]
-    if unknown:
-        p.error(f"--systems: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SYSTEMS)}")
+    names = known_names(p, "--systems", args.systems, SYSTEMS)
     if args.device == "cuda":
         require_cuda(p.prog)
     dtype = getattr(torch, args.dtype)
