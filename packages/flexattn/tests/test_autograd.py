@@ -243,6 +243,40 @@ def test_a_kept_lse_does_not_keep_an_eager_calls_plan():
     assert alive() is None and kept.shape == (B, H, S)
 
 
+@pytest.mark.parametrize("kept", ["loss", "lse"])
+def test_a_graph_kept_after_its_backward_does_not_keep_the_plan(kept):
+    """``losses.append(loss)`` (or an LSE kept with its graph) after ``backward()``: the backward
+    freed the graph's saved tensors, and the plan with them, though the attention's node lives on."""
+    q, k, v = inputs(3)
+    plan = plan_for(q, k, v)
+    alive = weakref.ref(plan)
+    out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    loss = out.square().sum() + lse.sum()
+    loss.backward()
+    held = {"loss": loss, "lse": lse}[kept]
+    del plan, out, lse, loss
+    gc.collect()
+    assert held.grad_fn is not None and alive() is None
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "save_on_cpu"])
+def test_a_retained_graph_backs_up_twice_on_a_plan_nobody_holds(hooks):
+    """``backward(retain_graph=True)`` then another backward of the same graph, the plan dropped in
+    between: the second finds the plan through the saved handle's pin, or (a saved-tensor hook
+    copied the handle, which pins nothing) through the context's own reference."""
+    q, k, v = inputs(4)
+    hook = torch.autograd.graph.save_on_cpu() if hooks else torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t, lambda t: t
+    )
+    with hook:
+        out = flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v))
+    first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    gc.collect()
+    second = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fixed_length_lse_is_contiguous_and_differentiable():
     """The fixed-length LSE is a contiguous ``[B, H, S]`` tensor, as cuDNN's (code written for it
     may ``.view`` it), with the values and the LSE gradient path of the varlen call on the same rows."""

@@ -8,6 +8,7 @@ AOTAutograd, which is what the custom ops must survive) except one inductor test
 from __future__ import annotations
 
 import gc
+import operator
 
 import pytest
 import torch
@@ -584,10 +585,8 @@ def test_compiled_calls_refuse_a_plan_of_another_rank_or_split():
 
 def test_plans_are_built_outside_the_compiled_region():
     """``create_mask_plan`` refuses to be traced (a plan is host-side work on the mask's values):
-    with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo stops tracing
-    there (a graph break, or here, with nothing traced before it, the frame runs eagerly and the
-    attention call is compiled as a frame of its own) and the plan is built eagerly (traced, the
-    planner broke the graph dozens of times)."""
+    with fullgraph, Dynamo's ``Unsupported`` quotes the reason; without, Dynamo breaks the graph
+    there and the plan is built eagerly (traced, the planner broke the graph dozens of times)."""
     _, (q, k, v), _ = fixed_case(requires_grad=False)
     mask = masks.causal(S, batch=B)
 
@@ -602,6 +601,60 @@ def test_plans_are_built_outside_the_compiled_region():
     assert torch.equal(torch.compile(attend, backend="aot_eager")(q, k, v), attend(q, k, v))
     torch._dynamo.reset()
     assert torch._dynamo.explain(attend)(q, k, v).graph_break_count <= 1
+
+
+def test_a_model_whose_layers_build_their_plans_is_compiled_around_the_builds():
+    """No fullgraph, each layer building its plan: Dynamo breaks the graph at each build and compiles
+    every layer's other ops (an exception raised from the traced build made Dynamo give up on every
+    enclosing frame, and only the attention op itself was compiled)."""
+    _, (q, k, v), _ = fixed_case(requires_grad=False)
+    mask = masks.causal(S, batch=B)
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            q = q * 2
+            plan = flexattn.create_mask_plan(mask, q, k, v)
+            return torch.sin(flexattn.flex_attn_func(q, k, v, mask_plan=plan))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, q, k, v):
+            for layer in self.layers:
+                q = layer(q, k, v)
+            return q
+
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    model = Model()
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(model, backend=backend)(q, k, v), model(q, k, v))
+    assert {operator.mul, torch.ops.flexattn.fwd.default, torch.sin} <= set(traced)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
+def test_compiled_forward_mode_is_refused(fullgraph):
+    """``torch.compile`` of ``torch.func.jvp`` (also around a vmap) refuses, as eager does: the custom
+    op's tangents came back zero, silently (the vmap's too, where Dynamo traced it)."""
+    plan, (q, k, v), _ = fixed_case(requires_grad=False)
+
+    def attend(x):
+        return flexattn.flex_attn_func(x, k, v, mask_plan=plan)
+
+    refusal = "no forward-mode derivative"
+    for fn, x, match in ((attend, q, refusal), (torch.vmap(attend), q.unsqueeze(0), f"{refusal}|torch.vmap")):
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda x, t, fn=fn: torch.func.jvp(fn, (x,), (t,)), backend="aot_eager", fullgraph=fullgraph
+        )
+        with pytest.raises(Exception, match=match):  # graph breaks: eager refuses the vmap first
+            compiled(x, torch.ones_like(x))
 
 
 def test_mask_builders_run_eagerly_in_a_compiled_region():

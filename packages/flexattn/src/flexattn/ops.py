@@ -61,7 +61,7 @@ same ``PlanSignatureMismatch`` (raised from a fake implementation, Dynamo would 
 from __future__ import annotations
 
 import math
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import torch
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
@@ -265,7 +265,10 @@ def _gradients(ctx, saved, dout, dlse, backward_fn):
 
 
 def _backward(ctx, dout, dlse, _dmax):
-    return _gradients(ctx, _checked_handle(ctx, ctx.saved_tensors), dout, dlse, torch.ops.flexattn.bwd)
+    saved = ctx.saved_tensors
+    grads = _gradients(ctx, _checked_handle(ctx, saved), dout, dlse, torch.ops.flexattn.bwd)
+    _release_plan(ctx, saved[-1])
+    return grads
 
 
 fwd.register_autograd(_backward, setup_context=_op_setup_context)
@@ -324,6 +327,7 @@ def _eager_backward(ctx, dout, dlse, _dmax):
     saved = ctx.saved_tensors
     with torch.no_grad():
         grads = _gradients(ctx, _checked_handle(ctx, saved), dout, dlse, _backward_impl)
+    _release_plan(ctx, saved[-1])
     if torch.is_grad_enabled():  # create_graph=True
         grads = (*FirstOrderGradients.apply(*saved[:3], *grads[:3]), *grads[3:])
     return grads
@@ -352,13 +356,29 @@ def _checked_handle(ctx, saved: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor,
     Both routes save the same tensors, so a checkpointed forward and its recomputation may take
     different routes (a plain checkpoint nested in a selective one, ``FlopCounterMode`` around the
     backward alone)."""
-    forward_plan, handle = ctx.mask_plan, saved[-1]
+    forward_plan, handle = _forward_plan(ctx), saved[-1]
     if forward_plan is None:
         return saved
     recomputed = _pinned_plan(handle)
     if recomputed is None:  # the plan's own handle tensor, or a copy a saved-tensor hook made
         recomputed = _live_plan(int(handle))
     return (*saved[:-1], _backward_plan(forward_plan, recomputed).handle_tensor)
+
+
+def _forward_plan(ctx) -> MaskPlan | None:
+    plan = ctx.mask_plan
+    return plan() if isinstance(plan, ref) else plan
+
+
+def _release_plan(ctx, handle: torch.Tensor) -> None:
+    """After a backward, the context holds its plan weakly where the saved ``handle`` pins it:
+    a retained graph's next backward still finds the plan through that pin, and a graph whose saved
+    tensors the backward freed no longer keeps the plan alive, though the node lives on with a
+    kept loss or LSE. A handle a saved-tensor hook copied pins nothing: the context keeps its
+    strong reference, as a retained graph may need it."""
+    plan = _forward_plan(ctx)
+    if plan is not None and _pinned_plan(handle) is plan:
+        ctx.mask_plan = ref(plan)
 
 
 def _backward_plan(forward_plan: MaskPlan, recomputed: MaskPlan | None) -> MaskPlan:
@@ -394,10 +414,10 @@ def _backward_plan(forward_plan: MaskPlan, recomputed: MaskPlan | None) -> MaskP
 
 class EagerAttention(torch.autograd.Function):
     """``flexattn::fwd`` with its autograd, for eager calls (module docstring). It holds the plan
-    object in its context until the backward has run, so a plan built per step and never stored
-    (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long as the graph needs it,
-    whatever saved-tensor hooks do with the LSE (the op's own pin, :func:`_pin_plan`, goes with the
-    LSE's storage, which a hook such as ``save_on_cpu`` replaces).
+    object in its context until the backward has run (:func:`_release_plan`), so a plan built per
+    step and never stored (``flex_attn_func(..., mask_plan=create_mask_plan(...))``) lives as long
+    as the graph needs it, whatever saved-tensor hooks do with the LSE (the op's own pin,
+    :func:`_pin_plan`, goes with the LSE's storage, which a hook such as ``save_on_cpu`` replaces).
 
     The classic ``forward(ctx, ...)`` form: ``Function.apply`` binds the arguments of a function
     with a ``setup_context`` through ``inspect.signature`` on every call (30-40 us of host time per
@@ -461,13 +481,17 @@ def attention(
     tensors in plain eager mode (after ``flex_attn_func``'s binding check); the custom op (which
     carries ``mask_plan.handle_tensor`` and checks the binding itself) under ``torch.compile``, fake
     tensors, tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its
-    fake implementation."""
+    fake implementation. The op refuses forward mode (``torch.func.jvp`` traced by Dynamo, a
+    ``dual_level``) as the eager route does: torch runs a custom op whose inputs require no grad,
+    as forward-mode duals don't, without its autograd, so the tangents would come back zero."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
     in_mode = not compiling and _under_dispatch_mode()  # (Dynamo cannot trace the stacks' lengths)
     if plain and not compiling and not in_mode:
         eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
         return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
+    if torch.autograd.forward_ad._current_level >= 0:
+        _no_forward_mode(None)  # the op would give zero tangents: torch.func.jvp's duals need no grad
     handle = mask_plan.handle_tensor
     if in_mode:
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a

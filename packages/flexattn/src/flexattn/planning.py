@@ -10,7 +10,6 @@ import torch
 
 from maskplan_core import (
     InputTypeError,
-    InputValueError,
     MaskPlan,
     PlanGeometry,
     UnsupportedCallError,
@@ -100,29 +99,33 @@ def create_mask_plan(
 
 
 def untraced(fn, name: str):
-    """``fn`` (called ``name`` in the error) as a function that runs eagerly where ``torch.compile``
+    """``fn`` (called ``name`` in the errors) as a function that runs eagerly where ``torch.compile``
     traces a call to it: host-side work on the mask's values (the planner; a mask builder, which
     traced gave endpoints of inductor's strides, refused by ``create_mask_plan``, and broke the
-    graph at each host read). With fullgraph, Dynamo's error
-    quotes the reason raised here; without, Dynamo breaks the graph there, once, and the call runs
-    eagerly under Dynamo's ``disable``. Eager code never imports Dynamo."""
+    graph at each host read). Traced, it calls ``fn`` through Dynamo's ``disable``: without
+    fullgraph Dynamo breaks the graph at the call and compiles the code around it (an exception
+    raised there instead made Dynamo give up on every enclosing frame, and the whole model ran
+    eagerly); with fullgraph, Dynamo's error quotes the reason below. The first trace, before any
+    eager call made the disabled function, breaks first at ``graph_break`` (which quotes the
+    reason too) and makes it. Eager code never imports Dynamo (1.4 s)."""
+    reason = (
+        f"{name} runs outside torch.compile and torch.export: build the mask and its plan before the "
+        "compiled region (e.g. in the training step) and pass the plan to the compiled model as an argument"
+    )
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            raise InputValueError(
-                f"{name} runs outside torch.compile: build the mask and its plan before the compiled "
-                "region (e.g. in the training step) and pass the plan to the compiled model as an argument"
-            )
-        dynamo = sys.modules.get("torch._dynamo")
-        return (fn if dynamo is None else _disabled(fn))(*args, **kwargs)
+        disabled = _DISABLED.get(fn)
+        if disabled is None and torch.compiler.is_compiling():
+            torch._dynamo.graph_break(msg=reason)
+        if disabled is None and "torch._dynamo" in sys.modules:
+            disabled = _DISABLED[fn] = torch._dynamo.disable(fn, reason=reason)
+        return (fn if disabled is None else disabled)(*args, **kwargs)
 
     return run
 
 
-@functools.cache
-def _disabled(fn):
-    return torch._dynamo.disable(fn)
+_DISABLED: dict = {}  # fn -> torch._dynamo.disable(fn), made once Dynamo is imported
 
 
 def _plan(
