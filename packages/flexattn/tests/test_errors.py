@@ -317,6 +317,23 @@ def test_plan_refuses_other_geometry_or_dtype(make, needles):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
 
+@pytest.mark.parametrize("promoted", ["qkv", "qk"])
+def test_inputs_promoted_to_float32_under_autocast_are_told_to_cast(promoted):
+    """Under torch.autocast, RoPE with float32 tables leaves q and k (or all three) in float32 where
+    the plan (and the GPU's kernels) take the autocast dtype: the refusal says to cast them, which
+    SDPA does itself, not to build a float32 plan (which the GPU refuses) or only that the dtypes
+    differ."""
+    q, k, v = fixed_qkv(dtype=torch.bfloat16)
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    rope = torch.ones(D)  # float32 tables
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k = q * rope, k * rope
+        v = v * rope if promoted == "qkv" else v
+        needles = ("torch.autocast is on", "float32", "cast them to torch.bfloat16")
+        with expect(PlanBindingError, ValueError, *needles):
+            flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+
 def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_attention():
     """Under torch.autocast a model's q, k, v come out of its casts in the autocast dtype, not the
     dtype of the tensors a plan may have been built from: the refusal says which to build it for;
@@ -521,7 +538,7 @@ def test_plan_metadata_has_cudnn_fields(varlen):
         (dict(softmax_scale=fractions.Fraction(10**400)), InputValueError, ("softmax_scale", "finite")),
         (dict(softmax_scale="0.1"), flexattn.ScaleTypeError, ("softmax_scale", "str")),
         (dict(softmax_scale=True), flexattn.ScaleTypeError, ("softmax_scale", "bool")),
-        (dict(softmax_scale=torch.tensor(0.1)), flexattn.ScaleTypeError, ("softmax_scale",)),
+        (dict(softmax_scale=torch.tensor(0.1)), flexattn.ScaleTypeError, ("softmax_scale", "softmax_scale.item()")),
         (dict(softmax_scale=-0.25, return_max_logit=True), InputValueError,
          ("return_max_logit", "softmax_scale", "-0.25")),
     ],

@@ -657,6 +657,17 @@ def test_compiled_forward_mode_is_refused(fullgraph):
             compiled(x, torch.ones_like(x))
 
 
+@pytest.mark.parametrize("mask", ["sliding", "full"])
+def test_torchscript_tracing_is_refused(mask):
+    """``torch.jit.trace`` crashed inside torch on a plan with partial tiles (its tracer followed
+    the reference's payload decoding) and traced a full mask into a program that cannot be saved."""
+    plan, (q, k, v), _ = fixed_case(requires_grad=False)
+    if mask == "full":
+        plan = flexattn.create_mask_plan(masks.full(S, batch=B), q, k, v)
+    with pytest.raises(flexattn.UnsupportedCallError, match="torch.jit.trace"):
+        torch.jit.trace(lambda q, k, v: flexattn.flex_attn_func(q, k, v, mask_plan=plan), (q, k, v))
+
+
 def test_mask_builders_run_eagerly_in_a_compiled_region():
     """A mask builder called in a compiled region runs eagerly, as ``create_mask_plan`` does (with
     fullgraph, Dynamo's error names it): its endpoints are eager's, contiguous (traced,

@@ -21,6 +21,7 @@ from maskplan_core import (
     MaskPlan,
     MissingBackwardViewError,
     ScaleTypeError,
+    UnsupportedCallError,
 )
 from maskplan_core.validation import endpoints_of, mask_kind
 
@@ -44,7 +45,15 @@ def check_scale(softmax_scale, max_logit_arg: str | None = None) -> None:
     asks for it)."""
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise ScaleTypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+            hint = (
+                " (a tensor's value would need a host read per call: pass softmax_scale.item(), or a "
+                "Python float kept beside it)"
+                if isinstance(softmax_scale, torch.Tensor)
+                else ""
+            )
+            raise ScaleTypeError(
+                f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}{hint}"
+            )
         if not isinstance(softmax_scale, (int, float)):  # a numpy scalar, a fraction: checked as a float
             try:
                 softmax_scale = float(softmax_scale)
@@ -220,7 +229,7 @@ def flex_attn_func(
     under ``torch.autocast`` too (cast q/k/v yourself to change it). Differentiable once, in
     reverse mode: a double backward, and in eager code a vmapped backward (``is_grads_batched``,
     ``jacrev``, ``vmap(grad(...))``), forward mode (``jvp``) and ``torch.vmap``, raise
-    :class:`~maskplan_core.UnsupportedCallError`.
+    :class:`~maskplan_core.UnsupportedCallError`, as ``torch.jit.trace`` does.
 
     Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
     gradient never reaches another sample's outputs or gradients (the tiles past a sample's end
@@ -229,6 +238,11 @@ def flex_attn_func(
     in the V of a key hidden from a row still reaches that row where they share a tile (0 x nan in
     P V, as in SDPA): keep hidden keys' K and V finite (zero a KV cache's unwritten slots).
     """
+    if torch.jit.is_tracing():  # the tracer records the reference's ops or crashes inside torch
+        raise UnsupportedCallError(
+            "flex_attn_func cannot be traced by torch.jit.trace (TorchScript): use torch.compile, or "
+            "torch.export of a module that holds its plan"
+        )
     require_plan(mask_plan)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
     mask_plan.check_binding(q, k, v, op_checks_sizes=True)  # the op checks them (ops.attention)

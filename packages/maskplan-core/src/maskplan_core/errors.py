@@ -71,7 +71,7 @@ class UnsupportedConfigError(InputValueError):
 class UnsupportedCallError(FlexAttnError, RuntimeError):
     """A call the library does not serve in the state it is made in: ``execute()`` before
     ``compile()``, eager ``torch.vmap``, a double backward, a vmapped backward or forward-mode
-    derivative through attention, a plan built from fake tensors."""
+    derivative through attention, ``torch.jit.trace``, a plan built from fake tensors."""
 
 
 #: top-level packages whose frames a warning passes over to reach its caller's line (torch's too:

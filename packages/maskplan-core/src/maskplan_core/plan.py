@@ -753,9 +753,20 @@ class MaskPlan:
                     f"model.half() / .to(dtype))"
                 )
                 device = t.device.type  # activations come out of autocast's casts (where it has any)
-                if len(set(dtypes)) > 1:
+                autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+                # under autocast an op outside its cast lists (RoPE with float32 tables) leaves q, k
+                # or v in float32, which SDPA would cast down itself: the plan's dtype is the one to use
+                cast = autocast and torch.float32 in dtypes and g.dtype in (torch.float16, torch.bfloat16)
+                if cast:
+                    hint = (
+                        f" (torch.autocast is on, but q, k, v reach attention in "
+                        f"{', '.join(map(str, dtypes))}: an op outside autocast's casts, such as RoPE with "
+                        f"float32 tables, promoted them; cast them to {g.dtype} (SDPA casts them itself; "
+                        f"flex_attn_func keeps its inputs' dtype))"
+                    )
+                elif len(set(dtypes)) > 1:
                     hint = f" (q, k and v must share one dtype: they have {', '.join(map(str, dtypes))})"
-                elif torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+                elif autocast:
                     hint = (
                         f" (torch.autocast is on: build the plan from q, k, v of the dtype that reaches "
                         f"attention, {t.dtype}; only their shapes, dtype and device are read)"
