@@ -50,3 +50,4 @@ def test_elements_named_twice():
     assert overlaps_itself(torch.zeros(20).as_strided((2, 3, 4), (12, 2, 1)))
     assert not overlaps_itself(torch.zeros(2, 5, 7).transpose(0, 2))
     assert not overlaps_itself(torch.zeros(2, 5, 7)[:, ::2])
+    assert not overlaps_itself(torch.zeros(2, 0, 3, 4).as_strided((2, 0, 3, 4), (0, 4, 0, 1)))

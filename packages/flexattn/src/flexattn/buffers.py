@@ -14,7 +14,11 @@ import torch
 def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two indices of ``t`` name one element (an expanded, stride-0 dimension, or strides
     that fold onto each other). Exact for strides that nest (each one past the reach of the
-    smaller ones, as every view of a contiguous buffer); other layouts count as overlapping."""
+    smaller ones, as every view of a contiguous buffer); other layouts count as overlapping. An
+    empty tensor names no element (torch gives one made by an elementwise op stride 0 where it
+    likes, and ``empty_like`` keeps them)."""
+    if t.numel() == 0:
+        return False
     reach = 0
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
         if stride <= reach:
