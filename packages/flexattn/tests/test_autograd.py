@@ -117,6 +117,27 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
         assert torch.equal(a, b)
 
 
+def test_a_retained_checkpointed_graph_whose_plan_changed_before_its_second_backward_is_refused():
+    """Non-reentrant checkpointing recomputes the layer for every backward of a retained graph: the
+    second, after the layer's plan attribute was replaced and the forward's plan dropped, compares
+    the recomputation's plan with the forward's (the first backward does not let go of it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
+
+    layer = Layer()
+    q, k, v = inputs(7)
+    layer.plan = plan_for(q, k, v)
+    out = checkpoint(layer, q, k, v, use_reentrant=False)
+    torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
+    layer.plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v)
+    gc.collect()
+    with pytest.raises(flexattn.PlanBindingError, match="checkpointed function reads changed"):
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+
 @pytest.mark.parametrize("policy", ["save-attention", "recompute-all", "save-handle"])
 def test_selective_checkpointing_keeps_the_forwards_plan(policy):
     """Selective activation checkpointing (``context_fn``: torch's dispatch modes, so the call takes
@@ -259,16 +280,13 @@ def test_a_graph_kept_after_its_backward_does_not_keep_the_plan(kept):
     assert held.grad_fn is not None and alive() is None
 
 
-@pytest.mark.parametrize("hooks", [False, True], ids=["plain", "save_on_cpu"])
-def test_a_retained_graph_backs_up_twice_on_a_plan_nobody_holds(hooks):
+@pytest.mark.parametrize("copies", [False, True], ids=["plain", "hook-copies"])
+def test_a_retained_graph_backs_up_twice_on_a_plan_nobody_holds(copies):
     """``backward(retain_graph=True)`` then another backward of the same graph, the plan dropped in
     between: the second finds the plan through the saved handle's pin, or (a saved-tensor hook
     copied the handle, which pins nothing) through the context's own reference."""
     q, k, v = inputs(4)
-    hook = torch.autograd.graph.save_on_cpu() if hooks else torch.autograd.graph.saved_tensors_hooks(
-        lambda t: t, lambda t: t
-    )
-    with hook:
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone() if copies else t, lambda t: t):
         out = flexattn.flex_attn_func(q, k, v, mask_plan=plan_for(q, k, v))
     first = torch.autograd.grad(out.sum(), (q, k, v), retain_graph=True)
     gc.collect()
@@ -398,6 +416,9 @@ def test_forward_mode_is_refused_with_the_alternative():
     tangent = torch.ones_like(q)
     with pytest.raises(flexattn.UnsupportedCallError, match="no forward-mode derivative"):
         torch.func.jvp(lambda x: flexattn.flex_attn_func(x, k, v, mask_plan=plan), (q,), (tangent,))
+    with pytest.raises(flexattn.UnsupportedCallError, match="no forward-mode derivative"):
+        # linearize traces the jvp under make_fx (the op's route), whose tangents came back zero
+        torch.func.linearize(lambda x: flexattn.flex_attn_func(x, k, v, mask_plan=plan), q)[1](tangent)
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
         with pytest.raises(flexattn.UnsupportedCallError, match="reverse mode"):

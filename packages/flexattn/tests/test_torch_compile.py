@@ -657,6 +657,22 @@ def test_compiled_forward_mode_is_refused(fullgraph):
             compiled(x, torch.ones_like(x))
 
 
+def test_a_compiled_step_inside_an_unrelated_dual_level_runs():
+    """A forward-mode level open around other code is no jvp: the compiled step runs as without it."""
+    plan, (q, k, v), _ = fixed_case()
+
+    def attend(q, k, v):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+
+    want = torch.autograd.grad(attend(q, k, v).sum(), (q, k, v))
+    torch._dynamo.reset()
+    with torch.autograd.forward_ad.dual_level():
+        out = torch.compile(attend, backend="aot_eager", fullgraph=True)(q, k, v)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mask", ["sliding", "full"])
 def test_torchscript_tracing_is_refused(mask):
     """``torch.jit.trace`` crashed inside torch on a plan with partial tiles (its tracer followed

@@ -252,6 +252,7 @@ def _op_setup_context(ctx, inputs, output):
     tracing. (The eager route keeps its plan itself: :func:`_eager_setup`.)"""
     _setup_context(ctx, inputs, output)
     ctx.mask_plan = _pinned_plan(inputs[3])
+    ctx.own_handle = ref(inputs[3])
 
 
 def _gradients(ctx, saved, dout, dlse, backward_fn):
@@ -301,7 +302,7 @@ def _eager_setup(ctx, inputs, output, pin: bool = False):
         handle = handle.clone()
         _pin_plan(handle, mask_plan)
     _setup_context(ctx, (q, k, v, handle, *options), output)
-    ctx.mask_plan = mask_plan
+    ctx.mask_plan, ctx.own_handle = mask_plan, ref(handle)
     ctx.mark_non_differentiable(output[2])
 
 
@@ -371,13 +372,15 @@ def _forward_plan(ctx) -> MaskPlan | None:
 
 
 def _release_plan(ctx, handle: torch.Tensor) -> None:
-    """After a backward, the context holds its plan weakly where the saved ``handle`` pins it:
-    a retained graph's next backward still finds the plan through that pin, and a graph whose saved
-    tensors the backward freed no longer keeps the plan alive, though the node lives on with a
-    kept loss or LSE. A handle a saved-tensor hook copied pins nothing: the context keeps its
-    strong reference, as a retained graph may need it."""
+    """After a backward, the context holds its plan weakly where the saved ``handle`` is the
+    forward's own and pins it: a retained graph's next backward still finds the plan through that
+    pin, and a graph whose saved tensors the backward freed no longer keeps the plan alive, though
+    the node lives on with a kept loss or LSE. Otherwise the context keeps its strong reference,
+    which a retained graph's next backward may need: a handle a saved-tensor hook copied pins
+    nothing, and non-reentrant checkpointing recomputes the saved tensors for every backward, the
+    next one perhaps with another plan, which :func:`_checked_handle` compares with the forward's."""
     plan = _forward_plan(ctx)
-    if plan is not None and _pinned_plan(handle) is plan:
+    if plan is not None and ctx.own_handle() is handle and _pinned_plan(handle) is plan:
         ctx.mask_plan = ref(plan)
 
 
@@ -481,17 +484,21 @@ def attention(
     tensors in plain eager mode (after ``flex_attn_func``'s binding check); the custom op (which
     carries ``mask_plan.handle_tensor`` and checks the binding itself) under ``torch.compile``, fake
     tensors, tensor subclasses or any ``TorchDispatchMode`` (``make_fx``, export), which need its
-    fake implementation. The op refuses forward mode (``torch.func.jvp`` traced by Dynamo, a
-    ``dual_level``) as the eager route does: torch runs a custom op whose inputs require no grad,
-    as forward-mode duals don't, without its autograd, so the tangents would come back zero."""
+    fake implementation. The op refuses forward mode as the eager route does (``torch.func.jvp``
+    traced by Dynamo, ``linearize``'s trace): torch runs a custom op whose inputs require no grad,
+    as forward-mode duals don't, without its autograd, so the tangents would come back zero. Dynamo
+    shows a jvp as a forward-mode level under a functorch transform; a mode shows the duals
+    themselves. A ``dual_level`` open around other code is no jvp."""
     plain = all(type(t) is torch.Tensor for t in (q, k, v))
     compiling = torch.compiler.is_compiling()
     in_mode = not compiling and _under_dispatch_mode()  # (Dynamo cannot trace the stacks' lengths)
     if plain and not compiling and not in_mode:
         eager = EagerAttentionTransforms if torch._C._are_functorch_transforms_active() else EagerAttention
         return eager.apply(q, k, v, mask_plan, scale, training, deterministic, want_max)
-    if torch.autograd.forward_ad._current_level >= 0:
-        _no_forward_mode(None)  # the op would give zero tangents: torch.func.jvp's duals need no grad
+    if torch.autograd.forward_ad._current_level >= 0 and (
+        torch._C._are_functorch_transforms_active() if compiling else _has_tangent(q, k, v)
+    ):
+        _no_forward_mode(None)  # the op would give zero tangents: forward-mode duals need no grad
     handle = mask_plan.handle_tensor
     if in_mode:
         # made inside the mode: a fake tensor under FakeTensorMode (which refuses real inputs), a
@@ -504,6 +511,10 @@ def attention(
         if type(handle) is torch.Tensor and _pinned_plan(handle) is None:
             _pin_plan(handle, mask_plan)
     return fwd(q, k, v, handle, scale, training, deterministic, want_max)
+
+
+def _has_tangent(*tensors: torch.Tensor) -> bool:
+    return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def qkv_operand(t: torch.Tensor) -> torch.Tensor:

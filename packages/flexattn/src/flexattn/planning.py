@@ -113,19 +113,19 @@ def untraced(fn, name: str):
         "compiled region (e.g. in the training step) and pass the plan to the compiled model as an argument"
     )
 
+    # torch._dynamo.disable(fn), made once Dynamo is imported; this builder's own (Dynamo guards
+    # on what a trace read: a table of every builder's made each new entry recompile the frame)
+    disabled = []
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        disabled = _DISABLED.get(fn)
-        if disabled is None and torch.compiler.is_compiling():
+        if not disabled and torch.compiler.is_compiling():
             torch._dynamo.graph_break(msg=reason)
-        if disabled is None and "torch._dynamo" in sys.modules:
-            disabled = _DISABLED[fn] = torch._dynamo.disable(fn, reason=reason)
-        return (fn if disabled is None else disabled)(*args, **kwargs)
+        if not disabled and "torch._dynamo" in sys.modules:
+            disabled.append(torch._dynamo.disable(fn, reason=reason))
+        return (disabled[0] if disabled else fn)(*args, **kwargs)
 
     return run
-
-
-_DISABLED: dict = {}  # fn -> torch._dynamo.disable(fn), made once Dynamo is imported
 
 
 def _plan(
