@@ -25,6 +25,13 @@ def plan_for(q, k, v):
     return flexattn.create_mask_plan(masks.sliding_window(S, window_left=9, batch=B), q, k, v)
 
 
+class PlanAttributeLayer(torch.nn.Module):
+    """A layer reading its plan from an attribute, which the next micro-batch may replace."""
+
+    def forward(self, q, k, v):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
+
+
 def test_a_plan_nobody_holds_lives_until_the_backward():
     """``flex_attn_func(..., mask_plan=create_mask_plan(...))``: the graph keeps the plan."""
     q, k, v = inputs()
@@ -73,11 +80,7 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
     replaced by the same plan rebuilt gives the gradients."""
     from torch.utils.checkpoint import checkpoint
 
-    class Layer(torch.nn.Module):
-        def forward(self, q, k, v):
-            return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
-
-    layer = Layer()
+    layer = PlanAttributeLayer()
     q, k, v = inputs(5)
     layer.plan = plan_for(q, k, v)
     out = checkpoint(layer, q, k, v, use_reentrant=False)
@@ -94,7 +97,7 @@ def test_a_checkpointed_layer_whose_plan_changed_before_the_backward_is_refused(
         out.sum().backward()
     # a layer building its plan from a mask attribute that changed: the saved handle keeps the
     # rebuilt plan for the backward, whose fingerprint tells it from the forward's
-    mask_layer = Layer()
+    mask_layer = PlanAttributeLayer()
     mask_layer.forward = lambda q, k, v: flexattn.flex_attn_func(
         q, k, v, mask_plan=flexattn.create_mask_plan(mask_layer.mask, q, k, v)
     )
@@ -123,11 +126,7 @@ def test_a_retained_checkpointed_graph_whose_plan_changed_before_its_second_back
     the recomputation's plan with the forward's (the first backward does not let go of it)."""
     from torch.utils.checkpoint import checkpoint
 
-    class Layer(torch.nn.Module):
-        def forward(self, q, k, v):
-            return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
-
-    layer = Layer()
+    layer = PlanAttributeLayer()
     q, k, v = inputs(7)
     layer.plan = plan_for(q, k, v)
     out = checkpoint(layer, q, k, v, use_reentrant=False)
@@ -173,11 +172,7 @@ def test_selective_checkpointing_keeps_the_forwards_plan(policy):
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
-    class Layer(torch.nn.Module):
-        def forward(self, q, k, v):
-            return flexattn.flex_attn_func(q, k, v, mask_plan=self.plan)
-
-    attribute = Layer()
+    attribute = PlanAttributeLayer()
     attribute.plan = plan_for(q, k, v)
     got = torch.autograd.grad(selective(attribute, q, k, v).square().sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
