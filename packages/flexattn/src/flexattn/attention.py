@@ -12,6 +12,8 @@ import functools
 import math
 import numbers
 import sys
+from collections.abc import Callable
+from typing import Literal, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -26,6 +28,9 @@ from maskplan_core import (
 from maskplan_core.validation import endpoints_of, mask_kind
 
 from . import ops
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _check_options(softmax_scale, deterministic, return_lse, return_max_logit) -> None:
@@ -178,13 +183,13 @@ def _positional_fix(args: tuple, has_plan: bool) -> str:
     return f"argument {i} is {kind}: {fix}"
 
 
-def _peer_keywords(fn):
+def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn``, refusing torch's keywords and positional arguments of its attention functions with
     what to do instead (a wrapper, so that ``fn``'s signature stays cuDNN's; Python's own error
     names the keyword or the argument count only)."""
 
     @functools.wraps(fn)
-    def call(*args, **kwargs):
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
         has_plan = "mask_plan" in kwargs
         if len(args) > 3:
             raise InputTypeError(
@@ -205,6 +210,38 @@ def _peer_keywords(fn):
     return call
 
 
+# What a type checker sees: ``out`` alone, or the tuple the flags ask for (at run time, the
+# implementation below; ``_peer_keywords`` keeps its signature).
+Tensor = torch.Tensor
+
+
+@overload
+def flex_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
+    deterministic: bool = ..., return_lse: Literal[False] = ..., return_max_logit: Literal[False] = ...,
+) -> Tensor: ...  # fmt: skip
+@overload
+def flex_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
+    deterministic: bool = ..., return_lse: Literal[True], return_max_logit: Literal[False] = ...,
+) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+@overload
+def flex_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
+    deterministic: bool = ..., return_lse: Literal[False] = ..., return_max_logit: Literal[True],
+) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+@overload
+def flex_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
+    deterministic: bool = ..., return_lse: Literal[True], return_max_logit: Literal[True],
+) -> tuple[Tensor, Tensor, Tensor]: ...  # fmt: skip
+@overload
+def flex_attn_func(
+    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
+    deterministic: bool = ..., return_lse: bool = ..., return_max_logit: bool = ...,
+) -> Tensor | tuple[Tensor, ...]: ...  # fmt: skip
+
+
 @_peer_keywords
 def flex_attn_func(
     q: torch.Tensor,
@@ -216,7 +253,7 @@ def flex_attn_func(
     deterministic: bool = False,
     return_lse: bool = False,
     return_max_logit: bool = False,
-):
+) -> Tensor | tuple[Tensor, ...]:
     """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
 
     Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE (``[B, Hq, Sq]``

@@ -1,13 +1,19 @@
 """Mask builders returning int32 endpoints ``[Hmask, nfunc, total_q]`` (maskplan-core's, run
 eagerly where ``torch.compile`` traces a call to one: :func:`flexattn.planning.untraced`)."""
 
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import maskplan_core.masks as _builders
 from maskplan_core.masks import __all__  # noqa: F401
 
 from .planning import untraced as _untraced
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
-def _builder(fn):
+
+def _builder(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn`` run eagerly under torch.compile, under this module's name (so that it pickles)."""
     run = _untraced(fn, f"{__name__}.{fn.__name__}")
     run.__module__ = __name__

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -23,6 +25,9 @@ from maskplan_core.validation import require_optional_bool
 from .registry import arch_family, consumer_for
 
 log = logging.getLogger("flexattn")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 #: resolve_views' answers by problem (a refused request is not kept: it raises every time), keyed by
@@ -98,7 +103,7 @@ def create_mask_plan(
     )  # fmt: skip
 
 
-def untraced(fn, name: str):
+def untraced(fn: Callable[P, R], name: str) -> Callable[P, R]:
     """``fn`` (called ``name`` in the errors) as a function that runs eagerly where ``torch.compile``
     traces a call to it: host-side work on the mask's values (the planner; a mask builder, which
     traced gave endpoints of inductor's strides, refused by ``create_mask_plan``, and broke the
@@ -118,7 +123,7 @@ def untraced(fn, name: str):
     disabled = []
 
     @functools.wraps(fn)
-    def run(*args, **kwargs):
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
         if not disabled and torch.compiler.is_compiling():
             torch._dynamo.graph_break(msg=reason)
         if not disabled and "torch._dynamo" in sys.modules:
