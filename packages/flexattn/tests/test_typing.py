@@ -17,7 +17,8 @@ from flexattn import masks
 mypy_api = pytest.importorskip("mypy.api", reason="mypy comes with flexattn's test extra")
 
 
-USER_CODE = """
+USER_CODE = """\
+import maskplan_core
 import torch
 import flexattn
 from flexattn import masks
@@ -37,9 +38,16 @@ T = "torch._tensor.Tensor"
 FLAG_RETURNS = [T, f"tuple[{T}, {T}]", f"tuple[{T}, {T}]", f"tuple[{T}, {T}, {T}]", f"{T} | tuple[{T}, ...]"]
 
 
+#: what a library author implements or calls to run plans with kernels of its own (maskplan-core)
+CONSUMER_ABI = [
+    "maskplan_core.Consumer.build_plan", "maskplan_core.Consumer.forward", "maskplan_core.Consumer.backward",
+    "maskplan_core.require_view_signature",
+]
+
+
 def _public_functions() -> list[str]:
     names = [f"flexattn.{n}" for n in flexattn.__all__ if inspect.isfunction(getattr(flexattn, n))]
-    return names + [f"flexattn.masks.{n}" for n in masks.__all__]
+    return names + [f"flexattn.masks.{n}" for n in masks.__all__] + CONSUMER_ABI
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +56,8 @@ def report(tmp_path_factory) -> list[str]:
     cold one reads torch's annotations for about 15 s), checked against the installed packages."""
     tmp = tmp_path_factory.mktemp("mypy")
     path = tmp / "user_code.py"
-    path.write_text(USER_CODE + "".join(f"reveal_type({n})\n" for n in _public_functions()))
+    reveals = "".join(f"reveal_type({n})\n" for n in _public_functions())
+    path.write_text(USER_CODE + reveals)
     args = ["--python-executable", sys.executable, "--follow-imports=silent", "--no-error-summary"]
     stdout, stderr, _ = mypy_api.run(args + ["--cache-dir", str(tmp / "cache"), str(path)])
     assert not stderr, stderr
@@ -66,6 +75,7 @@ def test_every_public_function_keeps_its_signature(report):
     assert len(revealed) == len(names)
     for name, typ in zip(names, revealed, strict=True):
         assert typ.startswith(("def ", "Overload(")), f"mypy sees {name} as {typ}"
+        assert name not in CONSUMER_ABI or "Any" not in typ, f"mypy sees {name} as {typ}"
 
 
 def test_flex_attn_func_returns_what_its_flags_ask_for(report):

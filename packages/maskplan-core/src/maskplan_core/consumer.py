@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -138,7 +138,10 @@ class Consumer(ABC):
     #: every device
     gpu_planner: ClassVar[str | None] = None
 
-    def build_plan(self, mask_func, geometry, forward: ViewConfig, backward: ViewConfig | None) -> MaskPlan:
+    def build_plan(
+        self, mask_func: torch.Tensor, geometry: PlanGeometry, forward: ViewConfig,
+        backward: ViewConfig | None,
+    ) -> MaskPlan:  # fmt: skip
         """Plan with this consumer's views: CUDA endpoints with :attr:`gpu_planner`'s kernels where
         the consumer names one and they build the plan, else the reference planner (any device),
         which builds the same tensors. Where the kernels would not build it, a warning says why,
@@ -184,7 +187,8 @@ class Consumer(ABC):
 
     @abstractmethod
     def forward(
-        self, plan: MaskPlan, q, k, v, *, softmax_scale: float, return_max_logit: bool, out=None, lse=None,
+        self, plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+        return_max_logit: bool, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
         payload_via_smem: bool | None = None,
     ) -> AttentionOutputs:  # fmt: skip
         """``q``, ``k``, ``v`` are THD views with a contiguous head dim and any other strides (e.g.
@@ -201,8 +205,10 @@ class Consumer(ABC):
 
     @abstractmethod
     def backward(
-        self, plan: MaskPlan, q, k, v, out, lse, dout, dlse, *, softmax_scale: float, deterministic: bool,
-        dq=None, dk=None, dv=None,
+        self, plan: MaskPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, *, softmax_scale: float,
+        deterministic: bool, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+        dv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """``dq`` / ``dk`` / ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and
         typed like q / k / v that the gradients must be written into (and returned); the facade's
@@ -542,7 +548,12 @@ def view_problem(view: PlanView, kernel: str) -> dict:
     )
 
 
-def require_view_signature(view: PlanView, direction: str, config, *, arch: str, note: str = ""):
+_Config = TypeVar("_Config")
+
+
+def require_view_signature(
+    view: PlanView, direction: str, config: _Config | None, *, arch: str, note: str = ""
+) -> _Config:
     """``config`` if ``view`` is a ``direction`` view carrying exactly its signature: a
     :class:`ViewConfig`'s ``signature``, or a kernel config's ``plan_signature()``.
 

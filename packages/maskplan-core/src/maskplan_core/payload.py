@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import cached_property
 
 import torch
@@ -172,7 +173,9 @@ def bit_order_digest(flat_bit_index: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(struct.pack(f"<{len(values)}q", *values)).hexdigest()[:16]
 
 
-def fragment_inverse(layout: PayloadLayout, m, n, coords, holders: int = 1) -> tuple[torch.Tensor, ...]:
+def fragment_inverse(
+    layout: PayloadLayout, m: torch.Tensor, n: torch.Tensor, coords: Sequence[torch.Tensor], holders: int = 1
+) -> tuple[torch.Tensor, ...]:
     """:meth:`PayloadLayout.element_coords` of a layout given by its consumer's register fragment:
     the ``coords`` (subtile, group, word, bit) of the registers that hold score elements ``(m, n)``
     (tensors of one shape), scattered into ``[tile_m, tile_n]`` tensors. Checks that every element
@@ -210,7 +213,7 @@ class RowMajorLayout(PayloadLayout):
         self.words_per_group = -(-tile_n // WORD_BITS)
         self.layout_id = f"rowmajor-v1-{tile_m}x{tile_n}"
 
-    def element_coords(self):
+    def element_coords(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         m = torch.arange(self.tile_m, device="cpu").unsqueeze(1).expand(self.tile_m, self.tile_n)
         n = torch.arange(self.tile_n, device="cpu").unsqueeze(0).expand(self.tile_m, self.tile_n)
         return torch.zeros_like(m), m, n // WORD_BITS, n % WORD_BITS
