@@ -280,6 +280,41 @@ def test_training_call_needs_backward_view():
     assert torch.equal(out, out2)
 
 
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-D device mesh of this process alone (gloo, an in-memory store: no port)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensors_are_refused_with_the_local_route(one_rank_mesh):
+    """A DTensor's shape is the global one and torch has no sharding rule for flexattn's ops: q/k/v
+    from tensor-parallel projections with use_local_output=False failed on a shape mismatch against
+    a local plan (whose advice, a plan for these tensors, then failed inside torch's sharding
+    propagation), and a DTensor mask was planned as if global."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    q, k, v = fixed_qkv()
+    dq = distribute_tensor(q, one_rank_mesh, [Shard(2)])
+    needles = ("q is a DTensor", "Shard(dim=2)", "q.to_local()", "use_local_output=True", "per-head mask")
+    with expect(InputTypeError, TypeError, *needles):
+        flexattn.create_mask_plan(causal_mask(), dq, k, v)
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    with expect(InputTypeError, TypeError, *needles):
+        flexattn.flex_attn_func(dq, k, v, mask_plan=plan)
+    mask = distribute_tensor(causal_mask(), one_rank_mesh, [Replicate()])
+    with expect(InputTypeError, TypeError, "mask_func is a DTensor", "Replicate()", "mask_func.to_local()"):
+        flexattn.create_mask_plan(mask, q, k, v)
+    local = flexattn.flex_attn_func(dq.to_local(), k, v, mask_plan=plan)
+    assert torch.equal(local, flexattn.flex_attn_func(q, k, v, mask_plan=plan))
+
+
 def test_unknown_view_role():
     plan = flexattn.create_mask_plan(causal_mask(), *fixed_qkv())
     with expect(InputValueError, ValueError, "sideways", "forward"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -67,6 +68,15 @@ def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
         )
     if t.layout != torch.strided:
         raise InputTypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made a DTensor
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        # its shape is the global one, and torch has no sharding rule for flexattn's ops
+        raise InputTypeError(
+            f"{name} is a DTensor (placements {tuple(t.placements)}): flexattn takes local tensors: "
+            f"pass {name}.to_local() and plan for the local tensors (tensor parallelism: ColwiseParallel's "
+            "default use_local_output=True gives local q, k, v; a per-head mask takes the rows of the "
+            "rank's heads, mask[first_head:first_head + local_heads])"
+        )
     return t
 
 

@@ -1,0 +1,108 @@
+"""Data-parallel training on the CPU reference, two processes on gloo: each rank plans its own batch
+(its own documents) and passes the plan to its replica, as ``examples/train_packed_documents.py``
+does; DDP (plan as an argument, checkpointed blocks) and FSDP2 (plan on a module attribute) average
+the gradients. Both must give what one process computes from the two batches."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import flexattn
+from flexattn import masks
+
+B, S, H, D = 2, 48, 2, 8
+WORLD = 2
+#: each rank's documents (one list per sample): the ranks' plans differ
+DOCS = ([[20, 28], [48]], [[5, 30, 13], [16, 32]])
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(H * D, 3 * H * D, dtype=torch.float64)
+        self.out = torch.nn.Linear(H * D, H * D, dtype=torch.float64)
+        self.plan = None  # set per batch where the model holds its plan
+
+    def forward(self, x: torch.Tensor, plan: flexattn.MaskPlan | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, S, 3 * H, D).chunk(3, dim=2)
+        o = flexattn.flex_attn_func(q, k, v, mask_plan=plan if plan is not None else self.plan)
+        return x + self.out(o.reshape(B, S, H * D))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, checkpointed: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor, plan: flexattn.MaskPlan | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, plan, use_reentrant=False) if self.checkpointed else block(x, plan)
+        return x
+
+
+def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor, flexattn.MaskPlan]:
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(B, S, H * D, dtype=torch.float64, generator=gen)
+    target = torch.randn(B, S, H * D, dtype=torch.float64, generator=gen)
+    like = torch.empty(B, S, H, D, dtype=torch.float64, requires_grad=True)
+    plan = flexattn.create_mask_plan(masks.document(DOCS[rank], causal=True), like, like, like)
+    return x, target, plan
+
+
+def _loss(model, x, target, plan, *, on_attribute=False):
+    if on_attribute:
+        for block in model.blocks:
+            block.plan = plan
+    return F.mse_loss(model(x) if on_attribute else model(x, plan), target)
+
+
+def _rank(rank: int, init: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
+
+        x, target, plan = _batch(rank)
+        ddp = DistributedDataParallel(Model(checkpointed=True))
+        _loss(ddp, x, target, plan).backward()
+        fsdp = Model()
+        for block in fsdp.blocks:
+            fully_shard(block)
+        fully_shard(fsdp)
+        _loss(fsdp, x, target, plan, on_attribute=True).backward()
+        grads = {
+            "ddp": [p.grad for p in ddp.module.parameters()],
+            "fsdp": [p.grad.full_tensor() for p in fsdp.parameters()],
+        }
+        if rank == 0:
+            torch.save(grads, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_and_fsdp2_average_what_one_process_computes(tmp_path):
+    out = tmp_path / "grads.pt"
+    mp.spawn(_rank, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=WORLD, join=True)
+    model = Model()
+    for rank in range(WORLD):
+        x, target, plan = _batch(rank)
+        (_loss(model, x, target, plan) / WORLD).backward()
+    expected = [p.grad for p in model.parameters()]
+    got = torch.load(out)
+    for name in ("ddp", "fsdp"):
+        assert len(got[name]) == len(expected)
+        for g, e in zip(got[name], expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
