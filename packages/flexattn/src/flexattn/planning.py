@@ -120,7 +120,7 @@ def untraced(fn: Callable[P, R], name: str) -> Callable[P, R]:
 
     # torch._dynamo.disable(fn), made once Dynamo is imported; this builder's own (Dynamo guards
     # on what a trace read: a table of every builder's made each new entry recompile the frame)
-    disabled = []
+    disabled: list[Callable[P, R]] = []
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
