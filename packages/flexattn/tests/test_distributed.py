@@ -22,7 +22,10 @@ WORLD = 2
 #: each rank's documents (one list per sample): the ranks' plans differ
 DOCS = ([[20, 28], [48]], [[5, 30, 13], [16, 32]])
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    pytest.mark.slow,  # two processes that import torch: about 5-8 s
+]
 
 
 class Block(torch.nn.Module):
@@ -41,8 +44,9 @@ class Block(torch.nn.Module):
 class Model(torch.nn.Module):
     def __init__(self, checkpointed: bool = False):
         super().__init__()
-        torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        with torch.random.fork_rng():  # the same weights in every process, the caller's RNG untouched
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
         self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor, plan: flexattn.MaskPlan | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ the builtin ``ValueError``/``TypeError``, with a message naming the culprit.
 from __future__ import annotations
 
 import fractions
+import functools
 import math
 import pickle
 import re
@@ -286,6 +287,8 @@ def one_rank_mesh():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
@@ -308,9 +311,21 @@ def test_dtensors_are_refused_with_the_local_route(one_rank_mesh):
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
     with expect(InputTypeError, TypeError, *needles):
         flexattn.flex_attn_func(dq, k, v, mask_plan=plan)
-    mask = distribute_tensor(causal_mask(), one_rank_mesh, [Replicate()])
+    replicated = functools.partial(distribute_tensor, device_mesh=one_rank_mesh, placements=[Replicate()])
     with expect(InputTypeError, TypeError, "mask_func is a DTensor", "Replicate()", "mask_func.to_local()"):
-        flexattn.create_mask_plan(mask, q, k, v)
+        flexattn.create_mask_plan(replicated(causal_mask()), q, k, v)
+    ep, (q3, k3, v3), args = varlen_case()
+    cu_q, cu_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
+    with expect(InputTypeError, TypeError, "cu_seqlens_k is a DTensor", "cu_seqlens_k.to_local()"):
+        flexattn.create_mask_plan(ep, q3, k3, v3, **{**args, "cu_seqlens_k": replicated(cu_k)})
+    with expect(InputTypeError, TypeError, "cu_seqlens_q is a DTensor"):
+        flexattn.masks.causal(cu_seqlens_q=replicated(cu_q), cu_seqlens_k=cu_k)
+    with expect(InputTypeError, TypeError, "doc_lens is a DTensor"):
+        flexattn.masks.document(replicated(torch.tensor([100, 50])))
+    fwd = flexattn.FlexAttentionFwd(q, k, v, torch.empty_like(q), plan)
+    fwd.compile()
+    with expect(InputTypeError, TypeError, "o is a DTensor"):
+        fwd.execute(q, k, v, replicated(torch.empty_like(q)), plan)
     local = flexattn.flex_attn_func(dq.to_local(), k, v, mask_plan=plan)
     assert torch.equal(local, flexattn.flex_attn_func(q, k, v, mask_plan=plan))
 

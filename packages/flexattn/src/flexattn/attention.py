@@ -211,35 +211,37 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
 
 
 # What a type checker sees: ``out`` alone, or the tuple the flags ask for (at run time, the
-# implementation below; ``_peer_keywords`` keeps its signature).
-Tensor = torch.Tensor
-
-
+# implementation below).
 @overload
 def flex_attn_func(
-    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
-    deterministic: bool = ..., return_lse: Literal[False] = ..., return_max_logit: Literal[False] = ...,
-) -> Tensor: ...  # fmt: skip
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_plan: MaskPlan,
+    softmax_scale: float | None = ..., deterministic: bool = ...,
+    return_lse: Literal[False] = ..., return_max_logit: Literal[False] = ...,
+) -> torch.Tensor: ...  # fmt: skip
 @overload
 def flex_attn_func(
-    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
-    deterministic: bool = ..., return_lse: Literal[True], return_max_logit: Literal[False] = ...,
-) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_plan: MaskPlan,
+    softmax_scale: float | None = ..., deterministic: bool = ...,
+    return_lse: Literal[True], return_max_logit: Literal[False] = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 @overload
 def flex_attn_func(
-    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
-    deterministic: bool = ..., return_lse: Literal[False] = ..., return_max_logit: Literal[True],
-) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_plan: MaskPlan,
+    softmax_scale: float | None = ..., deterministic: bool = ...,
+    return_lse: Literal[False] = ..., return_max_logit: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 @overload
 def flex_attn_func(
-    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
-    deterministic: bool = ..., return_lse: Literal[True], return_max_logit: Literal[True],
-) -> tuple[Tensor, Tensor, Tensor]: ...  # fmt: skip
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_plan: MaskPlan,
+    softmax_scale: float | None = ..., deterministic: bool = ...,
+    return_lse: Literal[True], return_max_logit: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # fmt: skip
 @overload
 def flex_attn_func(
-    q: Tensor, k: Tensor, v: Tensor, *, mask_plan: MaskPlan, softmax_scale: float | None = ...,
-    deterministic: bool = ..., return_lse: bool = ..., return_max_logit: bool = ...,
-) -> Tensor | tuple[Tensor, ...]: ...  # fmt: skip
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask_plan: MaskPlan,
+    softmax_scale: float | None = ..., deterministic: bool = ...,
+    return_lse: bool = ..., return_max_logit: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...  # fmt: skip
 
 
 @_peer_keywords
@@ -253,7 +255,7 @@ def flex_attn_func(
     deterministic: bool = False,
     return_lse: bool = False,
     return_max_logit: bool = False,
-) -> Tensor | tuple[Tensor, ...]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
 
     Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE (``[B, Hq, Sq]``

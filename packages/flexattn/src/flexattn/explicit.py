@@ -47,6 +47,7 @@ from maskplan_core import (
     UnsupportedCallError,
 )
 from maskplan_core.consumer import on_device, thd
+from maskplan_core.validation import require_tensor
 
 from . import ops
 from .attention import caller_lse, check_scale, require_plan, resolve_scale
@@ -60,8 +61,8 @@ def _descriptor(t: torch.Tensor | None):
 
 def _require_is_tensor(name: str, t, *, optional: bool = False) -> None:
     """``t`` must be a torch.Tensor (or, ``optional``, None)."""
-    if not isinstance(t, torch.Tensor) and not (optional and t is None):
-        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not (optional and t is None):
+        require_tensor(name, t)
 
 
 def _require_like(name: str, t: torch.Tensor | None, sample) -> None:

@@ -548,7 +548,7 @@ def view_problem(view: PlanView, kernel: str) -> dict:
     )
 
 
-_Config = TypeVar("_Config")
+_Config = TypeVar("_Config", bound="ViewConfig | KernelConfig")
 
 
 def require_view_signature(

@@ -29,8 +29,18 @@ BHSD_SUSPECT_HEADS = 128
 
 
 def require_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` if it is a tensor flexattn can take: a torch.Tensor, not a DTensor."""
     if not isinstance(value, torch.Tensor):
         raise InputTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made a DTensor
+    if dtensor is not None and isinstance(value, dtensor.DTensor):
+        # its shape is the global one, and torch has no sharding rule for flexattn's ops
+        raise InputTypeError(
+            f"{name} is a DTensor (placements {tuple(value.placements)}): flexattn takes local tensors: "
+            f"pass {name}.to_local() and plan for the local tensors (tensor parallelism: ColwiseParallel's "
+            "default use_local_output=True gives local q, k, v; a per-head mask takes the rows of the "
+            "rank's heads, mask[first_head:first_head + local_heads])"
+        )
     return value
 
 
@@ -59,8 +69,9 @@ def endpoints_of(mask: object) -> str | None:
 
 
 def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` if it is a plain (strided) tensor. A nested (jagged) batch goes in as its THD rows, with
-    its offsets as the sample prefixes."""
+    """``t`` if it is a plain (strided) tensor (:func:`require_tensor`). A nested (jagged) batch goes
+    in as its THD rows, with its offsets as the sample prefixes."""
+    require_tensor(name, t)
     if t.is_nested:
         raise InputTypeError(
             f"{name} is a nested tensor: pass its rows as THD [total, H, D] ({name}.values()) with "
@@ -68,15 +79,6 @@ def require_strided(name: str, t: torch.Tensor) -> torch.Tensor:
         )
     if t.layout != torch.strided:
         raise InputTypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made a DTensor
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        # its shape is the global one, and torch has no sharding rule for flexattn's ops
-        raise InputTypeError(
-            f"{name} is a DTensor (placements {tuple(t.placements)}): flexattn takes local tensors: "
-            f"pass {name}.to_local() and plan for the local tensors (tensor parallelism: ColwiseParallel's "
-            "default use_local_output=True gives local q, k, v; a per-head mask takes the rows of the "
-            "rank's heads, mask[first_head:first_head + local_heads])"
-        )
     return t
 
 
@@ -118,7 +120,7 @@ def head_dim_contiguous(t: torch.Tensor) -> bool:
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
     layout = "BSHD [B, S, H, D]" if rank == 4 else "THD [total, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        require_strided(name, require_tensor(name, t))
+        require_strided(name, t)
         if t.dim() != rank:
             # the layout follows from the varlen arguments: name them for a THD tensor without them
             thd = rank == 4 and t.dim() == 3

@@ -9,7 +9,7 @@ import torch
 
 from ..endpoint_samples import record_samples
 from ..errors import InputTypeError, InputValueError
-from ..validation import MAX_SEQLEN
+from ..validation import MAX_SEQLEN, require_tensor
 
 
 def _as_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -86,6 +86,7 @@ def _require_values(builder: str, device: torch.device) -> None:
 def _int_list(name: str, value: object) -> list[int]:
     """Validate a 1-D sequence (list/tuple/1-D integer tensor) of ints."""
     if isinstance(value, torch.Tensor):
+        require_tensor(name, value)
         if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
             raise InputTypeError(f"{name} must hold integers, got a tensor of dtype {value.dtype}")
         if value.dim() != 1:
@@ -130,6 +131,7 @@ def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tens
             "not hold: build it on 'cpu' or 'cuda'"
         )
     if isinstance(value, torch.Tensor):
+        require_tensor(name, value)
         if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
             raise InputTypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() != 1:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import InputTypeError, InputValueError
-from ..validation import MAX_SEQLEN
+from ..validation import MAX_SEQLEN, require_tensor
 from ._args import (
     _as_batch,
     _as_device,
@@ -285,8 +285,7 @@ def document_ids(
     sees itself both ways; every row also sees its document's keys up to itself, as
     :func:`document`'s ``prefix_lens``; a window or chunks still apply on top.
     """
-    if not isinstance(doc_ids, torch.Tensor):
-        raise InputTypeError(f"doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
+    require_tensor("doc_ids", doc_ids)
     if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
         raise InputTypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
     if doc_ids.dim() not in (1, 2) or (doc_ids.dim() == 2 and doc_ids.shape[0] == 0):

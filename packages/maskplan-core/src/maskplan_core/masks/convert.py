@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from ..endpoint_samples import record_samples
 from ..error_flags import sample_of_row
 from ..errors import InputTypeError, InputValueError
+from ..validation import require_tensor
 from ._args import (
     _as_device,
     _as_int,
@@ -115,8 +116,7 @@ def from_dense(
     (sample-local key positions) and entries past each row's sample ``k_len`` must be False.
     The result lives on ``mask.device``.
     """
-    if not isinstance(mask, torch.Tensor):
-        raise InputTypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    require_tensor("mask", mask)
     if mask.layout != torch.strided:
         raise InputTypeError(
             f"mask must be a dense (strided) tensor, got layout {mask.layout} (mask.to_dense())"
