@@ -118,6 +118,38 @@ def test_varlen_builder_argument_errors():
         masks.causal()
 
 
+@FAST
+@given(
+    st.integers(1, 6), st.integers(0, 9), st.lists(st.integers(0, 9), min_size=1, max_size=3), st.booleans()
+)
+def test_seqused_k_is_the_builder_at_each_samples_used_keys(sq, sk, used, varlen):
+    """Sample ``b`` with ``seqused_k[b]`` keys in use (a static KV cache's written slots) is the
+    builder at those keys: aligned to the last one, the rest hidden; recorded for all ``seqlen_k``."""
+    used = [min(u, sk) for u in used]
+    builders = {
+        "causal": (masks.causal, {}),
+        "full": (masks.full, {}),
+        "sliding": (masks.sliding_window, {"window_left": 2, "window_right": 1}),
+    }
+    n = len(used)
+    lengths = dict(seqlen_q=sq, seqlen_k=sk, batch=n)
+    if varlen:
+        cu = lambda length: [length * b for b in range(n + 1)]  # noqa: E731
+        lengths = dict(cu_seqlens_q=cu(sq), cu_seqlens_k=cu(sk))
+    for build, kw in builders.values():
+        want = torch.cat([build(sq, u, **kw) for u in used], dim=2)
+        assert torch.equal(build(**lengths, seqused_k=torch.tensor(used), **kw), want)
+
+
+def test_seqused_k_errors():
+    with pytest.raises(ValueError, match=r"seqused_k has 2 entries for 3 samples"):
+        masks.causal(1, 8, batch=3, seqused_k=[4, 5])
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 9: must be within the sample's 8 keys"):
+        masks.full(1, 8, batch=2, seqused_k=[4, 9])
+    with pytest.raises(TypeError, match="seqused_k must hold integers"):
+        masks.sliding_window(1, 8, window_left=2, seqused_k=torch.tensor([4.0]))
+
+
 # --------------------------------------------------------------------------------------------------
 # document
 # --------------------------------------------------------------------------------------------------

@@ -21,34 +21,53 @@ from ._args import (
 
 
 def _diagonals(
-    seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device
+    seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k=None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """``(d, k_len, q_lens, k_lens)``: per query row of the batch ``d``, the row's bottom-right
-    aligned diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, its
-    sample's key count; and the samples' query rows and keys. Fixed length from ``seqlen_q/k`` and
-    ``batch``, varlen from ``cu_seqlens_q/k``."""
+    aligned diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, the keys
+    its sample uses (all of them, or ``seqused_k``'s); and the samples' query rows and keys. Fixed
+    length from ``seqlen_q/k`` and ``batch``, varlen from ``cu_seqlens_q/k``."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if seqlen_q is None:
             raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
         seqlen_q = _as_length("seqlen_q", seqlen_q)
         seqlen_k = seqlen_q if seqlen_k is None else _as_length("seqlen_k", seqlen_k)
         batch = _as_batch(batch, seqlen_q)
-        i = torch.arange(seqlen_q, device=_as_device(device), dtype=torch.int64)
-        d = (i + (seqlen_k - seqlen_q)).repeat(batch)
-        return d, torch.full_like(d, seqlen_k), [seqlen_q] * batch, [seqlen_k] * batch
-    if seqlen_q is not None or seqlen_k is not None or batch != 1 or isinstance(batch, bool):
+        dev = _as_device(device)
+        q_lens, k_lens = [seqlen_q] * batch, [seqlen_k] * batch
+        i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).repeat(batch)
+    else:
+        if seqlen_q is not None or seqlen_k is not None or batch != 1 or isinstance(batch, bool):
+            raise InputValueError(
+                "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch "
+                "unset"
+            )
+        if device is None and isinstance(cu_seqlens_q, torch.Tensor):
+            device = cu_seqlens_q.device
+        dev = _as_device(device)
+        cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
+        q_lens, k_lens = torch.stack((cu_q.diff(), cu_k.diff())).tolist()  # one read back
+        i = torch.arange(int(cu_q[-1]), device=dev) - torch.repeat_interleave(cu_q[:-1], cu_q.diff())
+    used = k_lens if seqused_k is None else _seqused(seqused_k, k_lens)
+    rows = torch.tensor(q_lens, device=dev, dtype=torch.int64)
+    # output_size: known here, and the meta device cannot count it
+    per_row = lambda x: torch.repeat_interleave(x, rows, output_size=i.numel())  # noqa: E731
+    k_len = per_row(torch.tensor(used, device=dev, dtype=torch.int64))
+    return i + k_len - per_row(rows), k_len, q_lens, k_lens
+
+
+def _seqused(seqused_k: object, k_lens: list[int]) -> list[int]:
+    """``seqused_k`` as a list of ints, one per sample, each within the sample's keys."""
+    used = _int_list("seqused_k", seqused_k)
+    if len(used) != len(k_lens):
         raise InputValueError(
-            "with cu_seqlens_q/k the sample lengths come from them: leave seqlen_q, seqlen_k and batch unset"
+            f"seqused_k has {len(used)} entries for {len(k_lens)} samples: one per sample (batch=, or "
+            "cu_seqlens_q/k)"
         )
-    if device is None and isinstance(cu_seqlens_q, torch.Tensor):
-        device = cu_seqlens_q.device
-    dev = _as_device(device)
-    cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
-    q_lens, k_lens = cu_q.diff(), cu_k.diff()
-    per_row = lambda x: torch.repeat_interleave(x, q_lens)  # noqa: E731
-    k_len = per_row(k_lens)
-    d = torch.arange(int(cu_q[-1]), device=dev) - per_row(cu_q[:-1]) + k_len - per_row(q_lens)
-    return d, k_len, *torch.stack((q_lens, k_lens)).tolist()  # one read back
+    for b, (u, k) in enumerate(zip(used, k_lens, strict=True)):
+        if not 0 <= u <= k:
+            raise InputValueError(f"seqused_k[{b}] = {u}: must be within the sample's {k} keys (0..{k})")
+    return used
 
 
 def _keys_hint(builder: str) -> str:
@@ -72,6 +91,7 @@ def causal(
     batch: int = 1,
     cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    seqused_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Bottom-right aligned causal mask: row ``i`` sees keys ``< i + 1 + seqlen_k - seqlen_q``.
@@ -80,8 +100,11 @@ def causal(
     Returns ``[1, 1, batch * seqlen_q]`` int32. Varlen: give ``cu_seqlens_q`` and
     ``cu_seqlens_k`` (int ``[B + 1]``) instead of the lengths; each sample is aligned by its own
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
+    ``seqused_k`` (one int per sample; FlashAttention's name): sample ``b`` uses only its first
+    ``seqused_k[b]`` keys (a static KV cache's written slots), and its diagonal aligns to the
+    last of them; the keys past them are hidden.
     """
-    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
     return _finish(
         [torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens, keys_hint=_keys_hint("causal")
     )
@@ -94,12 +117,13 @@ def full(
     batch: int = 1,
     cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    seqused_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """No mask: row ``i`` sees every key of its sample (torch's ``block_mask=None``; with varlen
     samples, attention within each sample). Returns ``[1, 1, batch * seqlen_q]`` int32 (varlen:
-    ``[1, 1, total_q]``), taking the lengths as :func:`causal` does."""
-    _, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    ``[1, 1, total_q]``), taking the lengths and ``seqused_k`` as :func:`causal` does."""
+    _, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
     return _finish([k_len], 1, "masks.full", *lens, keys_hint=_keys_hint("full"))
 
 
@@ -112,18 +136,19 @@ def sliding_window(
     batch: int = 1,
     cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    seqused_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
 ) -> torch.Tensor:
     """Sliding-window mask: row ``i`` sees keys ``[d - window_left, d + window_right]`` (inclusive).
 
     ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal); the window is clipped to
     ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
-    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen as
-    :func:`causal`.
+    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen and
+    ``seqused_k`` (``seqlen_k`` then the sample's used keys) as :func:`causal`.
     """
     window_left = _as_extent("window_left", window_left, window=True)
     window_right = _as_extent("window_right", window_right, window=True)
-    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device)
+    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)
     hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
     empty = lo >= hi
