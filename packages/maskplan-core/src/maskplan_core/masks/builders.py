@@ -46,8 +46,10 @@ def _diagonals(
             device = cu_seqlens_q.device
         dev = _as_device(device)
         cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
-        q_lens, k_lens = torch.stack((cu_q.diff(), cu_k.diff())).tolist()  # one read back
-        i = torch.arange(int(cu_q[-1]), device=dev) - torch.repeat_interleave(cu_q[:-1], cu_q.diff())
+        q_lens, k_lens = torch.stack((cu_q.diff(), cu_k.diff())).tolist()  # the one read back
+        total = sum(q_lens)  # known on the host now: the row index needs no further device read
+        starts = torch.repeat_interleave(cu_q[:-1], cu_q.diff(), output_size=total)
+        i = torch.arange(total, device=dev) - starts
     used = k_lens if seqused_k is None else _seqused(seqused_k, k_lens)
     rows = torch.tensor(q_lens, device=dev, dtype=torch.int64)
     # output_size: known here, and the meta device cannot count it
