@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -247,6 +248,27 @@ def test_document_ids_takes_runs_and_checks_its_argument():
         masks.document_ids(torch.zeros(2, 2, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="window_left"):
         masks.document_ids(torch.zeros(3, dtype=torch.long), window_left=-1)
+
+
+def test_a_window_per_head_is_told_the_mask_mod_that_gives_it():
+    """A tensor (or list) of windows is no builder's argument; the refusal's mask_mod gives the
+    per-head window, each head's the builder's mask at that head's window."""
+    sizes = torch.tensor([3, 10])
+    builders = (
+        lambda w: masks.sliding_window(32, window_left=w),
+        lambda w: masks.document([[32]], window_left=w),
+    )
+    for build in builders:
+        for windows in (sizes, [3, 10]):
+            with pytest.raises(TypeError, match=r"window_left must be an int.*masks\.from_mask_mod\(lambda"):
+                build(windows)
+    with pytest.raises(TypeError) as refused:
+        masks.sliding_window(32, window_left=sizes)
+    rule = re.search(r"from_mask_mod\((lambda b, h, q, kv: .*?), B,", str(refused.value)).group(1)
+    per_head = masks.from_mask_mod(eval(rule, {"window": sizes}), 1, 2, 32, 32)
+    for h, w in enumerate(sizes.tolist()):
+        builder = masks.sliding_window(32, window_left=w)
+        assert torch.equal(decode(per_head[h : h + 1], 32), decode(builder, 32))
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -50,7 +50,15 @@ def _as_extent(name: str, value: object, minimum: int = 0, *, window: bool = Fal
     """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
     clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative ``window`` is
     refused with that said: FlashAttention's ``-1`` for an unbounded window is a common port."""
-    n = _as_int(name, value)
+    try:
+        n = _as_int(name, value)
+    except InputTypeError as err:
+        if window and isinstance(value, torch.Tensor | Sequence) and not isinstance(value, str):
+            raise InputTypeError(
+                f"{err}; a window per head (or sample) is a mask_mod's: masks.from_mask_mod(lambda b, h, "
+                f"q, kv: (kv <= q) & (q - kv <= window[h]), B, Hq, Sq, Sk) with window a tensor of Hq sizes"
+            ) from None
+        raise
     if n < minimum:
         no_limit = window and n < 0
         unbounded = f"; for no limit pass one at least the sequence's length ({name}=S)" if no_limit else ""

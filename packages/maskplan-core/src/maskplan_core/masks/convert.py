@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -193,12 +194,32 @@ def from_dense(
     return record_samples(endpoints, "masks.from_dense", *samples, keys_hint=keys_hint)
 
 
+class _SharedHeadHint(NamedTuple):
+    """What a converter with one mask for every head tells a mask_mod that reads its head index:
+    how to give every head, and how to give a model of one head, whose mask_mod raised at head 1
+    (a per-head table of one entry) or reads its head index without raising there."""
+
+    heads: str
+    one_head_raised: str
+    one_head_reads: str
+
+
+_HEAD_ZERO = (
+    "For a model of one head, give it head 0: "
+    "lambda b, h, q, kv: mask_mod(b, torch.tensor(0, device=q.device), q, kv)"
+)
 #: ``from_mask_mod``'s ``H`` values that stand for one mask of every head, as ``create_block_mask``'s
 #: do, and how to give the heads instead
 _SHARED_HEAD_HINTS = {
-    None: "H=None: pass H=Hq",
-    1: "H=1 gives one mask for every head, as in torch: pass H=Hq",
+    None: _SharedHeadHint("H=None: pass H=Hq", "H=1 for a model of one head", _HEAD_ZERO),
+    1: _SharedHeadHint(
+        "H=1 gives one mask for every head, as in torch: pass H=Hq", "H=1 for a model of one head", _HEAD_ZERO
+    ),
 }
+#: ``from_block_mask``'s: one head entry, ``heads`` not given
+_BLOCK_MASK_HEAD_HINT = _SharedHeadHint(
+    "H=None (or 1): pass heads=Hq", "heads=1 for a model of one head", "For a model of one head, pass heads=1"
+)
 
 
 def from_mask_mod(
@@ -357,7 +378,7 @@ def from_block_mask(block_mask, *, batch: int | None = None, heads: int | None =
     blocks = block_mask.to_dense() != 0  # [B, H, Q blocks, KV blocks]
     # one head entry standing for every head (H=None) unless ``heads`` says how many there are
     # (a block mask made with H=1 holds one entry too: torch keeps no difference)
-    shared_heads = "H=None (or 1): pass heads=Hq" if heads is None and blocks.shape[1] == 1 else None
+    shared_heads = _BLOCK_MASK_HEAD_HINT if heads is None and blocks.shape[1] == 1 else None
     counts = {}
     for name, given, entries in (("batch", batch, blocks.shape[0]), ("heads", heads, blocks.shape[1])):
         counts[name] = entries if given is None else _as_int(name, given, 1)
@@ -453,14 +474,15 @@ _VMAP_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None
 
 
 def _mask_mod_rows(
-    mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device, shared_heads: str | None = None,
+    mask_mod, b: int, shape: tuple[int, int, int], dev: torch.device,
+    shared_heads: _SharedHeadHint | None = None,
     *, one_head: bool = False, align: int = 1, samples: int = 1, raised: list | None = None,
 ):  # fmt: skip
     """``mask_mod`` of batch sample ``b`` as dense bool ``[H, rows, Sk]`` chunks of consecutive query
     rows, each a multiple of ``align`` rows (the last may be shorter) and, where ``align`` allows,
     at most about ``_CHUNK_ELEMENTS`` elements: the whole ``[H, Sq, Sk]`` never exists at once.
-    ``shared_heads`` (one head standing for every head, ``H = 1``, the string saying how to give the
-    heads) refuses a mask_mod that reads its head index in any of ``samples`` (:func:`_reads_head`), since
+    ``shared_heads`` (one head standing for every head, ``H = 1``, with what to say instead)
+    refuses a mask_mod that reads its head index in any of ``samples`` (:func:`_reads_head`), since
     torch calls it with each head's index. Under ``one_head`` (``H = 1``) such a mask_mod is taken
     as one of a model of one head where it fails at head 1 (a per-head table of one entry), which
     torch never calls with head 1; it is evaluated at head 1 to tell, and ``raised`` (a list) gets
@@ -488,7 +510,7 @@ def _mask_mod_rows(
                     raise InputValueError(
                         f"one mask stands for every head, so mask_mod is also evaluated at head 1 to check "
                         f"that it does not read its head index, and it raised there ({type(err).__name__}: "
-                        f"{err}); {shared_heads}, or 1 for a model of one head"
+                        f"{err}); {shared_heads.heads}, or {shared_heads.one_head_raised}"
                     ) from err
                 probe, reads_head = None, False
                 if raised is not None:
@@ -500,12 +522,11 @@ def _mask_mod_rows(
         raise _reads_head_error(shared_heads)
 
 
-def _reads_head_error(shared_heads: str) -> InputValueError:
+def _reads_head_error(shared_heads: _SharedHeadHint) -> InputValueError:
     return InputValueError(
         "mask_mod reads its head index, and torch's flex_attention calls it with each head's index, "
-        f"so one mask for every head could differ from what torch computes; {shared_heads} (the "
-        "endpoints keep one mask where every head's is the same). For a model of one head, give it "
-        "head 0: lambda b, h, q, kv: mask_mod(b, torch.tensor(0, device=q.device), q, kv)"
+        f"so one mask for every head could differ from what torch computes; {shared_heads.heads} (the "
+        f"endpoints keep one mask where every head's is the same). {shared_heads.one_head_reads}"
     )
 
 
