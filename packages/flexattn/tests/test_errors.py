@@ -367,43 +367,6 @@ def test_plan_refuses_other_geometry_or_dtype(make, needles):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
 
-@pytest.mark.parametrize("promoted", ["qkv", "qk"])
-def test_inputs_promoted_to_float32_under_autocast_are_told_to_cast(promoted):
-    """Under torch.autocast, RoPE with float32 tables leaves q and k (or all three) in float32 where
-    the plan (and the GPU's kernels) take the autocast dtype: the refusal says to cast them, which
-    SDPA does itself, not to build a float32 plan (which the GPU refuses) or only that the dtypes
-    differ."""
-    q, k, v = fixed_qkv(dtype=torch.bfloat16)
-    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
-    rope = torch.ones(D)  # float32 tables
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        q, k = q * rope, k * rope
-        v = v * rope if promoted == "qkv" else v
-        needles = ("torch.autocast is on", "float32", "cast them to torch.bfloat16")
-        with expect(PlanBindingError, ValueError, *needles):
-            flexattn.flex_attn_func(q, k, v, mask_plan=plan)
-
-
-def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_attention():
-    """Under torch.autocast a model's q, k, v come out of its casts in the autocast dtype, not the
-    dtype of the tensors a plan may have been built from: the refusal says which to build it for;
-    outside autocast the message has no such hint."""
-    q, k, v = fixed_qkv(dtype=torch.float32)
-    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        projected = [torch.nn.functional.linear(t, torch.eye(D)) for t in (q, k, v)]  # bf16
-        with expect(PlanBindingError, ValueError, "bfloat16", "torch.autocast is on", "build the plan"):
-            flexattn.flex_attn_func(*projected, mask_plan=plan)
-    with pytest.raises(PlanBindingError) as refused:
-        flexattn.flex_attn_func(*(t.bfloat16() for t in (q, k, v)), mask_plan=plan)
-    assert "autocast" not in str(refused.value)
-    # a TypeError too, as cudnn.flex_attention raises for a dtype mismatch (code catching that works)
-    assert isinstance(refused.value, TypeError) and isinstance(refused.value, flexattn.PlanDtypeError)
-    on_meta = [torch.empty_like(t, device="meta", dtype=torch.bfloat16) for t in (q, k, v)]
-    with pytest.raises(PlanBindingError, match="dtype"):  # a device without autocast: no hint to give
-        flexattn.flex_attn_func(*on_meta, mask_plan=plan)
-
-
 def test_a_head_dim_of_one_is_contiguous_whatever_its_stride():
     """A transposed ``[..., 1]`` tensor keeps its old stride on the size-1 dimension (and
     ``.contiguous()`` returns it as it is): its head dimension is still contiguous."""

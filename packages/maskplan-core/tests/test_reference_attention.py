@@ -430,16 +430,24 @@ def test_non_finite_values_stay_in_their_sample(case, bad, poisoned):
 @needs_flexattn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_autocast_does_not_change_the_computation(dtype):
-    """On CPU the reference computes in fp32 under an enclosing autocast too (it crashed there: its
-    einsums were recast to bf16 next to fp32 buffers)."""
+    """On CPU the reference computes in its own dtype under an enclosing autocast too (it crashed
+    there: its einsums were recast to bf16 next to fp32 buffers). flex_attn_func casts its inputs
+    to the region's dtype first; the consumer's own calls (a library's, the explicit API's) do not."""
+    from maskplan_core.reference.consumer import ReferenceConsumer
+
     c = fixed(2, 150, 150, hq=4, hkv=2, kinds=("causal",), nfunc=1, seed=23)
-    ep = make_endpoints(c)
     q, k, v = make_inputs(c, dtype)
-    plan = flexattn.create_mask_plan(ep, q, k, v)
+    plan = flexattn.create_mask_plan(make_endpoints(c), q, k, v)
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn((*q.shape[:3], c.dv), generator=gen).to(dtype).flatten(0, 1)
+    consumer, scale = ReferenceConsumer(), 0.25
 
     def run():
-        out, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
-        return (out, lse, *torch.autograd.grad(out.float().square().sum() + lse.sum(), (q, k, v)))
+        fwd = consumer.forward(plan, q, k, v, softmax_scale=scale, return_max_logit=True)
+        grads = consumer.backward(
+            plan, q, k, v, fwd.out, fwd.lse, dout, None, softmax_scale=scale, deterministic=False
+        )
+        return (fwd.out, fwd.lse, fwd.max_logit, *grads)
 
     plain = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):

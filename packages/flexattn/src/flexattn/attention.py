@@ -28,6 +28,7 @@ from maskplan_core import (
 from maskplan_core.validation import endpoints_of, mask_kind
 
 from . import ops
+from .autocast import autocast_inputs
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -264,11 +265,11 @@ def flex_attn_func(
     shapes are contiguous, as cuDNN's (the fixed-length one a copy of the kernels' ``[Hq, B * Sq]``
     order, made only where the LSE is returned). LSE and max logit are fp32 (fp64 for fp64 inputs
     on the CPU reference); the max logit is a statistic without gradient (``requires_grad=False``).
-    Rows with no visible key give ``out = 0`` and ``lse = -inf``. ``out`` has the inputs' dtype
-    under ``torch.autocast`` too (cast q/k/v yourself to change it). Differentiable once, in
-    reverse mode: a double backward, and in eager code a vmapped backward (``is_grads_batched``,
-    ``jacrev``, ``vmap(grad(...))``), forward mode (``jvp``) and ``torch.vmap``, raise
-    :class:`~maskplan_core.UnsupportedCallError`, as ``torch.jit.trace`` does.
+    Rows with no visible key give ``out = 0`` and ``lse = -inf``. Inside a ``torch.autocast``
+    region q, k, v are cast to its dtype, as SDPA's are (float64 aside), so ``out`` has that
+    dtype. Differentiable once, in reverse mode: a double backward, and in eager code a vmapped
+    backward (``is_grads_batched``, ``jacrev``, ``vmap(grad(...))``), forward mode (``jvp``) and
+    ``torch.vmap``, raise :class:`~maskplan_core.UnsupportedCallError`, as ``torch.jit.trace`` does.
 
     Samples are independent, as in dense attention: a nan / inf in one sample's q, k, v or
     gradient never reaches another sample's outputs or gradients (the tiles past a sample's end
@@ -284,6 +285,7 @@ def flex_attn_func(
         )
     require_plan(mask_plan)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
+    q, k, v = autocast_inputs(q, k, v)
     mask_plan.check_binding(q, k, v, op_checks_sizes=True)  # the op checks them (ops.attention)
     g = mask_plan.geometry
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -22,6 +22,7 @@ from maskplan_core import (
 from maskplan_core.consumer import capturing
 from maskplan_core.validation import require_optional_bool
 
+from .autocast import autocast_inputs
 from .registry import arch_family, consumer_for
 
 log = logging.getLogger("flexattn")
@@ -74,8 +75,10 @@ def create_mask_plan(
     ``mask_func``: contiguous int32 ``[Hmask, nfunc, total_q]`` (Hmask 1 or Hq, nfunc odd); row
     ``i``'s visible keys are ``[0, F0) U [F1, F2) U ...`` in sample-local positions (build them
     with :mod:`flexattn.masks`). Q/K/V are BSHD (fixed) or THD with all four varlen arguments;
-    only their shapes, dtype and device matter, not their values. ``build_backward=None`` builds
-    the backward (K2Q) view when autograd is enabled and any of q/k/v requires grad.
+    only their shapes, dtype and device matter, not their values (inside a ``torch.autocast``
+    region, the dtype they reach attention in: the region's, as in :func:`flex_attn_func`).
+    ``build_backward=None`` builds the backward (K2Q) view when autograd is enabled and any of
+    q/k/v requires grad.
     ``target`` plans for another architecture family's consumer (e.g. ``"sm90"`` on a laptop, to
     inspect its block map); the default is the consumer of the tensors' device.
     ``pack_gqa=True`` (GQA with a shared mask, Hmask=1) packs the ``Hq / Hkv`` q heads of each kv
@@ -149,6 +152,7 @@ def _plan(
     require_optional_bool("build_backward", build_backward)
     # the device first: on one no consumer runs on (meta, mps) the input rules of another would mislead
     family, cc = arch_family(q.device) if isinstance(q, torch.Tensor) else (None, None)
+    q, k, v = autocast_inputs(q, k, v, values=False)
     geometry = validate_plan_inputs(
         mask_func,
         q,

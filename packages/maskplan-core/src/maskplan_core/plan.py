@@ -759,8 +759,8 @@ class MaskPlan:
                     hint = (
                         f" (torch.autocast is on, but q, k, v reach attention in "
                         f"{', '.join(map(str, dtypes))}: an op outside autocast's casts, such as RoPE with "
-                        f"float32 tables, promoted them; cast them to {g.dtype} (SDPA casts them itself; "
-                        f"flex_attn_func keeps its inputs' dtype))"
+                        f"float32 tables, promoted them; cast them to {g.dtype}, as SDPA and "
+                        f"flexattn.flex_attn_func do under autocast)"
                     )
                 elif len(set(dtypes)) > 1:
                     hint = f" (q, k and v must share one dtype: they have {', '.join(map(str, dtypes))})"
