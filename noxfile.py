@@ -38,6 +38,8 @@ TORCH = os.environ.get("FLEXATTN_TORCH", "torch==2.13.0")
 RUFF = "ruff==0.17.6"
 #: the version the GPU parity runs used (session 40); its Python API imports without CUDA
 CUDNN_FRONTEND = "nvidia-cudnn-frontend==1.32.0"
+#: what examples/transformers_packed.py was written against (not a dependency of ours)
+TRANSFORMERS = "transformers==5.25.0"
 BUILD_BACKEND = "setuptools>=70.1"
 
 # Installs skip bytecode compilation (--no-compile: half the time of a torch install); Python then
@@ -218,9 +220,11 @@ CROSS_PACKAGE_TESTS = (
 def integration(session: nox.Session) -> None:
     """flexattn[all] (every package): cross-package tests in tests/, and CROSS_PACKAGE_TESTS.
     cuDNN's frontend (a peer, never a dependency of ours) is installed for its API alone:
-    tests/test_cudnn_parity.py compares the public names and signatures on the CPU."""
+    tests/test_cudnn_parity.py compares the public names and signatures on the CPU. transformers
+    (never a dependency either) runs examples/transformers_packed.py (tests/test_transformers_example.py)."""
     install_layer(session, "flexattn", extras=("all", "test"))
     session.install("--no-deps", CUDNN_FRONTEND)
+    session.install("--no-compile", TRANSFORMERS, TORCH)  # torch pinned: pip keeps the CPU wheel
     run_tests(session, "tests")
     session.run("python", "-m", "pytest", *CROSS_PACKAGE_TESTS, *session.posargs)
 

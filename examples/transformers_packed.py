@@ -1,0 +1,161 @@
+"""A Hugging Face transformers model attending through flexattn, on packed documents.
+
+    pip install transformers                   # not a flexattn dependency (tested with 5.25.0)
+    python examples/transformers_packed.py     # CPU reference path: checks, then a few steps
+    python examples/transformers_packed.py --device cuda --seqlen 8192 --batch 2 --dim 1024 \\
+        --heads 8 --kv-heads 2 --steps 20      # Hopper, under bf16 autocast
+
+transformers looks attention functions up by name (``AttentionInterface.register``); a model made
+with ``attn_implementation="flexattn"`` calls :func:`flexattn_attention` in every layer, with the
+keywords the model was called with. A packing collator (``DataCollatorWithFlattening``) gives
+``position_ids`` that restart at 0 with each document: :func:`packed_plan` turns them into one
+plan a batch, which the model takes as ``flexattn_plan=`` and every layer's forward and backward
+reuse. The plan is the whole mask, so transformers builds none (no mask hook is registered) and
+needs no cache: call the model with ``use_cache=False`` (a cache would also turn off its own
+packed-sequence detection for its other attention implementations).
+
+The check runs the same weights with ``attn_implementation="sdpa"`` on each document alone and
+compares logits and every parameter's gradient. Under autocast (``--device cuda``) q and k leave
+Llama's RoPE in float32 beside a bfloat16 v; flex_attn_func casts them to bfloat16 as SDPA does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+import flexattn
+from flexattn import masks
+
+
+def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention function: q, k, v ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out."""
+    plan = kwargs.get("flexattn_plan")
+    if plan is None:
+        raise ValueError(
+            "attn_implementation='flexattn' takes its mask as a plan: call the model with "
+            "flexattn_plan=packed_plan(model.config, position_ids)"
+        )
+    if dropout:
+        raise ValueError(f"flexattn has no attention dropout (got {dropout}): set config.attention_dropout=0")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("flexattn has no logit softcapping: this model needs another attn_implementation")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views, read in place
+    return flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scaling), None
+
+
+AttentionInterface.register("flexattn", flexattn_attention)
+
+
+def packed_plan(config, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> flexattn.MaskPlan:
+    """The plan for a packed batch: causal attention inside each document, a document starting
+    wherever ``position_ids`` is 0 (and within the model's sliding window, if it has one: its
+    ``sliding_window`` keys, the query's own included). Only q, k, v's shapes, dtype and device
+    are read, so empty stand-ins do; under autocast the plan takes the region's dtype itself."""
+    batch, seqlen = position_ids.shape
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    documents = (position_ids == 0).cumsum(-1)
+    mask = masks.document_ids(documents, window_left=window - 1 if window else None)
+    q, kv = (
+        torch.empty(batch, seqlen, heads, head_dim, dtype=dtype, device=position_ids.device)
+        for heads in (config.num_attention_heads, config.num_key_value_heads)
+    )
+    return flexattn.create_mask_plan(mask, q, kv, kv, build_backward=torch.is_grad_enabled())
+
+
+def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator):
+    """Rows of documents of random lengths, each repeating a random pattern of 8 tokens (predictable
+    from its own earlier tokens alone), the position_ids a packing collator gives, and labels
+    without each document's first token (predicted from the previous document)."""
+    tokens, positions = [], []
+    for _ in range(batch):
+        cuts = torch.randperm(seqlen - 1, generator=gen)[: max(1, seqlen // 128)].add(1).sort().values
+        bounds = [0, *cuts.tolist(), seqlen]
+        for s, e in zip(bounds, bounds[1:], strict=False):
+            tokens.append(torch.randint(vocab, (8,), generator=gen).repeat((e - s) // 8 + 1)[: e - s])
+            positions.append(torch.arange(e - s))
+    tokens, positions = torch.cat(tokens).view(batch, seqlen), torch.cat(positions).view(batch, seqlen)
+    return tokens, positions, tokens.masked_fill(positions == 0, -100)
+
+
+def check(model, reference, tokens, position_ids, autocast, tolerance) -> None:
+    """flexattn on the packed batch against SDPA on each document alone: logits and gradients."""
+    weights = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    weights = weights.to(tokens.device)
+    with autocast:
+        plan = packed_plan(model.config, position_ids)
+        logits = model(tokens, position_ids=position_ids, flexattn_plan=plan, use_cache=False).logits
+    (logits.float() * weights).sum().backward()
+    expected = torch.empty_like(logits, dtype=torch.float32)
+    for b, row in enumerate(position_ids.tolist()):
+        starts = [i for i, p in enumerate(row) if p == 0] + [len(row)]
+        for s, e in zip(starts, starts[1:], strict=False):
+            with autocast:
+                out = reference(input_ids=tokens[b : b + 1, s:e], use_cache=False).logits[0].float()
+            expected[b, s:e] = out
+            (out * weights[b, s:e]).sum().backward()
+    logit_error = ((logits.float() - expected).abs().max() / expected.abs().max()).item()
+    grad_error = max(
+        ((p.grad - r.grad).abs().max() / r.grad.abs().max().clamp(min=1e-30)).item()
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    print(f"against SDPA per document: logits {logit_error:.1e}, gradients {grad_error:.1e} (relative, max)")
+    if max(logit_error, grad_error) > tolerance:
+        raise SystemExit(f"flexattn and SDPA differ by more than {tolerance}")
+    model.zero_grad()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--window", type=int, default=None, help="a sliding window: Mistral's sliding_window")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    config = dict(
+        hidden_size=args.dim, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        intermediate_size=4 * args.dim, num_hidden_layers=args.layers, vocab_size=256,
+    )  # fmt: skip
+    # Mistral is Llama with a sliding window
+    Config, Model = (MistralConfig, MistralForCausalLM) if args.window else (LlamaConfig, LlamaForCausalLM)
+    if args.window:
+        config["sliding_window"] = args.window
+    model = Model(Config(**config, attn_implementation="flexattn")).to(device)
+    reference = Model(Config(**config, attn_implementation="sdpa")).to(device)
+    reference.load_state_dict(model.state_dict())
+    half = device.type == "cuda"  # fp32 weights, bf16 matmuls and attention
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=half)
+    gen = torch.Generator().manual_seed(0)
+    tokens, position_ids, _ = (t.to(device) for t in packed_batch(args.batch, args.seqlen, 256, gen))
+    check(model, reference, tokens, position_ids, autocast, 3e-2 if half else 1e-4)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        tokens, position_ids, labels = (t.to(device) for t in packed_batch(args.batch, args.seqlen, 256, gen))
+        with autocast:
+            plan = packed_plan(model.config, position_ids)  # one plan a batch, every layer's
+            out = model(tokens, position_ids=position_ids, labels=labels, flexattn_plan=plan, use_cache=False)
+        loss = out.loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == args.steps or step % 10 == 0:
+            elapsed = (time.perf_counter() - start) / step
+            print(f"step {step}: loss {loss.item():.3f}, {1e3 * elapsed:.1f} ms a step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""examples/transformers_packed.py: a Hugging Face transformers model attending through flexattn.
+
+transformers is no dependency of flexattn; CI's integration session installs it (noxfile.py) for
+this example, which checks its own logits and gradients against SDPA run on each document alone
+and exits non-zero past its tolerance."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packed.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["--window", "48"]], ids=["llama", "mistral-window"])
+def test_the_example_matches_sdpa_per_document_and_trains(extra):
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--seqlen", "256", "--steps", "2", *extra],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "against SDPA per document" in run.stdout and "step 2: loss" in run.stdout
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("transformers_packed", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers attn_implementation="flexattn"
+    return module
+
+
+def test_the_attention_function_refuses_what_it_cannot_run():
+    """A model called without its plan, or with attention dropout in training, is told so (not run
+    without the mask, nor without the dropout)."""
+    example = _example()
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        num_hidden_layers=1, vocab_size=64, attn_implementation="flexattn",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    tokens, positions = torch.randint(64, (1, 32)), torch.arange(32)[None]
+    with pytest.raises(ValueError, match="flexattn_plan=packed_plan"):
+        model(tokens, position_ids=positions, use_cache=False)
+    plan = example.packed_plan(model.config, positions)
+    logits = model(tokens, position_ids=positions, flexattn_plan=plan, use_cache=False).logits
+    assert logits.shape == (1, 32, 64)
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="no attention dropout"):
+        model.train()(tokens, position_ids=positions, flexattn_plan=plan, use_cache=False)
