@@ -1,11 +1,20 @@
-"""Data-parallel training on the CPU reference, two processes on gloo: each rank plans its own batch
-(its own documents) and passes the plan to its replica, as ``examples/train_packed_documents.py``
-does; DDP (plan as an argument, checkpointed blocks) and FSDP2 (plan on a module attribute) average
-the gradients. Both must give what one process computes from the two batches."""
+"""Distributed training on the CPU reference, two processes on gloo.
+
+Data parallelism: each rank plans its own batch (its own documents) and passes the plan to its
+replica, as ``examples/train_packed_documents.py`` does; DDP (plan as an argument, checkpointed
+blocks) and FSDP2 (plan on a module attribute) average the gradients. Both must give what one
+process computes from the two batches.
+
+Context parallelism (the README's recipe): each rank holds some query positions of one long batch
+and attends to every key, gathered from all ranks, with a plan for its rows of the batch's mask;
+outputs and gradients must be one process's at those positions."""
 
 from __future__ import annotations
 
 import datetime
+import re
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +119,68 @@ def test_ddp_and_fsdp2_average_what_one_process_computes(tmp_path):
         assert len(got[name]) == len(expected)
         for g, e in zip(got[name], expected, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+#: the one batch that context parallelism splits over the ranks' positions
+CP_DOCS = [[20, 28], [48]]
+
+
+def balanced_positions(rank: int, world: int, seqlen: int) -> torch.Tensor:
+    """Rank ``rank``'s query positions: chunks ``rank`` and ``2 world - 1 - rank`` of ``2 world``, so
+    under a causal mask every rank has about as many visible keys."""
+    chunk = seqlen // (2 * world)
+    first, last = rank * chunk, (2 * world - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])
+
+
+def _readme_recipe() -> str:
+    """The README's context-parallel block, as written there."""
+    block = re.search(r"```python context-parallel\n(.*?)```", README.read_text(), re.S)
+    assert block, f"{README} lost its context-parallel recipe"
+    return textwrap.dedent(block.group(1))
+
+
+def _cp_batch() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randn(B, S, H, D, dtype=torch.float64, generator=gen) for _ in range(4)]  # q, k, v, dout
+
+
+def _cp_rank(rank: int, init: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        from torch.distributed.nn.functional import all_gather
+
+        q, k, v, dout = _cp_batch()
+        positions = [balanced_positions(r, WORLD, S) for r in range(WORLD)]
+        mine = positions[rank]
+        q, k, v = (t[:, mine].requires_grad_() for t in (q, k, v))
+        scope = dict(
+            positions=positions, rank=rank, mask=masks.document(CP_DOCS, causal=True), B=B, S=S,
+            q_mine=q, k_mine=k, v_mine=v, all_gather=all_gather, torch=torch, flexattn=flexattn,
+        )  # fmt: skip
+        exec(compile(_readme_recipe(), str(README), "exec"), scope)
+        o = scope["out_mine"]
+        o.backward(dout[:, mine])
+        torch.save({"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_ranks_give_one_process_at_their_positions(tmp_path):
+    out = tmp_path / "cp"
+    mp.spawn(_cp_rank, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=WORLD, join=True)
+    q, k, v, dout = (t.requires_grad_() for t in _cp_batch())
+    plan = flexattn.create_mask_plan(masks.document(CP_DOCS, causal=True), q, k, v)
+    o = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    o.backward(dout.detach())
+    expected = {"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for rank in range(WORLD):
+        got, mine = torch.load(f"{out}.{rank}"), balanced_positions(rank, WORLD, S)
+        for name, want in expected.items():
+            label = f"rank {rank} {name}"
+            torch.testing.assert_close(
+                got[name], want[:, mine], rtol=1e-12, atol=1e-12, msg=lambda m, w=label: f"{w}: {m}"
+            )
