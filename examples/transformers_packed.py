@@ -2,16 +2,19 @@
 
     pip install transformers                   # not a flexattn dependency (tested with 5.25.0)
     python examples/transformers_packed.py     # CPU reference path: checks, then a few steps
+    python examples/transformers_packed.py --model mistral   # (or qwen2) sliding windows
     python examples/transformers_packed.py --device cuda --seqlen 8192 --batch 2 --dim 1024 \\
         --heads 8 --kv-heads 2 --steps 20      # Hopper, under bf16 autocast
 
 transformers looks attention functions up by name (``AttentionInterface.register``); a model made
 with ``attn_implementation="flexattn"`` calls :func:`flexattn_attention` in every layer, with the
 keywords the model was called with. A packing collator (``DataCollatorWithFlattening``) gives
-``position_ids`` that restart at 0 with each document: :func:`packed_plan` turns them into one
-plan a batch, which the model takes as ``flexattn_plan=`` and every layer's forward and backward
-reuse. The plan is the whole mask, so transformers builds none (no mask hook is registered) and
-needs no cache: call the model with ``use_cache=False`` (a cache would also turn off its own
+``position_ids`` that restart at 0 with each document: :func:`packed_plans` turns them into the
+batch's plans, one for each window the layers attend within (Mistral's every layer, Qwen2's the
+layers its ``layer_types`` name, none for Llama), which the model takes as ``flexattn_plan=`` and
+every layer's forward and backward reuse; a layer names its window as ``sliding_window``. The
+plans are the whole mask, so transformers builds none (no mask hook is registered) and needs no
+cache: call the model with ``use_cache=False`` (a cache would also turn off its own
 packed-sequence detection for its other attention implementations).
 
 The check runs the same weights with ``attn_implementation="sdpa"`` on each document alone and
@@ -25,46 +28,69 @@ import argparse
 import time
 
 import torch
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    AttentionInterface,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 import flexattn
 from flexattn import masks
 
 
 def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention function: q, k, v ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out."""
-    plan = kwargs.get("flexattn_plan")
-    if plan is None:
+    """transformers' attention function: q, k, v ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out.
+    ``flexattn_plan`` maps each of the model's windows to its plan; a layer says its window as
+    ``sliding_window`` (None: all of its document's earlier keys)."""
+    plans, window = kwargs.get("flexattn_plan"), kwargs.get("sliding_window")
+    if plans is None:
         raise ValueError(
-            "attn_implementation='flexattn' takes its mask as a plan: call the model with "
-            "flexattn_plan=packed_plan(model.config, position_ids)"
+            "attn_implementation='flexattn' takes its mask as plans: call the model with "
+            "flexattn_plan=packed_plans(model.config, position_ids)"
+        )
+    if window not in plans:
+        raise ValueError(
+            f"this layer attends within sliding_window={window}, but flexattn_plan has plans for "
+            f"{sorted(plans, key=str)}: build them with packed_plans(model.config, position_ids)"
         )
     if dropout:
         raise ValueError(f"flexattn has no attention dropout (got {dropout}): set config.attention_dropout=0")
     if kwargs.get("softcap") is not None:
         raise ValueError("flexattn has no logit softcapping: this model needs another attn_implementation")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views, read in place
-    return flexattn.flex_attn_func(q, k, v, mask_plan=plan, softmax_scale=scaling), None
+    return flexattn.flex_attn_func(q, k, v, mask_plan=plans[window], softmax_scale=scaling), None
 
 
 AttentionInterface.register("flexattn", flexattn_attention)
 
 
-def packed_plan(config, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> flexattn.MaskPlan:
-    """The plan for a packed batch: causal attention inside each document, a document starting
-    wherever ``position_ids`` is 0 (and within the model's sliding window, if it has one: its
-    ``sliding_window`` keys, the query's own included). Only q, k, v's shapes, dtype and device
-    are read, so empty stand-ins do; under autocast the plan takes the region's dtype itself."""
+def packed_plans(
+    config, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> dict[int | None, flexattn.MaskPlan]:
+    """The plans of a packed batch, one for each window the model's layers attend within (None:
+    no window): causal attention inside each document, a document starting wherever
+    ``position_ids`` is 0, and within a layer's ``sliding_window`` keys, the query's own included.
+    Only q, k, v's shapes, dtype and device are read, so empty stand-ins do; under autocast the
+    plans take the region's dtype themselves."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]  # Llama's, Mistral's
+    windows = {window if kind == "sliding_attention" else None for kind in layer_types}
     batch, seqlen = position_ids.shape
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    window = getattr(config, "sliding_window", None)
-    documents = (position_ids == 0).cumsum(-1)
-    mask = masks.document_ids(documents, window_left=window - 1 if window else None)
     q, kv = (
         torch.empty(batch, seqlen, heads, head_dim, dtype=dtype, device=position_ids.device)
         for heads in (config.num_attention_heads, config.num_key_value_heads)
     )
-    return flexattn.create_mask_plan(mask, q, kv, kv, build_backward=torch.is_grad_enabled())
+    documents = (position_ids == 0).cumsum(-1)
+    plans = {}
+    for w in windows:
+        mask = masks.document_ids(documents, window_left=w - 1 if w else None)
+        plans[w] = flexattn.create_mask_plan(mask, q, kv, kv, build_backward=torch.is_grad_enabled())
+    return plans
 
 
 def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator):
@@ -87,8 +113,8 @@ def check(model, reference, tokens, position_ids, autocast, tolerance) -> None:
     weights = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
     weights = weights.to(tokens.device)
     with autocast:
-        plan = packed_plan(model.config, position_ids)
-        logits = model(tokens, position_ids=position_ids, flexattn_plan=plan, use_cache=False).logits
+        plans = packed_plans(model.config, position_ids)
+        logits = model(tokens, position_ids=position_ids, flexattn_plan=plans, use_cache=False).logits
     (logits.float() * weights).sum().backward()
     expected = torch.empty_like(logits, dtype=torch.float32)
     for b, row in enumerate(position_ids.tolist()):
@@ -109,6 +135,14 @@ def check(model, reference, tokens, position_ids, autocast, tolerance) -> None:
     model.zero_grad()
 
 
+#: Mistral is Llama with a sliding window; Qwen2 takes one on the layers its layer_types name
+MODELS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -118,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--window", type=int, default=None, help="a sliding window: Mistral's sliding_window")
+    parser.add_argument(
+        "--model", choices=MODELS, default="llama",
+        help="mistral: every layer within --window keys; qwen2: every other layer",
+    )  # fmt: skip
+    parser.add_argument("--window", type=int, default=48, help="mistral's and qwen2's sliding_window")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
@@ -128,10 +166,12 @@ def main(argv: list[str] | None = None) -> None:
         hidden_size=args.dim, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         intermediate_size=4 * args.dim, num_hidden_layers=args.layers, vocab_size=256,
     )  # fmt: skip
-    # Mistral is Llama with a sliding window
-    Config, Model = (MistralConfig, MistralForCausalLM) if args.window else (LlamaConfig, LlamaForCausalLM)
-    if args.window:
+    Config, Model = MODELS[args.model]
+    if args.model != "llama":
         config["sliding_window"] = args.window
+    if args.model == "qwen2":
+        alternate = ["sliding_attention", "full_attention"] * args.layers
+        config.update(use_sliding_window=True, layer_types=alternate[: args.layers])
     model = Model(Config(**config, attn_implementation="flexattn")).to(device)
     reference = Model(Config(**config, attn_implementation="sdpa")).to(device)
     reference.load_state_dict(model.state_dict())
@@ -146,9 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(1, args.steps + 1):
         tokens, position_ids, labels = (t.to(device) for t in packed_batch(args.batch, args.seqlen, 256, gen))
         with autocast:
-            plan = packed_plan(model.config, position_ids)  # one plan a batch, every layer's
-            out = model(tokens, position_ids=position_ids, labels=labels, flexattn_plan=plan, use_cache=False)
-        loss = out.loss
+            plans = packed_plans(model.config, position_ids)  # once a batch, for every layer
+            loss = model(
+                tokens, position_ids=position_ids, labels=labels, flexattn_plan=plans, use_cache=False
+            ).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -20,10 +20,11 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--window", "48"]], ids=["llama", "mistral-window"])
-def test_the_example_matches_sdpa_per_document_and_trains(extra):
+@pytest.mark.parametrize("model", ["llama", "mistral", "qwen2"])
+def test_the_example_matches_sdpa_per_document_and_trains(model):
+    """Llama (no window), Mistral (every layer windowed), Qwen2 (every other layer)."""
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--seqlen", "256", "--steps", "2", *extra],
+        [sys.executable, str(EXAMPLE), "--seqlen", "256", "--steps", "2", "--model", model],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
@@ -38,22 +39,25 @@ def _example():
 
 
 def test_the_attention_function_refuses_what_it_cannot_run():
-    """A model called without its plan, or with attention dropout in training, is told so (not run
-    without the mask, nor without the dropout)."""
+    """A model called without its plans, with none for a layer's window, or with attention dropout
+    in training, is told so (not run without the mask, nor the window, nor the dropout)."""
     example = _example()
-    config = transformers.LlamaConfig(
+    sizes = dict(
         hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
         num_hidden_layers=1, vocab_size=64, attn_implementation="flexattn",
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
     tokens, positions = torch.randint(64, (1, 32)), torch.arange(32)[None]
-    with pytest.raises(ValueError, match="flexattn_plan=packed_plan"):
+    with pytest.raises(ValueError, match="flexattn_plan=packed_plans"):
         model(tokens, position_ids=positions, use_cache=False)
-    plan = example.packed_plan(model.config, positions)
-    logits = model(tokens, position_ids=positions, flexattn_plan=plan, use_cache=False).logits
+    plans = example.packed_plans(model.config, positions)
+    logits = model(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False).logits
     assert logits.shape == (1, 32, 64)
+    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=8))
+    with pytest.raises(ValueError, match=r"sliding_window=8, but flexattn_plan has plans for \[None\]"):
+        windowed(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="no attention dropout"):
-        model.train()(tokens, position_ids=positions, flexattn_plan=plan, use_cache=False)
+        model.train()(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
