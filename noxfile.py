@@ -224,7 +224,7 @@ def integration(session: nox.Session) -> None:
     (never a dependency either) runs examples/transformers_packed.py (tests/test_transformers_example.py)."""
     install_layer(session, "flexattn", extras=("all", "test"))
     session.install("--no-deps", CUDNN_FRONTEND)
-    session.install("--no-compile", TRANSFORMERS, TORCH)  # torch pinned: pip keeps the CPU wheel
+    session.install("--no-compile", TRANSFORMERS)
     run_tests(session, "tests")
     session.run("python", "-m", "pytest", *CROSS_PACKAGE_TESTS, *session.posargs)
 

@@ -18,8 +18,9 @@ cache: call the model with ``use_cache=False`` (a cache would also turn off its 
 packed-sequence detection for its other attention implementations).
 
 The check runs the same weights with ``attn_implementation="sdpa"`` on each document alone and
-compares logits and every parameter's gradient. Under autocast (``--device cuda``) q and k leave
-Llama's RoPE in float32 beside a bfloat16 v; flex_attn_func casts them to bfloat16 as SDPA does.
+compares logits and every parameter's gradient. Under bf16 autocast (``--device cuda``, or
+``--autocast`` on the CPU) q and k leave Llama's RoPE in float32 beside a bfloat16 v;
+flex_attn_func casts them to bfloat16 as SDPA does.
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
     if dropout:
         raise ValueError(f"flexattn has no attention dropout (got {dropout}): set config.attention_dropout=0")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("flexattn has no logit softcapping: this model needs another attn_implementation")
+    # what else a layer may ask for changes its scores or its keys, which the plans do not say
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("flexattn takes no logit softcapping or attention sinks: use another implementation")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise ValueError("the plans are causal, but this layer attends both ways: use another implementation")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views, read in place
     return flexattn.flex_attn_func(q, k, v, mask_plan=plans[window], softmax_scale=scaling), None
 
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=48, help="mistral's and qwen2's sliding_window")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--autocast", action="store_true", help="bf16 autocast on the CPU (always on CUDA)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     model = Model(Config(**config, attn_implementation="flexattn")).to(device)
     reference = Model(Config(**config, attn_implementation="sdpa")).to(device)
     reference.load_state_dict(model.state_dict())
-    half = device.type == "cuda"  # fp32 weights, bf16 matmuls and attention
+    half = device.type == "cuda" or args.autocast  # fp32 weights, bf16 matmuls and attention
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=half)
     gen = torch.Generator().manual_seed(0)
     tokens, position_ids, _ = (t.to(device) for t in packed_batch(args.batch, args.seqlen, 256, gen))

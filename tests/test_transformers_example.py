@@ -20,11 +20,14 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["llama", "mistral", "qwen2"])
-def test_the_example_matches_sdpa_per_document_and_trains(model):
-    """Llama (no window), Mistral (every layer windowed), Qwen2 (every other layer)."""
+@pytest.mark.parametrize(
+    "args", [["--model", "llama"], ["--model", "mistral"], ["--model", "qwen2", "--autocast"]], ids=" ".join
+)
+def test_the_example_matches_sdpa_per_document_and_trains(args):
+    """Llama (no window), Mistral (every layer windowed), Qwen2 (every other layer) under bf16
+    autocast, where float32 RoPE leaves q and k in float32 beside a bfloat16 v."""
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--seqlen", "256", "--steps", "2", "--model", model],
+        [sys.executable, str(EXAMPLE), "--seqlen", "256", "--steps", "2", *args],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
@@ -39,8 +42,8 @@ def _example():
 
 
 def test_the_attention_function_refuses_what_it_cannot_run():
-    """A model called without its plans, with none for a layer's window, or with attention dropout
-    in training, is told so (not run without the mask, nor the window, nor the dropout)."""
+    """A model called without its plans, with none for a layer's window, with attention dropout in
+    training, or with layers that attend both ways, is told so (not run without what it asks)."""
     example = _example()
     sizes = dict(
         hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
@@ -56,7 +59,10 @@ def test_the_attention_function_refuses_what_it_cannot_run():
     windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=8))
     with pytest.raises(ValueError, match=r"sliding_window=8, but flexattn_plan has plans for \[None\]"):
         windowed(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
-    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    with pytest.raises(ValueError, match="attends both ways"):
+        model(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="no attention dropout"):

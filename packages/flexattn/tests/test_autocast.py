@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -50,23 +52,56 @@ def test_autocast_runs_attention_in_its_dtype(promoted):
         assert torch.equal(got, want.float())
 
 
-def test_autocast_under_torch_compile_gives_the_eager_bits():
+@pytest.mark.parametrize("region", ["inside", "outside"])
+def test_autocast_under_torch_compile_gives_the_eager_bits(region):
+    """The region entered inside the compiled function, or around its call."""
     mask = masks.causal(S, batch=B)
     q, k, v = leaves()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plan = flexattn.create_mask_plan(mask, q, k, v)
 
     def step(q, k, v, plan):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16) if region == "inside" else contextlib.nullcontext():
             return rope_then_attention(q, k, v, plan, "qk")
 
     torch._dynamo.reset()
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, plan)
-    eager = step(q, k, v, plan)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region == "outside"):
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, plan)
+        eager = step(q, k, v, plan)
     assert compiled.dtype == torch.bfloat16 and torch.equal(compiled, eager)
     grads = torch.autograd.grad(compiled.sum(), (q, k)), torch.autograd.grad(eager.sum(), (q, k))
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_plan_built_in_the_region_under_torch_func_grad():
+    """create_mask_plan reads q, k, v's dtypes, shapes and devices in the region: nothing it does
+    to them (no stand-in made to require grad) is refused under a functorch transform."""
+    mask = masks.causal(S, batch=B)
+
+    def loss(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plan = flexattn.create_mask_plan(mask, q, k, v, build_backward=True)
+            return flexattn.flex_attn_func(q, k, v, mask_plan=plan).float().sum()
+
+    q, k, v = (t.detach() for t in leaves())
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    q, k, v = leaves()
+    expected = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_the_region_does_not_hide_what_validation_refuses():
+    """Inputs that are not dense tensors are named as they are outside a region."""
+    mask = masks.causal(S, batch=B)
+    q, k, v = (t.detach() for t in leaves())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match=r"q must be a dense \(strided\) tensor, got layout torch.sparse"):
+            flexattn.create_mask_plan(mask, q.to_sparse(), k, v)
+        with pytest.raises(TypeError, match="k is a nested tensor"):
+            jagged = torch.nested.nested_tensor([k[0], k[1]], layout=torch.jagged)
+            flexattn.create_mask_plan(mask, q, jagged, v)
 
 
 def test_autocast_leaves_float64_alone():
@@ -85,8 +120,9 @@ def test_autocast_leaves_float64_alone():
 
 def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_attention():
     """A plan built outside the region from float32 tensors does not take the region's bfloat16
-    inputs: the refusal says which dtype to build it for; outside autocast the message has no
-    such hint."""
+    inputs (SDPA's would run in bfloat16 there too): the refusal says which dtype to build it for;
+    outside autocast the message has no such hint, but one built inside the region and used
+    outside it is told where it was built."""
     mask = masks.causal(S, batch=B)
     q, k, v = leaves()
     plan = flexattn.create_mask_plan(mask, q, k, v, build_backward=True)
@@ -99,8 +135,13 @@ def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_att
     # a TypeError too, as cudnn.flex_attention raises for a dtype mismatch (code catching that works)
     assert isinstance(refused.value, TypeError) and isinstance(refused.value, flexattn.PlanDtypeError)
     on_meta = [torch.empty_like(t, device="meta", dtype=torch.bfloat16) for t in (q, k, v)]
-    with pytest.raises(PlanBindingError, match="dtype"):  # a device without autocast: no hint to give
+    with pytest.raises(PlanBindingError, match="dtype") as refused:  # a device without autocast
         flexattn.flex_attn_func(*on_meta, mask_plan=plan)
+    assert "autocast" not in str(refused.value)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = flexattn.create_mask_plan(mask, q, k, v)
+    with pytest.raises(PlanBindingError, match="or call inside the torch.autocast region of torch.bfloat16"):
+        flexattn.flex_attn_func(q, k, v, mask_plan=inside)
 
 
 def test_the_explicit_api_casts_nothing_and_says_to_cast():

@@ -251,17 +251,20 @@ def test_document_ids_takes_runs_and_checks_its_argument():
 
 
 def test_a_window_per_head_is_told_the_mask_mod_that_gives_it():
-    """A tensor (or list) of windows is no builder's argument; the refusal's mask_mod gives the
-    per-head window, each head's the builder's mask at that head's window."""
+    """A tensor (or list) of windows is no builder's argument; sliding_window's refusal gives the
+    mask_mod of a window per head (each head's the builder's mask at that head's window), and
+    refusals whose mask that mask_mod is not (window_right, a document's window) give none."""
     sizes = torch.tensor([3, 10])
-    builders = (
-        lambda w: masks.sliding_window(32, window_left=w),
-        lambda w: masks.document([[32]], window_left=w),
-    )
-    for build in builders:
-        for windows in (sizes, [3, 10]):
-            with pytest.raises(TypeError, match=r"window_left must be an int.*masks\.from_mask_mod\(lambda"):
-                build(windows)
+    for windows in (sizes, [3, 10]):
+        with pytest.raises(TypeError, match=r"window_left must be an int.*masks\.from_mask_mod\(lambda"):
+            masks.sliding_window(32, window_left=windows)
+    for refused_without_hint in (
+        lambda: masks.sliding_window(32, window_left=3, window_right=[1, 2]),
+        lambda: masks.document([[32]], window_left=sizes),
+    ):
+        with pytest.raises(TypeError, match="must be an int") as plain:
+            refused_without_hint()
+        assert "from_mask_mod" not in str(plain.value)
     with pytest.raises(TypeError) as refused:
         masks.sliding_window(32, window_left=sizes)
     rule = re.search(r"from_mask_mod\((lambda b, h, q, kv: .*?), B,", str(refused.value)).group(1)

@@ -19,31 +19,32 @@ def _region_dtype(q: object) -> torch.dtype | None:
     return torch.get_autocast_dtype(device)
 
 
-def _cast(t: object, dtype: torch.dtype, device: torch.device) -> bool:
+def _recast(t: object, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the region casts ``t``: a dense floating-point tensor on q's device type, not float64
+    (anything else reaches validation as it is, to be named there)."""
     return (
         isinstance(t, torch.Tensor)
-        and t.device.type == device.type  # another device's tensor is refused as it is, by validation
+        and t.layout == torch.strided
+        and t.device.type == device.type
         and t.is_floating_point()
         and t.dtype not in (torch.float64, dtype)
     )
 
 
+def autocast_dtypes(q: object, k: object, v: object) -> tuple[torch.dtype, ...] | None:
+    """The dtypes q, k, v reach attention in under the enclosing autocast region; None where it
+    casts none of them (a plan reads only their dtypes: nothing is cast or allocated for it)."""
+    dtype = _region_dtype(q)
+    if dtype is None or not any(_recast(t, dtype, q.device) for t in (q, k, v)):
+        return None
+    return tuple(dtype if _recast(t, dtype, q.device) else t.dtype for t in (q, k, v))
+
+
 def autocast_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, values: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as they reach attention under the enclosing autocast region (themselves outside one).
-    ``values=False`` (a plan reads only shapes, strides, dtype and device) gives uninitialised
-    stand-ins of the region's dtype instead of copies: no kernel reads q, k, v on a plan's stream."""
+    """q, k, v as they reach attention under the enclosing autocast region (themselves outside one)."""
     dtype = _region_dtype(q)
     if dtype is None:
         return q, k, v
-
-    def reach(t):
-        if not _cast(t, dtype, q.device):
-            return t
-        if values:
-            return t.to(dtype)
-        stand_in = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=t.device)
-        return stand_in.requires_grad_(t.requires_grad)  # build_backward=None reads it
-
-    return reach(q), reach(k), reach(v)
+    return tuple(t.to(dtype) if _recast(t, dtype, q.device) else t for t in (q, k, v))

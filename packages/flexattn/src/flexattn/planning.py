@@ -22,7 +22,7 @@ from maskplan_core import (
 from maskplan_core.consumer import capturing
 from maskplan_core.validation import require_optional_bool
 
-from .autocast import autocast_inputs
+from .autocast import autocast_dtypes
 from .registry import arch_family, consumer_for
 
 log = logging.getLogger("flexattn")
@@ -152,7 +152,6 @@ def _plan(
     require_optional_bool("build_backward", build_backward)
     # the device first: on one no consumer runs on (meta, mps) the input rules of another would mislead
     family, cc = arch_family(q.device) if isinstance(q, torch.Tensor) else (None, None)
-    q, k, v = autocast_inputs(q, k, v, values=False)
     geometry = validate_plan_inputs(
         mask_func,
         q,
@@ -162,6 +161,7 @@ def _plan(
         cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        dtypes=autocast_dtypes(q, k, v),
     )
     if build_backward is None:
         build_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

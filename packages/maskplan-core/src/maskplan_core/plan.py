@@ -746,12 +746,17 @@ class MaskPlan:
                 )
             if t.dtype != g.dtype:
                 dtypes = [getattr(x, "dtype", None) for x in (q, k, v)]
-                hint = (
-                    f" (a plan binds q, k, v's dtype: build one from tensors of {t.dtype}, as after "
-                    f"model.half() / .to(dtype))"
-                )
                 device = t.device.type  # activations come out of autocast's casts (where it has any)
                 autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+                # a plan built inside an autocast region (flexattn plans for its dtype there)
+                # used outside it, where float32 reaches attention
+                region = t.dtype == torch.float32 and g.dtype in (torch.float16, torch.bfloat16)
+                inside = f", or call inside the torch.autocast region of {g.dtype} it was built in"
+                inside = inside if region else ""
+                hint = (
+                    f" (a plan binds q, k, v's dtype: build one from tensors of {t.dtype}, as after "
+                    f"model.half() / .to(dtype){inside})"
+                )
                 # under autocast an op outside its cast lists (RoPE with float32 tables) leaves q, k
                 # or v in float32, which SDPA would cast down itself: the plan's dtype is the one to use
                 cast = autocast and torch.float32 in dtypes and g.dtype in (torch.float16, torch.bfloat16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import numbers
 import sys
+from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -117,10 +118,11 @@ def head_dim_contiguous(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 or t.size(-1) <= 1
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, dtypes) -> None:
     layout = "BSHD [B, S, H, D]" if rank == 4 else "THD [total, H, D]"
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for i, (name, t) in enumerate((("q", q), ("k", k), ("v", v))):
         require_strided(name, t)
+        dtype, q_dtype = (dtypes[i], dtypes[0]) if dtypes else (t.dtype, q.dtype)
         if t.dim() != rank:
             # the layout follows from the varlen arguments: name them for a THD tensor without them
             thd = rank == 4 and t.dim() == 3
@@ -134,12 +136,12 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
         if t.device != q.device:
             raise InputValueError(f"{name} is on {t.device} but q is on {q.device}")
         allowed = REFERENCE_DTYPES if t.device.type == "cpu" else KERNEL_DTYPES
-        if t.dtype not in allowed:  # each named for its own dtype, before comparing it with q's
+        if dtype not in allowed:  # each named for its own dtype, before comparing it with q's
             raise InputTypeError(
-                f"{name} dtype must be one of {[str(d) for d in allowed]} on {t.device.type}, got {t.dtype}"
+                f"{name} dtype must be one of {[str(d) for d in allowed]} on {t.device.type}, got {dtype}"
             )
-        if t.dtype != q.dtype:
-            raise InputTypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        if dtype != q_dtype:
+            raise InputTypeError(f"{name} has dtype {dtype} but q has {q_dtype}")
     if k.shape[:-1] != v.shape[:-1]:
         raise InputValueError(
             f"k and v must agree on every dimension but the last: k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -259,9 +261,11 @@ def validate_plan_inputs(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
 ) -> PlanGeometry:
     """Check the structure of a plan's inputs (``flexattn.create_mask_plan``'s arguments, or a
-    consumer's ``build_plan``'s) and derive the plan geometry."""
+    consumer's ``build_plan``'s) and derive the plan geometry. ``dtypes``: the dtypes q, k, v reach
+    attention in, where not their own (flexattn's casts under ``torch.autocast``)."""
     _require_real(mask_func, q, k, v, cu_seqlens_q, cu_seqlens_k)
     varlen_args = {
         "cu_seqlens_q": cu_seqlens_q,
@@ -276,7 +280,7 @@ def validate_plan_inputs(
             f"varlen input needs all of cu_seqlens_q/k and max_seqlen_q/k; missing {missing}"
         )
     varlen = bool(given)
-    _check_qkv(require_tensor("q", q), k, v, 3 if varlen else 4)
+    _check_qkv(require_tensor("q", q), k, v, 3 if varlen else 4, dtypes)
     device = q.device
     if varlen:
         cu_q = _check_prefix("cu_seqlens_q", cu_seqlens_q, device)
@@ -426,7 +430,7 @@ def validate_plan_inputs(
         head_dim_v=v.shape[-1],
         mask_heads=hmask,
         nfunc=nfunc,
-        dtype=q.dtype,
+        dtype=dtypes[0] if dtypes else q.dtype,
         device=device,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,

@@ -46,18 +46,18 @@ def _as_batch(batch: object, seqlen: int, name: str = "batch") -> int:
     return batch
 
 
-def _as_extent(name: str, value: object, minimum: int = 0, *, window: bool = False) -> int:
+def _as_extent(
+    name: str, value: object, minimum: int = 0, *, window: bool = False, per_head: str = ""
+) -> int:
     """A window, chunk or prefix size: beyond any sequence length it means "unbounded", so it is
     clipped to ``2**31 - 1`` (the int64 maths on it cannot overflow). A negative ``window`` is
-    refused with that said: FlashAttention's ``-1`` for an unbounded window is a common port."""
+    refused with that said: FlashAttention's ``-1`` for an unbounded window is a common port.
+    ``per_head``: how to give a size per head, said where a list or tensor of them is given."""
     try:
         n = _as_int(name, value)
     except InputTypeError as err:
-        if window and isinstance(value, torch.Tensor | Sequence) and not isinstance(value, str):
-            raise InputTypeError(
-                f"{err}; a window per head (or sample) is a mask_mod's: masks.from_mask_mod(lambda b, h, "
-                f"q, kv: (kv <= q) & (q - kv <= window[h]), B, Hq, Sq, Sk) with window a tensor of Hq sizes"
-            ) from None
+        if per_head and isinstance(value, torch.Tensor | Sequence) and not isinstance(value, str):
+            raise InputTypeError(f"{err}; {per_head}") from None
         raise
     if n < minimum:
         no_limit = window and n < 0

@@ -129,6 +129,14 @@ def full(
     return _finish([k_len], 1, "masks.full", *lens, keys_hint=_keys_hint("full"))
 
 
+#: a causal window of a size per head, which no builder takes (for Sq == Sk; sliding_window aligns
+#: the diagonal to the last key)
+_PER_HEAD_WINDOW = (
+    "a window per head is a mask_mod's: masks.from_mask_mod(lambda b, h, q, kv: (kv <= q) & "
+    "(q - kv <= window[h]), B, Hq, S, S) with window a tensor of Hq sizes (where Sq == Sk)"
+)
+
+
 def sliding_window(
     seqlen_q: int | None = None,
     seqlen_k: int | None = None,
@@ -148,7 +156,7 @@ def sliding_window(
     Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen and
     ``seqused_k`` (``seqlen_k`` then the sample's used keys) as :func:`causal`.
     """
-    window_left = _as_extent("window_left", window_left, window=True)
+    window_left = _as_extent("window_left", window_left, window=True, per_head=_PER_HEAD_WINDOW)
     window_right = _as_extent("window_right", window_right, window=True)
     d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)

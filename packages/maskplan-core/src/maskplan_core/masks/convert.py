@@ -204,17 +204,17 @@ class _SharedHeadHint(NamedTuple):
     one_head_reads: str
 
 
-_HEAD_ZERO = (
+#: ``from_mask_mod``'s routes for a model of one head (``H=1`` takes a failure at head 1 as one)
+_MASK_MOD_ONE_HEAD = (
+    "H=1 for a model of one head",
     "For a model of one head, give it head 0: "
-    "lambda b, h, q, kv: mask_mod(b, torch.tensor(0, device=q.device), q, kv)"
+    "lambda b, h, q, kv: mask_mod(b, torch.tensor(0, device=q.device), q, kv)",
 )
 #: ``from_mask_mod``'s ``H`` values that stand for one mask of every head, as ``create_block_mask``'s
 #: do, and how to give the heads instead
 _SHARED_HEAD_HINTS = {
-    None: _SharedHeadHint("H=None: pass H=Hq", "H=1 for a model of one head", _HEAD_ZERO),
-    1: _SharedHeadHint(
-        "H=1 gives one mask for every head, as in torch: pass H=Hq", "H=1 for a model of one head", _HEAD_ZERO
-    ),
+    None: _SharedHeadHint("H=None: pass H=Hq", *_MASK_MOD_ONE_HEAD),
+    1: _SharedHeadHint("H=1 gives one mask for every head, as in torch: pass H=Hq", *_MASK_MOD_ONE_HEAD),
 }
 #: ``from_block_mask``'s: one head entry, ``heads`` not given
 _BLOCK_MASK_HEAD_HINT = _SharedHeadHint(
