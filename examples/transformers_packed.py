@@ -97,13 +97,14 @@ def packed_plans(
     return plans
 
 
-def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator):
-    """Rows of documents of random lengths, each repeating a random pattern of 8 tokens (predictable
-    from its own earlier tokens alone), the position_ids a packing collator gives, and labels
-    without each document's first token (predicted from the previous document)."""
+def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator, mean_length: int = 128):
+    """Rows of documents of random lengths (``mean_length`` tokens on average), each repeating a
+    random pattern of 8 tokens (predictable from its own earlier tokens alone), the position_ids a
+    packing collator gives, and labels without each document's first token (predicted from the
+    previous document)."""
     tokens, positions = [], []
     for _ in range(batch):
-        cuts = torch.randperm(seqlen - 1, generator=gen)[: max(1, seqlen // 128)].add(1).sort().values
+        cuts = torch.randperm(seqlen - 1, generator=gen)[: max(1, seqlen // mean_length)].add(1).sort().values
         bounds = [0, *cuts.tolist(), seqlen]
         for s, e in zip(bounds, bounds[1:], strict=False):
             tokens.append(torch.randint(vocab, (8,), generator=gen).repeat((e - s) // 8 + 1)[: e - s])
