@@ -15,7 +15,8 @@ layers its ``layer_types`` name, none for Llama), which the model takes as ``fle
 every layer's forward and backward reuse; a layer names its window as ``sliding_window``. The
 plans are the whole mask, so transformers builds none (no mask hook is registered) and needs no
 cache: call the model with ``use_cache=False`` (a cache would also turn off its own
-packed-sequence detection for its other attention implementations).
+packed-sequence detection for its other attention implementations). To generate with the trained
+model, switch it to another implementation first: ``model.set_attn_implementation("sdpa")``.
 
 The check runs the same weights with ``attn_implementation="sdpa"`` on each document alone and
 compares logits and every parameter's gradient. Under bf16 autocast (``--device cuda``, or
