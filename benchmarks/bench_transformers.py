@@ -27,7 +27,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packe
 
 def _example():
     spec = importlib.util.spec_from_file_location("transformers_packed", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # importable (torch.compile)
     spec.loader.exec_module(module)  # registers attn_implementation="flexattn"
     return module
 

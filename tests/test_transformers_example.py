@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +37,7 @@ def test_the_example_matches_sdpa_per_document_and_trains(args):
 
 def _example():
     spec = importlib.util.spec_from_file_location("transformers_packed", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # importable (torch.compile)
     spec.loader.exec_module(module)  # registers attn_implementation="flexattn"
     return module
 
@@ -67,3 +68,26 @@ def test_the_attention_function_refuses_what_it_cannot_run():
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match="no attention dropout"):
         model.train()(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
+
+
+@pytest.mark.slow
+def test_the_whole_model_compiles_with_the_plans_as_inputs():
+    """torch.compile(fullgraph=True) of the model under bf16 autocast: each batch's new plans enter
+    the one graph as inputs, and the loss is the eager model's."""
+    example = _example()
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+        num_hidden_layers=1, vocab_size=64, attn_implementation="flexattn",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    torch._dynamo.reset()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens, positions, labels = example.packed_batch(2, 128, 64, gen, mean_length=32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plans = example.packed_plans(config, positions)
+            run = dict(position_ids=positions, labels=labels, flexattn_plan=plans, use_cache=False)
+            assert torch.equal(compiled(tokens, **run).loss, model(tokens, **run).loss)
+    assert backend.frame_count == 1
