@@ -8,13 +8,19 @@
 
 transformers looks attention functions up by name (``AttentionInterface.register``); a model made
 with ``attn_implementation="flexattn"`` calls :func:`flexattn_attention` in every layer, with the
-keywords the model was called with. A packing collator (``DataCollatorWithFlattening``) gives
-``position_ids`` that restart at 0 with each document: :func:`packed_plans` turns them into the
-batch's plans, one for each window the layers attend within (Mistral's every layer, Qwen2's the
-layers its ``layer_types`` name, none for Llama), which the model takes as ``flexattn_plan=`` and
-every layer's forward and backward reuse; a layer names its window as ``sliding_window``. The
-plans are the whole mask, so transformers builds none (no mask hook is registered) and needs no
-cache: call the model with ``use_cache=False`` (a cache would also turn off its own
+keywords the model was called with and its ``position_ids``. A packing collator
+(``DataCollatorWithFlattening``) gives ``position_ids`` that restart at 0 with each document: the
+batch's plans come from them, one for each window the layers attend within (Mistral's every
+layer, Qwen2's the layers its ``layer_types`` name, none for Llama; a layer names its window as
+``sliding_window``), and every layer's forward and backward reuse them. Either
+
+* the model is called as it is (``Trainer`` does): the first layer of a forward builds the plans
+  from ``position_ids`` and the other layers reuse them (:func:`_batch_plan`); or
+* the training step builds them, :func:`packed_plans`, and passes them as ``flexattn_plan=``:
+  this way a model under ``torch.compile(fullgraph=True)`` runs one graph for every batch.
+
+The plans are the whole mask, so transformers builds none (no mask hook is registered) and needs
+no cache: call the model with ``use_cache=False`` (a cache would also turn off its own
 packed-sequence detection for its other attention implementations). To generate with the trained
 model, switch it to another implementation first: ``model.set_attn_implementation("sdpa")``.
 
@@ -46,19 +52,8 @@ from flexattn import masks
 
 def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention function: q, k, v ``[B, H, S, D]`` in, ``([B, S, H, D], None)`` out.
-    ``flexattn_plan`` maps each of the model's windows to its plan; a layer says its window as
-    ``sliding_window`` (None: all of its document's earlier keys)."""
-    plans, window = kwargs.get("flexattn_plan"), kwargs.get("sliding_window")
-    if plans is None:
-        raise ValueError(
-            "attn_implementation='flexattn' takes its mask as plans: call the model with "
-            "flexattn_plan=packed_plans(model.config, position_ids)"
-        )
-    if window not in plans:
-        raise ValueError(
-            f"this layer attends within sliding_window={window}, but flexattn_plan has plans for "
-            f"{sorted(plans, key=str)}: build them with packed_plans(model.config, position_ids)"
-        )
+    ``flexattn_plan`` (where given) maps each of the model's windows to its plan; a layer says its
+    window as ``sliding_window`` (None: all of its document's earlier keys)."""
     if dropout:
         raise ValueError(f"flexattn has no attention dropout (got {dropout}): set config.attention_dropout=0")
     # what else a layer may ask for changes its scores or its keys, which the plans do not say
@@ -66,21 +61,57 @@ def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, s
         raise ValueError("flexattn takes no logit softcapping or attention sinks: use another implementation")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
         raise ValueError("the plans are causal, but this layer attends both ways: use another implementation")
+    plans, window = kwargs.get("flexattn_plan"), kwargs.get("sliding_window")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # BSHD views, read in place
+    if plans is None:
+        plans = {window: _batch_plan(kwargs.get("position_ids"), window, q, k, v)}
+    if window not in plans:
+        raise ValueError(
+            f"this layer attends within sliding_window={window}, but flexattn_plan has plans for "
+            f"{sorted(plans, key=str)}: build them with packed_plans(model.config, position_ids)"
+        )
     return flexattn.flex_attn_func(q, k, v, mask_plan=plans[window], softmax_scale=scaling), None
 
 
 AttentionInterface.register("flexattn", flexattn_attention)
+
+#: the plans of the forward the layers last ran, by window, and what they were built for: the layers
+#: of one forward (and a checkpointed layer's recompute) see one ``position_ids`` tensor, held here
+#: so that its id cannot come to name another batch's
+_last_batch: dict = {"key": None, "plans": {}}
+
+
+def _batch_plan(position_ids, window, q, k, v) -> flexattn.MaskPlan:
+    """The plan for this layer's window of the batch ``position_ids`` numbers, built by the first
+    layer that asks and reused by the others (q, k, v's shapes, dtypes, devices, the autocast
+    region and whether a backward runs are part of what it was built for)."""
+    if position_ids is None:
+        raise ValueError("flexattn plans from position_ids: pass them, or flexattn_plan=packed_plans(...)")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            "flexattn's plans are for training batches (as many queries as keys); to generate, switch "
+            "the model to another implementation: model.set_attn_implementation('sdpa')"
+        )
+    device = q.device.type
+    key = (
+        position_ids, position_ids._version, *(t.shape for t in (q, k, v)), *(t.dtype for t in (q, k, v)),
+        q.device, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device),
+        torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+    )  # fmt: skip
+    last = _last_batch
+    if last["key"] is None or last["key"][0] is not position_ids or last["key"][1:] != key[1:]:
+        last.update(key=key, plans={})
+    if window not in last["plans"]:
+        last["plans"][window] = flexattn.create_mask_plan(_packed_mask(position_ids, window), q, k, v)
+    return last["plans"][window]
 
 
 def packed_plans(
     config, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> dict[int | None, flexattn.MaskPlan]:
     """The plans of a packed batch, one for each window the model's layers attend within (None:
-    no window): causal attention inside each document, a document starting wherever
-    ``position_ids`` is 0, and within a layer's ``sliding_window`` keys, the query's own included.
-    Only q, k, v's shapes, dtype and device are read, so empty stand-ins do; under autocast the
-    plans take the region's dtype themselves."""
+    no window), each of :func:`_packed_mask`. Only q, k, v's shapes, dtype and device are read,
+    so empty stand-ins do; under autocast the plans take the region's dtype themselves."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]  # Llama's, Mistral's
     windows = {window if kind == "sliding_attention" else None for kind in layer_types}
@@ -90,12 +121,17 @@ def packed_plans(
         torch.empty(batch, seqlen, heads, head_dim, dtype=dtype, device=position_ids.device)
         for heads in (config.num_attention_heads, config.num_key_value_heads)
     )
-    documents = (position_ids == 0).cumsum(-1)
-    plans = {}
-    for w in windows:
-        mask = masks.document_ids(documents, window_left=w - 1 if w else None)
-        plans[w] = flexattn.create_mask_plan(mask, q, kv, kv, build_backward=torch.is_grad_enabled())
-    return plans
+    backward = torch.is_grad_enabled()
+    return {
+        w: flexattn.create_mask_plan(_packed_mask(position_ids, w), q, kv, kv, build_backward=backward)
+        for w in windows
+    }
+
+
+def _packed_mask(position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal attention inside each document, a document starting wherever ``position_ids`` is 0,
+    and within ``window`` keys, the query's own included."""
+    return masks.document_ids((position_ids == 0).cumsum(-1), window_left=window - 1 if window else None)
 
 
 def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator, mean_length: int = 128):
@@ -115,12 +151,12 @@ def packed_batch(batch: int, seqlen: int, vocab: int, gen: torch.Generator, mean
 
 
 def check(model, reference, tokens, position_ids, autocast, tolerance) -> None:
-    """flexattn on the packed batch against SDPA on each document alone: logits and gradients."""
+    """flexattn on the packed batch (the model called as it is: plans from its position_ids) against
+    SDPA on each document alone: logits and gradients."""
     weights = torch.randn(*tokens.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
     weights = weights.to(tokens.device)
     with autocast:
-        plans = packed_plans(model.config, position_ids)
-        logits = model(tokens, position_ids=position_ids, flexattn_plan=plans, use_cache=False).logits
+        logits = model(tokens, position_ids=position_ids, use_cache=False).logits
     (logits.float() * weights).sum().backward()
     expected = torch.empty_like(logits, dtype=torch.float32)
     for b, row in enumerate(position_ids.tolist()):

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
+import flexattn
+
 transformers = pytest.importorskip("transformers")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packed.py"
@@ -42,24 +44,36 @@ def _example():
     return module
 
 
+#: a tiny model's sizes (transformers' configs take them all)
+SIZES = dict(
+    hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+    num_hidden_layers=2, vocab_size=64, attn_implementation="flexattn",
+)  # fmt: skip
+
+
+def _qwen2_with_two_windows():
+    """Qwen2 with a window of 8 keys on its first layer and none on its second."""
+    layer_types = ["sliding_attention", "full_attention"]
+    windows = dict(sliding_window=8, use_sliding_window=True, layer_types=layer_types)
+    config = transformers.Qwen2Config(**SIZES, **windows)
+    return transformers.Qwen2ForCausalLM(config)
+
+
 def test_the_attention_function_refuses_what_it_cannot_run():
-    """A model called without its plans, with none for a layer's window, with attention dropout in
-    training, or with layers that attend both ways, is told so (not run without what it asks)."""
+    """A layer whose window has no plan, attention dropout in training, layers that attend both
+    ways, a call without position_ids or plans, and generation are told so (not run without what
+    they ask)."""
     example = _example()
-    sizes = dict(
-        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        num_hidden_layers=1, vocab_size=64, attn_implementation="flexattn",
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
     tokens, positions = torch.randint(64, (1, 32)), torch.arange(32)[None]
-    with pytest.raises(ValueError, match="flexattn_plan=packed_plans"):
-        model(tokens, position_ids=positions, use_cache=False)
     plans = example.packed_plans(model.config, positions)
-    logits = model(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False).logits
-    assert logits.shape == (1, 32, 64)
-    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=8))
+    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**SIZES, sliding_window=8))
     with pytest.raises(ValueError, match=r"sliding_window=8, but flexattn_plan has plans for \[None\]"):
         windowed(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
+    with pytest.raises(ValueError, match="flexattn plans from position_ids"):
+        example.flexattn_attention(model.model.layers[0].self_attn, *[torch.zeros(1, 2, 4, 16)] * 3, None)
+    with pytest.raises(ValueError, match=r"set_attn_implementation\('sdpa'\)"):
+        model.eval().generate(tokens, max_new_tokens=2, do_sample=False)
     for layer in model.model.layers:
         layer.self_attn.is_causal = False
     with pytest.raises(ValueError, match="attends both ways"):
@@ -70,15 +84,45 @@ def test_the_attention_function_refuses_what_it_cannot_run():
         model.train()(tokens, position_ids=positions, flexattn_plan=plans, use_cache=False)
 
 
+def test_a_model_called_as_it_is_plans_once_a_forward(monkeypatch):
+    """Without flexattn_plan, a forward's first layer of each window builds its plan from
+    position_ids and the others reuse it (a checkpointed layer's recompute too): the plans, and so
+    the logits and gradients, are packed_plans' own. Another batch's position_ids, even of the
+    same values, get new plans."""
+    example = _example()
+    builds = []
+    build = flexattn.create_mask_plan
+    monkeypatch.setattr(flexattn, "create_mask_plan", lambda *a, **kw: builds.append(1) or build(*a, **kw))
+    model = _qwen2_with_two_windows()
+    gen = torch.Generator().manual_seed(0)
+    tokens, positions, labels = example.packed_batch(2, 64, 64, gen, mean_length=16)
+
+    def loss_and_grads(**plans):
+        model.zero_grad()
+        loss = model(tokens, position_ids=positions, labels=labels, use_cache=False, **plans).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    explicit = loss_and_grads(flexattn_plan=example.packed_plans(model.config, positions))
+    assert len(builds) == 2
+    builds.clear()
+    model.gradient_checkpointing_enable()
+    as_it_is = loss_and_grads()
+    assert len(builds) == 2  # one a window, whatever the layers and the recompute
+    for a, b in zip(as_it_is, explicit, strict=True):
+        assert torch.equal(a, b)
+    builds.clear()
+    positions = positions.clone()
+    loss_and_grads()
+    assert len(builds) == 2
+
+
 @pytest.mark.slow
 def test_the_whole_model_compiles_with_the_plans_as_inputs():
     """torch.compile(fullgraph=True) of the model under bf16 autocast: each batch's new plans enter
     the one graph as inputs, and the loss is the eager model's."""
     example = _example()
-    config = transformers.LlamaConfig(
-        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        num_hidden_layers=1, vocab_size=64, attn_implementation="flexattn",
-    )  # fmt: skip
+    config = transformers.LlamaConfig(**SIZES)
     model = transformers.LlamaForCausalLM(config)
     torch._dynamo.reset()
     backend = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
