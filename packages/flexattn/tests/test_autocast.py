@@ -52,9 +52,15 @@ def test_autocast_runs_attention_in_its_dtype(promoted):
         assert torch.equal(got, want.float())
 
 
+def _untraceable_on_torch_2_11(device_type):
+    raise AssertionError("torch 2.11's Dynamo cannot trace torch.amp.is_autocast_available (a graph break)")
+
+
 @pytest.mark.parametrize("region", ["inside", "outside"])
-def test_autocast_under_torch_compile_gives_the_eager_bits(region):
-    """The region entered inside the compiled function, or around its call."""
+def test_autocast_under_torch_compile_gives_the_eager_bits(region, monkeypatch):
+    """The region entered inside the compiled function, or around its call (where the GPU machine's
+    torch 2.11 traces it: without torch.amp.is_autocast_available)."""
+    monkeypatch.setattr(torch.amp, "is_autocast_available", _untraceable_on_torch_2_11)
     mask = masks.causal(S, batch=B)
     q, k, v = leaves()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -118,11 +124,12 @@ def test_autocast_leaves_float64_alone():
         assert flexattn.flex_attn_func(q, k, v, mask_plan=plan).dtype == torch.float32
 
 
-def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_attention():
+def test_a_plan_of_another_dtype_under_autocast_names_the_dtype_that_reaches_attention(monkeypatch):
     """A plan built outside the region from float32 tensors does not take the region's bfloat16
     inputs (SDPA's would run in bfloat16 there too): the refusal says which dtype to build it for;
     outside autocast the message has no such hint, but one built inside the region and used
     outside it is told where it was built."""
+    monkeypatch.setattr(torch.amp, "is_autocast_available", _untraceable_on_torch_2_11)
     mask = masks.causal(S, batch=B)
     q, k, v = leaves()
     plan = flexattn.create_mask_plan(mask, q, k, v, build_backward=True)

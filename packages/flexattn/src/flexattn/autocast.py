@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from maskplan_core.validation import autocast_region_dtype
+
 
 def _region_dtype(q: object) -> torch.dtype | None:
     """The dtype of the autocast region enclosing q's device type, None outside one."""
     if not isinstance(q, torch.Tensor):
         return None  # validation names the argument
-    device = q.device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
-        return None
-    return torch.get_autocast_dtype(device)
+    return autocast_region_dtype(q.device)
 
 
 def _recast(t: object, dtype: torch.dtype, device: torch.device) -> bool:

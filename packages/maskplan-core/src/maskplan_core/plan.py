@@ -86,7 +86,7 @@ from .errors import (
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
 from .schema import HEADER_FIELDS, PlanSignature
-from .validation import head_dim_contiguous, require_int, require_strided, write_count
+from .validation import autocast_region_dtype, head_dim_contiguous, require_int, require_strided, write_count
 from .view_check import CSR_TENSORS, ROLE_TENSORS, check_structure, check_values, entry_tiles, fixed_blocks
 
 VIEW_TENSORS = (*CSR_TENSORS, "sequence_desc", *ROLE_TENSORS["forward"], *ROLE_TENSORS["backward"])
@@ -746,8 +746,8 @@ class MaskPlan:
                 )
             if t.dtype != g.dtype:
                 dtypes = [getattr(x, "dtype", None) for x in (q, k, v)]
-                device = t.device.type  # activations come out of autocast's casts (where it has any)
-                autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+                # activations come out of autocast's casts (where it has any)
+                autocast = autocast_region_dtype(t.device) is not None
                 # a plan built inside an autocast region (flexattn plans for its dtype there)
                 # used outside it, where float32 reaches attention
                 region = t.dtype == torch.float32 and g.dtype in (torch.float16, torch.bfloat16)

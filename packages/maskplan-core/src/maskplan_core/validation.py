@@ -112,6 +112,16 @@ def representable_scale(softmax_scale: float, dtype: torch.dtype, scaled_by: str
     return softmax_scale
 
 
+def autocast_region_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype of the ``torch.autocast`` region enclosing ``device``'s type, None outside one.
+    Only CPU and CUDA are asked (the device types attention runs on; another may have no autocast,
+    where torch raises), and without ``torch.amp.is_autocast_available``, which torch 2.11's Dynamo
+    cannot trace: under ``torch.compile`` the answer is a constant of the graph, guarded."""
+    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
 def head_dim_contiguous(t: torch.Tensor) -> bool:
     """Whether ``t``'s last (head) dimension is contiguous; a dimension of one element always is,
     whatever stride torch gives it (a transposed ``[..., 1]`` tensor keeps the old one)."""
