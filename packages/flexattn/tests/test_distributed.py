@@ -146,20 +146,36 @@ def _cp_batch() -> list[torch.Tensor]:
     return [torch.randn(B, S, H, D, dtype=torch.float64, generator=gen) for _ in range(4)]  # q, k, v, dout
 
 
+class _Gather(torch.autograd.Function):
+    """The recipe's ``gather`` on gloo, which has no reduce-scatter: every rank's ``[B, n, ...]``
+    along dim 1, in rank order; the backward sums the ranks' gradients and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, t):
+        parts = [torch.empty_like(t) for _ in range(WORLD)]
+        dist.all_gather(parts, t.contiguous())
+        ctx.mine = slice(dist.get_rank() * t.shape[1], (dist.get_rank() + 1) * t.shape[1])
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[:, ctx.mine]
+
+
 def _cp_rank(rank: int, init: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        from torch.distributed.nn.functional import all_gather
-
         q, k, v, dout = _cp_batch()
         positions = [balanced_positions(r, WORLD, S) for r in range(WORLD)]
         mine = positions[rank]
         q, k, v = (t[:, mine].requires_grad_() for t in (q, k, v))
         scope = dict(
             positions=positions, rank=rank, mask=masks.document(CP_DOCS, causal=True), B=B, S=S,
-            q_mine=q, k_mine=k, v_mine=v, all_gather=all_gather, torch=torch, flexattn=flexattn,
+            q_mine=q, k_mine=k, v_mine=v, gather=_Gather.apply, torch=torch, flexattn=flexattn,
         )  # fmt: skip
         exec(compile(_readme_recipe(), str(README), "exec"), scope)
         o = scope["out_mine"]
