@@ -8,8 +8,11 @@ dense mask from them), same weights and batch, one run.
 B=2, S=8192, a 4-layer Llama of width 2048 (16 q heads, 4 kv heads, head dim 128), fp32 weights
 under bf16 autocast, AdamW; documents of random lengths (``--mean-length`` tokens on average).
 A step is the forward, backward and optimizer step, the plans (flexattn) or masks (the others)
-included; ms a step is the median of ``--steps`` CUDA-event-timed steps after ``--warmup``.
-transformers is not a dependency of flexattn: without it this prints so and exits.
+included; ms a step is the median of ``--steps`` CUDA-event-timed steps after ``--warmup``. The
+first step's loss is printed for each system (same weights and batch: one that attended otherwise,
+or in another dtype, shows there; transformers' ``flex_attention`` gets float32 q and k beside a
+bfloat16 v under autocast and casts nothing itself). transformers is not a dependency of flexattn:
+without it this prints so and exits.
 """
 
 from __future__ import annotations
@@ -22,17 +25,12 @@ from pathlib import Path
 
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packed.py"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("transformers_packed", EXAMPLE)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # importable (torch.compile)
-    spec.loader.exec_module(module)  # registers attn_implementation="flexattn"
-    return module
-
-
-def step_times(example, system: str, args, batches) -> list[float]:
+def step_times(example, system: str, args, batches) -> tuple[list[float], float]:
+    """ms of each step after the warm-up, and the first step's loss (the same for every system
+    that attends as the mask says: a system that did not would show here)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -43,7 +41,7 @@ def step_times(example, system: str, args, batches) -> list[float]:
     )  # fmt: skip
     model = LlamaForCausalLM(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = []
+    times, first_loss = [], None
     for i, (tokens, position_ids, labels) in enumerate(batches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -57,11 +55,12 @@ def step_times(example, system: str, args, batches) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         end.record()
         end.synchronize()
+        first_loss = loss.item() if first_loss is None else first_loss
         if i >= args.warmup:
             times.append(start.elapsed_time(end))
     del model, optimizer
     torch.cuda.empty_cache()
-    return times
+    return times, first_loss
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("bench_transformers needs a CUDA GPU")
-    example = _example()
+    sys.path.insert(0, str(EXAMPLES))
+    import transformers_packed as example  # registers attn_implementation="flexattn"
+
     gen = torch.Generator().manual_seed(0)
     batches = [
         tuple(t.cuda() for t in example.packed_batch(args.batch, args.seqlen, 32000, gen, args.mean_length))
@@ -95,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     results = {}
     for system in args.systems.split(","):
-        times = step_times(example, system, args, batches)
+        times, first_loss = step_times(example, system, args, batches)
         results[system] = statistics.median(times)
-        spread = f"(min {min(times):.2f}, max {max(times):.2f})"
+        spread = f"(min {min(times):.2f}, max {max(times):.2f}); first loss {first_loss:.4f}"
         print(f"{system:>15}: {results[system]:8.2f} ms a step {spread}", flush=True)
     if "flexattn" in results:
         for system, ms in results.items():

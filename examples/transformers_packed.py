@@ -33,6 +33,7 @@ flex_attn_func casts them to bfloat16 as SDPA does.
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import torch
@@ -75,16 +76,21 @@ def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 AttentionInterface.register("flexattn", flexattn_attention)
 
-#: the plans of the forward the layers last ran, by window, and what they were built for: the layers
-#: of one forward (and a checkpointed layer's recompute) see one ``position_ids`` tensor, held here
-#: so that its id cannot come to name another batch's
-_last_batch: dict = {"key": None, "plans": {}}
+#: per thread (DataParallel's replicas, serving threads), the plans of the forward its layers last
+#: ran, by window, and what they were built for: the layers of one forward (and a checkpointed
+#: layer's recompute) see one ``position_ids`` tensor, held here so that its id cannot come to
+#: name another batch's
+_last_batch = threading.local()
 
 
+@torch.compiler.disable  # eager under torch.compile: a graph would keep its first batch's plans
 def _batch_plan(position_ids, window, q, k, v) -> flexattn.MaskPlan:
     """The plan for this layer's window of the batch ``position_ids`` numbers, built by the first
     layer that asks and reused by the others (q, k, v's shapes, dtypes, devices, the autocast
-    region and whether a backward runs are part of what it was built for)."""
+    region and whether a backward runs are part of what it was built for). ``position_ids`` of
+    one row stand for every row, as in transformers. A write into ``position_ids`` that torch does
+    not count (through ``.numpy()``, or under ``torch.inference_mode``) goes unseen: pass a new
+    tensor for a new batch."""
     if position_ids is None:
         raise ValueError("flexattn plans from position_ids: pass them, or flexattn_plan=packed_plans(...)")
     if q.shape[1] != k.shape[1]:
@@ -93,17 +99,19 @@ def _batch_plan(position_ids, window, q, k, v) -> flexattn.MaskPlan:
             "the model to another implementation: model.set_attn_implementation('sdpa')"
         )
     device = q.device.type
+    version = None if position_ids.is_inference() else position_ids._version  # no counter there
     key = (
-        position_ids, position_ids._version, *(t.shape for t in (q, k, v)), *(t.dtype for t in (q, k, v)),
-        q.device, torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device),
+        version, *(t.shape for t in (q, k, v)), *(t.dtype for t in (q, k, v)), q.device,
+        torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device),
         torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     )  # fmt: skip
     last = _last_batch
-    if last["key"] is None or last["key"][0] is not position_ids or last["key"][1:] != key[1:]:
-        last.update(key=key, plans={})
-    if window not in last["plans"]:
-        last["plans"][window] = flexattn.create_mask_plan(_packed_mask(position_ids, window), q, k, v)
-    return last["plans"][window]
+    if getattr(last, "position_ids", None) is not position_ids or last.key != key:
+        last.position_ids, last.key, last.plans = position_ids, key, {}
+    if window not in last.plans:
+        positions = position_ids.expand(q.shape[0], -1)
+        last.plans[window] = flexattn.create_mask_plan(_packed_mask(positions, window), q, k, v)
+    return last.plans[window]
 
 
 def packed_plans(

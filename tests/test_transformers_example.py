@@ -6,7 +6,6 @@ and exits non-zero past its tolerance."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,10 @@ import torch._dynamo.testing
 import flexattn
 
 transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import transformers_packed as example  # noqa: E402  (registers attn_implementation="flexattn")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "transformers_packed.py"
+EXAMPLE = example.__file__
 
 
 @pytest.mark.slow
@@ -30,18 +31,11 @@ def test_the_example_matches_sdpa_per_document_and_trains(args):
     """Llama (no window), Mistral (every layer windowed), Qwen2 (every other layer) under bf16
     autocast, where float32 RoPE leaves q and k in float32 beside a bfloat16 v."""
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--seqlen", "256", "--steps", "2", *args],
+        [sys.executable, EXAMPLE, "--seqlen", "256", "--steps", "2", *args],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "against SDPA per document" in run.stdout and "step 2: loss" in run.stdout
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("transformers_packed", EXAMPLE)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # importable (torch.compile)
-    spec.loader.exec_module(module)  # registers attn_implementation="flexattn"
-    return module
 
 
 #: a tiny model's sizes (transformers' configs take them all)
@@ -63,7 +57,6 @@ def test_the_attention_function_refuses_what_it_cannot_run():
     """A layer whose window has no plan, attention dropout in training, layers that attend both
     ways, a call without position_ids or plans, and generation are told so (not run without what
     they ask)."""
-    example = _example()
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
     tokens, positions = torch.randint(64, (1, 32)), torch.arange(32)[None]
     plans = example.packed_plans(model.config, positions)
@@ -89,7 +82,6 @@ def test_a_model_called_as_it_is_plans_once_a_forward(monkeypatch):
     position_ids and the others reuse it (a checkpointed layer's recompute too): the plans, and so
     the logits and gradients, are packed_plans' own. Another batch's position_ids, even of the
     same values, get new plans."""
-    example = _example()
     builds = []
     build = flexattn.create_mask_plan
     monkeypatch.setattr(flexattn, "create_mask_plan", lambda *a, **kw: builds.append(1) or build(*a, **kw))
@@ -117,11 +109,46 @@ def test_a_model_called_as_it_is_plans_once_a_forward(monkeypatch):
     assert len(builds) == 2
 
 
+def test_a_model_called_as_it_is_under_inference_mode_and_without_position_ids():
+    """Under torch.inference_mode (position_ids without a version counter), and without
+    position_ids (transformers numbers one row for every row: one document a row), the logits are
+    those of the plans built by hand."""
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)).eval()
+    gen = torch.Generator().manual_seed(0)
+    tokens, positions, _ = example.packed_batch(2, 64, 64, gen, mean_length=16)
+    with torch.no_grad():
+        expected = model(tokens, position_ids=positions, use_cache=False).logits
+        unpacked = torch.arange(64).expand(2, -1)
+        plans = example.packed_plans(model.config, unpacked)
+        causal = model(tokens, position_ids=unpacked, flexattn_plan=plans, use_cache=False).logits
+    with torch.inference_mode():
+        assert torch.equal(model(tokens, position_ids=positions.clone(), use_cache=False).logits, expected)
+        assert torch.equal(model(tokens, use_cache=False).logits, causal)
+
+
+@pytest.mark.slow
+def test_a_model_called_as_it_is_under_torch_compile_plans_each_batch(monkeypatch):
+    """Compiled without fullgraph (Trainer's torch_compile), the plans from position_ids are built
+    outside the graph, for each batch: a graph that built them once would keep the first batch's."""
+    builds = []
+    build = flexattn.create_mask_plan
+    monkeypatch.setattr(flexattn, "create_mask_plan", lambda *a, **kw: builds.append(1) or build(*a, **kw))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        tokens, positions, labels = example.packed_batch(2, 64, 64, gen, mean_length=16)
+        builds.clear()
+        run = dict(position_ids=positions, labels=labels, use_cache=False)
+        assert torch.equal(compiled(tokens, **run).loss, model(tokens, **run).loss)
+        assert len(builds) == 1  # the compiled call's; the eager call reused it (one position_ids)
+
+
 @pytest.mark.slow
 def test_the_whole_model_compiles_with_the_plans_as_inputs():
     """torch.compile(fullgraph=True) of the model under bf16 autocast: each batch's new plans enter
     the one graph as inputs, and the loss is the eager model's."""
-    example = _example()
     config = transformers.LlamaConfig(**SIZES)
     model = transformers.LlamaForCausalLM(config)
     torch._dynamo.reset()
