@@ -82,46 +82,50 @@ def _loss(model, x, target, plan, *, on_attribute=False):
     return F.mse_loss(model(x) if on_attribute else model(x, plan), target)
 
 
-def _leave() -> None:
-    """End a rank that succeeded (its results are on disk) without the interpreter's finalization:
-    there gloo's worker threads may still hold tensors whose release aborts the process
-    ("terminate called without an active exception", seen under load in CI), torch's teardown and
-    not flexattn's."""
+def _on_ranks(work, tmp_path, out) -> None:
+    """``work(rank, out)`` on ``WORLD`` gloo processes."""
+    mp.spawn(_rank, args=(work, f"file://{tmp_path / 'store'}", str(out)), nprocs=WORLD, join=True)
+
+
+def _rank(rank: int, work, init: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        work(rank, out)
+    finally:
+        dist.destroy_process_group()
+    # a rank that succeeded (its results on disk) leaves without the interpreter's finalization:
+    # there gloo's worker threads may still hold tensors whose release aborts the process
+    # ("terminate called without an active exception", seen under load in CI), torch's teardown
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _rank(rank: int, init: str, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        from torch.distributed.fsdp import fully_shard
-        from torch.nn.parallel import DistributedDataParallel
+def _data_parallel(rank: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
 
-        x, target, plan = _batch(rank)
-        ddp = DistributedDataParallel(Model(checkpointed=True))
-        _loss(ddp, x, target, plan).backward()
-        fsdp = Model()
-        for block in fsdp.blocks:
-            fully_shard(block)
-        fully_shard(fsdp)
-        _loss(fsdp, x, target, plan, on_attribute=True).backward()
-        grads = {
-            "ddp": [p.grad for p in ddp.module.parameters()],
-            "fsdp": [p.grad.full_tensor() for p in fsdp.parameters()],
-        }
-        if rank == 0:
-            torch.save(grads, out)
-    finally:
-        dist.destroy_process_group()
-    _leave()
+    x, target, plan = _batch(rank)
+    ddp = DistributedDataParallel(Model(checkpointed=True))
+    _loss(ddp, x, target, plan).backward()
+    fsdp = Model()
+    for block in fsdp.blocks:
+        fully_shard(block)
+    fully_shard(fsdp)
+    _loss(fsdp, x, target, plan, on_attribute=True).backward()
+    grads = {
+        "ddp": [p.grad for p in ddp.module.parameters()],
+        "fsdp": [p.grad.full_tensor() for p in fsdp.parameters()],
+    }
+    if rank == 0:
+        torch.save(grads, out)
 
 
 def test_ddp_and_fsdp2_average_what_one_process_computes(tmp_path):
     out = tmp_path / "grads.pt"
-    mp.spawn(_rank, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=WORLD, join=True)
+    _on_ranks(_data_parallel, tmp_path, out)
     model = Model()
     for rank in range(WORLD):
         x, target, plan = _batch(rank)
@@ -177,31 +181,24 @@ class _Gather(torch.autograd.Function):
         return grad[:, ctx.mine]
 
 
-def _cp_rank(rank: int, init: str, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        q, k, v, dout = _cp_batch()
-        positions = [balanced_positions(r, WORLD, S) for r in range(WORLD)]
-        mine = positions[rank]
-        q, k, v = (t[:, mine].requires_grad_() for t in (q, k, v))
-        scope = dict(
-            positions=positions, rank=rank, mask=masks.document(CP_DOCS, causal=True), B=B, S=S,
-            q_mine=q, k_mine=k, v_mine=v, gather=_Gather.apply, torch=torch, flexattn=flexattn,
-        )  # fmt: skip
-        exec(compile(_readme_recipe(), str(README), "exec"), scope)
-        o = scope["out_mine"]
-        o.backward(dout[:, mine])
-        torch.save({"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-    _leave()
+def _context_parallel(rank: int, out: str) -> None:
+    q, k, v, dout = _cp_batch()
+    positions = [balanced_positions(r, WORLD, S) for r in range(WORLD)]
+    mine = positions[rank]
+    q, k, v = (t[:, mine].requires_grad_() for t in (q, k, v))
+    scope = dict(
+        positions=positions, rank=rank, mask=masks.document(CP_DOCS, causal=True), B=B, S=S,
+        q_mine=q, k_mine=k, v_mine=v, gather=_Gather.apply, torch=torch, flexattn=flexattn,
+    )  # fmt: skip
+    exec(compile(_readme_recipe(), str(README), "exec"), scope)
+    o = scope["out_mine"]
+    o.backward(dout[:, mine])
+    torch.save({"o": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}, f"{out}.{rank}")
 
 
 def test_context_parallel_ranks_give_one_process_at_their_positions(tmp_path):
     out = tmp_path / "cp"
-    mp.spawn(_cp_rank, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=WORLD, join=True)
+    _on_ranks(_context_parallel, tmp_path, out)
     q, k, v, dout = (t.requires_grad_() for t in _cp_batch())
     plan = flexattn.create_mask_plan(masks.document(CP_DOCS, causal=True), q, k, v)
     o = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
