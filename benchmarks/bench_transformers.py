@@ -42,17 +42,11 @@ def step_times(example, system: str, args, batches) -> tuple[list[float], float]
     model = LlamaForCausalLM(config).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, first_loss = [], None
-    for i, (tokens, position_ids, labels) in enumerate(batches):
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    for i, batch in enumerate(batches):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            plans = {}
-            if system == "flexattn":  # the batch's plans, inside the step as a training loop makes them
-                plans["flexattn_plan"] = example.packed_plans(config, position_ids)
-            loss = model(tokens, position_ids=position_ids, labels=labels, use_cache=False, **plans).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = example.train_step(model, optimizer, *batch, autocast, flexattn_model=system == "flexattn")
         end.record()
         end.synchronize()
         first_loss = loss.item() if first_loss is None else first_loss

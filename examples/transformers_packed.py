@@ -185,6 +185,18 @@ def check(model, reference, tokens, position_ids, autocast, tolerance) -> None:
     model.zero_grad()
 
 
+def train_step(model, optimizer, tokens, position_ids, labels, autocast, flexattn_model=True) -> torch.Tensor:
+    """One step on a packed batch: its plans (a flexattn model's, built once a batch for every
+    layer), forward, backward, optimizer step. Returns the loss."""
+    with autocast:
+        plans = {"flexattn_plan": packed_plans(model.config, position_ids)} if flexattn_model else {}
+        loss = model(tokens, position_ids=position_ids, labels=labels, use_cache=False, **plans).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 #: Mistral is Llama with a sliding window; Qwen2 takes one on the layers its layer_types name
 MODELS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -235,15 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        tokens, position_ids, labels = (t.to(device) for t in packed_batch(args.batch, args.seqlen, 256, gen))
-        with autocast:
-            plans = packed_plans(model.config, position_ids)  # once a batch, for every layer
-            loss = model(
-                tokens, position_ids=position_ids, labels=labels, flexattn_plan=plans, use_cache=False
-            ).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        batch = [t.to(device) for t in packed_batch(args.batch, args.seqlen, 256, gen)]
+        loss = train_step(model, optimizer, *batch, autocast)
         if step == args.steps or step % 10 == 0:
             elapsed = (time.perf_counter() - start) / step
             print(f"step {step}: loss {loss.item():.3f}, {1e3 * elapsed:.1f} ms a step")
