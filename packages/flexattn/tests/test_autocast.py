@@ -99,10 +99,15 @@ def test_a_plan_built_in_the_region_under_torch_func_grad():
 
 
 def test_the_region_does_not_hide_what_validation_refuses():
-    """Inputs that are not dense tensors are named as they are outside a region."""
+    """Inputs that are not dense tensors, or no tensors, are named as they are outside a region."""
     mask = masks.causal(S, batch=B)
     q, k, v = (t.detach() for t in leaves())
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match="k must be a torch.Tensor, got NoneType"):
+            flexattn.create_mask_plan(mask, q, None, v)
+        plan = flexattn.create_mask_plan(mask, q, k, v)
+        with pytest.raises(TypeError, match="v must be a torch.Tensor, got list"):
+            flexattn.flex_attn_func(q, k, [0.0], mask_plan=plan)
         with pytest.raises(TypeError, match=r"q must be a dense \(strided\) tensor, got layout torch.sparse"):
             flexattn.create_mask_plan(mask, q.to_sparse(), k, v)
         with pytest.raises(TypeError, match="k is a nested tensor"):

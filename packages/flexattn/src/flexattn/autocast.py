@@ -30,20 +30,23 @@ def _recast(t: object, dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def autocast_dtypes(q: object, k: object, v: object) -> tuple[torch.dtype, ...] | None:
-    """The dtypes q, k, v reach attention in under the enclosing autocast region; None where it
-    casts none of them (a plan reads only their dtypes: nothing is cast or allocated for it)."""
+def autocast_dtypes(q: object, k: object, v: object) -> tuple[torch.dtype | None, ...] | None:
+    """The dtypes q, k, v reach attention in under the enclosing autocast region (None for what is
+    no tensor); None where it casts none of them (a plan reads only their dtypes: nothing is cast or
+    allocated for it)."""
     dtype = _region_dtype(q)
     if dtype is None or not any(_recast(t, dtype, q.device) for t in (q, k, v)):
         return None
-    return tuple(dtype if _recast(t, dtype, q.device) else t.dtype for t in (q, k, v))
+    return tuple(dtype if _recast(t, dtype, q.device) else getattr(t, "dtype", None) for t in (q, k, v))
 
 
 def autocast_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as they reach attention under the enclosing autocast region (themselves outside one)."""
-    dtype = _region_dtype(q)
-    if dtype is None:
+    dtypes = autocast_dtypes(q, k, v)
+    if dtypes is None:
         return q, k, v
-    return tuple(t.to(dtype) if _recast(t, dtype, q.device) else t for t in (q, k, v))
+    return tuple(
+        t if dtypes[i] == getattr(t, "dtype", None) else t.to(dtypes[i]) for i, t in enumerate((q, k, v))
+    )

@@ -750,7 +750,8 @@ class MaskPlan:
                 autocast = autocast_region_dtype(t.device) is not None
                 # a plan built inside an autocast region (flexattn plans for its dtype there)
                 # used outside it, where float32 reaches attention
-                region = t.dtype == torch.float32 and g.dtype in (torch.float16, torch.bfloat16)
+                half_plan = g.dtype in (torch.float16, torch.bfloat16)
+                region = t.dtype == torch.float32 and half_plan
                 inside = f", or call inside the torch.autocast region of {g.dtype} it was built in"
                 inside = inside if region else ""
                 hint = (
@@ -759,7 +760,7 @@ class MaskPlan:
                 )
                 # under autocast an op outside its cast lists (RoPE with float32 tables) leaves q, k
                 # or v in float32, which SDPA would cast down itself: the plan's dtype is the one to use
-                cast = autocast and torch.float32 in dtypes and g.dtype in (torch.float16, torch.bfloat16)
+                cast = autocast and torch.float32 in dtypes and half_plan
                 if cast:
                     hint = (
                         f" (torch.autocast is on, but q, k, v reach attention in "
