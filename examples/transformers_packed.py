@@ -49,6 +49,7 @@ from transformers import (
 
 import flexattn
 from flexattn import masks
+from maskplan_core.validation import autocast_region_dtype
 
 
 def flexattn_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -98,11 +99,10 @@ def _batch_plan(position_ids, window, q, k, v) -> flexattn.MaskPlan:
             "flexattn's plans are for training batches (as many queries as keys); to generate, switch "
             "the model to another implementation: model.set_attn_implementation('sdpa')"
         )
-    device = q.device.type
     version = None if position_ids.is_inference() else position_ids._version  # no counter there
     key = (
         version, *(t.shape for t in (q, k, v)), *(t.dtype for t in (q, k, v)), q.device,
-        torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device),
+        autocast_region_dtype(q.device),
         torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     )  # fmt: skip
     last = _last_batch
