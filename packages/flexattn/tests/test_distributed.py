@@ -104,6 +104,7 @@ def _rank(rank: int, work, init: str, out: str) -> None:
 
 
 def _data_parallel(rank: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -111,9 +112,11 @@ def _data_parallel(rank: int, out: str) -> None:
     ddp = DistributedDataParallel(Model(checkpointed=True))
     _loss(ddp, x, target, plan).backward()
     fsdp = Model()
+    # a CPU mesh: without one FSDP2 shards onto CUDA where a GPU is present, away from the plan's device
+    mesh = init_device_mesh("cpu", (WORLD,))
     for block in fsdp.blocks:
-        fully_shard(block)
-    fully_shard(fsdp)
+        fully_shard(block, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
     _loss(fsdp, x, target, plan, on_attribute=True).backward()
     grads = {
         "ddp": [p.grad for p in ddp.module.parameters()],
