@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import require_cuda, timed  # noqa: E402
-from masks_bench import endpoint_mask, visible_pairs  # noqa: E402
+from bench_fwd_sm90 import known_names, require_cuda, timed  # noqa: E402
+from masks_bench import MASK_FORMS, MASKS, endpoint_mask, visible_pairs  # noqa: E402
 
 import flexattn  # noqa: E402
 from flexattn_sm90.fwd_launch import run_forward  # noqa: E402
@@ -51,11 +51,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", default="128")
     p.add_argument("--schedules", default="simple,overlap")
-    p.add_argument("--masks", default="causal,sliding-1024,document,random-5")
+    p.add_argument(
+        "--masks", default="causal,sliding-1024,document,random-5", help=f"of {'; '.join(MASK_FORMS)}"
+    )
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     args = p.parse_args()
+    known_names(p, "--masks", args.masks, MASKS)
     require_cuda(p.prog)
     schedules = args.schedules.split(",")
     b, s, h = args.batch, args.seqlen, args.heads

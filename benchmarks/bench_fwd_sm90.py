@@ -3,7 +3,8 @@
     python benchmarks/bench_fwd_sm90.py [--mode fwd|train] [--seqlen 8192[,16384,...]]
                                         [--batch 2] [--heads 16] [--kv-heads 16] [--dim 128]
                                         [--dim-v 128] [--layout contiguous|packed|bhsd]
-                                        [--masks causal,sliding-1024,document,random-5]
+                                        [--masks causal,sliding-1024,document,random-5
+                                                 [,sliding-<W>,document-short,random-<N>,prefix-lm,chunked-<C>]]
                                         [--systems flexattn,flexattn-det,cudnn,torch-flex,fa4-causal
                                                    [,flexattn-varlen,fa4-varlen,flexattn-contig]]
                                         [--out DIR]
@@ -13,9 +14,10 @@
 has no such mode, so ``--mode fwd`` skips it). With
 ``--kv-heads`` below ``--heads`` (GQA) ``flexattn`` runs the default plan (which packs at 4, 8, 16, 32 or
 64 q heads per kv head) and ``flexattn-pack`` / ``flexattn-unpacked`` the other choice. On the
-``document`` mask, ``flexattn-varlen`` and ``fa4-varlen`` (name them in ``--systems``) take its
-documents as the samples of a varlen THD batch, causal in each (the same visible pairs): ours
-through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel without a mask.
+``document`` and ``document-short`` masks, ``flexattn-varlen`` and ``fa4-varlen`` (name them in
+``--systems``) take its documents as the samples of a varlen THD batch, causal in each (the same
+visible pairs): ours through ``cu_seqlens`` and a causal plan, FA4's dense varlen causal kernel
+without a mask.
 ``--layout packed`` makes q, k, v slices along the heads of one ``[B, S, Hq + 2 Hkv, D]`` tensor, a
 fused QKV projection's output, for every system (strided views: no system gets contiguous ones);
 ``--layout bhsd`` makes them ``[B, H, S, D]`` tensors transposed to BSHD (what code that applies RoPE
@@ -54,8 +56,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from masks_bench import (  # noqa: E402
+    MASK_FORMS,
     MASK_NAMES,
-    document_lengths,
+    MASKS,
+    documents_of,
     endpoint_mask,
     mask_mod_from_endpoints,
     visible_pairs,
@@ -217,8 +221,8 @@ def systems(args, q, k, v, name, endpoints):
             fwd["fa4-causal"] = lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
         except ImportError as e:
             print(f"  FA4 unavailable: {e}")
-    if name == "document":
-        fwd.update(varlen_systems(args, q, k, v, scale))
+    if (docs := documents_of(name, args.batch, q.shape[1])) is not None:
+        fwd.update(varlen_systems(args, q, k, v, scale, docs))
     if not train:
         return fwd
     dout = torch.randn(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
@@ -235,11 +239,12 @@ def systems(args, q, k, v, name, endpoints):
 systems.flex = None
 
 
-def varlen_systems(args, q, k, v, scale):
-    """The document mask's documents as the samples of a varlen (THD) batch, causal in each: the
-    same visible pairs. ``flexattn-varlen`` plans them with ``cu_seqlens``; ``fa4-varlen`` is FA4's
-    dense varlen causal kernel, what packed-document training runs without a mask."""
-    lens = [n for row in document_lengths(args.batch, q.shape[1]) for n in row]
+def varlen_systems(args, q, k, v, scale, docs):
+    """A document mask's documents (``docs``, per sample) as the samples of a varlen (THD) batch,
+    causal in each: the same visible pairs. ``flexattn-varlen`` plans them with ``cu_seqlens``;
+    ``fa4-varlen`` is FA4's dense varlen causal kernel, what packed-document training runs without
+    a mask."""
+    lens = [n for row in docs for n in row]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
     longest = max(lens)
 
@@ -287,7 +292,7 @@ def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser
     p.add_argument("--layout", choices=("contiguous", "packed", "bhsd"), default="contiguous",
                    help="packed: q, k, v slices of one [B, S, Hq + 2 Hkv, D] tensor; bhsd: [B, H, S, D] "
                         "tensors transposed to BSHD")  # fmt: skip
-    p.add_argument("--masks", default=",".join(MASK_NAMES), help=f"of {', '.join(MASK_NAMES)}")
+    p.add_argument("--masks", default=",".join(MASK_NAMES), help=f"of {'; '.join(MASK_FORMS)}")
     p.add_argument("--systems", default="flexattn,flexattn-det,cudnn,torch-flex,fa4-causal",
                    help=f"of {', '.join(SYSTEMS)}")  # fmt: skip
     if sweep:
@@ -298,7 +303,7 @@ def make_parser(description: str, sweep: bool = True) -> argparse.ArgumentParser
 
 def finish(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Checked names and defaults filled in; exits where there is no GPU to time."""
-    known_names(parser, "--masks", args.masks, MASK_NAMES)
+    known_names(parser, "--masks", args.masks, MASKS)
     args.systems = known_names(parser, "--systems", args.systems, SYSTEMS)
     if isinstance(args.seqlen, str):  # a sweep
         args.seqlen = int_list(parser, "--seqlen", args.seqlen)

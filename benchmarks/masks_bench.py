@@ -10,13 +10,17 @@ import torch
 from flexattn import masks
 
 
-def document_lengths(batch: int, seqlen: int, seed: int = 0) -> list[list[int]]:
+def document_lengths(
+    batch: int, seqlen: int, seed: int = 0, shortest: int = 256, longest: int = 2048
+) -> list[list[int]]:
+    """Each sample cut into documents of uniform random lengths in ``[shortest, longest]`` (the last
+    one shorter where the sample ends)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(batch):
         lens, left = [], seqlen
         while left > 0:
-            n = min(left, int(torch.randint(256, 2049, (1,), generator=g)))
+            n = min(left, int(torch.randint(shortest, longest + 1, (1,), generator=g)))
             lens.append(n)
             left -= n
         out.append(lens)
@@ -29,20 +33,75 @@ def random_endpoints(batch: int, seqlen: int, nfunc: int = 5, seed: int = 0, dev
     return torch.floor(u * (seqlen + 1)).clamp(max=seqlen).to(torch.int32).sort(dim=1).values.contiguous()
 
 
-#: the masks endpoint_mask builds, by the name the benchmarks' ``--masks`` take
+#: the benchmarks' default masks (``--masks``)
 MASK_NAMES = ("causal", "sliding-1024", "document", "random-5")
+#: every form ``endpoint_mask`` takes, for help and error texts
+MASK_FORMS = (
+    "causal", "sliding-<W> (causal, W keys to the left)", "document (causal, 256-2048 tokens)",
+    "document-short (causal, 64-512 tokens)", "random-<N> (N random endpoints a row, N odd)",
+    "prefix-lm (a bidirectional prefix of S/4, causal after)", "chunked-<C> (causal in chunks of C)",
+)  # fmt: skip
+_PARAMETRISED = ("sliding", "random", "chunked")  # each takes an integer >= 1
+
+
+def _parse(name: str) -> tuple[str, int | None]:
+    """``("sliding", 1024)`` for ``"sliding-1024"``, ``("causal", None)`` for ``"causal"``; ValueError
+    naming the forms for any other name."""
+    base, _, param = name.rpartition("-")
+    if base in _PARAMETRISED and param.isdigit() and int(param) >= 1:
+        if base != "random" or int(param) % 2:  # endpoints come in an odd count: F0, then pairs
+            return base, int(param)
+    if name in ("causal", "document", "document-short", "prefix-lm"):
+        return name, None
+    raise ValueError(f"unknown mask {name!r}; masks: {'; '.join(MASK_FORMS)}")
+
+
+def is_mask_name(name: str) -> bool:
+    try:
+        _parse(name)
+    except ValueError:
+        return False
+    return True
+
+
+class _MaskNames:
+    """What ``--masks`` takes: ``name in MASKS`` for a name of any form in ``MASK_FORMS``; iterating
+    gives the forms (for help and error texts)."""
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and is_mask_name(name)
+
+    def __iter__(self):
+        return iter(MASK_FORMS)
+
+
+MASKS = _MaskNames()
+
+
+def documents_of(name: str, batch: int, seqlen: int) -> list[list[int]] | None:
+    """The document lengths of each sample for the ``document`` masks (the samples of the varlen
+    systems' THD batch), None for the others."""
+    base, _ = _parse(name)
+    if base == "document":
+        return document_lengths(batch, seqlen)
+    if base == "document-short":
+        return document_lengths(batch, seqlen, shortest=64, longest=512)
+    return None
 
 
 def endpoint_mask(name: str, batch: int, seqlen: int, device="cuda") -> torch.Tensor:
-    if name == "causal":
+    base, param = _parse(name)
+    if (docs := documents_of(name, batch, seqlen)) is not None:
+        return masks.document(docs, causal=True, device=device)
+    if base == "causal":
         return masks.causal(seqlen, batch=batch, device=device)
-    if name == "sliding-1024":
-        return masks.sliding_window(seqlen, window_left=1024, batch=batch, device=device)
-    if name == "document":
-        return masks.document(document_lengths(batch, seqlen), causal=True, device=device)
-    if name == "random-5":
-        return random_endpoints(batch, seqlen, device=device)
-    raise ValueError(f"unknown mask {name!r}; masks: {', '.join(MASK_NAMES)}")
+    if base == "sliding":
+        return masks.sliding_window(seqlen, window_left=param, batch=batch, device=device)
+    if base == "random":
+        return random_endpoints(batch, seqlen, nfunc=param, device=device)
+    if base == "prefix-lm":
+        return masks.prefix_lm(seqlen, seqlen // 4, batch=batch, device=device)
+    return masks.chunked(seqlen, param, batch=batch, device=device)
 
 
 def mask_mod_from_endpoints(endpoints: torch.Tensor, seqlen: int):
