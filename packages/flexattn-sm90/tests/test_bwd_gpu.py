@@ -48,7 +48,7 @@ from maskplan_core.testing import (  # noqa: E402
     varlen_args,
 )
 from maskplan_kernels.consumer_inputs import qkv_operands  # noqa: E402
-from maskplan_kernels.consumer_k2q import ATOMIC_HEAD_GROUP, k2q_row_fill  # noqa: E402
+from maskplan_kernels.consumer_k2q import ATOMIC_HEAD_GROUP, SPARSE_ROW_FILL, k2q_row_fill  # noqa: E402
 from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
 from maskplan_kernels.kv_head_split import kv_head_split  # noqa: E402
 
@@ -288,17 +288,39 @@ def test_half_full_rows_capped_head_group():
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 
+@pytest.mark.parametrize("dqk,dv", [(192, 128), (256, 256)])
+def test_half_full_staggered_rows_take_the_stagger_cap(dqk, dv):
+    """Half-full K2Q rows with staggered ends (a window of about a third of the sample) and 6 kv
+    heads: deterministic mode takes ``det_stagger_heads`` (4) kv heads at a time, then the
+    remaining 2, also at (256, 256) where half-full rows otherwise take ``det_capped_heads``
+    (``Sm90BwdKernel.launch_head_group``; the kernel's own choice, read by the probe). Matches the
+    reference; three runs are bit-identical."""
+    B, S, H = 2, 1000, 6
+    q, k, v = CASES.qkv((B, S, H), (B, S, H), dqk, dv, torch.bfloat16, seed=19)
+    plan = sm90_plan(masks.sliding_window(S, window_left=300, batch=B, device=DEV), q, k, v)
+    view = plan.view("backward")
+    assert SPARSE_ROW_FILL <= row_fill(view, S) < Sm90BwdKernel.DENSE_ROW_FILL
+    staggered, pairs = host_stagger(view)
+    assert staggered * 2 > pairs
+    kernel = Sm90BwdKernel(
+        select_bwd_config(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16"), deterministic=True
+    )
+    assert probe_launch_order(view, deterministic=True, device=DEV) == (kernel.det_stagger_heads, 1)
+    assert 0 < kernel.det_stagger_heads < H
+    check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
+
+
 #: kv heads the launch order takes at a time, H = 10 kv heads, B=2 S=8192 (the benchmark's masks):
-#: {(dim, deterministic): (causal, sliding-1024, document, random-5)}, dim 192 with Dv = 128.
-#: Causal's K2Q rows are half full, sliding windows' and documents' sparse (sliding windows' ends
-#: staggered), random-5's dense
+#: {(dim, deterministic): (causal, sliding-1024, document, random-5, sliding-4096)}, dim 192 with
+#: Dv = 128. Causal's K2Q rows are half full, sliding-1024's and documents' sparse, random-5's
+#: dense, sliding-4096's half full; sliding windows' ends are staggered
 LAUNCH_GROUPS = {
-    (128, False): (ATOMIC_HEAD_GROUP, 10, 10, ATOMIC_HEAD_GROUP),  # sparse rows: all heads
-    (192, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),  # sparse rows: SPARSE_HEAD_CAP
-    (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP),
-    (128, True): (10, 10, 10, 2),  # dense rows: DENSE_HEAD_GROUP
-    (192, True): (10, 4, 10, 2),  # staggered rows: det_stagger_heads
-    (256, True): (8, 4, 10, 2),  # and half-full rows: det_capped_heads
+    (128, False): (ATOMIC_HEAD_GROUP, 10, 10, ATOMIC_HEAD_GROUP, ATOMIC_HEAD_GROUP),  # sparse: all heads
+    (192, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP, ATOMIC_HEAD_GROUP),  # sparse: SPARSE_HEAD_CAP
+    (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP, ATOMIC_HEAD_GROUP),
+    (128, True): (10, 10, 10, 2, 10),  # dense rows: DENSE_HEAD_GROUP
+    (192, True): (10, 4, 10, 2, 4),  # staggered rows: det_stagger_heads
+    (256, True): (8, 4, 10, 2, 4),  # and half-full rows: det_capped_heads, unless staggered
 }
 
 
@@ -316,6 +338,7 @@ def test_launch_order_as_the_kernel_decides(dim, deterministic):
         masks.sliding_window(S, window_left=1024, batch=B, device=DEV),
         masks.document([[3000, 2000, 1500, 1692], [5000, 3192]], device=DEV),
         CASES.random_intervals(1, 5, torch.full((B * S,), S), seed=3),
+        masks.sliding_window(S, window_left=4096, batch=B, device=DEV),
     )
     for ep, group in zip(eps, LAUNCH_GROUPS[dim, deterministic], strict=True):
         view = sm90_plan(ep, q, q, v).view("backward")

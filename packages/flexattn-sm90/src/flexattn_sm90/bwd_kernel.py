@@ -90,8 +90,8 @@ mode also launches the CTAs kv heads first, so the resident ones form many short
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
 order takes ``DENSE_HEAD_GROUP`` kv heads at a time, ``HALF_FULL_HEAD_CAP`` on half-full rows
-(causal's) at (256, 256) and ``SPARSE_HEAD_CAP`` on sparse rows with staggered ends (sliding
-windows') from (192, 128) on (:meth:`Sm90BwdKernel.launch_head_group`).
+(causal's) at (256, 256) and ``SPARSE_HEAD_CAP`` on sparse or half-full rows with staggered ends
+(sliding windows') from (192, 128) on (:meth:`Sm90BwdKernel.launch_head_group`).
 
 The item order (tickets, ``consumer_k2q.grouped_launch_slot``) and how many kv heads it takes
 at a time: bwd_launch_order.py.

@@ -48,8 +48,8 @@ class LaunchOrder:
     SPARSE_ALL_HEADS_BYTES = 64 * 1024
     SPARSE_HEAD_CAP = 4
     #: deterministic mode: HALF_FULL_HEAD_CAP heads at a time on half-full K2Q rows (causal's) where
-    #: a Q block takes DET_CAP_BYTES or more, SPARSE_HEAD_CAP on sparse ones with staggered ends
-    #: (sliding windows') where it takes STAGGER_CAP_BYTES or more (launch_head_group)
+    #: a Q block takes DET_CAP_BYTES or more, SPARSE_HEAD_CAP on sparse or half-full ones with
+    #: staggered ends (sliding windows') where it takes STAGGER_CAP_BYTES or more (launch_head_group)
     DET_CAP_BYTES = 128 * 1024
     HALF_FULL_HEAD_CAP = 8
     STAGGER_CAP_BYTES = 88 * 1024
@@ -71,8 +71,8 @@ class LaunchOrder:
         documents, and at (192, 128) +3-4% / -1-0% (D = 128: -3% on documents; RESULTS.md,
         session 31). Deterministic mode: ``DENSE_HEAD_GROUP`` on dense K2Q rows (``k2q_row_fill``
         of ``DENSE_ROW_FILL`` or more), ``det_capped_heads`` where set on half-full rows and
-        ``det_stagger_heads`` where set on sparse rows with staggered ends (below), else all of
-        them.
+        ``det_stagger_heads`` where set on sparse or half-full rows with staggered ends (below),
+        else all of them.
         With all heads, a wave of resident CTAs holds ~8 K blocks per head, each streaming its
         head's Q, dO and dQ blocks: on dense rows that is every head's whole Q range per wave,
         which spilled from L2 ((192, 128) random-5: DRAM 56% busy, the dQ writers' adds slowed,
@@ -95,18 +95,22 @@ class LaunchOrder:
         and 202 (session 50); causal at 423 and 421 over 8 against 415 and 413 over 4 in two
         rounds, 359 over 2 (sliding-1024: 351 and 351 over 8, 346 and 346 over 4, 326 over 2);
         at (192, 128) sliding-1024 at 370 over 16 heads and 395 over 4 (atomic 406), causal at
-        504 and 485 over 4, so half-full rows keep all heads there (session 53). Any order gives
-        the same bits (dq_write_order fixes the adds)."""
+        504 and 485 over 4, so half-full rows keep all heads there (session 53). Half-full rows
+        with staggered ends (windows of about half the sample: sliding-4096 at S = 8192) take
+        ``det_stagger_heads`` before ``det_capped_heads``: at (256, 256) 358 TFLOP/s over 8 heads,
+        417 over 4 (atomic 461), causal unchanged; at (192, 128) 467 over 16, 498 over 4 (atomic
+        521; session 66, H100). Any order gives the same bits (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
         fill = view_row_fill(plan, n_qblk)
         if fill >= self.DENSE_ROW_FILL:
             group = Int32(self.DENSE_HEAD_GROUP)
-        elif fill >= SPARSE_ROW_FILL:
+        else:
             if const_expr(self.det_capped_heads != 0):
-                group = cutlass.min(kv_heads, Int32(self.det_capped_heads))
-        elif const_expr(self.det_stagger_heads != 0):
-            if staggered_row_ends(plan):
-                group = cutlass.min(kv_heads, Int32(self.det_stagger_heads))
+                if fill >= SPARSE_ROW_FILL:
+                    group = cutlass.min(kv_heads, Int32(self.det_capped_heads))
+            if const_expr(self.det_stagger_heads != 0):  # sparse or half-full rows, staggered
+                if staggered_row_ends(plan):
+                    group = cutlass.min(kv_heads, Int32(self.det_stagger_heads))
         return group
