@@ -1,6 +1,7 @@
 """A package's test that needs another local package skips itself in that package's CI session
 (which installs the package and its dependencies only), so CI must run it elsewhere: every such
-test (a ``pytest.importorskip`` of another local package) is in the noxfile's
+test (a ``pytest.importorskip`` of another local package, or a test file that imports one in a
+module-level ``try``) is in the noxfile's
 ``CROSS_PACKAGE_TESTS``, which the integration session runs with every package installed. GPU test
 files are exempt: they run on the GPU machine, where every package is installed."""
 
@@ -43,7 +44,23 @@ def _cross_package_tests() -> set[str]:
             module_level = re.search(r"^\w+ = pytest\.importorskip\(\"(\w+)", path.read_text(), re.M)
             if module_level and module_level.group(1) in local - modules:
                 found.add(str(path.relative_to(ROOT)))
+            if _tries_to_import(tree) & (local - modules):  # its tests skip themselves without it
+                found.add(str(path.relative_to(ROOT)))
     return found
+
+
+def _tries_to_import(tree: ast.Module) -> set[str]:
+    """Top-level packages a module imports inside a module-level ``try`` (``try: import flexattn /
+    except ImportError: flexattn = None``, then ``skipif(flexattn is None)`` on some tests)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Try):
+            for stmt in ast.walk(ast.Module(body=node.body, type_ignores=[])):
+                if isinstance(stmt, ast.Import):
+                    names.update(alias.name.split(".")[0] for alias in stmt.names)
+                elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+                    names.add(stmt.module.split(".")[0])
+    return names
 
 
 def _listed() -> set[str]:

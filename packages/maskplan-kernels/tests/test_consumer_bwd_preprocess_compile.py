@@ -2,7 +2,7 @@
 compiles without a GPU for the CI target (sm_90a unless ``CUTE_DSL_ARCH`` says otherwise) at both
 consumers' tile_m (SM90: 64, SM100: 128), with and without ``dlse``, and zeroes the dQ accumulator
 with 16-byte stores and no register spills. The SM100 package compiles it for sm_100a
-(flexattn-sm100 tests/test_bwd_compile.py)."""
+(flexattn-sm100 tests/test_sm100_bwd_compile.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GPU tests of the SM100 forward kernel against the fp32 reference on the same plan.
 
 They run ONLY on a compute-capability 10.x GPU. None was available when the kernel was written:
-these tests have never run, and the kernel has only been compiled (``test_fwd_compile.py``).
+these tests have never run, and the kernel has only been compiled (``test_sm100_fwd_compile.py``).
 
 Plans are built by the reference planner with the SM100 consumer's forward config for each generic
 variant (qstage1 + 1CTA, qstage2 + 1CTA and qstage1 + 2CTA, forced with ``variant=``; every test runs
@@ -10,7 +10,7 @@ the kernel consumes exactly the view a plan for that config carries. Outputs are
 poisoned with NaN before each run: an element the kernel does not write fails the test. Tolerance
 (max abs error vs fp32 on random normal inputs), as for SM90: bf16 2e-2, fp16 5e-3.
 
-    python -m pytest packages/flexattn-sm100/tests/test_fwd_gpu.py -m gpu -q
+    python -m pytest packages/flexattn-sm100/tests/test_sm100_fwd_gpu.py -m gpu -q
 """
 
 import functools

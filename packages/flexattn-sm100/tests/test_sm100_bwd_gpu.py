@@ -2,7 +2,7 @@
 reference on the same plan, mirroring ``flexattn-sm90/tests/test_bwd_gpu.py``.
 
 They run ONLY on a compute-capability 10.x GPU. None was available when the kernel was written: these
-tests have never run, and the kernel has only been compiled (``test_bwd_compile.py``).
+tests have never run, and the kernel has only been compiled (``test_sm100_bwd_compile.py``).
 
 Plans carry the SM100 forward view the forward kernel implements (qstage1 + 1CTA; d256 for (256, 256))
 and the k2q-1cta backward view (d256 for (256, 256); k2q-2cta in the tests of that section; named
@@ -16,7 +16,7 @@ without a visible key and keys no query sees get exactly 0 (the shared check,
 :class:`maskplan_core.testing.BackwardCases`). Needs the backward preprocess in ``maskplan_kernels``
 (see ``bwd_launch``).
 
-    python -m pytest packages/flexattn-sm100/tests/test_bwd_gpu.py -m gpu -q
+    python -m pytest packages/flexattn-sm100/tests/test_sm100_bwd_gpu.py -m gpu -q
 """
 
 import dataclasses
