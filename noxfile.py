@@ -54,8 +54,10 @@ nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "core", "kernels", "sm90", "sm100", "facade", "integration", "demo"]
 
 # Compile-only CuTe DSL tests need a target architecture; no GPU is needed for them.
-SM90_COMPILE = {"CUTE_DSL_ARCH": "sm_90a"}
-SM100_COMPILE = {"CUTE_DSL_ARCH": "sm_100a"}
+# ptxas must read the DSL's PTX there (maskplan_kernels.testing.REQUIRE_PTXAS): the spill and
+# WGMMA-serialisation checks fail instead of warning without it.
+SM90_COMPILE = {"CUTE_DSL_ARCH": "sm_90a", "FLEXATTN_REQUIRE_PTXAS": "1"}
+SM100_COMPILE = {"CUTE_DSL_ARCH": "sm_100a", "FLEXATTN_REQUIRE_PTXAS": "1"}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from flexattn_sm100.fwd_launch import (  # noqa: E402
 from flexattn_sm100.heuristics import select_fwd_config  # noqa: E402
 from maskplan_core.errors import UnsupportedConfigError  # noqa: E402
 from maskplan_kernels import compile_cache  # noqa: E402
-from maskplan_kernels.testing import assert_ptxas_clean, ptxas_report  # noqa: E402
+from maskplan_kernels.testing import assert_ptxas_clean, ptxas_report, unchecked_by_ptxas  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CUTE_DSL_ARCH") != "sm_100a",
@@ -174,7 +174,9 @@ def test_compiles_qstage2(dims, dtype, max_spill, tmp_path):
     assert not re.search(r"cp\.async\.bulk\.shared::c\w*\.global", ptx)
     assert _count(ptx, r"st\.global\.v4\.b32") == 2 * dv // 8
     report = ptxas_report(ptx, "sm_100a", tmp_path)
-    if report is not None:
+    if report is None:
+        unchecked_by_ptxas("sm_100a")
+    else:
         spilled = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
         assert spilled and max(spilled) <= max_spill, report
 

@@ -8,6 +8,7 @@ import pytest
 
 import maskplan_kernels.testing as support
 from maskplan_kernels.testing import (
+    REQUIRE_PTXAS,
     assert_ptxas_clean,
     assert_row_view,
     assert_waits_before_global_access,
@@ -129,3 +130,15 @@ def test_ptx_of_an_isa_newer_than_ptxas_is_not_checked(tmp_path):
     ptx = ".version 99.0\n.target sm_90a\n.address_size 64\n.visible .entry k() { ret; }\n"
     assert ptxas_report(ptx, "sm_90a", tmp_path) is None
     assert ptxas_report(ptx.replace("99.0", "8.0"), "sm_90a", tmp_path) is not None
+
+
+def test_ptx_no_ptxas_reads_is_reported(tmp_path, monkeypatch):
+    """assert_ptxas_clean on PTX no ptxas reads (an ISA from the future) warns that nothing was
+    checked, and fails where REQUIRE_PTXAS is 1 (the noxfile's compile sessions)."""
+    ptx = ".version 99.0\n.target sm_90a\n.address_size 64\n.visible .entry k() { ret; }\n"
+    monkeypatch.delenv(REQUIRE_PTXAS, raising=False)
+    with pytest.warns(UserWarning, match="sm_90a register spills and WGMMA pipeline are unchecked"):
+        assert_ptxas_clean(ptx, "sm_90a", tmp_path)
+    monkeypatch.setenv(REQUIRE_PTXAS, "1")
+    with pytest.raises(AssertionError, match="FLEXATTN_REQUIRE_PTXAS=1"):
+        assert_ptxas_clean(ptx, "sm_90a", tmp_path)
