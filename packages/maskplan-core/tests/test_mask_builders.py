@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mask_oracle import FAST, assert_matches, decode, dense_from_rule
 
-from maskplan_core import masks
+from maskplan_core import SeqlenError, masks
 
 # --------------------------------------------------------------------------------------------------
 # causal
@@ -117,6 +117,16 @@ def test_varlen_builder_argument_errors():
         masks.causal(cu_seqlens_q=[0, 2, 3], cu_seqlens_k=[0, 2])
     with pytest.raises(TypeError, match="seqlen_q is required"):
         masks.causal()
+
+
+@pytest.mark.parametrize(
+    "cu_q, match",
+    [([0], "at least 2"), ([1, 3], "start at 0"), ([0, 3, 2], "non-decreasing"), ([0, 2**31], "int32")],
+)
+def test_malformed_cu_seqlens_are_seqlen_errors(cu_q, match):
+    """A builder's malformed prefix raises the planner's SeqlenError (a ValueError), as the planner does."""
+    with pytest.raises(SeqlenError, match=match):
+        masks.causal(cu_seqlens_q=cu_q, cu_seqlens_k=[0] * len(cu_q))
 
 
 @FAST

@@ -259,6 +259,10 @@ def flex_attn_func(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
 
+    ``softmax_scale`` multiplies the logits (None: ``1 / sqrt(head_dim_qk)``). ``deterministic``
+    makes the backward's dQ bit-identical from run to run (the plan's ``dq_write_order``; the
+    forward is deterministic either way). ``return_lse`` / ``return_max_logit`` add outputs:
+
     Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE (``[B, Hq, Sq]``
     / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled logit over visible
     elements if ``return_max_logit``, as a tuple when more than ``out`` is asked for. Both LSE

@@ -301,6 +301,13 @@ class FlexAttentionFwd(_Explicit):
         current_stream=None,
         max_logit_tensor: torch.Tensor | None = None,
     ) -> None:
+        """Attention of ``q_tensor`` / ``k_tensor`` / ``v_tensor`` with ``mask_plan``, written into
+        ``o_tensor`` and, where given, ``lse_tensor`` and ``max_logit_tensor`` (the layouts of the
+        class docstring; each shaped as its ``sample_*`` was, ``max_logit_tensor`` only where
+        ``sample_max_logit`` was given). ``softmax_scale`` None is ``1 / sqrt(head_dim_qk)``;
+        ``current_stream`` (a ``torch.cuda.Stream`` or a raw ``CUstream`` handle) is where the work
+        is queued, None the device's current stream; ``workspace`` (None, or cuDNN-style code's
+        tensor) is not used: ``workspace_size`` is 0 (module docstring)."""
         tensors = dict(
             q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, lse=lse_tensor, max_logit=max_logit_tensor
         )
@@ -385,6 +392,12 @@ class FlexAttentionBwd(_Explicit):
         softmax_scale: float | None = None,
         current_stream=None,
     ) -> None:
+        """Gradients of attention with ``mask_plan`` (built with ``build_backward=True``) written into
+        ``dq_tensor`` / ``dk_tensor`` / ``dv_tensor``, from the forward's ``o_tensor`` and
+        ``lse_tensor``, the output gradient ``do_tensor`` and, where the LSE takes a gradient,
+        ``dlse_tensor``; ``deterministic`` (the constructor's) makes dQ bit-identical from run to
+        run. ``softmax_scale`` must be the forward's (None: ``1 / sqrt(head_dim_qk)``);
+        ``current_stream`` and ``workspace`` as in :meth:`FlexAttentionFwd.execute`."""
         tensors = dict(
             q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, do=do_tensor, lse=lse_tensor,
             dq=dq_tensor, dk=dk_tensor, dv=dv_tensor, dlse=dlse_tensor,

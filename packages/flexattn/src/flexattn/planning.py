@@ -74,7 +74,9 @@ def create_mask_plan(
 
     ``mask_func``: contiguous int32 ``[Hmask, nfunc, total_q]`` (Hmask 1 or Hq, nfunc odd); row
     ``i``'s visible keys are ``[0, F0) U [F1, F2) U ...`` in sample-local positions (build them
-    with :mod:`flexattn.masks`). Q/K/V are BSHD (fixed) or THD with all four varlen arguments;
+    with :mod:`flexattn.masks`). Q/K/V are BSHD (fixed) or THD with all four varlen arguments
+    together (``cu_seqlens_q`` / ``cu_seqlens_k``: int32 ``[B + 1]`` prefixes of the samples'
+    lengths; ``max_seqlen_q`` / ``max_seqlen_k``: the longest sample's);
     only their shapes, dtype and device matter, not their values (inside a ``torch.autocast``
     region, the dtype they reach attention in: the region's, as in :func:`flex_attn_func`).
     ``build_backward=None`` builds the backward (K2Q) view when autograd is enabled and any of

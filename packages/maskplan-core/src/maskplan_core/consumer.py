@@ -191,9 +191,13 @@ class Consumer(ABC):
         return_max_logit: bool, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
         payload_via_smem: bool | None = None,
     ) -> AttentionOutputs:  # fmt: skip
-        """``q``, ``k``, ``v`` are THD views with a contiguous head dim and any other strides (e.g.
-        slices of one fused QKV tensor), or a fixed-length ``[B, S, H, D]`` tensor that has no THD
-        view, as it is (class docstring). ``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse``
+        """Attention forward for ``plan`` (built for this consumer). ``q``, ``k``, ``v`` are THD
+        views with a contiguous head dim and any other strides (e.g. slices of one fused QKV
+        tensor), or a fixed-length ``[B, S, H, D]`` tensor that has no THD view, as it is (class
+        docstring). ``softmax_scale`` is always a resolved float (the facade turns None into
+        ``1 / sqrt(head_dim_qk)``); ``return_max_logit`` asks for the ``[Hq]`` maximum scaled logit
+        over visible elements in the result's ``max_logit`` (else None). The result's ``lse`` is
+        ``[Hq, total_q]``. ``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse``
         (``[Hq, total_q]``, fp32; fp64 for fp64 inputs), when given, are contiguous, 16-byte aligned
         tensors the results must be written into (and returned). ``flex_attn_func`` never passes
         them; the facade's explicit ``FlexAttentionFwd`` does where the caller's buffers are such
@@ -210,9 +214,15 @@ class Consumer(ABC):
         deterministic: bool, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
         dv: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``dq`` / ``dk`` / ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and
-        typed like q / k / v that the gradients must be written into (and returned); the facade's
-        ``FlexAttentionBwd`` passes the caller's buffers that are such (and copies into the others)."""
+        """Attention backward for ``plan`` (built with backward views): returns ``(dq, dk, dv)``
+        shaped like q / k / v as given (THD views, or the fixed-length tensors as they are).
+        ``out`` and ``dout`` are like q's layout with Dv; ``lse`` is the forward's ``[Hq,
+        total_q]``; ``dlse`` (the LSE's gradient, same layout) is None where the LSE took no
+        gradient; ``softmax_scale`` is the resolved float the forward used; ``deterministic`` asks
+        for bit-identical dQ from run to run (the plan's ``dq_write_order``). ``dq`` / ``dk`` /
+        ``dv``, when given, are contiguous, 16-byte aligned tensors shaped and typed like q / k / v
+        that the gradients must be written into (and returned); the facade's ``FlexAttentionBwd``
+        passes the caller's buffers that are such (and copies into the others)."""
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

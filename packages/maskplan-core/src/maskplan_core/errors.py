@@ -31,7 +31,8 @@ class EndpointError(InputValueError):
 
 
 class SeqlenError(InputValueError):
-    """A ``cu_seqlens`` prefix is malformed or exceeds ``max_seqlen``."""
+    """A ``cu_seqlens`` prefix is malformed (not starting at 0, decreasing, too short, past the
+    int32 range) or exceeds ``max_seqlen``: in the planner's inputs and in the mask builders'."""
 
 
 class PlanBindingError(InputValueError):

@@ -249,7 +249,8 @@ class PlanView:
         full tile lies wholly inside its sample, so one reaching past the sample's end is ``+``
         even where every element inside the sample is visible.
 
-        ``width`` (characters a line at most; None: a character per block) draws a long sequence
+        ``width`` (characters a line at most; None: a character per block, per ``tile_n / tile_m``
+        Q blocks on a PackGQA view as below) draws a long sequence
         coarser: a character then stands for ``f x f`` blocks (``f`` the smallest factor that fits
         the K blocks in ``width``), ``#`` where all of them are full, ``.`` where all are empty,
         ``+`` otherwise. A PackGQA view's Q block is ``tile_m`` positions of every packed head: a
@@ -294,6 +295,7 @@ class PlanView:
         return dense
 
     def nbytes(self) -> int:
+        """Bytes the view's tensors hold."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values() if t is not None)
 
     def stats(self) -> dict:
@@ -546,10 +548,12 @@ class MaskPlan:
 
     @property
     def geometry(self) -> PlanGeometry:
+        """The problem the plan was built for (batch, lengths, heads, head dims, dtype, device)."""
         return self._geometry
 
     @property
     def consumer(self) -> str:
+        """The name of the consumer whose kernels the views are laid out for (``"sm90"``, ...)."""
         return self._consumer
 
     @property
@@ -594,13 +598,16 @@ class MaskPlan:
 
     @property
     def has_backward(self) -> bool:
+        """Whether the plan has a backward view (``build_backward=True``), so it can train."""
         return "backward" in self._views
 
     @property
     def roles(self) -> tuple[str, ...]:
+        """The roles of the plan's views: ``("forward",)`` or ``("forward", "backward")``."""
         return tuple(self._views)
 
     def view(self, role: str) -> PlanView:
+        """The :class:`PlanView` of ``role`` (one of :attr:`roles`)."""
         if not isinstance(role, str):
             raise InputTypeError(f"role must be a view role name (one of {list(self._views)}), got {role!r}")
         if role not in self._views:
@@ -615,6 +622,7 @@ class MaskPlan:
 
     @property
     def metadata(self) -> PlanMetadata:
+        """The plan's facts as ``cudnn.flex_attention``'s plan metadata names them (:class:`PlanMetadata`)."""
         g = self._geometry
         items = {
             "consumer": self._consumer,
@@ -648,7 +656,8 @@ class MaskPlan:
         return PlanMetadata(items, fields)
 
     def debug_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Clones of every view tensor (mutating them cannot affect the plan)."""
+        """Clones of every view tensor by role, and under ``"geometry"`` the plan's ``cu_seqlens_q`` /
+        ``cu_seqlens_k`` (mutating them cannot affect the plan)."""
         snap = {
             role: {k: t.clone() for k, t in v.tensors.items() if t is not None}
             for role, v in self._views.items()

@@ -100,6 +100,9 @@ class PayloadLayoutSpec(_Frozen):
 
 
 class SignatureDiff(_Frozen):
+    """One field in which a plan's signature differs from what a consumer expects
+    (:meth:`PlanSignature.diff`): its dotted name, the consumer's value and the plan's."""
+
     field: str
     expected: object
     actual: object

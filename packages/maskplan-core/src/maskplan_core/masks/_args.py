@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ..endpoint_samples import record_samples
-from ..errors import InputTypeError, InputValueError
+from ..errors import InputTypeError, InputValueError, SeqlenError
 from ..validation import MAX_SEQLEN, require_tensor
 
 
@@ -148,13 +148,13 @@ def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tens
     else:
         cu = torch.tensor(_int_list(name, value), dtype=torch.int64, device=device)
     if cu.numel() < 2:
-        raise InputValueError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
+        raise SeqlenError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
     if int(cu[0]) != 0:
-        raise InputValueError(f"{name} must start at 0, got {int(cu[0])}")
+        raise SeqlenError(f"{name} must start at 0, got {int(cu[0])}")
     if bool((cu[1:] < cu[:-1]).any()):
-        raise InputValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+        raise SeqlenError(f"{name} must be non-decreasing, got {cu.tolist()}")
     if int(cu[-1]) > MAX_SEQLEN:
-        raise InputValueError(
+        raise SeqlenError(
             f"{name}[-1] = {int(cu[-1])} exceeds the int32 endpoint range (<= {MAX_SEQLEN})"
         )
     return cu

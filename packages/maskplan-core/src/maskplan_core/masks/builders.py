@@ -104,7 +104,8 @@ def causal(
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
     ``seqused_k`` (one int per sample; FlashAttention's name): sample ``b`` uses only its first
     ``seqused_k[b]`` keys (a static KV cache's written slots), and its diagonal aligns to the
-    last of them; the keys past them are hidden.
+    last of them; the keys past them are hidden. ``device``: where the endpoints are made (None:
+    the CPU, or ``cu_seqlens_q``'s device where it is a tensor).
     """
     d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
     return _finish(
@@ -124,7 +125,7 @@ def full(
 ) -> torch.Tensor:
     """No mask: row ``i`` sees every key of its sample (torch's ``block_mask=None``; with varlen
     samples, attention within each sample). Returns ``[1, 1, batch * seqlen_q]`` int32 (varlen:
-    ``[1, 1, total_q]``), taking the lengths and ``seqused_k`` as :func:`causal` does."""
+    ``[1, 1, total_q]``), taking the lengths, ``seqused_k`` and ``device`` as :func:`causal` does."""
     _, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
     return _finish([k_len], 1, "masks.full", *lens, keys_hint=_keys_hint("full"))
 
@@ -153,8 +154,8 @@ def sliding_window(
 
     ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal); the window is clipped to
     ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
-    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen and
-    ``seqused_k`` (``seqlen_k`` then the sample's used keys) as :func:`causal`.
+    Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen, ``device``
+    and ``seqused_k`` (``seqlen_k`` then the sample's used keys) as :func:`causal`.
     """
     window_left = _as_extent("window_left", window_left, window=True, per_head=_PER_HEAD_WINDOW)
     window_right = _as_extent("window_right", window_right, window=True)
@@ -247,7 +248,7 @@ def document(
     (prefix-LM inside each document, ``causal=True``), shaped as ``doc_lens``: the first
     ``prefix_lens[b][j]`` tokens of document ``j`` see one another both ways (a prompt), the rest
     causally, as :func:`prefix_lm` per document; a window or chunks still apply on top.
-    Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]``.
+    Returns ``[1, 3, B * S]`` int32 with endpoints ``[0, lo, hi]`` on ``device`` (None: the CPU).
     """
     dev = _as_device(device)
     seqs = _parse_doc_lens(doc_lens)
@@ -301,7 +302,8 @@ def document_ids(
     ``doc_ids`` is an integer tensor ``[S]`` (one packed sequence) or ``[B, S]`` (one row per batch
     sample); each maximal run of equal consecutive ids within a row is one document, so ids need
     not be sorted or distinct across documents (``[7, 7, 3, 3, 3]`` is two documents; so is
-    ``[0, 0, 1, 1, 1]``). Rows see keys as :func:`document` describes. Returns ``[1, 3, B * S]``
+    ``[0, 0, 1, 1, 1]``). Rows see keys as :func:`document` describes, with its ``causal``,
+    ``window_left`` and ``chunk_size``. Returns ``[1, 3, B * S]``
     int32 endpoints ``[0, lo, hi]``. Position ids that restart at 0 in every document give the ids
     as ``(position_ids == 0).cumsum(-1)``.
 
@@ -413,7 +415,8 @@ def prefix_lm(
 
     ``prefix_len`` is an int (same prefix for every sample) or a per-sample sequence / 1-D tensor.
     ``batch`` defaults to 1 for an int ``prefix_len`` and to ``len(prefix_len)`` for a sequence
-    (if given, it must match).  Returns ``[1, 1, batch * seqlen]`` int32.
+    (if given, it must match).  Returns ``[1, 1, batch * seqlen]`` int32 on ``device`` (None: the
+    CPU).
     """
     seqlen = _as_length("seqlen", seqlen)
     dev = _as_device(device)
@@ -451,7 +454,8 @@ def chunked(
     ``[c * chunk_size, (c+1) * chunk_size)``.
 
     ``c = i // chunk_size``; the chunk is clipped to ``seqlen``; with ``causal=True`` keys are further
-    limited to ``<= i``.  Returns ``[1, 3, batch * seqlen]`` int32 with endpoints ``[0, lo, hi]``.
+    limited to ``<= i``.  Returns ``[1, 3, batch * seqlen]`` int32 with endpoints ``[0, lo, hi]``
+    on ``device`` (None: the CPU).
     """
     seqlen = _as_length("seqlen", seqlen)
     chunk_size = _as_extent("chunk_size", chunk_size, 1)
