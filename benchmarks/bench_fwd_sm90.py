@@ -96,7 +96,7 @@ def known_names(parser: argparse.ArgumentParser, option: str, text: str, known) 
     names = text.split(",")
     unknown = [n for n in names if n not in known]
     if unknown:
-        parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+        parser.error(f"{option}: unknown {', '.join(map(repr, unknown))}; choose from {'; '.join(known)}")
     return names
 
 

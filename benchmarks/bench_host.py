@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fwd_sm90 import require_cuda  # noqa: E402
+from bench_fwd_sm90 import known_names, require_cuda  # noqa: E402
 from masks_bench import MASK_FORMS, MASKS, endpoint_mask  # noqa: E402
 
 import flexattn  # noqa: E402
@@ -61,8 +61,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200, help="calls per timing and in the profile")
     p.add_argument("--top", type=int, default=40, help="profile rows printed per ordering")
     args = p.parse_args()
-    if args.mask not in MASKS:
-        p.error(f"--mask: unknown {args.mask!r}; choose from {'; '.join(MASK_FORMS)}")
+    known_names(p, "--mask", args.mask, MASKS)
     require_cuda(p.prog)
     q, k, v = (
         torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv"

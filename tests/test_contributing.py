@@ -24,8 +24,12 @@ def test_the_paths_it_names_exist():
     repo_paths = re.findall(r"\b((?:packages|tests|benchmarks|examples)/[\w./-]*[\w/])", TEXT)
     module_paths = re.findall(r"`((?:maskplan|flexattn)_\w+/[\w/]+\.py)`", TEXT)  # under a package's src/
     assert len(repo_paths) > 10 and module_paths
+    files = re.findall(r"`([\w.-]+\.(?:py|md|toml|ini)|\.ci/run)`", TEXT)  # named alone, somewhere
+    files.remove("utils.py")  # the style rule's file not to write
+    assert "ruff.toml" in files and "bench_plan_cpu.py" in files
     missing = [p for p in repo_paths if not (ROOT / p).exists()]
     missing += [p for p in module_paths if not any(ROOT.glob(f"packages/*/src/{p}"))]
+    missing += [p for p in files if not any(ROOT.glob(p)) and not any(ROOT.glob(f"**/{p}"))]
     assert not missing, f"CONTRIBUTING.md names paths that do not exist: {missing}"
 
 

@@ -305,8 +305,8 @@ def test_half_full_staggered_rows_take_the_stagger_cap(dqk, dv):
     kernel = Sm90BwdKernel(
         select_bwd_config(head_dim_qk=dqk, head_dim_v=dv, dtype="bfloat16"), deterministic=True
     )
-    assert probe_launch_order(view, deterministic=True, device=DEV) == (kernel.det_stagger_heads, 1)
     assert 0 < kernel.det_stagger_heads < H
+    assert probe_launch_order(view, deterministic=True, device=DEV) == (kernel.det_stagger_heads, 1)
     check_backward(run_backward, plan, q, k, v, deterministic=True, repeats=3)
 
 

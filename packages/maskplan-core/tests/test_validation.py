@@ -280,6 +280,19 @@ def test_both_readings_named_where_both_fit():
         validate_plan_inputs(causal(total_q=1, sq=1, sk=50, nfunc=3), q, k, v)
 
 
+def test_a_builders_mask_for_other_lengths_names_them_and_qs():
+    """A mask a builder made for longer samples than q's (a mask_mod converted for the model's
+    longest length): no generic hint fits, so the error names both lengths."""
+    from maskplan_core.masks import causal, from_mask_mod
+
+    q, k, v = fixed_qkv(sq=20, sk=20)
+    for mask, builder in ((from_mask_mod(lambda b, h, i, j: i >= j, B, 1, 32, 32), "from_mask_mod"),
+                          (causal(32, batch=B), "causal")):  # fmt: skip
+        with expect(InputValueError, ValueError, f"built by masks.{builder} for {B} samples of 32 rows",
+                    f"build it for q's samples ({B} samples of 20 rows)"):  # fmt: skip
+            validate_plan_inputs(mask, q, k, v)
+
+
 def test_a_key_padding_mask_of_one_row_per_sample_gets_the_expand_hint():
     """SDPA's key-padding mask ``[B, 1, 1, Sk]`` converted as it is gives one query row per sample:
     the error says to expand it to every query row first."""

@@ -99,7 +99,9 @@ class LaunchOrder:
         with staggered ends (windows of about half the sample: sliding-4096 at S = 8192) take
         ``det_stagger_heads`` before ``det_capped_heads``: at (256, 256) 358 TFLOP/s over 8 heads,
         417 over 4 (atomic 461), causal unchanged; at (192, 128) 467 over 16, 498 over 4 (atomic
-        521; session 66, H100). Any order gives the same bits (dq_write_order fixes the adds)."""
+        521; session 66, H100); not timed: (192, 128) causal, whose half-full rows now also take the
+        ``staggered_row_ends`` sample (and keep all heads). Any order gives the same bits
+        (dq_write_order fixes the adds)."""
         if const_expr(not self.deterministic):
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads

@@ -78,18 +78,19 @@ def _recorded(mask_func: torch.Tensor) -> Built | None:
     return built
 
 
-def built_rows_hint(mask_func: torch.Tensor) -> str:
+def built_rows_hint(mask_func: torch.Tensor, q_samples: str = "") -> str:
     """For a ``mask_func`` whose row count is not q's (refused before :func:`check_samples` could
-    name its samples), recorded by a builder that says how to give it other rows (its
-    ``rows_hint``, which the generic hints of the refusal, naming other builders' arguments, do
-    not): ``"; it was built by ... for ...: build it for q's samples ..."``; else ``""``."""
+    name its samples), recorded by a builder: ``"; it was built by ... for ...: build it for q's
+    samples ..."``. Without ``q_samples`` only for a builder with a ``rows_hint`` (how it takes
+    other rows, which the refusal's generic hints, naming other builders' arguments, do not say);
+    with it (what q holds, e.g. ``"2 samples of 200 rows"``: where no generic hint fits) for any
+    builder. Else ``""``."""
     built = _recorded(mask_func)
-    if built is None or not built.rows_hint:
+    if built is None or not (built.rows_hint or q_samples):
         return ""
-    return (
-        f"; it was built by {built.builder} for {_describe(built.rows, 'rows')}: build it for q's "
-        f"samples{built.rows_hint}"
-    )
+    how = built.rows_hint or f" ({q_samples})"
+    rows = describe_lengths(built.rows, "rows")
+    return f"; it was built by {built.builder} for {rows}: build it for q's samples{how}"
 
 
 def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
@@ -124,7 +125,8 @@ def _with_rows(q_lens: Sequence[int], k_lens: Sequence[int]) -> tuple[tuple[int,
     return tuple(q for q, _ in pairs), tuple(k for _, k in pairs)
 
 
-def _describe(lens: tuple[int, ...], unit: str) -> str:
+def describe_lengths(lens: tuple[int, ...], unit: str) -> str:
+    """``"2 samples of 200 rows"``, or the first six lengths where the samples' differ."""
     if len(set(lens)) <= 1:
         return f"{len(lens)} sample{'s' if len(lens) != 1 else ''} of {lens[0] if lens else 0} {unit}"
     shown = ", ".join(str(n) for n in lens[:6]) + (", ..." if len(lens) > 6 else "")
@@ -147,8 +149,8 @@ def check_samples(
     rows, keys = _with_rows(*given)
     if rows != built.rows:
         raise InputValueError(
-            f"mask_func was built by {built.builder} for {_describe(built.rows, 'rows')}, but q has "
-            f"{_describe(rows, 'rows')}: its endpoints are sample-local to the samples it was built "
+            f"mask_func was built by {built.builder} for {describe_lengths(built.rows, 'rows')}, but q has "
+            f"{describe_lengths(rows, 'rows')}: its endpoints are sample-local to the samples it was built "
             f"for, so here they would show other keys; build it for q's samples{built.rows_hint}"
         )
     if keys != built.keys:
@@ -160,7 +162,7 @@ def check_samples(
         )
         escape = "" if fewer else "; or, to hide padded keys on purpose, pass a copy (mask_func.clone())"
         raise InputValueError(
-            f"mask_func was built by {built.builder} for {_describe(built.keys, 'keys')}, but k has "
-            f"{_describe(keys, 'keys')}: its endpoints are key positions for the lengths it was built "
+            f"mask_func was built by {built.builder} for {describe_lengths(built.keys, 'keys')}, but k has "
+            f"{describe_lengths(keys, 'keys')}: its endpoints are key positions for the lengths it was built "
             f"for ({why}); {built.keys_hint}{escape}"
         )

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .endpoint_samples import built_rows_hint, check_heads, check_samples
+from .endpoint_samples import built_rows_hint, check_heads, check_samples, describe_lengths
 from .error_flags import broken_prefix_rule, sample_lengths
-from .errors import InputTypeError, InputValueError, UnsupportedCallError, warn_caller
+from .errors import InputTypeError, InputValueError, SeqlenError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -196,8 +196,10 @@ def _check_prefix(name: str, cu: object, device: torch.device) -> torch.Tensor:
     cu = require_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise InputTypeError(f"{name} must be int32, got {cu.dtype} ({name}.int(), as cuDNN takes it)")
-    if cu.dim() != 1 or cu.numel() < 2:
+    if cu.dim() != 1:
         raise InputValueError(f"{name} must be rank-1 with B+1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.numel() < 2:
+        raise SeqlenError(f"{name} must be rank-1 with B+1 >= 2 entries, got shape {tuple(cu.shape)}")
     if not cu.is_contiguous():
         raise InputValueError(f"{name} must be contiguous (call .contiguous())")
     if cu.device != device:
@@ -412,6 +414,8 @@ def validate_plan_inputs(
             hint = "; " + "; or, ".join(hints)
         elif transposed:
             hint = transposed_hint
+        elif not varlen:  # no hint above fits: say what a builder made it for, if one did
+            hint = built_rows_hint(mask_func, describe_lengths((max_q,) * batch, "rows"))
         layout = "" if varlen else f" ({batch} sample{'s' * (batch != 1)} of {max_q})"
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"

@@ -94,14 +94,15 @@ def spill_bytes(report: str) -> int:
 REQUIRE_PTXAS = "FLEXATTN_REQUIRE_PTXAS"
 
 
-def unchecked_by_ptxas(arch: str) -> None:
+def unchecked_by_ptxas(arch: str, stacklevel: int = 2) -> None:
     """Say that no ptxas on PATH read a kernel's PTX, so its ``arch`` spills and WGMMA serialisation
-    went unchecked: a warning, or an AssertionError where ``REQUIRE_PTXAS`` is 1."""
+    went unchecked: a warning (at the caller's ``stacklevel``, as ``warnings.warn`` counts), or an
+    AssertionError where ``REQUIRE_PTXAS`` is 1."""
     message = f"no ptxas on PATH reads this PTX's ISA: its {arch} register spills and WGMMA pipeline "
     message += "are unchecked"
     if os.environ.get(REQUIRE_PTXAS) == "1":
         raise AssertionError(f"{message} ({REQUIRE_PTXAS}=1: put a CUDA 13 ptxas on PATH)")
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def assert_ptxas_clean(ptx: str, arch: str, workdir: str | os.PathLike, *, max_spill_bytes: int = 0) -> None:
@@ -111,7 +112,7 @@ def assert_ptxas_clean(ptx: str, arch: str, workdir: str | os.PathLike, *, max_s
     overlap would then run alone). Without a ptxas that reads ``ptx``: :func:`unchecked_by_ptxas`."""
     report = ptxas_report(ptx, arch, workdir)
     if report is None:
-        unchecked_by_ptxas(arch)
+        unchecked_by_ptxas(arch, stacklevel=3)
         return
     assert SPILLS.search(report) and spill_bytes(report) <= max_spill_bytes, report
     serialised = [line for line in report.splitlines() if any(code in line for code in WGMMA_SERIALISED)]
