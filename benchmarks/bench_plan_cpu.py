@@ -23,31 +23,9 @@ import subprocess
 import sys
 import time
 
-MASKS = ("causal", "sliding-1024", "document", "random-5")
-
-
-def make_mask(name: str, batch: int, seqlen: int, seed: int):
-    import torch
-
-    from flexattn import masks
-
-    gen = torch.Generator().manual_seed(seed)
-    if name == "causal":
-        return masks.causal(seqlen, batch=batch)
-    if name == "sliding-1024":
-        return masks.sliding_window(seqlen, window_left=1024, batch=batch)
-    if name == "document":
-        docs = []
-        for _ in range(batch):  # 2..32 documents per sample, random lengths summing to S
-            n = int(torch.randint(2, 33, (1,), generator=gen))
-            cuts = torch.randperm(seqlen - 1, generator=gen)[: n - 1].add(1).sort().values.tolist()
-            bounds = [0, *cuts, seqlen]
-            docs.append([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
-        return masks.document(docs)
-    if name == "random-5":
-        ends = torch.randint(0, seqlen + 1, (1, 5, batch * seqlen), generator=gen, dtype=torch.int32)
-        return ends.sort(dim=1).values.contiguous()
-    raise ValueError(f"unknown mask {name!r}; choose from {MASKS}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from masks_bench import PLAN_MASKS as MASKS  # noqa: E402
+from masks_bench import plan_bench_mask  # noqa: E402
 
 
 def rss_peak_mib() -> float:
@@ -64,7 +42,7 @@ def run_one(args) -> dict:
     q = torch.empty(b, s, h, d, dtype=torch.bfloat16)
     k = torch.empty(b, s, h, d, dtype=torch.bfloat16)
     v = torch.empty(b, s, h, d, dtype=torch.bfloat16)
-    endpoints = make_mask(args.one, b, s, args.seed)
+    endpoints, _ = plan_bench_mask(args.one, b, s, args.seed)
     backward = args.backward
 
     def build():

@@ -39,8 +39,10 @@ import sys
 import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from masks_bench import PLAN_MASKS as MASKS  # noqa: E402
+from masks_bench import plan_bench_mask  # noqa: E402
 
-MASKS = ("causal", "sliding-1024", "document", "random-5")
 #: --target: (module, class, the compute capability its views are requested for)
 CONSUMERS = {
     "sm90": ("flexattn_sm90.consumer", "Sm90Consumer", (9, 0)),
@@ -68,31 +70,12 @@ def make_problem(name: str, batch: int, seqlen: int, heads: int, head_dim: int, 
     """(mask_func [1, nfunc, B*S] int32 CUDA, q, k, v BSHD bf16, mask_mod for torch)."""
     import torch
 
-    from maskplan_core import masks
-
     dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(seed)
+    mask, docs = plan_bench_mask(name, batch, seqlen, seed)
     doc_id = None
-    if name == "causal":
-        mask = masks.causal(seqlen, batch=batch)
-    elif name == "sliding-1024":
-        mask = masks.sliding_window(seqlen, window_left=1024, batch=batch)
-    elif name == "document":
-        docs, ids = [], []
-        for _ in range(batch):
-            n = int(torch.randint(2, 33, (1,), generator=gen))
-            cuts = torch.randperm(seqlen - 1, generator=gen)[: n - 1].add(1).sort().values.tolist()
-            bounds = [0, *cuts, seqlen]
-            lens = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-            docs.append(lens)
-            ids.append(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)))
-        mask = masks.document(docs)
+    if docs is not None:
+        ids = [torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)) for lens in docs]
         doc_id = torch.stack(ids).to(dev)
-    elif name == "random-5":
-        ends = torch.randint(0, seqlen + 1, (1, 5, batch * seqlen), generator=gen, dtype=torch.int32)
-        mask = ends.sort(dim=1).values.contiguous()
-    else:
-        raise ValueError(f"unknown mask {name!r}; choose from {MASKS}")
     mask = mask.to(dev).contiguous()
     q = torch.randn(batch, seqlen, heads, head_dim, device=dev, dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)

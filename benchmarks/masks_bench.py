@@ -126,3 +126,34 @@ def visible_pairs(endpoints: torch.Tensor) -> int:
     for j in range(1, e.shape[1], 2):
         n += e[:, j + 1] - e[:, j]
     return int(n.sum())
+
+
+#: the plan benchmarks' masks (bench_plan_cpu.py, bench_plan_gpu.py)
+PLAN_MASKS = ("causal", "sliding-1024", "document", "random-5")
+
+
+def plan_bench_mask(
+    name: str, batch: int, seqlen: int, seed: int
+) -> tuple[torch.Tensor, list[list[int]] | None]:
+    """The plan benchmarks' mask ``name`` on the CPU, and for ``document`` its document lengths per
+    sample (None for the others). Their documents (2 to 32 a sample, cut at random) and random
+    endpoints (``randint``) are not the attention benchmarks' (:func:`endpoint_mask`): they came
+    first, and the recorded plan-build figures are theirs."""
+    gen = torch.Generator().manual_seed(seed)
+    if name == "causal":
+        return masks.causal(seqlen, batch=batch), None
+    if name == "sliding-1024":
+        return masks.sliding_window(seqlen, window_left=1024, batch=batch), None
+    if name == "document":
+        docs = []
+        for _ in range(batch):  # 2..32 documents per sample, random lengths summing to S
+            n = int(torch.randint(2, 33, (1,), generator=gen))
+            cuts = torch.randperm(seqlen - 1, generator=gen)[: n - 1].add(1).sort().values.tolist()
+            bounds = [0, *cuts, seqlen]
+            docs.append([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+        return masks.document(docs), docs
+    if name == "random-5":
+        ends = torch.randint(0, seqlen + 1, (1, 5, batch * seqlen), generator=gen, dtype=torch.int32)
+        return ends.sort(dim=1).values.contiguous(), None
+    raise ValueError(f"unknown mask {name!r}; choose from {PLAN_MASKS}")
+

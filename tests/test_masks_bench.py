@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_fwd_sm90  # noqa: E402
-from masks_bench import MASK_NAMES, MASKS, documents_of, endpoint_mask  # noqa: E402
+from masks_bench import MASK_NAMES, MASKS, PLAN_MASKS, documents_of, endpoint_mask, plan_bench_mask  # noqa: E402
 
 from flexattn import masks  # noqa: E402
 
@@ -59,3 +59,16 @@ def test_other_names_are_refused_with_the_forms(name, capsys):
     assert (
         repr(name) in err and "random-<N>" in err and "'causal'" not in err.split("unknown")[1].split(";")[0]
     )
+
+
+def test_the_plan_benchmarks_masks():
+    """bench_plan_cpu.py's and bench_plan_gpu.py's masks: one generator, seeded, documents of 2 to 32
+    a sample summing to S (their lengths returned for torch's mask_mod), an unknown name refused."""
+    for name in PLAN_MASKS:
+        mask, docs = plan_bench_mask(name, B, S, seed=3)
+        assert torch.equal(mask, plan_bench_mask(name, B, S, seed=3)[0]) and mask.shape[-1] == B * S
+        assert (docs is not None) == (name == "document")
+    _, docs = plan_bench_mask("document", B, S, seed=3)
+    assert all(sum(row) == S and 2 <= len(row) <= 32 for row in docs)
+    with pytest.raises(ValueError, match="random-5"):
+        plan_bench_mask("random-7", B, S, seed=0)
