@@ -100,6 +100,19 @@ def test_pack_gqa_refusals_name_the_reason():
         flexattn.create_mask_plan(mask, q, k, v, target="sm100", pack_gqa=True)
 
 
+def test_a_gpu_block_map_from_fp32_tensors_says_which_dtype_to_pass():
+    """A laptop prototype in fp32 / fp64 asking for the GPU's plan (``target=``): the refusal of its
+    dtype says to pass the tensors in one the target takes (only their dtype is read)."""
+    q = torch.randn(B, S, H, D, dtype=torch.float64)
+    for target in ("sm90", "sm100"):
+        with pytest.raises(flexattn.UnsupportedConfigError, match=r"dtype='float64'.*q\.bfloat16\(\)") as err:
+            flexattn.create_mask_plan(masks.causal(S, batch=B), q, q, q, target=target)
+        assert err.value.argument == "dtype"
+    with pytest.raises(flexattn.UnsupportedConfigError) as err:  # other refusals stay as they are
+        flexattn.create_mask_plan(masks.causal(S, batch=B), *qkv(), target="sm100", pack_gqa=True)
+    assert err.value.argument == "pack_gqa" and "bfloat16()" not in str(err.value)
+
+
 def test_cpu_call_refuses_a_plan_made_for_sm90_naming_the_fields():
     q, k, v = qkv()
     plan = flexattn.create_mask_plan(masks.causal(S, batch=B), q, k, v, target="sm90")

@@ -28,6 +28,7 @@ from flexattn import (
     PlanBindingError,
     PlanSignatureMismatch,
     SeqlenError,
+    UnsupportedCallError,
     UnsupportedConfigError,
 )
 
@@ -228,6 +229,21 @@ def test_a_device_without_a_consumer_is_named_before_any_dtype_rule(dtype):
     q = torch.empty(1, 128, 2, 64, device="meta", dtype=dtype)
     with expect(ConsumerNotFoundError, RuntimeError, "meta", "CPU", "CUDA"):
         flexattn.create_mask_plan(flexattn.masks.causal(128, device="meta"), q, q, q)
+
+
+def test_a_cpu_plan_with_tensors_elsewhere_names_the_device_first():
+    """A laptop prototype's plan (CPU, fp32) called with tensors of another device and dtype (a
+    GPU's bf16; meta here, which reaches the same check): the device is named first, with what to
+    do, not the dtype (whose fix, a bf16 CPU plan, then failed on the device); and the plan
+    refuses to move."""
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    elsewhere = [t.to("meta", torch.bfloat16) for t in (q, k, v)]
+    with expect(PlanBindingError, ValueError, "q is on meta but the plan was built on cpu", "does not move",
+                "device=", "tensors on meta"):  # fmt: skip
+        flexattn.flex_attn_func(*elsewhere, mask_plan=plan)
+    with expect(UnsupportedCallError, RuntimeError, "does not move", "create_mask_plan"):
+        plan.to("cuda")
 
 
 def test_unknown_target_has_no_consumer():

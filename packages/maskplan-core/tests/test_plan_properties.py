@@ -661,6 +661,23 @@ def test_block_map_text_draws_the_block_map():
             view.block_map(head=1.0)
 
 
+def test_block_map_text_of_an_empty_sample_says_so():
+    """A varlen sample of no query rows (or no keys) has no map to draw: one line says so (it was
+    an empty string, which printed as nothing)."""
+    from maskplan_core import masks
+
+    q, k = torch.zeros(30, 2, 16), torch.zeros(30, 2, 16)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 20, 20, 30], [0, 10, 25, 30]))
+    mask = masks.causal(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    g = validate_plan_inputs(
+        mask, q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=15
+    )
+    view = build_plan(mask, g, small_config("forward", (16, 16)), None, "test-small").view("forward")
+    assert view.block_map_text(sample=1) == "(sample 1: 0 Q blocks x 1 K blocks)"
+    assert view.block_map_text(sample=1, width=4) == view.block_map_text(sample=1)
+    assert view.block_map_text(sample=0) == "+\n+"  # 2 Q blocks of 16 rows, 1 K block
+
+
 @pytest.mark.parametrize("width", [None, 4])
 def test_a_packed_views_block_map_keeps_its_aspect_and_says_it_is_packed(width):
     """A PackGQA forward view's Q block is 128 / G positions of G heads: its text map groups G Q

@@ -15,6 +15,7 @@ from maskplan_core import (
     MaskPlan,
     PlanGeometry,
     UnsupportedCallError,
+    UnsupportedConfigError,
     ViewConfig,
     ViewRequest,
     validate_plan_inputs,
@@ -173,7 +174,16 @@ def _plan(
                 f"target must be an architecture family name (str) or None, got {type(target).__name__}"
             )
         family, cc = target, None
-    consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
+    try:
+        consumer, fwd, bwd = resolve_views(geometry, family, cc, pack_gqa, build_backward)
+    except UnsupportedConfigError as e:
+        if target is None or e.argument != "dtype":
+            raise
+        raise UnsupportedConfigError(  # a laptop's fp32 / fp64 prototype asking for a GPU's block map
+            f"{e} (to plan for {target}'s tiles from these tensors, pass them in a dtype it takes, "
+            "e.g. q.bfloat16(): only their shapes, dtype and device are read)",
+            e.argument,
+        ) from e
     if log.isEnabledFor(logging.DEBUG):
         log.debug("planning %s for %s (backward=%s)", geometry.describe(), consumer.name, build_backward)
     return consumer.build_plan(mask_func, geometry, fwd, bwd)

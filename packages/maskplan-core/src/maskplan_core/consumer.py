@@ -259,7 +259,8 @@ def require_supported(argument: str, value: object, supported: tuple, owner: str
     if value not in supported:
         raise UnsupportedConfigError(
             f"{argument}={value!r} is not supported by {owner}; supported {argument} values: "
-            + ", ".join(map(repr, supported))
+            + ", ".join(map(repr, supported)),
+            argument,
         )
 
 
@@ -381,7 +382,8 @@ class KernelConsumer(Consumer):
             if not self.pack_gqa_forward:
                 raise UnsupportedConfigError(
                     f"pack_gqa=True is not supported by {self.name} yet; supported pack_gqa values: "
-                    "None, False"
+                    "None, False",
+                    "pack_gqa",
                 )
             require_shared_mask_for_pack_gqa(request)
         # last: a consumer's check may warn (head dims run on a larger kernel), and should not before

@@ -66,7 +66,12 @@ class ConsumerNotFoundError(FlexAttnError, RuntimeError):
 
 
 class UnsupportedConfigError(InputValueError):
-    """A consumer exists for the device but does not support this configuration."""
+    """A consumer exists for the device but does not support this configuration; ``argument`` names
+    the refused one where a single argument is (``"dtype"``, ``"head_dim"``, ...), else None."""
+
+    def __init__(self, message: str, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
 
 
 class UnsupportedCallError(FlexAttnError, RuntimeError):

@@ -82,6 +82,7 @@ from .errors import (
     MissingBackwardViewError,
     PlanBindingError,
     PlanDtypeError,
+    UnsupportedCallError,
 )
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
@@ -255,8 +256,11 @@ class PlanView:
         the K blocks in ``width``), ``#`` where all of them are full, ``.`` where all are empty,
         ``+`` otherwise. A PackGQA view's Q block is ``tile_m`` positions of every packed head: a
         character then stands for ``tile_n / tile_m`` times as many Q blocks, as many positions as
-        keys, so a square of the mask stays square."""
+        keys, so a square of the mask stays square. A sample of no query rows or no keys gives one
+        line saying so."""
         blocks = self.block_map(sample, head)
+        if blocks.numel() == 0:  # a varlen sample without query rows or keys: nothing to draw
+            return f"(sample {sample}: {blocks.shape[0]} Q blocks x {blocks.shape[1]} K blocks)"
         f = 1 if width is None else -(-blocks.shape[1] // require_int("width", width, minimum=1))
         tm, tn = self.block_size
         fq = f * max(1, tn // tm) if self.signature.topology.pack_gqa else f
@@ -606,6 +610,14 @@ class MaskPlan:
         """The roles of the plan's views: ``("forward",)`` or ``("forward", "backward")``."""
         return tuple(self._views)
 
+    def to(self, *args, **kwargs):
+        """Refused: a plan's views are laid out for its device's consumer (a CPU plan is the
+        reference consumer's, whose tiles a GPU kernel does not take), so a plan never moves."""
+        raise UnsupportedCallError(
+            "a MaskPlan does not move between devices or dtypes: build the mask (the builders' "
+            "device=q.device) and the plan with create_mask_plan from the tensors it will run on"
+        )
+
     def view(self, role: str) -> PlanView:
         """The :class:`PlanView` of ``role`` (one of :attr:`roles`)."""
         if not isinstance(role, str):
@@ -753,6 +765,12 @@ class MaskPlan:
                     f"{name} has shape {tuple(t.shape)} but the plan was built for {expect[name]} "
                     f"({g.describe()}){hint}"
                 )
+            if t.device != g.device:  # before the dtype: a CPU prototype's plan meets GPU tensors
+                raise PlanBindingError(
+                    f"{name} is on {t.device} but the plan was built on {g.device}: a plan does not move "
+                    f"between devices; build the mask (the builders' device=) and the plan from tensors "
+                    f"on {t.device}"
+                )
             if t.dtype != g.dtype:
                 dtypes = [getattr(x, "dtype", None) for x in (q, k, v)]
                 # activations come out of autocast's casts (where it has any)
@@ -785,8 +803,6 @@ class MaskPlan:
                         f"attention, {t.dtype}; only their shapes, dtype and device are read)"
                     )
                 raise PlanDtypeError(f"{name} has dtype {t.dtype} but the plan was built for {g.dtype}{hint}")
-            if t.device != g.device:
-                raise PlanBindingError(f"{name} is on {t.device} but the plan was built on {g.device}")
             if not head_dim_contiguous(t):
                 raise PlanBindingError(
                     f"{name} must have a contiguous last (head) dimension ({name}.contiguous() copies it)"
