@@ -123,7 +123,7 @@ def from_dense(
             f"mask must be a dense (strided) tensor, got layout {mask.layout} (mask.to_dense())"
         )
     if mask.dtype != torch.bool:
-        additive = ""
+        additive = " (a 0 / 1 mask: mask.bool())" if not mask.is_complex() else ""
         if mask.is_floating_point():
             additive = (
                 " (an additive mask, 0 where visible and -inf or finfo.min where hidden: pass mask == 0; "
@@ -607,7 +607,10 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
     except ValueError as err:
         if "must only return Tensors" not in str(err):
             raise
-        raise InputTypeError(f"mask_mod must return a bool torch.Tensor ({err})") from err
+        raise InputTypeError(
+            "mask_mod must return a bool torch.Tensor computed from its index tensors, not a Python "
+            "value: for every key visible write `kv_idx >= 0` (not `True`), for none `kv_idx < 0`"
+        ) from err
     if not isinstance(res, torch.Tensor):
         raise InputTypeError(f"mask_mod must return a bool torch.Tensor, got {type(res).__name__}")
     if res.dtype != torch.bool:
