@@ -242,8 +242,13 @@ def test_a_cpu_plan_with_tensors_elsewhere_names_the_device_first():
     with expect(PlanBindingError, ValueError, "q is on meta but the plan was built on cpu", "does not move",
                 "device=", "tensors on meta"):  # fmt: skip
         flexattn.flex_attn_func(*elsewhere, mask_plan=plan)
-    with expect(UnsupportedCallError, RuntimeError, "does not move", "create_mask_plan"):
-        plan.to("cuda")
+    for elsewhere in (("cuda",), (torch.bfloat16,), ("cpu", torch.float16)):
+        with expect(UnsupportedCallError, RuntimeError, "does not move", f"{q.dtype} on cpu", "device="):
+            plan.to(*elsewhere)
+    # a batch mover (accelerate's send_to_device, Lightning's) calls .to on what has one: the plan's
+    # own device and dtype give the plan back
+    for same in (("cpu",), (torch.device("cpu"), q.dtype), (q,)):
+        assert plan.to(*same, non_blocking=True) is plan
 
 
 def test_unknown_target_has_no_consumer():

@@ -610,12 +610,19 @@ class MaskPlan:
         """The roles of the plan's views: ``("forward",)`` or ``("forward", "backward")``."""
         return tuple(self._views)
 
-    def to(self, *args, **kwargs):
-        """Refused: a plan's views are laid out for its device's consumer (a CPU plan is the
-        reference consumer's, whose tiles a GPU kernel does not take), so a plan never moves."""
+    def to(self, *args, **kwargs) -> MaskPlan:
+        """The plan itself where ``to``'s device and dtype (``Tensor.to``'s arguments) are its own, as
+        a batch mover (accelerate's ``send_to_device``, Lightning's) asks of everything with a
+        ``to``; any other is refused: a plan's views are laid out for its device's consumer (a CPU
+        plan is the reference consumer's, whose tiles a GPU kernel does not take), so it never moves."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        g = self._geometry
+        if (device is None or same_device(device, g.device)) and dtype in (None, g.dtype):
+            return self
         raise UnsupportedCallError(
-            "a MaskPlan does not move between devices or dtypes: build the mask (the builders' "
-            "device=q.device) and the plan with create_mask_plan from the tensors it will run on"
+            f"a MaskPlan does not move between devices or dtypes (this one is for {g.dtype} on "
+            f"{g.device}): build the mask (the builders' device=q.device) and the plan with "
+            "create_mask_plan from the tensors it will run on"
         )
 
     def view(self, role: str) -> PlanView:
