@@ -661,6 +661,14 @@ def test_block_map_text_draws_the_block_map():
             view.block_map(head=1.0)
 
 
+def test_summary_and_repr_name_what_a_row_is():
+    """A forward view's rows are Q blocks, a backward view's K blocks: the text says which."""
+    _, plan, _ = small_plan(_fixed(40, 40, batch=2), SMALL_TILES[0], build_backward=True)
+    forward, backward = plan.summary().splitlines()[1:]
+    assert forward.lstrip().startswith("forward") and " Q rows " in forward and " K rows " in backward
+    assert "Q rows=" in repr(plan.view("forward")) and "K rows=" in repr(plan.view("backward"))
+
+
 def test_block_map_text_of_an_empty_sample_says_so():
     """A varlen sample of no query rows (or no keys) has no map to draw: one line says so (it was
     an empty string, which printed as nothing)."""

@@ -325,7 +325,8 @@ class PlanView:
         s, packing = self.stats(), self.packing()
         return (
             f"PlanView({self.role}, {self.signature.arch_family}/{self.signature.kernel_family}, "
-            f"block {s['block'][0]}x{s['block'][1]}, rows={s['rows']}, partial={s['partial']}, "
+            f"block {s['block'][0]}x{s['block'][1]}, {self.outer.upper()} rows={s['rows']}, "
+            f"partial={s['partial']}, "
             f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, {s['bytes']} bytes"
             f"{', ' + packing if packing else ''})"
         )
@@ -688,13 +689,14 @@ class MaskPlan:
         return snap
 
     def summary(self) -> str:
-        """A line per view of :meth:`PlanView.stats` (``rows`` per mask head, block counts over
-        them all), under the plan's consumer and geometry."""
+        """A line per view of :meth:`PlanView.stats` (``rows`` per mask head, labelled by what a row
+        is: ``Q rows``, Q blocks, in the forward view; ``K rows``, K blocks, in the backward one;
+        block counts over them all), under the plan's consumer and geometry."""
         lines = [f"MaskPlan for {self._consumer}: {self._geometry.describe()}"]
         for role, v in self._views.items():
             s, packing = v.stats(), v.packing()
             lines.append(
-                f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  rows {s['rows']:>6}  "
+                f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  {v.outer.upper()} rows {s['rows']:>6}  "
                 f"partial {s['partial']:>7}  full {s['full']:>7}  empty {s['empty']:>7}  "
                 f"density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
                 + (f"  ({packing})" if packing else "")
