@@ -53,13 +53,13 @@ def _tries_to_import(tree: ast.Module) -> set[str]:
     """Top-level packages a module imports inside a module-level ``try`` (``try: import flexattn /
     except ImportError: flexattn = None``, then ``skipif(flexattn is None)`` on some tests)."""
     names = set()
-    for node in tree.body:
-        if isinstance(node, ast.Try):
-            for stmt in ast.walk(ast.Module(body=node.body, type_ignores=[])):
-                if isinstance(stmt, ast.Import):
-                    names.update(alias.name.split(".")[0] for alias in stmt.names)
-                elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
-                    names.add(stmt.module.split(".")[0])
+    tried = (stmt for node in tree.body if isinstance(node, ast.Try) for stmt in node.body)
+    for top in tried:
+        for stmt in ast.walk(top):
+            if isinstance(stmt, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in stmt.names)
+            elif isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+                names.add(stmt.module.split(".")[0])
     return names
 
 
