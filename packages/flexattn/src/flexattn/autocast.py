@@ -35,9 +35,12 @@ def autocast_dtypes(q: object, k: object, v: object) -> tuple[torch.dtype | None
     no tensor); None where it casts none of them (a plan reads only their dtypes: nothing is cast or
     allocated for it)."""
     dtype = _region_dtype(q)
-    if dtype is None or not any(_recast(t, dtype, q.device) for t in (q, k, v)):
+    if dtype is None:
         return None
-    return tuple(dtype if _recast(t, dtype, q.device) else getattr(t, "dtype", None) for t in (q, k, v))
+    recast = [_recast(t, dtype, q.device) for t in (q, k, v)]
+    if not any(recast):
+        return None
+    return tuple(dtype if recast[i] else getattr(t, "dtype", None) for i, t in enumerate((q, k, v)))
 
 
 def autocast_inputs(
