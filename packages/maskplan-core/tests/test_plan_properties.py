@@ -661,6 +661,27 @@ def test_block_map_text_draws_the_block_map():
             view.block_map(head=1.0)
 
 
+@pytest.mark.parametrize("width", [None, 2])
+def test_block_map_text_legend_says_what_a_character_is(width):
+    """``legend=True``: a first line naming the view, sample, head, the blocks and what a character
+    covers, then the same map."""
+    p = _fixed(230, 250, batch=2, kinds=("causal", "causal"))
+    _, plan, _ = small_plan(p, SMALL_TILES[0], build_backward=True)
+    for role in plan.roles:
+        view = plan.view(role)
+        tm, tn = view.block_size
+        rows, cols = view.block_map(sample=1).shape
+        f = 1 if width is None else -(-cols // width)
+        first, *drawn = view.block_map_text(sample=1, width=width, legend=True).splitlines()
+        assert drawn == view.block_map_text(sample=1, width=width).splitlines()
+        assert first == (
+            f"{role} view, sample 1, mask head 0: {rows} x {cols} blocks (Q x K) of {tm} x {tn}; a "
+            f"character: {f} x {f} blocks, {f * tm} x {f * tn} positions; # full, + partial, . empty"
+        )
+    with pytest.raises(TypeError, match="legend must be a bool, got int"):
+        view.block_map_text(legend=1)
+
+
 def test_summary_and_repr_name_what_a_row_is():
     """A forward view's rows are Q blocks, a backward view's K blocks: the text says which."""
     _, plan, _ = small_plan(_fixed(40, 40, batch=2), SMALL_TILES[0], build_backward=True)

@@ -162,6 +162,8 @@ def _value_cases(view: PlanView) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("role", ["forward", "backward"])
 def test_values_are_checked_by_validate_and_to_dense(varlen, role):
+    """... and by ``block_map``, but for the payloads' bits: it draws the lists without decoding
+    a payload (most of validate's work on a plan of many partial tiles)."""
     view = _plan(varlen).view(role)
     cases = _value_cases(view)
     assert len(cases) >= 8
@@ -170,6 +172,11 @@ def test_values_are_checked_by_validate_and_to_dense(varlen, role):
         for check in (bad.validate, bad.to_dense):
             with pytest.raises(InputValueError, match=f"the {role} view's {words}"):
                 check()
+        if words.startswith("mask_block_masks"):
+            assert torch.equal(bad.block_map(), view.block_map())
+        else:
+            with pytest.raises(InputValueError, match=f"the {role} view's {words}"):
+                bad.block_map()
 
 
 def test_a_tile_in_both_lists_and_a_full_tile_past_the_sample_are_refused():

@@ -227,9 +227,10 @@ class PlanView:
     def block_map(self, sample: int = 0, head: int = 0) -> torch.Tensor:
         """The blocks of one batch sample and mask head as the planner classified them: int8
         ``[q_blocks, k_blocks]`` (Q block rows, whichever the view's major order), 0 empty,
-        1 partial (a payload), 2 full. :meth:`block_map_text` draws it. Runs :meth:`validate`
-        first, as :meth:`to_dense`."""
-        g = self.validate().geometry
+        1 partial (a payload), 2 full. :meth:`block_map_text` draws it. Checks the view first, as
+        :meth:`validate` does but for the payloads' bits, which it does not read."""
+        check_values(self, payloads=False)
+        g = self.geometry
         sample, head = require_int("sample", sample), require_int("head", head)
         if sample >= g.batch:
             raise InputValueError(f"sample={sample} is out of range for a batch of {g.batch}")
@@ -245,7 +246,9 @@ class PlanView:
             out[e.q_block[mine], e.k_block[mine]] = code
         return out
 
-    def block_map_text(self, sample: int = 0, head: int = 0, width: int | None = None) -> str:
+    def block_map_text(
+        self, sample: int = 0, head: int = 0, width: int | None = None, legend: bool = False
+    ) -> str:
         """:meth:`block_map` as text, a line per Q block: ``#`` full, ``+`` partial, ``.`` empty. A
         full tile lies wholly inside its sample, so one reaching past the sample's end is ``+``
         even where every element inside the sample is visible.
@@ -257,13 +260,23 @@ class PlanView:
         ``+`` otherwise. A PackGQA view's Q block is ``tile_m`` positions of every packed head: a
         character then stands for ``tile_n / tile_m`` times as many Q blocks, as many positions as
         keys, so a square of the mask stays square. A sample of no query rows or no keys gives one
-        line saying so."""
+        line saying so.
+
+        ``legend=True`` puts a line first that says what is drawn: the view, sample and mask head,
+        the map's blocks, what a character stands for (blocks and positions) and the symbols."""
+        if not isinstance(legend, bool):
+            raise InputTypeError(f"legend must be a bool, got {type(legend).__name__}")
         blocks = self.block_map(sample, head)
         if blocks.numel() == 0:  # a varlen sample without query rows or keys: nothing to draw
             return f"(sample {sample}: {blocks.shape[0]} Q blocks x {blocks.shape[1]} K blocks)"
         f = 1 if width is None else -(-blocks.shape[1] // require_int("width", width, minimum=1))
         tm, tn = self.block_size
         fq = f * max(1, tn // tm) if self.signature.topology.pack_gqa else f
+        header = (
+            f"{self.role} view, sample {sample}, mask head {head}: {blocks.shape[0]} x {blocks.shape[1]} "
+            f"blocks (Q x K) of {tm} x {tn}; a character: {fq} x {f} blocks, {fq * tm} x {f * tn} "
+            "positions; # full, + partial, . empty\n"
+        )
         if f > 1 or fq > 1:
             rows, cols = -(-blocks.shape[0] // fq) * fq, -(-blocks.shape[1] // f) * f
             cells = torch.full((rows, cols), -1, dtype=blocks.dtype, device=blocks.device)
@@ -271,7 +284,8 @@ class PlanView:
             cells = cells.view(rows // fq, fq, cols // f, f).transpose(1, 2).flatten(2)
             full, empty = (((cells == c) | (cells < 0)).all(-1) for c in (2, 0))
             blocks = torch.where(full, 2, torch.where(empty, 0, 1))
-        return "\n".join("".join(".+#"[c] for c in row) for row in blocks.tolist())
+        drawn = "\n".join("".join(".+#"[c] for c in row) for row in blocks.tolist())
+        return header + drawn if legend else drawn
 
     def packing(self) -> str:
         """``""``, or what a PackGQA view's block is (its ``block`` counts positions)."""

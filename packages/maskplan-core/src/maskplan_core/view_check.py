@@ -8,8 +8,9 @@ sample's keys, or out of bounds):
   Host metadata only: no device read, so a plan build pays a few microseconds.
 - :func:`check_values` (:meth:`PlanView.validate`) reads the tensors: offsets, index ranges and
   order, partial and full lists disjoint, payload bits and full tiles within their sample, the
-  varlen descriptor, the forward task queue and the backward dQ ranks. ``to_dense`` runs it first.
-  A planner of one's own (or a loader of stored tensors) calls it once per plan.
+  varlen descriptor, the forward task queue and the backward dQ ranks. ``to_dense`` runs it first,
+  ``block_map`` all of it but the payload bits. A planner of one's own (or a loader of stored
+  tensors) calls it once per plan.
 """
 
 from __future__ import annotations
@@ -115,9 +116,11 @@ def check_structure(view: PlanView) -> None:
             )
 
 
-def check_values(view: PlanView) -> None:
+def check_values(view: PlanView, payloads: bool = True) -> None:
     """Raise :class:`InputValueError`, naming what is wrong, unless the view's tensors hold what the
-    ABI says (:mod:`maskplan_core.plan`); reads every tensor (a device sync on CUDA)."""
+    ABI says (:mod:`maskplan_core.plan`); reads every tensor (a device sync on CUDA). ``payloads``
+    False leaves the partial tiles' bits unchecked: what reads only the lists (a block map) skips
+    decoding every payload, most of the work on a plan of many partial tiles."""
     from .reference.block_geometry import block_geometry
     from .reference.csr import exclusive_offsets
 
@@ -161,6 +164,8 @@ def check_values(view: PlanView) -> None:
             )
             if not bool(inside.all()):
                 raise _refuse(view, "full_block_idx lists a tile reaching past its sample's q_len / k_len")
+            continue
+        if not payloads:
             continue
         layout_bits = view.layout.pack(torch.ones(1, *view.block_size, dtype=torch.bool, device=idx.device))
         if bool((t["mask_block_masks"] & ~layout_bits).any()):
