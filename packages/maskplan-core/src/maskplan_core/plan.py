@@ -300,16 +300,22 @@ class PlanView:
         declared ``max_seqlen_k``, which may be a loose bound), False past each sample's k_len.
         Runs :meth:`validate` first: a view that breaks the ABI is refused, not decoded."""
         g = self.validate().geometry
-        sk = int(self.sequence_desc()[:, 3].max()) if g.varlen else g.max_seqlen_k
+        desc = self.sequence_desc().to(torch.int64)
+        sk = int(desc[:, 3].max()) if g.varlen else g.max_seqlen_k
         dense = torch.zeros(g.mask_heads, g.total_q, sk, dtype=torch.bool, device=g.device)
-        q_offset = self.sequence_desc()[:, 0].to(torch.int64)
         for kind in ("partial", "full"):
             e = self.entries(kind)
             for chunk in entry_tiles(self, e):
-                sl = chunk.entries
-                rows = q_offset[e.batch[sl], None] + chunk.q_local  # [n, tm] tokens
-                n, r, k = chunk.tiles.nonzero(as_tuple=True)
-                dense[e.head[sl][n], rows[n, r], chunk.k_local[n, k]] = True
+                head, rows = e.head[chunk.entries], desc[e.batch[chunk.entries], 0, None] + chunk.q_local
+                # tiles are disjoint, so one inside its sample is written whole (6x faster than a
+                # scatter of its set elements on causal masks); one reaching past its sample's end
+                # would write there, into the next sample's rows: only its set elements are
+                whole = chunk.in_bounds.flatten(1).all(1)
+                dense[head[whole, None, None], rows[whole, :, None], chunk.k_local[whole, None, :]] = (
+                    chunk.tiles[whole]
+                )
+                n, r, k = chunk.tiles[~whole].nonzero(as_tuple=True)
+                dense[head[~whole][n], rows[~whole][n, r], chunk.k_local[~whole][n, k]] = True
         return dense
 
     def nbytes(self) -> int:
