@@ -26,8 +26,7 @@ import torch
 from ..consumer import check_thd_inputs
 from ..plan import BlockEntries, PlanView
 from ..validation import representable_scale
-
-_TILE_CHUNK = 64
+from ..view_check import TILE_CHUNK_ELEMENTS
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,10 +56,14 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
     desc = view.sequence_desc().to(torch.int64)
     dev = desc.device
     t, u = torch.arange(tm, device=dev), torch.arange(tn, device=dev)
+    # a chunk's scores are [q heads of a tile, tiles, tm, tn]: about TILE_CHUNK_ELEMENTS of them
+    # per temporary, so memory stays flat in the head count (64 tiles of every head took 2 GB at 32)
+    heads_per_tile = g.num_heads_q if g.mask_heads == 1 else 1
+    step = max(1, TILE_CHUNK_ELEMENTS // (heads_per_tile * tm * tn))
     for kind in ("partial", "full"):
         e: BlockEntries = view.entries(kind)
-        for c in range(0, e.head.numel(), _TILE_CHUNK):
-            sl = slice(c, c + _TILE_CHUNK)
+        for c in range(0, e.head.numel(), step):
+            sl = slice(c, c + step)
             b = e.batch[sl]
             q_local, k_local = e.q_block[sl, None] * tm + t, e.k_block[sl, None] * tn + u
             row_ok = col_ok = keep = None
