@@ -456,6 +456,33 @@ def test_autocast_does_not_change_the_computation(dtype):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@needs_flexattn
+def test_a_slow_cpu_forward_warns_once_before_it_starts(monkeypatch):
+    """A CPU forward of SLOW_CPU_FLOPS or more (2 x the visited tiles' scores x (Dqk + Dv)) says
+    so, once a process: it runs for seconds to minutes with no other sign of life."""
+    import warnings
+
+    from maskplan_core.reference import consumer as reference
+
+    c = fixed(1, 256, 256, hq=4, hkv=2, kinds=("causal",), nfunc=1, seed=3)
+    q, k, v = make_inputs(c, torch.float32)
+    plan = flexattn.create_mask_plan(make_endpoints(c), q, k, v)
+    scores = 3 * 128 * 128 * 4  # causal over 2 x 2 tiles: 3 visited, each for 4 q heads
+    flops = 2 * scores * (c.dqk + c.dv)
+    monkeypatch.setattr(reference, "_warned_slow", False)
+    monkeypatch.setattr(reference, "SLOW_CPU_FLOPS", flops + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)  # just under the threshold: no warning
+    monkeypatch.setattr(reference, "SLOW_CPU_FLOPS", flops)
+    with pytest.warns(UserWarning, match=re.escape(f"computes {scores:.3g} scores ({flops / 1e9:.0f} GFLOP;")) as w:
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)
+    assert w[0].filename == __file__  # the caller's line, not the library's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan)  # once a process
+
+
 # --------------------------------------------------------------------------------------------------
 # lower precision inputs
 # --------------------------------------------------------------------------------------------------

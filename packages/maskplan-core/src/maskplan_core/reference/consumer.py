@@ -16,11 +16,16 @@ from ..consumer import (
     require_shared_mask_for_pack_gqa,
     thd,
 )
+from ..errors import warn_caller
 from ..payload import RowMajorLayout
 from ..schema import PlanSignature, Topology
 from .attention import attention_backward, attention_forward
 
 TILE = 128
+#: a CPU forward of this many FLOPs (2 x scores of the visited tiles x (Dqk + Dv)) or more warns,
+#: once a process: about 10 s on two cores (causal, S = 32768, 4 heads, D = 64: 5.5e11, 17 s)
+SLOW_CPU_FLOPS = 3e11
+_warned_slow = False
 
 
 class ReferenceConsumer(Consumer):
@@ -55,6 +60,8 @@ class ReferenceConsumer(Consumer):
         self, plan, q, k, v, *, softmax_scale, return_max_logit, out=None, lse=None, payload_via_smem=None
     ):  # payload_via_smem: a kernel delivery hint, nothing to choose here
         q, k, v = thd(q), thd(k), thd(v)
+        if q.device.type == "cpu":
+            _warn_if_slow(plan.view("forward"))
         o, stats, max_logit = attention_forward(
             plan.view("forward"), q, k, v, softmax_scale=softmax_scale, return_max_logit=return_max_logit
         )
@@ -67,6 +74,25 @@ class ReferenceConsumer(Consumer):
             plan.view("backward"), thd(q), thd(k), thd(v), out, lse, dout, dlse, softmax_scale=softmax_scale
         )
         return tuple(_into(dst, g) for dst, g in zip((dq, dk, dv), grads, strict=True))
+
+
+def _warn_if_slow(view) -> None:
+    """Say once, before it starts, that a CPU forward will take long: it runs for seconds to
+    minutes with nothing to show for it otherwise."""
+    global _warned_slow
+    if _warned_slow:
+        return
+    g, (tm, tn) = view.geometry, view.block_size
+    tiles = view.tensors["mask_block_idx"].numel() + view.tensors["full_block_idx"].numel()
+    scores = tiles * tm * tn * (g.num_heads_q // g.mask_heads)
+    flops = 2 * scores * (g.head_dim_qk + g.head_dim_v)
+    if flops >= SLOW_CPU_FLOPS:
+        _warned_slow = True
+        warn_caller(
+            f"this CPU forward computes {scores:.3g} scores ({flops / 1e9:.0f} GFLOP; the backward about "
+            "twice that) in the exact torch reference, which is slow: causal attention at S=32768 with 4 "
+            "heads of 64 took 17 s on two cores. The CUDA kernels run it on a GPU. (Said once a process.)"
+        )
 
 
 def _into(dst, value):
