@@ -475,7 +475,8 @@ def test_a_slow_cpu_forward_warns_once_before_it_starts(monkeypatch):
         warnings.simplefilter("error")
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)  # just under the threshold: no warning
     monkeypatch.setattr(reference, "SLOW_CPU_FLOPS", flops)
-    with pytest.warns(UserWarning, match=re.escape(f"computes {scores:.3g} scores ({flops / 1e9:.0f} GFLOP;")) as w:
+    said = re.escape(f"computes {scores:.3g} scores ({flops / 1e9:.0f} GFLOP;")
+    with pytest.warns(UserWarning, match=said) as w:
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)
     assert w[0].filename == __file__  # the caller's line, not the library's
     with warnings.catch_warnings():
