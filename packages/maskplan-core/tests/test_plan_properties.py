@@ -663,7 +663,7 @@ def test_block_map_text_draws_the_block_map():
 
 @pytest.mark.parametrize("width", [None, 2])
 def test_block_map_text_legend_says_what_a_character_is(width):
-    """``legend=True``: a first line naming the view, sample, head, the blocks and what a character
+    """``legend=True``: lines naming the view, sample, head and the blocks, then what a character
     covers, then the same map."""
     p = _fixed(230, 250, batch=2, kinds=("causal", "causal"))
     _, plan, _ = small_plan(p, SMALL_TILES[0], build_backward=True)
@@ -672,14 +672,31 @@ def test_block_map_text_legend_says_what_a_character_is(width):
         tm, tn = view.block_size
         rows, cols = view.block_map(sample=1).shape
         f = 1 if width is None else -(-cols // width)
-        first, *drawn = view.block_map_text(sample=1, width=width, legend=True).splitlines()
+        first, second, *drawn = view.block_map_text(sample=1, width=width, legend=True).splitlines()
         assert drawn == view.block_map_text(sample=1, width=width).splitlines()
-        assert first == (
-            f"{role} view, sample 1, mask head 0: {rows} x {cols} blocks (Q x K) of {tm} x {tn}; a "
-            f"character: {f} x {f} blocks, {f * tm} x {f * tn} positions; # full, + partial, . empty"
-        )
+        assert first == f"{role} view, sample 1, mask head 0: {rows} x {cols} blocks (Q x K) of {tm} x {tn}"
+        cover = "a block" if f == 1 else f"{f} x {f} blocks, {f * tm} x {f * tn} positions"
+        assert second == f"a character: {cover}; # full, + partial, . empty"
     with pytest.raises(TypeError, match="legend must be a bool, got int"):
         view.block_map_text(legend=1)
+
+
+def test_block_map_text_legend_of_a_pack_gqa_view():
+    """A PackGQA Q block is ``tile_m`` positions of every packed head: the legend says so, and a
+    character covers ``tile_n / tile_m`` times as many Q blocks as K blocks."""
+    p = _fixed(50, 70, batch=1, hq=4, hkv=2, kinds=("causal",))
+    fwd = small_config("forward", (8, 40))
+    topology = fwd.signature.topology.model_copy(update=dict(pack_gqa=True, qhead_per_kvhead=2))
+    fwd = ViewConfig(fwd.signature.model_copy(update=dict(topology=topology)), fwd.layout)
+    g = validate_plan_inputs(make_endpoints(p), *qkv(p))
+    view = build_plan(make_endpoints(p), g, fwd, None, "test-small").view("forward")
+    lines = view.block_map_text(width=1, legend=True).splitlines()
+    assert lines[:3] == [
+        "forward view, sample 0, mask head 0: 7 x 2 blocks (Q x K) of 8 x 40",
+        "PackGQA: a block is 8 positions x 2 q heads",
+        "a character: 10 x 2 blocks, 80 x 80 positions; # full, + partial, . empty",
+    ]
+    assert lines[3:] == view.block_map_text(width=1).splitlines()
 
 
 def test_summary_and_repr_name_what_a_row_is():

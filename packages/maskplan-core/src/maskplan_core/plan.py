@@ -262,8 +262,9 @@ class PlanView:
         keys, so a square of the mask stays square. A sample of no query rows or no keys gives one
         line saying so.
 
-        ``legend=True`` puts a line first that says what is drawn: the view, sample and mask head,
-        the map's blocks, what a character stands for (blocks and positions) and the symbols."""
+        ``legend=True`` puts lines first that say what is drawn: the view, sample and mask head and
+        the map's blocks (:meth:`packing` on a PackGQA view), then what a character stands for
+        (blocks and positions) and the symbols."""
         if not isinstance(legend, bool):
             raise InputTypeError(f"legend must be a bool, got {type(legend).__name__}")
         blocks = self.block_map(sample, head)
@@ -272,11 +273,14 @@ class PlanView:
         f = 1 if width is None else -(-blocks.shape[1] // require_int("width", width, minimum=1))
         tm, tn = self.block_size
         fq = f * max(1, tn // tm) if self.signature.topology.pack_gqa else f
-        header = (
+        legend_lines = [
             f"{self.role} view, sample {sample}, mask head {head}: {blocks.shape[0]} x {blocks.shape[1]} "
-            f"blocks (Q x K) of {tm} x {tn}; a character: {fq} x {f} blocks, {fq * tm} x {f * tn} "
-            "positions; # full, + partial, . empty\n"
-        )
+            f"blocks (Q x K) of {tm} x {tn}",
+            self.packing(),
+            "a character: "
+            + ("a block" if f == fq == 1 else f"{fq} x {f} blocks, {fq * tm} x {f * tn} positions")
+            + "; # full, + partial, . empty",
+        ]
         if f > 1 or fq > 1:
             rows, cols = -(-blocks.shape[0] // fq) * fq, -(-blocks.shape[1] // f) * f
             cells = torch.full((rows, cols), -1, dtype=blocks.dtype, device=blocks.device)
@@ -284,8 +288,8 @@ class PlanView:
             cells = cells.view(rows // fq, fq, cols // f, f).transpose(1, 2).flatten(2)
             full, empty = (((cells == c) | (cells < 0)).all(-1) for c in (2, 0))
             blocks = torch.where(full, 2, torch.where(empty, 0, 1))
-        drawn = "\n".join("".join(".+#"[c] for c in row) for row in blocks.tolist())
-        return header + drawn if legend else drawn
+        drawn = ["".join(".+#"[c] for c in row) for row in blocks.tolist()]
+        return "\n".join([line for line in legend_lines if line] + drawn if legend else drawn)
 
     def packing(self) -> str:
         """``""``, or what a PackGQA view's block is (its ``block`` counts positions)."""

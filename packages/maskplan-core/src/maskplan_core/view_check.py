@@ -116,7 +116,7 @@ def check_structure(view: PlanView) -> None:
             )
 
 
-def check_values(view: PlanView, payloads: bool = True) -> None:
+def check_values(view: PlanView, *, payloads: bool = True) -> None:
     """Raise :class:`InputValueError`, naming what is wrong, unless the view's tensors hold what the
     ABI says (:mod:`maskplan_core.plan`); reads every tensor (a device sync on CUDA). ``payloads``
     False leaves the partial tiles' bits unchecked: what reads only the lists (a block map) skips

@@ -26,7 +26,13 @@ import torch
 from ..consumer import check_thd_inputs
 from ..plan import BlockEntries, PlanView
 from ..validation import representable_scale
-from ..view_check import TILE_CHUNK_ELEMENTS
+
+#: tiles a chunk holds at most, and scores (tiles x their q heads x tm x tn) about at most: the
+#: second keeps memory flat in the head count (64 tiles of each of 32 heads took 2 GB); the first
+#: keeps short samples' chunks short (a long sample's tile in a chunk stops _kept_extents from
+#: trimming the others)
+_CHUNK_TILES = 64
+_CHUNK_SCORES = 1 << 22
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,10 +62,7 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
     desc = view.sequence_desc().to(torch.int64)
     dev = desc.device
     t, u = torch.arange(tm, device=dev), torch.arange(tn, device=dev)
-    # a chunk's scores are [q heads of a tile, tiles, tm, tn]: about TILE_CHUNK_ELEMENTS of them
-    # per temporary, so memory stays flat in the head count (64 tiles of every head took 2 GB at 32)
-    heads_per_tile = g.num_heads_q if g.mask_heads == 1 else 1
-    step = max(1, TILE_CHUNK_ELEMENTS // (heads_per_tile * tm * tn))
+    step = min(_CHUNK_TILES, max(1, _CHUNK_SCORES // (heads_per_tile(g) * tm * tn)))
     for kind in ("partial", "full"):
         e: BlockEntries = view.entries(kind)
         for c in range(0, e.head.numel(), step):
@@ -86,6 +89,11 @@ def _tiles(view: PlanView) -> Iterator[_Tiles]:
                 )
                 masks = (None if x is None else x[mine] for x in (row_ok, col_ok, keep))
                 yield _Tiles(q_tok[mine], k_tok[mine], *masks, q_heads, q_heads // g.qhead_per_kvhead)
+
+
+def heads_per_tile(g) -> int:
+    """Q heads a tile of a mask head serves (its chunk's scores are ``[heads, tiles, tm, tn]``)."""
+    return g.num_heads_q // g.mask_heads
 
 
 def _kept_extents(keep: torch.Tensor) -> tuple[int, int]:
