@@ -83,11 +83,13 @@ class LaunchOrder:
         turnstile chains, which costs where a K block's walk is short (document masks: 269 -> 218
         TFLOP/s at 4 heads; at (256, 256) 318 -> 215, so deterministic mode does not take the
         atomic cap on sparse rows whose ends are aligned). Measured: benchmarks/RESULTS.md,
-        sessions 14 and 31. Our reading of that loss (not measured directly): a document's K rows
-        end together at its last Q block, so walking down they reach each Q block at the same step
-        and queue on its turnstile, which their short walks do not amortise; a sliding window's
-        rows end staggered (``consumer_k2q.staggered_row_ends``) and reach each Q block in
-        ``dq_write_order``.
+        sessions 14 and 31. A document's K rows end together at its last Q block, so walking down
+        they reach each Q block at the same step and queue on its turnstile, which their short
+        walks do not amortise; a sliding window's rows end staggered
+        (``consumer_k2q.staggered_row_ends``) and reach each Q block in ``dq_write_order``. At
+        (256, 256) the queue is the whole loss: deterministic mode's order with atomic adds ran
+        documents at atomic speed (358 against 362 TFLOP/s; turnstiles 315), and atomic mode with
+        this order lost nothing (358; H200, session 67).
         Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
         take that many heads, and where ``det_stagger_heads`` is (also (192, 128)'s 88 KB blocks)
         sparse rows with staggered ends do: on an H100 at (256, 256), causal fwd+bwd ran at 312
