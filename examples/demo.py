@@ -3,7 +3,8 @@
     python examples/demo.py              # or: python3 -m nox -s demo
 
 On any machine (CPU tensors, the pure-torch reference consumer): builds plans for a causal, a
-sliding-window and a packed-document mask, prints each plan's summary, runs ``flex_attn_func``
+sliding-window and a packed-document mask, prints each plan's summary and the block map of its
+first sample, runs ``flex_attn_func``
 forward and backward and compares output and gradients with ``torch`` SDPA given the dense
 boolean mask decoded from the plan (``plan.view("forward").to_dense()``). Exits non-zero if any
 check fails.
@@ -119,6 +120,7 @@ def check_cpu(name: str, endpoints: torch.Tensor, args) -> bool:
     t_plan = time.perf_counter() - t0
     log(f"\n[{name}] plan built in {t_plan * 1e3:.1f} ms")
     log(plan.summary())
+    log(plan.view("forward").block_map_text(width=64, legend=True))
 
     dense = plan.view("forward").to_dense()
     decoded_ok = torch.equal(dense, endpoints_to_dense(endpoints, args.seqlen))
