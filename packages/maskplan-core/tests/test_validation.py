@@ -293,6 +293,21 @@ def test_a_builders_mask_for_other_lengths_names_them_and_qs():
             validate_plan_inputs(mask, q, k, v)
 
 
+def test_a_builders_mask_counts_the_samples_without_query_rows_apart():
+    """Samples without query rows have no mask rows: the error says there are such samples beside
+    the ones it lists (it said "3 samples" of a batch of 4)."""
+    from maskplan_core.masks import causal
+
+    cu = torch.tensor([0, 100, 100, 164, 400], dtype=torch.int32)
+    built_k = torch.tensor([0, 90, 154, 390], dtype=torch.int32)
+    mask = causal(cu_seqlens_q=torch.tensor([0, 100, 164, 400], dtype=torch.int32), cu_seqlens_k=built_k)
+    q = torch.zeros(400, 2, 16)
+    kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=236, max_seqlen_k=236)
+    said = "but k has 3 samples of 100, 64, 236 keys (besides 1 without query rows)"
+    with expect(InputValueError, ValueError, said):
+        validate_plan_inputs(mask, q, q, q, **kwargs)
+
+
 def test_a_key_padding_mask_of_one_row_per_sample_gets_the_expand_hint():
     """SDPA's key-padding mask ``[B, 1, 1, Sk]`` converted as it is gives one query row per sample:
     the error says to expand it to every query row first."""

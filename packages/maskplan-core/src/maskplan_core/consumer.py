@@ -104,8 +104,8 @@ class ViewConfig:
 
 @dataclass(frozen=True)
 class AttentionOutputs:
-    """THD output ``[total_q, Hq, Dv]``, LSE ``[Hq, total_q]`` and max logit ``[Hq]`` or None, both fp32
-    (fp64 for fp64 inputs)."""
+    """THD output ``[total_q, Hq, Dv]`` in q's dtype; LSE ``[Hq, total_q]`` and max logit ``[Hq]`` (or
+    None), both fp32 (fp64 for fp64 inputs)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -196,7 +196,8 @@ class Consumer(ABC):
         tensor), or a fixed-length ``[B, S, H, D]`` tensor that has no THD view, as it is (class
         docstring). ``softmax_scale`` is always a resolved float (the facade turns None into
         ``1 / sqrt(head_dim_qk)``); ``return_max_logit`` asks for the ``[Hq]`` maximum scaled logit
-        over visible elements in the result's ``max_logit`` (else None). The result's ``lse`` is
+        over visible elements in the result's ``max_logit`` (else None). The result's ``out`` is
+        in q's dtype (the facade's fake op under ``torch.compile`` says so), its ``lse``
         ``[Hq, total_q]``. ``out`` (``[total_q, Hq, Dv]``, q's dtype) and ``lse``
         (``[Hq, total_q]``, fp32; fp64 for fp64 inputs), when given, are contiguous, 16-byte aligned
         tensors the results must be written into (and returned). ``flex_attn_func`` never passes

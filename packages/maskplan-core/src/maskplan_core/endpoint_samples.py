@@ -147,11 +147,14 @@ def check_samples(
     if given is None:
         return
     rows, keys = _with_rows(*given)
+    # samples without query rows have no mask rows, so neither side counts them; the message does
+    empty = len(given[0]) - len(rows)
+    besides = f" (besides {empty} without query rows)" if empty else ""
     if rows != built.rows:
         raise InputValueError(
             f"mask_func was built by {built.builder} for {describe_lengths(built.rows, 'rows')}, but q has "
-            f"{describe_lengths(rows, 'rows')}: its endpoints are sample-local to the samples it was built "
-            f"for, so here they would show other keys; build it for q's samples{built.rows_hint}"
+            f"{describe_lengths(rows, 'rows')}{besides}: its endpoints are sample-local to the samples it "
+            f"was built for, so here they would show other keys; build it for q's samples{built.rows_hint}"
         )
     if keys != built.keys:
         fewer = any(k < b for k, b in zip(keys, built.keys, strict=True))
@@ -163,6 +166,6 @@ def check_samples(
         escape = "" if fewer else "; or, to hide padded keys on purpose, pass a copy (mask_func.clone())"
         raise InputValueError(
             f"mask_func was built by {built.builder} for {describe_lengths(built.keys, 'keys')}, but k has "
-            f"{describe_lengths(keys, 'keys')}: its endpoints are key positions for the lengths it was built "
-            f"for ({why}); {built.keys_hint}{escape}"
+            f"{describe_lengths(keys, 'keys')}{besides}: its endpoints are key positions for the lengths it "
+            f"was built for ({why}); {built.keys_hint}{escape}"
         )

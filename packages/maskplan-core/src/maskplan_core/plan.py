@@ -43,9 +43,12 @@ What a kernel may rely on besides the loop above (the ABI a consumer's kernels r
 
 - Within a row's range, ``*_block_idx`` are sample-local inner block indices (K blocks of the
   forward view, Q blocks of the backward view), ascending.
-- A payload's bits are 0 for every element past its sample's ``q_len`` / ``k_len``, so inside a
-  partial tile the predicate alone masks the keys past ``k_len`` (rows past ``q_len`` must still
-  not be stored).
+- A payload's bits are 0 for every element past its sample's ``q_len`` / ``k_len``: inside a
+  partial tile the predicate masks those scores. Their operands are still another sample's rows
+  (or past ``total_q`` / ``total_k`` for the last sample): a kernel zeroes (or never loads) the
+  K / V rows past ``k_len`` and the Q / dO rows past ``q_len`` it reads, so that a non-finite
+  value there cannot reach this sample through a zero probability (0 x nan), and never stores
+  rows past ``q_len`` / ``k_len``.
 - ``fwd_work_desc`` (forward view), int32 ``[tasks, 4]``: one task ``(m_block, head, batch,
   q_valid_rows)`` per Q block of a sample and scheduled head, with or without visible blocks
   (those write ``O = 0``, ``LSE = -inf``). ``m_block`` is sample-local; ``head`` is the q head, or
@@ -59,6 +62,11 @@ What a kernel may rely on besides the loop above (the ABI a consumer's kernels r
   entry ``e`` (K block ``j`` -> Q block ``i``): ``j``'s rank among all K blocks, partial or full,
   that reach Q block ``i``, ascending in ``j``. Deterministic dQ accumulation adds Q block ``i``'s
   contributions in rank order, so every run gives the same bits.
+- The backward view has no work queue: a K-major worker takes a (K block row ``r``, kv head
+  ``hk``) pair, reads K / V of ``hk`` once and walks the row for each of its ``G = Hq / Hkv`` q
+  heads ``hq`` (their Q, dO, LSE), reading mask head ``h = hq`` where ``Hmask > 1``, else ``0``; so
+  the ranks above order the adds into q head ``hq``'s dQ block ``i``: of one mask head, sample and
+  Q block.
 """
 
 from __future__ import annotations
