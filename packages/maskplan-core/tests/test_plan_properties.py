@@ -699,6 +699,23 @@ def test_block_map_text_legend_of_a_pack_gqa_view():
     assert lines[3:] == view.block_map_text(width=1).splitlines()
 
 
+def test_a_large_to_dense_warns_before_it_allocates(monkeypatch):
+    """to_dense() of DENSE_WARN_BYTES or more says how large, and what shows the blocks instead."""
+    import warnings
+
+    from maskplan_core import plan as plan_module
+
+    _, plan, _ = small_plan(_fixed(40, 30, batch=2), SMALL_TILES[0], build_backward=False)
+    view = plan.view("forward")
+    monkeypatch.setattr(plan_module, "DENSE_WARN_BYTES", 80 * 30 + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dense = view.to_dense()
+    monkeypatch.setattr(plan_module, "DENSE_WARN_BYTES", 80 * 30)
+    with pytest.warns(UserWarning, match=r"allocates a bool \[1, 80, 30\] tensor \(0.0 GiB\); block_map\(\)"):
+        assert torch.equal(view.to_dense(), dense)
+
+
 def test_summary_and_repr_name_what_a_row_is():
     """A forward view's rows are Q blocks, a backward view's K blocks: the text says which."""
     _, plan, _ = small_plan(_fixed(40, 40, batch=2), SMALL_TILES[0], build_backward=True)

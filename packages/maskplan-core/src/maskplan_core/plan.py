@@ -91,6 +91,7 @@ from .errors import (
     PlanBindingError,
     PlanDtypeError,
     UnsupportedCallError,
+    warn_caller,
 )
 from .geometry import PlanGeometry
 from .payload import PayloadLayout
@@ -99,6 +100,8 @@ from .validation import autocast_region_dtype, head_dim_contiguous, require_int,
 from .view_check import CSR_TENSORS, ROLE_TENSORS, check_structure, check_values, entry_tiles, fixed_blocks
 
 VIEW_TENSORS = (*CSR_TENSORS, "sequence_desc", *ROLE_TENSORS["forward"], *ROLE_TENSORS["backward"])
+#: a to_dense() of this many bytes or more warns before it allocates them
+DENSE_WARN_BYTES = 1 << 30
 
 
 def fixed_sequence_desc(
@@ -310,10 +313,17 @@ class PlanView:
     def to_dense(self) -> torch.Tensor:
         """bool ``[Hmask, total_q, Sk]``; varlen: ``Sk`` is the longest sample's k_len (not the
         declared ``max_seqlen_k``, which may be a loose bound), False past each sample's k_len.
-        Runs :meth:`validate` first: a view that breaks the ABI is refused, not decoded."""
+        Runs :meth:`validate` first: a view that breaks the ABI is refused, not decoded. A tensor of
+        ``DENSE_WARN_BYTES`` (1 GiB: S = 32768) or more warns before it is allocated."""
         g = self.validate().geometry
         desc = self.sequence_desc().to(torch.int64)
         sk = int(desc[:, 3].max()) if g.varlen else g.max_seqlen_k
+        size = g.mask_heads * g.total_q * sk
+        if size >= DENSE_WARN_BYTES:
+            warn_caller(
+                f"to_dense() allocates a bool [{g.mask_heads}, {g.total_q}, {sk}] tensor ({size / 2**30:.1f} "
+                "GiB); block_map() / block_map_text() show the view's blocks without it"
+            )
         dense = torch.zeros(g.mask_heads, g.total_q, sk, dtype=torch.bool, device=g.device)
         for kind in ("partial", "full"):
             e = self.entries(kind)
