@@ -774,6 +774,27 @@ def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, value, 
     assert "scale" not in inspect.signature(flexattn.flex_attn_func).parameters
 
 
+@pytest.mark.parametrize(
+    "keyword, value, remedy",
+    [
+        ("cu_seqlens_q", torch.zeros(2, dtype=torch.int32), "the plan carries the samples"),
+        ("max_seqlen_k", 128, "to create_mask_plan (with the mask and q, k, v in THD)"),
+        ("causal", True, "masks.causal(Sq, Sk, batch=B, device=q.device)"),
+        ("window_size", (64, 0), "masks.sliding_window(Sq, Sk, window_left=left, window_right=right"),
+        ("stream", object(), "torch's current stream"),
+        ("causal", False, "drop it: False is FlashAttention's default"),
+    ],
+)
+def test_a_keyword_of_flash_attention_names_what_flexattn_takes(keyword, value, remedy):
+    """A call ported from FlashAttention's (varlen) functions, which take the samples and the mask
+    per call, is told where they go here (Python's own error named the keyword only)."""
+    q, k, v = fixed_qkv()
+    plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
+    said = f"flex_attn_func() got {keyword}=, FlashAttention's keyword"
+    with expect(InputTypeError, TypeError, said, remedy):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: value})
+
+
 def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
     """torch's defaults (score_mod=None, is_causal=False, dropout_p=0.0, ...) ask for nothing: the
     refusal says to drop them, and a mask keyword's default without a mask_plan (torch's "no mask")
@@ -819,8 +840,14 @@ def test_torch_positional_arguments_are_named():
 
 
 def test_torch_names_looked_up_on_the_package_name_flexattns_way():
-    for name, needle in (("flex_attention", "flex_attn_func("), ("create_block_mask", "from_mask_mod(")):
-        with pytest.raises(AttributeError, match=rf"no attribute '{name}' \(torch's\).*{re.escape(needle)}"):
+    """... and cuDNN's module name: flexattn is what cudnn.flex_attention was."""
+    for name, needle in (
+        ("flex_attention", "flex_attn_func("),
+        ("flex_attention", "cudnn.flex_attention is flexattn itself"),
+        ("create_block_mask", "from_mask_mod("),
+    ):
+        said = rf"no attribute '{name}' \(torch's name\).*{re.escape(needle)}"
+        with pytest.raises(AttributeError, match=said):
             getattr(flexattn, name)
     assert not hasattr(flexattn, "flex_attention")
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'$"):

@@ -42,7 +42,9 @@ if not any(isinstance(h, logging.NullHandler) for h in _log.handlers):
 
 #: torch's names a ported call may look for here, and flexattn's way
 _TORCH_NAMES = {
-    "flex_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan) on [B, S, H, D] tensors",
+    "flex_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan) on [B, S, H, D] tensors; "
+    "cuDNN's module cudnn.flex_attention is flexattn itself: from flexattn import create_mask_plan, "
+    "flex_attn_func, ...",
     "scaled_dot_product_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan), a plan of the mask",
     "create_block_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk, device=q.device), then "
     "create_mask_plan",
@@ -53,7 +55,8 @@ _TORCH_NAMES = {
 
 def __getattr__(name: str):
     if name in _TORCH_NAMES:
-        raise AttributeError(f"module 'flexattn' has no attribute {name!r} (torch's): {_TORCH_NAMES[name]}")
+        fix = _TORCH_NAMES[name]
+        raise AttributeError(f"module 'flexattn' has no attribute {name!r} (torch's name): {fix}")
     raise AttributeError(f"module 'flexattn' has no attribute {name!r}")
 
 

@@ -130,10 +130,30 @@ _PEER_KEYWORDS = {
         "(dropout_p=0 changes the training) or keep torch's attention where it is needed"
     ),
 }
-#: torch's defaults of those keywords, which ask for nothing: refused all the same, with "drop it"
+#: keywords of FlashAttention's calls (flash_attn_func, flash_attn_varlen_func), where a varlen
+#: batch's lengths and the mask go with every call; here the plan carries both
+_SAMPLES_IN_PLAN = (
+    "the plan carries the samples: pass cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k "
+    "to create_mask_plan (with the mask and q, k, v in THD), then mask_plan= here"
+)
+_FLASH_KEYWORDS = {
+    "cu_seqlens_q": _SAMPLES_IN_PLAN,
+    "cu_seqlens_k": _SAMPLES_IN_PLAN,
+    "max_seqlen_q": _SAMPLES_IN_PLAN,
+    "max_seqlen_k": _SAMPLES_IN_PLAN,
+    "causal": "pass mask_plan=create_mask_plan(masks.causal(Sq, Sk, batch=B, device=q.device), q, k, v) "
+    "(aligned bottom-right, as FlashAttention's)",
+    "window_size": "pass mask_plan=create_mask_plan(masks.sliding_window(Sq, Sk, window_left=left, "
+    "window_right=right, batch=B, device=q.device), q, k, v) (inclusive, bottom-right, as "
+    "FlashAttention's; (-1, 0) is masks.causal, (-1, -1) masks.full)",
+    "stream": "drop it: flexattn runs on torch's current stream (with torch.cuda.stream(s): ...)",
+}
+_PEER_KEYWORDS.update(_FLASH_KEYWORDS)
+#: the peers' defaults of those keywords, which ask for nothing: refused all the same, with "drop it"
 _PEER_DEFAULTS = {
     "block_mask": None, "score_mod": None, "attn_mask": None, "kernel_options": None, "return_aux": None,
-    "scale": None, "is_causal": False, "enable_gqa": False, "dropout_p": 0.0,
+    "scale": None, "is_causal": False, "enable_gqa": False, "dropout_p": 0.0, "causal": False,
+    "stream": None,
 }  # fmt: skip
 #: the keywords whose default is torch's "no mask": without a mask_plan, the plan of no mask
 _MASK_KEYWORDS = ("block_mask", "attn_mask", "is_causal")
@@ -145,13 +165,18 @@ def _asks_nothing(value: object, default: object) -> bool:
     return value is default
 
 
+def _peer(name: str) -> str:
+    """Whose keyword ``name`` is."""
+    return "FlashAttention's" if name in _FLASH_KEYWORDS else "torch's"
+
+
 def _peer_fix(name: str, value: object, has_plan: bool) -> str:
-    """What to do instead of torch's keyword ``name=value``."""
+    """What to do instead of a peer's keyword ``name=value``."""
     if name not in _PEER_DEFAULTS or not _asks_nothing(value, _PEER_DEFAULTS[name]):
         return _PEER_KEYWORDS[name]
     if not has_plan and name in _MASK_KEYWORDS:
         return f"torch's no mask: pass mask_plan={_FULL_PLAN}"
-    return f"drop it: {value!r} is torch's default, which asks for nothing"
+    return f"drop it: {value!r} is {_peer(name)} default, which asks for nothing"
 
 
 def _positional_fix(args: tuple, has_plan: bool) -> str:
@@ -200,7 +225,7 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
         for name, value in kwargs.items():
             if name in _PEER_KEYWORDS:
                 fix = _peer_fix(name, value, has_plan)
-                raise InputTypeError(f"{fn.__name__}() got {name}=, torch's keyword: {fix}")
+                raise InputTypeError(f"{fn.__name__}() got {name}=, {_peer(name)} keyword: {fix}")
         if not has_plan:
             raise InputTypeError(
                 f"{fn.__name__}() needs mask_plan=, a MaskPlan from create_mask_plan(mask_func, q, k, v); "
