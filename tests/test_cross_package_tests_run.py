@@ -1,7 +1,7 @@
 """A package's test that needs another local package skips itself in that package's CI session
 (which installs the package and its dependencies only), so CI must run it elsewhere: every such
 test (a ``pytest.importorskip`` of another local package, or a test file that imports one in a
-module-level ``try``) is in the noxfile's
+``try``) is in the noxfile's
 ``CROSS_PACKAGE_TESTS``, which the integration session runs with every package installed. GPU test
 files are exempt: they run on the GPU machine, where every package is installed."""
 
@@ -50,10 +50,12 @@ def _cross_package_tests() -> set[str]:
 
 
 def _tries_to_import(tree: ast.Module) -> set[str]:
-    """Top-level packages a module imports inside a module-level ``try`` (``try: import flexattn /
-    except ImportError: flexattn = None``, then ``skipif(flexattn is None)`` on some tests)."""
+    """Top-level packages a module imports inside a ``try``, at module level (``try: import
+    flexattn / except ImportError: flexattn = None``, then ``skipif(flexattn is None)`` on some
+    tests) or in a function (a helper adding another package's cases to a parametrization where it
+    imports: without it they are not skipped but never made)."""
     names = set()
-    tried = (stmt for node in tree.body if isinstance(node, ast.Try) for stmt in node.body)
+    tried = (stmt for node in ast.walk(tree) if isinstance(node, ast.Try) for stmt in node.body)
     for top in tried:
         for stmt in ast.walk(top):
             if isinstance(stmt, ast.Import):

@@ -83,7 +83,11 @@ def test_same_signatures(name):
 SM90 = cuda_arch_major() == 9  # the SM90 consumer's kernels can run
 
 
-gpu = pytest.mark.skipif(not SM90, reason="needs an SM90 GPU (both libraries' kernels)")
+def gpu(test):
+    """A test of both libraries' kernels: marked ``gpu`` (the nox gpu session's ``-m gpu`` selects
+    it) and skipped but on an SM90 GPU."""
+    on_sm90 = pytest.mark.skipif(not SM90, reason="needs an SM90 GPU (both libraries' kernels)")
+    return pytest.mark.gpu(on_sm90(test))
 
 
 def _mask(kind: str, varlen: bool, device) -> torch.Tensor:

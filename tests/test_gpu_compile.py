@@ -111,10 +111,7 @@ def test_compiled_block_trains_one_step_like_eager():
         masks.document([[300, 724], [1024]], causal=True, device="cuda"),
         *(torch.empty(B, s, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True),) * 3,
     )
-    try:
-        block(x, plan).float().square().mean().backward()
-    except flexattn.ConsumerNotFoundError as err:
-        pytest.skip(f"no SM90 backward kernel installed: {err}")
+    block(x, plan).float().square().mean().backward()
     eager = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
     block.zero_grad()
     x.grad = None

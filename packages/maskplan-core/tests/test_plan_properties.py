@@ -712,8 +712,14 @@ def test_a_large_to_dense_warns_before_it_allocates(monkeypatch):
         warnings.simplefilter("error")
         dense = view.to_dense()
     monkeypatch.setattr(plan_module, "DENSE_WARN_BYTES", 80 * 30)
-    with pytest.warns(UserWarning, match=r"allocates a bool \[1, 80, 30\] tensor \(0.0 GiB\); block_map\(\)"):
+    said = r"allocates a bool \[1, 80, 30\] tensor \(0.0 GiB\); block_map\(\)"
+    with pytest.warns(UserWarning, match=said):
         assert torch.equal(view.to_dense(), dense)
+    # before the work: under an error filter nothing is allocated or decoded
+    monkeypatch.setattr(plan_module, "entry_tiles", None)  # called: a TypeError, not the warning
+    with warnings.catch_warnings(), pytest.raises(UserWarning, match=said):
+        warnings.simplefilter("error")
+        view.to_dense()
 
 
 def test_summary_and_repr_name_what_a_row_is():

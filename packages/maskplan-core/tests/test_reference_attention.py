@@ -482,6 +482,13 @@ def test_a_slow_cpu_forward_warns_once_before_it_starts(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         flexattn.flex_attn_func(q, k, v, mask_plan=plan)  # once a process
+    # before it starts: under an error filter the attention never runs, on every such call
+    monkeypatch.setattr(reference, "_warned_slow", False)
+    monkeypatch.setattr(reference, "attention_forward", None)  # called: a TypeError, not the warning
+    for _ in range(2):
+        with warnings.catch_warnings(), pytest.raises(UserWarning, match=said):
+            warnings.simplefilter("error")
+            flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
 
 # --------------------------------------------------------------------------------------------------
