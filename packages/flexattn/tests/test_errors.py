@@ -497,19 +497,40 @@ def test_debug_snapshot_returns_clones():
     out_before = flexattn.flex_attn_func(q, k, v, mask_plan=plan)
     dense_before = plan.view("forward").to_dense()
     snap = plan.debug_snapshot()
-    assert {"forward", "backward", "geometry"} <= set(snap)
+    assert set(snap) == {"metadata", "forward", "backward", "dq", "cu_seqlens_q", "cu_seqlens_k", "geometry"}
+    assert snap["dq"] is None and snap["cu_seqlens_q"] is None  # cuDNN's, at fixed length
+    assert snap["metadata"].total_q == plan.metadata.total_q
     fwd = plan.view("forward")
+    assert snap["forward"]["sequence_desc"] is None and snap["forward"]["dq_write_order"] is None
     for name, t in snap["forward"].items():
-        assert torch.equal(t, getattr(fwd, name)), name
-        assert t.data_ptr() != getattr(fwd, name).data_ptr() or t.numel() == 0, f"{name} is not a clone"
-    for role in snap.values():
-        for t in role.values():
-            if t.numel():
+        if t is None:
+            assert fwd.tensors.get(name) is None, name
+            continue
+        assert torch.equal(t, fwd.tensors[name]), name
+        assert t.data_ptr() != fwd.tensors[name].data_ptr() or t.numel() == 0, f"{name} is not a clone"
+    for role in ("forward", "backward", "geometry"):
+        for t in snap[role].values():
+            if t is not None and t.numel():
                 t.fill_(-7)  # scribble over everything the snapshot returned
     assert torch.equal(plan.view("forward").to_dense(), dense_before)
     assert plan.geometry.cu_seqlens_q.tolist() == [0, SQ, 2 * SQ]
     assert torch.equal(flexattn.flex_attn_func(q, k, v, mask_plan=plan), out_before)
     assert plan.debug_snapshot()["forward"]["mask_block_idx"].tolist() == fwd.mask_block_idx.tolist()
+
+
+def test_debug_snapshot_of_a_forward_only_varlen_plan():
+    """cuDNN's keys: the backward view the plan lacks is None, a varlen plan's prefixes are given."""
+    cu = torch.tensor([0, 30, 80], dtype=torch.int32)
+    q = torch.randn(80, 2, 16)
+    plan = flexattn.create_mask_plan(
+        flexattn.masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        max_seqlen_q=50, max_seqlen_k=50, build_backward=False,
+    )  # fmt: skip
+    snap = plan.debug_snapshot()
+    assert snap["backward"] is None and snap["forward"]["sequence_desc"] is not None
+    assert snap["cu_seqlens_q"].tolist() == snap["geometry"]["cu_seqlens_k"].tolist() == [0, 30, 80]
+    snap["cu_seqlens_q"].fill_(0)
+    assert plan.geometry.cu_seqlens_q.tolist() == [0, 30, 80]
 
 
 def test_plan_repr_and_metadata():

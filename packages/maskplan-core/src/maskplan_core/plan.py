@@ -717,18 +717,32 @@ class MaskPlan:
         }
         return PlanMetadata(items, fields)
 
-    def debug_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Clones of every view tensor by role, and under ``"geometry"`` the plan's ``cu_seqlens_q`` /
-        ``cu_seqlens_k`` (mutating them cannot affect the plan)."""
-        snap = {
-            role: {k: t.clone() for k, t in v.tensors.items() if t is not None}
-            for role, v in self._views.items()
+    def debug_snapshot(self) -> dict[str, object]:
+        """Clones (mutating them cannot affect the plan), under ``cudnn.flex_attention``'s keys:
+        ``"metadata"`` (:attr:`metadata`); ``"forward"`` / ``"backward"``, a view's tensors by name
+        (None for one the view lacks, ``cu_total_m_blocks`` always: this ABI has none), or None for
+        a view the plan lacks; ``"dq"`` None (no dedicated dQ view); ``"cu_seqlens_q"`` /
+        ``"cu_seqlens_k"``, a varlen plan's prefixes (None at fixed length, as cuDNN's). Besides,
+        ``"geometry"``: both prefixes whatever the layout (a fixed-length plan's are ``b * S``)."""
+        g = self._geometry
+
+        def clones(view: PlanView | None) -> dict[str, torch.Tensor | None] | None:
+            if view is None:
+                return None
+            tensors = {name: view.tensors.get(name) for name in VIEW_TENSORS}
+            return {name: None if t is None else t.clone() for name, t in tensors.items()} | {
+                "cu_total_m_blocks": None
+            }
+
+        return {
+            "metadata": self.metadata,
+            "forward": clones(self._views.get("forward")),
+            "backward": clones(self._views.get("backward")),
+            "dq": None,
+            "cu_seqlens_q": g.cu_seqlens_q.clone() if g.varlen else None,
+            "cu_seqlens_k": g.cu_seqlens_k.clone() if g.varlen else None,
+            "geometry": {"cu_seqlens_q": g.cu_seqlens_q.clone(), "cu_seqlens_k": g.cu_seqlens_k.clone()},
         }
-        snap["geometry"] = {
-            "cu_seqlens_q": self._geometry.cu_seqlens_q.clone(),
-            "cu_seqlens_k": self._geometry.cu_seqlens_k.clone(),
-        }
-        return snap
 
     def summary(self) -> str:
         """A line per view of :meth:`PlanView.stats` (``rows`` per mask head, labelled by what a row
