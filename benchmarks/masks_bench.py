@@ -152,4 +152,3 @@ def plan_bench_mask(
         ends = torch.randint(0, seqlen + 1, (1, 5, batch * seqlen), generator=gen, dtype=torch.int32)
         return ends.sort(dim=1).values.contiguous(), None
     raise ValueError(f"unknown mask {name!r}; choose from {PLAN_MASKS}")
-

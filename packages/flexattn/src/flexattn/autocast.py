@@ -37,10 +37,10 @@ def autocast_dtypes(q: object, k: object, v: object) -> tuple[torch.dtype | None
     dtype = _region_dtype(q)
     if dtype is None:
         return None
-    recast = [_recast(t, dtype, q.device) for t in (q, k, v)]
-    if not any(recast):
+    recast = [(t, _recast(t, dtype, q.device)) for t in (q, k, v)]
+    if not any(cast for _, cast in recast):
         return None
-    return tuple(dtype if recast[i] else getattr(t, "dtype", None) for i, t in enumerate((q, k, v)))
+    return tuple(dtype if cast else getattr(t, "dtype", None) for t, cast in recast)
 
 
 def autocast_inputs(

@@ -284,14 +284,7 @@ class PlanView:
         f = 1 if width is None else -(-blocks.shape[1] // require_int("width", width, minimum=1))
         tm, tn = self.block_size
         fq = f * max(1, tn // tm) if self.signature.topology.pack_gqa else f
-        legend_lines = [
-            f"{self.role} view, sample {sample}, mask head {head}: {blocks.shape[0]} x {blocks.shape[1]} "
-            f"blocks (Q x K) of {tm} x {tn}",
-            self.packing(),
-            "a character: "
-            + ("a block" if f == fq == 1 else f"{fq} x {f} blocks, {fq * tm} x {f * tn} positions")
-            + "; # full, + partial, . empty",
-        ]
+        shape = blocks.shape
         if f > 1 or fq > 1:
             rows, cols = -(-blocks.shape[0] // fq) * fq, -(-blocks.shape[1] // f) * f
             cells = torch.full((rows, cols), -1, dtype=blocks.dtype, device=blocks.device)
@@ -300,7 +293,16 @@ class PlanView:
             full, empty = (((cells == c) | (cells < 0)).all(-1) for c in (2, 0))
             blocks = torch.where(full, 2, torch.where(empty, 0, 1))
         drawn = ["".join(".+#"[c] for c in row) for row in blocks.tolist()]
-        return "\n".join([line for line in legend_lines if line] + drawn if legend else drawn)
+        if not legend:
+            return "\n".join(drawn)
+        cover = "a block" if f == fq == 1 else f"{fq} x {f} blocks, {fq * tm} x {f * tn} positions"
+        lines = [
+            f"{self.role} view, sample {sample}, mask head {head}: {shape[0]} x {shape[1]} blocks (Q x K) "
+            f"of {tm} x {tn}",
+            self.packing(),
+            f"a character: {cover}; # full, + partial, . empty",
+        ]
+        return "\n".join([line for line in lines if line] + drawn)
 
     def packing(self) -> str:
         """``""``, or what a PackGQA view's block is (its ``block`` counts positions)."""
