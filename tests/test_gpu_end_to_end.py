@@ -305,6 +305,39 @@ def test_max_logit_is_fp32_under_a_float64_default_dtype():
     assert got.dtype == torch.float32 and torch.equal(got, want) and got.isfinite().all()
 
 
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_torch_deterministic_mode_trains_bit_identically(compiled):
+    """Under ``torch.use_deterministic_algorithms(True)`` a plan builds and a training step runs (no
+    torch op of ours refuses the mode) and a call that leaves ``deterministic`` False gives the same
+    bits every run, as the deterministic backward does."""
+    torch.manual_seed(5)
+    leaves = [torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16) for h in (H, HKV, HKV)]
+    dout = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def step(q, k, v, plan, deterministic):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan, deterministic=deterministic)
+
+    run = torch.compile(step, fullgraph=True) if compiled else step
+
+    def grads(deterministic):
+        xs = [x.clone().requires_grad_() for x in leaves]
+        plan = flexattn.create_mask_plan(MASKS["document"]("cuda"), *xs)
+        run(*xs, plan, deterministic).backward(dout)
+        return [x.grad for x in xs]
+
+    want = grads(True)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [grads(False) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for got in runs:
+        for name, a, b in zip("qkv", got, want, strict=True):
+            assert torch.equal(a, b), f"d{name} differs from the deterministic backward's"
+
+
 @pytest.mark.skipif(not SM90 or torch.cuda.device_count() < 2, reason="needs two SM90 GPUs")
 def test_tensors_on_a_gpu_that_is_not_the_current_one():
     """q, k, v on cuda:1 while cuda:0 is the current device: the plan and both directions run on

@@ -9,34 +9,45 @@ import torch
 
 import flexattn
 from flexattn import PlanBindingError, masks
+from maskplan_core.testing import cuda_arch_major
 
 B, S, H, D = 2, 48, 2, 16
 
 
-def leaves(dtype=torch.float32):
+def leaves(dtype=torch.float32, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(B, S, H, D, generator=gen, dtype=dtype).requires_grad_() for _ in range(3)]
+    return [torch.randn(B, S, H, D, generator=gen, dtype=dtype).to(device).requires_grad_() for _ in range(3)]
 
 
 def rope_then_attention(q, k, v, plan, promoted):
     """A model's attention inside autocast: v out of a projection (autocast's bfloat16), q and k
     (or all three) multiplied by float32 RoPE tables, which autocast leaves in float32."""
-    table = torch.ones(D)
-    v = torch.nn.functional.linear(v, torch.eye(D))
+    table = torch.ones(D, device=q.device)
+    v = torch.nn.functional.linear(v, torch.eye(D, device=q.device))
     q, k = q * table, k * table
     v = v * table if promoted == "qkv" else v
     return flexattn.flex_attn_func(q, k, v, mask_plan=plan)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(cuda_arch_major() != 9, reason="needs an SM90 GPU")],
+        ),
+    ],
+)
 @pytest.mark.parametrize("promoted", ["qk", "qkv"])
-def test_autocast_runs_attention_in_its_dtype(promoted):
+def test_autocast_runs_attention_in_its_dtype(promoted, device):
     """Under autocast q, k, v reach attention in the region's dtype whatever a float32 op left them
     in, and a plan built there is for that dtype (with a backward view where they require grad):
     the same bits as the call on inputs cast by hand, out in bfloat16 as SDPA's, and gradients of
     the float32 leaves in float32."""
-    mask = masks.causal(S, batch=B)
-    q, k, v = leaves()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    mask = masks.causal(S, batch=B, device=device)
+    q, k, v = leaves(device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         plan = flexattn.create_mask_plan(mask, q, k, v)
         out = rope_then_attention(q, k, v, plan, promoted)
     assert plan.geometry.dtype == torch.bfloat16 and plan.has_backward

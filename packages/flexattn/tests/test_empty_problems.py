@@ -15,8 +15,14 @@ from maskplan_core.testing import cuda_arch_major
 B, H, HKV, D = 2, 4, 2, 64
 
 
-def _devices() -> list[str]:
-    return ["cpu", "cuda"] if cuda_arch_major() == 9 else ["cpu"]
+#: the CUDA cases carry the gpu marker, so that ``nox -s gpu`` (``-m gpu``) runs them
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(cuda_arch_major() != 9, reason="needs an SM90 GPU")],
+    ),
+]
 
 
 def _dtype(device: str) -> torch.dtype:
@@ -43,7 +49,7 @@ def _check(q, k, v, out, lse, max_logit, sq: int, sk: int):
         assert g is not None and g.shape == t.shape and torch.equal(g, torch.zeros_like(g)), name
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sq, sk", [(0, 96), (96, 0), (0, 0)], ids=["no-queries", "no-keys", "neither"])
 def test_fixed_length(sq, sk, device):
     (q, k, v), mask = _fixed(sq, sk, device)
@@ -56,7 +62,7 @@ def test_fixed_length(sq, sk, device):
     _check(q, k, v, out, lse, max_logit, sq, sk)
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("empty", ["q", "k"], ids=["no-queries", "no-keys"])
 @pytest.mark.parametrize("exact_max", [False, True], ids=["max-70", "max-of-lengths"])
 def test_varlen_all_samples_empty(empty, exact_max, device):
@@ -79,7 +85,7 @@ def test_varlen_all_samples_empty(empty, exact_max, device):
     _check(q, k, v, out, lse, max_logit, rows_q, rows_k)
 
 
-@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("device", DEVICES)
 def test_explicit_api_writes_the_callers_tensors(device):
     """FlexAttentionFwd / FlexAttentionBwd on a problem without keys fill the given tensors (and take
     empty buffers of any strides: they name no element twice)."""

@@ -98,6 +98,42 @@ def test_backward_matches_autograd(kind, with_dlse):
         torch.testing.assert_close(got, ref, msg=f"d{name}")
 
 
+def test_torch_deterministic_mode_reaches_the_explicit_backward(monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` in force at ``execute`` makes the consumer's
+    backward deterministic though the constructor said False (torch's rule for its own ops)."""
+    from flexattn import ops
+
+    q, k, v = fixed()
+    plan = fixed_plan(q, k, v, build_backward=True)
+    o, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    bwd = FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan)
+    bwd.compile()
+    seen, checked = [], ops.checked_consumer
+
+    def recording(*a):
+        consumer = checked(*a)
+
+        class Recording:
+            forward = consumer.forward
+
+            def backward(self, *args, deterministic, **kw):
+                seen.append(deterministic)
+                return consumer.backward(*args, deterministic=deterministic, **kw)
+
+        return Recording()
+
+    monkeypatch.setattr(ops, "checked_consumer", recording)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for enabled in (False, True):
+            torch.use_deterministic_algorithms(enabled)
+            bwd.execute(q, k, v, o, o, lse, dq, dk, dv, plan)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [False, True]
+
+
 def test_strided_inputs_and_a_strided_lse():
     """q/k/v as BHSD transposes (what flex_attn_func takes too) and an LSE that is a transposed view
     (written through a copy) give the same results."""

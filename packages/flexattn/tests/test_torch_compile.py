@@ -297,6 +297,43 @@ def test_compiled_ops_take_strided_views_as_they_are(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_torch_deterministic_mode_makes_the_backward_deterministic(compiled, monkeypatch):
+    """``torch.use_deterministic_algorithms(True)`` in force when the backward runs makes it add dQ
+    in the plan's order whatever the call said (torch's rule for its own ops), eager and compiled;
+    without it the call's ``deterministic`` holds."""
+    from flexattn import ops
+
+    seen, checked = [], ops.checked_consumer
+
+    class Recording:
+        def __init__(self, consumer):
+            self.consumer = consumer
+
+        def forward(self, *args, **kw):
+            return self.consumer.forward(*args, **kw)
+
+        def backward(self, *args, deterministic, **kw):
+            seen.append(deterministic)
+            return self.consumer.backward(*args, deterministic=deterministic, **kw)
+
+    monkeypatch.setattr(ops, "checked_consumer", lambda *a: Recording(checked(*a)))
+    plan, (q, k, v), _ = fixed_case()
+
+    def step(q, k, v, asked):
+        return flexattn.flex_attn_func(q, k, v, mask_plan=plan, deterministic=asked).sum()
+
+    run = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        for enabled, asked in ((False, False), (False, True), (True, False), (True, True)):
+            torch.use_deterministic_algorithms(enabled)
+            torch.autograd.grad(run(q, k, v, asked), (q, k, v))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [False, True, True, True]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 def test_bshd_views_of_bhsd_reach_the_consumer_as_they_are(compiled, monkeypatch):
     """q, k, v transposed from ``[B, H, S, D]`` (what code applying RoPE in BHSD hands over) have no
     THD view at B > 1: they reach the consumer as those ``[B, S, H, D]`` views, forward and backward,

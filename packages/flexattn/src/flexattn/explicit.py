@@ -395,8 +395,9 @@ class FlexAttentionBwd(_Explicit):
         """Gradients of attention with ``mask_plan`` (built with ``build_backward=True``) written into
         ``dq_tensor`` / ``dk_tensor`` / ``dv_tensor``, from the forward's ``o_tensor`` and
         ``lse_tensor``, the output gradient ``do_tensor`` and, where the LSE takes a gradient,
-        ``dlse_tensor``; ``deterministic`` (the constructor's) makes dQ bit-identical from run to
-        run. ``softmax_scale`` must be the forward's (None: ``1 / sqrt(head_dim_qk)``);
+        ``dlse_tensor``; ``deterministic`` (the constructor's), or
+        ``torch.use_deterministic_algorithms(True)`` in force at this call, makes dQ bit-identical
+        from run to run. ``softmax_scale`` must be the forward's (None: ``1 / sqrt(head_dim_qk)``);
         ``current_stream`` and ``workspace`` as in :meth:`FlexAttentionFwd.execute`."""
         tensors = dict(
             q=q_tensor, k=k_tensor, v=v_tensor, o=o_tensor, do=do_tensor, lse=lse_tensor,
@@ -410,7 +411,8 @@ class FlexAttentionBwd(_Explicit):
             grads = consumer.backward(
                 mask_plan, *map(qkv_operand, (q_tensor, k_tensor, v_tensor)), thd(o_tensor),
                 _kernel_lse(lse_tensor, g), thd(do_tensor), dlse, softmax_scale=scale,
-                deterministic=self.deterministic, dq=in_place[0], dk=in_place[1], dv=in_place[2],
+                deterministic=ops.backward_determinism(self.deterministic),
+                dq=in_place[0], dk=in_place[1], dv=in_place[2],
             )  # fmt: skip
             for buffer, grad in zip(buffers, grads, strict=True):
                 _write(buffer, grad)

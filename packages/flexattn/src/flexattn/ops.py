@@ -123,6 +123,13 @@ def _check_signatures(plan: MaskPlan, device: torch.device, training: bool):
     return consumer
 
 
+def backward_determinism(deterministic: bool) -> bool:
+    """Whether a backward adds dQ in the plan's ``dq_write_order``: asked for, or
+    ``torch.use_deterministic_algorithms(True)`` in force when the backward runs (torch's rule: its
+    ops take their deterministic algorithm then, whatever the call says)."""
+    return deterministic or torch.are_deterministic_algorithms_enabled()
+
+
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """LSE / max-logit dtype: fp32, fp64 for fp64 inputs (the CPU reference computes in fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -203,8 +210,9 @@ def _backward_impl(
     operands = map(qkv_operand, (q, k, v))
     with on_device(q.device):
         dq, dk, dv = consumer.backward(
-            mask_plan, *operands, out, lse, dout, dlse, softmax_scale=scale, deterministic=deterministic
-        )
+            mask_plan, *operands, out, lse, dout, dlse, softmax_scale=scale,
+            deterministic=backward_determinism(deterministic),
+        )  # fmt: skip
     return tuple(g.contiguous().view(x.shape) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
