@@ -866,10 +866,15 @@ def test_torch_names_looked_up_on_the_package_name_flexattns_way():
         ("flex_attention", "flex_attn_func("),
         ("flex_attention", "cudnn.flex_attention is flexattn itself"),
         ("create_block_mask", "from_mask_mod("),
+        ("and_masks", "flexattn.masks.intersect("),
+        ("or_masks", "flexattn.masks.union("),
     ):
         said = rf"no attribute '{name}' \(torch's name\).*{re.escape(needle)}"
         with pytest.raises(AttributeError, match=said):
             getattr(flexattn, name)
+        if name.endswith("_masks"):  # also where the mask builders are
+            with pytest.raises(AttributeError, match=said):
+                getattr(flexattn.masks, name)
     assert not hasattr(flexattn, "flex_attention")
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'$"):
         flexattn.nothing_here  # noqa: B018

@@ -50,6 +50,7 @@ _TORCH_NAMES = {
     "create_mask_plan",
     "create_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk, device=q.device) (endpoints)",
     "BlockMask": "flexattn.MaskPlan, from create_mask_plan (masks.from_block_mask converts a BlockMask)",
+    **masks.TORCH_NAMES,
 }
 
 

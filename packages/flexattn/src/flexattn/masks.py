@@ -28,5 +28,21 @@ from_block_mask = _builder(_builders.from_block_mask)
 from_dense = _builder(_builders.from_dense)
 from_mask_mod = _builder(_builders.from_mask_mod)
 full = _builder(_builders.full)
+intersect = _builder(_builders.intersect)
 prefix_lm = _builder(_builders.prefix_lm)
 sliding_window = _builder(_builders.sliding_window)
+union = _builder(_builders.union)
+
+
+#: torch's mask combinators, which a ported call may look for here (or on flexattn), and flexattn's way
+TORCH_NAMES = {
+    "and_masks": "flexattn.masks.intersect(mask, ...) on endpoint masks (from_mask_mod converts a mask_mod)",
+    "or_masks": "flexattn.masks.union(mask, ...) on endpoint masks (from_mask_mod converts a mask_mod)",
+}
+
+
+def __getattr__(name: str):
+    if name in TORCH_NAMES:
+        fix = TORCH_NAMES[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (torch's name): {fix}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -70,7 +70,7 @@ def record_samples(
     return endpoints
 
 
-def _recorded(mask_func: torch.Tensor) -> Built | None:
+def recorded(mask_func: torch.Tensor) -> Built | None:
     """What a builder recorded ``mask_func`` for, while it is that builder's output unchanged."""
     ref, version, built = _SAMPLES.get(id(mask_func), (None, 0, None))
     if ref is None or ref() is not mask_func or mask_func._version != version:
@@ -85,7 +85,7 @@ def built_rows_hint(mask_func: torch.Tensor, q_samples: str = "") -> str:
     other rows, which the refusal's generic hints, naming other builders' arguments, do not say);
     with it (what q holds, e.g. ``"2 samples of 200 rows"``: where no generic hint fits) for any
     builder. Else ``""``."""
-    built = _recorded(mask_func)
+    built = recorded(mask_func)
     if built is None or not (built.rows_hint or q_samples):
         return ""
     how = built.rows_hint or f" ({q_samples})"
@@ -101,7 +101,7 @@ def check_heads(mask_func: torch.Tensor, num_heads_q: int) -> None:
     a model's heads) evaluated every head q has. One head stands for every head only where the
     builder found the mask_mod not reading its head index: a model of one head (a mask_mod that
     raised at head 1, as torch would at q's head 1) is refused for q of more heads."""
-    built = _recorded(mask_func)
+    built = recorded(mask_func)
     if built is None:
         return
     if built.heads == 1 and not built.every_head and num_heads_q > 1:
@@ -140,7 +140,7 @@ def check_samples(
     with query rows). ``lens``: a zero-argument callable giving the per-sample query rows and keys,
     or None where the prefixes break a rule of the planner's prefix check (which then names it);
     only called for a recorded mask, so a varlen batch reads its ``cu_seqlens`` back only then."""
-    built = _recorded(mask_func)
+    built = recorded(mask_func)
     if built is None:
         return
     given = lens()

@@ -67,6 +67,12 @@ Examples (``.tolist()`` drops the tensor wrapper):
 >>> chunked(5, 2).tolist()
 [[[0, 0, 0, 0, 0], [0, 0, 2, 2, 4], [1, 2, 3, 4, 5]]]
 
+``intersect`` / ``union`` -- the keys every / any one of several masks shows a row (torch
+FlexAttention's ``and_masks`` / ``or_masks``), with the fewest endpoints:
+
+>>> intersect(causal(4), sliding_window(4, window_left=1)).tolist()
+[[[1, 2, 0, 0], [1, 2, 1, 2], [1, 2, 3, 4]]]
+
 ``from_dense`` -- boolean ``[Hmask, total_q, Sk]`` mask to endpoints with the smallest odd ``nfunc``:
 
 >>> m = torch.tensor([[[True, False, True, True], [False, True, False, False]]])
@@ -80,6 +86,7 @@ Examples (``.tolist()`` drops the tensor wrapper):
 """
 
 from .builders import causal, chunked, document, document_ids, full, prefix_lm, sliding_window
+from .combine import intersect, union
 from .convert import from_block_mask, from_dense, from_mask_mod
 
 __all__ = [
@@ -91,6 +98,8 @@ __all__ = [
     "from_dense",
     "from_mask_mod",
     "full",
+    "intersect",
     "prefix_lm",
     "sliding_window",
+    "union",
 ]

@@ -1,0 +1,162 @@
+"""Masks combined row by row: the keys every mask shows (:func:`intersect`) or any shows
+(:func:`union`), torch FlexAttention's ``and_masks`` / ``or_masks`` on endpoints.
+
+Each row's intervals become boundary events, ``+1`` where an interval opens and ``-1`` where it
+closes (a mask's ``[0, F0)`` opens at 0); sorted, their running sum is how many masks show the
+keys up to the next event, so the combination is a predicate on that count (all of them, or at
+least one) read at the last event of each position::
+
+    a: [0, 3) U [5, 9)          events  0:+1  3:-1  5:+1  9:-1
+    b: [0, 0) U [2, 6)                  0:+1  0:-1  2:+1  6:-1
+    count after each position   0:1  2:2  3:1  5:2  6:1  9:0
+    intersect (count == 2)      [2, 3) U [5, 6)   ->  endpoints 0, 2, 3, 5, 6
+    union     (count >= 1)      [0, 9)            ->  endpoints 9
+
+Written as endpoints, a row's visibility starts "on" before key 0, so its endpoints are the
+positions where it changes (an odd count: it ends "off"); shorter rows repeat their last endpoint
+(empty intervals), as the other builders' rows do. Work and memory are linear in the rows and their
+endpoints: no ``[rows, keys]`` tensor is made, on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..endpoint_samples import Built, record_samples, recorded
+from ..errors import InputTypeError, InputValueError
+from ..validation import require_tensor
+
+
+def intersect(*masks: torch.Tensor) -> torch.Tensor:
+    """The keys every one of ``masks`` shows a row: endpoints ``[Hmask, nfunc, total_q]`` with the
+    smallest odd ``nfunc`` (torch FlexAttention's ``and_masks``). A sliding window within each
+    packed document, say: ``intersect(document(lens), sliding_window(sum(lens), window_left=w))``.
+    See :func:`union` for what the masks must share."""
+    return _combine(masks, "intersect")
+
+
+def union(*masks: torch.Tensor) -> torch.Tensor:
+    """The keys any of ``masks`` shows a row (torch FlexAttention's ``or_masks``): endpoints
+    ``[Hmask, nfunc, total_q]`` with the smallest odd ``nfunc``.
+
+    The masks are endpoint tensors of the same rows (``total_q``), on one device, each with one
+    mask for every head (``Hmask = 1``) or one per q head (all the same ``Hmask``; a shared mask
+    joins each head's). Their endpoints must be sorted in every row (each is checked; the keys past
+    a sample's end are the plan's to refuse). Masks that builders made for the same samples give a
+    result recorded for those samples (a plan for other samples refuses it, as it would refuse
+    theirs); masks built for different samples are refused. On a GPU the check and the result's
+    ``nfunc`` are read back in one transfer."""
+    return _combine(masks, "union")
+
+
+def _combine(masks: tuple[torch.Tensor, ...], how: str) -> torch.Tensor:
+    heads, total_q, device = _operands(masks, how)
+    built = _recorded_samples(masks, how)
+    ordered, count = _events(masks, heads, total_q)
+    changes = _changes(ordered, count == len(masks) if how == "intersect" else count > 0)
+    per_row = changes[..., -1]  # odd: visibility starts shown and ends hidden
+    widest = per_row.amax().reshape(1) if total_q else per_row.new_ones(1)
+    nfunc, *bad = torch.cat([widest, *map(_unsorted, masks)]).tolist()  # one read back
+    _refuse_unsorted(bad, how)
+    # endpoint s of a row is its (s + 1)-th change; rows with fewer repeat their last
+    wanted = torch.arange(1, nfunc + 1, device=device).minimum(per_row.unsqueeze(-1))
+    result = ordered.gather(-1, torch.searchsorted(changes, wanted)).transpose(1, 2).contiguous()
+    if built is None:
+        return result
+    return record_samples(
+        result, f"masks.{how}", built.rows, built.keys, rows_hint=built.rows_hint, keys_hint=built.keys_hint,
+        heads=built.heads, every_head=built.every_head,
+    )  # fmt: skip
+
+
+def _events(masks: tuple[torch.Tensor, ...], heads: int, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's events sorted by position ``[heads, total_q, events]`` (each mask's 0, where its
+    ``[0, F0)`` opens, then its endpoints, closing and opening in turn), and after each event how
+    many masks show the keys up to the next."""
+    pos = torch.cat(
+        [torch.cat([m.new_zeros(m.shape[0], 1, total_q), m], 1).expand(heads, -1, -1) for m in masks], 1
+    ).transpose(1, 2)
+    opens = torch.tensor([1, -1], dtype=torch.int32, device=pos.device)
+    step = torch.cat([opens.repeat((m.shape[1] + 1) // 2) for m in masks])
+    ordered, order = torch.sort(pos, dim=-1, stable=True)
+    return ordered, step[order].cumsum(-1)
+
+
+def _changes(ordered: torch.Tensor, shown: torch.Tensor) -> torch.Tensor:
+    """How many times visibility changed up to each event (its running count of endpoints).
+    ``shown``: whether the keys after each event are shown, which only the last event at a position
+    decides; visibility counts as shown before key 0."""
+    last = torch.ones_like(shown)
+    last[..., :-1] = ordered[..., 1:] != ordered[..., :-1]
+    idx = torch.arange(shown.shape[-1], device=shown.device)
+    decided = torch.where(last, idx, -1).cummax(-1).values  # the latest deciding event at or before each
+    state = torch.where(decided >= 0, shown.gather(-1, decided.clamp(min=0)), True)
+    before = torch.cat([torch.ones_like(state[..., :1]), state[..., :-1]], -1)
+    return (last & (shown != before)).cumsum(-1)
+
+
+def _unsorted(m: torch.Tensor) -> torch.Tensor:
+    """Whether any row of ``m`` has a negative or decreasing endpoint (one element: 1 or 0)."""
+    bad = (m[:, :1] < 0).any() | (m[:, 1:] < m[:, :-1]).any()
+    return bad.to(torch.int64).reshape(1)
+
+
+def _refuse_unsorted(bad: list[int], how: str) -> None:
+    for i, flag in enumerate(bad):
+        if flag:
+            raise InputValueError(
+                f"masks.{how}: mask {i} has a negative or decreasing endpoint in some row; endpoints "
+                "are sorted key positions (maskplan_core.masks)"
+            )
+
+
+def _operands(masks: tuple[torch.Tensor, ...], how: str) -> tuple[int, int, torch.device]:
+    """Check ``masks`` (endpoint tensors of the same rows, on one device, of one ``Hmask`` or 1)
+    and return their heads, rows and device."""
+    if not masks:
+        raise InputValueError(f"masks.{how} needs at least one mask")
+    for i, m in enumerate(masks):
+        require_tensor(f"masks[{i}]", m)
+        if m.dtype != torch.int32 or m.dim() != 3:
+            raise InputTypeError(
+                f"masks.{how}: mask {i} must be int32 endpoints [Hmask, nfunc, total_q], got "
+                f"{m.dtype} of shape {tuple(m.shape)}"
+            )
+        if m.shape[1] % 2 == 0:
+            raise InputValueError(f"masks.{how}: mask {i} has an even nfunc ({m.shape[1]}); it must be odd")
+        if m.is_meta:
+            raise InputValueError(f"masks.{how}: mask {i} is a meta tensor, which holds no endpoints")
+    first = masks[0]
+    heads = max(m.shape[0] for m in masks)
+    for i, m in enumerate(masks):
+        if m.shape[2] != first.shape[2]:
+            raise InputValueError(
+                f"masks.{how}: mask {i} has {m.shape[2]} query rows, mask 0 {first.shape[2]}; the masks "
+                "must be of the same rows"
+            )
+        if m.shape[0] not in (1, heads):
+            raise InputValueError(
+                f"masks.{how}: the masks' Hmask are {[t.shape[0] for t in masks]}; each must be 1 (one "
+                "mask for every head) or the q heads' count, the same for all"
+            )
+        if m.device != first.device:
+            raise InputValueError(f"masks.{how}: mask {i} is on {m.device}, mask 0 on {first.device}")
+    return heads, first.shape[2], first.device
+
+
+def _recorded_samples(masks: tuple[torch.Tensor, ...], how: str) -> Built | None:
+    """The samples the masks were built for, where a builder recorded every one of them; masks
+    built for different samples are refused (their endpoints are local to different samples)."""
+    records = [recorded(m) if isinstance(m, torch.Tensor) else None for m in masks]
+    if any(r is None for r in records):
+        return None
+    first = records[0]
+    for i, r in enumerate(records):
+        if (r.rows, r.keys) != (first.rows, first.keys):
+            raise InputValueError(
+                f"masks.{how}: mask {i} was built by {r.builder} for other samples than mask 0 (by "
+                f"{first.builder}): their endpoints are local to different samples; build them for one batch"
+            )
+    heads = max(r.heads for r in records)
+    return Built(first.builder, first.rows, first.keys, first.rows_hint, first.keys_hint, heads,
+                 all(r.every_head for r in records))  # fmt: skip
