@@ -109,3 +109,18 @@ def test_refusals_name_the_mask(operands, error, match):
     for how in HOW.values():
         with pytest.raises(error, match=match):
             how[0](*operands)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_cpu_result_under_deterministic_algorithms():
+    """The same endpoints on a GPU, with torch's deterministic mode on (no op of theirs refuses it)."""
+    gen = torch.Generator().manual_seed(3)
+    operands = [random_endpoints(gen, h, n, 3000, 700) for h, n in ((4, 5), (1, 3), (4, 1))]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for combine, _ in HOW.values():
+            got = combine(*(m.cuda() for m in operands))
+            assert got.is_cuda and torch.equal(got.cpu(), combine(*operands))
+    finally:
+        torch.use_deterministic_algorithms(was)
