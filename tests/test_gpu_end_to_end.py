@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import pytest
 import torch
@@ -336,6 +337,46 @@ def test_torch_deterministic_mode_trains_bit_identically(compiled):
     for got in runs:
         for name, a, b in zip("qkv", got, want, strict=True):
             assert torch.equal(a, b), f"d{name} differs from the deterministic backward's"
+
+
+@pytest.mark.skipif(not SM90, reason="needs an SM90 GPU")
+def test_torch_deterministic_mode_builds_every_mask_on_the_device():
+    """Under ``torch.use_deterministic_algorithms(True)`` the converters and combinators run on CUDA
+    tensors (none of their ops refuses the mode) and a mask of more endpoints than the planner
+    kernels hold plans on the device through the reference planner: the plans the CPU makes."""
+    s = 512
+    stripes = (torch.arange(s) // 3 % 2 == 0).expand(B, 1, s, s)  # 171 runs a row: nfunc 171
+    ids = (torch.arange(s) // 100).expand(B, s)
+    q = torch.randn(B, s, H, D, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, s, HKV, D, dtype=torch.bfloat16) for _ in "kv")
+
+    def plans(device):
+        built = {
+            "from_dense": masks.from_dense(stripes.to(device)),
+            "from_mask_mod": masks.from_mask_mod(lambda b, h, i, j: j <= i, B, None, s, s, device=device),
+            "intersect": masks.intersect(
+                masks.document_ids(ids.to(device)),
+                masks.sliding_window(s, window_left=70, batch=B, device=device),
+            ),
+        }
+        qkv = [t.to(device).requires_grad_() for t in (q, k, v)]
+        return {name: flexattn.create_mask_plan(m, *qkv) for name, m in built.items()}, qkv
+
+    want, _ = plans("cpu")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*the reference planner builds this plan")
+            got, qkv = plans("cuda")
+        for name, plan in got.items():
+            for role in ("forward", "backward"):
+                dense = plan.view(role).to_dense().cpu()
+                assert torch.equal(dense, want[name].view(role).to_dense()), f"{name} {role}"
+            flexattn.flex_attn_func(*qkv, mask_plan=plan).float().sum().backward()
+            assert all(t.grad.isfinite().all() for t in qkv), name
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.skipif(not SM90 or torch.cuda.device_count() < 2, reason="needs two SM90 GPUs")

@@ -69,14 +69,62 @@ def test_a_window_within_documents_is_the_document_builder_s():
 
 
 def test_masks_built_for_other_samples_are_refused():
-    with pytest.raises(InputValueError, match="mask 1 was built by masks.sliding_window for other samples"):
+    with pytest.raises(
+        InputValueError,
+        match=r"mask 1 was built by masks.sliding_window for 4 samples of 8 rows, mask 0 by masks.causal "
+        r"for 2 samples of 16 rows",
+    ):
         masks.union(masks.causal(16, batch=2), masks.sliding_window(8, window_left=2, batch=4))
+    keys = r"for 1 sample of 32 keys, mask 0 by masks.causal for 1 sample of 16"
+    with pytest.raises(InputValueError, match=keys):
+        masks.intersect(masks.causal(16), masks.causal(16, 32))
 
 
-def test_an_unrecorded_mask_leaves_the_result_unrecorded():
+def test_the_recorded_masks_samples_hold_for_the_result():
+    """A result holds the samples of the masks that have a record (a copy or a rank-3 from_dense
+    has none: the rows are the same, so the record still applies), and says how to rebuild."""
     causal = masks.causal(16, batch=2)
-    assert recorded(masks.union(causal, masks.full(16, batch=2))) is not None
-    assert recorded(masks.union(causal, masks.full(16, batch=2).clone())) is None
+    assert recorded(masks.union(causal.clone(), masks.full(16, batch=2).clone())) is None
+    result = masks.union(causal.clone(), masks.full(16, batch=2))
+    assert (recorded(result).rows, recorded(result).keys) == ((16, 16), (16, 16))
+    with pytest.raises(InputValueError, match=r"built by masks.union .*build each mask masks.union combined"):
+        check_samples(result, lambda: ([16, 16], [20, 20]))
+
+
+def test_the_result_keeps_the_strictest_head_record():
+    """A mask_mod evaluated for 2 heads is refused for q of 4 heads, combined or not; one of a
+    model of one head too (as torch's and_masks / or_masks of it, evaluated per head, would differ)."""
+    from maskplan_core.endpoint_samples import check_heads
+
+    two = masks.from_mask_mod(lambda b, h, q, kv: (h < 2) | (kv == 0), 1, 2, 8, 8)
+    four = masks.from_mask_mod(lambda b, h, q, kv: kv <= q + h, 1, 4, 8, 8)
+    for combined in (masks.intersect(two, four), masks.union(four, two)):
+        with pytest.raises(InputValueError, match="for 2 heads, but q has 4"):
+            check_heads(combined, 4)
+    one = masks.from_mask_mod(lambda b, h, q, kv: torch.tensor([True])[h] & (kv <= q), 1, 1, 8, 8)
+    with pytest.raises(InputValueError, match="for a model of one head"):
+        check_heads(masks.union(one, four), 4)
+    check_heads(masks.union(masks.causal(8), four), 4)  # builders' masks are every head's
+
+
+def test_blocks_of_rows_give_the_whole_result(monkeypatch):
+    """Rows go in blocks bounded by _CHUNK_EVENTS; blocks of other widths join padded."""
+    from maskplan_core.masks import combine
+
+    gen = torch.Generator().manual_seed(7)
+    operands = [random_endpoints(gen, 2, n, 50, 30) for n in (3, 7)]
+    operands[1][..., :9] = 30  # narrow rows in the first block
+    whole = [masks.intersect(*operands), masks.union(*operands)]
+    monkeypatch.setattr(combine, "_CHUNK_EVENTS", 2 * 12 * 8)  # 8 rows a block
+    for got, want in zip((masks.intersect(*operands), masks.union(*operands)), whole, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_runs_eagerly_under_torch_compile():
+    """The sample records are host state: a compiled caller runs them eagerly (a graph break)."""
+    a, b = masks.causal(16), masks.sliding_window(16, window_left=3)
+    got = torch.compile(lambda a, b: masks.intersect(a, b))(a, b)
+    assert torch.equal(got, masks.intersect(a, b))
 
 
 @pytest.mark.parametrize("how", sorted(HOW))
@@ -90,7 +138,12 @@ def test_no_rows(how):
     "operands, error, match",
     [
         ((), InputValueError, "needs at least one mask"),
-        (("causal",), InputTypeError, r"masks\[0\] must be a torch.Tensor"),
+        (("causal",), InputTypeError, r"mask 0 must be int32 endpoints \[Hmask, nfunc, total_q\], got str$"),
+        (([torch.zeros(1, 1, 4, dtype=torch.int32)],), InputTypeError, "got list; pass the masks as"),
+        ((lambda b, h, q, kv: kv <= q,), InputTypeError, r"got function; convert a mask_mod with"),
+        ((torch.ones(1, 4, 4, dtype=torch.bool),), InputTypeError, r"torch.bool .*with masks.from_dense"),
+        ((torch.ones(1, 1, 4, dtype=torch.int64),), InputTypeError, r"int64 .*with .to\(torch.int32\)"),
+        ((torch.zeros(0, 1, 4, dtype=torch.int32),), InputValueError, r"mask 0 has no heads"),
         ((torch.zeros(1, 3, 4),), InputTypeError, "must be int32 endpoints"),
         ((torch.zeros(3, 4, dtype=torch.int32),), InputTypeError, "must be int32 endpoints"),
         ((torch.zeros(1, 2, 4, dtype=torch.int32),), InputValueError, "even nfunc"),

@@ -15,16 +15,21 @@ least one) read at the last event of each position::
 Written as endpoints, a row's visibility starts "on" before key 0, so its endpoints are the
 positions where it changes (an odd count: it ends "off"); shorter rows repeat their last endpoint
 (empty intervals), as the other builders' rows do. Work and memory are linear in the rows and their
-endpoints: no ``[rows, keys]`` tensor is made, on any device.
+endpoints (no ``[rows, keys]`` tensor is made, on any device), and rows go in blocks of about
+``_CHUNK_EVENTS`` events, which bounds the memory a call takes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..endpoint_samples import Built, record_samples, recorded
+from ..endpoint_samples import Built, describe_lengths, record_samples, recorded
 from ..errors import InputTypeError, InputValueError
-from ..validation import require_tensor
+from .convert import join_rows
+
+#: events (a row's endpoints and one more per mask, times heads) per block of rows: about 40 bytes
+#: of working memory each
+_CHUNK_EVENTS = 1 << 22
 
 
 def intersect(*masks: torch.Tensor) -> torch.Tensor:
@@ -44,37 +49,48 @@ def union(*masks: torch.Tensor) -> torch.Tensor:
     joins each head's). Their endpoints must be sorted in every row (each is checked; the keys past
     a sample's end are the plan's to refuse). Masks that builders made for the same samples give a
     result recorded for those samples (a plan for other samples refuses it, as it would refuse
-    theirs); masks built for different samples are refused. On a GPU the check and the result's
-    ``nfunc`` are read back in one transfer."""
+    theirs), also where some of the masks have no record (a copy, ``from_dense`` of a rank-3
+    mask); masks built for different samples are refused. On a GPU the check is read back once,
+    and each block of rows' ``nfunc`` once."""
     return _combine(masks, "union")
 
 
+@torch.compiler.disable  # eager under torch.compile: host reads (the check, widths) and the records
 def _combine(masks: tuple[torch.Tensor, ...], how: str) -> torch.Tensor:
     heads, total_q, device = _operands(masks, how)
     built = _recorded_samples(masks, how)
-    ordered, count = _events(masks, heads, total_q)
-    changes = _changes(ordered, count == len(masks) if how == "intersect" else count > 0)
-    per_row = changes[..., -1]  # odd: visibility starts shown and ends hidden
-    widest = per_row.amax().reshape(1) if total_q else per_row.new_ones(1)
-    nfunc, *bad = torch.cat([widest, *map(_unsorted, masks)]).tolist()  # one read back
-    _refuse_unsorted(bad, how)
-    # endpoint s of a row is its (s + 1)-th change; rows with fewer repeat their last
-    wanted = torch.arange(1, nfunc + 1, device=device).minimum(per_row.unsqueeze(-1))
-    result = ordered.gather(-1, torch.searchsorted(changes, wanted)).transpose(1, 2).contiguous()
+    _refuse_unsorted(masks, how)
+    events = sum(m.shape[1] + 1 for m in masks)
+    step = max(1, _CHUNK_EVENTS // (heads * events))
+    rows = range(0, total_q, step)
+    blocks = [_combine_rows([m[..., r0 : r0 + step] for m in masks], heads, how) for r0 in rows]
+    result = join_rows(blocks) if blocks else torch.zeros(heads, 1, 0, dtype=torch.int32, device=device)
     if built is None:
         return result
     return record_samples(
-        result, f"masks.{how}", built.rows, built.keys, rows_hint=built.rows_hint, keys_hint=built.keys_hint,
+        result, built.builder, built.rows, built.keys, rows_hint=built.rows_hint, keys_hint=built.keys_hint,
         heads=built.heads, every_head=built.every_head,
     )  # fmt: skip
 
 
-def _events(masks: tuple[torch.Tensor, ...], heads: int, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _combine_rows(masks: list[torch.Tensor], heads: int, how: str) -> torch.Tensor:
+    """One block of rows of :func:`_combine`: ``[heads, nfunc, rows]`` with the block's smallest
+    odd ``nfunc``."""
+    ordered, count = _events(masks, heads)
+    changes = _changes(ordered, count == len(masks) if how == "intersect" else count > 0)
+    per_row = changes[..., -1]  # odd: visibility starts shown and ends hidden
+    nfunc = int(per_row.amax())
+    # endpoint s of a row is its (s + 1)-th change; rows with fewer repeat their last
+    wanted = torch.arange(1, nfunc + 1, device=ordered.device).minimum(per_row.unsqueeze(-1))
+    return ordered.gather(-1, torch.searchsorted(changes, wanted)).transpose(1, 2).contiguous()
+
+
+def _events(masks: list[torch.Tensor], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's events sorted by position ``[heads, total_q, events]`` (each mask's 0, where its
     ``[0, F0)`` opens, then its endpoints, closing and opening in turn), and after each event how
     many masks show the keys up to the next."""
     pos = torch.cat(
-        [torch.cat([m.new_zeros(m.shape[0], 1, total_q), m], 1).expand(heads, -1, -1) for m in masks], 1
+        [torch.cat([m.new_zeros(m.shape[0], 1, m.shape[2]), m], 1).expand(heads, -1, -1) for m in masks], 1
     ).transpose(1, 2)
     opens = torch.tensor([1, -1], dtype=torch.int32, device=pos.device)
     step = torch.cat([opens.repeat((m.shape[1] + 1) // 2) for m in masks])
@@ -95,13 +111,9 @@ def _changes(ordered: torch.Tensor, shown: torch.Tensor) -> torch.Tensor:
     return (last & (shown != before)).cumsum(-1)
 
 
-def _unsorted(m: torch.Tensor) -> torch.Tensor:
-    """Whether any row of ``m`` has a negative or decreasing endpoint (one element: 1 or 0)."""
-    bad = (m[:, :1] < 0).any() | (m[:, 1:] < m[:, :-1]).any()
-    return bad.to(torch.int64).reshape(1)
-
-
-def _refuse_unsorted(bad: list[int], how: str) -> None:
+def _refuse_unsorted(masks: tuple[torch.Tensor, ...], how: str) -> None:
+    """Refuse a mask with a negative or decreasing endpoint in some row (one read back)."""
+    bad = torch.stack([(m[:, :1] < 0).any() | (m[:, 1:] < m[:, :-1]).any() for m in masks]).tolist()
     for i, flag in enumerate(bad):
         if flag:
             raise InputValueError(
@@ -110,18 +122,35 @@ def _refuse_unsorted(bad: list[int], how: str) -> None:
             )
 
 
+def _operand_hint(m: object) -> str:
+    """How to make an endpoint mask of what a ported call passed instead."""
+    if isinstance(m, torch.Tensor):
+        if m.dtype == torch.bool:
+            return "; convert a dense bool mask with masks.from_dense"
+        if not (m.dtype.is_floating_point or m.dtype.is_complex):
+            return "; convert integer endpoints with .to(torch.int32)"
+        return ""
+    if isinstance(m, (list, tuple)):
+        return "; pass the masks as arguments: masks.intersect(*masks)"
+    if callable(m):
+        return "; convert a mask_mod with masks.from_mask_mod(mask_mod, B, H, Sq, Sk) first"
+    return ""
+
+
 def _operands(masks: tuple[torch.Tensor, ...], how: str) -> tuple[int, int, torch.device]:
     """Check ``masks`` (endpoint tensors of the same rows, on one device, of one ``Hmask`` or 1)
     and return their heads, rows and device."""
     if not masks:
         raise InputValueError(f"masks.{how} needs at least one mask")
     for i, m in enumerate(masks):
-        require_tensor(f"masks[{i}]", m)
-        if m.dtype != torch.int32 or m.dim() != 3:
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.dim() != 3:
+            got = f"{m.dtype} of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
             raise InputTypeError(
-                f"masks.{how}: mask {i} must be int32 endpoints [Hmask, nfunc, total_q], got "
-                f"{m.dtype} of shape {tuple(m.shape)}"
+                f"masks.{how}: mask {i} must be int32 endpoints [Hmask, nfunc, total_q], got {got}"
+                f"{_operand_hint(m)}"
             )
+        if m.shape[0] == 0:
+            raise InputValueError(f"masks.{how}: mask {i} has no heads (Hmask = 0); it must be 1 or Hq")
         if m.shape[1] % 2 == 0:
             raise InputValueError(f"masks.{how}: mask {i} has an even nfunc ({m.shape[1]}); it must be odd")
         if m.is_meta:
@@ -145,18 +174,26 @@ def _operands(masks: tuple[torch.Tensor, ...], how: str) -> tuple[int, int, torc
 
 
 def _recorded_samples(masks: tuple[torch.Tensor, ...], how: str) -> Built | None:
-    """The samples the masks were built for, where a builder recorded every one of them; masks
-    built for different samples are refused (their endpoints are local to different samples)."""
-    records = [recorded(m) if isinstance(m, torch.Tensor) else None for m in masks]
-    if any(r is None for r in records):
+    """The samples the recorded masks were built for (None where no mask has a record); masks
+    built for different samples are refused (their endpoints are local to different samples).
+    The result takes the strictest head record: a model of one head where a mask was evaluated for
+    one (``check_heads``), else the fewest heads past one a mask_mod was evaluated for."""
+    records = [(i, r) for i, r in enumerate(map(recorded, masks)) if r is not None]
+    if not records:
         return None
-    first = records[0]
-    for i, r in enumerate(records):
-        if (r.rows, r.keys) != (first.rows, first.keys):
-            raise InputValueError(
-                f"masks.{how}: mask {i} was built by {r.builder} for other samples than mask 0 (by "
-                f"{first.builder}): their endpoints are local to different samples; build them for one batch"
-            )
-    heads = max(r.heads for r in records)
-    return Built(first.builder, first.rows, first.keys, first.rows_hint, first.keys_hint, heads,
-                 all(r.every_head for r in records))  # fmt: skip
+    i0, first = records[0]
+    for i, r in records[1:]:
+        for what, mine, theirs in (("rows", r.rows, first.rows), ("keys", r.keys, first.keys)):
+            if mine != theirs:
+                raise InputValueError(
+                    f"masks.{how}: mask {i} was built by {r.builder} for {describe_lengths(mine, what)}, "
+                    f"mask {i0} by {first.builder} for {describe_lengths(theirs, what)}: endpoints are "
+                    f"local to the samples they were built for; build every mask for one batch"
+                )
+    one_head = any(r.heads == 1 and not r.every_head for _, r in records)
+    evaluated = [r.heads for _, r in records if r.heads > 1]
+    heads = 1 if one_head or not evaluated else min(evaluated)
+    return Built(
+        f"masks.{how}", first.rows, first.keys, f" (each mask masks.{how} combined)",
+        f"build each mask masks.{how} combined for k's lengths", heads, not one_head,
+    )

@@ -58,7 +58,7 @@ def _encode(mask: torch.Tensor) -> torch.Tensor:
     if sk == 0 or t == 0:
         return torch.zeros(h, 1, t, dtype=torch.int32, device=mask.device)
     step = _row_chunk(h, sk)
-    return _join_rows([_encode_rows(mask[:, r0 : r0 + step]) for r0 in range(0, t, step)])
+    return join_rows([_encode_rows(mask[:, r0 : r0 + step]) for r0 in range(0, t, step)])
 
 
 def _encode_rows(m: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def _encode_rows(m: torch.Tensor) -> torch.Tensor:
     return buf.view(h, n, nfunc).transpose(1, 2)
 
 
-def _join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+def join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """Endpoints ``[H, nfunc_i, n_i]`` of consecutive rows -> ``[H, max nfunc, sum n_i]``, shorter
     ones padded by repeating each row's last endpoint (empty intervals)."""
     nfunc = max(p.shape[1] for p in parts)
@@ -626,7 +626,7 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
 def _join_samples(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]`` (:func:`_join_rows`),
     one head kept if all heads agree."""
-    out = _join_rows(parts)
+    out = join_rows(parts)
     if out.shape[0] > 1 and bool((out == out[:1]).all()):
         return out[:1].clone()  # a slice would keep every head's memory
     return out.contiguous()
