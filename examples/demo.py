@@ -55,12 +55,13 @@ def build_masks(batch: int, seqlen: int, device: torch.device, seed: int) -> dic
     gen = torch.Generator().manual_seed(seed)
     window = max(1, seqlen // 8)
     docs = random_doc_lens(batch, seqlen, n_docs=4, gen=gen)
+    sliding = masks.sliding_window(seqlen, window_left=window, batch=batch, device=device)
+    document = masks.document(docs, device=device)
     return {
         "causal": masks.causal(seqlen, batch=batch, device=device),
-        f"sliding-window (left {window})": masks.sliding_window(
-            seqlen, window_left=window, batch=batch, device=device
-        ),
-        f"document {docs[0] if batch == 1 else docs}": masks.document(docs, device=device),
+        f"sliding-window (left {window})": sliding,
+        f"document {docs[0] if batch == 1 else docs}": document,
+        "document ∩ sliding-window (masks.intersect)": masks.intersect(document, sliding),
     }
 
 
