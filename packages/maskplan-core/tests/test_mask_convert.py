@@ -325,6 +325,21 @@ def test_the_head_index_check_is_the_calling_threads_alone():
     assert not is_in_torch_dispatch_mode()
 
 
+def test_from_mask_mod_of_no_batch_gives_sample_0_to_every_sample():
+    """``B=None`` with ``batch=``: the mask_mod evaluated at b = 0 alone (as torch's create_block_mask
+    of B=None), its rows given to each sample, recorded for that many samples."""
+    from maskplan_core.endpoint_samples import check_samples
+
+    def window(b, h, q, kv):
+        return (kv <= q) & (q - kv < 3 + b)  # wider in later samples
+
+    got = masks.from_mask_mod(window, None, None, 6, 6, batch=3)
+    assert torch.equal(got, masks.from_mask_mod(lambda b, h, q, kv: window(0 * b, h, q, kv), 3, None, 6, 6))
+    check_samples(got, lambda: ([6] * 3, [6] * 3))
+    with pytest.raises(ValueError, match="built by masks.from_mask_mod for 3 samples of 6 rows"):
+        check_samples(got, lambda: ([6] * 2, [6] * 2))
+
+
 def test_from_mask_mod_with_python_control_flow_says_why():
     """Python `and` / `if` and `.item()` on the index tensors fail under torch.vmap, as in torch:
     the error says so and names the tensor operators; other errors of the mask_mod pass through
@@ -402,8 +417,12 @@ def test_from_mask_mod_validation():
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, -1, 2)
     with pytest.raises(TypeError, match="B"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1.5, 1, 2, 2)
-    with pytest.raises(TypeError, match="B must be the batch size, not None"):  # torch's B=None
+    with pytest.raises(TypeError, match="B=None needs batch=, the samples"):  # torch's B=None
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, None, 1, 2, 2)
+    with pytest.raises(TypeError, match="batch= goes with B=None"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 2, 1, 2, 2, batch=2)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= q, None, 1, 2, 2, batch=0)
     with pytest.raises(TypeError, match="Sq or Q_LEN .* got both"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q, 1, 1, 2, 2, Q_LEN=2)
     with pytest.raises(TypeError, match="Sk or KV_LEN .* got neither"):

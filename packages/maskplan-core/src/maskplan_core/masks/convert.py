@@ -18,6 +18,7 @@ from ..error_flags import sample_of_row
 from ..errors import InputTypeError, InputValueError
 from ..validation import require_tensor
 from ._args import (
+    _as_batch,
     _as_device,
     _as_int,
     _as_length,
@@ -237,6 +238,7 @@ def from_mask_mod(
     separate_full_blocks: bool = True,
     compute_dq_write_order: bool = False,
     dq_kv_order: bool = True,
+    batch: int | None = None,
 ) -> torch.Tensor:
     """Build endpoints from a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
@@ -263,21 +265,26 @@ def from_mask_mod(
     are its ``Q_LEN`` and ``KV_LEN``, and are taken by those names too, so that a call written
     with torch's keywords converts as it is; its ``BLOCK_SIZE``, ``_compile``, ``separate_full_blocks``,
     ``compute_dq_write_order`` and ``dq_kv_order`` are taken too and change nothing (endpoints are
-    per element, the mask_mod is evaluated eagerly, and the plan makes its own block lists). ``B`` cannot
-    be None.
+    per element, the mask_mod is evaluated eagerly, and the plan makes its own block lists).
+    ``B = None``, as in torch, evaluates the mask_mod for sample 0 alone (``b = 0``) and gives its
+    rows to every sample: endpoints name every query row of the batch, so ``batch=`` says how many
+    samples (a mask the same for every sample, an image grid's, costs one sample's evaluation).
     The result is refused for q or k of other lengths than ``Sq`` and ``Sk``, as torch refuses a
     block mask made for another ``Q_LEN`` or ``KV_LEN`` (:mod:`maskplan_core.endpoint_samples`),
     and for q of other than ``H`` heads where ``H > 1``: ``h`` is a q head's index, as in torch, so
     a mask_mod evaluated for the kv heads never saw the others, even where the result kept one mask.
     """
     _require_mask_mod(mask_mod)
-    if B is None:
+    if B is None and batch is None:
         raise InputTypeError(
-            "B must be the batch size, not None: endpoints name every query row of the batch "
-            "(row = b * Sq + q), so mask_mod is evaluated once per sample"
+            "B=None needs batch=, the samples to give sample 0's mask (endpoints name every query row "
+            "of the batch, row = b * Sq + q); or pass B, the batch size, to evaluate mask_mod per sample"
         )
+    if B is not None and batch is not None:
+        raise InputTypeError("batch= goes with B=None (sample 0's mask for every sample); got B and batch")
     Sq, Sk = _torch_name("Sq", Sq, "Q_LEN", Q_LEN), _torch_name("Sk", Sk, "KV_LEN", KV_LEN)
-    B = _as_int("B", B, 1)
+    copies = 1 if B is not None else _as_batch(batch, _as_length("Sq", Sq))
+    B = _as_int("B", B, 1) if B is not None else 1
     H = None if H is None else _as_int("H", H, 1)
     shared_heads = _SHARED_HEAD_HINTS.get(H)
     one_head = H == 1  # only a failure at head 1 tells a model of one head from torch's shared entry
@@ -293,8 +300,12 @@ def from_mask_mod(
         )
         parts += [_encode(rows) for rows in chunks]
     keys_hint = "build it for k's lengths: from_mask_mod's Sk (KV_LEN)"
+    endpoints = _join_samples(parts)
+    if copies > 1:
+        endpoints = endpoints.repeat(1, 1, copies)
+    samples = B * copies
     return record_samples(
-        _join_samples(parts), "masks.from_mask_mod", [shape[1]] * B, [shape[2]] * B, keys_hint=keys_hint,
+        endpoints, "masks.from_mask_mod", [shape[1]] * samples, [shape[2]] * samples, keys_hint=keys_hint,
         heads=H, every_head=not raised_at_head_1,
     )  # fmt: skip
 
