@@ -121,10 +121,13 @@ def test_blocks_of_rows_give_the_whole_result(monkeypatch):
 
 
 def test_runs_eagerly_under_torch_compile():
-    """The sample records are host state: a compiled caller runs them eagerly (a graph break)."""
+    """The check and widths are host reads, the sample records host state: a compiled caller runs
+    them eagerly (a graph break), and fullgraph says why."""
     a, b = masks.causal(16), masks.sliding_window(16, window_left=3)
-    got = torch.compile(lambda a, b: masks.intersect(a, b))(a, b)
+    got = torch.compile(lambda a, b: masks.intersect(a, b), backend="eager")(a, b)
     assert torch.equal(got, masks.intersect(a, b))
+    with pytest.raises(Exception, match="masks.union runs eagerly: combine masks before the compiled region"):
+        torch.compile(lambda a, b: masks.union(a, b), backend="eager", fullgraph=True)(a, b)
 
 
 @pytest.mark.parametrize("how", sorted(HOW))

@@ -55,8 +55,14 @@ def union(*masks: torch.Tensor) -> torch.Tensor:
     return _combine(masks, "union")
 
 
-@torch.compiler.disable  # eager under torch.compile: host reads (the check, widths) and the records
 def _combine(masks: tuple[torch.Tensor, ...], how: str) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # host reads (the check, widths) and the records: run eagerly
+        torch._dynamo.graph_break(msg=f"masks.{how} runs eagerly: combine masks before the compiled region")
+        return torch._dynamo.disable(_combine_eagerly)(masks, how)  # Dynamo is imported then, not before
+    return _combine_eagerly(masks, how)
+
+
+def _combine_eagerly(masks: tuple[torch.Tensor, ...], how: str) -> torch.Tensor:
     heads, total_q, device = _operands(masks, how)
     built = _recorded_samples(masks, how)
     _refuse_unsorted(masks, how)
