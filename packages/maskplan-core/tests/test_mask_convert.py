@@ -350,6 +350,14 @@ def test_from_mask_mod_with_python_control_flow_says_why():
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q.item(), 1, None, 8, 8)
     with pytest.raises(InputValueError, match="under torch.vmap"):
         masks.from_mask_mod(lambda b, h, q, kv: kv <= q.tolist(), 1, None, 8, 8)
+    with pytest.raises(InputValueError, match=r"under torch.vmap.*`\.numpy\(\)`"):
+        masks.from_mask_mod(lambda b, h, q, kv: kv <= int(q.numpy()), 1, None, 8, 8)
+    for shaped_by_values in (
+        lambda b, h, q, kv: torch.nonzero(kv <= q).sum() > 0,
+        lambda b, h, q, kv: kv[kv <= q].sum() > 0,
+    ):
+        with pytest.raises(InputValueError, match=r"under torch.vmap.*shape depends on the values \(nonzero"):
+            masks.from_mask_mod(shaped_by_values, 1, None, 8, 8)
 
     def raises(b, h, q, kv):
         raise RuntimeError("the user's own failure")

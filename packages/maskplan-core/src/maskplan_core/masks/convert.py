@@ -608,12 +608,20 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
     try:
         res = fn(torch.tensor(b, device=dev), heads, q_idx, kv_idx)
     except RuntimeError as err:
+        under_vmap = (
+            "mask_mod is evaluated as torch FlexAttention's create_block_mask evaluates it (under torch.vmap)"
+        )
+        if "dynamic shape" in str(err):
+            raise InputValueError(
+                f"{under_vmap}, so ops whose result's shape depends on the values (nonzero, unique, "
+                f"indexing with a bool mask) fail: compute one bool per index with comparisons, `&`, `|` "
+                f"and torch.where ({err})"
+            ) from err
         if not any(sign in str(err) for sign in _VMAP_VALUE_ERRORS):
             raise
         raise InputValueError(
-            "mask_mod is evaluated as torch FlexAttention's create_block_mask evaluates it (under "
-            "torch.vmap), so Python `and` / `or` / `if` and `.item()` on its index tensors fail: use "
-            f"`&`, `|` and torch.where, and index tensors with tensors ({err})"
+            f"{under_vmap}, so Python `and` / `or` / `if` and `.item()`, `.tolist()` or `.numpy()` on "
+            f"its index tensors fail: use `&`, `|` and torch.where, and index tensors with tensors ({err})"
         ) from err
     except ValueError as err:
         if "must only return Tensors" not in str(err):
@@ -635,7 +643,7 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
 
 
 def _join_samples(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]`` (:func:`_join_rows`),
+    """Per-sample endpoints ``[H, nfunc_b, Sq]`` -> ``[Hmask, nfunc, B * Sq]`` (:func:`join_rows`),
     one head kept if all heads agree."""
     out = join_rows(parts)
     if out.shape[0] > 1 and bool((out == out[:1]).all()):
