@@ -325,16 +325,34 @@ def test_the_head_index_check_is_the_calling_threads_alone():
     assert not is_in_torch_dispatch_mode()
 
 
-def test_from_mask_mod_of_no_batch_gives_sample_0_to_every_sample():
-    """``B=None`` with ``batch=``: the mask_mod evaluated at b = 0 alone (as torch's create_block_mask
-    of B=None), its rows given to each sample, recorded for that many samples."""
+@pytest.mark.parametrize("reads", ["none", "tensor", "list", "branch"])
+def test_from_mask_mod_of_no_batch_evaluates_once_unless_it_reads_b(reads):
+    """``B=None`` with ``batch=``: torch calls the mask_mod with each sample's index, so the
+    endpoints are the per-sample conversion's; a mask_mod that does not read ``b`` is evaluated
+    once for every sample (as many calls as for one sample), one that does (an operation on it, a
+    list indexed with it, a Python branch on it) once per sample. Recorded for ``batch`` samples."""
     from maskplan_core.endpoint_samples import check_samples
 
+    widths = [3, 5, 2]
+    calls = []
+
     def window(b, h, q, kv):
-        return (kv <= q) & (q - kv < 3 + b)  # wider in later samples
+        calls.append(1)
+        width = {
+            "none": lambda: 3,
+            "tensor": lambda: 3 + b,
+            "list": lambda: widths[b],
+            "branch": lambda: 4 if b == 1 else 2,
+        }[reads]()
+        return (kv <= q) & (q - kv < width)
 
     got = masks.from_mask_mod(window, None, None, 6, 6, batch=3)
-    assert torch.equal(got, masks.from_mask_mod(lambda b, h, q, kv: window(0 * b, h, q, kv), 3, None, 6, 6))
+    per_sample = len(calls)
+    calls.clear()
+    assert torch.equal(got, masks.from_mask_mod(window, 3, None, 6, 6))
+    calls.clear()
+    masks.from_mask_mod(window, None, None, 6, 6, batch=1)
+    assert (per_sample == len(calls)) == (reads == "none"), (per_sample, len(calls))
     check_samples(got, lambda: ([6] * 3, [6] * 3))
     with pytest.raises(ValueError, match="built by masks.from_mask_mod for 3 samples of 6 rows"):
         check_samples(got, lambda: ([6] * 2, [6] * 2))

@@ -266,9 +266,10 @@ def from_mask_mod(
     with torch's keywords converts as it is; its ``BLOCK_SIZE``, ``_compile``, ``separate_full_blocks``,
     ``compute_dq_write_order`` and ``dq_kv_order`` are taken too and change nothing (endpoints are
     per element, the mask_mod is evaluated eagerly, and the plan makes its own block lists).
-    ``B = None``, as in torch, evaluates the mask_mod for sample 0 alone (``b = 0``) and gives its
-    rows to every sample: endpoints name every query row of the batch, so ``batch=`` says how many
-    samples (a mask the same for every sample, an image grid's, costs one sample's evaluation).
+    ``B = None`` takes ``batch=``, the samples (endpoints name every query row of the batch): a
+    mask_mod that does not read its sample index ``b`` is evaluated once and its rows given to every
+    sample (an image grid's mask costs one sample's evaluation), one that reads it (found as the
+    head index is) once per sample, since torch calls it with each sample's index too.
     The result is refused for q or k of other lengths than ``Sq`` and ``Sk``, as torch refuses a
     block mask made for another ``Q_LEN`` or ``KV_LEN`` (:mod:`maskplan_core.endpoint_samples`),
     and for q of other than ``H`` heads where ``H > 1``: ``h`` is a q head's index, as in torch, so
@@ -284,7 +285,10 @@ def from_mask_mod(
         raise InputTypeError("batch= goes with B=None (sample 0's mask for every sample); got B and batch")
     Sq, Sk = _torch_name("Sq", Sq, "Q_LEN", Q_LEN), _torch_name("Sk", Sk, "KV_LEN", KV_LEN)
     copies = 1 if B is not None else _as_batch(batch, _as_length("Sq", Sq))
-    B = _as_int("B", B, 1) if B is not None else 1
+    if B is None:  # one evaluation for every sample, unless the mask_mod reads b
+        reads_b = _reads_sample(mask_mod, _as_device(device))
+        B, copies = (copies, 1) if reads_b is not False else (1, copies)
+    B = _as_int("B", B, 1)
     H = None if H is None else _as_int("H", H, 1)
     shared_heads = _SHARED_HEAD_HINTS.get(H)
     one_head = H == 1  # only a failure at head 1 tells a model of one head from torch's shared entry
@@ -541,25 +545,33 @@ def _reads_head_error(shared_heads: _SharedHeadHint) -> InputValueError:
     )
 
 
-class _FromHead(TorchDispatchMode):
-    """Marks every tensor an operation makes from a marked one, starting with the head index: what
-    a trace would record, without patching anything for the process (fx tracing patches
-    ``nn.Module`` and flags "tracing" globally; a dispatch mode's stack is the calling thread's).
-    Entered under ``_MODE_LOCK``: a mode's enter and exit save and restore torch's process-wide
-    ``is_in_torch_dispatch_mode()`` flag, and two threads inside one at once left it set."""
+class _Follows(TorchDispatchMode):
+    """Marks every tensor an operation makes from a marked one, starting with an index tensor (the
+    head's, the sample's), and whether a marked one was read as a Python value (``int(b)``, a list
+    indexed with it): what a trace would record, without patching anything for the process (fx
+    tracing patches ``nn.Module`` and flags "tracing" globally; a dispatch mode's stack is the
+    calling thread's). Entered under ``_MODE_LOCK``: a mode's enter and exit save and restore
+    torch's process-wide ``is_in_torch_dispatch_mode()`` flag, and two threads inside one at once
+    left it set."""
 
-    def __init__(self, head: torch.Tensor):
+    def __init__(self, start: torch.Tensor):
         super().__init__()
-        self.marked = {id(head): head}  # held, so that no id is reused while the evaluation runs
+        self.marked = {id(start): start}  # held, so that no id is reused while the evaluation runs
+        self.read_as_value = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if any(isinstance(t, torch.Tensor) and id(t) in self.marked for t in tree_leaves((args, kwargs))):
             self.marked.update((id(t), t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            self.read_as_value |= func is torch.ops.aten._local_scalar_dense.default
         return out
 
+    def reached(self, out: torch.Tensor) -> bool:
+        """Whether ``out`` came from the start tensor, or depends on it through a value read."""
+        return id(out) in self.marked or self.read_as_value
 
-#: one :class:`_FromHead` at a time in the process (its docstring says why)
+
+#: one :class:`_Follows` at a time in the process (its docstring says why)
 _MODE_LOCK = threading.Lock()
 
 
@@ -567,14 +579,14 @@ def _reads_head(mask_mod, dev: torch.device, samples: int) -> bool | None:
     """Whether ``mask_mod`` reads its head index ``h`` (its result comes out of an operation on
     ``h``, even one that leaves it unchanged): evaluated as :func:`_evaluate` evaluates it, at one
     element of each of ``samples`` samples (the sample index is a plain value, which a mask_mod may
-    branch on or index a list with), under :class:`_FromHead`. For a sample, the answer holds for
+    branch on or index a list with), under :class:`_Follows`. For a sample, the answer holds for
     every head, row and key, since every operation ``h`` flows through is seen. None where an
     evaluation fails and none read ``h`` (the caller then compares head 1 with head 0)."""
     h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3))
     fn, failed = _vmapped(mask_mod), False
     for b in range(samples):
         try:
-            with _MODE_LOCK, _FromHead(h) as mode:
+            with _MODE_LOCK, _Follows(h) as mode:
                 out = fn(torch.tensor(b, device=dev), h, q_idx, kv_idx)
         except Exception:  # noqa: BLE001 - the evaluation itself names any real error
             failed = True
@@ -582,6 +594,20 @@ def _reads_head(mask_mod, dev: torch.device, samples: int) -> bool | None:
         if id(out) in mode.marked:
             return True
     return None if failed else False
+
+
+def _reads_sample(mask_mod, dev: torch.device) -> bool | None:
+    """Whether ``mask_mod`` reads its sample index ``b`` (an operation on it reaches its result, or
+    it is read as a value: a branch, a list indexed with it), at one element, under
+    :class:`_Follows`; None where that evaluation fails."""
+    b = torch.tensor(0, device=dev)
+    h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3))
+    try:
+        with _MODE_LOCK, _Follows(b) as mode:
+            out = _vmapped(mask_mod)(b, h, q_idx, kv_idx)
+    except Exception:  # noqa: BLE001 - the evaluation itself names any real error
+        return None
+    return mode.reached(out)
 
 
 def _vmapped(mask_mod):
@@ -611,7 +637,7 @@ def _evaluate(mask_mod, b: int, heads: torch.Tensor, q_idx: torch.Tensor, Sk: in
         under_vmap = (
             "mask_mod is evaluated as torch FlexAttention's create_block_mask evaluates it (under torch.vmap)"
         )
-        if "dynamic shape" in str(err):
+        if "vmap" in str(err) and "dynamic shape" in str(err):
             raise InputValueError(
                 f"{under_vmap}, so ops whose result's shape depends on the values (nonzero, unique, "
                 f"indexing with a bool mask) fail: compute one bool per index with comparisons, `&`, `|` "
