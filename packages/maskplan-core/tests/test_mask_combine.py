@@ -126,7 +126,7 @@ def test_runs_eagerly_under_torch_compile():
     a, b = masks.causal(16), masks.sliding_window(16, window_left=3)
     got = torch.compile(lambda a, b: masks.intersect(a, b), backend="eager")(a, b)
     assert torch.equal(got, masks.intersect(a, b))
-    with pytest.raises(Exception, match="masks.union runs eagerly: combine masks before the compiled region"):
+    with pytest.raises(Exception, match="masks.union runs outside torch.compile"):
         torch.compile(lambda a, b: masks.union(a, b), backend="eager", fullgraph=True)(a, b)
 
 
@@ -148,7 +148,7 @@ def test_no_rows(how):
         ((torch.ones(1, 1, 4, dtype=torch.int64),), InputTypeError, r"int64 .*with .to\(torch.int32\)"),
         ((torch.zeros(0, 1, 4, dtype=torch.int32),), InputValueError, r"mask 0 has no heads"),
         ((torch.zeros(1, 3, 4),), InputTypeError, "must be int32 endpoints"),
-        ((torch.zeros(3, 4, dtype=torch.int32),), InputTypeError, "must be int32 endpoints"),
+        ((torch.zeros(3, 4, dtype=torch.int32),), InputTypeError, r"got torch.int32 of shape \(3, 4\)$"),
         ((torch.zeros(1, 2, 4, dtype=torch.int32),), InputValueError, "even nfunc"),
         ((torch.zeros(1, 1, 4, dtype=torch.int32), torch.zeros(1, 1, 5, dtype=torch.int32)), InputValueError,
          "mask 1 has 5 query rows, mask 0 4"),

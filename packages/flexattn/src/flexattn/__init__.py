@@ -27,7 +27,7 @@ from maskplan_core import (
     UnsupportedConfigError,
 )
 
-from . import masks
+from . import masks, torch_names
 from .attention import flex_attn_func
 from .explicit import FlexAttentionBwd, FlexAttentionFwd
 from .planning import create_mask_plan
@@ -40,25 +40,7 @@ _log = logging.getLogger("flexattn")
 if not any(isinstance(h, logging.NullHandler) for h in _log.handlers):
     _log.addHandler(logging.NullHandler())
 
-#: torch's names a ported call may look for here, and flexattn's way
-_TORCH_NAMES = {
-    "flex_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan) on [B, S, H, D] tensors; "
-    "cuDNN's module cudnn.flex_attention is flexattn itself: from flexattn import create_mask_plan, "
-    "flex_attn_func, ...",
-    "scaled_dot_product_attention": "flexattn.flex_attn_func(q, k, v, mask_plan=plan), a plan of the mask",
-    "create_block_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk, device=q.device), then "
-    "create_mask_plan",
-    "create_mask": "flexattn.masks.from_mask_mod(mask_mod, B, H, Sq, Sk, device=q.device) (endpoints)",
-    "BlockMask": "flexattn.MaskPlan, from create_mask_plan (masks.from_block_mask converts a BlockMask)",
-    **masks.TORCH_NAMES,
-}
-
-
-def __getattr__(name: str):
-    if name in _TORCH_NAMES:
-        fix = _TORCH_NAMES[name]
-        raise AttributeError(f"module 'flexattn' has no attribute {name!r} (torch's name): {fix}")
-    raise AttributeError(f"module 'flexattn' has no attribute {name!r}")
+__getattr__ = torch_names.missing_attribute("flexattn", torch_names.PACKAGE)
 
 
 __all__ = [

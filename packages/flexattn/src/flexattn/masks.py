@@ -1,13 +1,14 @@
 """Mask builders returning int32 endpoints ``[Hmask, nfunc, total_q]`` (maskplan-core's, run
-eagerly where ``torch.compile`` traces a call to one: :func:`flexattn.planning.untraced`)."""
+eagerly where ``torch.compile`` traces a call to one: :func:`maskplan_core.untraced.untraced`)."""
 
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import maskplan_core.masks as _builders
 from maskplan_core.masks import __all__  # noqa: F401
+from maskplan_core.untraced import untraced as _untraced
 
-from .planning import untraced as _untraced
+from . import torch_names as _torch_names
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -34,15 +35,4 @@ sliding_window = _builder(_builders.sliding_window)
 union = _builder(_builders.union)
 
 
-#: torch's mask combinators, which a ported call may look for here (or on flexattn), and flexattn's way
-TORCH_NAMES = {
-    "and_masks": "flexattn.masks.intersect(mask, ...) on endpoint masks (from_mask_mod converts a mask_mod)",
-    "or_masks": "flexattn.masks.union(mask, ...) on endpoint masks (from_mask_mod converts a mask_mod)",
-}
-
-
-def __getattr__(name: str):
-    if name in TORCH_NAMES:
-        fix = TORCH_NAMES[name]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (torch's name): {fix}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _torch_names.missing_attribute(__name__, _torch_names.MASKS)

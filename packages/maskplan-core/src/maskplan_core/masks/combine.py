@@ -14,17 +14,20 @@ least one) read at the last event of each position::
 
 Written as endpoints, a row's visibility starts "on" before key 0, so its endpoints are the
 positions where it changes (an odd count: it ends "off"); shorter rows repeat their last endpoint
-(empty intervals), as the other builders' rows do. Work and memory are linear in the rows and their
-endpoints (no ``[rows, keys]`` tensor is made, on any device), and rows go in blocks of about
+(empty intervals), as the other builders' rows do. Work is linear in the rows (a sort of each row's
+events), no ``[rows, keys]`` tensor is made on any device, and rows go in blocks of about
 ``_CHUNK_EVENTS`` events, which bounds the memory a call takes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..endpoint_samples import Built, describe_lengths, record_samples, recorded
 from ..errors import InputTypeError, InputValueError
+from ..untraced import untraced
 from .convert import join_rows
 
 #: events (a row's endpoints and one more per mask, times heads) per block of rows: about 40 bytes
@@ -32,6 +35,7 @@ from .convert import join_rows
 _CHUNK_EVENTS = 1 << 22
 
 
+@functools.partial(untraced, name="masks.intersect")  # host reads (the check, widths) and records
 def intersect(*masks: torch.Tensor) -> torch.Tensor:
     """The keys every one of ``masks`` shows a row: endpoints ``[Hmask, nfunc, total_q]`` with the
     smallest odd ``nfunc`` (torch FlexAttention's ``and_masks``). A sliding window within each
@@ -40,6 +44,7 @@ def intersect(*masks: torch.Tensor) -> torch.Tensor:
     return _combine(masks, "intersect")
 
 
+@functools.partial(untraced, name="masks.union")
 def union(*masks: torch.Tensor) -> torch.Tensor:
     """The keys any of ``masks`` shows a row (torch FlexAttention's ``or_masks``): endpoints
     ``[Hmask, nfunc, total_q]`` with the smallest odd ``nfunc``.
@@ -56,13 +61,6 @@ def union(*masks: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(masks: tuple[torch.Tensor, ...], how: str) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # host reads (the check, widths) and the records: run eagerly
-        torch._dynamo.graph_break(msg=f"masks.{how} runs eagerly: combine masks before the compiled region")
-        return torch._dynamo.disable(_combine_eagerly)(masks, how)  # Dynamo is imported then, not before
-    return _combine_eagerly(masks, how)
-
-
-def _combine_eagerly(masks: tuple[torch.Tensor, ...], how: str) -> torch.Tensor:
     heads, total_q, device = _operands(masks, how)
     built = _recorded_samples(masks, how)
     _refuse_unsorted(masks, how)
@@ -133,7 +131,7 @@ def _operand_hint(m: object) -> str:
     if isinstance(m, torch.Tensor):
         if m.dtype == torch.bool:
             return "; convert a dense bool mask with masks.from_dense"
-        if not (m.dtype.is_floating_point or m.dtype.is_complex):
+        if m.dtype != torch.int32 and not (m.dtype.is_floating_point or m.dtype.is_complex):
             return "; convert integer endpoints with .to(torch.int32)"
         return ""
     if isinstance(m, (list, tuple)):
