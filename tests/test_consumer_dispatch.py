@@ -70,6 +70,7 @@ def test_plan_for_another_consumer_describes_the_same_mask(target):
     assert other.view("forward").signature.arch_family == target
     for role in ("forward", "backward"):
         assert torch.equal(other.view(role).to_dense(), reference.view(role).to_dense())
+        assert other.view(role).stats()["visible"] == reference.view(role).stats()["visible"]  # popcounts
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
@@ -85,6 +86,8 @@ def test_pack_gqa_plan_for_sm90_describes_the_same_mask(kv_heads):
     topology = packed.view("forward").signature.topology
     assert (topology.pack_gqa, topology.tile_m, topology.qhead_per_kvhead) == (True, 128 // g, g)
     assert torch.equal(packed.view("forward").to_dense(), plain.view("forward").to_dense())
+    visible = packed.view("forward").to_dense().sum().item() / (B * S * S)
+    assert packed.view("forward").stats()["visible"] == plain.view("forward").stats()["visible"] == visible
     assert packed.view("backward").signature == plain.view("backward").signature
     assert packed.view("forward").signature.payload.layout_id == f"sm90-wgmma-packgqa-v1-128x128-g{g}"
 

@@ -444,6 +444,8 @@ def check_plan(plan, ep: torch.Tensor, p: Problem, element_size: int) -> None:
         stats = view.stats()
         assert (stats["partial"], stats["full"]) == (view.mask_block_idx.numel(), view.full_block_idx.numel())
         assert stats["partial"] + stats["full"] + stats["empty"] == valid_pairs(p, *view.block_size)
+        elements = p.hmask * sum(q * k for q, k in zip(p.q_lens, p.k_lens, strict=True))
+        assert round(stats["visible"] * elements) == int(dense.sum()), (view.role, stats["visible"])
     check_schedule(plan, p, dense, element_size)
     assert plan.view("forward").dq_write_order is None
     if plan.has_backward:

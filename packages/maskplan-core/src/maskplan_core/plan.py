@@ -350,11 +350,18 @@ class PlanView:
         """The view's blocks: ``rows``, its plan rows per mask head (Q blocks of every sample in a
         forward view, K blocks in a backward one); ``block`` (tile_m, tile_n); ``partial``, ``full``
         and ``empty``, blocks summed over every sample and mask head; ``density``, the share a
-        kernel visits ((partial + full) / all); ``bytes``, the view's tensors."""
+        kernel visits ((partial + full) / all); ``visible``, the share of the elements of every
+        sample and mask head the mask shows (against ``density``: how much of the visited tiles'
+        work is masked out); ``bytes``, the view's tensors."""
+        g = self.geometry
         desc = self.sequence_desc().to(torch.int64)
-        pairs = int((desc[:, 5] * desc[:, 6]).sum()) * self.geometry.mask_heads
+        pairs = int((desc[:, 5] * desc[:, 6]).sum()) * g.mask_heads
         partial = int(self.tensors["mask_block_idx"].numel())
         full = int(self.tensors["full_block_idx"].numel())
+        q_lens, k_lens = (torch.diff(cu.to(torch.int64)) for cu in (g.cu_seqlens_q, g.cu_seqlens_k))
+        elements = int((q_lens * k_lens).sum()) * g.mask_heads
+        # a full block is whole inside its sample; a partial one's bits past its sample are 0 (ABI)
+        shown = _popcount(self.tensors["mask_block_masks"]) + full * self.block_size[0] * self.block_size[1]
         return {
             "rows": int(self.tensors["mask_block_cnt"].shape[1]),
             "block": self.block_size,
@@ -362,6 +369,7 @@ class PlanView:
             "full": full,
             "empty": pairs - partial - full,
             "density": (partial + full) / pairs if pairs else 0.0,
+            "visible": shown / elements if elements else 0.0,
             "bytes": self.nbytes(),
         }
 
@@ -371,9 +379,26 @@ class PlanView:
             f"PlanView({self.role}, {self.signature.arch_family}/{self.signature.kernel_family}, "
             f"block {s['block'][0]}x{s['block'][1]}, {self.outer.upper()} rows={s['rows']}, "
             f"partial={s['partial']}, "
-            f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, {s['bytes']} bytes"
+            f"full={s['full']}, empty={s['empty']}, density={s['density']:.3f}, "
+            f"visible={s['visible']:.3f}, {s['bytes']} bytes"
             f"{', ' + packing if packing else ''})"
         )
+
+
+#: payload words counted at a time (their int64 copies: 128 MiB)
+_POPCOUNT_WORDS = 1 << 24
+
+
+def _popcount(words: torch.Tensor) -> int:
+    """Set bits of the 32-bit ``words`` (SWAR in int64: torch has no popcount), a block at a time."""
+    flat, total = words.reshape(-1), 0
+    for start in range(0, flat.numel(), _POPCOUNT_WORDS):
+        x = flat[start : start + _POPCOUNT_WORDS].to(torch.int64) & 0xFFFFFFFF
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        total += int((((x * 0x01010101) & 0xFFFFFFFF) >> 24).sum())
+    return total
 
 
 #: handle -> live plan. Weak values: the registry never keeps a plan alive.
@@ -756,7 +781,7 @@ class MaskPlan:
             lines.append(
                 f"  {role:<8} block {s['block'][0]}x{s['block'][1]}  {v.outer.upper()} rows {s['rows']:>6}  "
                 f"partial {s['partial']:>7}  full {s['full']:>7}  empty {s['empty']:>7}  "
-                f"density {s['density']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
+                f"density {s['density']:6.3f}  visible {s['visible']:6.3f}  {s['bytes'] / 1024:9.1f} KiB"
                 + (f"  ({packing})" if packing else "")
             )
         return "\n".join(lines)
