@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from consumer_spy import record_calls
 
 import flexattn
 from flexattn import FlexAttentionBwd, FlexAttentionFwd, masks
@@ -101,29 +102,13 @@ def test_backward_matches_autograd(kind, with_dlse):
 def test_torch_deterministic_mode_reaches_the_explicit_backward(monkeypatch):
     """``torch.use_deterministic_algorithms(True)`` in force at ``execute`` makes the consumer's
     backward deterministic though the constructor said False (torch's rule for its own ops)."""
-    from flexattn import ops
-
     q, k, v = fixed()
     plan = fixed_plan(q, k, v, build_backward=True)
     o, lse = flexattn.flex_attn_func(q, k, v, mask_plan=plan, return_lse=True)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     bwd = FlexAttentionBwd(q, k, v, o, o, lse, dq, dk, dv, plan)
     bwd.compile()
-    seen, checked = [], ops.checked_consumer
-
-    def recording(*a):
-        consumer = checked(*a)
-
-        class Recording:
-            forward = consumer.forward
-
-            def backward(self, *args, deterministic, **kw):
-                seen.append(deterministic)
-                return consumer.backward(*args, deterministic=deterministic, **kw)
-
-        return Recording()
-
-    monkeypatch.setattr(ops, "checked_consumer", recording)
+    calls = record_calls(monkeypatch)
     was = torch.are_deterministic_algorithms_enabled()
     try:
         for enabled in (False, True):
@@ -131,7 +116,7 @@ def test_torch_deterministic_mode_reaches_the_explicit_backward(monkeypatch):
             bwd.execute(q, k, v, o, o, lse, dq, dk, dv, plan)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert seen == [False, True]
+    assert [kw["deterministic"] for direction, _, kw in calls if direction == "backward"] == [False, True]
 
 
 def test_strided_inputs_and_a_strided_lse():

@@ -12,6 +12,7 @@ import operator
 
 import pytest
 import torch
+from consumer_spy import record_calls
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flexattn
@@ -263,37 +264,24 @@ def test_compiled_ops_take_strided_views_as_they_are(backend, monkeypatch):
     """k and v split from one projection reach the consumer as the same strided views in eager and
     compiled calls, forward and backward (the GPU kernels read such views in place: a compiled
     graph that made them contiguous would add copies)."""
-    from flexattn import ops
-
-    seen, checked = [], ops.checked_consumer
-
-    class Recording:
-        def __init__(self, consumer):
-            self.consumer = consumer
-
-        def forward(self, plan, q, k, v, **kw):
-            seen.append(("forward", k.stride(), v.stride()))
-            return self.consumer.forward(plan, q, k, v, **kw)
-
-        def backward(self, plan, q, k, v, *args, **kw):
-            seen.append(("backward", k.stride(), v.stride()))
-            return self.consumer.backward(plan, q, k, v, *args, **kw)
-
-    monkeypatch.setattr(ops, "checked_consumer", lambda *a: Recording(checked(*a)))
+    calls = record_calls(monkeypatch)
     module, x, plan = _block_inputs("fixed")
     if backend == "inductor":
         module, x = module.float(), x.detach().float().requires_grad_()
         plan = flexattn.create_mask_plan(
             masks.sliding_window(S, window_left=20, batch=B), *fixed_case(torch.float32)[1]
         )
+    def kv_strides():
+        return [(direction, args[2].stride(), args[3].stride()) for direction, args, _ in calls]
+
     _step(module, x, plan)
-    eager = list(seen)
+    eager = kv_strides()
     kv_rows = (2 * HKV * D, D, 1)  # the THD view of [B, S, 2, HKV, D] split along its 2
     assert eager == [("forward", kv_rows, kv_rows), ("backward", kv_rows, kv_rows)]
-    seen.clear()
+    calls.clear()
     torch._dynamo.reset()
     _step(torch.compile(module, fullgraph=True, backend=backend), x, plan)
-    assert seen == eager
+    assert kv_strides() == eager
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
@@ -301,22 +289,7 @@ def test_torch_deterministic_mode_makes_the_backward_deterministic(compiled, mon
     """``torch.use_deterministic_algorithms(True)`` in force when the backward runs makes it add dQ
     in the plan's order whatever the call said (torch's rule for its own ops), eager and compiled;
     without it the call's ``deterministic`` holds."""
-    from flexattn import ops
-
-    seen, checked = [], ops.checked_consumer
-
-    class Recording:
-        def __init__(self, consumer):
-            self.consumer = consumer
-
-        def forward(self, *args, **kw):
-            return self.consumer.forward(*args, **kw)
-
-        def backward(self, *args, deterministic, **kw):
-            seen.append(deterministic)
-            return self.consumer.backward(*args, deterministic=deterministic, **kw)
-
-    monkeypatch.setattr(ops, "checked_consumer", lambda *a: Recording(checked(*a)))
+    calls = record_calls(monkeypatch)
     plan, (q, k, v), _ = fixed_case()
 
     def step(q, k, v, asked):
@@ -330,7 +303,9 @@ def test_torch_deterministic_mode_makes_the_backward_deterministic(compiled, mon
             torch.autograd.grad(run(q, k, v, asked), (q, k, v))
     finally:
         torch.use_deterministic_algorithms(was)
-    assert seen == [False, True, True, True]
+    assert [kw["deterministic"] for direction, _, kw in calls if direction == "backward"] == [
+        False, True, True, True
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
@@ -339,23 +314,7 @@ def test_bshd_views_of_bhsd_reach_the_consumer_as_they_are(compiled, monkeypatch
     THD view at B > 1: they reach the consumer as those ``[B, S, H, D]`` views, forward and backward,
     eager and compiled (the SM90 kernels read them per sample), and give what contiguous copies give,
     gradients included."""
-    from flexattn import ops
-
-    seen, checked = [], ops.checked_consumer
-
-    class Recording:
-        def __init__(self, consumer):
-            self.consumer = consumer
-
-        def forward(self, plan, q, k, v, **kw):
-            seen.append(("forward", q.shape, q.stride()))
-            return self.consumer.forward(plan, q, k, v, **kw)
-
-        def backward(self, plan, q, k, v, *args, **kw):
-            seen.append(("backward", q.shape, q.stride()))
-            return self.consumer.backward(plan, q, k, v, *args, **kw)
-
-    monkeypatch.setattr(ops, "checked_consumer", lambda *a: Recording(checked(*a)))
+    calls = record_calls(monkeypatch)
     plan, (q, k, v), _ = fixed_case()
     bhsd = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
 
@@ -367,7 +326,8 @@ def test_bshd_views_of_bhsd_reach_the_consumer_as_they_are(compiled, monkeypatch
     out, lse = run(*(t.transpose(1, 2) for t in bhsd))
     grads = torch.autograd.grad(out.square().sum() + lse.sum(), bhsd)
     view = ((B, S, H, D), (H * S * D, D, S * D, 1))
-    assert seen == [("forward", *view), ("backward", *view)]
+    q_views = [(direction, args[1].shape, args[1].stride()) for direction, args, _ in calls]
+    assert q_views == [("forward", *view), ("backward", *view)]
     copies = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in bhsd]
     want_out, want_lse = attention(*copies)
     want = torch.autograd.grad(want_out.square().sum() + want_lse.sum(), copies)
