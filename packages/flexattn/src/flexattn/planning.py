@@ -26,7 +26,6 @@ from .registry import arch_family, consumer_for
 log = logging.getLogger("flexattn")
 
 
-
 #: resolve_views' answers by problem (a refused request is not kept: it raises every time), keyed by
 #: plain values: a ViewRequest model costs a few microseconds to make, on every plan build and call
 _RESOLVED: dict[tuple, tuple] = {}

@@ -112,7 +112,7 @@ def _changes(ordered: torch.Tensor, shown: torch.Tensor) -> torch.Tensor:
     decided = torch.where(last, idx, -1).cummax(-1).values  # the latest deciding event at or before each
     state = torch.where(decided >= 0, shown.gather(-1, decided.clamp(min=0)), True)
     before = torch.cat([torch.ones_like(state[..., :1]), state[..., :-1]], -1)
-    return (last & (shown != before)).cumsum(-1)
+    return (state != before).cumsum(-1)  # only a deciding event can change the carried state
 
 
 def _refuse_unsorted(masks: tuple[torch.Tensor, ...], how: str) -> None:
@@ -126,7 +126,7 @@ def _refuse_unsorted(masks: tuple[torch.Tensor, ...], how: str) -> None:
             )
 
 
-def _operand_hint(m: object) -> str:
+def _operand_hint(m: object, how: str) -> str:
     """How to make an endpoint mask of what a ported call passed instead."""
     if isinstance(m, torch.Tensor):
         if m.dtype == torch.bool:
@@ -135,7 +135,7 @@ def _operand_hint(m: object) -> str:
             return "; convert integer endpoints with .to(torch.int32)"
         return ""
     if isinstance(m, (list, tuple)):
-        return "; pass the masks as arguments: masks.intersect(*masks)"
+        return f"; pass the masks as arguments: masks.{how}(*masks)"
     if callable(m):
         return "; convert a mask_mod with masks.from_mask_mod(mask_mod, B, H, Sq, Sk) first"
     return ""
@@ -151,7 +151,7 @@ def _operands(masks: tuple[torch.Tensor, ...], how: str) -> tuple[int, int, torc
             got = f"{m.dtype} of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
             raise InputTypeError(
                 f"masks.{how}: mask {i} must be int32 endpoints [Hmask, nfunc, total_q], got {got}"
-                f"{_operand_hint(m)}"
+                f"{_operand_hint(m, how)}"
             )
         if m.shape[0] == 0:
             raise InputValueError(f"masks.{how}: mask {i} has no heads (Hmask = 0); it must be 1 or Hq")

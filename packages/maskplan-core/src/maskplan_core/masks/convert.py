@@ -284,10 +284,10 @@ def from_mask_mod(
     if B is not None and batch is not None:
         raise InputTypeError("batch= goes with B=None (sample 0's mask for every sample); got B and batch")
     Sq, Sk = _torch_name("Sq", Sq, "Q_LEN", Q_LEN), _torch_name("Sk", Sk, "KV_LEN", KV_LEN)
-    copies = 1 if B is not None else _as_batch(batch, _as_length("Sq", Sq))
+    copies = 1
     if B is None:  # one evaluation for every sample, unless the mask_mod reads b
-        reads_b = _reads_sample(mask_mod, _as_device(device))
-        B, copies = (copies, 1) if reads_b is not False else (1, copies)
+        batch = _as_batch(batch, _as_length("Sq", Sq))
+        B, copies = (1, batch) if _reads_index(mask_mod, _as_device(device), 0, "b") is False else (batch, 1)
     B = _as_int("B", B, 1)
     H = None if H is None else _as_int("H", H, 1)
     shared_heads = _SHARED_HEAD_HINTS.get(H)
@@ -577,34 +577,30 @@ _MODE_LOCK = threading.Lock()
 
 def _reads_head(mask_mod, dev: torch.device, samples: int) -> bool | None:
     """Whether ``mask_mod`` reads its head index ``h`` (its result comes out of an operation on
-    ``h``, even one that leaves it unchanged): evaluated as :func:`_evaluate` evaluates it, at one
-    element of each of ``samples`` samples (the sample index is a plain value, which a mask_mod may
-    branch on or index a list with), under :class:`_Follows`. For a sample, the answer holds for
-    every head, row and key, since every operation ``h`` flows through is seen. None where an
-    evaluation fails and none read ``h`` (the caller then compares head 1 with head 0)."""
-    h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3))
-    fn, failed = _vmapped(mask_mod), False
+    ``h``, even one that leaves it unchanged): :func:`_reads_index` at one element of each of
+    ``samples`` samples (the sample index is a plain value, which a mask_mod may branch on or index
+    a list with). For a sample, the answer holds for every head, row and key, since every operation
+    ``h`` flows through is seen. None where an evaluation fails and none read ``h`` (the caller then
+    compares head 1 with head 0)."""
+    failed = False
     for b in range(samples):
-        try:
-            with _MODE_LOCK, _Follows(h) as mode:
-                out = fn(torch.tensor(b, device=dev), h, q_idx, kv_idx)
-        except Exception:  # noqa: BLE001 - the evaluation itself names any real error
-            failed = True
-            continue
-        if id(out) in mode.marked:
+        answer = _reads_index(mask_mod, dev, b, "h")
+        if answer:
             return True
+        failed |= answer is None
     return None if failed else False
 
 
-def _reads_sample(mask_mod, dev: torch.device) -> bool | None:
-    """Whether ``mask_mod`` reads its sample index ``b`` (an operation on it reaches its result, or
-    it is read as a value: a branch, a list indexed with it), at one element, under
-    :class:`_Follows`; None where that evaluation fails."""
-    b = torch.tensor(0, device=dev)
-    h, q_idx, kv_idx = (torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(3))
+def _reads_index(mask_mod, dev: torch.device, b: int, index: str) -> bool | None:
+    """Whether ``mask_mod``'s result at one element of sample ``b`` comes from its ``index``
+    (``"h"``, the head's, or ``"b"``, the sample's): an operation on it reaches the result, or it is
+    read as a value (a branch, a list indexed with it), under :class:`_Follows`, evaluated as
+    :func:`_evaluate` evaluates it. None where that evaluation fails (it names any real error)."""
+    args = {"b": torch.tensor(b, device=dev)}
+    args.update((name, torch.zeros(1, dtype=torch.int64, device=dev)) for name in ("h", "q", "kv"))
     try:
-        with _MODE_LOCK, _Follows(b) as mode:
-            out = _vmapped(mask_mod)(b, h, q_idx, kv_idx)
+        with _MODE_LOCK, _Follows(args[index]) as mode:
+            out = _vmapped(mask_mod)(*args.values())
     except Exception:  # noqa: BLE001 - the evaluation itself names any real error
         return None
     return mode.reached(out)
