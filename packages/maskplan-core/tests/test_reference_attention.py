@@ -612,3 +612,40 @@ def test_tensors_of_another_problem_are_refused_by_name():
             attention_forward(fwd, *args.values(), softmax_scale=0.25)
     with pytest.raises(InputValueError, match=r"lse is \(400, 2\) on cpu; the plan's backward view takes"):
         attention_backward(bwd, thd, thd, thd, out, lse.T, out, None, softmax_scale=0.25)
+
+
+def test_exp_and_log_are_settled_on_one_thread_before_they_run_on_several(monkeypatch):
+    """MKL picks a float unary op's CPU kernel on its first call, and a first call on several
+    threads at once can run a kernel 1e-4 off on one thread's chunk (pytorch/pytorch#188792; seen
+    here in 13 of 80 fresh processes' first ``cos`` of 8192 elements). The reference's first
+    ``exp`` and ``log`` of each float dtype are one element on the calling thread, before any
+    sizable one, and are made once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from maskplan_core.reference import unary_dispatch
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.exp, torch.ops.aten.log):
+                self.seen.append((func.overloadpacket.__name__, args[0].dtype, args[0].numel()))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(unary_dispatch, "_settled", set())  # as in a fresh process
+    c = fixed(2, 40, 40, hq=2, hkv=1)
+    ep = make_endpoints(c)
+    q, k, v = (t.detach().reshape(-1, *t.shape[-2:]).to(torch.float32) for t in make_inputs(c))
+    geometry = validate_plan_inputs(ep, *(t.reshape(2, -1, *t.shape[-2:]) for t in (q, k, v)))
+    plan = build_plan(ep, geometry, small_config("forward", 16, 16), small_config("backward", 16, 16), "t")
+    settling = [(op, dtype, 1) for op in ("exp", "log") for dtype in (torch.float32, torch.float64)]
+    with Calls() as first:
+        out, lse, _ = attention_forward(plan.view("forward"), q, k, v, softmax_scale=0.25)
+    with Calls() as again:
+        attention_forward(plan.view("forward"), q, k, v, softmax_scale=0.25)
+        dout = torch.ones_like(out)
+        attention_backward(plan.view("backward"), q, k, v, out, lse, dout, None, softmax_scale=0.25)
+    assert first.seen[:4] == settling, first.seen
+    assert all(n > 1 for *_, n in first.seen[4:] + again.seen), (first.seen, again.seen)

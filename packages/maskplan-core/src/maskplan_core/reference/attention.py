@@ -26,6 +26,7 @@ import torch
 from ..consumer import check_thd_inputs
 from ..plan import BlockEntries, PlanView
 from ..validation import representable_scale
+from . import unary_dispatch
 
 #: tiles a chunk holds at most, and scores (tiles x their q heads x tm x tn) about at most: the
 #: second keeps memory flat in the head count (64 tiles of each of 32 heads took 2 GB); the first
@@ -143,6 +144,13 @@ def _exact(fn):
     return run
 
 
+def _settle_exp_log(q: torch.Tensor) -> None:
+    """The exponentials and logarithms below run on several CPU threads: their kernel must be
+    settled first (``unary_dispatch``), or a process's first call may be 1e-4 off."""
+    if q.device.type == "cpu":
+        unary_dispatch.settle(torch.exp, torch.log)
+
+
 def _scores(tl: _Tiles, qt, kt, scale) -> torch.Tensor:
     """Scaled scores ``[hq', n, m, k]`` with masked elements at -inf (``qt``, ``kt`` heads-major)."""
     qs = _rows(qt, tl.q_tok, tl.q_ok, tl.q_heads)  # [h, n, m, d]
@@ -164,6 +172,7 @@ def _probabilities(tl: _Tiles, s: torch.Tensor, row_offset: torch.Tensor) -> tor
 @_exact
 def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_max_logit: bool = False):
     check_thd_inputs(view, q=q, k=k, v=v)
+    _settle_exp_log(q)
     g = view.geometry
     cd = compute_dtype(q.dtype)
     softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
@@ -198,6 +207,7 @@ def attention_forward(view: PlanView, q, k, v, *, softmax_scale: float, return_m
 def attention_backward(view: PlanView, q, k, v, out, lse, dout, dlse, *, softmax_scale: float):
     """Gradients (dq, dk, dv) in the inputs' dtype; ``dlse`` ``[Hq, total_q]`` or None."""
     check_thd_inputs(view, q=q, k=k, v=v, out=out, lse=lse, dout=dout, dlse=dlse)
+    _settle_exp_log(q)
     g = view.geometry
     cd = compute_dtype(q.dtype)
     softmax_scale = representable_scale(softmax_scale, cd, "the reference computes")
