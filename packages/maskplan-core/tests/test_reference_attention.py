@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from mask_oracle import decode_within_samples
 
 from maskplan_core import PlanSignature, RowMajorLayout, Topology, ViewConfig, validate_plan_inputs
-from maskplan_core.reference import attention_backward, attention_forward, build_plan
+from maskplan_core.reference import attention_backward, attention_forward, build_plan, unary_dispatch
 
 try:
     import flexattn
@@ -127,6 +127,7 @@ def plan_kwargs(c: Case) -> dict:
 
 def dense_attention(q, k, v, mask: torch.Tensor, c: Case, scale: float):
     """THD float64: out [total_q, Hq, Dv], lse [Hq, total_q], max logit [Hq] (-inf if nothing visible)."""
+    unary_dispatch.settle(torch.exp, torch.log)  # as the reference does (see the test of it below)
     q, k, v = (t.reshape(-1, *t.shape[-2:]).to(torch.float64) for t in (q, k, v))
     group = c.hq // c.hkv
     outs, lses, maxes = [], [], []
@@ -621,8 +622,6 @@ def test_exp_and_log_are_settled_on_one_thread_before_they_run_on_several(monkey
     ``exp`` and ``log`` of each float dtype are one element on the calling thread, before any
     sizable one, and are made once."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from maskplan_core.reference import unary_dispatch
 
     class Calls(TorchDispatchMode):
         def __init__(self):
