@@ -834,6 +834,14 @@ def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
         flexattn.flex_attn_func(q, k, v)
     with expect(InputTypeError, TypeError, "got NoneType", "masks.full(Sq, Sk"):
         flexattn.flex_attn_func(q, k, v, mask_plan=None)
+    # varlen THD: the plan of no mask takes the samples' boundaries, which Sq, Sk, B do not say
+    q, k, v = varlen_case()[1]
+    thd_full = "masks.full(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q, k, v, cu_seqlens_q=cu_q"
+    for call in ({}, {"mask_plan": None}, {"block_mask": None}):
+        with expect(InputTypeError, TypeError, thd_full):
+            flexattn.flex_attn_func(q, k, v, **call)
+    with expect(InputTypeError, TypeError, thd_full):
+        flexattn.flex_attn_func(q, k, v, None, None)
 
 
 def test_torch_positional_arguments_are_named():

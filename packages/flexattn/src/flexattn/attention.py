@@ -87,23 +87,32 @@ def caller_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return lse if q.dim() == 3 else lse.view(q.shape[2], q.shape[0], q.shape[1]).transpose(0, 1)
 
 
-def require_plan(mask_plan: object) -> None:
+def require_plan(mask_plan: object, q: object) -> None:
     """Raise ``InputTypeError`` unless ``mask_plan`` is a :class:`MaskPlan`, saying how to make one
-    from a mask passed in its place (endpoints, or a form :func:`endpoints_of` converts)."""
+    from a mask passed in its place (endpoints, or a form :func:`endpoints_of` converts), or for
+    ``q``'s layout where none was passed."""
     if not isinstance(mask_plan, MaskPlan):
         convert = endpoints_of(mask_plan)
         if convert is None and isinstance(mask_plan, torch.Tensor):
             convert = "mask_func"  # endpoints already
         hint = f"; build one with create_mask_plan({convert}, q, k, v)" if convert else ""
         if mask_plan is None:
-            hint = f"; for attention without a mask pass mask_plan={_FULL_PLAN}"
+            hint = f"; for attention without a mask pass mask_plan={_full_plan(q)}"
         raise InputTypeError(
             f"mask_plan must be a MaskPlan from create_mask_plan, got {mask_kind(mask_plan)}{hint}"
         )
 
 
-#: the plan of no mask (torch's block_mask=None, SDPA without attn_mask)
-_FULL_PLAN = "create_mask_plan(masks.full(Sq, Sk, batch=B, device=q.device), q, k, v)"
+def _full_plan(q: object) -> str:
+    """The plan of no mask (torch's block_mask=None, SDPA without attn_mask) for ``q``'s layout:
+    varlen THD (rank 3) takes its samples' boundaries, BSHD its batch and lengths."""
+    if isinstance(q, torch.Tensor) and q.dim() == 3:
+        return (
+            "create_mask_plan(masks.full(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k), q, k, v, "
+            "cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)"
+        )
+    return "create_mask_plan(masks.full(Sq, Sk, batch=B, device=q.device), q, k, v)"
+
 #: SDPA's is_causal where Sq != Sk (masks.causal aligns the diagonal bottom-right there)
 _TOP_LEFT = "masks.from_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B, 1, Sq, Sk, device=q.device)"
 
@@ -170,12 +179,12 @@ def _peer(name: str) -> str:
     return "FlashAttention's" if name in _FLASH_KEYWORDS else "torch's"
 
 
-def _peer_fix(name: str, value: object, has_plan: bool) -> str:
-    """What to do instead of a peer's keyword ``name=value``."""
+def _peer_fix(name: str, value: object, has_plan: bool, q: object) -> str:
+    """What to do instead of a peer's keyword ``name=value`` (``q``: the call's)."""
     if name not in _PEER_DEFAULTS or not _asks_nothing(value, _PEER_DEFAULTS[name]):
         return _PEER_KEYWORDS[name]
     if not has_plan and name in _MASK_KEYWORDS:
-        return f"torch's no mask: pass mask_plan={_FULL_PLAN}"
+        return f"torch's no mask: pass mask_plan={_full_plan(q)}"
     return f"drop it: {value!r} is {_peer(name)} default, which asks for nothing"
 
 
@@ -185,8 +194,10 @@ def _positional_fix(args: tuple, has_plan: bool) -> str:
     scale): the first that asks for something (not None, False or 0), by what it is."""
     defaults = (None, False, 0.0)
     given = [(i, a) for i, a in enumerate(args[3:], 4) if not any(_asks_nothing(a, d) for d in defaults)]
+    if not given and has_plan:
+        return "drop them: torch's defaults ask for nothing"
     if not given:
-        return "drop them: torch's defaults ask for nothing" if has_plan else f"pass mask_plan={_FULL_PLAN}"
+        return f"pass mask_plan={_full_plan(args[0])}"
     i, arg = given[0]
     kind = mask_kind(arg)
     if isinstance(arg, MaskPlan):
@@ -216,7 +227,7 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        has_plan = "mask_plan" in kwargs
+        has_plan, q = "mask_plan" in kwargs, args[0] if args else kwargs.get("q")
         if len(args) > 3:
             raise InputTypeError(
                 f"{fn.__name__}() takes q, k, v positionally and the rest by keyword (mask_plan=, "
@@ -224,12 +235,12 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
             )
         for name, value in kwargs.items():
             if name in _PEER_KEYWORDS:
-                fix = _peer_fix(name, value, has_plan)
+                fix = _peer_fix(name, value, has_plan, q)
                 raise InputTypeError(f"{fn.__name__}() got {name}=, {_peer(name)} keyword: {fix}")
         if not has_plan:
             raise InputTypeError(
                 f"{fn.__name__}() needs mask_plan=, a MaskPlan from create_mask_plan(mask_func, q, k, v); "
-                f"for attention without a mask, mask_plan={_FULL_PLAN}"
+                f"for attention without a mask, mask_plan={_full_plan(q)}"
             )
         return fn(*args, **kwargs)
 
@@ -313,7 +324,7 @@ def flex_attn_func(
             "flex_attn_func cannot be traced by torch.jit.trace (TorchScript): use torch.compile, or "
             "torch.export of a module that holds its plan"
         )
-    require_plan(mask_plan)
+    require_plan(mask_plan, q)
     _check_options(softmax_scale, deterministic, return_lse, return_max_logit)
     q, k, v = autocast_inputs(q, k, v)
     mask_plan.check_binding(q, k, v, op_checks_sizes=True)  # the op checks them (ops.attention)

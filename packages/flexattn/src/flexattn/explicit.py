@@ -188,7 +188,7 @@ class _Explicit:
         self._consumer = None
 
     def _check_plan(self, mask_plan, q, k, v) -> None:
-        require_plan(mask_plan)
+        require_plan(mask_plan, q)
         mask_plan.check_binding(q, k, v)
         if self.training and not mask_plan.has_backward:
             raise MissingBackwardViewError(
