@@ -113,6 +113,7 @@ def _full_plan(q: object) -> str:
         )
     return "create_mask_plan(masks.full(Sq, Sk, batch=B, device=q.device), q, k, v)"
 
+
 #: SDPA's is_causal where Sq != Sk (masks.causal aligns the diagonal bottom-right there)
 _TOP_LEFT = "masks.from_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B, 1, Sq, Sk, device=q.device)"
 
