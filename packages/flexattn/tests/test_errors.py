@@ -841,6 +841,8 @@ def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
         with expect(InputTypeError, TypeError, thd_full):
             flexattn.flex_attn_func(q, k, v, **call)
     with expect(InputTypeError, TypeError, thd_full):
+        flexattn.flex_attn_func(q=q, k=k, v=v)
+    with expect(InputTypeError, TypeError, thd_full):
         flexattn.flex_attn_func(q, k, v, None, None)
 
 

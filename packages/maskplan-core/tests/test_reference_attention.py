@@ -617,10 +617,11 @@ def test_tensors_of_another_problem_are_refused_by_name():
 
 def test_exp_and_log_are_settled_on_one_thread_before_they_run_on_several(monkeypatch):
     """MKL picks a float unary op's CPU kernel on its first call, and a first call on several
-    threads at once can run a kernel 1e-4 off on one thread's chunk (pytorch/pytorch#188792; seen
-    here in 13 of 80 fresh processes' first ``cos`` of 8192 elements). The reference's first
-    ``exp`` and ``log`` of each float dtype are one element on the calling thread, before any
-    sizable one, and are made once."""
+    threads at once can run a kernel 1e-4 off on one thread's chunk (pytorch/pytorch#188792). The
+    reference's first ``exp`` and ``log`` of each float dtype, forward or backward (whose inputs
+    may come from a GPU kernel), are one element on the calling thread, before any sizable one, and
+    are made once; under a ``FakeTensorMode`` nothing is computed, and nothing counts as settled."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):
@@ -633,18 +634,28 @@ def test_exp_and_log_are_settled_on_one_thread_before_they_run_on_several(monkey
                 self.seen.append((func.overloadpacket.__name__, args[0].dtype, args[0].numel()))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(unary_dispatch, "_settled", set())  # as in a fresh process
     c = fixed(2, 40, 40, hq=2, hkv=1)
     ep = make_endpoints(c)
     q, k, v = (t.detach().reshape(-1, *t.shape[-2:]).to(torch.float32) for t in make_inputs(c))
     geometry = validate_plan_inputs(ep, *(t.reshape(2, -1, *t.shape[-2:]) for t in (q, k, v)))
     plan = build_plan(ep, geometry, small_config("forward", 16, 16), small_config("backward", 16, 16), "t")
+    out, lse, _ = attention_forward(plan.view("forward"), q, k, v, softmax_scale=0.25)
+    dout = torch.ones_like(out)
+    runs = {
+        "forward": lambda: attention_forward(plan.view("forward"), q, k, v, softmax_scale=0.25),
+        "backward": lambda: attention_backward(
+            plan.view("backward"), q, k, v, out, lse, dout, None, softmax_scale=0.25
+        ),
+    }
     settling = [(op, dtype, 1) for op in ("exp", "log") for dtype in (torch.float32, torch.float64)]
-    with Calls() as first:
-        out, lse, _ = attention_forward(plan.view("forward"), q, k, v, softmax_scale=0.25)
-    with Calls() as again:
-        attention_forward(plan.view("forward"), q, k, v, softmax_scale=0.25)
-        dout = torch.ones_like(out)
-        attention_backward(plan.view("backward"), q, k, v, out, lse, dout, None, softmax_scale=0.25)
-    assert first.seen[:4] == settling, first.seen
-    assert all(n > 1 for *_, n in first.seen[4:] + again.seen), (first.seen, again.seen)
+    for name, run in runs.items():
+        monkeypatch.setattr(unary_dispatch, "_settled", set())  # as in a fresh process
+        with FakeTensorMode():
+            unary_dispatch.settle(torch.exp, torch.log)
+        assert not unary_dispatch._settled, name
+        with Calls() as first:
+            run()
+        with Calls() as again:
+            run()
+        assert first.seen[:4] == settling, (name, first.seen)
+        assert all(n > 1 for *_, n in first.seen[4:] + again.seen), (name, first.seen, again.seen)

@@ -97,13 +97,13 @@ def require_plan(mask_plan: object, q: object) -> None:
             convert = "mask_func"  # endpoints already
         hint = f"; build one with create_mask_plan({convert}, q, k, v)" if convert else ""
         if mask_plan is None:
-            hint = f"; for attention without a mask pass mask_plan={_full_plan(q)}"
+            hint = f"; for attention without a mask pass mask_plan={_full_plan_hint(q)}"
         raise InputTypeError(
             f"mask_plan must be a MaskPlan from create_mask_plan, got {mask_kind(mask_plan)}{hint}"
         )
 
 
-def _full_plan(q: object) -> str:
+def _full_plan_hint(q: object) -> str:
     """The plan of no mask (torch's block_mask=None, SDPA without attn_mask) for ``q``'s layout:
     varlen THD (rank 3) takes its samples' boundaries, BSHD its batch and lengths."""
     if isinstance(q, torch.Tensor) and q.dim() == 3:
@@ -185,7 +185,7 @@ def _peer_fix(name: str, value: object, has_plan: bool, q: object) -> str:
     if name not in _PEER_DEFAULTS or not _asks_nothing(value, _PEER_DEFAULTS[name]):
         return _PEER_KEYWORDS[name]
     if not has_plan and name in _MASK_KEYWORDS:
-        return f"torch's no mask: pass mask_plan={_full_plan(q)}"
+        return f"torch's no mask: pass mask_plan={_full_plan_hint(q)}"
     return f"drop it: {value!r} is {_peer(name)} default, which asks for nothing"
 
 
@@ -198,7 +198,7 @@ def _positional_fix(args: tuple, has_plan: bool) -> str:
     if not given and has_plan:
         return "drop them: torch's defaults ask for nothing"
     if not given:
-        return f"pass mask_plan={_full_plan(args[0])}"
+        return f"pass mask_plan={_full_plan_hint(args[0])}"
     i, arg = given[0]
     kind = mask_kind(arg)
     if isinstance(arg, MaskPlan):
@@ -228,7 +228,8 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        has_plan, q = "mask_plan" in kwargs, args[0] if args else kwargs.get("q")
+        has_plan = "mask_plan" in kwargs
+        q = args[0] if args else kwargs.get("q")
         if len(args) > 3:
             raise InputTypeError(
                 f"{fn.__name__}() takes q, k, v positionally and the rest by keyword (mask_plan=, "
@@ -241,7 +242,7 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
         if not has_plan:
             raise InputTypeError(
                 f"{fn.__name__}() needs mask_plan=, a MaskPlan from create_mask_plan(mask_func, q, k, v); "
-                f"for attention without a mask, mask_plan={_full_plan(q)}"
+                f"for attention without a mask, mask_plan={_full_plan_hint(q)}"
             )
         return fn(*args, **kwargs)
 

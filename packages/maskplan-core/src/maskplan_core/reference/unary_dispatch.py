@@ -9,30 +9,27 @@ wheels bundle). The reference attention is every GPU kernel's oracle, and a 1e-4
 process's first ``exp`` fails a comparison at fp32 tolerance at random.
 
 One call on a one-element tensor runs on the calling thread alone and settles the kernel for the
-rest of the process. It is made once per (op, dtype), under a lock: two threads making their
-first calls together would race again.
+rest of the process. This module can go once torch bundles oneMKL 2025.0 or later (where the race
+is gone) or warms VML itself (pytorch/pytorch#188791).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
 _DTYPES = (torch.float32, torch.float64)
 _settled: set[tuple[Callable, torch.dtype]] = set()
-_lock = threading.Lock()
 
 
 def settle(*ops: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Call each of ``ops`` (``torch.exp``, ``torch.cos``, ...) once on one float32 and one float64
-    element on the CPU, unless this process has already; cheap after the first time."""
-    if all((op, dtype) in _settled for op in ops for dtype in _DTYPES):
-        return
-    with _lock:
-        for op in ops:
-            for dtype in _DTYPES:
-                if (op, dtype) not in _settled:
-                    op(torch.ones(1, dtype=dtype, device="cpu"))
-                    _settled.add((op, dtype))
+    element on the CPU, unless this process has already; cheap after the first time. A call that
+    computes nothing (under a ``FakeTensorMode``) leaves the op to be settled later."""
+    for op in ops:
+        for dtype in _DTYPES:
+            if (op, dtype) in _settled:
+                continue
+            if type(op(torch.ones(1, dtype=dtype, device="cpu"))) is torch.Tensor:  # not a fake's
+                _settled.add((op, dtype))
