@@ -828,7 +828,8 @@ def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
     for keyword, value in (("block_mask", None), ("attn_mask", None), ("is_causal", False)):
         with expect(InputTypeError, TypeError, f"got {keyword}=", "torch's no mask", "masks.full(Sq, Sk"):
             flexattn.flex_attn_func(q, k, v, **{keyword: value})
-    with expect(InputTypeError, TypeError, "kv_idx <= q_idx, B, 1, Sq, Sk, device=q.device)", "top-left"):
+    top_left = "masks.causal(Sq, Sk, batch=B, align='top_left', device=q.device)"
+    with expect(InputTypeError, TypeError, top_left, "top-left"):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, is_causal=True)
     with expect(InputTypeError, TypeError, "needs mask_plan=", "masks.full(Sq, Sk"):
         flexattn.flex_attn_func(q, k, v)

@@ -18,17 +18,31 @@ from maskplan_core import SeqlenError, masks
 # --------------------------------------------------------------------------------------------------
 
 
-def ref_causal(sq: int, sk: int, batch: int) -> torch.Tensor:
+#: the diagonal's offset from the row where the sample's query and key counts differ
+SHIFT = {"bottom_right": lambda sq, sk: sk - sq, "top_left": lambda sq, sk: 0}
+ALIGNS = st.sampled_from(list(SHIFT))
+
+
+def ref_causal(sq: int, sk: int, batch: int, align: str = "bottom_right") -> torch.Tensor:
     rows = [i for _ in range(batch) for i in range(sq)]
-    return dense_from_rule(rows, sk, lambda i, k: k < i + 1 + sk - sq)
+    return dense_from_rule(rows, sk, lambda i, k: k < i + 1 + SHIFT[align](sq, sk))
 
 
 @FAST
-@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 3))
-def test_causal_matches_dense(sq, sk, batch):
-    ep = masks.causal(sq, sk, batch=batch)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 3), ALIGNS)
+def test_causal_matches_dense(sq, sk, batch, align):
+    ep = masks.causal(sq, sk, batch=batch, align=align)
     assert ep.shape == (1, 1, batch * sq)
-    assert_matches(ep, ref_causal(sq, sk, batch), sk)
+    assert_matches(ep, ref_causal(sq, sk, batch, align), sk)
+
+
+@pytest.mark.parametrize("sq,sk", [(3, 7), (7, 3), (5, 5)])
+def test_top_left_causal_is_sdpas_is_causal(sq, sk):
+    """SDPA's is_causal masks with ``ones(L, S).tril()`` (torch's documented equivalent), as does
+    flex_attention's ``kv_idx <= q_idx``: ``align="top_left"`` gives it (the facade's hint for
+    ``is_causal=True`` where Sq != Sk)."""
+    sdpa = torch.ones(sq, sk, dtype=torch.bool).tril()[None, None].expand(2, 1, sq, sk)
+    assert torch.equal(masks.causal(sq, sk, batch=2, align="top_left"), masks.from_dense(sdpa))
 
 
 def test_causal_default_square():
@@ -47,22 +61,25 @@ def test_causal_more_queries_than_keys_gives_empty_rows():
 # --------------------------------------------------------------------------------------------------
 
 
-def ref_sliding(sq: int, sk: int, wl: int, wr: int, batch: int) -> torch.Tensor:
+def ref_sliding(sq: int, sk: int, wl: int, wr: int, batch: int, align: str = "bottom_right") -> torch.Tensor:
     rows = [i for _ in range(batch) for i in range(sq)]
 
     def rule(i, k):
-        d = i + sk - sq
+        d = i + SHIFT[align](sq, sk)
         return d - wl <= k <= d + wr
 
     return dense_from_rule(rows, sk, rule)
 
 
 @FAST
-@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 10), st.integers(0, 10), st.integers(1, 3))
-def test_sliding_window_matches_dense(sq, sk, wl, wr, batch):
-    ep = masks.sliding_window(sq, sk, window_left=wl, window_right=wr, batch=batch)
+@given(
+    sq=st.integers(1, 9), sk=st.integers(1, 9), wl=st.integers(0, 10), wr=st.integers(0, 10),
+    batch=st.integers(1, 3), align=ALIGNS,
+)  # fmt: skip
+def test_sliding_window_matches_dense(sq, sk, wl, wr, batch, align):
+    ep = masks.sliding_window(sq, sk, window_left=wl, window_right=wr, batch=batch, align=align)
     assert ep.shape == (1, 3, batch * sq)
-    ref = ref_sliding(sq, sk, wl, wr, batch)
+    ref = ref_sliding(sq, sk, wl, wr, batch, align)
     assert_matches(ep, ref, sk)
     assert bool((ep[:, 0] == 0).all())
     # rows with no visible key have all endpoints equal
@@ -91,11 +108,9 @@ def test_varlen_causal_and_sliding_window_are_the_samples_concatenated(q_lens, k
     keys see nothing, samples without queries add no rows."""
     cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
-    builders = {
-        "causal": (masks.causal, {}, 1),
-        "sliding": (masks.sliding_window, {"window_left": 2, "window_right": 1}, 3),
-    }
-    for build, kw, nfunc in builders.values():
+    builders = [(masks.causal, {}, 1), (masks.sliding_window, {"window_left": 2, "window_right": 1}, 3)]
+    for (build, kw, nfunc), align in itertools.product(builders, SHIFT):
+        kw = {**kw, "align": align}
         parts = [
             build(sq, sk, **kw) if sk else torch.zeros(1, nfunc, sq, dtype=torch.int32)
             for sq, sk in zip(q_lens, k_lens, strict=True)
@@ -104,6 +119,13 @@ def test_varlen_causal_and_sliding_window_are_the_samples_concatenated(q_lens, k
         want = torch.cat(parts, dim=2)
         assert torch.equal(build(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw), want)
         assert torch.equal(build(cu_seqlens_q=cu_q.tolist(), cu_seqlens_k=cu_k.tolist(), **kw), want)
+
+
+def test_an_alignment_other_than_the_two_is_refused_naming_them():
+    for build, kw in ((masks.causal, {}), (masks.sliding_window, {"window_left": 2})):
+        refusal = r"align must be one of \('bottom_right', 'top_left'\), got 'top-left'"
+        with pytest.raises(ValueError, match=refusal):
+            build(4, 6, align="top-left", **kw)
 
 
 def test_varlen_builder_argument_errors():

@@ -115,7 +115,7 @@ def _full_plan_hint(q: object) -> str:
 
 
 #: SDPA's is_causal where Sq != Sk (masks.causal aligns the diagonal bottom-right there)
-_TOP_LEFT = "masks.from_mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B, 1, Sq, Sk, device=q.device)"
+_TOP_LEFT = "masks.causal(Sq, Sk, batch=B, align='top_left', device=q.device)"
 
 #: keywords of torch's flex_attention and scaled_dot_product_attention a ported call may still
 #: pass, and what to do instead (packages/flexattn/README.md, "Coming from torch FlexAttention")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -21,12 +22,15 @@ from ._args import (
 
 
 def _diagonals(
-    seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k=None
+    seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k=None, align="bottom_right"
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """``(d, k_len, q_lens, k_lens)``: per query row of the batch ``d``, the row's bottom-right
-    aligned diagonal key (its sample-local position ``+ k_len - q_len``), and ``k_len``, the keys
-    its sample uses (all of them, or ``seqused_k``'s); and the samples' query rows and keys. Fixed
-    length from ``seqlen_q/k`` and ``batch``, varlen from ``cu_seqlens_q/k``."""
+    """``(d, k_len, q_lens, k_lens)``: per query row of the batch ``d``, the row's diagonal key
+    (aligned bottom-right: its sample-local position ``+ k_len - q_len``; top-left: the position),
+    and ``k_len``, the keys its sample uses (all of them, or ``seqused_k``'s); and the samples'
+    query rows and keys. Fixed length from ``seqlen_q/k`` and ``batch``, varlen from
+    ``cu_seqlens_q/k``."""
+    if align not in _ALIGNMENTS:
+        raise InputValueError(f"align must be one of {_ALIGNMENTS}, got {align!r}")
     if cu_seqlens_q is None and cu_seqlens_k is None:
         if seqlen_q is None:
             raise InputTypeError("seqlen_q is required (or cu_seqlens_q and cu_seqlens_k for varlen)")
@@ -55,7 +59,14 @@ def _diagonals(
     # output_size: known here, and the meta device cannot count it
     per_row = lambda x: torch.repeat_interleave(x, rows, output_size=i.numel())  # noqa: E731
     k_len = per_row(torch.tensor(used, device=dev, dtype=torch.int64))
-    return i + k_len - per_row(rows), k_len, q_lens, k_lens
+    d = i + k_len - per_row(rows) if align == "bottom_right" else i
+    return d, k_len, q_lens, k_lens
+
+
+#: where a causal or windowed mask's diagonal starts where a sample's query and key counts differ:
+#: at its last query and key (FlashAttention's), or at its first (torch's kv_idx <= q_idx, SDPA's
+#: is_causal); cuDNN's diagonal_alignment names both
+_ALIGNMENTS = ("bottom_right", "top_left")
 
 
 def _seqused(seqused_k: object, k_lens: list[int]) -> list[int]:
@@ -95,8 +106,10 @@ def causal(
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
     seqused_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
+    align: Literal["bottom_right", "top_left"] = "bottom_right",
 ) -> torch.Tensor:
-    """Bottom-right aligned causal mask: row ``i`` sees keys ``< i + 1 + seqlen_k - seqlen_q``.
+    """Bottom-right aligned causal mask: row ``i`` sees keys ``< i + 1 + seqlen_k - seqlen_q``
+    (``align="top_left"``: keys ``<= i``, torch's ``kv_idx <= q_idx`` and SDPA's ``is_causal``).
 
     The bound is clipped to ``[0, seqlen_k]`` (rows before the diagonal starts see nothing).
     Returns ``[1, 1, batch * seqlen_q]`` int32. Varlen: give ``cu_seqlens_q`` and
@@ -107,7 +120,9 @@ def causal(
     last of them; the keys past them are hidden. ``device``: where the endpoints are made (None:
     the CPU, or ``cu_seqlens_q``'s device where it is a tensor).
     """
-    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
+    d, k_len, *lens = _diagonals(
+        seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k, align
+    )
     return _finish(
         [torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens, keys_hint=_keys_hint("causal")
     )
@@ -149,17 +164,21 @@ def sliding_window(
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
     seqused_k: torch.Tensor | Sequence[int] | None = None,
     device: str | torch.device | None = None,
+    align: Literal["bottom_right", "top_left"] = "bottom_right",
 ) -> torch.Tensor:
     """Sliding-window mask: row ``i`` sees keys ``[d - window_left, d + window_right]`` (inclusive).
 
-    ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal); the window is clipped to
+    ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal; ``align="top_left"``:
+    ``d = i``, as :func:`causal`); the window is clipped to
     ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
     Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen, ``device``
     and ``seqused_k`` (``seqlen_k`` then the sample's used keys) as :func:`causal`.
     """
     window_left = _as_extent("window_left", window_left, window=True, per_head=_PER_HEAD_WINDOW)
     window_right = _as_extent("window_right", window_right, window=True)
-    d, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
+    d, k_len, *lens = _diagonals(
+        seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k, align
+    )
     lo = torch.minimum((d - window_left).clamp(min=0), k_len)
     hi = torch.minimum((d + window_right + 1).clamp(min=0), k_len)
     empty = lo >= hi
