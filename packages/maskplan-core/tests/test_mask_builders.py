@@ -159,10 +159,13 @@ def test_seqused_k_is_the_builder_at_each_samples_used_keys(sq, sk, used, varlen
     """Sample ``b`` with ``seqused_k[b]`` keys in use (a static KV cache's written slots) is the
     builder at those keys: aligned to the last one, the rest hidden; recorded for all ``seqlen_k``."""
     used = [min(u, sk) for u in used]
+    window = {"window_left": 2, "window_right": 1}
     builders = {
         "causal": (masks.causal, {}),
+        "causal top-left": (masks.causal, {"align": "top_left"}),
         "full": (masks.full, {}),
-        "sliding": (masks.sliding_window, {"window_left": 2, "window_right": 1}),
+        "sliding": (masks.sliding_window, window),
+        "sliding top-left": (masks.sliding_window, {**window, "align": "top_left"}),
     }
     n = len(used)
     lengths = dict(seqlen_q=sq, seqlen_k=sk, batch=n)
