@@ -775,7 +775,7 @@ def test_a_mask_in_place_of_the_plan_names_the_plan_to_build():
         ("return_aux", object(), "return_lse=True"),
         ("kernel_options", {}, "the plan fixes the kernels' tiles"),
         ("attn_mask", torch.ones(1), "masks.from_dense(attn_mask)"),
-        ("is_causal", True, "masks.causal(S, batch=B, device=q.device)"),
+        ("is_causal", True, "create_mask_plan(masks.causal(Sq, Sk, batch=B, align='top_left'"),
         ("dropout_p", 0.1, "no attention dropout"),
         ("query", torch.ones(1), "pass q, k, v positionally"),
     ],
@@ -819,7 +819,7 @@ def test_a_keyword_of_flash_attention_names_what_flexattn_takes(keyword, value, 
 def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
     """torch's defaults (score_mod=None, is_causal=False, dropout_p=0.0, ...) ask for nothing: the
     refusal says to drop them, and a mask keyword's default without a mask_plan (torch's "no mask")
-    names the plan of no mask; SDPA's is_causal=True names the top-left mask where Sq != Sk."""
+    names the plan of no mask; SDPA's is_causal=True names the plan of the top-left causal mask."""
     q, k, v = fixed_qkv()
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
     for keyword, value in (("score_mod", None), ("is_causal", False), ("dropout_p", 0.0), ("scale", None)):
@@ -828,7 +828,7 @@ def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
     for keyword, value in (("block_mask", None), ("attn_mask", None), ("is_causal", False)):
         with expect(InputTypeError, TypeError, f"got {keyword}=", "torch's no mask", "masks.full(Sq, Sk"):
             flexattn.flex_attn_func(q, k, v, **{keyword: value})
-    top_left = "masks.causal(Sq, Sk, batch=B, align='top_left', device=q.device)"
+    top_left = "create_mask_plan(masks.causal(Sq, Sk, batch=B, align='top_left', device=q.device), q, k, v)"
     with expect(InputTypeError, TypeError, top_left, "top-left"):
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, is_causal=True)
     with expect(InputTypeError, TypeError, "needs mask_plan=", "masks.full(Sq, Sk"):

@@ -131,9 +131,8 @@ _PEER_KEYWORDS = {
     "kernel_options": "drop it: the plan fixes the kernels' tiles",
     "attn_mask": "pass mask_plan=create_mask_plan(masks.from_dense(attn_mask), q, k, v)",
     "is_causal": (
-        "pass mask_plan=create_mask_plan(masks.causal(S, batch=B, device=q.device), q, k, v) where Sq == "
-        "Sk; where Sq != Sk masks.causal aligns the diagonal bottom-right and SDPA's is_causal top-left: "
-        f"{_TOP_LEFT}"
+        f"pass mask_plan=create_mask_plan({_TOP_LEFT}, q, k, v) (SDPA's is_causal aligns the diagonal "
+        "top-left; masks.causal's default, FlashAttention's bottom-right, differs where Sq != Sk)"
     ),
     "dropout_p": (
         "flexattn has no attention dropout, and no call computes dropout_p > 0: train without it "

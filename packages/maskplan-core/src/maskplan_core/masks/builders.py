@@ -117,8 +117,9 @@ def causal(
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
     ``seqused_k`` (one int per sample; FlashAttention's name): sample ``b`` uses only its first
     ``seqused_k[b]`` keys (a static KV cache's written slots), and its diagonal aligns to the
-    last of them; the keys past them are hidden. ``device``: where the endpoints are made (None:
-    the CPU, or ``cu_seqlens_q``'s device where it is a tensor).
+    last of them (bottom-right; a top-left one stays at key 0); the keys past them are hidden.
+    ``device``: where the endpoints are made (None: the CPU, or ``cu_seqlens_q``'s device where it
+    is a tensor).
     """
     d, k_len, *lens = _diagonals(
         seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k, align
