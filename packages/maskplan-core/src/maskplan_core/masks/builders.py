@@ -20,6 +20,11 @@ from ._args import (
     _varlen_prefixes,
 )
 
+#: where a causal or windowed mask's diagonal starts where a sample's query and key counts differ:
+#: at its last query and key (FlashAttention's), or at its first (torch's kv_idx <= q_idx, SDPA's
+#: is_causal); cuDNN's diagonal_alignment names both
+_ALIGNMENTS = ("bottom_right", "top_left")
+
 
 def _diagonals(
     seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k=None, align="bottom_right"
@@ -61,12 +66,6 @@ def _diagonals(
     k_len = per_row(torch.tensor(used, device=dev, dtype=torch.int64))
     d = i + k_len - per_row(rows) if align == "bottom_right" else i
     return d, k_len, q_lens, k_lens
-
-
-#: where a causal or windowed mask's diagonal starts where a sample's query and key counts differ:
-#: at its last query and key (FlashAttention's), or at its first (torch's kv_idx <= q_idx, SDPA's
-#: is_causal); cuDNN's diagonal_alignment names both
-_ALIGNMENTS = ("bottom_right", "top_left")
 
 
 def _seqused(seqused_k: object, k_lens: list[int]) -> list[int]:
