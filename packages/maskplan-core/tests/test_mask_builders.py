@@ -40,7 +40,7 @@ def test_causal_matches_dense(sq, sk, batch, align):
 def test_top_left_causal_is_sdpas_is_causal(sq, sk):
     """SDPA's is_causal masks with ``ones(L, S).tril()`` (torch's documented equivalent), as does
     flex_attention's ``kv_idx <= q_idx``: ``align="top_left"`` gives it (the facade's hint for
-    ``is_causal=True`` where Sq != Sk)."""
+    ``is_causal=True``)."""
     sdpa = torch.ones(sq, sk, dtype=torch.bool).tril()[None, None].expand(2, 1, sq, sk)
     assert torch.equal(masks.causal(sq, sk, batch=2, align="top_left"), masks.from_dense(sdpa))
 

@@ -114,9 +114,6 @@ def _full_plan_hint(q: object) -> str:
     return "create_mask_plan(masks.full(Sq, Sk, batch=B, device=q.device), q, k, v)"
 
 
-#: SDPA's is_causal where Sq != Sk (masks.causal aligns the diagonal bottom-right there)
-_TOP_LEFT = "masks.causal(Sq, Sk, batch=B, align='top_left', device=q.device)"
-
 #: keywords of torch's flex_attention and scaled_dot_product_attention a ported call may still
 #: pass, and what to do instead (packages/flexattn/README.md, "Coming from torch FlexAttention")
 _PEER_KEYWORDS = {
@@ -131,8 +128,9 @@ _PEER_KEYWORDS = {
     "kernel_options": "drop it: the plan fixes the kernels' tiles",
     "attn_mask": "pass mask_plan=create_mask_plan(masks.from_dense(attn_mask), q, k, v)",
     "is_causal": (
-        f"pass mask_plan=create_mask_plan({_TOP_LEFT}, q, k, v) (SDPA's is_causal aligns the diagonal "
-        "top-left; masks.causal's default, FlashAttention's bottom-right, differs where Sq != Sk)"
+        "pass mask_plan=create_mask_plan(masks.causal(Sq, Sk, batch=B, align='top_left', device=q.device), "
+        "q, k, v) (SDPA's is_causal aligns the diagonal top-left; masks.causal's default, FlashAttention's "
+        "bottom-right, differs where Sq != Sk)"
     ),
     "dropout_p": (
         "flexattn has no attention dropout, and no call computes dropout_p > 0: train without it "
