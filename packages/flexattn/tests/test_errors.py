@@ -800,10 +800,20 @@ def test_a_keyword_of_torch_attention_names_what_flexattn_takes(keyword, value, 
     [
         ("cu_seqlens_q", torch.zeros(2, dtype=torch.int32), "the plan carries the samples"),
         ("max_seqlen_k", 128, "to create_mask_plan (with the mask and q, k, v in THD)"),
+        ("cu_seqlens_k", torch.zeros(2, dtype=torch.int32), "build one plan per batch"),
         ("causal", True, "masks.causal(Sq, Sk, batch=B, device=q.device)"),
-        ("window_size", (64, 0), "masks.sliding_window(Sq, Sk, window_left=left, window_right=right"),
+        ("window_size", (64, 0), "masks.sliding_window(Sq, Sk, batch=B, window_left=64, device=q.device)"),
         ("stream", object(), "torch's current stream"),
-        ("causal", False, "drop it: False is FlashAttention's default"),
+        ("causal", False, "drop it: causal=False is FlashAttention's no mask"),
+        ("window_size", (-1, -1), "drop it: window_size=(-1, -1) is FlashAttention's no mask"),
+        ("seqused_k", torch.ones(2, dtype=torch.int32), "pass seqused_k= to the builder"),
+        ("softcap", 30.0, "no logit softcapping"),
+        ("softcap", 0.0, "drop it: 0.0 is FlashAttention's default"),
+        ("alibi_slopes", torch.ones(2), "no ALiBi"),
+        ("block_table", torch.zeros(2, 1, dtype=torch.int32), "no paged KV cache"),
+        ("return_attn_probs", True, "pass return_lse=True"),
+        ("return_softmax_lse", True, "pass return_lse=True"),
+        ("leftpad_k", torch.zeros(2, dtype=torch.int32), "no left-padded k"),
     ],
 )
 def test_a_keyword_of_flash_attention_names_what_flexattn_takes(keyword, value, remedy):
@@ -816,15 +826,89 @@ def test_a_keyword_of_flash_attention_names_what_flexattn_takes(keyword, value, 
         flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: value})
 
 
+def test_flash_attention_positional_samples_are_named():
+    """flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) in
+    FlashAttention's positions: the 1-D integer tensor after v is named as its cu_seqlens_q, with
+    where the samples go here (endpoints, 3-D, keep their own hint)."""
+    _, (q, k, v), args = varlen_case()
+    cu_q, cu_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
+    for cu in (cu_q, cu_q.long()):
+        with expect(InputTypeError, TypeError, "argument 4 is Tensor: FlashAttention's cu_seqlens_q?",
+                    "the plan carries the samples"):  # fmt: skip
+            flexattn.flex_attn_func(q, k, v, cu, cu_k, args["max_seqlen_q"], args["max_seqlen_k"])
+    with expect(InputTypeError, TypeError, "argument 4 is Tensor: interval endpoints?"):
+        flexattn.flex_attn_func(*fixed_qkv(), causal_mask())
+
+
+def flash_visible(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """FlashAttention's mask of one sample: key j is visible to query i where
+    ``i + sk - sq - left <= j <= i + sk - sq + right`` (bottom-right; -1: no limit), ``right``
+    0 where ``causal``."""
+    left, right = window
+    right = 0 if causal else right
+    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    lo = (j >= i - left) if left >= 0 else torch.ones(sq, sk, dtype=torch.bool)
+    hi = (j <= i + right) if right >= 0 else torch.ones(sq, sk, dtype=torch.bool)
+    return lo & hi
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"causal": True},
+        {"causal": True, "window_size": (3, 3)},  # FlashAttention takes the right side as 0
+        {"causal": True, "window_size": (-1, 5)},
+        {"window_size": (3, 2)},
+        {"window_size": (-1, 4)},
+        {"window_size": (6, -1)},
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_flash_attention_mask_keywords_are_read_together_and_their_hint_runs(given, varlen):
+    """causal= and window_size= are read together, as FlashAttention's kernels read them, and the
+    hint names one mask in q's layout (THD: its samples' boundaries); built as written, its plan
+    shows FlashAttention's keys, samples of Sq != Sk included."""
+    import re
+
+    if varlen:
+        _, (q, k, v), args = varlen_case()
+        cu_q, cu_k = args["cu_seqlens_q"], args["cu_seqlens_k"]
+        max_q, max_k = args["max_seqlen_q"], args["max_seqlen_k"]
+        samples = list(zip((cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist(), strict=True))
+    else:
+        q, k, v = fixed_qkv()
+        samples = [(SQ, SK)] * B
+    names = " and ".join(f"{name}=" for name in given)
+    with expect(InputTypeError, TypeError, f"got {names}, FlashAttention's keyword") as info:
+        flexattn.flex_attn_func(q, k, v, **given)
+    hint = re.search(r"mask_plan=(create_mask_plan\(.*\)) \(aligned", str(info.value)).group(1)
+    scope = {"create_mask_plan": flexattn.create_mask_plan, "masks": flexattn.masks}
+    scope |= {"q": q, "k": k, "v": v}
+    if varlen:
+        scope |= {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
+    else:
+        scope |= {"Sq": SQ, "Sk": SK, "B": B}
+    dense = eval(hint, scope).view("forward").to_dense()[0]  # noqa: S307 (the library's own text)
+    row = 0
+    for sq, sk in samples:
+        want = flash_visible(sq, sk, given.get("causal", False), given.get("window_size", (-1, -1)))
+        assert torch.equal(dense[row : row + sq, :sk], want), (sq, sk)
+        row += sq
+
+
 def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():
     """torch's defaults (score_mod=None, is_causal=False, dropout_p=0.0, ...) ask for nothing: the
     refusal says to drop them, and a mask keyword's default without a mask_plan (torch's "no mask")
     names the plan of no mask; SDPA's is_causal=True names the plan of the top-left causal mask."""
     q, k, v = fixed_qkv()
     plan = flexattn.create_mask_plan(causal_mask(), q, k, v)
-    for keyword, value in (("score_mod", None), ("is_causal", False), ("dropout_p", 0.0), ("scale", None)):
+    for keyword, value in (("score_mod", None), ("is_causal", False), ("scale", None)):
         with expect(InputTypeError, TypeError, f"got {keyword}=", "drop it", "torch's default"):
             flexattn.flex_attn_func(q, k, v, mask_plan=plan, **{keyword: value})
+    both = "torch's and FlashAttention's default"
+    with expect(InputTypeError, TypeError, "got dropout_p=", "drop it", both):
+        flexattn.flex_attn_func(q, k, v, mask_plan=plan, dropout_p=0.0)
     for keyword, value in (("block_mask", None), ("attn_mask", None), ("is_causal", False)):
         with expect(InputTypeError, TypeError, f"got {keyword}=", "torch's no mask", "masks.full(Sq, Sk"):
             flexattn.flex_attn_func(q, k, v, **{keyword: value})

@@ -134,33 +134,41 @@ _PEER_KEYWORDS = {
     ),
     "dropout_p": (
         "flexattn has no attention dropout, and no call computes dropout_p > 0: train without it "
-        "(dropout_p=0 changes the training) or keep torch's attention where it is needed"
+        "(dropout_p=0 changes the training) or keep torch's or FlashAttention's attention where it is "
+        "needed"
     ),
 }
 #: keywords of FlashAttention's calls (flash_attn_func, flash_attn_varlen_func), where a varlen
 #: batch's lengths and the mask go with every call; here the plan carries both
 _SAMPLES_IN_PLAN = (
     "the plan carries the samples: pass cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k "
-    "to create_mask_plan (with the mask and q, k, v in THD), then mask_plan= here"
+    "to create_mask_plan (with the mask and q, k, v in THD), then mask_plan= here; a plan is bound to "
+    "the boundaries it was built with, and a batch of other boundaries but the same token total would "
+    "run with the old ones: build one plan per batch"
 )
 _FLASH_KEYWORDS = {
     "cu_seqlens_q": _SAMPLES_IN_PLAN,
     "cu_seqlens_k": _SAMPLES_IN_PLAN,
     "max_seqlen_q": _SAMPLES_IN_PLAN,
     "max_seqlen_k": _SAMPLES_IN_PLAN,
-    "causal": "pass mask_plan=create_mask_plan(masks.causal(Sq, Sk, batch=B, device=q.device), q, k, v) "
-    "(aligned bottom-right, as FlashAttention's)",
-    "window_size": "pass mask_plan=create_mask_plan(masks.sliding_window(Sq, Sk, window_left=left, "
-    "window_right=right, batch=B, device=q.device), q, k, v) (inclusive, bottom-right, as "
-    "FlashAttention's; (-1, 0) is masks.causal, (-1, -1) masks.full)",
+    "seqused_k": "the mask carries it: pass seqused_k= to the builder (masks.causal / full / sliding_window)",
+    "softcap": "flexattn has no logit softcapping: keep FlashAttention for those layers",
+    "alibi_slopes": "flexattn has no ALiBi (a bias, not a mask): keep FlashAttention for those layers",
+    "block_table": "flexattn has no paged KV cache: pass contiguous k, v (THD) and a plan of their samples",
+    "leftpad_k": "flexattn has no left-padded k: pack the samples (THD, a plan of their cu_seqlens_k)",
+    "return_attn_probs": "pass return_lse=True (the LSE; no probabilities are returned)",
+    "return_softmax_lse": "pass return_lse=True",
     "stream": "drop it: flexattn runs on torch's current stream (with torch.cuda.stream(s): ...)",
 }
 _PEER_KEYWORDS.update(_FLASH_KEYWORDS)
+#: FlashAttention's mask keywords, read together (_flash_mask_fix)
+_FLASH_MASK_KEYWORDS = ("causal", "window_size")
 #: the peers' defaults of those keywords, which ask for nothing: refused all the same, with "drop it"
 _PEER_DEFAULTS = {
     "block_mask": None, "score_mod": None, "attn_mask": None, "kernel_options": None, "return_aux": None,
-    "scale": None, "is_causal": False, "enable_gqa": False, "dropout_p": 0.0, "causal": False,
-    "stream": None,
+    "scale": None, "is_causal": False, "enable_gqa": False, "dropout_p": 0.0, "stream": None,
+    "seqused_k": None, "softcap": 0.0, "alibi_slopes": None, "block_table": None,
+    "return_attn_probs": False, "return_softmax_lse": False, "leftpad_k": None,
 }  # fmt: skip
 #: the keywords whose default is torch's "no mask": without a mask_plan, the plan of no mask
 _MASK_KEYWORDS = ("block_mask", "attn_mask", "is_causal")
@@ -174,7 +182,43 @@ def _asks_nothing(value: object, default: object) -> bool:
 
 def _peer(name: str) -> str:
     """Whose keyword ``name`` is."""
+    if name == "dropout_p":
+        return "torch's and FlashAttention's"
     return "FlashAttention's" if name in _FLASH_KEYWORDS else "torch's"
+
+
+def _flash_mask_fix(given: dict, has_plan: bool, q: object) -> str:
+    """FlashAttention's ``causal`` and ``window_size=(left, right)`` (``given``: those of the call)
+    read together as its kernels read them (a causal call's ``right`` is 0 whatever it says; -1:
+    no limit; the diagonal bottom-right), as the plan of one mask in ``q``'s layout (THD: its
+    samples' boundaries)."""
+    causal, window_size = given.get("causal", False), given.get("window_size", (-1, -1))
+    try:
+        left, given_right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        return "window_size=(left, right) is masks.sliding_window(..., window_left=left, window_right=right)"
+    right = 0 if causal else given_right
+    if left < 0 and right < 0:
+        if has_plan:
+            said = " and ".join(f"{name}={value!r}" for name, value in given.items())
+            one = len(given) == 1
+            return f"drop {'it' if one else 'them'}: {said} {'is' if one else 'are'} FlashAttention's no mask"
+        return f"FlashAttention's no mask: pass mask_plan={_full_plan_hint(q)}"
+    varlen = isinstance(q, torch.Tensor) and q.dim() == 3
+    args = ["cu_seqlens_q=cu_q, cu_seqlens_k=cu_k" if varlen else "Sq, Sk, batch=B"]
+    mask = "causal"
+    if left >= 0 or right != 0:  # a window; -1 (no limit) is a side that reaches every key
+        mask = "sliding_window"
+        unlimited = ("max_k", "max_q") if varlen else ("Sk", "Sq")  # bottom-right: i + Sk - Sq
+        args += [f"window_left={left if left >= 0 else unlimited[0]}"]
+        args += [f"window_right={right if right >= 0 else unlimited[1]}"] if right != 0 else []
+    if not varlen:
+        args += ["device=q.device"]
+    tail = ", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k" if varlen else ""
+    why = "aligned bottom-right, as FlashAttention's"
+    if causal and given_right > 0:
+        why += "; FlashAttention takes window_size[1] as 0 where causal=True"
+    return f"pass mask_plan=create_mask_plan(masks.{mask}({', '.join(args)}), q, k, v{tail}) ({why})"
 
 
 def _peer_fix(name: str, value: object, has_plan: bool, q: object) -> str:
@@ -204,6 +248,8 @@ def _positional_fix(args: tuple, has_plan: bool) -> str:
         fix = f"torch's block_mask? {_PEER_KEYWORDS['block_mask']}"
     elif endpoints_of(arg) is not None and callable(arg):
         fix = f"torch's score_mod? {_PEER_KEYWORDS['score_mod']}"
+    elif isinstance(arg, torch.Tensor) and arg.dtype in (torch.int32, torch.int64) and arg.dim() == 1:
+        fix = f"FlashAttention's cu_seqlens_q? {_SAMPLES_IN_PLAN}"
     elif isinstance(arg, torch.Tensor) and arg.dtype == torch.int32:
         fix = "interval endpoints? pass mask_plan=create_mask_plan(mask_func, q, k, v)"
     elif isinstance(arg, torch.Tensor):
@@ -232,6 +278,12 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
                 f"{fn.__name__}() takes q, k, v positionally and the rest by keyword (mask_plan=, "
                 f"softmax_scale=, ...); {_positional_fix(args, has_plan)}"
             )
+        mask_keywords = {name: kwargs[name] for name in _FLASH_MASK_KEYWORDS if name in kwargs}
+        if mask_keywords:
+            fix = _flash_mask_fix(mask_keywords, has_plan, q)
+            names = " and ".join(f"{name}=" for name in mask_keywords)
+            plural = "s" if len(mask_keywords) > 1 else ""
+            raise InputTypeError(f"{fn.__name__}() got {names}, FlashAttention's keyword{plural}: {fix}")
         for name, value in kwargs.items():
             if name in _PEER_KEYWORDS:
                 fix = _peer_fix(name, value, has_plan, q)
@@ -293,6 +345,10 @@ def flex_attn_func(
     return_max_logit: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Interval-mask attention over fixed BSHD or varlen THD tensors, reusing ``mask_plan``.
+
+    The plan holds its batch's sample boundaries and mask; the call takes no boundaries, so a
+    plan of another varlen batch with the same token total runs with that batch's boundaries,
+    unnoticed (``torch.equal(plan.geometry.cu_seqlens_q, cu_seqlens_q)`` tells): one plan per batch.
 
     ``softmax_scale`` multiplies the logits (None: ``1 / sqrt(head_dim_qk)``). ``deterministic``
     makes the backward's dQ bit-identical from run to run (the plan's ``dq_write_order``; the

@@ -71,7 +71,9 @@ def create_mask_plan(
     ``i``'s visible keys are ``[0, F0) U [F1, F2) U ...`` in sample-local positions (build them
     with :mod:`flexattn.masks`). Q/K/V are BSHD (fixed) or THD with all four varlen arguments
     together (``cu_seqlens_q`` / ``cu_seqlens_k``: int32 ``[B + 1]`` prefixes of the samples'
-    lengths; ``max_seqlen_q`` / ``max_seqlen_k``: the longest sample's);
+    lengths; ``max_seqlen_q`` / ``max_seqlen_k``: the longest sample's; the plan keeps a copy of
+    the boundaries, and a call with a batch of other boundaries but the same token total runs with
+    these, unnoticed: build one plan per batch);
     only their shapes, dtype and device matter, not their values (inside a ``torch.autocast``
     region, the dtype they reach attention in: the region's, as in :func:`flex_attn_func`).
     ``build_backward=None`` builds the backward (K2Q) view when autograd is enabled and any of
