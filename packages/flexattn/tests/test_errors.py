@@ -840,16 +840,16 @@ def test_flash_attention_positional_samples_are_named():
         flexattn.flex_attn_func(*fixed_qkv(), causal_mask())
 
 
-def flash_visible(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
-    """FlashAttention's mask of one sample: key j is visible to query i where
-    ``i + sk - sq - left <= j <= i + sk - sq + right`` (bottom-right; -1: no limit), ``right``
-    0 where ``causal``."""
+def flash_visible(sq: int, sk: int, causal: bool, window: tuple[int, int], used: int) -> torch.Tensor:
+    """FlashAttention's mask of one sample of which the first ``used`` keys are in use: key
+    ``j < used`` is visible to query i where ``i + used - sq - left <= j <= i + used - sq + right``
+    (bottom-right; -1: no limit), ``right`` 0 where ``causal``."""
     left, right = window
     right = 0 if causal else right
-    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
+    i, j = torch.arange(sq)[:, None] + used - sq, torch.arange(sk)[None, :]
     lo = (j >= i - left) if left >= 0 else torch.ones(sq, sk, dtype=torch.bool)
     hi = (j <= i + right) if right >= 0 else torch.ones(sq, sk, dtype=torch.bool)
-    return lo & hi
+    return lo & hi & (j < used)
 
 
 @pytest.mark.parametrize(
@@ -865,10 +865,12 @@ def flash_visible(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> to
     ids=str,
 )
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
-def test_flash_attention_mask_keywords_are_read_together_and_their_hint_runs(given, varlen):
-    """causal= and window_size= are read together, as FlashAttention's kernels read them, and the
-    hint names one mask in q's layout (THD: its samples' boundaries); built as written, its plan
-    shows FlashAttention's keys, samples of Sq != Sk included."""
+@pytest.mark.parametrize("seqused", [False, True], ids=["all-keys", "seqused_k"])
+def test_flash_attention_mask_keywords_are_read_together_and_their_hint_runs(given, varlen, seqused):
+    """causal= and window_size= (with seqused_k=, which moves the diagonal to the used keys) are
+    read together, as FlashAttention's kernels read them, and the hint names one mask in q's
+    layout (THD: its samples' boundaries); built as written, its plan shows FlashAttention's keys,
+    samples of Sq != Sk included."""
     import re
 
     if varlen:
@@ -879,22 +881,45 @@ def test_flash_attention_mask_keywords_are_read_together_and_their_hint_runs(giv
     else:
         q, k, v = fixed_qkv()
         samples = [(SQ, SK)] * B
-    names = " and ".join(f"{name}=" for name in given)
+    used = [max(sk - 7 * b - 3, 0) if seqused else sk for b, (_, sk) in enumerate(samples)]
+    call = dict(given, seqused_k=torch.tensor(used, dtype=torch.int32)) if seqused else given
+    names = " and ".join(f"{name}=" for name in call)
     with expect(InputTypeError, TypeError, f"got {names}, FlashAttention's keyword") as info:
-        flexattn.flex_attn_func(q, k, v, **given)
+        flexattn.flex_attn_func(q, k, v, **call)
     hint = re.search(r"mask_plan=(create_mask_plan\(.*\)) \(aligned", str(info.value)).group(1)
     scope = {"create_mask_plan": flexattn.create_mask_plan, "masks": flexattn.masks}
-    scope |= {"q": q, "k": k, "v": v}
+    scope |= {"q": q, "k": k, "v": v, "seqused_k": call.get("seqused_k")}
     if varlen:
         scope |= {"cu_q": cu_q, "cu_k": cu_k, "max_q": max_q, "max_k": max_k}
     else:
         scope |= {"Sq": SQ, "Sk": SK, "B": B}
     dense = eval(hint, scope).view("forward").to_dense()[0]  # noqa: S307 (the library's own text)
     row = 0
-    for sq, sk in samples:
-        want = flash_visible(sq, sk, given.get("causal", False), given.get("window_size", (-1, -1)))
-        assert torch.equal(dense[row : row + sq, :sk], want), (sq, sk)
+    for (sq, sk), u in zip(samples, used, strict=True):
+        want = flash_visible(sq, sk, given.get("causal", False), given.get("window_size", (-1, -1)), u)
+        assert torch.equal(dense[row : row + sq, :sk], want), (sq, sk, u)
         row += sq
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ({"causal": "no"}, "causal= takes True or False, got 'no'"),
+        ({"causal": torch.tensor([True, False])}, "causal= takes True or False"),
+        ({"window_size": (3.7, 0)}, "window_size= takes (left, right), two ints"),
+        ({"window_size": (math.inf, 0)}, "two ints (-1: no limit), got (inf, 0)"),
+        ({"window_size": None}, "got None"),
+        ({"window_size": (1, 2, 3)}, "got (1, 2, 3)"),
+        ({"causal": True, "window_size": "3,0"}, "got '3,0'"),
+    ],
+    ids=str,
+)
+def test_flash_attention_mask_keywords_of_other_values_are_named(given, said):
+    """A causal= or window_size= value FlashAttention would not take gets its own refusal, not a
+    crash or a hint read from a coerced value."""
+    q, k, v = fixed_qkv()
+    with expect(InputTypeError, TypeError, "FlashAttention's keyword", said):
+        flexattn.flex_attn_func(q, k, v, **given)
 
 
 def test_torch_defaults_of_its_keywords_are_refused_as_asking_nothing():

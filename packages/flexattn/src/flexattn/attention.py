@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import sys
 from collections.abc import Callable
 from typing import Literal, ParamSpec, TypeVar, overload
@@ -188,17 +189,22 @@ def _peer(name: str) -> str:
 
 
 def _flash_mask_fix(given: dict, has_plan: bool, q: object) -> str:
-    """FlashAttention's ``causal`` and ``window_size=(left, right)`` (``given``: those of the call)
-    read together as its kernels read them (a causal call's ``right`` is 0 whatever it says; -1:
-    no limit; the diagonal bottom-right), as the plan of one mask in ``q``'s layout (THD: its
-    samples' boundaries)."""
+    """FlashAttention's ``causal`` and ``window_size=(left, right)`` (``given``: those of the call,
+    with its ``seqused_k``) read together as its kernels read them (a causal call's ``right`` is 0
+    whatever it says; -1: no limit; the diagonal bottom-right, at the used keys), as the plan of
+    one mask in ``q``'s layout (THD: its samples' boundaries)."""
     causal, window_size = given.get("causal", False), given.get("window_size", (-1, -1))
+    if not (type(causal) is bool or (type(causal) is int and causal in (0, 1))):
+        return f"causal= takes True or False, got {causal!r}"
     try:
-        left, given_right = (int(x) for x in window_size)
-    except (TypeError, ValueError):
-        return "window_size=(left, right) is masks.sliding_window(..., window_left=left, window_right=right)"
+        if len(window_size) != 2:  # type: ignore[arg-type]
+            raise TypeError
+        left, given_right = (operator.index(x) for x in window_size)  # type: ignore[attr-defined]
+    except TypeError:
+        return f"window_size= takes (left, right), two ints (-1: no limit), got {window_size!r}"
     right = 0 if causal else given_right
-    if left < 0 and right < 0:
+    used = "seqused_k" in given
+    if left < 0 and right < 0 and not used:
         if has_plan:
             said = " and ".join(f"{name}={value!r}" for name, value in given.items())
             one = len(given) == 1
@@ -206,12 +212,14 @@ def _flash_mask_fix(given: dict, has_plan: bool, q: object) -> str:
         return f"FlashAttention's no mask: pass mask_plan={_full_plan_hint(q)}"
     varlen = isinstance(q, torch.Tensor) and q.dim() == 3
     args = ["cu_seqlens_q=cu_q, cu_seqlens_k=cu_k" if varlen else "Sq, Sk, batch=B"]
-    mask = "causal"
-    if left >= 0 or right != 0:  # a window; -1 (no limit) is a side that reaches every key
+    mask = "full" if left < 0 and right < 0 else "causal"
+    if left >= 0 or right > 0:  # a window; -1 (no limit) is a side that reaches every key
         mask = "sliding_window"
         unlimited = ("max_k", "max_q") if varlen else ("Sk", "Sq")  # bottom-right: i + Sk - Sq
         args += [f"window_left={left if left >= 0 else unlimited[0]}"]
         args += [f"window_right={right if right >= 0 else unlimited[1]}"] if right != 0 else []
+    if used:
+        args += ["seqused_k=seqused_k"]
     if not varlen:
         args += ["device=q.device"]
     tail = ", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k" if varlen else ""
@@ -279,6 +287,8 @@ def _peer_keywords(fn: Callable[P, R]) -> Callable[P, R]:
                 f"softmax_scale=, ...); {_positional_fix(args, has_plan)}"
             )
         mask_keywords = {name: kwargs[name] for name in _FLASH_MASK_KEYWORDS if name in kwargs}
+        if mask_keywords and "seqused_k" in kwargs:  # the diagonal aligns to the used keys
+            mask_keywords["seqused_k"] = kwargs["seqused_k"]
         if mask_keywords:
             fix = _flash_mask_fix(mask_keywords, has_plan, q)
             names = " and ".join(f"{name}=" for name in mask_keywords)
