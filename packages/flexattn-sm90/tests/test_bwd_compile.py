@@ -95,7 +95,14 @@ def test_main_kernel_compiles(dq, dv, dtype, tmp_path):
 
 
 #: the main kernel's dQ modes: (deterministic, sparse_rows)
-DQ_MODES = {"atomic": (False, False), "atomic-sparse": (False, True), "deterministic": (True, False)}
+#: (the kernel takes the mirrored order, consumer_k2q.walk_row, on sparse rows in either mode; the
+#: compiler asks for it in deterministic mode from (192, 128) on: LaunchOrder.mirrors_sparse_rows)
+DQ_MODES = {
+    "atomic": (False, False),
+    "deterministic": (True, False),
+    "atomic-sparse": (False, True),
+    "deterministic-sparse": (True, True),
+}
 
 
 @pytest.mark.parametrize("mode", DQ_MODES)
@@ -134,22 +141,44 @@ def test_wide_heads_dq_path(dq, dv, mode, tmp_path):
 @pytest.mark.parametrize(
     "dq,dv,expect",
     [
-        # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic / atomic-sparse /
-        # deterministic mode: a kernel with turnstiles runs two dQ writers on alternate steps
-        (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2), (2, 2, 2, 2))),
-        (192, 128, ((2, 1, 2, 1), (2, 2, 2, 1), (2, 2, 2, 1))),  # the 96-row K / V leave SMEM for 1 dO stage
-        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1), (1, 2, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
+        # (SMEM dQ chunks, dQ writers, Q stages, dO stages) in atomic mode, then every mode with
+        # turnstiles (deterministic, atomic-sparse, deterministic-sparse): a kernel with turnstiles
+        # runs two dQ writers on alternate steps
+        (128, 128, ((2, 1, 2, 2), (2, 2, 2, 2))),
+        (192, 128, ((2, 1, 2, 1), (2, 2, 2, 1))),  # the 96-row K / V leave SMEM for 1 dO stage
+        (256, 256, ((1, 1, 2, 1), (1, 2, 2, 1))),  # one chunk, filled in turn, keeps 2 Q stages
     ],
 )
 def test_dq_path_and_stages_per_mode(dq, dv, expect):
     from flexattn_sm90.bwd_kernel import Sm90BwdKernel
 
     config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
-    for (deterministic, sparse_rows), want in zip(DQ_MODES.values(), expect, strict=True):
-        k = Sm90BwdKernel(config, deterministic=deterministic, first_dq_stored=deterministic or sparse_rows)
-        assert (k.dq_chunks, k.dq_writers, k.q_stages, k.do_stages) == want
+    for deterministic, sparse_rows in DQ_MODES.values():
+        stored = deterministic or sparse_rows
+        k = Sm90BwdKernel(config, deterministic=deterministic, first_dq_stored=stored, mirrored=sparse_rows)
+        assert (k.dq_chunks, k.dq_writers, k.q_stages, k.do_stages) == expect[stored]
     with pytest.raises(ValueError, match="first_dq_stored=False"):
         Sm90BwdKernel(config, deterministic=True, first_dq_stored=False)
+    with pytest.raises(ValueError, match="mirrored=True"):
+        Sm90BwdKernel(config, first_dq_stored=False, mirrored=True)
+
+
+@pytest.mark.parametrize("dq,dv", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("mode", DQ_MODES)
+def test_main_kernel_takes_the_order_its_key_names(mode, dq, dv):
+    """The kernel the compiler builds for a key takes the order the key names: the mirrored one in
+    deterministic mode on sparse K2Q rows where a Q block is large ((192, 128), (256, 256)), else
+    the plan's (a kernel launching K rows ascending with mirrored ranks would wait forever on a
+    turnstile); there it takes atomic mode's kv heads at a time."""
+    from flexattn_sm90.bwd_launch import COMPILER
+
+    deterministic, sparse_rows = DQ_MODES[mode]
+    config = select_bwd_config(head_dim_qk=dq, head_dim_v=dv, dtype="bfloat16")
+    kernel = COMPILER.build("main", config, deterministic=deterministic, sparse_rows=sparse_rows)
+    keys = kernel_keys(config, deterministic=deterministic, with_dlse=False, sparse_rows=sparse_rows)
+    large = (dq, dv) in ((192, 128), (256, 256))
+    assert kernel.mirrored == (deterministic and sparse_rows and large)
+    assert ("mirrored", kernel.mirrored) in keys["main"]
 
 
 @pytest.mark.parametrize("mode", DQ_MODES)
@@ -217,13 +246,20 @@ def test_kernel_keys_ignore_runtime_geometry():
     assert kernel_keys(a, **kw) == kernel_keys(b, **kw)
     # deterministic mode and atomic mode on sparse K2Q rows: their main kernels store each Q block's
     # first dQ, so their preprocess does not zero the accumulator and their postprocess zeroes the
-    # blocks nothing visited; deterministic mode ignores the row fill
+    # blocks nothing visited; deterministic mode ignores the row fill at D = 128, and from (192,
+    # 128) on takes the mirrored order on sparse rows
     det, base = kernel_keys(a, deterministic=True, with_dlse=False), kernel_keys(a, **kw)
     assert all(det[kind] != base[kind] for kind in ("pre", "main", "post"))
     sparse = kernel_keys(a, **kw, sparse_rows=True)
     assert [sparse[kind] == det[kind] for kind in ("pre", "main", "post")] == [True, False, True]
     assert sparse["main"] != base["main"]
     assert kernel_keys(a, deterministic=True, with_dlse=False, sparse_rows=True) == det
+    wide = select_bwd_config(head_dim_qk=256, head_dim_v=256, dtype="bfloat16")
+    det, det_sparse = (
+        kernel_keys(wide, deterministic=True, with_dlse=False, sparse_rows=s) for s in (False, True)
+    )
+    assert [det_sparse[kind] == det[kind] for kind in ("pre", "main", "post")] == [True, False, True]
+    assert ("mirrored", True) in det_sparse["main"] and ("mirrored", False) in det["main"]
     dlse = kernel_keys(a, deterministic=False, with_dlse=True)
     assert dlse["pre"] != kernel_keys(a, **kw)["pre"] and dlse["main"] == kernel_keys(a, **kw)["main"]
 

@@ -385,6 +385,28 @@ def test_atomic_sparse_rows_store_the_first_dq(dqk, dv):
     check_backward(run_backward, plan, q, k, v)
 
 
+@pytest.mark.parametrize("dqk,dv", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_mirrored_order_on_documents(dqk, dv, deterministic):
+    """Packed documents (sparse K2Q rows whose ends align) take the mirrored order in deterministic
+    mode from (192, 128) on (K rows launched descending, walks ascending, ``mirrored_view_args``'
+    ranks), the plan's elsewhere: within tolerance of the reference with GQA 4/2, as it comes and
+    with each kv head's q heads split over 2 items (``kv_head_split``), and deterministic runs
+    bit-identical. A launch whose order disagreed with its ranks would wait forever on a
+    turnstile, or add dQ out of rank order."""
+    docs = [[40, 300, 13, 211, 60, 400], [64] * 16]
+    q, k, v = CASES.qkv((2, 1024, 4), (2, 1024, 2), dqk, dv, torch.bfloat16, seed=19)
+    plan = sm90_plan(masks.document(docs, causal=True, device=DEV), q, k, v)
+    view = plan.view("backward")
+    assert bwd_view_args(view, DEV).sparse_rows
+    large = (dqk, dv) in ((192, 128), (256, 256))
+    assert COMPILER.mirrored(config_for_view(view), deterministic, True) == (deterministic and large)
+    repeats = 3 if deterministic else 1
+    split = dataclasses.replace(COMPILER, kv_head_split=lambda *_: 2).run_backward
+    for run in (run_backward, split):
+        check_backward(run, plan, q, k, v, deterministic=deterministic, repeats=repeats)
+
+
 @pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128)])
 def test_gpu_planner_plan(dqk, dv):
     """The production path: the plan built by the GPU planner kernels (build_plan_gpu), on the

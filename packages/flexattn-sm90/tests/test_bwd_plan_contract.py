@@ -5,13 +5,16 @@ twin of the kernels' indexing (no GPU, no compile).
   sample) match the view's ``sequence_desc()``; the kernels get the retained descriptor only for a
   varlen view.
 * ``dq_write_order`` is a complete turnstile: for every (mask head, Q block) the ranks of its
-  writers are 0..n-1 in ascending K-block order, so the turnstile neither deadlocks (a writer only
-  waits on lower K blocks, i.e. lower tickets: deterministic mode on its rank, atomic mode on sparse
-  rows on rank 0's store) nor skips a rank.
-* :func:`emulate_backward` walks CTAs, Q heads and each K row's partial and full entries merged
-  by descending Q block exactly as ``bwd_kernel.py`` does (padded LSE2 / D rows, global Q blocks,
-  per-(head, block) dQ accumulation in rank order, the packed predicate applied after the
-  exponential) and must agree with ``attention_backward``.
+  writers are 0..n-1 in ascending K-block order (descending in the mirrored order's
+  ``mirrored_view_args``), so the turnstile neither deadlocks (a writer only waits on lower ranks,
+  i.e. lower tickets: deterministic mode on its rank, atomic mode on sparse rows on rank 0's
+  store) nor skips a rank.
+* :func:`emulate_backward` takes the items in ticket order and walks Q heads and each K row's
+  partial and full entries merged by Q block exactly as ``bwd_kernel.py`` does, in either order
+  (padded LSE2 / D rows, global Q blocks, per-(head, block) dQ accumulation in rank order, which
+  one CTA running the items one after another meets only where every rank's writer comes in an
+  earlier ticket than the next rank's; the packed predicate applied after the exponential), and
+  must agree with ``attention_backward``.
 """
 
 import math
@@ -34,10 +37,11 @@ from maskplan_kernels.consumer_k2q import (  # noqa: E402
     SPARSE_ROW_FILL,
     STAGGER_PAIRS,
     STAGGER_RUN,
+    grouped_launch_slot,
     k2q_row_fill,
     stagger_pair_row,
 )
-from maskplan_kernels.consumer_launch import bwd_view_args  # noqa: E402
+from maskplan_kernels.consumer_launch import bwd_view_args, mirrored_view_args  # noqa: E402
 
 CPU = torch.device("cpu")
 CU_Q = [0, 100, 100, 164, 500, 700]
@@ -155,12 +159,15 @@ def test_launch_head_group_follows_the_k2q_row_fill(name, dim):
     assert prep.sparse_rows == sparse
 
 
+@pytest.mark.parametrize("dims", [(128, 128), (256, 256)], ids=str)
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_run_backward_stores_the_first_dq_per_row_fill(deterministic, monkeypatch):
+def test_run_backward_stores_the_first_dq_per_row_fill(deterministic, dims, monkeypatch):
     """``run_backward`` compiles the three kernels for the view's K2Q row fill: in atomic mode a
     sparse view (a 128-key sliding window over 2048) gets the first-dQ store (the preprocess does not
     zero the accumulator, the postprocess zeroes unvisited blocks), a causal one the zeroed
-    accumulator; deterministic mode stores it on both. The device work is stood in for."""
+    accumulator; deterministic mode stores it on both. At (256, 256) deterministic mode's main
+    kernel takes the mirrored order on the sparse view, and the launch its mirrored ranks; every
+    other kernel the plan's order. The device work is stood in for."""
     import maskplan_kernels.consumer_launch as consumer_launch
     from flexattn_sm90.bwd_launch import COMPILER, run_backward
 
@@ -168,21 +175,26 @@ def test_run_backward_stores_the_first_dq_per_row_fill(deterministic, monkeypatc
     monkeypatch.setattr(
         type(COMPILER), "compile_backward", lambda self, config, **options: compiled.append(options) or {}
     )
-    monkeypatch.setattr(consumer_launch, "launch_backward", lambda *args: None)
-    q = torch.zeros(2, 2048, 1, 128, dtype=torch.bfloat16)
-    config = select_bwd_config(head_dim_qk=128, head_dim_v=128, dtype="bfloat16")
+    launched = []
+    monkeypatch.setattr(consumer_launch, "launch_backward", lambda compiled, io, *args: launched.append(io))
+    q = torch.zeros(2, 2048, 1, dims[0], dtype=torch.bfloat16)
+    config = select_bwd_config(head_dim_qk=dims[0], head_dim_v=dims[1], dtype="bfloat16")
     sparse_and_dense = (masks.sliding_window(2048, window_left=128, batch=2), masks.causal(2048, batch=2))
     for ep, sparse in zip(sparse_and_dense, (True, False), strict=True):
         view = plan_for(ep, q, q, q).view("backward")
         prep = bwd_view_args(view, CPU)
         assert prep.sparse_rows == sparse
-        io = consumer_launch.BackwardIO(view, prep, *[None] * 10)  # the tensors are not read
+        io = consumer_launch.BackwardIO(view, prep, q, *[None] * 9)  # the tensors are not read
         monkeypatch.setattr(consumer_launch, "backward_io", lambda *args, io=io, **kwargs: io)
         run_backward(view, *[None] * 7, softmax_scale=0.1, deterministic=deterministic)
         keys = COMPILER.kernel_keys(config, **compiled[-1])
         stored = deterministic or sparse
         assert ("zero_dq_accum", not stored) in keys["pre"] and ("zero_unvisited", stored) in keys["post"]
         assert ("first_dq_stored", stored) in keys["main"]
+        mirrored = deterministic and sparse and dims == (256, 256)
+        assert ("mirrored", mirrored) in keys["main"]
+        want = (mirrored_view_args if mirrored else bwd_view_args)(view, CPU)
+        assert launched[-1].prep is want
 
 
 @pytest.mark.parametrize("dims", SUPPORTED_HEAD_DIMS, ids=str)
@@ -247,34 +259,44 @@ def test_staggered_row_ends(name):
     assert (staggered * 2 > pairs) == expected, (staggered, pairs)
 
 
+def dq_ranks(view, mirrored: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial and full entries' dQ ranks the main kernel gets, as ``run_backward`` passes them."""
+    prep = (mirrored_view_args if mirrored else bwd_view_args)(view, CPU)
+    nnz = view.dq_write_order.numel(), view.dq_write_order_full.numel()
+    return prep.tensors[7][: nnz[0]], prep.tensors[8][: nnz[1]]  # an empty one is a 4-element dummy
+
+
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
-def test_dq_write_order_is_a_complete_turnstile(problem):
+@pytest.mark.parametrize("mirrored", [False, True], ids=["plan-order", "mirrored"])
+def test_dq_write_order_is_a_complete_turnstile(problem, mirrored):
     _, ep, q, k, v, varlen = problem
     view = plan_for(ep, q, k, v, **varlen).view("backward")
     writers: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    for kind, order in (("partial", view.dq_write_order), ("full", view.dq_write_order_full)):
+    for kind, order in zip(("partial", "full"), dq_ranks(view, mirrored), strict=True):
         e = view.entries(kind)
         for h, b, m, n, rank in zip(e.head, e.batch, e.q_block, e.k_block, order, strict=True):
             writers.setdefault((int(h), int(b), int(m)), []).append((int(n), int(rank)))
     assert writers
     for key, ws in writers.items():
-        ranks = [rank for _, rank in sorted(ws)]
+        ranks = [rank for _, rank in sorted(ws, reverse=mirrored)]
         assert ranks == list(range(len(ws))), f"(head, sample, Q block) {key}: ranks by K block {ranks}"
 
 
-def walk_descending(view, h: int, r: int) -> list[tuple[str, int]]:
+def walk_row(view, h: int, r: int, descending: bool) -> list[tuple[str, int]]:
     """``(kind, entry)`` of K row ``r`` (mask head ``h``) in the kernel's order: the partial and full
-    entries merged by descending Q block (``maskplan_kernels.consumer_k2q.walk_descending``)."""
+    entries merged by descending (or ascending) Q block (``maskplan_kernels.consumer_k2q.walk_row``)."""
     steps = []
     for kind, pre in (("partial", "mask_block"), ("full", "full_block")):
         cnt, off = int(view.tensors[f"{pre}_cnt"][h, r]), int(view.tensors[f"{pre}_offset"][h, r])
         steps += [(int(view.tensors[f"{pre}_idx"][e]), kind, e) for e in range(off, off + cnt)]
-    return [(kind, e) for _, kind, e in sorted(steps, reverse=True)]
+    return [(kind, e) for _, kind, e in sorted(steps, reverse=descending)]
 
 
-def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
-    """The kernels' indexing in torch (fp32): preprocess, per-CTA main loop, postprocess."""
+def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale, *, mirrored=False, head_group=None):
+    """The kernels' indexing in torch (fp32): preprocess, the main loop's items one after another in
+    ticket order (``head_group`` kv heads at a time; default all), postprocess."""
     g, prep = view.geometry, bwd_view_args(view, CPU)
+    ranks = dict(zip(("partial", "full"), dq_ranks(view, mirrored), strict=True))
     tm, tn = view.block_size
     desc = view.sequence_desc().to(torch.int64)
     k_row_batch, q_block_begin = prep.tensors[10].long(), prep.tensors[11].long()
@@ -297,42 +319,40 @@ def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
         torch.full_like(v, math.nan, dtype=torch.float32),
     )
     unpack = view.layout.unpack
-    for r in range(prep.k_rows):
+    for ticket in range(prep.k_rows * hkv_n):
+        r, hk = grouped_launch_slot(ticket, hkv_n, prep.k_rows, head_group or hkv_n, mirrored)
         b = int(k_row_batch[r])
         n = r - int(desc[b, 4])
         q_off, k_off, q_len, k_len = (int(x) for x in desc[b, :4])
         k_valid = min(k_len - n * tn, tn)
         k_tok = torch.arange(k_off + n * tn, k_off + n * tn + tn).clamp(max=g.total_k - 1)
-        for hk in range(hkv_n):
-            acc_dk = torch.zeros(tn, g.head_dim_qk)
-            acc_dv = torch.zeros(tn, g.head_dim_v)
-            kt, vt = k[k_tok, hk].float(), v[k_tok, hk].float()
-            for gi in range(group):
-                hq = hk * group + gi
-                h = min(hq, g.mask_heads - 1)
-                for kind, e in walk_descending(view, h, r):
-                        pre = "mask_block" if kind == "partial" else "full_block"
-                        m = int(view.tensors[f"{pre}_idx"][e])
-                        blk = int(q_block_begin[b]) + m
-                        rank = int(
-                        (view.dq_write_order if kind == "partial" else view.dq_write_order_full)[e]
-                        )
-                        q_tok = torch.arange(q_off + m * tm, q_off + m * tm + tm).clamp(max=g.total_q - 1)
-                        qt, dot = q[q_tok, hq].float(), dout[q_tok, hq].float()
-                        st = kt @ qt.T  # S^T: (tile_n, tile_m)
-                        p = torch.exp2(st * scale * math.log2(math.e) - lse2[hq, blk * tm : blk * tm + tm])
-                        if kind == "partial":  # bit 0 -> P = 0 (after the exponential)
-                            p = torch.where(unpack(view.mask_block_masks[e : e + 1])[0].T, p, 0.0)
-                        dpt = vt @ dot.T
-                        dst = p * (dpt - dsum[hq, blk * tm : blk * tm + tm])
-                        acc_dv += p @ dot
-                        acc_dk += dst @ qt
-                        assert len(dq_log.setdefault((hq, blk), [])) == rank, "turnstile order"
-                        dq_log[(hq, blk)].append(r)
-                        dq_acc[hq, blk] += dst.T @ kt
-            rows = slice(k_off + n * tn, k_off + n * tn + k_valid)
-            dk[rows, hk] = acc_dk[:k_valid] * scale
-            dv[rows, hk] = acc_dv[:k_valid]
+        acc_dk = torch.zeros(tn, g.head_dim_qk)
+        acc_dv = torch.zeros(tn, g.head_dim_v)
+        kt, vt = k[k_tok, hk].float(), v[k_tok, hk].float()
+        for gi in range(group):
+            hq = hk * group + gi
+            h = min(hq, g.mask_heads - 1)
+            for kind, e in walk_row(view, h, r, descending=not mirrored):
+                pre = "mask_block" if kind == "partial" else "full_block"
+                m = int(view.tensors[f"{pre}_idx"][e])
+                blk = int(q_block_begin[b]) + m
+                rank = int(ranks[kind][e])
+                q_tok = torch.arange(q_off + m * tm, q_off + m * tm + tm).clamp(max=g.total_q - 1)
+                qt, dot = q[q_tok, hq].float(), dout[q_tok, hq].float()
+                st = kt @ qt.T  # S^T: (tile_n, tile_m)
+                p = torch.exp2(st * scale * math.log2(math.e) - lse2[hq, blk * tm : blk * tm + tm])
+                if kind == "partial":  # bit 0 -> P = 0 (after the exponential)
+                    p = torch.where(unpack(view.mask_block_masks[e : e + 1])[0].T, p, 0.0)
+                dpt = vt @ dot.T
+                dst = p * (dpt - dsum[hq, blk * tm : blk * tm + tm])
+                acc_dv += p @ dot
+                acc_dk += dst @ qt
+                assert len(dq_log.setdefault((hq, blk), [])) == rank, "turnstile order"
+                dq_log[(hq, blk)].append(r)
+                dq_acc[hq, blk] += dst.T @ kt
+        rows = slice(k_off + n * tn, k_off + n * tn + k_valid)
+        dk[rows, hk] = acc_dk[:k_valid] * scale
+        dv[rows, hk] = acc_dv[:k_valid]
     dq = torch.full_like(q, math.nan, dtype=torch.float32)
     for b in range(desc.shape[0]):  # postprocess
         q_off, q_len = int(desc[b, 0]), int(desc[b, 2])
@@ -343,9 +363,48 @@ def emulate_backward(view, q, k, v, out, lse, dout, dlse, scale):
     return dq, dk, dv
 
 
+ARRIVAL_MASKS = {
+    "causal": masks.causal(1024),
+    "document": masks.document([[300, 500, 100, 124]]),
+    "sliding-200": masks.sliding_window(1024, window_left=200),
+}
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("name", ARRIVAL_MASKS)
+def test_mirrored_walks_reach_each_q_block_in_rank_order(name, dim):
+    """Why the mirrored order: its walks (ascending, ``walk_row``) reach each Q block of a causal,
+    document or sliding-window mask from its writers at steps that rise with their mirrored
+    ranks, so CTAs started together do not queue on the block's turnstile; the plan's order's
+    descending walks reach a document's Q blocks from all their writers at one step."""
+    ep = ARRIVAL_MASKS[name]
+    q = torch.zeros(1, 1024, 1, dim, dtype=torch.bfloat16)
+    view = plan_for(ep, q, q, q).view("backward")
+    for mirrored in (False, True):
+        ranks = dict(zip(("partial", "full"), dq_ranks(view, mirrored), strict=True))
+        arrivals: dict[int, list[tuple[int, int]]] = {}  # Q block -> (rank, step) of each writer
+        for r in range(view.mask_block_cnt.shape[1]):
+            for step, (kind, e) in enumerate(walk_row(view, 0, r, descending=not mirrored)):
+                m = int(view.tensors["mask_block_idx" if kind == "partial" else "full_block_idx"][e])
+                arrivals.setdefault(m, []).append((int(ranks[kind][e]), step))
+        queued = 0
+        for m, writers in arrivals.items():
+            steps = [step for _, step in sorted(writers)]
+            if mirrored:
+                assert all(a < b for a, b in zip(steps, steps[1:], strict=False)), (m, steps)
+            queued += len(steps) - len(set(steps))
+        if name == "document" and not mirrored:
+            assert queued > 0
+
+
 @pytest.mark.parametrize("problem", PROBLEMS, ids=[p[0] for p in PROBLEMS])
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
-def test_emulated_kernel_matches_reference(problem, with_dlse):
+@pytest.mark.parametrize(
+    "mirrored,head_group",
+    [(False, None), (True, None), (True, 1)],
+    ids=["plan-order", "mirrored", "mirrored-rows"],
+)
+def test_emulated_kernel_matches_reference(problem, with_dlse, mirrored, head_group):
     _, ep, q, k, v, varlen = problem
     plan = plan_for(ep, q, k, v, **varlen)
     q3, k3, v3 = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))
@@ -355,7 +414,9 @@ def test_emulated_kernel_matches_reference(problem, with_dlse):
     dout = torch.randn(out.shape, generator=gen)
     dlse = torch.randn(lse.shape, generator=gen) if with_dlse else None
     view = plan.view("backward")
-    got = emulate_backward(view, q3, k3, v3, out, lse, dout, dlse, scale)
+    got = emulate_backward(
+        view, q3, k3, v3, out, lse, dout, dlse, scale, mirrored=mirrored, head_group=head_group
+    )
     want = attention_backward(
         view, q3.float(), k3.float(), v3.float(), out, lse, dout, dlse, softmax_scale=scale
     )

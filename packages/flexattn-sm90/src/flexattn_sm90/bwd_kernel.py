@@ -55,7 +55,8 @@ Per item ``(r, hk)`` (``hk`` of ``Hkv * s`` item kv heads) with ``b = k_row_batc
 
     for hq in hk * G .. hk * G + G - 1:                   # G = Hq / (Hkv * s)
         h = hq if Hmask > 1 else 0
-        # the partial and the full list of (h, r), merged by DESCENDING Q block (walk_descending)
+        # the partial and the full list of (h, r), merged by DESCENDING Q block (walk_row;
+        # ascending in the mirrored order, whose ranks are mirrored_view_args')
         for e in partial entries:  m = mask_block_idx[e]
                                    step(m, payload = mask_block_masks[e], rank = dq_write_order[e])
         for e in full entries:     m = full_block_idx[e]
@@ -73,19 +74,27 @@ dQ accumulator, LSE and D are per (q head, padded Q block): Q block ``m`` of sam
 global block ``q_block_begin[b] + m``; each holds ``tile_m`` rows, padding rows carry LSE = +inf
 (P = 0) and D = 0, so they contribute nothing. ``first_dq_stored`` (always in deterministic mode,
 in atomic mode on sparse K2Q rows: ``BackwardCompiler.first_dq_stored``): nothing zeroes the
-accumulator; the contribution of rank 0 in ``dq_write_order`` (the block's lowest K block) is
-stored and counted on the block's turnstile ``dq_semaphore[hq, block]``, and the postprocess
-writes dQ = 0 where the count stayed 0. ``deterministic=True``: the dQ writer of the CTA whose
-entry has rank ``k`` waits until the count is ``k``, stores or adds, waits for the copy to
-complete and increments it: every run adds the contributions in ``dq_write_order`` (ascending K
-block). Atomic mode with ``first_dq_stored``: the other ranks wait only for a count of 1, then
-add in any order; without it the preprocess zeroes the accumulator and every rank adds at once.
-Waiting only on lower K blocks of the same (sample, item kv head), i.e. on lower tickets
+accumulator; the contribution of rank 0 (the block's lowest K block in ``dq_write_order``, its
+highest in the mirrored order below) is stored and counted on the block's turnstile
+``dq_semaphore[hq, block]``, and the postprocess writes dQ = 0 where the count stayed 0.
+``deterministic=True``: the dQ writer of the CTA whose entry has rank ``k`` waits until the count
+is ``k``, stores or adds, waits for the copy to complete and increments it: every run adds the
+contributions in ``dq_write_order`` (ascending K block), or on sparse K2Q rows in its reverse.
+Atomic mode with ``first_dq_stored``: the other ranks wait only for a count of 1, then add in any
+order; without it the preprocess zeroes the accumulator and every rank adds at once. Waiting only
+on the ranks below its own, which K blocks of the same (sample, item kv head) launched before it
+hold (lower K blocks, or higher ones in the mirrored order), i.e. lower tickets
 (``consumer_k2q.grouped_launch_slot``), which running CTAs hold (every ticket comes from the
 counter), a writer cannot deadlock.
 Walking its Q blocks downwards, a CTA reaches each one no earlier than the CTA of the K block
-below it on causal, sliding-window and document masks (``consumer_k2q.walk_descending``), so
-the turnstile rarely waits; deterministic
+below it on causal, sliding-window and document masks (``consumer_k2q.walk_row``), so
+the turnstile rarely waits, except where K rows end together and are short (documents): CTAs
+started together then reach a document's last Q block at one step and queue on its turnstile.
+On sparse K2Q rows (``BwdViewArgs.sparse_rows``; documents, sliding windows) deterministic mode
+therefore takes the *mirrored* order where it pays (``mirrored``, from (192, 128) on:
+``LaunchOrder.mirrors_sparse_rows``; K rows launched descending, walks ascending, ranks by
+descending K block from ``consumer_launch.mirrored_view_args``), in which K block ``j`` reaches
+Q block ``i`` at step ``i - j``: a Q block's writers arrive one step apart, in rank order. Deterministic
 mode also launches the CTAs kv heads first, so the resident ones form many short chains (one per
 head). Where K blocks visit nearly all of their sample's Q blocks (random intervals, full), that
 order streams every head's Q, dO and dQ through L2 at once and spills to DRAM; there the launch
@@ -117,7 +126,7 @@ from maskplan_kernels.consumer_k2q import (
     launch_grid,
     take_ticket,
     ticket_counter,
-    walk_descending,
+    walk_row,
 )
 from maskplan_kernels.consumer_plan import (
     CUTE_DTYPES,
@@ -174,7 +183,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
 
     def __init__(
         self, config: Sm90BwdConfig, *, deterministic: bool = False, per_sample: bool = False,
-        first_dq_stored: bool | None = None,
+        first_dq_stored: bool | None = None, mirrored: bool = False,
     ):  # fmt: skip
         # first_dq_stored (the module docstring): deterministic mode's turnstile needs it; in atomic
         # mode it saves zeroing the accumulator, which pays where K2Q rows are sparse (None: as
@@ -183,6 +192,11 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
         if deterministic and not first_dq_stored:
             raise ValueError(
                 "first_dq_stored=False: the deterministic SM90 backward stores each Q block's first dQ"
+            )
+        if mirrored and not first_dq_stored:
+            raise ValueError(
+                "mirrored=True orders the writers of a Q block for its turnstile, which only a kernel "
+                "with first_dq_stored=True has"
             )
         self.row_granule = config.row_granule if per_sample else 0  # q, k, v rows per sample
         layout = config.payload_layout  # payload ABI: payload_layout.py is the one source of truth
@@ -225,6 +239,8 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
         self.config = config
         self.deterministic = deterministic
         self.first_dq_stored = first_dq_stored
+        # K rows launched descending, walks ascending, ranks mirrored (consumer_k2q.walk_row says why)
+        self.mirrored = mirrored
         self.dtype = CUTE_DTYPES[config.dtype]
         self.head_dim_qk, self.head_dim_v = head_dims
         self.tile_m, self.tile_n = config.tile_m, config.tile_n  # Q rows, K rows of a block
@@ -235,7 +251,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
         self.dq_writers = 2 if first_dq_stored else 1
         self.mask_stages = config.mask_pipeline_stages
         # what every step streams through L2 per Q block: Q, dO and the fp32 dQ
-        self.init_launch_order(self.tile_m * (6 * self.head_dim_qk + 2 * self.head_dim_v))
+        self.init_launch_order(self.q_block_bytes(config))
         self.payload_layout = layout
         self.payload_groups = layout.groups
         self.payload_words = layout.words_per_group
@@ -588,7 +604,9 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
         item = Int32(0)
         ticket = take_ticket(counter, lane)
         while ticket < num_items:
-            work = decode_work(plan, items.q_per_kv, tn, kv_heads, head_group, ticket=ticket)
+            work = decode_work(
+                plan, items.q_per_kv, tn, kv_heads, head_group, ticket=ticket, rows_descending=self.mirrored
+            )
             q_len = desc_field(plan.sequence_desc, plan.k_row_batch[work.row], DESC_Q_LEN)
             record = (*(getattr(work, f) for f in ITEM_FIELDS), q_len)
             publish_record(items.pipe, item_state(self.SCHED_STAGES, item, producer), items.sWork, record,
@@ -632,7 +650,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
                 stats_row = hr.q_head * mLSE.shape[1]
                 left_p, left_f = hr.partial_cnt, hr.full_cnt
                 for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
-                    nxt = walk_descending(plan, hr, left_p, left_f)
+                    nxt = walk_row(plan, hr, left_p, left_f, not self.mirrored)
                     if nxt.partial != 0:
                         mask_state = load_payload_plane(
                             pipe_mask, mask_state, bulk_i32, plan.mask_block_masks, s["sMask"], nxt.entry,
@@ -692,7 +710,7 @@ class Sm90BwdKernel(BwdHostEntry, BwdMainloop, LaunchOrder):
                 hr = head_range(plan, work, g)
                 left_p, left_f = hr.partial_cnt, hr.full_cnt
                 for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
-                    nxt = walk_descending(plan, hr, left_p, left_f)
+                    nxt = walk_row(plan, hr, left_p, left_f, not self.mirrored)
                     if self.dq_writer_of(step) == writer:
                         rank = Int32(0)
                         if nxt.partial != 0:

@@ -90,6 +90,7 @@ COMPILER = BackwardCompiler(
     main_key=_main_key,
     post_key=lambda config: (config.num_consumer_warpgroups,),
     stores_first_dq=True,  # Sm90BwdKernel.write_dq_block
+    mirrors_sparse_rows=Sm90BwdKernel.mirrors_sparse_rows,  # bwd_launch_order.py
     io_head_dims=lambda config: config.io_head_dims,
     row_granule=lambda config: config.row_granule,
     splits_kv_heads=lambda config: True,  # Sm90BwdKernel's Items

@@ -54,6 +54,22 @@ class LaunchOrder:
     HALF_FULL_HEAD_CAP = 8
     STAGGER_CAP_BYTES = 88 * 1024
 
+    @staticmethod
+    def q_block_bytes(config) -> int:
+        """What every step streams through L2 per Q block: its Q, dO and fp32 dQ."""
+        return config.tile_m * (6 * config.head_dim_qk + 2 * config.head_dim_v)
+
+    @classmethod
+    def mirrors_sparse_rows(cls, config) -> bool:
+        """Whether deterministic mode takes the mirrored order on sparse K2Q rows
+        (``consumer_k2q.walk_row``; ``launch_head_group`` then takes atomic mode's heads): where a Q
+        block takes STAGGER_CAP_BYTES or more, (192, 128) and (256, 256). There, on an H100 (fwd+bwd,
+        B=2, S=8192, 16 heads, device TFLOP/s, plan order -> mirrored): documents 319 -> 350 and
+        291 -> 321-323, sliding-1024 401 -> 413 and 347 -> 369-371; at D = 128 it lost 2-4%
+        (documents 381 -> 372, sliding-1024 448 -> 431), as did atomic mode (documents -3% at
+        (256, 256), -5% at D = 128; RESULTS.md, session 70)."""
+        return cls.q_block_bytes(config) >= cls.STAGGER_CAP_BYTES
+
     def init_launch_order(self, q_block_bytes: int) -> None:
         """Set the caps from what every step streams through L2 per Q block (its Q, dO and fp32 dQ)."""
         self.sparse_heads = self.SPARSE_HEAD_CAP if q_block_bytes > self.SPARSE_ALL_HEADS_BYTES else 0
@@ -89,7 +105,10 @@ class LaunchOrder:
         (``consumer_k2q.staggered_row_ends``) and reach each Q block in ``dq_write_order``. At
         (256, 256) the queue is the whole loss: deterministic mode's order with atomic adds ran
         documents at atomic speed (358 against 362 TFLOP/s; turnstiles 315), and atomic mode with
-        this order lost nothing (358; H200, session 67).
+        this order lost nothing (358; H200, session 67). From (192, 128) on, sparse rows take the
+        mirrored order instead (:meth:`mirrors_sparse_rows`), which reaches a document's Q blocks
+        one writer per step, with atomic mode's heads: over all 16 heads it ran documents at 219
+        TFLOP/s at (256, 256), over 4 at 321-323 (plan order: 291; session 70).
         Where ``det_capped_heads`` is set ((256, 256), 128 KB Q blocks), half-full rows (causal's)
         take that many heads, and where ``det_stagger_heads`` is (also (192, 128)'s 88 KB blocks)
         sparse rows with staggered ends do: on an H100 at (256, 256), causal fwd+bwd ran at 312
@@ -104,7 +123,7 @@ class LaunchOrder:
         521; session 66, H100); not timed: (192, 128) causal, whose half-full rows now also take the
         ``staggered_row_ends`` sample (and keep all heads). Any order gives the same bits
         (dq_write_order fixes the adds)."""
-        if const_expr(not self.deterministic):
+        if const_expr(not self.deterministic or self.mirrored):  # mirrored: sparse rows, as atomic's
             return atomic_head_group(plan, n_qblk, kv_heads, self.sparse_heads)
         group = kv_heads
         fill = view_row_fill(plan, n_qblk)

@@ -20,8 +20,8 @@ S, dK / dV read dK^T / dV^T, and P / dS leave by plain stmatrix. One step (one K
                     dK  += dS^T Q   (RS or SS)    (async; dQ done)
                     dQ -> SMEM chunk (dQ writer bulk-adds it)    wait all -> release Q
 
-Steps follow the merged descending walk of the K row's partial and full lists
-(``consumer_k2q.walk_descending``), each specialised at compile time for its kind. Partial
+Steps follow the merged walk of the K row's partial and full lists, descending, ascending in the
+mirrored order (``consumer_k2q.walk_row``), each specialised at compile time for its kind. Partial
 entries apply the packed predicate to P^T after the exponential, so a masked element is
 exactly 0 whatever its score (tail rows of another sample, rows without a visible key). Full
 entries never touch the mask pipeline.
@@ -48,7 +48,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from maskplan_kernels.consumer_k2q import head_range, walk_descending
+from maskplan_kernels.consumer_k2q import head_range, walk_row
 from maskplan_kernels.stage_fill import zero_rows
 
 from .bwd_helpers import dq_chunk_layout, item_state, stage_result, store_result_rows
@@ -158,7 +158,7 @@ class BwdMainloop:
                 hr = head_range(plan, work, g)
                 left_p, left_f = hr.partial_cnt, hr.full_cnt
                 for _ in cutlass.range(hr.partial_cnt + hr.full_cnt, unroll=1):
-                    nxt = walk_descending(plan, hr, left_p, left_f)
+                    nxt = walk_row(plan, hr, left_p, left_f, not self.mirrored)
                     dq_full = self.dq_full_barrier(wg, self.dq_writer_of(step))
                     q_rows = q_len - nxt.q_block * tm
                     if q_rows < tm:  # the step's own waits then find the stages landed

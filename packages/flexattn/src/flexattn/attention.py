@@ -361,9 +361,10 @@ def flex_attn_func(
     unnoticed (``torch.equal(plan.geometry.cu_seqlens_q, cu_seqlens_q)`` tells): one plan per batch.
 
     ``softmax_scale`` multiplies the logits (None: ``1 / sqrt(head_dim_qk)``). ``deterministic``
-    makes the backward's dQ bit-identical from run to run (the plan's ``dq_write_order``; the
-    forward is deterministic either way), as does ``torch.use_deterministic_algorithms(True)`` in
-    force when the backward runs. ``return_lse`` / ``return_max_logit`` add outputs:
+    makes the backward's dQ bit-identical from run to run (one fixed order of its contributions, the
+    plan's ``dq_write_order`` or its reverse; the forward is deterministic either way), as does
+    ``torch.use_deterministic_algorithms(True)`` in force when the backward runs. ``return_lse`` /
+    ``return_max_logit`` add outputs:
 
     Returns ``out`` (``[B, Sq, Hq, Dv]`` / ``[total_q, Hq, Dv]``), then the LSE (``[B, Hq, Sq]``
     / ``[Hq, total_q]``) if ``return_lse``, then the ``[Hq]`` maximum scaled logit over visible

@@ -124,7 +124,8 @@ def _check_signatures(plan: MaskPlan, device: torch.device, training: bool):
 
 
 def backward_determinism(deterministic: bool) -> bool:
-    """Whether a backward adds dQ in the plan's ``dq_write_order``: asked for, or
+    """Whether a backward adds dQ in one fixed order (the plan's ``dq_write_order`` or its reverse,
+    as the consumer's kernel walks): asked for, or
     ``torch.use_deterministic_algorithms(True)`` in force when the backward runs (torch's rule: its
     ops take their deterministic algorithm then, whatever the call says)."""
     return deterministic or torch.are_deterministic_algorithms_enabled()

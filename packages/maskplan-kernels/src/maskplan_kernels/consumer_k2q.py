@@ -11,8 +11,10 @@ also :func:`staggered_row_ends`). For each of the ``G = Hq / Hkv`` q heads shari
     partial Q blocks: mask_block_idx[mask_block_offset[h, row] + [0, mask_block_cnt[h, row])]
     full Q blocks:    full_block_idx[full_block_offset[h, row] + [0, full_block_cnt[h, row])]
 
-walked merged by descending Q block (:func:`walk_descending`). Each step's dQ goes to the (q head,
-Q block) accumulator through :mod:`maskplan_kernels.consumer_dq`.
+walked merged by Q block (:func:`walk_row`), descending, or ascending in a kernel that launches
+its K rows descending (the *mirrored* order, whose ranks are
+``consumer_launch.mirrored_view_args``'). Each step's dQ goes to the (q head, Q block)
+accumulator through :mod:`maskplan_kernels.consumer_dq`.
 """
 
 from typing import NamedTuple
@@ -102,25 +104,33 @@ def atomic_head_group(
     return group
 
 
-def grouped_launch_slot(launch: Int32, kv_heads: Int32, k_rows: Int32, group: Int32) -> tuple[Int32, Int32]:
+def grouped_launch_slot(
+    launch: Int32, kv_heads: Int32, k_rows: Int32, group: Int32, rows_descending: bool = False
+) -> tuple[Int32, Int32]:
     """``(K row, kv head)`` of the ``launch``-th CTA (in launch order; a persistent kernel's
     ``launch``-th ticket, :func:`take_ticket`) when the launch order takes
-    ``group`` kv heads at a time, K rows ascending within a group, heads ascending within a row::
+    ``group`` kv heads at a time, K rows ascending within a group (descending with
+    ``rows_descending``: row ``R - 1 - r`` for ``r``), heads ascending within a row::
 
         kv_heads = 5, group = 2:   launch  0 1 2 3 ..      2R 2R+1 ..      4R   4R+1 ..
                                    (row, head) (0,0) (0,1) (1,0) (1,1) .. (0,2) (0,3) .. (0,4) (1,4) ..
 
     ``group >= kv_heads`` is heads-major order, ``group == 1`` rows-major. Every CTA of a head
-    launches (or is taken) after the CTAs of the same head with lower K rows, which the
-    turnstiles (``dq_write_order`` ranks ascend with the K block; deterministic mode waits for the
-    ranks below, SM90's atomic mode on sparse rows for rank 0) need to never wait on a CTA not yet
-    resident.
+    launches (or is taken) after the CTAs of the same head with lower K rows (higher ones with
+    ``rows_descending``), which the turnstiles need to never wait on a CTA not yet resident: a
+    writer waits only on the ranks below its own (deterministic mode on all of them, a kernel that
+    stores the first contribution on rank 0's store), and the ranks ascend with the K block in
+    ``dq_write_order`` and descend in ``consumer_launch.mirrored_view_args``, whose order launches
+    rows descending.
     A plain function of integers, so that it also runs on the CPU (its test)."""
     span = group * k_rows
     first = launch // span * group
     heads = cutlass.min(group, kv_heads - first)
     within = launch - first * k_rows
-    return within // heads, first + within % heads
+    row = within // heads
+    if rows_descending:
+        row = k_rows - 1 - row
+    return row, first + within % heads
 
 
 @cute.jit
@@ -132,12 +142,14 @@ def decode_work(
     head_group: Int32,
     splits: cutlass.Constexpr[int] = 1,
     ticket: Int32 | None = None,
+    rows_descending: cutlass.Constexpr[bool] = False,
 ) -> Work:
     """The CTA's K block from its block index ``x`` in a 1-D grid of ``splits * kv_heads * K rows`` CTAs
     (:func:`launch_grid`), or from ``ticket`` (:func:`take_ticket`) in a persistent kernel: launch
     slot ``x // splits`` is ``(K row, kv head)`` in the order of :func:`grouped_launch_slot`, taking
-    ``head_group`` kv heads at a time (ascending K rows per head, so the writers of a Q block run
-    in ``dq_write_order``, which the turnstiles need). The ``splits`` CTAs of one K block (a kernel splitting
+    ``head_group`` kv heads at a time (ascending K rows per head, descending with
+    ``rows_descending``, so the writers of a Q block run in the order of their ranks, which the
+    turnstiles need). The ``splits`` CTAs of one K block (a kernel splitting
     its outputs' head dim, or a cluster along K) are adjacent in x, so they launch together. Grid x
     holds 2^31 - 1 CTAs (grid y only 65535)."""
     x = Int32(0)
@@ -145,7 +157,9 @@ def decode_work(
         x, _, _ = cute.arch.block_idx()
     else:
         x = ticket
-    row, kv_head = grouped_launch_slot(x // splits, kv_heads, cute.size(plan.k_row_batch), head_group)
+    row, kv_head = grouped_launch_slot(
+        x // splits, kv_heads, cute.size(plan.k_row_batch), head_group, rows_descending
+    )
     b = plan.k_row_batch[row]
     n_block = row - desc_field(plan.sequence_desc, b, DESC_ROW_BEGIN)
     k_len = desc_field(plan.sequence_desc, b, DESC_K_LEN)
@@ -209,7 +223,7 @@ def row_range(plan: BwdPlanTensors, h: Int32, row: Int32, q_head: Int32) -> Head
 
 
 class WalkStep(NamedTuple):
-    """One entry of :func:`walk_descending` (runtime Int32 values)."""
+    """One entry of :func:`walk_row` (runtime Int32 values)."""
 
     partial: Int32  # 1: a partial entry (payload, dq_write_order); 0: a full one
     entry: Int32  # index into the partial or the full arrays
@@ -219,28 +233,57 @@ class WalkStep(NamedTuple):
 
 
 @cute.jit
-def walk_descending(plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, full_left: Int32) -> WalkStep:
+def walk_row(
+    plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, full_left: Int32,
+    descending: cutlass.Constexpr[bool] = True,
+) -> WalkStep:  # fmt: skip
     """The next entry of the merged walk over a K row's partial and full lists by DESCENDING Q block
-    (start with ``partial_left, full_left = hr.partial_cnt, hr.full_cnt``; each list is ascending, so
-    the next entry is the larger of the two lists' last unwalked ones; a Q block is in one list).
+    (ascending where ``descending`` is False; start with ``partial_left, full_left =
+    hr.partial_cnt, hr.full_cnt``; each list is ascending, so the next entry is the larger of the
+    two lists' last unwalked ones, or the smaller of their first; a Q block is in one list).
 
-    Why descending: every K block of a causal, sliding-window or document mask sees its sample's
-    Q blocks up to the same or a later last one than the K block below it, so walking down from the
-    last, a CTA reaches each Q block no earlier than the lower K block's CTA (started before it)
-    does. Deterministic mode adds a Q block's dQ contributions by ascending K block
-    (``dq_write_order``), so its turnstiles then rarely wait; partial-then-full visits a sliding
-    window's trailing-edge blocks first and waits for a whole chain of CTAs."""
-    m_p = Int32(-1)
-    m_f = Int32(-1)
+    Why descending, with K rows launched ascending: every K block of a causal, sliding-window or
+    document mask sees its sample's Q blocks up to the same or a later last one than the K block
+    below it, so walking down from the last, a CTA reaches each Q block no earlier than the lower
+    K block's CTA (started before it) does, and ``dq_write_order`` adds a Q block's contributions
+    by ascending K block: the turnstiles rarely wait. Partial-then-full visits a sliding window's
+    trailing-edge blocks first and waits for a whole chain of CTAs. Except where the rows end
+    together and are short (documents): the CTAs of one document, started together, reach its last
+    Q block at the same step and queue there. The mirrored order (K rows launched descending, walks
+    ascending, ranks by descending K block: ``consumer_launch.mirrored_view_args``) reaches Q
+    block ``i`` from K block ``j`` at step ``i - j`` of a document's (or causal's, or a window's)
+    walks: the writers of a Q block arrive one step apart, the highest first."""
+    if const_expr(descending):
+        p = partial_left - 1
+        f = full_left - 1
+        m_p = Int32(-1)
+        m_f = Int32(-1)
+        if partial_left > 0:
+            m_p = plan.mask_block_idx[hr.partial_off + p]
+        if full_left > 0:
+            m_f = plan.full_block_idx[hr.full_off + f]
+        take_p = Int32(m_p > m_f)
+        return WalkStep(
+            take_p,
+            take_p * (hr.partial_off + p) + (1 - take_p) * (hr.full_off + f),
+            cutlass.max(m_p, m_f),
+            partial_left - take_p,
+            full_left - (1 - take_p),
+        )
+    p = hr.partial_cnt - partial_left
+    f = hr.full_cnt - full_left
+    none = Int32(2**31 - 1)  # past every Q block
+    m_p = none
+    m_f = none
     if partial_left > 0:
-        m_p = plan.mask_block_idx[hr.partial_off + partial_left - 1]
+        m_p = plan.mask_block_idx[hr.partial_off + p]
     if full_left > 0:
-        m_f = plan.full_block_idx[hr.full_off + full_left - 1]
-    take_p = Int32(m_p > m_f)
+        m_f = plan.full_block_idx[hr.full_off + f]
+    take_p = Int32(m_p < m_f)
     return WalkStep(
         take_p,
-        take_p * (hr.partial_off + partial_left - 1) + (1 - take_p) * (hr.full_off + full_left - 1),
-        cutlass.max(m_p, m_f),
+        take_p * (hr.partial_off + p) + (1 - take_p) * (hr.full_off + f),
+        cutlass.min(m_p, m_f),
         partial_left - take_p,
         full_left - (1 - take_p),
     )
@@ -250,7 +293,7 @@ def walk_descending(plan: BwdPlanTensors, hr: HeadRange, partial_left: Int32, fu
 def k_row_last_q_block(plan: BwdPlanTensors, row: Int32) -> Int32:
     """The last Q block K row ``row`` of mask head 0 visits (-1 where it visits none)."""
     hr = row_range(plan, Int32(0), row, Int32(0))
-    return walk_descending(plan, hr, hr.partial_cnt, hr.full_cnt).q_block
+    return walk_row(plan, hr, hr.partial_cnt, hr.full_cnt).q_block
 
 
 #: pairs of adjacent K rows :func:`staggered_row_ends` samples, in runs of STAGGER_RUN pairs
@@ -325,5 +368,5 @@ __all__ = [
     "ticket_counter",
     "total_steps",
     "view_row_fill",
-    "walk_descending",
+    "walk_row",
 ]

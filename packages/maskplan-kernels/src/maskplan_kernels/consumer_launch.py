@@ -26,6 +26,7 @@ allocations). Here:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
@@ -430,6 +431,32 @@ def bwd_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
     )
 
 
+@cached_view_args
+def mirrored_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
+    """:func:`bwd_view_args` with the mirrored order's dQ ranks in place of ``dq_write_order`` /
+    ``dq_write_order_full``: an entry's rank among the K blocks reaching its Q block counted from
+    the highest, ``writers - 1 - rank`` (``writers``: the Q block's entries in the view, partial and
+    full). A kernel that takes them launches its K rows descending and walks them ascending
+    (``consumer_k2q.walk_row``), so the writers of a Q block still come in rank order, and every
+    run adds them in one order: the plan's reversed. Made on the device without a host read."""
+    prep = bwd_view_args(view, device)
+    q_block_begin = prep.tensors[11].to(torch.int64)
+    keys = []
+    for kind in ("partial", "full"):  # (mask head, global Q block) of every entry
+        e = view.entries(kind)
+        block = q_block_begin[e.batch.to(device)] + e.q_block.to(device)
+        keys.append(e.head.to(device) * prep.n_qblk + block)
+    key = torch.cat(keys)
+    writers = torch.zeros(prep.mask_heads * prep.n_qblk, dtype=torch.int64, device=device)
+    writers.index_add_(0, key, torch.ones_like(key))
+    ranks = tuple(
+        int32_tensor(writers[key] - 1 - view.tensors[name].to(device=device, dtype=torch.int64), device, (4,))
+        for key, name in zip(keys, ("dq_write_order", "dq_write_order_full"), strict=True)
+    )
+    tensors = (*prep.tensors[:7], *ranks, *prep.tensors[9:])
+    return dataclasses.replace(prep, tensors=tensors, pointers=plan_pointers(tensors))
+
+
 #: alignment (bytes) of each part of the backward's workspace (cp.reduce.async.bulk needs 16)
 WORKSPACE_ALIGN = 256
 
@@ -577,6 +604,11 @@ class BackwardCompiler:
     blocks whose turnstile count is 0 (no K block visited them). Atomic mode's other contributions
     then wait for the first: on dense rows that cost more than the zeroing saves (SM90, session 49:
     causal -1.7%, random-5 -0.9%; sliding-1024 +5.7%, document +5.5% at D = 128).
+
+    ``mirrors_sparse_rows(config)``: in deterministic mode on sparse K2Q rows the config's main
+    kernel takes the mirrored order (``main_kernel(config, ..., mirrored=True)``: K rows launched
+    descending, walks ascending, :func:`mirrored_view_args`' ranks; the consumer says where it
+    pays: ``consumer_k2q.walk_row``).
     """
 
     gpu_arch: str  # e.g. "sm_90a", passed as --gpu-arch
@@ -591,6 +623,7 @@ class BackwardCompiler:
     config_for_view: Callable[[PlanView], Any]
     post_key: Callable[[Any], tuple] = lambda config: ()  # fields after (dims, tile_m) of the post key
     stores_first_dq: bool = False
+    mirrors_sparse_rows: Callable[[Any], bool] = lambda config: False
     #: ``(Dqk, Dv)`` of the THD tensors a config's kernels take (narrower than its head dims where
     #: the kernels zero-fill the rest of their tiles); default: the config's head dims
     io_head_dims: Callable[[Any], tuple[int, int]] = lambda config: (config.head_dim_qk, config.head_dim_v)
@@ -611,6 +644,11 @@ class BackwardCompiler:
         """Whether the main kernel stores each Q block's first dQ contribution (class docstring)."""
         return self.stores_first_dq and (deterministic or sparse_rows)
 
+    def mirrored(self, config, deterministic: bool, sparse_rows: bool = False) -> bool:
+        """Whether the main kernel takes the mirrored order (class docstring)."""
+        stored = self.first_dq_stored(True)
+        return deterministic and sparse_rows and stored and self.mirrors_sparse_rows(config)
+
     def kernel_keys(
         self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
         sparse_rows: bool = False,
@@ -618,12 +656,13 @@ class BackwardCompiler:
         """Compile keys of the three kernels (``sparse_rows``: :attr:`BwdViewArgs.sparse_rows`)."""
         dims, (pre, main, post) = kernel_dims(config), self.key_prefixes
         stored = self.first_dq_stored(deterministic, sparse_rows)
+        mirrored = self.mirrored(config, deterministic, sparse_rows)
         io = ("io_head_dims", self.io_head_dims(config))
         return {
             "pre": (pre, dims, io, config.tile_m, ("dlse", with_dlse), ("zero_dq_accum", not stored)),
             "main": (
                 main, *self.main_key(config), io, ("deterministic", deterministic),
-                ("per_sample", per_sample), ("first_dq_stored", stored),
+                ("per_sample", per_sample), ("first_dq_stored", stored), ("mirrored", mirrored),
             ),  # fmt: skip
             "post": (post, dims, io, config.tile_m, *self.post_key(config), ("zero_unvisited", stored)),
         }
@@ -640,8 +679,10 @@ class BackwardCompiler:
                 zero_dq_accum=not stored,
             )  # fmt: skip
         if kind == "main":
-            sample = {"per_sample": True} if per_sample else {}
-            return self.main_kernel(config, deterministic=deterministic, first_dq_stored=stored, **sample)
+            extra = {"per_sample": True} if per_sample else {}
+            if self.mirrored(config, deterministic, sparse_rows):
+                extra["mirrored"] = True
+            return self.main_kernel(config, deterministic=deterministic, first_dq_stored=stored, **extra)
         return self.postprocess(config, stored)
 
     def jit_and_placeholders(
@@ -682,7 +723,8 @@ class BackwardCompiler:
         (``dlse`` may be None): ``(dq, dk, dv)``.
 
         ``deterministic=True`` applies each Q block's dQ contributions in the plan's
-        ``dq_write_order`` (bit-identical results run to run); dK/dV are always deterministic (one
+        ``dq_write_order``, or in its reverse where the kernel takes the mirrored order
+        (:attr:`mirrors_sparse_rows`; bit-identical results run to run); dK/dV are always deterministic (one
         CTA owns each K block and item kv head, and :func:`launch_backward` sums split parts in a
         fixed order; the split follows the GPU's SM count, so another GPU may round them
         otherwise). ``dq/dk/dv`` may be given (contiguous, of the output shapes and q's dtype) to
@@ -695,6 +737,8 @@ class BackwardCompiler:
             row_granule=self.row_granule(config),
         )  # fmt: skip
         if not io.nothing_visible:
+            if self.mirrored(config, deterministic, io.prep.sparse_rows):
+                io = io._replace(prep=mirrored_view_args(view, io.q.device))
             compiled = self.compile_backward(
                 config, deterministic=deterministic, with_dlse=io.dlse is not None, per_sample=io.per_sample,
                 sparse_rows=io.prep.sparse_rows,
@@ -746,6 +790,7 @@ __all__ = [
     "int32_tensor",
     "kernel_dims",
     "launch_backward",
+    "mirrored_view_args",
     "plan_pointers",
     "qkv_stride_placeholders",
     "sequence_desc_source",
