@@ -19,7 +19,7 @@ import torch
 from cutlass import Float32, Int32
 
 from flexattn_sm90.bwd_kernel import Sm90BwdKernel
-from flexattn_sm90.bwd_launch import config_for_view
+from flexattn_sm90.bwd_launch import COMPILER, config_for_view
 from flexattn_sm90.heuristics import select_bwd_config
 from maskplan_kernels import compile_cache
 from maskplan_kernels._cute_args import torch_stream
@@ -55,12 +55,13 @@ class LaunchOrderProbe(Sm90BwdKernel):
 
 
 @functools.cache
-def compile_probe(head_dim_qk: int, head_dim_v: int, deterministic: bool):
-    """The compiled probe for the backward kernel of these head dims and mode, against the main
-    kernel's placeholders (no GPU needed). Compiled once per process, not through the on-disk
+def compile_probe(head_dim_qk: int, head_dim_v: int, deterministic: bool, mirrored: bool = False):
+    """The compiled probe for the backward kernel of these head dims, mode and order, against the
+    main kernel's placeholders (no GPU needed). Compiled once per process, not through the on-disk
     cache, whose key would not cover this module."""
     config = select_bwd_config(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype="bfloat16")
-    probe = LaunchOrderProbe(config, deterministic=deterministic)
+    probe = LaunchOrderProbe(config, deterministic=deterministic, first_dq_stored=deterministic or mirrored,
+                             mirrored=mirrored)  # fmt: skip
     args = bwd_placeholders("main", cute_dtype(torch.bfloat16))
     return cute.compile(
         probe.from_pointers, *args, options=f"--gpu-arch sm_90a {compile_cache.CALL_OPTIONS}"
@@ -68,11 +69,13 @@ def compile_probe(head_dim_qk: int, head_dim_v: int, deterministic: bool):
 
 
 def probe_launch_order(view, *, deterministic: bool, device: torch.device) -> tuple[int, int]:
-    """``(kv heads at a time, staggered)`` as the main kernel decides them for backward ``view``
-    (a bf16 view). Arguments the probe does not read (q ... dq_accum) point at one small buffer."""
+    """``(kv heads at a time, staggered)`` as the main kernel ``run_backward`` would build for
+    backward ``view`` decides them (a bf16 view; the mirrored order where the compiler takes it).
+    Arguments the probe does not read (q ... dq_accum) point at one small buffer."""
     config = config_for_view(view)
-    compiled = compile_probe(config.head_dim_qk, config.head_dim_v, deterministic)
     prep = bwd_view_args(view, device)
+    mirrored = COMPILER.mirrored(config, deterministic, prep.sparse_rows)
+    compiled = compile_probe(config.head_dim_qk, config.head_dim_v, deterministic, mirrored)
     g = view.geometry
     unread = torch.zeros(64, dtype=torch.int32, device=device).data_ptr()
     out = torch.full((2,), -1, dtype=torch.int32, device=device)

@@ -319,8 +319,8 @@ LAUNCH_GROUPS = {
     (192, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP, ATOMIC_HEAD_GROUP),  # sparse: SPARSE_HEAD_CAP
     (256, False): (ATOMIC_HEAD_GROUP, 4, 4, ATOMIC_HEAD_GROUP, ATOMIC_HEAD_GROUP),
     (128, True): (10, 10, 10, 2, 10),  # dense rows: DENSE_HEAD_GROUP
-    (192, True): (10, 4, 10, 2, 4),  # staggered rows: det_stagger_heads
-    (256, True): (8, 4, 10, 2, 4),  # and half-full rows: det_capped_heads, unless staggered
+    (192, True): (10, 4, 4, 2, 4),  # sparse rows: mirrored, atomic's; half-full staggered: det_stagger_heads
+    (256, True): (8, 4, 4, 2, 4),  # and half-full rows: det_capped_heads, unless staggered
 }
 
 
