@@ -253,37 +253,22 @@ def walk_row(
     ascending, ranks by descending K block: ``consumer_launch.mirrored_view_args``) reaches Q
     block ``i`` from K block ``j`` at step ``i - j`` of a document's (or causal's, or a window's)
     walks: the writers of a Q block arrive one step apart, the highest first."""
+    # each list's candidate: its last unwalked entry (descending) or its first (ascending)
     if const_expr(descending):
-        p = partial_left - 1
-        f = full_left - 1
-        m_p = Int32(-1)
-        m_f = Int32(-1)
-        if partial_left > 0:
-            m_p = plan.mask_block_idx[hr.partial_off + p]
-        if full_left > 0:
-            m_f = plan.full_block_idx[hr.full_off + f]
-        take_p = Int32(m_p > m_f)
-        return WalkStep(
-            take_p,
-            take_p * (hr.partial_off + p) + (1 - take_p) * (hr.full_off + f),
-            cutlass.max(m_p, m_f),
-            partial_left - take_p,
-            full_left - (1 - take_p),
-        )
-    p = hr.partial_cnt - partial_left
-    f = hr.full_cnt - full_left
-    none = Int32(2**31 - 1)  # past every Q block
+        p, f, none = partial_left - 1, full_left - 1, Int32(-1)  # none: before every Q block
+    else:
+        p, f, none = hr.partial_cnt - partial_left, hr.full_cnt - full_left, Int32(2**31 - 1)
     m_p = none
     m_f = none
     if partial_left > 0:
         m_p = plan.mask_block_idx[hr.partial_off + p]
     if full_left > 0:
         m_f = plan.full_block_idx[hr.full_off + f]
-    take_p = Int32(m_p < m_f)
+    take_p = Int32(m_p > m_f) if const_expr(descending) else Int32(m_p < m_f)
     return WalkStep(
         take_p,
         take_p * (hr.partial_off + p) + (1 - take_p) * (hr.full_off + f),
-        cutlass.min(m_p, m_f),
+        cutlass.max(m_p, m_f) if const_expr(descending) else cutlass.min(m_p, m_f),
         partial_left - take_p,
         full_left - (1 - take_p),
     )
