@@ -79,7 +79,7 @@ highest in the mirrored order below) is stored and counted on the block's turnst
 ``dq_semaphore[hq, block]``, and the postprocess writes dQ = 0 where the count stayed 0.
 ``deterministic=True``: the dQ writer of the CTA whose entry has rank ``k`` waits until the count
 is ``k``, stores or adds, waits for the copy to complete and increments it: every run adds the
-contributions in ``dq_write_order`` (ascending K block), or on sparse K2Q rows in its reverse.
+contributions in ``dq_write_order`` (ascending K block), or in its reverse (the mirrored order).
 Atomic mode with ``first_dq_stored``: the other ranks wait only for a count of 1, then add in any
 order; without it the preprocess zeroes the accumulator and every rank adds at once. Waiting only
 on the ranks below its own, which K blocks of the same (sample, item kv head) launched before it

@@ -183,8 +183,8 @@ class Sm90FwdConfig(_KernelConfig):
 
 @dataclass(frozen=True)
 class Sm90BwdConfig(_KernelConfig):
-    """K-major backward (dK/dV per K block, dQ accumulated in ``dq_write_order``, or its reverse on
-    sparse K2Q rows: ``consumer_k2q.walk_row``).
+    """K-major backward (dK/dV per K block, dQ accumulated in ``dq_write_order``, or its reverse in
+    deterministic mode on sparse K2Q rows from (192, 128) on: ``LaunchOrder.mirrors_sparse_rows``).
 
     ``tile_m`` Q rows x ``tile_n`` K columns is the score tile the planner classifies. With
     ``transposed_scores`` the kernel computes it transposed (``S^T``, K rows x Q columns on WGMMA
