@@ -446,9 +446,9 @@ def mirrored_view_args(view: PlanView, device: torch.device) -> BwdViewArgs:
         e = view.entries(kind)
         block = q_block_begin[e.batch.to(device)] + e.q_block.to(device)
         keys.append(e.head.to(device) * prep.n_qblk + block)
-    key = torch.cat(keys)
+    every = torch.cat(keys)
     writers = torch.zeros(prep.mask_heads * prep.n_qblk, dtype=torch.int64, device=device)
-    writers.index_add_(0, key, torch.ones_like(key))
+    writers.index_add_(0, every, torch.ones_like(every))
     ranks = tuple(
         int32_tensor(writers[key] - 1 - view.tensors[name].to(device=device, dtype=torch.int64), device, (4,))
         for key, name in zip(keys, ("dq_write_order", "dq_write_order_full"), strict=True)
@@ -646,8 +646,7 @@ class BackwardCompiler:
 
     def mirrored(self, config, deterministic: bool, sparse_rows: bool = False) -> bool:
         """Whether the main kernel takes the mirrored order (class docstring)."""
-        stored = self.first_dq_stored(True)
-        return deterministic and sparse_rows and stored and self.mirrors_sparse_rows(config)
+        return self.stores_first_dq and deterministic and sparse_rows and self.mirrors_sparse_rows(config)
 
     def kernel_keys(
         self, config, *, deterministic: bool, with_dlse: bool, per_sample: bool = False,
