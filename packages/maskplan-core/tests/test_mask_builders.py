@@ -505,3 +505,23 @@ def test_document_ids_recipe_for_packed_sft_batches():
         return (doc[q] == doc[kv]) & (doc[q] >= 0) & ((kv <= q) | (prompt[q] & prompt[kv]))
 
     assert torch.equal(decode(endpoints, 11), decode(masks.from_mask_mod(rule, 1, 1, 11, 11), 11))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda cq, ck: masks.causal(cu_seqlens_q=cq, cu_seqlens_k=ck),
+        lambda cq, ck: masks.full(cu_seqlens_q=cq, cu_seqlens_k=ck),
+        lambda cq, ck: masks.sliding_window(cu_seqlens_q=cq, cu_seqlens_k=ck, window_left=8),
+    ],
+)
+def test_a_varlen_builder_reads_each_prefix_tensor_back_once(build, monkeypatch):
+    """On a GPU each host read of a device tensor is a round trip that waits for the stream: a
+    varlen builder reads each prefix tensor once and checks it on the host (it took seven reads)."""
+    reads = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real: reads.append(t) or _real(t, *a))
+    cq, ck = torch.tensor([0, 64, 128], dtype=torch.int32), torch.tensor([0, 80, 150], dtype=torch.int32)
+    build(cq, ck)
+    assert len(reads) == 2 and reads[0] is cq and reads[1] is ck

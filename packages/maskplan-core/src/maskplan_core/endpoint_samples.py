@@ -15,13 +15,13 @@ device or dtype), one written in place since (a reused buffer), or one made unde
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .errors import InputValueError
+from .tensor_memo import TensorMemo
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,8 @@ class Built:
     every_head: bool = True
 
 
-#: id(endpoints) -> (a weak reference to them, their version counter when recorded, what they were
-#: built for). Keyed by id, not a WeakKeyDictionary: that compares two references to one tensor
-#: with ==, which a tensor answers elementwise
-_SAMPLES: dict[int, tuple[weakref.ref, int, Built]] = {}
+#: endpoints -> what they were built for
+_SAMPLES: TensorMemo[Built] = TensorMemo()
 
 
 def record_samples(
@@ -62,20 +60,14 @@ def record_samples(
     keys; ``keys_hint`` says how the builder takes other key lengths, ``rows_hint`` anything the
     refusal of other query rows should add, ``heads`` how many heads it evaluated a mask_mod for
     and ``every_head`` whether one head stands for every head (:func:`check_heads`)."""
-    if not endpoints.is_inference():
-        key = id(endpoints)
-        gone = lambda ref: _SAMPLES.pop(key, None) if _SAMPLES.get(key, (None,))[0] is ref else None  # noqa: E731
-        built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint, heads, every_head)
-        _SAMPLES[key] = (weakref.ref(endpoints, gone), endpoints._version, built)
+    built = Built(builder, *_with_rows(q_lens, k_lens), rows_hint, keys_hint, heads, every_head)
+    _SAMPLES.remember(endpoints, built)
     return endpoints
 
 
 def recorded(mask_func: torch.Tensor) -> Built | None:
     """What a builder recorded ``mask_func`` for, while it is that builder's output unchanged."""
-    ref, version, built = _SAMPLES.get(id(mask_func), (None, 0, None))
-    if ref is None or ref() is not mask_func or mask_func._version != version:
-        return None
-    return built
+    return _SAMPLES.recall(mask_func)
 
 
 def built_rows_hint(mask_func: torch.Tensor, q_samples: str = "") -> str:

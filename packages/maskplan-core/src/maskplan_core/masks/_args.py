@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from ..endpoint_samples import record_samples
+from ..error_flags import sample_lengths
 from ..errors import InputTypeError, InputValueError, SeqlenError
-from ..validation import MAX_SEQLEN, require_tensor
+from ..validation import MAX_SEQLEN, remember_prefix_values, require_tensor
 
 
 def _as_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -132,7 +134,10 @@ def _finish(
     return record_samples(ep.unsqueeze(0).contiguous(), builder, q_lens, k_lens, **hints)
 
 
-def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tensor:
+def _as_cu_seqlens(name: str, value: object, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """``value`` as int64 prefixes on ``device`` and as a list, checked on the host: a tensor's
+    values are read back once (the plan build's sample check reuses that read,
+    :func:`~maskplan_core.validation.remember_prefix_values`)."""
     if device.type == "meta" or (isinstance(value, torch.Tensor) and value.is_meta):
         raise InputValueError(
             f"{name}: a varlen mask is built from its samples' lengths, which the meta device does "
@@ -145,30 +150,41 @@ def _as_cu_seqlens(name: str, value: object, device: torch.device) -> torch.Tens
         if value.dim() != 1:
             raise InputValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
         cu = value.to(device=device, dtype=torch.int64)
+        values = [int(v) for v in value.tolist()]
     else:
-        cu = torch.tensor(_int_list(name, value), dtype=torch.int64, device=device)
-    if cu.numel() < 2:
-        raise SeqlenError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {cu.numel()}")
-    if int(cu[0]) != 0:
-        raise SeqlenError(f"{name} must start at 0, got {int(cu[0])}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise SeqlenError(f"{name} must be non-decreasing, got {cu.tolist()}")
-    if int(cu[-1]) > MAX_SEQLEN:
-        raise SeqlenError(
-            f"{name}[-1] = {int(cu[-1])} exceeds the int32 endpoint range (<= {MAX_SEQLEN})"
-        )
-    return cu
+        values = _int_list(name, value)
+        cu = torch.tensor(values, dtype=torch.int64, device=device)
+    if len(values) < 2:
+        raise SeqlenError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {len(values)}")
+    if values[0] != 0:
+        raise SeqlenError(f"{name} must start at 0, got {values[0]}")
+    if any(b < a for a, b in zip(values[:-1], values[1:], strict=True)):
+        raise SeqlenError(f"{name} must be non-decreasing, got {values}")
+    if values[-1] > MAX_SEQLEN:
+        raise SeqlenError(f"{name}[-1] = {values[-1]} exceeds the int32 endpoint range (<= {MAX_SEQLEN})")
+    if isinstance(value, torch.Tensor):
+        remember_prefix_values(value, values)
+    return cu, values
 
 
-def _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both prefix arrays, checked, as int64 on ``device``."""
+class VarlenPrefixes(NamedTuple):
+    """A varlen builder's prefixes (int64 on its device) and its samples' query rows and keys."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    q_lens: list[int]
+    k_lens: list[int]
+
+
+def _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, device: torch.device) -> VarlenPrefixes:
+    """Both prefix arrays, checked (each tensor read back once)."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise InputValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen) or both omitted")
-    cu_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
-    cu_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
-    if cu_q.numel() != cu_k.numel():
+    cu_q, values_q = _as_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    cu_k, values_k = _as_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if len(values_q) != len(values_k):
         raise InputValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), "
-            f"got {cu_q.numel()} and {cu_k.numel()}"
+            f"got {len(values_q)} and {len(values_k)}"
         )
-    return cu_q, cu_k
+    return VarlenPrefixes(cu_q, cu_k, sample_lengths(values_q), sample_lengths(values_k))

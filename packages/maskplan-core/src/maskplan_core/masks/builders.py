@@ -54,9 +54,8 @@ def _diagonals(
         if device is None and isinstance(cu_seqlens_q, torch.Tensor):
             device = cu_seqlens_q.device
         dev = _as_device(device)
-        cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
-        q_lens, k_lens = torch.stack((cu_q.diff(), cu_k.diff())).tolist()  # the one read back
-        total = sum(q_lens)  # known on the host now: the row index needs no further device read
+        cu_q, _, q_lens, k_lens = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
+        total = sum(q_lens)  # known on the host: the row index needs no device read
         starts = torch.repeat_interleave(cu_q[:-1], cu_q.diff(), output_size=total)
         i = torch.arange(total, device=dev) - starts
     used = k_lens if seqused_k is None else _seqused(seqused_k, k_lens)

@@ -159,21 +159,18 @@ def from_dense(
     h, t, sk = mask.shape
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         dev = mask.device
-        cu_q, cu_k = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
-        if int(cu_q[-1]) != t:
+        cu_q, cu_k, q_lens, k_lens = _varlen_prefixes(cu_seqlens_q, cu_seqlens_k, dev)
+        if sum(q_lens) != t:
             raise InputValueError(
-                f"cu_seqlens_q[-1] = {int(cu_q[-1])} must equal mask.shape[1] (total_q) = {t}"
+                f"cu_seqlens_q[-1] = {sum(q_lens)} must equal mask.shape[1] (total_q) = {t}"
             )
-        q_lens = cu_q.diff()
-        k_lens = cu_k.diff()
-        too_long = (q_lens > 0) & (k_lens > sk)
-        if bool(too_long.any()):
-            b = int(too_long.nonzero()[0, 0])
+        too_long = [b for b, (q, k) in enumerate(zip(q_lens, k_lens, strict=True)) if q and k > sk]
+        if too_long:
             raise InputValueError(
-                f"mask has {sk} key columns but sample {b} has k_len {int(k_lens[b])} "
+                f"mask has {sk} key columns but sample {too_long[0]} has k_len {k_lens[too_long[0]]} "
                 f"(cu_seqlens_k); the key axis must be at least max_seqlen_k"
             )
-        row_klen = torch.repeat_interleave(k_lens, q_lens)  # [T]
+        row_klen = torch.repeat_interleave(cu_k.diff(), cu_q.diff(), output_size=t)  # [T]
         keys = torch.arange(sk, device=dev)
         step = _row_chunk(h, sk)
         for r0 in range(0, t, step):
@@ -187,7 +184,7 @@ def from_dense(
                     f"mask row {row} (head {hh}, sample {b}) has True entries at keys >= its sample's "
                     f"k_len {int(row_klen[row])}"
                 )
-        samples = torch.stack((q_lens, k_lens)).tolist()  # one read back
+        samples = q_lens, k_lens
         keys_hint = "build it for k's lengths: masks.from_dense(mask, cu_seqlens_q=..., cu_seqlens_k=k's)"
     endpoints = _encode(mask)
     if samples is None:
