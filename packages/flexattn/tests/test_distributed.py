@@ -154,10 +154,10 @@ def balanced_positions(rank: int, world: int, seqlen: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(last, last + chunk)])
 
 
-def _readme_recipe() -> str:
-    """The README's context-parallel block, as written there."""
-    block = re.search(r"```python context-parallel\n(.*?)```", README.read_text(), re.S)
-    assert block, f"{README} lost its context-parallel recipe"
+def _readme_recipe(name: str = "context-parallel") -> str:
+    """The README's ``name`` block, as written there."""
+    block = re.search(rf"```python {name}\n(.*?)```", README.read_text(), re.S)
+    assert block, f"{README} lost its {name} recipe"
     return textwrap.dedent(block.group(1))
 
 
@@ -166,22 +166,12 @@ def _cp_batch() -> list[torch.Tensor]:
     return [torch.randn(B, S, H, D, dtype=torch.float64, generator=gen) for _ in range(4)]  # q, k, v, dout
 
 
-class _Gather(torch.autograd.Function):
-    """The recipe's ``gather`` on gloo, which has no reduce-scatter: every rank's ``[B, n, ...]``
-    along dim 1, in rank order; the backward sums the ranks' gradients and keeps this rank's part."""
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """The recipe's ``gather``, as its README names it: every rank's ``[B, n, ...]`` along dim 1,
+    in rank order; the backward sums the ranks' gradients of this rank's part."""
+    from torch.distributed.nn.functional import all_gather
 
-    @staticmethod
-    def forward(ctx, t):
-        parts = [torch.empty_like(t) for _ in range(WORLD)]
-        dist.all_gather(parts, t.contiguous())
-        ctx.mine = slice(dist.get_rank() * t.shape[1], (dist.get_rank() + 1) * t.shape[1])
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad)
-        return grad[:, ctx.mine]
+    return torch.cat(all_gather(t), dim=1)
 
 
 def _context_parallel(rank: int, out: str) -> None:
@@ -191,7 +181,7 @@ def _context_parallel(rank: int, out: str) -> None:
     q, k, v = (t[:, mine].requires_grad_() for t in (q, k, v))
     scope = dict(
         positions=positions, rank=rank, mask=masks.document(CP_DOCS, causal=True), B=B, S=S,
-        q_mine=q, k_mine=k, v_mine=v, gather=_Gather.apply, torch=torch, flexattn=flexattn,
+        q_mine=q, k_mine=k, v_mine=v, gather=_gather, torch=torch, flexattn=flexattn,
     )  # fmt: skip
     exec(compile(_readme_recipe(), str(README), "exec"), scope)
     o = scope["out_mine"]
@@ -214,3 +204,37 @@ def test_context_parallel_ranks_give_one_process_at_their_positions(tmp_path):
             torch.testing.assert_close(
                 got[name], want[:, mine], rtol=1e-12, atol=1e-12, msg=lambda m, w=label: f"{w}: {m}"
             )
+
+
+def test_ring_attention_steps_merge_to_one_call():
+    """The README's ring-attention block for every rank of one process: each rank's q positions
+    attend the k / v shard of every rank's positions in turn (rows of no key in a step, or in
+    every step: padding), merged by LSE; outputs and gradients (the shards' dK / dV summed over
+    the steps that used them) must be one call's."""
+    world = 3
+    ids = torch.tensor([[1] * 20 + [2] * 20 + [-1] * 8, [3] * 48])  # sample 0 ends in padding
+    mask = masks.document_ids(ids, causal=True, window_left=12, pad_id=-1)
+    *qkv, dout = _cp_batch()
+    q, k, v = (t.requires_grad_() for t in qkv)
+    positions = [balanced_positions(r, world, S) for r in range(world)]
+    rings = []
+    for rank in range(world):
+        mine = positions[rank]
+        scope = dict(
+            positions=positions, rank=rank, mask=mask, B=B, S=S, q_mine=q[:, mine],
+            k_mine=k[:, mine], v_mine=v[:, mine], gather=lambda t: t, torch=torch, flexattn=flexattn,
+        )  # fmt: skip
+        exec(compile(_readme_recipe().split("in_order")[0], str(README), "exec"), scope)  # rows
+        scope.update(k_shards=[k[:, p] for p in positions], v_shards=[v[:, p] for p in positions])
+        exec(compile(_readme_recipe("ring-attention"), str(README), "exec"), scope)
+        rings.append(scope["out_mine"])
+        (scope["out_mine"] * dout[:, mine]).sum().backward()
+    got = {"o": torch.cat(rings, 1), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    order = torch.cat(positions)
+    got["o"] = got["o"][:, torch.argsort(order)]
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = flexattn.flex_attn_func(q2, k2, v2, mask_plan=flexattn.create_mask_plan(mask, q2, k2, v2))
+    (o * dout).sum().backward()
+    assert (o[0, 40:] == 0).all()  # the padding's rows: no key in any step
+    for name, want in {"o": o, "dq": q2.grad, "dk": k2.grad, "dv": v2.grad}.items():
+        torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")

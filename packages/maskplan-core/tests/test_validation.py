@@ -1015,3 +1015,22 @@ def test_prefixes_are_cloned():
     args["cu_seqlens_q"][1] = 3
     args["cu_seqlens_k"].zero_()
     assert g.cu_seqlens_q.tolist() == CU_Q and g.cu_seqlens_k.tolist() == CU_K
+
+
+def test_a_shard_of_query_positions_is_pointed_to_select_rows():
+    """q holding some positions of each sample (a context-parallel shard) with the whole sequence's
+    mask, or a builder's mask of the shard's row count (bottom-right: the last positions, other
+    keys than the shard's), is refused with a hint to take the shard's rows, which then plan."""
+    from maskplan_core import masks
+
+    whole = masks.causal(64, batch=2)
+    mine = [*range(8, 16), *range(48, 56)]
+    q, k, v = fixed_qkv(sq=16, sk=64)
+    for mask in (whole, whole.clone()):
+        with expect(InputValueError, ValueError, "masks.select_rows(mask_func, positions, batch=2)"):
+            plan(mask, q, k, v)
+    with expect(InputValueError, ValueError, "rows as the last seqlen_q", "masks.select_rows of its whole"):
+        plan(masks.causal(16, batch=2), q, k, v)
+    with expect(InputValueError, ValueError, "masks.select_rows(mask_func, positions, batch=1)"):
+        plan(whole[..., :64].clone(), q[:1], k[:1], v[:1])
+    plan(masks.select_rows(whole, mine), q, k, v)

@@ -31,6 +31,8 @@ from_mask_mod = _builder(_builders.from_mask_mod)
 full = _builder(_builders.full)
 intersect = _builder(_builders.intersect)
 prefix_lm = _builder(_builders.prefix_lm)
+select_keys = _builder(_builders.select_keys)
+select_rows = _builder(_builders.select_rows)
 sliding_window = _builder(_builders.sliding_window)
 union = _builder(_builders.union)
 

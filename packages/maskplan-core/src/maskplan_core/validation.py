@@ -429,6 +429,13 @@ def validate_plan_inputs(
             hint = transposed_hint
         elif not varlen:  # no hint above fits: say what a builder made it for, if one did
             hint = built_rows_hint(mask_func, describe_lengths((max_q,) * batch, "rows"))
+        if not varlen and rows % batch == 0 and rows // batch > max_q and not bhsd_q:
+            hint += (
+                f"{'; or,' if hint else ';'} where q holds {max_q} of the positions of each of {batch} "
+                "longer samples (a context-parallel shard, a prefill chunk), take their rows of the whole "
+                f"sequence's mask: masks.select_rows(mask_func, positions, batch={batch}) (a mask built "
+                f"for {max_q} rows would show other keys)"
+            )
         layout = "" if varlen else f" ({batch} sample{'s' * (batch != 1)} of {max_q})"
         raise InputValueError(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"

@@ -73,6 +73,14 @@ FlexAttention's ``and_masks`` / ``or_masks``), with the fewest endpoints:
 >>> intersect(causal(4), sliding_window(4, window_left=1)).tolist()
 [[[1, 2, 0, 0], [1, 2, 1, 2], [1, 2, 3, 4]]]
 
+``select_rows`` / ``select_keys`` -- some query positions of each sample (a context-parallel
+rank's, a prefill chunk's; endpoints unchanged) / the mask over some keys (a ring step's shard):
+
+>>> select_rows(causal(8), [2, 5, 6]).tolist()
+[[[3, 6, 7]]]
+>>> select_keys(causal(4), [1, 3]).tolist()
+[[[0, 1, 1, 2]]]
+
 ``from_dense`` -- boolean ``[Hmask, total_q, Sk]`` mask to endpoints with the smallest odd ``nfunc``:
 
 >>> m = torch.tensor([[[True, False, True, True], [False, True, False, False]]])
@@ -88,6 +96,7 @@ FlexAttention's ``and_masks`` / ``or_masks``), with the fewest endpoints:
 from .builders import causal, chunked, document, document_ids, full, prefix_lm, sliding_window
 from .combine import intersect, union
 from .convert import from_block_mask, from_dense, from_mask_mod
+from .select import select_keys, select_rows
 
 __all__ = [
     "causal",
@@ -100,6 +109,8 @@ __all__ = [
     "full",
     "intersect",
     "prefix_lm",
+    "select_keys",
+    "select_rows",
     "sliding_window",
     "union",
 ]

@@ -81,8 +81,16 @@ def _seqused(seqused_k: object, k_lens: list[int]) -> list[int]:
     return used
 
 
-def _keys_hint(builder: str) -> str:
-    return f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...), or with cu_seqlens_k"
+def _keys_hint(builder: str, aligned: bool = True) -> str:
+    """How ``builder`` takes other key lengths; ``aligned``: where its rows are aligned to the last
+    key (bottom-right), which makes a mask of fewer rows that of the sequence's last positions."""
+    if not aligned:
+        return f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...), or with cu_seqlens_k"
+    return (
+        f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...) (q's rows as the last "
+        "seqlen_q of the keys' positions), or with cu_seqlens_k; for q at other positions of the keys' "
+        "sequence (a context-parallel shard, a prefill chunk), masks.select_rows of its whole mask"
+    )
 
 
 #: document_ids' refusal of other samples: one row of ids per sample
@@ -110,6 +118,9 @@ def causal(
     (``align="top_left"``: keys ``<= i``, torch's ``kv_idx <= q_idx`` and SDPA's ``is_causal``).
 
     The bound is clipped to ``[0, seqlen_k]`` (rows before the diagonal starts see nothing).
+    Bottom-right, fewer rows than keys are the sequence's last ``seqlen_q`` positions (a decode
+    step, a prefill's last chunk); rows of other positions (a context-parallel shard) are the whole
+    sequence's mask's: :func:`~maskplan_core.masks.select_rows`.
     Returns ``[1, 1, batch * seqlen_q]`` int32. Varlen: give ``cu_seqlens_q`` and
     ``cu_seqlens_k`` (int ``[B + 1]``) instead of the lengths; each sample is aligned by its own
     lengths and the result is ``[1, 1, total_q]`` (on ``cu_seqlens_q``'s device by default).
@@ -141,7 +152,7 @@ def full(
     samples, attention within each sample). Returns ``[1, 1, batch * seqlen_q]`` int32 (varlen:
     ``[1, 1, total_q]``), taking the lengths, ``seqused_k`` and ``device`` as :func:`causal` does."""
     _, k_len, *lens = _diagonals(seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k)
-    return _finish([k_len], 1, "masks.full", *lens, keys_hint=_keys_hint("full"))
+    return _finish([k_len], 1, "masks.full", *lens, keys_hint=_keys_hint("full", aligned=False))
 
 
 #: a causal window of a size per head, which no builder takes (for Sq == Sk; sliding_window aligns
@@ -169,7 +180,8 @@ def sliding_window(
 
     ``d = i + seqlen_k - seqlen_q`` (bottom-right aligned diagonal; ``align="top_left"``:
     ``d = i``, as :func:`causal`); the window is clipped to
-    ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``.
+    ``[0, seqlen_k)``.  Rows whose window misses every key get endpoints ``[0, 0, 0]``. Rows of
+    positions other than the last ``seqlen_q`` (a context-parallel shard): as :func:`causal` says.
     Returns ``[1, 3, batch * seqlen_q]`` int32 with endpoints ``[0, lo, hi]``. Varlen, ``device``
     and ``seqused_k`` (``seqlen_k`` then the sample's used keys) as :func:`causal`.
     """
