@@ -3,6 +3,8 @@ columns of their masks (brute force), the samples their results carry, and what 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given
@@ -117,3 +119,16 @@ def test_select_keys_refuses_unsorted_or_outside_keys():
             builder(mask.long(), [0])
         with pytest.raises(InputTypeError, match="got list"):
             builder([[[1]]], [0])
+
+
+def test_select_edge_cases():
+    """A builder's mask of no rows selects none; a strided mask is read as it is (no torch warning
+    about searchsorted's input); key positions past int32 are refused by name."""
+    assert masks.select_rows(masks.causal(0, 8, batch=3), []).shape == (1, 1, 0)
+    strided = masks.causal(8, batch=2)[..., ::2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = masks.select_keys(strided, [1, 3])
+    assert torch.equal(got, masks.select_keys(strided.contiguous(), [1, 3]))
+    with pytest.raises(InputValueError, match="past the int32 key range"):
+        masks.select_keys(masks.causal(8).clone(), [1, 2**31])

@@ -717,34 +717,20 @@ def test_prefixes_that_do_not_fit_q_are_named_before_the_sample_record():
 
 
 def test_only_a_recorded_mask_reads_varlen_prefixes_back(monkeypatch):
-    """A GPU plan build reads 8 sizes back; the sample check reads cu_seqlens back only for a
-    builder's mask (a copy, or endpoints of one's own, never), and not when given the very prefix
-    tensors the builder read, unchanged: counted as host reads (``tolist``) of a whole build."""
-    from maskplan_core import masks
+    """A GPU plan build reads 8 sizes back; the sample check's read of cu_seqlens happens only for
+    a builder's mask (a copy, or endpoints of one's own, never read them there)."""
+    from maskplan_core import masks, validation
 
     cu = [0, 64, 128]
+    mask = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
     (q, k, v), varlen = _varlen_qkv(cu)
-    cu_t = varlen["cu_seqlens_q"]
-    reads = []
-    real = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
-
-    views = config("forward"), config("backward")  # (their layout digests read back too)
-
-    def build_reads(mask):
-        reads.clear()
-        build_plan(mask, validate_plan_inputs(mask, q, k, v, **varlen), *views, "test")
-        return sorted(tuple(shape) for shape in reads)
-
-    from_lists = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
-    own = build_reads(from_lists.clone())
-    assert build_reads(from_lists) == sorted(own + [(2, 3)])  # the two prefixes, stacked: one read
-    from_tensors = masks.causal(cu_seqlens_q=cu_t, cu_seqlens_k=cu_t)
-    assert build_reads(from_tensors) == own
-    assert build_reads(from_lists) == own  # what the builder read of cu_t serves any mask's check
-    cu_t.copy_(torch.tensor([0, 32, 128], dtype=torch.int32))  # the builder's read is stale now
-    with expect(InputValueError, ValueError, "built by masks.causal for 2 samples of 64 rows", "32, 96"):
-        validate_plan_inputs(from_tensors, q, k, v, **{**varlen, "max_seqlen_q": 96, "max_seqlen_k": 96})
+    calls = []
+    real = validation._varlen_samples
+    monkeypatch.setattr(validation, "_varlen_samples", lambda *a: calls.append(a) or real(*a))
+    plan(mask.clone(), q, k, v, **varlen)
+    assert calls == []
+    plan(mask, q, k, v, **varlen)
+    assert len(calls) == 1
 
 
 def test_a_flat_document_mask_for_varlen_samples_gets_the_varlen_hint():
@@ -1034,3 +1020,21 @@ def test_a_shard_of_query_positions_is_pointed_to_select_rows():
     with expect(InputValueError, ValueError, "masks.select_rows(mask_func, positions, batch=1)"):
         plan(whole[..., :64].clone(), q[:1], k[:1], v[:1])
     plan(masks.select_rows(whole, mine), q, k, v)
+    with expect(InputValueError, ValueError, "masks.causal(seqlen_q, seqlen_k, ...), or") as info:
+        plan(masks.causal(16, align="top_left", batch=2), q, k, v)  # its rows are the first positions
+    assert "last seqlen_q" not in str(info.value)
+
+
+def test_a_prefix_buffer_refilled_behind_torchs_back_is_read_anew():
+    """A reused cu_seqlens buffer refilled through a write torch does not count (a numpy alias, as a
+    collective's): the sample check reads its values, not those its mask's builder saw."""
+    from maskplan_core import masks
+
+    cu = torch.tensor([0, 64, 128], dtype=torch.int32)
+    stale = masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu)
+    cu.numpy()[1] = 32
+    t = torch.randn(128, HQ, D)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=96, max_seqlen_k=96)
+    with expect(InputValueError, ValueError, "built by masks.causal for 2 samples of 64 rows", "32, 96"):
+        plan(stale, t, t, t, **kw)
+    plan(masks.causal(cu_seqlens_q=cu, cu_seqlens_k=cu), t, t, t, **kw)

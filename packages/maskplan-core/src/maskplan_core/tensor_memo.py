@@ -4,8 +4,11 @@ Keyed by identity (``id``, with a weak reference to tell a reused id apart), not
 WeakKeyDictionary: that compares two references to one tensor with ``==``, which a tensor answers
 elementwise. An entry holds while the tensor's version counter stands where it stood when the entry
 was made: a write in place (``copy_``, ``fill_``, an indexed store) ends it. Tensors made under
-``torch.inference_mode`` have no version counter and are never remembered; nor are writes that
-bypass autograd's counter (a custom kernel's raw pointer, another tensor's ``.data``) seen.
+``torch.inference_mode`` have no version counter and are never remembered. Writes that bypass the
+counter go unseen: a collective's (``dist.broadcast``), a numpy or DLPack alias's, another
+tensor's ``.data``, a custom kernel's raw pointer. So a memo holds only what such a write may
+leave stale without harm: what a builder made its own output for (a stale record refuses or
+passes what a copy of the tensor would), never the values a check relies on.
 """
 
 from __future__ import annotations

@@ -15,11 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .endpoint_samples import built_rows_hint, check_heads, check_samples, describe_lengths
+from .endpoint_samples import built_rows_hint, check_heads, check_samples, describe_lengths, recorded
 from .error_flags import broken_prefix_rule, sample_lengths
 from .errors import InputTypeError, InputValueError, SeqlenError, UnsupportedCallError, warn_caller
 from .geometry import PlanGeometry
-from .tensor_memo import TensorMemo
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 #: endpoints, sequence lengths and prefixes are int32 in the plan ABI
@@ -251,25 +250,15 @@ def _shared_prefixes(batch: int, max_q: int, max_k: int, device: torch.device) -
     return cu_q, cu_k
 
 
-#: prefix tensors a mask builder read -> their values (:func:`remember_prefix_values`)
-_PREFIX_VALUES: TensorMemo[list[int]] = TensorMemo()
-
-
-def remember_prefix_values(cu: torch.Tensor, values: list[int]) -> None:
-    """Note the values a mask builder read from prefix tensor ``cu``: a plan build given the same
-    tensor, unchanged, checks the builder's samples against them without reading it back again."""
-    _PREFIX_VALUES.remember(cu, values)
-
-
 def _varlen_samples(cu_q: torch.Tensor, cu_k: torch.Tensor, totals: tuple, max_lens: tuple):
     """Each varlen sample's query rows and keys, or None where the prefixes break a rule of the
     planner's prefix check (spec 3.2, ``error_flags.broken_prefix_rule``), which then names it.
-    Prefixes a builder read (the tensors it was given) are not read back again."""
-    known = _PREFIX_VALUES.recall(cu_q), _PREFIX_VALUES.recall(cu_k)
-    values = known if None not in known else torch.stack((cu_q, cu_k)).tolist()
+    A read back (of a builder's mask only): a prefix tensor's values cannot be remembered from its
+    builder, as writes torch does not count (a collective's, a numpy alias's) would go unseen."""
     lens = []
-    names = ("cu_seqlens_q", "cu_seqlens_k")
-    for name, cu, total, max_len in zip(names, values, totals, max_lens, strict=True):
+    for name, cu, total, max_len in zip(
+        ("cu_seqlens_q", "cu_seqlens_k"), torch.stack((cu_q, cu_k)).tolist(), totals, max_lens, strict=True
+    ):
         if broken_prefix_rule(name, cu, total, max_len) is not None:
             return None
         lens.append(sample_lengths(cu))
@@ -429,7 +418,9 @@ def validate_plan_inputs(
             hint = transposed_hint
         elif not varlen:  # no hint above fits: say what a builder made it for, if one did
             hint = built_rows_hint(mask_func, describe_lengths((max_q,) * batch, "rows"))
-        if not varlen and rows % batch == 0 and rows // batch > max_q and not bhsd_q:
+        longer = not varlen and rows % batch == 0 and rows // batch > max_q and not bhsd_q
+        record = recorded(mask_func)
+        if longer and (record is None or record.rows == (rows // batch,) * batch):
             hint += (
                 f"{'; or,' if hint else ';'} where q holds {max_q} of the positions of each of {batch} "
                 "longer samples (a context-parallel shard, a prefill chunk), take their rows of the whole "
@@ -441,9 +432,7 @@ def validate_plan_inputs(
             f"mask_func has {rows} query rows (dim 2) but q has total_q={total_q}{layout}{hint}"
         )
     if varlen:
-        # the caller's prefixes (the plan's are copies): a builder may have read them already
-        given_cu = cu_seqlens_q, cu_seqlens_k
-        lens = functools.partial(_varlen_samples, *given_cu, (total_q, total_k), (max_q, max_k))
+        lens = functools.partial(_varlen_samples, cu_q, cu_k, (total_q, total_k), (max_q, max_k))
         check_samples(mask_func, lens)
     else:
         check_samples(mask_func, lambda: ([max_q] * batch, [max_k] * batch))

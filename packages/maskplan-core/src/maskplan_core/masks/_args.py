@@ -11,7 +11,7 @@ import torch
 from ..endpoint_samples import record_samples
 from ..error_flags import sample_lengths
 from ..errors import InputTypeError, InputValueError, SeqlenError
-from ..validation import MAX_SEQLEN, remember_prefix_values, require_tensor
+from ..validation import MAX_SEQLEN, require_tensor
 
 
 def _as_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -136,8 +136,7 @@ def _finish(
 
 def _as_cu_seqlens(name: str, value: object, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """``value`` as int64 prefixes on ``device`` and as a list, checked on the host: a tensor's
-    values are read back once (the plan build's sample check reuses that read,
-    :func:`~maskplan_core.validation.remember_prefix_values`)."""
+    values are read back once."""
     if device.type == "meta" or (isinstance(value, torch.Tensor) and value.is_meta):
         raise InputValueError(
             f"{name}: a varlen mask is built from its samples' lengths, which the meta device does "
@@ -149,11 +148,9 @@ def _as_cu_seqlens(name: str, value: object, device: torch.device) -> tuple[torc
             raise InputTypeError(f"{name} must be an integer tensor, got dtype {value.dtype}")
         if value.dim() != 1:
             raise InputValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
-        cu = value.to(device=device, dtype=torch.int64)
         values = [int(v) for v in value.tolist()]
     else:
         values = _int_list(name, value)
-        cu = torch.tensor(values, dtype=torch.int64, device=device)
     if len(values) < 2:
         raise SeqlenError(f"{name} must have at least 2 entries (B + 1 with B >= 1), got {len(values)}")
     if values[0] != 0:
@@ -162,9 +159,8 @@ def _as_cu_seqlens(name: str, value: object, device: torch.device) -> tuple[torc
         raise SeqlenError(f"{name} must be non-decreasing, got {values}")
     if values[-1] > MAX_SEQLEN:
         raise SeqlenError(f"{name}[-1] = {values[-1]} exceeds the int32 endpoint range (<= {MAX_SEQLEN})")
-    if isinstance(value, torch.Tensor):
-        remember_prefix_values(value, values)
-    return cu, values
+    # made from the values: a copy from another device would be a second read
+    return torch.tensor(values, dtype=torch.int64, device=device), values
 
 
 class VarlenPrefixes(NamedTuple):

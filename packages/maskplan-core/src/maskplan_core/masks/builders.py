@@ -83,7 +83,8 @@ def _seqused(seqused_k: object, k_lens: list[int]) -> list[int]:
 
 def _keys_hint(builder: str, aligned: bool = True) -> str:
     """How ``builder`` takes other key lengths; ``aligned``: where its rows are aligned to the last
-    key (bottom-right), which makes a mask of fewer rows that of the sequence's last positions."""
+    key (bottom-right), which makes a mask of fewer rows that of the sequence's last positions (a
+    top-left one's are its first)."""
     if not aligned:
         return f"build it for k's lengths: masks.{builder}(seqlen_q, seqlen_k, ...), or with cu_seqlens_k"
     return (
@@ -133,9 +134,8 @@ def causal(
     d, k_len, *lens = _diagonals(
         seqlen_q, seqlen_k, batch, cu_seqlens_q, cu_seqlens_k, device, seqused_k, align
     )
-    return _finish(
-        [torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens, keys_hint=_keys_hint("causal")
-    )
+    hint = _keys_hint("causal", aligned=align == "bottom_right")
+    return _finish([torch.minimum((d + 1).clamp(min=0), k_len)], 1, "masks.causal", *lens, keys_hint=hint)
 
 
 def full(
@@ -195,7 +195,7 @@ def sliding_window(
     empty = lo >= hi
     lo = lo.masked_fill(empty, 0)
     hi = hi.masked_fill(empty, 0)
-    hint = _keys_hint("sliding_window")
+    hint = _keys_hint("sliding_window", aligned=align == "bottom_right")
     return _finish([torch.zeros_like(lo), lo, hi], 1, "masks.sliding_window", *lens, keys_hint=hint)
 
 

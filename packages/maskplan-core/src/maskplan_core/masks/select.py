@@ -21,6 +21,7 @@ import torch
 from ..endpoint_samples import describe_lengths, record_samples, recorded
 from ..errors import InputTypeError, InputValueError
 from ..untraced import untraced
+from ..validation import MAX_SEQLEN
 from ._args import _as_int, _int_list
 
 
@@ -42,8 +43,10 @@ def select_rows(
     rows = _int_list("positions", positions)
     built = recorded(mask_func)
     total = mask_func.shape[2]
+    if built is not None and not built.rows:  # a builder's mask of no rows: nothing to select
+        built = None
     if batch is None:
-        batch = len(built.rows) if built is not None and built.rows else 1
+        batch = len(built.rows) if built is not None else 1
     batch = _as_int("batch", batch, 1)
     if total % batch:
         raise InputValueError(f"mask_func has {total} rows, which batch={batch} samples do not split evenly")
@@ -94,6 +97,8 @@ def select_keys(mask_func: torch.Tensor, key_positions: torch.Tensor | Sequence[
             raise InputValueError(f"key_positions must increase: key_positions[{i + 1}] = {b} after {a}")
     if keys and keys[0] < 0:
         raise InputValueError(f"key_positions[0] = {keys[0]} is negative")
+    if keys and keys[-1] >= MAX_SEQLEN:
+        raise InputValueError(f"key_positions reach {keys[-1]}, past the int32 key range (< {MAX_SEQLEN})")
     built = recorded(mask_func)
     if built is not None and keys and keys[-1] >= min(built.keys, default=keys[-1] + 1):
         raise InputValueError(
@@ -101,7 +106,7 @@ def select_keys(mask_func: torch.Tensor, key_positions: torch.Tensor | Sequence[
             f"{built.builder} for {describe_lengths(built.keys, 'keys')}"
         )
     shard = torch.tensor(keys, dtype=torch.int32, device=mask_func.device)
-    result = torch.searchsorted(shard, mask_func, out_int32=True).contiguous()
+    result = torch.searchsorted(shard, mask_func.contiguous(), out_int32=True)
     if built is None:
         return result
     return record_samples(
