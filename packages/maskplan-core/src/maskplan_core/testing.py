@@ -264,12 +264,17 @@ def unseen_keys(plan: MaskPlan) -> torch.Tensor | None:
 def backward_inputs(plan: MaskPlan, q3, k3, v3, scale: float, *, seed: int = 0, with_dlse: bool = False):
     """``(out, lse, dout, dlse)`` a backward runs on for THD ``q3/k3/v3``: O and LSE from the fp32
     reference forward of the plan (O rounded to q's dtype), a random ``dout`` and, ``with_dlse``, a
-    random ``dlse`` (else None), both from ``seed``."""
+    random ``dlse`` (else None), both from ``seed``. The ``dlse`` of a row without a visible key
+    is NaN, as torch's ``logsumexp`` backward leaves it where every merged LSE is -inf (a ring
+    attention's merge): such a row's gradients are still 0."""
     ref_out, lse, _ = attention_forward(plan.view("forward"), q3, k3, v3, softmax_scale=scale)
     out = ref_out.to(q3.dtype)
     gen = torch.Generator(device=q3.device).manual_seed(seed + 1000)
     dout = torch.randn(out.shape, device=q3.device, dtype=q3.dtype, generator=gen)
-    dlse = torch.randn(lse.shape, device=q3.device, dtype=torch.float32, generator=gen) if with_dlse else None
+    dlse = None
+    if with_dlse:
+        dlse = torch.randn(lse.shape, device=q3.device, dtype=torch.float32, generator=gen)
+        dlse = dlse.masked_fill(torch.isneginf(lse), float("nan"))
     return out, lse, dout, dlse
 
 

@@ -9,7 +9,8 @@ One CTA of 256 threads per (sample-local Q block ``m``, q head ``hq``, sample ``
 backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_m)`` exit. With
 ``blk = q_block_begin[b] + m`` (the global, padded Q block) and ``i < tile_m``, row ``q = m*tile_m+i``::
 
-    D[hq, blk*tile_m + i]    = sum_d dO[q, hq, d] * O[q, hq, d]  - dlse[hq, q]     (0 past q_len)
+    D[hq, blk*tile_m + i]    = sum_d dO[q, hq, d] * O[q, hq, d]  - dlse[hq, q]     (0 where lse = -inf
+                                                                       or past q_len)
     LSE2[hq, blk*tile_m + i] = lse[hq, q] * log2(e),  +inf where lse = -inf or past q_len
     dQaccum[hq, blk]         = 0      (tile_m x D fp32, the main kernel bulk-adds into it; not with
                                        zero_dq_accum=False, where the main kernel stores the first
@@ -18,7 +19,9 @@ backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_
     dQsemaphore[Hq * n_qblk] = 0      (by block (0, 0, 0): a persistent main kernel's ticket counter)
 
 ``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key
-and for padding rows, so they contribute nothing (and never NaN). Four threads share a row, each
+and for padding rows, so they contribute nothing (and never NaN): their ``D`` is 0 whatever
+``dlse`` says there, as ``dS = P (dP - D)`` would turn a NaN one into NaN (torch's ``logsumexp``
+backward gives NaN on rows whose every LSE is -inf: a ring attention's merge of such rows). Four threads share a row, each
 reducing every fourth 16-byte piece of it, then a quad shuffle.
 """
 
@@ -156,9 +159,9 @@ class BwdPreprocess:
                     lse = mLSE[q_head, token]
                     if lse != -Float32.inf:
                         lse2 = lse * Float32(LOG2_E)
-                    d = dot
-                    if const_expr(mdLSE is not None):
-                        d = dot - mdLSE[q_head, token]
+                        d = dot
+                        if const_expr(mdLSE is not None):
+                            d = dot - mdLSE[q_head, token]
                 mLSE2[q_head, blk * tm + row] = lse2
                 mDsum[q_head, blk * tm + row] = d
             if const_expr(self.zero_dq_accum):
