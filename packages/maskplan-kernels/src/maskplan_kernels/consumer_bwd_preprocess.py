@@ -21,8 +21,8 @@ backward geometry (``tile_m`` rows); blocks past a sample's ``ceil(q_len / tile_
 ``LSE2 = +inf`` makes ``P = exp2(s * scale * log2 e - LSE2) = 0`` for rows without a visible key
 and for padding rows, so they contribute nothing (and never NaN): their ``D`` is 0 whatever
 ``dlse`` says there, as ``dS = P (dP - D)`` would turn a NaN one into NaN (torch's ``logsumexp``
-backward gives NaN on rows whose every LSE is -inf: a ring attention's merge of such rows). Four threads share a row, each
-reducing every fourth 16-byte piece of it, then a quad shuffle.
+backward gives NaN on rows whose every LSE is -inf: a ring attention's merge of such rows).
+Four threads share a row, each reducing every fourth 16-byte piece of it, then a quad shuffle.
 """
 
 import cuda.bindings.driver as cuda
