@@ -71,3 +71,8 @@ def assert_matches(ep: torch.Tensor, ref: torch.Tensor, klen) -> None:
     assert ep.shape[0] == ref.shape[0]
     assert ep.shape[2] == ref.shape[1]
     assert torch.equal(decode(ep, ref.shape[2]), ref)
+
+
+def random_endpoints(gen: torch.Generator, heads: int, nfunc: int, rows: int, sk: int) -> torch.Tensor:
+    """Sorted endpoints in [0, sk], repeats (empty intervals) included."""
+    return torch.randint(0, sk + 1, (heads, nfunc, rows), generator=gen).sort(1).values.to(torch.int32)

@@ -7,18 +7,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from mask_oracle import FAST, decode
+from mask_oracle import FAST, decode, random_endpoints
 
 from maskplan_core import masks
 from maskplan_core.endpoint_samples import check_samples, recorded
 from maskplan_core.errors import InputTypeError, InputValueError
 
 HOW = {"intersect": (masks.intersect, torch.logical_and), "union": (masks.union, torch.logical_or)}
-
-
-def random_endpoints(gen: torch.Generator, heads: int, nfunc: int, rows: int, sk: int) -> torch.Tensor:
-    """Sorted endpoints in [0, sk], repeats (empty intervals) included."""
-    return torch.randint(0, sk + 1, (heads, nfunc, rows), generator=gen).sort(1).values.to(torch.int32)
 
 
 @given(

@@ -9,26 +9,17 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from mask_oracle import FAST, check_wellformed, decode
+from mask_oracle import FAST, check_wellformed, decode, random_endpoints
 
 from maskplan_core import masks
 from maskplan_core.endpoint_samples import check_samples, recorded
 from maskplan_core.errors import InputTypeError, InputValueError
 
+#: a random mask's draws: its seed, heads and endpoints per row
+MASK = dict(seed=st.integers(0, 2**31 - 1), heads=st.sampled_from([1, 3]), nfunc=st.sampled_from([1, 3, 5]))
 
-def random_endpoints(gen: torch.Generator, heads: int, nfunc: int, rows: int, sk: int) -> torch.Tensor:
-    return torch.randint(0, sk + 1, (heads, nfunc, rows), generator=gen).sort(1).values.to(torch.int32)
 
-
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    heads=st.sampled_from([1, 3]),
-    nfunc=st.sampled_from([1, 3, 5]),
-    batch=st.integers(1, 3),
-    seqlen=st.integers(1, 24),
-    sk=st.integers(0, 24),
-    data=st.data(),
-)
+@given(**MASK, batch=st.integers(1, 3), seqlen=st.integers(1, 24), sk=st.integers(0, 24), data=st.data())
 @FAST
 def test_select_rows_is_the_dense_rows_of_each_sample(seed, heads, nfunc, batch, seqlen, sk, data):
     gen = torch.Generator().manual_seed(seed)
@@ -40,14 +31,7 @@ def test_select_rows_is_the_dense_rows_of_each_sample(seed, heads, nfunc, batch,
     assert torch.equal(decode(got, sk), decode(mask, sk)[:, rows])
 
 
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    heads=st.sampled_from([1, 3]),
-    nfunc=st.sampled_from([1, 3, 5]),
-    rows=st.integers(0, 20),
-    sk=st.integers(1, 24),
-    data=st.data(),
-)
+@given(**MASK, rows=st.integers(0, 20), sk=st.integers(1, 24), data=st.data())
 @FAST
 def test_select_keys_is_the_dense_key_columns(seed, heads, nfunc, rows, sk, data):
     """Each row sees the shard's keys it saw, counted over the shard; endpoints stay sorted."""
