@@ -103,6 +103,8 @@ def test_select_keys_refuses_unsorted_or_outside_keys():
             builder(mask.long(), [0])
         with pytest.raises(InputTypeError, match="got list"):
             builder([[[1]]], [0])
+        with pytest.raises(InputValueError, match=r"mask_func has an even nfunc \(2\)"):
+            builder(torch.zeros(1, 2, 8, dtype=torch.int32), [0])
 
 
 def test_select_edge_cases():

@@ -109,6 +109,22 @@ def _int_list(name: str, value: object) -> list[int]:
     return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
+def _endpoint_operand(label: str, m: object, hint: str = "") -> torch.Tensor:
+    """``m`` checked as a mask a builder takes (int32 endpoints ``[Hmask, nfunc, total_q]`` of at
+    least one head, an odd ``nfunc``, values rather than a meta tensor); ``label`` names it in the
+    refusals (``"masks.union: mask 1"``), ``hint`` follows the refusal of another type."""
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.dim() != 3:
+        got = f"{m.dtype} of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
+        raise InputTypeError(f"{label} must be int32 endpoints [Hmask, nfunc, total_q], got {got}{hint}")
+    if m.shape[0] == 0:
+        raise InputValueError(f"{label} has no heads (Hmask = 0); it must be 1 or Hq")
+    if m.shape[1] % 2 == 0:
+        raise InputValueError(f"{label} has an even nfunc ({m.shape[1]}); it must be odd")
+    if m.is_meta:
+        raise InputValueError(f"{label} is a meta tensor, which holds no endpoints")
+    return m
+
+
 def _finish(
     rows: list[torch.Tensor],
     batch: int,

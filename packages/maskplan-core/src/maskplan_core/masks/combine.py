@@ -26,8 +26,9 @@ import functools
 import torch
 
 from ..endpoint_samples import Built, describe_lengths, record_samples, recorded
-from ..errors import InputTypeError, InputValueError
+from ..errors import InputValueError
 from ..untraced import untraced
+from ._args import _endpoint_operand
 from .convert import join_rows
 
 #: events (a row's endpoints and one more per mask, times heads) per block of rows: about 40 bytes
@@ -147,18 +148,7 @@ def _operands(masks: tuple[torch.Tensor, ...], how: str) -> tuple[int, int, torc
     if not masks:
         raise InputValueError(f"masks.{how} needs at least one mask")
     for i, m in enumerate(masks):
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.int32 or m.dim() != 3:
-            got = f"{m.dtype} of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor) else type(m).__name__
-            raise InputTypeError(
-                f"masks.{how}: mask {i} must be int32 endpoints [Hmask, nfunc, total_q], got {got}"
-                f"{_operand_hint(m, how)}"
-            )
-        if m.shape[0] == 0:
-            raise InputValueError(f"masks.{how}: mask {i} has no heads (Hmask = 0); it must be 1 or Hq")
-        if m.shape[1] % 2 == 0:
-            raise InputValueError(f"masks.{how}: mask {i} has an even nfunc ({m.shape[1]}); it must be odd")
-        if m.is_meta:
-            raise InputValueError(f"masks.{how}: mask {i} is a meta tensor, which holds no endpoints")
+        _endpoint_operand(f"masks.{how}: mask {i}", m, _operand_hint(m, how))
     first = masks[0]
     heads = max(m.shape[0] for m in masks)
     for i, m in enumerate(masks):

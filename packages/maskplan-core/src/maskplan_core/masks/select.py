@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import torch
 
 from ..endpoint_samples import describe_lengths, record_samples, recorded
-from ..errors import InputTypeError, InputValueError
+from ..errors import InputValueError
 from ..untraced import untraced
 from ..validation import MAX_SEQLEN
-from ._args import _as_int, _int_list
+from ._args import _as_int, _endpoint_operand, _int_list
 
 
 @functools.partial(untraced, name="masks.select_rows")  # host reads (positions) and records
@@ -39,7 +39,7 @@ def select_rows(
     Building a mask of ``len(positions)`` rows instead shows the wrong keys: ``masks.causal(Sq,
     Sk)`` is aligned bottom-right, the sequence's last ``Sq`` positions. A builder's mask gives a
     result recorded for its positions, so a plan for other q or k refuses it."""
-    mask_func = _endpoints("select_rows", mask_func)
+    mask_func = _endpoint_operand("masks.select_rows: mask_func", mask_func)
     rows = _int_list("positions", positions)
     built = recorded(mask_func)
     total = mask_func.shape[2]
@@ -90,7 +90,7 @@ def select_keys(mask_func: torch.Tensor, key_positions: torch.Tensor | Sequence[
     weighs ``exp(lse_step - lse)`` with ``lse = logsumexp`` over the steps; a row that no step
     shows a key has ``lse = -inf`` and output 0 (packages/flexattn/README.md, context
     parallelism)."""
-    mask_func = _endpoints("select_keys", mask_func)
+    mask_func = _endpoint_operand("masks.select_keys: mask_func", mask_func)
     keys = _int_list("key_positions", key_positions)
     for i, (a, b) in enumerate(zip(keys[:-1], keys[1:], strict=True)):
         if b <= a:
@@ -115,14 +115,3 @@ def select_keys(mask_func: torch.Tensor, key_positions: torch.Tensor | Sequence[
         keys_hint="plan it against k of the shard's keys (Sk = len(key_positions))",
         heads=built.heads, every_head=built.every_head,
     )  # fmt: skip
-
-
-def _endpoints(builder: str, mask_func: object) -> torch.Tensor:
-    if not isinstance(mask_func, torch.Tensor) or mask_func.dtype != torch.int32 or mask_func.dim() != 3:
-        got = (
-            f"a {mask_func.dtype} tensor of shape {tuple(mask_func.shape)}"
-            if isinstance(mask_func, torch.Tensor)
-            else type(mask_func).__name__
-        )
-        raise InputTypeError(f"masks.{builder} takes int32 endpoints [Hmask, nfunc, total_q], got {got}")
-    return mask_func
